@@ -1,0 +1,45 @@
+# meshserve — run `make help` for the targets.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PROMPT ?= What is the capital of France?
+
+.PHONY: help setup proto proto-check lint test test-fast run demo bench clean
+
+help: ## Show this help.
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-12s %s\n", $$1, $$2}'
+
+setup: ## Create .venv, install deps, redis-server and prepare the models (idempotent).
+	@bash scripts/setup.sh
+
+proto: setup ## Regenerate services/common/pb from protos/.
+	$(PY) scripts/gen_protos.py
+
+proto-check: ## Fail if services/common/pb differs from what protos/ generates.
+	@tmp=$$(mktemp -d) && $(PY) scripts/gen_protos.py --out $$tmp/pb && \
+	  diff -r -x __pycache__ $$tmp/pb services/common/pb && echo "proto-check: generated code is up to date"; \
+	  rc=$$?; rm -rf $$tmp; exit $$rc
+
+lint: ## ruff + mypy.
+	$(VENV)/bin/ruff check services tests benchmarks scripts
+	$(VENV)/bin/ruff format --check services tests benchmarks scripts
+	$(VENV)/bin/mypy services
+
+test: setup ## Run the whole test suite (unit, integration, e2e) with real Redis and the real model.
+	$(MAKE) --no-print-directory proto-check
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+test-fast: ## Unit tests only (no setup).
+	$(VENV)/bin/pytest -q tests/unit
+
+run: setup ## Start the local mesh, stream an answer to a demo prompt, keep serving until Ctrl-C.
+	$(VENV)/bin/meshserve up --demo "$(PROMPT)"
+
+demo: setup ## Start the mesh, stream one answer, stop.
+	$(VENV)/bin/meshserve up --demo "$(PROMPT)" --exit-after-demo
+
+bench: setup ## Benchmark the mesh; writes docs/benchmarks/.
+	$(VENV)/bin/meshserve bench
+
+clean: ## Remove the virtualenv and caches (prepared models stay in ~/.cache/meshserve).
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

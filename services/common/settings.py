@@ -1,0 +1,103 @@
+"""Typed settings: one class per service, read once at start.
+
+Sources, highest priority first: environment variables ``MESHSERVE_<SERVICE>_<FIELD>``, then the
+section ``<service>:`` of the YAML file named by ``MESHSERVE_CONFIG`` (optional), then defaults.
+Invalid values raise :class:`ConfigError` with a message naming the variable and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import yaml
+from pydantic import Field, ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from services.common.errors import ConfigError
+
+CONFIG_ENV = "MESHSERVE_CONFIG"
+DEFAULT_INTERNAL_TOKEN = "meshserve-dev-internal-token"
+
+
+def default_models_dir() -> Path:
+    """Where prepared models live: ``$MESHSERVE_MODELS_DIR`` or ``~/.cache/meshserve/models``."""
+    env = os.environ.get("MESHSERVE_MODELS_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "meshserve" / "models"
+
+
+class _YamlSection(PydanticBaseSettingsSource):
+    """Reads this service's section of the YAML file named by MESHSERVE_CONFIG."""
+
+    def __init__(self, settings_cls: type[BaseSettings], section: str) -> None:
+        super().__init__(settings_cls)
+        self._data: dict[str, Any] = {}
+        path = os.environ.get(CONFIG_ENV)
+        if not path:
+            return
+        try:
+            doc = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read {CONFIG_ENV}={path}: {exc}; fix the path or the YAML") from exc
+        section_data = doc.get(section, {}) if isinstance(doc, dict) else {}
+        if not isinstance(section_data, dict):
+            raise ConfigError(f"section '{section}' of {path} must be a mapping of setting: value")
+        self._data = section_data
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self._data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return {k: v for k, v in self._data.items() if k in self.settings_cls.model_fields}
+
+
+class ServiceSettings(BaseSettings):
+    """Settings every gRPC service has. Subclasses set ``service`` and ``model_config``."""
+
+    service: ClassVar[str] = "common"
+    model_config = SettingsConfigDict(extra="ignore")
+
+    host: str = "127.0.0.1"
+    """Address to listen on (loopback by default; use 0.0.0.0 in containers)."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """gRPC port; 0 picks a free port (printed in the `service_started` log line)."""
+    metrics_port: int = Field(default=-1, ge=-1, le=65535)
+    """Prometheus /metrics HTTP port; 0 picks a free port, -1 disables the endpoint."""
+    log_level: str = "INFO"
+    """Log level: DEBUG, INFO, WARNING or ERROR."""
+    log_json: bool = True
+    """JSON log lines (true) or human-readable ones (false)."""
+    internal_token: str = DEFAULT_INTERNAL_TOKEN
+    """Shared secret that internal hops carry; workers and the router refuse calls without it."""
+    shutdown_grace_s: float = Field(default=10.0, ge=0)
+    """On SIGTERM: seconds to let in-flight streams finish before they are cancelled."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlSection(settings_cls, cls.service))
+
+
+S = TypeVar("S", bound=ServiceSettings)
+
+
+def load_settings(cls: type[S], **overrides: Any) -> S:
+    """Build ``cls`` from env/YAML/defaults (plus explicit overrides), with readable errors."""
+    try:
+        return cls(**overrides)
+    except ValidationError as exc:
+        prefix = cls.model_config.get("env_prefix", "")
+        problems = []
+        for err in exc.errors():
+            name = ".".join(str(p) for p in err["loc"])
+            var = f"{prefix}{name}".upper() if prefix else name
+            problems.append(f"{var}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError("invalid settings: " + "; ".join(problems)) from None

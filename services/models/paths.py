@@ -1,0 +1,48 @@
+"""Where `meshserve models prepare` puts each artifact (shared by prepare, workers and router).
+
+Layout under the models directory (``$MESHSERVE_MODELS_DIR``, default ``~/.cache/meshserve/models``)::
+
+    <models_dir>/smollm2-135m-instruct/hf/          HF checkpoint (safetensors, tokenizer, chat template)
+    <models_dir>/smollm2-135m-instruct/edge-int4/   ONNX INT4 model for onnxruntime-genai
+    <models_dir>/smollm2-135m-instruct/manifest.json  {"version": ..., "source": ...}
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.settings import default_models_dir
+
+DEFAULT_MODEL_ID = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelPaths:
+    """Paths of one prepared model family."""
+
+    root: Path
+
+    @property
+    def hf_dir(self) -> Path:
+        return self.root / "hf"
+
+    @property
+    def edge_dir(self) -> Path:
+        return self.root / "edge-int4"
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / "manifest.json"
+
+    def version(self) -> str:
+        """The prepared model's version (content hash written by prepare); "unprepared" if missing."""
+        try:
+            return str(json.loads(self.manifest.read_text())["version"])
+        except (OSError, ValueError, KeyError):
+            return "unprepared"
+
+
+def model_paths(model_id: str = DEFAULT_MODEL_ID, models_dir: Path | None = None) -> ModelPaths:
+    return ModelPaths((models_dir or default_models_dir()) / model_id)
