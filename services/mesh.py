@@ -1,0 +1,368 @@
+"""`meshserve up`: the whole mesh as local processes, health-gated, one merged log, clean stop.
+
+Topology (defaults): redis-server (unless a Redis URL is given), 2 edge workers, 1 cloud worker,
+router, gateway. Every service binds port 0 on loopback; its ``service_started`` log line tells us
+the port, and we wait on its gRPC health before starting what depends on it. Ctrl-C (SIGINT) or
+SIGTERM stops everything in reverse order, letting in-flight streams drain.
+
+:class:`Mesh` is also what the end-to-end tests and the benchmarks start, so they run exactly the
+topology users get.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+DEV_API_KEY = "msk-local-dev-key"
+"""API key of the local mesh's ``dev`` tenant (override with MESHSERVE_API_KEY)."""
+
+LogSink = Callable[[str, str], None]
+
+
+def api_key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass
+class MeshConfig:
+    """What to start. Ports are 0 (picked by the OS) unless given."""
+
+    edge_workers: int = 2
+    cloud_workers: int = 1
+    gateway_port: int = 0
+    redis_url: str = ""
+    """Use this Redis instead of starting one ("" = start redis-server on a free port)."""
+    api_key: str = DEV_API_KEY
+    edge_threads: int = 1
+    cloud_threads: int = 2
+    edge_max_prompt_tokens: int = 128
+    start_timeout_s: float = 240.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every service (e.g. MESHSERVE_MODELS_DIR)."""
+
+
+class ServiceProcess:
+    """One child process of the mesh, with its log relayed line by line."""
+
+    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], sink: LogSink) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.env = env
+        self.sink = sink
+        self.proc: asyncio.subprocess.Process | None = None
+        self.port: int | None = None
+        self._started = asyncio.Event()
+        self._relay: asyncio.Task[None] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def spawn(self) -> None:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            env=self.env,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
+        )
+        self._relay = asyncio.create_task(self._relay_logs())
+
+    async def _relay_logs(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        while line := await self.proc.stdout.readline():
+            text = line.decode(errors="replace").rstrip()
+            if self.port is None and '"service_started"' in text:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    self.port = int(json.loads(text)["port"])
+                    self._started.set()
+            self.sink(self.name, text)
+
+    async def wait_started(self, timeout_s: float) -> None:
+        """Wait for the service_started line, failing fast if the process dies first."""
+        assert self.proc is not None
+        started = asyncio.create_task(self._started.wait())
+        exited = asyncio.create_task(self.proc.wait())
+        done, _ = await asyncio.wait({started, exited}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for task in (started, exited):
+            if task not in done:
+                task.cancel()
+        if started not in done:
+            if exited in done:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before serving; see its log")
+            raise TimeoutError(f"{self.name} did not start within {timeout_s:.0f} s")
+
+    async def wait_serving(self, timeout_s: float) -> None:
+        await wait_for_health(self.address, timeout_s)
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+
+    async def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM (graceful drain), then SIGKILL after ``timeout_s``."""
+        if self.proc is None:
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout_s)
+        except TimeoutError:
+            self.signal(signal.SIGKILL)
+            await self.proc.wait()
+        if self._relay is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._relay, 5)
+
+    async def kill(self) -> None:
+        """SIGKILL now (fault injection)."""
+        if self.proc is None:
+            return
+        self.signal(signal.SIGKILL)
+        await self.proc.wait()
+
+
+async def wait_for_health(address: str, timeout_s: float, service: str = "") -> None:
+    """Block until ``address`` reports SERVING over grpc.health.v1 Watch (no polling sleeps)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+
+        async def watch() -> None:
+            while True:
+                try:
+                    call = stub.Watch(health_pb2.HealthCheckRequest(service=service), wait_for_ready=True)
+                    async for reply in call:
+                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                            return
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    await channel.channel_ready()
+
+        await asyncio.wait_for(watch(), timeout_s)
+
+
+def _stdout_sink(stream: TextIO = sys.stdout) -> LogSink:
+    width = 14
+
+    def sink(name: str, line: str) -> None:
+        stream.write(f"{name:<{width}}| {line}\n")
+        stream.flush()
+
+    return sink
+
+
+class Mesh:
+    """A running local mesh. Use ``async with Mesh(config) as mesh:`` or start()/stop()."""
+
+    def __init__(self, config: MeshConfig | None = None, sink: LogSink | None = None) -> None:
+        self.config = config or MeshConfig()
+        self.sink = sink or _stdout_sink()
+        self.processes: dict[str, ServiceProcess] = {}
+        self.redis_url = self.config.redis_url
+        self._redis: ServiceProcess | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def gateway_address(self) -> str:
+        return self.processes["gateway"].address
+
+    @property
+    def router_address(self) -> str:
+        return self.processes["router"].address
+
+    def workers(self, tier: str) -> list[ServiceProcess]:
+        """Worker processes of a tier ("edge" or "cloud"), in start order."""
+        return [p for n, p in self.processes.items() if n.startswith(f"{tier}-")]
+
+    def _env(self, **values: str | int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.config.extra_env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update({k: str(v) for k, v in values.items()})
+        return env
+
+    def _service(self, name: str, module: str, **env: str | int) -> ServiceProcess:
+        proc = ServiceProcess(name, [sys.executable, "-m", module], self._env(**env), self.sink)
+        self.processes[name] = proc
+        return proc
+
+    async def _start_redis(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is not installed; run `make setup` or pass --redis-url")
+        self._tmp = tempfile.TemporaryDirectory(prefix="meshserve-redis-")
+        port = _free_port()
+        argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", self._tmp.name, "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru"]
+        self._redis = ServiceProcess("redis", argv, self._env(), self.sink)
+        await self._redis.spawn()
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        await _wait_redis(self.redis_url, 30.0)
+
+    async def start(self) -> Mesh:
+        cfg = self.config
+        timeout = cfg.start_timeout_s
+        try:
+            if not self.redis_url:
+                await self._start_redis()
+            workers = [
+                self._service(f"edge-{i}", "services.edge_worker", MESHSERVE_EDGE_WORKER_WORKER_ID=f"edge-{i}",
+                              MESHSERVE_EDGE_WORKER_THREADS=cfg.edge_threads)
+                for i in range(cfg.edge_workers)
+            ] + [
+                self._service(f"cloud-{i}", "services.gpu_worker", MESHSERVE_GPU_WORKER_WORKER_ID=f"cloud-{i}",
+                              MESHSERVE_GPU_WORKER_THREADS=cfg.cloud_threads)
+                for i in range(cfg.cloud_workers)
+            ]
+            await asyncio.gather(*(w.spawn() for w in workers))
+            await asyncio.gather(*(w.wait_started(timeout) for w in workers))
+            await asyncio.gather(*(w.wait_serving(timeout) for w in workers))
+            router = self._service(
+                "router", "services.router",
+                MESHSERVE_ROUTER_EDGE_WORKERS=",".join(w.address for w in self.workers("edge")),
+                MESHSERVE_ROUTER_CLOUD_WORKERS=",".join(w.address for w in self.workers("cloud")),
+                MESHSERVE_ROUTER_REDIS_URL=self.redis_url,
+                MESHSERVE_ROUTER_EDGE_MAX_PROMPT_TOKENS=cfg.edge_max_prompt_tokens,
+            )
+            await router.spawn()
+            await router.wait_started(timeout)
+            await router.wait_serving(timeout)
+            gateway = self._service(
+                "gateway", "services.gateway",
+                MESHSERVE_GATEWAY_ROUTER_ADDRESS=router.address,
+                MESHSERVE_GATEWAY_PORT=cfg.gateway_port,
+                MESHSERVE_GATEWAY_API_KEYS=f"dev:{api_key_hash(cfg.api_key)}",
+            )
+            await gateway.spawn()
+            await gateway.wait_started(timeout)
+            await gateway.wait_serving(timeout)
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def stop(self) -> None:
+        """Stop in reverse order: gateway, router, workers (in parallel), redis."""
+        order = [n for n in ("gateway", "router") if n in self.processes]
+        for name in order:
+            await self.processes[name].stop()
+        await asyncio.gather(*(p.stop() for n, p in self.processes.items() if n not in order))
+        if self._redis is not None:
+            await self._redis.stop()
+            self._redis = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    async def __aenter__(self) -> Mesh:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _wait_redis(url: str, timeout_s: float) -> None:
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(url, socket_connect_timeout=0.2)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    try:
+        while True:
+            try:
+                await client.ping()
+                return
+            except (OSError, aioredis.ConnectionError):
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.02)  # redis has no health stream; this polls a just-spawned process
+    finally:
+        await client.aclose()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshserve up", description="Start the local mesh as processes.")
+    p.add_argument("--edge-workers", type=int, default=2, help="edge worker replicas (default 2)")
+    p.add_argument("--cloud-workers", type=int, default=1, help="cloud worker replicas (default 1)")
+    p.add_argument("--port", type=int, default=50051, help="gateway gRPC port (default 50051; 0 = any free port)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""), help="use this Redis (default: start one)")
+    p.add_argument("--edge-threads", type=int, default=1, help="intra-op threads per edge worker")
+    p.add_argument("--cloud-threads", type=int, default=2, help="intra-op threads per cloud worker")
+    p.add_argument("--demo", metavar="PROMPT", help="once up, stream an answer to PROMPT through the gateway")
+    p.add_argument("--exit-after-demo", action="store_true", help="stop the mesh after the demo answer")
+    return p
+
+
+async def run_up(args: argparse.Namespace) -> int:
+    api_key = os.environ.get("MESHSERVE_API_KEY", DEV_API_KEY)
+    config = MeshConfig(
+        edge_workers=args.edge_workers,
+        cloud_workers=args.cloud_workers,
+        gateway_port=args.port,
+        redis_url=args.redis_url,
+        api_key=api_key,
+        edge_threads=args.edge_threads,
+        cloud_threads=args.cloud_threads,
+    )
+    mesh = Mesh(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print("meshserve: starting the mesh (first start loads the models)...", file=sys.stderr, flush=True)
+    await mesh.start()
+    try:
+        print(
+            f"\nmeshserve: mesh is up. gRPC gateway at {mesh.gateway_address} (API key: {api_key})\n"
+            f"  try: meshserve chat --address {mesh.gateway_address} \"Tell me about the sea\"\n"
+            "  Ctrl-C stops everything.\n",
+            file=sys.stderr,
+            flush=True,
+        )
+        if args.demo:
+            from services.client import print_stream
+
+            await print_stream(mesh.gateway_address, api_key, args.demo)
+            if args.exit_after_demo:
+                return 0
+        await stop.wait()
+        print("\nmeshserve: stopping (draining in-flight streams)...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        await mesh.stop()
+
+
+def main_up(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return asyncio.run(run_up(args))
+
+
+__all__ = ["DEV_API_KEY", "Mesh", "MeshConfig", "ServiceProcess", "main_up", "wait_for_health"]
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main_up())

@@ -1,0 +1,44 @@
+"""The real mesh as processes (same launcher as `meshserve up`), started once for the e2e tests."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.mesh import DEV_API_KEY, Mesh, MeshConfig
+from tests.helpers import RedisServer
+
+API_KEY = DEV_API_KEY
+
+
+def _sink(name: str, line: str) -> None:
+    # Only warnings and errors reach the test output; full logs are noisy.
+    if '"level": "error"' in line or '"level": "warning"' in line or "Traceback" in line:
+        sys.stderr.write(f"{name} | {line}\n")
+
+
+@pytest.fixture(scope="session")
+async def mesh(redis_srv: RedisServer) -> AsyncIterator[Mesh]:
+    config = MeshConfig(edge_workers=2, cloud_workers=1, redis_url=redis_srv.url, edge_max_prompt_tokens=64)
+    async with Mesh(config, sink=_sink) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+async def gateway(mesh: Mesh) -> AsyncIterator[inference_pb2_grpc.InferenceStub]:
+    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        yield inference_pb2_grpc.InferenceStub(channel)
+
+
+def auth(key: str = API_KEY) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+async def worker_stub(address: str) -> tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]:
+    channel = grpc.aio.insecure_channel(address)
+    return channel, worker_pb2_grpc.WorkerStub(channel)
