@@ -1,0 +1,1 @@
+"""The router: tokenize once, response cache, tier and replica choice, retries, cancel propagation."""

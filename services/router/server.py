@@ -1,0 +1,82 @@
+"""Build the router's dependencies and start its gRPC server (used by ``__main__`` and tests)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import structlog
+
+from services.cache.store import ResponseCache
+from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
+from services.common.serving import RunningServer, start_server
+from services.common.tokenizer import Tokenizer
+from services.router.config import RouterSettings
+from services.router.core import SERVICE, Router
+from services.router.registry import Registry
+from services.router.servicer import RouterServicer
+
+log = structlog.get_logger(__name__)
+SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> tuple[RunningServer, Router]:
+    """Start a router; health is SERVING while at least one worker replica is healthy.
+
+    Returns the running server (``await server.stop()`` also closes the registry and the cache)
+    and the :class:`Router` (its ``registry`` and ``cache`` are useful to tests and admin code).
+    """
+    tokenizer = tokenizer or Tokenizer(settings.hf_dir)
+    cache = ResponseCache.from_url(
+        settings.redis_url,
+        timeout_s=settings.cache_timeout_s,
+        ttl_s=settings.cache_ttl_s,
+        max_entry_bytes=settings.cache_max_entry_bytes,
+        retry_after_s=settings.cache_retry_after_s,
+        service=SERVICE,
+    )
+    holder: list[RunningServer] = []
+    pending: set[asyncio.Task[None]] = set()
+
+    def on_change(any_up: bool) -> None:
+        log.info("router_workers_available", available=any_up)
+        if holder:
+            task = asyncio.get_running_loop().create_task(holder[0].set_serving(any_up))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
+    registry = Registry(
+        settings.edge_workers,
+        settings.cloud_workers,
+        internal_token=settings.internal_token,
+        interval_s=settings.health_interval_s,
+        timeout_s=settings.health_timeout_s,
+        on_change=on_change,
+    )
+    await registry.start()
+    router = Router(
+        tokenizer=tokenizer,
+        cache=cache,
+        registry=registry,
+        model_id=settings.model_id,
+        model_version=settings.model_version(),
+        internal_token=settings.internal_token,
+        edge_max_prompt_tokens=settings.edge_max_prompt_tokens,
+    )
+    servicer = RouterServicer(
+        router, context_length=settings.context_length, default_max_tokens=settings.default_max_tokens
+    )
+    server = await start_server(
+        settings,
+        lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        internal=True,
+        serving=bool(registry.healthy_tiers()),
+    )
+    holder.append(server)
+
+    async def close() -> None:
+        await registry.close()
+        await cache.close()
+
+    server.on_stop.append(close)
+    return server, router

@@ -1,0 +1,239 @@
+"""meshserve.v1.Inference as served by the router (to the gateway): protos in, Router calls, protos out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
+from functools import partial
+from typing import Any
+
+import grpc
+import structlog
+
+from services.common.errors import InvalidArgument, MeshError, NotFound
+from services.common.metrics import REQUEST_DURATION, TOKENS
+from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
+from services.router import convert
+from services.router.core import SERVICE, Chunk, Done, Router, Session, TurnRequest
+from services.router.policy import TierName
+
+log = structlog.get_logger(__name__)
+
+# Tokenizing a long prompt takes milliseconds: do it off the event loop past this many characters.
+_INLINE_TOKENIZE_CHARS = 4096
+
+
+class RouterServicer(inference_pb2_grpc.InferenceServicer):
+    def __init__(self, router: Router, *, context_length: int, default_max_tokens: int) -> None:
+        self._router = router
+        self._context_length = context_length
+        self._default_max_tokens = default_max_tokens
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _check_model(self, model: str) -> None:
+        if model and model != self._router.model_id:
+            raise NotFound(f"unknown model {model!r}; ListModels shows the served models ({self._router.model_id})")
+
+    async def _encode(self, fn: Callable[[], list[int]], size: int) -> list[int]:
+        return fn() if size <= _INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn)
+
+    def _turn_request(
+        self,
+        prompt_ids: list[int],
+        sampling_msg: inference_pb2.SamplingParams,
+        routing_msg: inference_pb2.RoutingOptions,
+        context: grpc.aio.ServicerContext,
+    ) -> TurnRequest:
+        spec = convert.sampling(sampling_msg, self._default_max_tokens)
+        hint, use_cache, shareable = convert.routing(routing_msg)
+        convert.check_length(len(prompt_ids), spec.max_tokens, self._context_length)
+        ctx = structlog.contextvars.get_contextvars()
+        remaining = context.time_remaining()
+        return TurnRequest(
+            prompt_ids=prompt_ids,
+            sampling=spec,
+            hint=hint,
+            use_cache=use_cache,
+            shareable=shareable,
+            tenant=str(ctx.get("tenant", "")),
+            request_id=str(ctx.get("request_id", "")),
+            timeout=remaining if remaining is not None and remaining < 1e9 else None,
+        )
+
+    async def _generate_events(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[Chunk | Done, None]:
+        self._check_model(request.model)
+        if not request.prompt:
+            raise InvalidArgument("the prompt is empty; send at least one character of text")
+        # Parameters are checked before tokenizing: bad ones are refused without the cost.
+        convert.sampling(request.sampling, self._default_max_tokens)
+        ids = await self._encode(lambda: self._router.tokenizer.encode(request.prompt), len(request.prompt))
+        req = self._turn_request(ids, request.sampling, request.routing, context)
+        session = Session()
+        try:
+            async with aclosing(self._router.run_turn(req, session)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            await session.close()
+
+    # -- RPCs ------------------------------------------------------------------------------------
+
+    async def Generate(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        request_id = str(structlog.contextvars.get_contextvars().get("request_id", ""))
+        with _observe() as obs:
+            seq = 0
+            async with aclosing(self._generate_events(request, context)) as events:
+                async for event in events:
+                    obs.record(event)
+                    if isinstance(event, Chunk):
+                        yield inference_pb2.GenerateResponse(
+                            request_id=request_id, sequence=seq, token_ids=event.token_ids, text=event.text
+                        )
+                    else:
+                        yield inference_pb2.GenerateResponse(request_id=request_id, sequence=seq, final=_final(event))
+                    seq += 1
+
+    async def Complete(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.GenerateResponse:
+        request_id = str(structlog.contextvars.get_contextvars().get("request_id", ""))
+        out = inference_pb2.GenerateResponse(request_id=request_id)
+        texts: list[str] = []
+        with _observe() as obs:
+            async with aclosing(self._generate_events(request, context)) as events:
+                async for event in events:
+                    obs.record(event)
+                    if isinstance(event, Chunk):
+                        out.token_ids.extend(event.token_ids)
+                        texts.append(event.text)
+                    else:
+                        out.final.CopyFrom(_final(event))
+        out.text = "".join(texts)
+        return out
+
+    async def Chat(
+        self, request_iterator: AsyncIterator[inference_pb2.ChatRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.ChatResponse]:
+        request_id = str(structlog.contextvars.get_contextvars().get("request_id", ""))
+        inbox: asyncio.Queue[inference_pb2.ChatTurn | None] = asyncio.Queue()
+        current_cancel: list[asyncio.Event] = []  # the cancel event of the turn in progress, if any
+
+        async def read_client() -> None:
+            try:
+                async for msg in request_iterator:
+                    if msg.HasField("cancel"):
+                        if current_cancel:
+                            current_cancel[0].set()
+                    elif msg.HasField("turn"):
+                        inbox.put_nowait(msg.turn)
+            finally:
+                inbox.put_nowait(None)
+
+        reader = asyncio.create_task(read_client(), name="chat-client-reader")
+        session = Session()
+        messages: list[dict[str, str]] = []
+        hint: TierName | None = None
+        turn_index = 0
+        try:
+            while (turn := await inbox.get()) is not None:
+                with _observe() as obs:
+                    if turn_index == 0:
+                        self._check_model(turn.model)
+                    if not turn.messages:
+                        raise InvalidArgument("a chat turn needs at least one message")
+                    new = [{"role": m.role, "content": m.content} for m in turn.messages]
+                    convert.sampling(turn.sampling, self._default_max_tokens)
+                    conversation = messages + new
+                    size = sum(len(m["content"]) for m in conversation)
+                    ids = await self._encode(partial(self._router.tokenizer.apply_chat_template, conversation), size)
+                    req = self._turn_request(ids, turn.sampling, turn.routing, context)
+                    if turn_index == 0:
+                        hint = req.hint
+                    req.hint = hint  # later turns stay where the first one went
+                    cancel = asyncio.Event()
+                    current_cancel[:] = [cancel]
+                    seq = 0
+                    reply: list[str] = []
+                    async with aclosing(self._router.run_turn(req, session, cancel)) as events:
+                        async for event in events:
+                            obs.record(event)
+                            if isinstance(event, Chunk):
+                                reply.append(event.text)
+                                frame = inference_pb2.ChatResponse(
+                                    turn=turn_index,
+                                    sequence=seq,
+                                    token_ids=event.token_ids,
+                                    text=event.text,
+                                    request_id=request_id,
+                                )
+                            else:
+                                frame = inference_pb2.ChatResponse(
+                                    turn=turn_index, sequence=seq, final=_final(event), request_id=request_id
+                                )
+                            yield frame
+                            seq += 1
+                    current_cancel.clear()
+                    # The conversation keeps what the client saw, also of a cancelled turn.
+                    messages = [*conversation, {"role": "assistant", "content": "".join(reply)}]
+                    turn_index += 1
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            await session.close()
+
+    async def ListModels(
+        self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.ListModelsResponse:
+        tiers = sorted(self._router.registry.tiers(), key=lambda t: t.value, reverse=True)
+        pb_tiers = [inference_pb2.TIER_EDGE if t is TierName.EDGE else inference_pb2.TIER_CLOUD for t in tiers]
+        return inference_pb2.ListModelsResponse(
+            models=[
+                inference_pb2.ModelInfo(id=self._router.model_id, tiers=pb_tiers, context_length=self._context_length)
+            ]
+        )
+
+
+def _final(done: Done) -> inference_pb2.Final:
+    return convert.final_pb(done.finish_reason, done.prompt_tokens, done.completion_tokens, done.route)
+
+
+class _Observation:
+    """Duration by status, token counters, for one request or chat turn."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+        self.tier = "none"
+
+    def record(self, event: Any) -> None:
+        if isinstance(event, Done):
+            self.tier = event.route.tier.value if event.route.tier else "cache"
+            TOKENS.labels(SERVICE, self.tier, "input").inc(event.prompt_tokens)
+            TOKENS.labels(SERVICE, self.tier, "output").inc(event.completion_tokens)
+
+
+@contextlib.contextmanager
+def _observe() -> Any:
+    obs = _Observation()
+    status = "OK"
+    try:
+        yield obs
+    except MeshError as exc:
+        status = exc.code
+        raise
+    except (asyncio.CancelledError, GeneratorExit):
+        status = "CANCELLED"
+        raise
+    except BaseException:
+        status = "INTERNAL"
+        raise
+    finally:
+        REQUEST_DURATION.labels(SERVICE, obs.tier, status).observe(time.perf_counter() - obs.started)

@@ -1,0 +1,68 @@
+"""One open ``Worker.Generate`` bidi call, and the mapping of worker status codes to domain errors."""
+
+from __future__ import annotations
+
+import contextlib
+
+import grpc
+
+from services.common import errors
+from services.common.pb.meshserve.internal.v1 import worker_pb2
+from services.router.registry import Replica
+
+# Failures before the first token that another replica may not have: retried once elsewhere.
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+class WorkerClosed(Exception):
+    """The worker ended the stream without a final frame."""
+
+
+class WorkerStream:
+    """A Worker.Generate call: write starts/cancels, read frames. Lives for one request or chat."""
+
+    def __init__(self, replica: Replica, metadata: tuple[tuple[str, str], ...], timeout: float | None) -> None:
+        self.replica = replica
+        self.call = replica.stub.Generate(metadata=metadata, timeout=timeout)
+
+    async def start(self, start: worker_pb2.WorkerStart) -> None:
+        await self.call.write(worker_pb2.WorkerRequest(start=start))
+
+    async def cancel_turn(self) -> None:
+        """Ask the worker to end the turn in progress (it answers with a CANCELLED final frame)."""
+        await self.call.write(worker_pb2.WorkerRequest(cancel=worker_pb2.WorkerCancel()))
+
+    async def read(self) -> worker_pb2.WorkerResponse:
+        frame = await self.call.read()
+        if frame is grpc.aio.EOF:
+            raise WorkerClosed("worker closed the stream in the middle of a turn")
+        assert isinstance(frame, worker_pb2.WorkerResponse)
+        return frame
+
+    def abort(self) -> None:
+        """Cancel the call: the worker stops generating at once."""
+        self.call.cancel()
+
+    async def close(self) -> None:
+        """Half-close, then cancel whatever is left."""
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
+            await self.call.done_writing()
+        self.call.cancel()
+
+
+def domain_error(exc: grpc.aio.AioRpcError) -> errors.MeshError:
+    """The domain error to raise to our caller for a worker status (worker text is not passed on)."""
+    code = exc.code()
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        retry_ms = 1000
+        for key, value in exc.trailing_metadata() or ():
+            if key == "retry-after-ms" and isinstance(value, str) and value.isdigit():
+                retry_ms = int(value)
+        return errors.ResourceExhausted("the workers are overloaded; retry shortly", retry_ms)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return errors.DeadlineExceeded("the request's deadline passed before generation finished")
+    if code == grpc.StatusCode.CANCELLED:
+        return errors.Cancelled("the generation was cancelled")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return errors.InvalidArgument("the worker rejected the request's parameters; check them against ListModels")
+    return errors.Unavailable("the worker serving this request failed; retry the request")

@@ -1,0 +1,123 @@
+"""A fake Worker servicer for router tests: deterministic token ids, records calls, honours cancel.
+
+Tokens for a deterministic request (temperature 0 or a seed) depend only on the prompt, the seed
+and the position, so a cached answer can be compared with a fresh one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.common.pb.meshserve.v1 import inference_pb2
+from services.common.serving import RunningServer, start_server
+from services.common.settings import ServiceSettings
+
+WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+
+
+@dataclass
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    worker_id: str
+    tier: int
+    token_delay_s: float = 0.0
+    starts: list[worker_pb2.WorkerStart] = field(default_factory=list)
+    start_calls: list[int] = field(default_factory=list)  # which call (stream) each start came on
+    calls: int = 0
+    cancels: int = 0  # WorkerCancel messages received
+    aborted: int = 0  # calls cancelled by the router while open
+    fail_next: grpc.StatusCode | None = None
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    server: RunningServer | None = None
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None
+        return f"127.0.0.1:{self.server.port}"
+
+    def tokens(self, start: worker_pb2.WorkerStart) -> list[int]:
+        s = start.sampling
+        n = s.max_tokens
+        if s.temperature == 0 or s.HasField("seed"):
+            base = sum(start.prompt_token_ids) * 31 + (s.seed if s.HasField("seed") else 0)
+            return [3 + (base + 7 * i) % 1000 for i in range(n)]
+        return [random.randrange(3, 1003) for _ in range(n)]
+
+    async def Generate(
+        self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerResponse]:
+        self.calls += 1
+        call_no = self.calls
+        if self.fail_next is not None:
+            code, self.fail_next = self.fail_next, None
+            await context.abort(code, "fake failure")
+        starts: asyncio.Queue[worker_pb2.WorkerStart | None] = asyncio.Queue()
+        cancel_turn = asyncio.Event()
+
+        async def read() -> None:
+            async for req in request_iterator:
+                if req.HasField("start"):
+                    starts.put_nowait(req.start)
+                else:
+                    self.cancels += 1
+                    self.cancelled.set()
+                    cancel_turn.set()
+            starts.put_nowait(None)
+
+        reader = asyncio.create_task(read())
+        try:
+            while (start := await starts.get()) is not None:
+                self.starts.append(start)
+                self.start_calls.append(call_no)
+                cancel_turn.clear()
+                finish = inference_pb2.FINISH_REASON_LENGTH
+                produced = 0
+                for seq, tok in enumerate(self.tokens(start)):
+                    if self.token_delay_s:
+                        await asyncio.sleep(self.token_delay_s)  # simulated decode step
+                    if cancel_turn.is_set():
+                        finish = inference_pb2.FINISH_REASON_CANCELLED
+                        break
+                    produced += 1
+                    yield worker_pb2.WorkerResponse(sequence=seq, token_ids=[tok], text=f" t{tok}")
+                yield worker_pb2.WorkerResponse(
+                    sequence=produced,
+                    final=worker_pb2.WorkerFinal(
+                        finish_reason=finish,
+                        prompt_tokens=len(start.prompt_token_ids),
+                        completion_tokens=produced,
+                        prefill_tokens=len(start.prompt_token_ids),
+                    ),
+                )
+        except asyncio.CancelledError:
+            self.aborted += 1
+            self.cancelled.set()
+            raise
+        finally:
+            reader.cancel()
+
+    async def Stats(
+        self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStats:
+        return worker_pb2.WorkerStats(
+            worker_id=self.worker_id,
+            tier=self.tier,  # type: ignore[arg-type]
+            sequences_started_total=len(self.starts),
+            sequences_cancelled_total=self.cancels + self.aborted,
+        )
+
+
+async def start_fake(worker_id: str, tier: int, token: str, **kwargs: object) -> FakeWorker:
+    fake = FakeWorker(worker_id, tier, **kwargs)  # type: ignore[arg-type]
+    fake.server = await start_server(
+        ServiceSettings(port=0, internal_token=token, shutdown_grace_s=0),
+        lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(fake, s),
+        [WORKER_SERVICE],
+        internal=True,
+    )
+    return fake

@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import ConfigError
+from services.common.settings import load_settings
+from services.router.config import RouterSettings
+
+
+def test_comma_lists_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHSERVE_ROUTER_EDGE_WORKERS", "127.0.0.1:7101, localhost:7102,")
+    monkeypatch.setenv("MESHSERVE_ROUTER_CLOUD_WORKERS", "10.0.0.1:7201")
+    monkeypatch.setenv("MESHSERVE_ROUTER_EDGE_MAX_PROMPT_TOKENS", "64")
+    s = load_settings(RouterSettings)
+    assert s.edge_workers == ["127.0.0.1:7101", "localhost:7102"]
+    assert s.cloud_workers == ["10.0.0.1:7201"]
+    assert s.edge_max_prompt_tokens == 64
+    assert s.default_max_tokens == 256
+    assert s.redis_url == ""
+
+
+def test_needs_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MESHSERVE_ROUTER_EDGE_WORKERS", raising=False)
+    monkeypatch.delenv("MESHSERVE_ROUTER_CLOUD_WORKERS", raising=False)
+    with pytest.raises(ConfigError, match="MESHSERVE_ROUTER_EDGE_WORKERS"):
+        load_settings(RouterSettings)
+
+
+def test_bad_address() -> None:
+    with pytest.raises(ConfigError, match="host:port"):
+        load_settings(RouterSettings, edge_workers="nohost")
