@@ -1,0 +1,186 @@
+"""Runs turns on an engine: admission, one worker thread per generating sequence, event streaming.
+
+The event loop never runs model code: each admitted sequence runs ``run_sequence`` in a thread of a
+pool sized ``max_active`` and hands events to the loop with ``call_soon_threadsafe``. Cancellation
+sets a flag the thread checks before every decode step, so it stops within one step; the slot is
+freed when the thread returns, whether or not anyone still reads the events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import structlog
+
+from services.common.worker.admission import Admission
+from services.common.worker.detokenizer import IncrementalDetokenizer
+from services.common.worker.stats import WorkerCounters
+from services.common.worker.stops import StopStringMatcher
+from services.common.worker.types import (
+    Engine,
+    FinalEvent,
+    FinishReason,
+    GenerationRequest,
+    SamplingConfig,
+    TokenEvent,
+)
+
+log = structlog.get_logger(__name__)
+
+
+def run_sequence(
+    engine: Engine,
+    request: GenerationRequest,
+    stop_flag: threading.Event,
+    emit: Callable[[TokenEvent], None],
+    counters: WorkerCounters,
+) -> FinalEvent:
+    """Generate one turn (blocking; call from a worker thread). Returns the final event.
+
+    EOS ends the turn with STOP and is neither sent nor detokenized (it counts as a completion
+    token). When a stop string matches, the token that completed it is still sent (its text is
+    cut before the stop string), as vLLM does. ``max_tokens`` covers resumed tokens too.
+    """
+    context = request.prompt_ids + request.resume_ids
+    sampling = request.sampling
+    budget = max(0, sampling.max_tokens - len(request.resume_ids))
+    eos = engine.info.eos_token_ids
+    detok = IncrementalDetokenizer(engine.tokenizer, context)
+    stops = StopStringMatcher(sampling.stop)
+    produced = 0
+    reason = FinishReason.LENGTH
+    seq = engine.start(context, replace(sampling, max_tokens=max(budget, 1)))
+    try:
+        while True:
+            if stop_flag.is_set():
+                reason = FinishReason.CANCELLED
+                break
+            if produced >= budget:
+                reason = FinishReason.LENGTH
+                break
+            token = seq.step()
+            if produced == 0:
+                counters.prefilled(len(context))
+            produced += 1
+            counters.token_generated()
+            if token in eos:
+                reason = FinishReason.STOP
+                break
+            text, stopped = stops.feed(detok.add(token))
+            emit(TokenEvent((token,), text))
+            if stopped:
+                reason = FinishReason.STOP_STRING
+                break
+    finally:
+        seq.close()
+    tail = ""
+    if reason in (FinishReason.STOP, FinishReason.LENGTH):  # release held text, unless it completes a stop
+        tail, stopped = stops.feed(detok.flush())
+        if stopped:
+            reason = FinishReason.STOP_STRING
+        else:
+            tail += stops.flush()
+    return FinalEvent(
+        reason=reason,
+        prompt_tokens=len(context),
+        completion_tokens=produced,
+        prefill_tokens=len(context) if produced else 0,
+        text=tail,
+    )
+
+
+class Turn:
+    """One generation in flight. Iterate ``events()`` once; ``cancel()`` may be called any time."""
+
+    def __init__(self, runner: Runner, request: GenerationRequest) -> None:
+        self._runner = runner
+        self.request = request
+        self._stop = threading.Event()
+        self._cancelled = asyncio.Event()
+
+    def cancel(self) -> None:
+        self._stop.set()
+        self._cancelled.set()
+
+    async def events(self) -> AsyncGenerator[TokenEvent | FinalEvent, None]:
+        """Token events as they are produced, then exactly one FinalEvent.
+
+        Raises ResourceExhausted if the queue is full. Closing the iterator early cancels the turn.
+        """
+        runner = self._runner
+        try:
+            runner.admission.ensure_room()
+            runner.counters.sequence_started()
+            admitted = await runner.admission.acquire(self._cancelled)
+            if not admitted:
+                runner.counters.sequence_cancelled()
+                n = len(self.request.prompt_ids) + len(self.request.resume_ids)
+                yield FinalEvent(FinishReason.CANCELLED, n, 0, 0)
+                return
+            queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+
+            def emit(event: TokenEvent | None) -> None:
+                try:
+                    loop.call_soon_threadsafe(queue.put_nowait, event)
+                except RuntimeError:  # loop closed during shutdown: stop generating
+                    self._stop.set()
+
+            def work() -> FinalEvent:
+                try:
+                    return run_sequence(runner.engine, self.request, self._stop, emit, runner.counters)
+                finally:
+                    emit(None)
+
+            future = loop.run_in_executor(runner.executor, work)
+            future.add_done_callback(runner.sequence_done)
+            while (event := await queue.get()) is not None:
+                yield event
+            yield await future
+        finally:
+            self.cancel()
+
+
+class Runner:
+    """Owns the engine's thread pool, admission and counters."""
+
+    def __init__(self, engine: Engine, *, max_active: int, max_queue: int, name: str = "worker") -> None:
+        self.engine = engine
+        self.admission = Admission(max_active, max_queue)
+        self.counters = WorkerCounters()
+        self.executor = ThreadPoolExecutor(max_workers=max_active, thread_name_prefix=f"{name}-seq")
+
+    def turn(self, request: GenerationRequest) -> Turn:
+        """A new turn; it counts as started once accepted (admitted or queued) by ``events()``."""
+        return Turn(self, request)
+
+    def sequence_done(self, future: asyncio.Future[FinalEvent]) -> None:
+        self.admission.release()
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is not None:
+            log.error("sequence_failed", exc_info=exc)
+        elif future.result().reason is FinishReason.CANCELLED:
+            self.counters.sequence_cancelled()
+
+    async def warmup(self) -> None:
+        """A tiny greedy generation through the engine, so the first request does not pay for lazy init."""
+
+        def work() -> None:
+            seq = self.engine.start([0], SamplingConfig(max_tokens=2))
+            try:
+                seq.step()
+                seq.step()
+            finally:
+                seq.close()
+
+        await asyncio.get_running_loop().run_in_executor(self.executor, work)
+
+    def close(self) -> None:
+        """Stop accepting work; threads still running finish their current step and exit."""
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,173 @@
+"""Generic ``meshserve.internal.v1.Worker`` servicer over a :class:`Runner` (any engine).
+
+Translation only: protobuf frames -> :class:`GenerationRequest` -> runner events -> protobuf frames.
+One task reads the router's frames (starts are queued as turns, a cancel stops the turn in flight);
+the handler streams the turns in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from services.common import metrics
+from services.common.errors import MeshError
+from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.common.pb.meshserve.v1 import inference_pb2
+from services.common.worker.runner import Runner, Turn
+from services.common.worker.sampling import resolve_sampling, validate_prompt
+from services.common.worker.types import FinalEvent, FinishReason, GenerationRequest
+
+_FINISH = {
+    FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: inference_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP_STRING: inference_pb2.FINISH_REASON_STOP_STRING,
+    FinishReason.CANCELLED: inference_pb2.FINISH_REASON_CANCELLED,
+}
+log = structlog.get_logger(__name__)
+_TIERS = {"edge": inference_pb2.TIER_EDGE, "cloud": inference_pb2.TIER_CLOUD}
+
+
+@dataclass
+class _Stream:
+    """Per-RPC state shared by the reader task and the handler."""
+
+    starts: asyncio.Queue[worker_pb2.WorkerStart | None] = field(default_factory=asyncio.Queue)
+    turn: Turn | None = None
+    cancel_next: bool = False
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Implements Worker.Generate and Worker.Stats. ``tier`` is "edge" or "cloud"."""
+
+    def __init__(
+        self, runner: Runner, *, service: str, tier: str, worker_id: str, default_max_tokens: int = 256
+    ) -> None:
+        self.runner = runner
+        self.service = service
+        self.tier = tier
+        self.worker_id = worker_id
+        self.default_max_tokens = default_max_tokens
+
+    def register(self, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
+
+    async def Stats(
+        self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStats:
+        snap = self.runner.counters.snapshot()
+        admission = self.runner.admission
+        return worker_pb2.WorkerStats(
+            worker_id=self.worker_id,
+            tier=_TIERS[self.tier],
+            model=self.runner.engine.info.model_id,
+            active_sequences=admission.active,
+            queue_depth=admission.queued,
+            max_active_sequences=admission.max_active,
+            sequences_started_total=snap.sequences_started_total,
+            sequences_cancelled_total=snap.sequences_cancelled_total,
+            tokens_generated_total=snap.tokens_generated_total,
+            prefill_tokens_total=snap.prefill_tokens_total,
+            recent_tokens_per_second=snap.recent_tokens_per_second,
+        )
+
+    async def Generate(
+        self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerResponse]:
+        stream = _Stream()
+        reader = asyncio.create_task(self._read(request_iterator, stream))
+        try:
+            while (start := await stream.starts.get()) is not None:
+                async for response in self._turn(start, stream):
+                    yield response
+        finally:
+            reader.cancel()
+            if stream.turn is not None:
+                stream.turn.cancel()
+
+    async def _read(self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], stream: _Stream) -> None:
+        try:
+            async for request in request_iterator:
+                if request.HasField("start"):
+                    stream.starts.put_nowait(request.start)
+                elif request.HasField("cancel"):
+                    if stream.turn is not None:
+                        stream.turn.cancel()
+                    elif not stream.starts.empty():
+                        stream.cancel_next = True
+        except Exception as exc:  # the call ended under us (cancelled, reset): treat as closed
+            log.debug("worker_stream_read_ended", error=type(exc).__name__)
+        finally:
+            stream.starts.put_nowait(None)
+
+    def to_request(self, start: worker_pb2.WorkerStart) -> GenerationRequest:
+        """Validate a start frame (InvalidArgument on bad input) and resolve its sampling."""
+        info = self.runner.engine.info
+        prompt = tuple(start.prompt_token_ids)
+        resume = tuple(start.resume_token_ids)
+        validate_prompt(prompt + resume, info)
+        s = start.sampling
+        sampling = resolve_sampling(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+            stop=tuple(s.stop),
+            prompt_tokens=len(prompt),
+            info=info,
+            default_max_tokens=self.default_max_tokens,
+        )
+        return GenerationRequest(prompt, sampling, resume, start.request_id)
+
+    async def _turn(self, start: worker_pb2.WorkerStart, stream: _Stream) -> AsyncIterator[worker_pb2.WorkerResponse]:
+        began = last = time.perf_counter()
+        labels = {"service": self.service, "tier": self.tier}
+        turn = self.runner.turn(self.to_request(start))
+        stream.turn = turn
+        if stream.cancel_next:
+            stream.cancel_next = False
+            turn.cancel()
+        status = "CANCELLED"
+        sequence = 0
+        try:
+            async with aclosing(turn.events()) as events:
+                async for event in events:
+                    now = time.perf_counter()
+                    if isinstance(event, FinalEvent):
+                        status = "CANCELLED" if event.reason is FinishReason.CANCELLED else "OK"
+                        metrics.TOKENS.labels(**labels, direction="input").inc(event.prompt_tokens)
+                        metrics.TOKENS.labels(**labels, direction="output").inc(event.completion_tokens)
+                        yield worker_pb2.WorkerResponse(sequence=sequence, text=event.text, final=_final(event))
+                        break
+                    if sequence == 0:
+                        metrics.TTFT.labels(**labels).observe(now - began)
+                    else:
+                        metrics.INTER_TOKEN.labels(**labels).observe(now - last)
+                    last = now
+                    yield worker_pb2.WorkerResponse(sequence=sequence, token_ids=event.token_ids, text=event.text)
+                    sequence += 1
+        except MeshError as exc:
+            status = exc.code
+            raise
+        except Exception:
+            status = "INTERNAL"
+            raise
+        finally:
+            stream.turn = None
+            metrics.REQUEST_DURATION.labels(**labels, status=status).observe(time.perf_counter() - began)
+
+
+def _final(event: FinalEvent) -> worker_pb2.WorkerFinal:
+    return worker_pb2.WorkerFinal(
+        finish_reason=_FINISH[event.reason],
+        prompt_tokens=event.prompt_tokens,
+        completion_tokens=event.completion_tokens,
+        prefill_tokens=event.prefill_tokens,
+    )

@@ -1,0 +1,1 @@
+"""Edge worker: the INT4 ONNX model served with onnxruntime-genai."""

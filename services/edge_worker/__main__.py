@@ -1,0 +1,15 @@
+"""``python -m services.edge_worker``: serve the INT4 ONNX model until SIGTERM."""
+
+from __future__ import annotations
+
+from services.common.worker.app import run_worker_process
+from services.edge_worker.config import EdgeWorkerSettings
+from services.edge_worker.servicer import TIER, build_engine
+
+
+def main() -> None:
+    run_worker_process(EdgeWorkerSettings, build_engine, tier=TIER)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Cloud worker: the HF checkpoint served with transformers/torch (CUDA when available)."""

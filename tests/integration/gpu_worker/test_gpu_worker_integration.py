@@ -1,0 +1,74 @@
+"""The cloud worker with the real HF checkpoint (torch, CPU here), in-process on port 0.
+
+Running it as a process (`python -m services.gpu_worker`) is covered by the e2e mesh tests; only the
+edge worker's process test runs here, to keep this set fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import torch
+
+from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
+from services.common.settings import load_settings
+from services.common.worker.app import RunningWorker
+from services.gpu_worker.config import GpuWorkerSettings
+from services.gpu_worker.engine import TorchEngine
+from services.gpu_worker.servicer import start_gpu_worker
+from tests.integration.worker_cases import WorkerCases
+from tests.worker_helpers import wait_serving
+
+pytestmark = pytest.mark.integration
+CHAT = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="session")
+async def gpu_worker() -> AsyncIterator[RunningWorker]:
+    settings = load_settings(
+        GpuWorkerSettings, port=0, threads=1, device="cpu", max_active_sequences=2, worker_id="cloud-test"
+    )
+    worker = await start_gpu_worker(settings)
+    yield worker
+    await worker.stop()
+
+
+@pytest.fixture(scope="session")
+async def gpu_stub(gpu_worker: RunningWorker) -> AsyncIterator[worker_pb2_grpc.WorkerStub]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gpu_worker.port}") as channel:
+        await wait_serving(channel, "meshserve.internal.v1.Worker")
+        yield worker_pb2_grpc.WorkerStub(channel)
+
+
+class TestGpuWorker(WorkerCases):
+    @pytest.fixture
+    def stub(self, gpu_stub: worker_pb2_grpc.WorkerStub) -> worker_pb2_grpc.WorkerStub:
+        return gpu_stub
+
+    @pytest.fixture
+    def tokenizer(self, gpu_worker: RunningWorker) -> object:
+        return gpu_worker.runner.engine.tokenizer
+
+    @pytest.fixture
+    def prompt(self, tokenizer: object) -> list[int]:
+        return list(tokenizer.encode(CHAT).ids)  # type: ignore[attr-defined]
+
+    @pytest.fixture
+    def reference(self, gpu_worker: RunningWorker) -> object:
+        engine = gpu_worker.runner.engine
+        assert isinstance(engine, TorchEngine)
+
+        def greedy(ids: list[int], n: int) -> list[int]:
+            with torch.inference_mode():
+                out = engine.model.generate(  # type: ignore[operator]
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    do_sample=False,
+                    max_new_tokens=n,
+                )
+            tokens = [int(t) for t in out[0, len(ids) :]]
+            return tokens[:-1] if tokens and tokens[-1] in engine.info.eos_token_ids else tokens
+
+        return greedy

@@ -1,0 +1,105 @@
+"""Client-side helpers for tests of the workers' gRPC API (unit tests with fakes and integration)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.common.pb.meshserve.v1 import inference_pb2
+from services.common.settings import DEFAULT_INTERNAL_TOKEN
+
+META = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN), ("x-request-id", "test"))
+
+
+def start_frame(prompt: Sequence[int], **sampling: object) -> worker_pb2.WorkerRequest:
+    params = inference_pb2.SamplingParams(**sampling)  # type: ignore[arg-type]
+    return worker_pb2.WorkerRequest(start=worker_pb2.WorkerStart(prompt_token_ids=list(prompt), sampling=params))
+
+
+CANCEL = worker_pb2.WorkerRequest(cancel=worker_pb2.WorkerCancel())
+
+
+@dataclass
+class TurnResult:
+    """Frames of one turn, folded."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sequences: list[int] = field(default_factory=list)
+    final: worker_pb2.WorkerFinal | None = None
+
+    @property
+    def reason(self) -> int:
+        assert self.final is not None
+        return self.final.finish_reason
+
+
+def fold(frames: Sequence[worker_pb2.WorkerResponse]) -> TurnResult:
+    result = TurnResult()
+    for frame in frames:
+        result.token_ids.extend(frame.token_ids)
+        result.text += frame.text
+        result.sequences.append(frame.sequence)
+        if frame.HasField("final"):
+            result.final = frame.final
+    return result
+
+
+async def generate(stub: worker_pb2_grpc.WorkerStub, prompt: Sequence[int], **sampling: object) -> TurnResult:
+    """One turn on its own stream (start, then half-close)."""
+
+    async def requests() -> AsyncIterator[worker_pb2.WorkerRequest]:
+        yield start_frame(prompt, **sampling)
+
+    return fold([frame async for frame in stub.Generate(requests(), metadata=META)])
+
+
+class Session:
+    """A bidirectional stream driven step by step (write frames, read frames)."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub) -> None:
+        self.call = stub.Generate(metadata=META)
+
+    async def turn(self, prompt: Sequence[int], **sampling: object) -> TurnResult:
+        await self.call.write(start_frame(prompt, **sampling))
+        frames = []
+        while True:
+            frame = await self.call.read()
+            assert frame is not grpc.aio.EOF
+            frames.append(frame)
+            if frame.HasField("final"):
+                return fold(frames)
+
+    async def read(self) -> worker_pb2.WorkerResponse:
+        frame = await self.call.read()
+        assert frame is not grpc.aio.EOF
+        return frame
+
+
+async def stats(stub: worker_pb2_grpc.WorkerStub) -> worker_pb2.WorkerStats:
+    return await stub.Stats(worker_pb2.StatsRequest(), metadata=META)
+
+
+async def wait_idle(stub: worker_pb2_grpc.WorkerStub, timeout_s: float = 10.0) -> worker_pb2.WorkerStats:
+    """Poll Stats until no sequence is active (bounded)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        current = await stats(stub)
+        if current.active_sequences == 0 and current.queue_depth == 0:
+            return current
+        assert asyncio.get_running_loop().time() < deadline, f"worker still busy: {current}"
+        await asyncio.sleep(0.02)  # polling a condition, not readiness
+
+
+async def wait_serving(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 30.0) -> None:
+    """Block until gRPC health reports SERVING."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    request = health_pb2.HealthCheckRequest(service=service)
+    async for response in stub.Watch(request, timeout=timeout_s):
+        if response.status == health_pb2.HealthCheckResponse.SERVING:
+            return
