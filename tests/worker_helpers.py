@@ -67,6 +67,10 @@ class Session:
 
     async def turn(self, prompt: Sequence[int], **sampling: object) -> TurnResult:
         await self.call.write(start_frame(prompt, **sampling))
+        return await self.turn_rest()
+
+    async def turn_rest(self) -> TurnResult:
+        """Read frames up to and including the turn's final frame."""
         frames = []
         while True:
             frame = await self.call.read()

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from pydantic import model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.errors import ConfigError
@@ -23,14 +22,15 @@ class EdgeWorkerSettings(WorkerSettings):
     """onnxruntime-genai model directory (genai_config.json, model.onnx, tokenizer.json); empty uses
     `<models_dir>/<model_id>/edge-int4` from `meshserve models prepare`."""
 
-    @model_validator(mode="after")
-    def _check_model_dir(self) -> EdgeWorkerSettings:
-        if not (self.resolved_model_dir() / "genai_config.json").is_file():
-            raise ConfigError(
-                f"no onnxruntime-genai model at {self.resolved_model_dir()}; run `meshserve models prepare` "
-                "or set MESHSERVE_EDGE_WORKER_MODEL_DIR to a directory with genai_config.json"
-            )
-        return self
-
     def resolved_model_dir(self) -> Path:
         return self.model_dir or model_paths(self.model_id).edge_dir
+
+    def check_model(self) -> Path:
+        """The model directory, or ConfigError saying how to get one (checked when the worker starts)."""
+        path = self.resolved_model_dir()
+        if not (path / "genai_config.json").is_file():
+            raise ConfigError(
+                f"no onnxruntime-genai model at {path}; run `meshserve models prepare` "
+                "or set MESHSERVE_EDGE_WORKER_MODEL_DIR to a directory with genai_config.json"
+            )
+        return path

@@ -13,7 +13,7 @@ TIER = "edge"
 
 def build_engine(settings: EdgeWorkerSettings) -> OgEngine:
     """Load the model named by the settings (blocking: seconds)."""
-    return OgEngine(settings.resolved_model_dir(), model_id=settings.model_id, threads=settings.threads)
+    return OgEngine(settings.check_model(), model_id=settings.model_id, threads=settings.threads)
 
 
 async def start_edge_worker(settings: EdgeWorkerSettings, engine: OgEngine | None = None) -> RunningWorker:

@@ -26,12 +26,7 @@ class GpuWorkerSettings(WorkerSettings):
     """Weights/activations dtype; auto is float32 on CPU, bfloat16 on CUDA (float16 where bf16 is unsupported)."""
 
     @model_validator(mode="after")
-    def _check_model(self) -> GpuWorkerSettings:
-        if not self.model and not (model_paths(self.model_id).hf_dir / "config.json").is_file():
-            raise ConfigError(
-                f"no HF checkpoint at {model_paths(self.model_id).hf_dir}; run `meshserve models prepare` "
-                "or set MESHSERVE_GPU_WORKER_MODEL to a checkpoint directory or hub id"
-            )
+    def _check_dtype(self) -> GpuWorkerSettings:
         if self.device == "cpu" and self.dtype == "float16":
             raise ConfigError(
                 "float16 is slow and inaccurate on CPU; set MESHSERVE_GPU_WORKER_DTYPE to float32 or auto"
@@ -40,3 +35,12 @@ class GpuWorkerSettings(WorkerSettings):
 
     def resolved_model(self) -> str:
         return self.model or str(model_paths(self.model_id).hf_dir)
+
+    def check_model(self) -> str:
+        """The checkpoint to load, or ConfigError saying how to get one (checked when the worker starts)."""
+        if not self.model and not (model_paths(self.model_id).hf_dir / "config.json").is_file():
+            raise ConfigError(
+                f"no HF checkpoint at {model_paths(self.model_id).hf_dir}; run `meshserve models prepare` "
+                "or set MESHSERVE_GPU_WORKER_MODEL to a checkpoint directory or hub id"
+            )
+        return self.resolved_model()

@@ -14,7 +14,7 @@ TIER = "cloud"
 def build_engine(settings: GpuWorkerSettings) -> TorchEngine:
     """Load the model named by the settings (blocking: seconds)."""
     return TorchEngine(
-        settings.resolved_model(),
+        settings.check_model(),
         model_id=settings.model_id,
         device=settings.device,
         dtype=settings.dtype,

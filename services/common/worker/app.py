@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import structlog
 
+from services.common.errors import ConfigError
 from services.common.logging import configure_logging
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.serving import RunningServer, start_server
@@ -73,10 +74,7 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
     )
     server = await start_server(settings, servicer.register, [WORKER_SERVICE_NAME], internal=True, serving=False)
 
-    async def close_runner() -> None:
-        runner.close()
-
-    server.on_stop.append(close_runner)
+    server.on_stop.append(runner.aclose)
     servicer.worker_id = settings.resolved_worker_id(server.port)
     try:
         if settings.warmup:
@@ -92,10 +90,19 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
 
 def run_worker_process(settings_cls: type[W], build_engine: Callable[[W], Engine], *, tier: str) -> None:
     """``python -m services.<tier>``: settings, logging, model load, serve until SIGTERM/SIGINT."""
-    settings = load_settings(settings_cls)
+    try:
+        settings = load_settings(settings_cls)
+    except ConfigError as exc:
+        configure_logging(settings_cls.service)
+        log.error("config_error", error=str(exc))
+        raise SystemExit(2) from None
     configure_logging(settings_cls.service, settings.log_level, settings.log_json)
     log.info("model_loading", model=settings.model_id)
-    engine = build_engine(settings)
+    try:
+        engine = build_engine(settings)
+    except ConfigError as exc:
+        log.error("config_error", error=str(exc))
+        raise SystemExit(2) from None
 
     async def main() -> None:
         worker = await start_worker(settings, engine, tier=tier)

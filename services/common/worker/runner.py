@@ -137,6 +137,7 @@ class Turn:
                     emit(None)
 
             future = loop.run_in_executor(runner.executor, work)
+            runner.running[future] = self
             future.add_done_callback(runner.sequence_done)
             while (event := await queue.get()) is not None:
                 yield event
@@ -153,12 +154,14 @@ class Runner:
         self.admission = Admission(max_active, max_queue)
         self.counters = WorkerCounters()
         self.executor = ThreadPoolExecutor(max_workers=max_active, thread_name_prefix=f"{name}-seq")
+        self.running: dict[asyncio.Future[FinalEvent], Turn] = {}
 
     def turn(self, request: GenerationRequest) -> Turn:
         """A new turn; it counts as started once accepted (admitted or queued) by ``events()``."""
         return Turn(self, request)
 
     def sequence_done(self, future: asyncio.Future[FinalEvent]) -> None:
+        self.running.pop(future, None)
         self.admission.release()
         if future.cancelled():
             return
@@ -181,6 +184,10 @@ class Runner:
 
         await asyncio.get_running_loop().run_in_executor(self.executor, work)
 
-    def close(self) -> None:
-        """Stop accepting work; threads still running finish their current step and exit."""
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """Cancel every running sequence and wait (bounded) for its thread to finish its step."""
+        for turn in list(self.running.values()):
+            turn.cancel()
+        if self.running:
+            await asyncio.wait(list(self.running), timeout=timeout_s)
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -17,7 +17,7 @@ from services.common.settings import load_settings
 from services.common.worker.app import RunningWorker, start_worker
 from services.common.worker.settings import WorkerSettings
 from tests.unit.common.worker.fakes import EOS, TOKENIZER, VOCAB, FakeEngine
-from tests.worker_helpers import CANCEL, META, Session, fold, generate, stats, wait_idle, wait_serving
+from tests.worker_helpers import CANCEL, META, Session, fold, generate, start_frame, stats, wait_idle, wait_serving
 
 PROMPT = TOKENIZER.encode("hi")
 
@@ -231,7 +231,7 @@ async def test_bad_input_is_invalid_argument(
 
 async def test_event_loop_is_not_blocked_by_model_work(harness: Any) -> None:
     engine, stub = harness
-    engine.step_s = 0.05  # blocking sleep inside the engine, as a real model would block
+    engine.step_s = 0.2  # blocking sleep inside the engine, as a real model would block
     gaps: list[float] = []
     stop = asyncio.Event()
 
@@ -244,10 +244,10 @@ async def test_event_loop_is_not_blocked_by_model_work(harness: Any) -> None:
             last = now
 
     task = asyncio.create_task(ticker())
-    await asyncio.gather(*(generate(stub, PROMPT, max_tokens=4) for _ in range(2)))
+    await asyncio.gather(*(generate(stub, PROMPT, max_tokens=2) for _ in range(2)))
     stop.set()
     await task
-    assert max(gaps) < 0.045, f"event loop blocked for {max(gaps):.3f} s"
+    assert max(gaps) < 0.15, f"event loop blocked for {max(gaps):.3f} s"
 
 
 async def test_health_waits_for_warmup_then_serves() -> None:
@@ -256,3 +256,34 @@ async def test_health_waits_for_warmup_then_serves() -> None:
         await wait_serving(channel, "meshserve.internal.v1.Worker")
         assert (await generate(worker_pb2_grpc.WorkerStub(channel), PROMPT, max_tokens=1)).token_ids
     await worker.stop()
+
+
+async def test_graceful_stop_lets_in_flight_turns_finish() -> None:
+    engine = FakeEngine(step_s=0.02)
+    worker = await serve(engine, shutdown_grace_s=5.0)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        session = Session(stub)
+        await session.call.write(start_frame(PROMPT, max_tokens=10))
+        await session.read()
+        stopping = asyncio.create_task(worker.stop())
+        result = await session.turn_rest()
+        await session.call.done_writing()
+        await stopping
+    assert (len(result.token_ids), result.reason) == (9, pb.FINISH_REASON_LENGTH)
+
+
+async def test_stop_after_grace_cancels_generation() -> None:
+    engine = FakeEngine(step_s=0.01)
+    worker = await serve(engine, shutdown_grace_s=0.1)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        session = Session(worker_pb2_grpc.WorkerStub(channel))
+        await session.call.write(start_frame(PROMPT, max_tokens=60))
+        await session.read()
+        await worker.stop()
+        with pytest.raises(grpc.aio.AioRpcError):
+            await session.turn_rest()
+    steps = engine.steps
+    await asyncio.sleep(0.1)  # observing that nothing more happens
+    assert engine.steps == steps < 60
+    assert worker.runner.counters.snapshot().sequences_cancelled_total == 1

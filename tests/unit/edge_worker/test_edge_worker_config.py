@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import ConfigError
+from services.common.settings import load_settings
+from services.edge_worker.config import EdgeWorkerSettings
+
+
+def test_env_vars_and_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_MAX_ACTIVE_SEQUENCES", "3")
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_MODEL_DIR", str(tmp_path))
+    settings = load_settings(EdgeWorkerSettings)
+    assert (settings.max_active_sequences, settings.model_id, settings.warmup) == (3, "smollm2-135m-instruct", True)
+    assert settings.resolved_model_dir() == tmp_path
+    assert settings.resolved_worker_id(5000) == "127.0.0.1:5000"
+    assert load_settings(EdgeWorkerSettings, worker_id="edge-0").resolved_worker_id(5000) == "edge-0"
+
+
+def test_invalid_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_MAX_ACTIVE_SEQUENCES", "0")
+    with pytest.raises(ConfigError, match="MESHSERVE_EDGE_WORKER_MAX_ACTIVE_SEQUENCES"):
+        load_settings(EdgeWorkerSettings)
+
+
+def test_missing_model_says_how_to_fix(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="meshserve models prepare"):
+        load_settings(EdgeWorkerSettings, model_dir=tmp_path).check_model()

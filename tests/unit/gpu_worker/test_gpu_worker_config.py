@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import ConfigError
+from services.common.settings import load_settings
+from services.gpu_worker.config import GpuWorkerSettings
+
+
+def test_env_vars(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHSERVE_GPU_WORKER_DEVICE", "cpu")
+    monkeypatch.setenv("MESHSERVE_GPU_WORKER_MODEL", "some/hub-id")
+    settings = load_settings(GpuWorkerSettings)
+    assert (settings.device, settings.dtype, settings.check_model()) == ("cpu", "auto", "some/hub-id")
+
+
+def test_bad_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHSERVE_GPU_WORKER_DEVICE", "tpu")
+    with pytest.raises(ConfigError, match="MESHSERVE_GPU_WORKER_DEVICE"):
+        load_settings(GpuWorkerSettings)
+    with pytest.raises(ConfigError, match="float16"):
+        load_settings(GpuWorkerSettings, device="cpu", dtype="float16")
+
+
+def test_missing_checkpoint_says_how_to_fix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("MESHSERVE_MODELS_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match="meshserve models prepare"):
+        load_settings(GpuWorkerSettings).check_model()
