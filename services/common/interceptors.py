@@ -85,7 +85,7 @@ def _wrap_handler(
         fn = getattr(handler, attr)
         if fn is not None:
             return factory(  # type: ignore[operator]
-                wrap(fn),
+                wrap(fn),  # type: ignore[operator]
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )

@@ -1,0 +1,111 @@
+"""The ``meshserve`` command: ``models prepare``, ``chat``, ``up``, ``bench``.
+
+``up`` and ``bench`` hand their arguments to :func:`services.mesh.main_up` and
+:func:`benchmarks.run.main`, imported only when used so the other commands start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+_DELEGATED = {"up": ("services.mesh", "main_up"), "bench": ("benchmarks.run", "main")}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshserve", description="LLM inference mesh of gRPC microservices.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    models = commands.add_parser("models", help="manage prepared models").add_subparsers(
+        dest="models_command", required=True, metavar="ACTION"
+    )
+    from services.models import prepare
+
+    prepare.add_arguments(models.add_parser("prepare", help="build the cloud checkpoint, edge model and manifest"))
+
+    chat = commands.add_parser("chat", help="stream an answer through the gateway")
+    chat.add_argument("prompt", help="what to ask")
+    chat.add_argument(
+        "--address",
+        default=os.environ.get("MESHSERVE_ADDRESS", DEFAULT_ADDRESS),
+        help=f"gateway host:port (default: $MESHSERVE_ADDRESS or {DEFAULT_ADDRESS})",
+    )
+    chat.add_argument(
+        "--api-key",
+        default=os.environ.get("MESHSERVE_API_KEY"),
+        help="API key (default: $MESHSERVE_API_KEY, else the local mesh's dev key)",
+    )
+    chat.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), up to 2")
+    chat.add_argument("--tier", choices=("auto", "edge", "cloud"), default="auto", help="routing hint")
+    chat.add_argument("--system", default=None, help="optional system message")
+
+    commands.add_parser("up", help="start the whole mesh locally (see `meshserve up -h`)", add_help=False)
+    commands.add_parser("bench", help="benchmark the mesh (see `meshserve bench -h`)", add_help=False)
+    return parser
+
+
+def _delegate(command: str, argv: Sequence[str]) -> int:
+    module_name, attr = _DELEGATED[command]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not module_name.startswith(exc.name):
+            raise
+        print(f"meshserve {command}: not available in this installation ({module_name} is missing)", file=sys.stderr)
+        return 2
+    return int(getattr(module, attr)(list(argv)) or 0)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    import grpc
+
+    from services.client import print_stream
+
+    api_key = args.api_key
+    if api_key is None:
+        try:
+            from services.mesh import DEV_API_KEY
+        except ImportError:
+            print("meshserve chat: pass --api-key or set MESHSERVE_API_KEY", file=sys.stderr)
+            return 2
+        api_key = DEV_API_KEY
+    try:
+        asyncio.run(
+            print_stream(
+                args.address,
+                api_key,
+                args.prompt,
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                tier=args.tier,
+                system=args.system,
+            )
+        )
+    except grpc.aio.AioRpcError as exc:
+        print(f"\nmeshserve chat: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DELEGATED:
+        return _delegate(argv[0], argv[1:])
+    args = _parser().parse_args(argv)
+    if args.command == "models":
+        from services.models import prepare
+
+        return prepare.run(args)
+    return _chat(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The public gateway: authentication, tenant, validation, deadline; relays to the router."""

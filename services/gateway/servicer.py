@@ -1,0 +1,241 @@
+"""The public `meshserve.v1.Inference` service: authenticate, validate, then relay to the router.
+
+The gateway never looks inside a response beyond metrics: it stamps its request id and relays.
+Deadlines: the caller's (capped at ``max_deadline_s``) or a default is set on the router call.
+Cancellation: a caller cancel cancels the router call (``finally`` below); a router failure
+becomes the matching domain error for the caller (:mod:`services.gateway.errors`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import structlog
+
+from services.common import metadata as md
+from services.common.errors import DeadlineExceeded, MeshError
+from services.common.interceptors import outbound_metadata
+from services.common.metrics import INTER_TOKEN, REQUEST_DURATION, TOKENS, TTFT
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.gateway.auth import ApiKeyAuthenticator
+from services.gateway.config import GatewaySettings
+from services.gateway.errors import from_router_error
+from services.gateway.validation import Limits, validate_chat_request, validate_generate
+
+SERVICE = "gateway"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+_END = object()
+
+
+def _tier_label(tier: int) -> str:
+    return (
+        pb.Tier.Name(pb.Tier.ValueType(tier)).removeprefix("TIER_").lower() if tier in pb.Tier.values() else "unknown"
+    )
+
+
+class _Observed:
+    """Latency and token metrics of one call; the tier label is known only from the final frame."""
+
+    def __init__(self) -> None:
+        self.start = self.turn_start = time.perf_counter()
+        self.ttfts: list[float] = []
+        self.gaps: list[float] = []
+        self.last: float | None = None
+        self.tier = "unknown"
+        self.status = "OK"
+
+    def turn_started(self) -> None:
+        self.turn_start, self.last = time.perf_counter(), None
+
+    def frame(self, token_ids: int, final: pb.Final | None) -> None:
+        now = time.perf_counter()
+        if token_ids:
+            if self.last is None:
+                self.ttfts.append(now - self.turn_start)
+            else:
+                self.gaps.append(now - self.last)
+            self.last = now
+        if final is not None:
+            self.tier = _tier_label(final.route.tier)
+            TOKENS.labels(SERVICE, self.tier, "input").inc(final.usage.prompt_tokens)
+            TOKENS.labels(SERVICE, self.tier, "output").inc(final.usage.completion_tokens)
+
+    def record(self) -> None:
+        for ttft in self.ttfts:
+            TTFT.labels(SERVICE, self.tier).observe(ttft)
+        inter = INTER_TOKEN.labels(SERVICE, self.tier)
+        for gap in self.gaps:
+            inter.observe(gap)
+        REQUEST_DURATION.labels(SERVICE, self.tier, self.status).observe(time.perf_counter() - self.start)
+
+
+@contextlib.contextmanager
+def _observe() -> Iterator[_Observed]:
+    observed = _Observed()
+    try:
+        yield observed
+    except MeshError as exc:
+        observed.status = exc.code
+        raise
+    except (asyncio.CancelledError, GeneratorExit):
+        observed.status = "CANCELLED"
+        raise
+    except BaseException:
+        observed.status = "INTERNAL"
+        raise
+    finally:
+        observed.record()
+
+
+class GatewayServicer(inference_pb2_grpc.InferenceServicer):
+    """Relays the public API to the router after authentication and validation."""
+
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        authenticator: ApiKeyAuthenticator,
+        router: inference_pb2_grpc.InferenceStub,
+    ) -> None:
+        self._settings = settings
+        self._auth = authenticator
+        self._router = router
+        self._limits = Limits(
+            max_prompt_chars=settings.max_prompt_chars,
+            max_tokens=settings.max_tokens_limit,
+            max_stop_strings=settings.max_stop_strings,
+            max_stop_chars=settings.max_stop_chars,
+            max_chat_messages=settings.max_chat_messages,
+            max_model_chars=settings.max_model_chars,
+        )
+
+    async def _admit(self, context: grpc.aio.ServicerContext) -> str:
+        """Assign the request id, authenticate, bind id + tenant for logs and outbound metadata."""
+        request_id = uuid.uuid4().hex
+        # Overwrite whatever the caller put in x-request-id / x-meshserve-tenant: nothing from a
+        # public caller is trusted until its key has resolved the tenant.
+        structlog.contextvars.bind_contextvars(request_id=request_id, tenant="")
+        tenant = self._auth.authenticate(context.invocation_metadata() or ())
+        structlog.contextvars.bind_contextvars(tenant=tenant)
+        await context.send_initial_metadata(((md.REQUEST_ID, request_id),))
+        return request_id
+
+    def _timeout(self, context: grpc.aio.ServicerContext, default_s: float) -> float:
+        """Seconds left for the router call: the caller's deadline (capped) or ``default_s``."""
+        remaining = context.time_remaining()
+        if remaining is None:
+            return min(default_s, self._settings.max_deadline_s)
+        if remaining <= 0:
+            raise DeadlineExceeded("the request's deadline passed before it could be forwarded; allow more time")
+        return min(remaining, self._settings.max_deadline_s)
+
+    def _metadata(self) -> tuple[tuple[str, str], ...]:
+        return outbound_metadata(self._settings.internal_token)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        with _observe() as observed:
+            request_id = await self._admit(context)
+            validate_generate(request, self._limits)
+            call = self._router.Generate(
+                request, metadata=self._metadata(), timeout=self._timeout(context, self._settings.default_deadline_s)
+            )
+            try:
+                async for frame in call:
+                    observed.frame(len(frame.token_ids), frame.final if frame.HasField("final") else None)
+                    frame.request_id = request_id
+                    yield frame
+            except grpc.aio.AioRpcError as exc:
+                raise from_router_error(exc) from None
+            finally:
+                call.cancel()
+
+    async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        with _observe() as observed:
+            request_id = await self._admit(context)
+            validate_generate(request, self._limits)
+            call = self._router.Complete(
+                request, metadata=self._metadata(), timeout=self._timeout(context, self._settings.default_deadline_s)
+            )
+            try:
+                reply: pb.GenerateResponse = await call
+            except grpc.aio.AioRpcError as exc:
+                raise from_router_error(exc) from None
+            finally:
+                call.cancel()
+            observed.frame(len(reply.token_ids), reply.final if reply.HasField("final") else None)
+            reply.request_id = request_id
+            return reply
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        with _observe():
+            await self._admit(context)
+            call = self._router.ListModels(
+                request, metadata=self._metadata(), timeout=self._timeout(context, self._settings.default_deadline_s)
+            )
+            try:
+                reply: pb.ListModelsResponse = await call
+            except grpc.aio.AioRpcError as exc:
+                raise from_router_error(exc) from None
+            finally:
+                call.cancel()
+            return reply
+
+    async def Chat(
+        self, request_iterator: AsyncIterator[pb.ChatRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ChatResponse]:
+        """Bidirectional relay: one task pumps validated client frames up, one reads router frames.
+
+        Both feed one queue so a validation error, a router error and a router frame reach the
+        caller in the order they happened; leaving this generator for any reason cancels both.
+        """
+        with _observe() as observed:
+            request_id = await self._admit(context)
+            call = self._router.Chat(
+                metadata=self._metadata(), timeout=self._timeout(context, self._settings.default_chat_deadline_s)
+            )
+            events: asyncio.Queue[object] = asyncio.Queue(maxsize=64)
+
+            async def pump() -> None:
+                try:
+                    async for frame in request_iterator:
+                        validate_chat_request(frame, self._limits)
+                        if frame.WhichOneof("action") == "turn":
+                            observed.turn_started()
+                        await call.write(frame)
+                    await call.done_writing()
+                except MeshError as exc:
+                    await events.put(exc)
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    pass  # the router call ended; read() reports how
+
+            async def read() -> None:
+                try:
+                    async for frame in call:
+                        await events.put(frame)
+                    await events.put(_END)
+                except grpc.aio.AioRpcError as exc:
+                    await events.put(from_router_error(exc))
+
+            tasks = [asyncio.create_task(pump()), asyncio.create_task(read())]
+            try:
+                while (event := await events.get()) is not _END:
+                    if isinstance(event, MeshError):
+                        raise event
+                    assert isinstance(event, pb.ChatResponse)
+                    observed.frame(len(event.token_ids), event.final if event.HasField("final") else None)
+                    event.request_id = request_id
+                    yield event
+            finally:
+                call.cancel()
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
