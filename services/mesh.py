@@ -209,8 +209,23 @@ class Mesh:
             raise RuntimeError("redis-server is not installed; run `make setup` or pass --redis-url")
         self._tmp = tempfile.TemporaryDirectory(prefix="meshserve-redis-")
         port = _free_port()
-        argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                "--dir", self._tmp.name, "--maxmemory", "512mb", "--maxmemory-policy", "allkeys-lru"]
+        argv = [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self._tmp.name,
+            "--maxmemory",
+            "512mb",
+            "--maxmemory-policy",
+            "allkeys-lru",
+        ]
         self._redis = ServiceProcess("redis", argv, self._env(), self.sink)
         await self._redis.spawn()
         self.redis_url = f"redis://127.0.0.1:{port}/0"
@@ -223,19 +238,28 @@ class Mesh:
             if not self.redis_url:
                 await self._start_redis()
             workers = [
-                self._service(f"edge-{i}", "services.edge_worker", MESHSERVE_EDGE_WORKER_WORKER_ID=f"edge-{i}",
-                              MESHSERVE_EDGE_WORKER_THREADS=cfg.edge_threads)
+                self._service(
+                    f"edge-{i}",
+                    "services.edge_worker",
+                    MESHSERVE_EDGE_WORKER_WORKER_ID=f"edge-{i}",
+                    MESHSERVE_EDGE_WORKER_THREADS=cfg.edge_threads,
+                )
                 for i in range(cfg.edge_workers)
             ] + [
-                self._service(f"cloud-{i}", "services.gpu_worker", MESHSERVE_GPU_WORKER_WORKER_ID=f"cloud-{i}",
-                              MESHSERVE_GPU_WORKER_THREADS=cfg.cloud_threads)
+                self._service(
+                    f"cloud-{i}",
+                    "services.gpu_worker",
+                    MESHSERVE_GPU_WORKER_WORKER_ID=f"cloud-{i}",
+                    MESHSERVE_GPU_WORKER_THREADS=cfg.cloud_threads,
+                )
                 for i in range(cfg.cloud_workers)
             ]
             await asyncio.gather(*(w.spawn() for w in workers))
             await asyncio.gather(*(w.wait_started(timeout) for w in workers))
             await asyncio.gather(*(w.wait_serving(timeout) for w in workers))
             router = self._service(
-                "router", "services.router",
+                "router",
+                "services.router",
                 MESHSERVE_ROUTER_EDGE_WORKERS=",".join(w.address for w in self.workers("edge")),
                 MESHSERVE_ROUTER_CLOUD_WORKERS=",".join(w.address for w in self.workers("cloud")),
                 MESHSERVE_ROUTER_REDIS_URL=self.redis_url,
@@ -245,7 +269,8 @@ class Mesh:
             await router.wait_started(timeout)
             await router.wait_serving(timeout)
             gateway = self._service(
-                "gateway", "services.gateway",
+                "gateway",
+                "services.gateway",
                 MESHSERVE_GATEWAY_ROUTER_ADDRESS=router.address,
                 MESHSERVE_GATEWAY_PORT=cfg.gateway_port,
                 MESHSERVE_GATEWAY_API_KEYS=f"dev:{api_key_hash(cfg.api_key)}",
@@ -339,7 +364,7 @@ async def run_up(args: argparse.Namespace) -> int:
     try:
         print(
             f"\nmeshserve: mesh is up. gRPC gateway at {mesh.gateway_address} (API key: {api_key})\n"
-            f"  try: meshserve chat --address {mesh.gateway_address} \"Tell me about the sea\"\n"
+            f'  try: meshserve chat --address {mesh.gateway_address} "Tell me about the sea"\n'
             "  Ctrl-C stops everything.\n",
             file=sys.stderr,
             flush=True,

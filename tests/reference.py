@@ -65,6 +65,9 @@ def cloud_greedy(prompt: str, max_tokens: int) -> list[int]:
     ids = encode(prompt)
     with torch.inference_mode():
         out = _torch_model().generate(
-            torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long)
+            torch.tensor([ids]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
         )
-    return _strip_eos([int(t) for t in out[0, len(ids):]])
+    return _strip_eos([int(t) for t in out[0, len(ids) :]])

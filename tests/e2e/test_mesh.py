@@ -23,7 +23,9 @@ SHORT = "The capital of France is"
 LONG = " ".join(["The history of the river valley and the towns along it is long and full of change."] * 8)
 
 
-def greedy(prompt: str, max_tokens: int, tier: int = pb.TIER_AUTO, policy: int = pb.CACHE_POLICY_USE) -> pb.GenerateRequest:
+def greedy(
+    prompt: str, max_tokens: int, tier: int = pb.TIER_AUTO, policy: int = pb.CACHE_POLICY_USE
+) -> pb.GenerateRequest:
     return pb.GenerateRequest(
         prompt=prompt,
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
@@ -31,7 +33,9 @@ def greedy(prompt: str, max_tokens: int, tier: int = pb.TIER_AUTO, policy: int =
     )
 
 
-async def collect(stub: inference_pb2_grpc.InferenceStub, request: pb.GenerateRequest) -> tuple[list[int], str, pb.Final]:
+async def collect(
+    stub: inference_pb2_grpc.InferenceStub, request: pb.GenerateRequest
+) -> tuple[list[int], str, pb.Final]:
     tokens: list[int] = []
     text = ""
     final = None
@@ -187,7 +191,7 @@ async def test_chat_two_turns_and_a_cancel_on_one_stream(gateway) -> None:
     _text, cancelled = await until_final(1, cancel_after=2)
     assert cancelled.finish_reason == pb.FINISH_REASON_CANCELLED
     await outbox.put(turn("Thanks. One word: yes or no?", 8))
-    third_text, third = await until_final(2)
+    _third_text, third = await until_final(2)
     assert third.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
     assert third.usage.prompt_tokens > first.usage.prompt_tokens, "later turns carry the conversation"
     await outbox.put(None)

@@ -30,7 +30,9 @@ class Raising(inference_pb2_grpc.InferenceServicer):
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         raise ERRORS[request.prompt][0]
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
         yield pb.GenerateResponse(sequence=0, text="partial")
         raise ERRORS[request.prompt][0]
 
@@ -96,7 +98,9 @@ async def test_internal_service_refuses_calls_without_the_token() -> None:
                         pass
                 assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
             with pytest.raises(grpc.aio.AioRpcError) as err:
-                await stub.Complete(pb.GenerateRequest(prompt="invalid"), metadata=(("x-meshserve-internal-token", "s3cret"),))
+                await stub.Complete(
+                    pb.GenerateRequest(prompt="invalid"), metadata=(("x-meshserve-internal-token", "s3cret"),)
+                )
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
         await server.stop()
