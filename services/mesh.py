@@ -372,7 +372,7 @@ async def run_up(args: argparse.Namespace) -> int:
         if args.demo:
             from services.client import print_stream
 
-            await print_stream(mesh.gateway_address, api_key, args.demo)
+            await print_stream(mesh.gateway_address, api_key, args.demo, max_tokens=96)
             if args.exit_after_demo:
                 return 0
         await stop.wait()
