@@ -24,6 +24,15 @@ _IMPORT = re.compile(r"^(from|import) meshserve\.", re.MULTILINE)
 _QUALIFIED = re.compile(r"(?<![\w.])meshserve\.(v1|internal)\b")
 
 
+def _plugin(name: str) -> str:
+    """mypy-protobuf's plugins live beside this interpreter (the venv's bin/), which may not be on PATH."""
+    candidate = Path(sys.executable).parent / name
+    found = candidate if candidate.exists() else shutil.which(name)
+    if not found:
+        sys.exit(f"{name} not found; install the dev dependencies with `make setup`")
+    return str(found)
+
+
 def generate(out: Path) -> None:
     files = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -33,6 +42,8 @@ def generate(out: Path) -> None:
             f"-I{Path(protoc.__file__).parent / '_proto'}",
             f"--python_out={tmp}",
             f"--grpc_python_out={tmp}",
+            f"--plugin=protoc-gen-mypy={_plugin('protoc-gen-mypy')}",
+            f"--plugin=protoc-gen-mypy_grpc={_plugin('protoc-gen-mypy_grpc')}",
             f"--mypy_out={tmp}",
             f"--mypy_grpc_out={tmp}",
             *files,
