@@ -36,6 +36,8 @@ class RouterSettings(ServiceSettings):
     """Maximum prompt + completion tokens of the model."""
     edge_max_prompt_tokens: int = Field(default=128, ge=0)
     """Prompts of at most this many tokens go to the edge tier, longer ones to the cloud tier."""
+    retries_before_first_token: int = Field(default=2, ge=0)
+    """Other replicas (of any tier) tried when a worker fails before sending a token."""
     default_max_tokens: int = Field(default=256, ge=1)
     """max_tokens used when a request leaves it at 0."""
     cache_ttl_s: int = Field(default=3600, ge=1)

@@ -104,6 +104,7 @@ class Router:
         model_version: str,
         internal_token: str,
         edge_max_prompt_tokens: int,
+        retries_before_first_token: int = 2,
     ) -> None:
         self.tokenizer = tokenizer
         self.cache = cache
@@ -112,6 +113,7 @@ class Router:
         self.model_version = model_version
         self._token = internal_token
         self._edge_max = edge_max_prompt_tokens
+        self._retries = retries_before_first_token
         self._rr = RoundRobin()
 
     def cache_key(self, req: TurnRequest) -> str | None:
@@ -139,7 +141,11 @@ class Router:
     async def run_turn(
         self, req: TurnRequest, session: Session, cancel: asyncio.Event | None = None
     ) -> AsyncGenerator[Chunk | Done, None]:
-        """Serve one generation: from the cache, else from a worker (one retry before the first token)."""
+        """Serve one generation: from the cache, else from a worker.
+
+        A worker that fails before the first token is excluded and the request goes to another
+        replica, of the other tier if its own has none left, up to ``retries_before_first_token``.
+        """
         started = time.perf_counter()
         key = self.cache_key(req)
         if key is not None:
@@ -191,7 +197,7 @@ class Router:
                 code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
                 if code == grpc.StatusCode.UNAVAILABLE:
                     self.registry.mark_down(stream.replica, "call_failed")
-                if not progress.tokens and not exclude and code in RETRYABLE:
+                if not progress.tokens and len(exclude) < self._retries and code in RETRYABLE:
                     log.warning("worker_failed_retrying", worker=stream.replica.name, code=code.name)
                     RETRIES.labels(choice.tier.value, code.name).inc()
                     exclude.append(stream.replica)

@@ -61,6 +61,7 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
         model_version=settings.model_version(),
         internal_token=settings.internal_token,
         edge_max_prompt_tokens=settings.edge_max_prompt_tokens,
+        retries_before_first_token=settings.retries_before_first_token,
     )
     servicer = RouterServicer(
         router, context_length=settings.context_length, default_max_tokens=settings.default_max_tokens

@@ -162,9 +162,17 @@ async def test_dead_replica_is_retried_elsewhere_and_marked_down(mesh: Mesh) -> 
     assert not replica.healthy
 
 
-async def test_unavailable_before_first_token_retries_once(mesh: Mesh) -> None:
+async def test_unavailable_before_first_token_fails_over_to_the_other_tier(mesh: Mesh) -> None:
     mesh.edges[0].fail_next = grpc.StatusCode.UNAVAILABLE
     mesh.edges[1].fail_next = grpc.StatusCode.UNAVAILABLE
+    fin = final(await generate(mesh, request("hi")))
+    assert (fin.route.tier, fin.route.reason) == (pb.TIER_CLOUD, "spill")
+
+
+async def test_unavailable_everywhere_before_first_token_is_unavailable(mesh: Mesh) -> None:
+    mesh.edges[0].fail_next = grpc.StatusCode.UNAVAILABLE
+    mesh.edges[1].fail_next = grpc.StatusCode.UNAVAILABLE
+    mesh.cloud.fail_next = grpc.StatusCode.UNAVAILABLE
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await generate(mesh, request("hi"))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
