@@ -6,27 +6,69 @@ import asyncio
 import sys
 
 import grpc
+import redis.asyncio as aioredis
 import structlog
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from services.common.errors import ConfigError
 from services.common.logging import configure_logging
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import MAX_MESSAGE_BYTES, RunningServer, start_server
 from services.common.settings import load_settings
+from services.gateway.admission import Gate
 from services.gateway.auth import ApiKeyAuthenticator, parse_api_keys
 from services.gateway.config import GatewaySettings
+from services.gateway.identity import Authenticator
+from services.gateway.jwt_auth import JwtVerifier
+from services.gateway.keystore import KeyStore
+from services.gateway.ratelimit import RateLimiter
 from services.gateway.servicer import SERVICE_NAME, GatewayServicer
 
 log = structlog.get_logger(__name__)
 
 
+def redis_client(url: str, timeout_s: float) -> aioredis.Redis:
+    """A Redis client with short timeouts and no retries (an outage must cost one timeout)."""
+    return aioredis.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+    )
+
+
+def build_gate(settings: GatewaySettings) -> Gate:
+    """Credential sources, tenant policies and the limiter, from the settings."""
+    keys = parse_api_keys(settings.api_keys)
+    jwt = JwtVerifier.from_files(
+        jwks_file=settings.jwt_jwks_file,
+        hs256_secret=settings.jwt_hs256_secret,
+        audience=settings.jwt_audience,
+        issuer=settings.jwt_issuer,
+        tenant_claim=settings.jwt_tenant_claim,
+        leeway_s=settings.jwt_leeway_s,
+    )
+    store, limiter = None, None
+    if settings.redis_url:
+        client = redis_client(settings.redis_url, settings.redis_timeout_s)  # one pool, closed by the limiter
+        store = KeyStore(client)
+        limiter = RateLimiter(
+            client,
+            failure_mode=settings.rate_limit_failure_mode,
+            retry_after_s=settings.rate_limit_retry_s,
+        )
+    authenticator = Authenticator(ApiKeyAuthenticator(keys), store, jwt)
+    if not authenticator.configured:
+        raise ConfigError(
+            "no credentials configured: set MESHSERVE_GATEWAY_API_KEYS (tenant:sha256hex entries), "
+            "MESHSERVE_GATEWAY_REDIS_URL (keys from `meshserve keys create`) or a JWT secret/JWKS file"
+        )
+    if limiter is None:
+        log.warning("rate_limits_disabled", reason="MESHSERVE_GATEWAY_REDIS_URL is not set")
+    return Gate(authenticator, settings.policy_book(), limiter)
+
+
 async def serve(settings: GatewaySettings) -> RunningServer:
     """Start the gateway (health SERVING once bound) and return it; ``stop()`` also closes the router channel."""
-    keys = parse_api_keys(settings.api_keys)
-    if not keys:
-        raise ConfigError(
-            "no API keys configured: set MESHSERVE_GATEWAY_API_KEYS to comma-separated tenant:sha256hex entries"
-        )
+    gate = build_gate(settings)
     channel = grpc.aio.insecure_channel(
         settings.router_address,
         options=[
@@ -34,7 +76,7 @@ async def serve(settings: GatewaySettings) -> RunningServer:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    servicer = GatewayServicer(settings, ApiKeyAuthenticator(keys), inference_pb2_grpc.InferenceStub(channel))
+    servicer = GatewayServicer(settings, gate, inference_pb2_grpc.InferenceStub(channel))
     try:
         running = await start_server(
             settings,
@@ -43,9 +85,11 @@ async def serve(settings: GatewaySettings) -> RunningServer:
         )
     except BaseException:
         await channel.close()
+        await gate.close()
         raise
     running.on_stop.append(channel.close)
-    log.info("gateway_ready", router=settings.router_address, tenants=len({k.tenant for k in keys}))
+    running.on_stop.append(gate.close)
+    log.info("gateway_ready", router=settings.router_address, redis=bool(settings.redis_url))
     return running
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import ServiceSettings
 from services.gateway.auth import parse_api_keys
+from services.gateway.policy import PolicyBook, TenantPolicy
 
 
 class GatewaySettings(ServiceSettings):
@@ -40,6 +41,60 @@ class GatewaySettings(ServiceSettings):
     """Most messages in one chat turn."""
     max_model_chars: int = Field(default=128, ge=1)
     """Longest accepted model id."""
+
+    redis_url: str = ""
+    """Redis of the API-key store and the rate limiter ("" = neither: static keys/JWT only, no limits)."""
+    redis_timeout_s: float = Field(default=0.25, gt=0)
+    """Timeout of one Redis call of the key store or the limiter."""
+    rate_limit_failure_mode: Literal["open", "closed"] = "open"
+    """Redis unreachable: `open` admits without limits, `closed` rejects with UNAVAILABLE."""
+    rate_limit_retry_s: float = Field(default=1.0, gt=0)
+    """After a Redis failure, seconds before the limiter tries Redis again (recovery is automatic)."""
+    jwt_hs256_secret: str = ""
+    """Shared secret of HS256 bearer JWTs ("" = HS256 not accepted)."""
+    jwt_jwks_file: str = ""
+    """Path of a JWKS JSON file with the RS256/ES256 public keys of bearer JWTs ("" = none)."""
+    jwt_audience: str = ""
+    """Required `aud` of bearer JWTs ("" = not checked)."""
+    jwt_issuer: str = ""
+    """Required `iss` of bearer JWTs ("" = not checked)."""
+    jwt_tenant_claim: str = "tenant"
+    """Claim of a bearer JWT that names the tenant."""
+    jwt_leeway_s: float = Field(default=30.0, ge=0)
+    """Clock skew tolerated on `exp`/`nbf`."""
+    requests_per_minute: int = Field(default=600, ge=0)
+    """Default tenant policy: requests per minute (0 = unlimited)."""
+    request_burst: int = Field(default=0, ge=0)
+    """Default tenant policy: requests admitted at once from an idle bucket (0 = requests_per_minute)."""
+    tokens_per_minute: int = Field(default=200_000, ge=0)
+    """Default tenant policy: prompt + completion tokens per minute (0 = unlimited)."""
+    max_concurrent_streams: int = Field(default=16, ge=0)
+    """Default tenant policy: open Generate/Chat streams at once across all gateways (0 = unlimited)."""
+    max_prompt_tokens: int = Field(default=8192, ge=0)
+    """Default tenant policy: longest prompt, in estimated tokens (0 = unlimited)."""
+    priority_class: int = Field(default=5, ge=0, le=9)
+    """Default tenant policy: highest routing priority a request may ask for."""
+    tenant_policies: dict[str, dict[str, int]] = Field(default_factory=dict)
+    """Per-tenant overrides, e.g. `{"acme": {"requests_per_minute": 60, "max_tokens": 512}}` (JSON in env)."""
+
+    def policy_book(self) -> PolicyBook:
+        """Defaults from these settings plus ``tenant_policies``."""
+        default = TenantPolicy(
+            requests_per_minute=self.requests_per_minute,
+            request_burst=self.request_burst,
+            tokens_per_minute=self.tokens_per_minute,
+            max_concurrent_streams=self.max_concurrent_streams,
+            max_prompt_tokens=self.max_prompt_tokens,
+            max_tokens=self.max_tokens_limit,
+            priority=self.priority_class,
+        )
+        return PolicyBook(default, self.tenant_policies)
+
+    @field_validator("tenant_policies")
+    @classmethod
+    def _check_policies(cls, value: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+        PolicyBook(TenantPolicy(), value)  # raises ValueError naming the bad field
+        return value
 
     @field_validator("api_keys")
     @classmethod

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
@@ -23,9 +24,10 @@ from services.common.interceptors import outbound_metadata
 from services.common.metrics import INTER_TOKEN, REQUEST_DURATION, TOKENS, TTFT
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.gateway.auth import ApiKeyAuthenticator
+from services.gateway.admission import Gate, Ticket
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import from_router_error
+from services.gateway.identity import Identity
 from services.gateway.validation import Limits, validate_chat_request, validate_generate
 
 SERVICE = "gateway"
@@ -53,8 +55,12 @@ class _Observed:
     def turn_started(self) -> None:
         self.turn_start, self.last = time.perf_counter(), None
 
-    def frame(self, token_ids: int, final: pb.Final | None) -> None:
+    def frame(self, token_ids: int, final: pb.Final | None, ticket: Ticket | None = None) -> None:
         now = time.perf_counter()
+        if ticket is not None:
+            ticket.completion_seen += token_ids
+            if final is not None:
+                ticket.used = final.usage.prompt_tokens + final.usage.completion_tokens
         if token_ids:
             if self.last is None:
                 self.ttfts.append(now - self.turn_start)
@@ -99,11 +105,11 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(
         self,
         settings: GatewaySettings,
-        authenticator: ApiKeyAuthenticator,
+        gate: Gate,
         router: inference_pb2_grpc.InferenceStub,
     ) -> None:
         self._settings = settings
-        self._auth = authenticator
+        self._gate = gate
         self._router = router
         self._limits = Limits(
             max_prompt_chars=settings.max_prompt_chars,
@@ -114,16 +120,25 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             max_model_chars=settings.max_model_chars,
         )
 
-    async def _admit(self, context: grpc.aio.ServicerContext) -> str:
-        """Assign the request id, authenticate, bind id + tenant for logs and outbound metadata."""
+    async def _admit(self, context: grpc.aio.ServicerContext) -> tuple[str, Identity]:
+        """Assign the request id, authenticate, bind id + tenant + key id for logs and metadata."""
         request_id = uuid.uuid4().hex
         # Overwrite whatever the caller put in x-request-id / x-meshserve-tenant: nothing from a
-        # public caller is trusted until its key has resolved the tenant.
-        structlog.contextvars.bind_contextvars(request_id=request_id, tenant="")
-        tenant = self._auth.authenticate(context.invocation_metadata() or ())
-        structlog.contextvars.bind_contextvars(tenant=tenant)
+        # public caller is trusted until its credential has resolved the tenant.
+        structlog.contextvars.bind_contextvars(request_id=request_id, tenant="", key_id="")
+        identity = await self._gate.identify(context.invocation_metadata() or ())
+        structlog.contextvars.bind_contextvars(tenant=identity.tenant, key_id=identity.key_id)
         await context.send_initial_metadata(((md.REQUEST_ID, request_id),))
-        return request_id
+        return request_id, identity
+
+    async def _reserve(self, identity: Identity, request: pb.GenerateRequest, stream_ttl_s: float | None) -> Ticket:
+        """Policy checks and rate-limit reservation of a Generate/Complete request."""
+        policy = self._gate.policy(identity)
+        ticket = await self._gate.admit(
+            identity, policy, [request.prompt], request.sampling.max_tokens, stream_ttl_s=stream_ttl_s
+        )
+        request.routing.priority = min(request.routing.priority, policy.priority)
+        return ticket
 
     def _timeout(self, context: grpc.aio.ServicerContext, default_s: float) -> float:
         """Seconds left for the router call: the caller's deadline (capped) or ``default_s``."""
@@ -135,41 +150,49 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         return min(remaining, self._settings.max_deadline_s)
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
-        return outbound_metadata(self._settings.internal_token)
+        key_id = str(structlog.contextvars.get_contextvars().get("key_id", ""))
+        return outbound_metadata(self._settings.internal_token, **({md.KEY_ID: key_id} if key_id else {}))
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         with _observe() as observed:
-            request_id = await self._admit(context)
+            request_id, identity = await self._admit(context)
             validate_generate(request, self._limits)
-            call = self._router.Generate(
-                request, metadata=self._metadata(), timeout=self._timeout(context, self._settings.default_deadline_s)
-            )
+            timeout = self._timeout(context, self._settings.default_deadline_s)
+            ticket = await self._reserve(identity, request, stream_ttl_s=timeout)
             try:
-                async for frame in call:
-                    observed.frame(len(frame.token_ids), frame.final if frame.HasField("final") else None)
-                    frame.request_id = request_id
-                    yield frame
-            except grpc.aio.AioRpcError as exc:
-                raise from_router_error(exc) from None
+                call = self._router.Generate(request, metadata=self._metadata(), timeout=timeout)
+                try:
+                    async for frame in call:
+                        final = frame.final if frame.HasField("final") else None
+                        observed.frame(len(frame.token_ids), final, ticket)
+                        frame.request_id = request_id
+                        yield frame
+                except grpc.aio.AioRpcError as exc:
+                    raise from_router_error(exc) from None
+                finally:
+                    call.cancel()
             finally:
-                call.cancel()
+                self._gate.settle_soon(ticket)
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         with _observe() as observed:
-            request_id = await self._admit(context)
+            request_id, identity = await self._admit(context)
             validate_generate(request, self._limits)
-            call = self._router.Complete(
-                request, metadata=self._metadata(), timeout=self._timeout(context, self._settings.default_deadline_s)
-            )
+            timeout = self._timeout(context, self._settings.default_deadline_s)
+            ticket = await self._reserve(identity, request, stream_ttl_s=None)
             try:
-                reply: pb.GenerateResponse = await call
-            except grpc.aio.AioRpcError as exc:
-                raise from_router_error(exc) from None
+                call = self._router.Complete(request, metadata=self._metadata(), timeout=timeout)
+                try:
+                    reply: pb.GenerateResponse = await call
+                except grpc.aio.AioRpcError as exc:
+                    raise from_router_error(exc) from None
+                finally:
+                    call.cancel()
+                observed.frame(len(reply.token_ids), reply.final if reply.HasField("final") else None, ticket)
             finally:
-                call.cancel()
-            observed.frame(len(reply.token_ids), reply.final if reply.HasField("final") else None)
+                self._gate.settle_soon(ticket)
             reply.request_id = request_id
             return reply
 
@@ -198,10 +221,13 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         caller in the order they happened; leaving this generator for any reason cancels both.
         """
         with _observe() as observed:
-            request_id = await self._admit(context)
-            call = self._router.Chat(
-                metadata=self._metadata(), timeout=self._timeout(context, self._settings.default_chat_deadline_s)
-            )
+            request_id, identity = await self._admit(context)
+            policy = self._gate.policy(identity)
+            timeout = self._timeout(context, self._settings.default_chat_deadline_s)
+            # The session holds one stream slot; each turn takes one request and reserves its tokens.
+            session = await self._gate.admit(identity, policy, (), 0, stream_ttl_s=timeout, count_request=False)
+            turns: deque[Ticket] = deque()
+            call = self._router.Chat(metadata=self._metadata(), timeout=timeout)
             events: asyncio.Queue[object] = asyncio.Queue(maxsize=64)
 
             async def pump() -> None:
@@ -209,6 +235,10 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                     async for frame in request_iterator:
                         validate_chat_request(frame, self._limits)
                         if frame.WhichOneof("action") == "turn":
+                            turn = frame.turn
+                            texts = [m.content for m in turn.messages]
+                            turns.append(await self._gate.admit(identity, policy, texts, turn.sampling.max_tokens))
+                            turn.routing.priority = min(turn.routing.priority, policy.priority)
                             observed.turn_started()
                         await call.write(frame)
                     await call.done_writing()
@@ -231,7 +261,10 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                     if isinstance(event, MeshError):
                         raise event
                     assert isinstance(event, pb.ChatResponse)
-                    observed.frame(len(event.token_ids), event.final if event.HasField("final") else None)
+                    final = event.final if event.HasField("final") else None
+                    observed.frame(len(event.token_ids), final, turns[0] if turns else None)
+                    if final is not None and turns:
+                        self._gate.settle_soon(turns.popleft())
                     event.request_id = request_id
                     yield event
             finally:
@@ -239,3 +272,5 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                for ticket in (*turns, session):
+                    self._gate.settle_soon(ticket)

@@ -1,0 +1,109 @@
+"""Admission of one request: identity → tenant policy → policy checks → rate-limit reservation.
+
+The servicer calls :meth:`Gate.identify` once per call and :meth:`Gate.admit` once per request (a
+Generate/Complete call, or one Chat turn), and :meth:`Gate.settle_soon` when that request ends —
+finished, failed or cancelled — with the tokens it really used. Settling runs as its own task so a
+cancelled call still gives its unused tokens back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import structlog
+from prometheus_client import Counter
+
+from services.gateway.identity import Authenticator, Identity
+from services.gateway.policy import PolicyBook, TenantPolicy, check_request, estimate_prompt_tokens
+from services.gateway.ratelimit import RateLimiter, Reservation
+
+log = structlog.get_logger(__name__)
+
+ADMITTED = Counter(
+    "meshserve_gateway_admitted_total",
+    "Requests the gateway admitted, by tenant and credential source (static, keystore, jwt).",
+    ["service", "tenant", "source"],
+)
+
+
+@dataclass
+class Ticket:
+    """One admitted request: its policy, its token estimate and what the limiter reserved."""
+
+    policy: TenantPolicy
+    prompt_tokens: int
+    reservation: Reservation | None = None
+    completion_seen: int = 0
+    used: int | None = None
+    """Real usage from the final frame (prompt + completion), once seen."""
+
+    def tokens_used(self) -> int:
+        """Usage to settle with: the final frame's if it came, else estimate + tokens streamed."""
+        return self.used if self.used is not None else self.prompt_tokens + self.completion_seen
+
+
+class Gate:
+    """Identity, policy and the limiter behind one small API for the servicer."""
+
+    def __init__(self, authenticator: Authenticator, policies: PolicyBook, limiter: RateLimiter | None) -> None:
+        self._auth = authenticator
+        self._policies = policies
+        self._limiter = limiter
+        self._settling: set[asyncio.Task[None]] = set()
+
+    async def identify(self, metadata: Iterable[tuple[str, str | bytes]]) -> Identity:
+        return await self._auth.authenticate(metadata)
+
+    def policy(self, identity: Identity) -> TenantPolicy:
+        return self._policies.for_tenant(identity.tenant, identity.limits)
+
+    async def admit(
+        self,
+        identity: Identity,
+        policy: TenantPolicy,
+        prompt_texts: Iterable[str],
+        max_tokens: int,
+        *,
+        stream_ttl_s: float | None = None,
+        count_request: bool = True,
+    ) -> Ticket:
+        """Check the request against ``policy`` and reserve its budget; raises on a limit.
+
+        ``max_tokens`` 0 (the model's default) reserves the tenant's ``max_tokens`` cap.
+        """
+        prompt_tokens = estimate_prompt_tokens(prompt_texts)
+        budget = max_tokens or policy.max_tokens
+        if count_request:
+            check_request(policy, prompt_tokens, budget)
+        ticket = Ticket(policy, prompt_tokens if count_request else 0)
+        if self._limiter is not None:
+            ticket.reservation = await self._limiter.admit(
+                identity.tenant,
+                policy,
+                tokens=prompt_tokens + budget if count_request else 0,
+                count_request=count_request,
+                stream_ttl_s=stream_ttl_s,
+            )
+        if count_request:
+            ADMITTED.labels("gateway", identity.tenant, identity.source).inc()
+        return ticket
+
+    def settle_soon(self, ticket: Ticket) -> None:
+        """Settle ``ticket`` with its usage in a task of its own (survives the call's cancellation)."""
+        if self._limiter is None or ticket.reservation is None:
+            return
+        task = asyncio.create_task(self._limiter.settle(ticket.reservation, ticket.tokens_used()))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def drain(self) -> None:
+        """Wait for pending settlements (at shutdown, and in tests)."""
+        while self._settling:
+            await asyncio.gather(*list(self._settling), return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.drain()
+        if self._limiter is not None:
+            await self._limiter.close()
