@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
@@ -12,6 +12,7 @@ from services.common.settings import ServiceSettings, default_models_dir
 from services.models.paths import DEFAULT_MODEL_ID, model_paths
 
 WorkerList = Annotated[list[str], NoDecode]
+TenantMap = Annotated[dict[str, float], NoDecode]
 
 
 class RouterSettings(ServiceSettings):
@@ -38,6 +39,34 @@ class RouterSettings(ServiceSettings):
     """Prompts of at most this many tokens go to the edge tier, longer ones to the cloud tier."""
     retries_before_first_token: int = Field(default=2, ge=0)
     """Other replicas (of any tier) tried when a worker fails before sending a token."""
+    failovers_after_first_token: int = Field(default=2, ge=0)
+    """Times a stream is resumed on another replica after its worker died or stalled mid-generation."""
+    stall_timeout_s: float = Field(default=30.0, gt=0)
+    """A worker that sends nothing for this long is treated as failed (ejected, request failed over)."""
+    routing_policy: Literal["cache_aware", "round_robin"] = "cache_aware"
+    """Replica choice: bounded-load consistent hashing + longest prefix + P2C, or plain round-robin."""
+    prefix_block_tokens: int = Field(default=16, ge=1)
+    """Block size (tokens) of the prefix hashes used for cache-aware routing."""
+    balance_epsilon: float = Field(default=0.25, gt=0)
+    """No replica is given more than (1 + epsilon) times the average load of its tier."""
+    replica_slots: int = Field(default=0, ge=0)
+    """Concurrent turns the router sends to one replica; 0 = the worker's max_active_sequences."""
+    ttft_slo_ms: int = Field(default=30000, ge=0)
+    """Default TTFT objective: requests whose estimated TTFT is longer are shed (0 = never shed)."""
+    tenant_ttft_slo_ms: TenantMap = Field(default_factory=dict)
+    """Per-tenant TTFT objectives as tenant:ms pairs, comma-separated (e.g. ``acme:2000,free:8000``)."""
+    tenant_weights: TenantMap = Field(default_factory=dict)
+    """Fair-queuing weights as tenant:weight pairs (default 1); a weight of 2 gets twice the tokens."""
+    assumed_turn_s: float = Field(default=2.0, gt=0)
+    """Initial estimate of how long a turn holds its slot (refined from observed turns)."""
+    collapse_requests: bool = True
+    """Serve identical concurrent deterministic requests with one computation."""
+    eject_base_s: float = Field(default=1.0, gt=0)
+    """First ejection of a failing replica lasts this long; each further one doubles it."""
+    eject_max_s: float = Field(default=30.0, gt=0)
+    """Longest ejection."""
+    readmit_s: float = Field(default=10.0, ge=0)
+    """A re-admitted replica ramps up to its full share of traffic over this many seconds."""
     default_max_tokens: int = Field(default=256, ge=1)
     """max_tokens used when a request leaves it at 0."""
     cache_ttl_s: int = Field(default=3600, ge=1)
@@ -59,6 +88,22 @@ class RouterSettings(ServiceSettings):
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
+
+    @field_validator("tenant_ttft_slo_ms", "tenant_weights", mode="before")
+    @classmethod
+    def _pairs(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        out: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            tenant, sep, number = part.rpartition(":")
+            try:
+                out[tenant] = float(number)
+            except ValueError:
+                sep = ""
+            if not sep or not tenant:
+                raise ValueError(f"{part!r} must be tenant:number, e.g. acme:2000")
+        return out
 
     @field_validator("edge_workers", "cloud_workers")
     @classmethod

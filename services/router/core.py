@@ -1,22 +1,30 @@
-"""The router's request path, transport-agnostic towards its caller: cache, tier, replica, relay.
+"""The router's request path, transport-agnostic towards its caller.
 
 :meth:`Router.run_turn` serves one generation (a Generate request or one chat turn) as a stream of
-:class:`Chunk` events ending with one :class:`Done`. The servicer only translates protos.
+:class:`Chunk` events ending with one :class:`Done`: response cache, request collapsing, tier
+choice, admission (SLO shedding, fair queuing), replica choice, relay, retries and failover. The
+servicer only translates protos and numbers the chunks it passes on.
+
+Failures: a worker that fails before the first token is excluded and another replica (of the other
+tier when its own has none left) is tried, up to ``retries_before_first_token``. A worker that dies
+or stalls after tokens were sent is replaced, up to ``failovers_after_first_token`` times, by
+another replica that prefills prompt + the tokens already sent (``WorkerStart.resume_token_ids``)
+and continues; the client stream goes on without duplicate or gap because only the tokens the new
+worker generates are relayed and the chunks are numbered by the router.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import replace
 
 import grpc
 import structlog
 
-from services.cache.keys import SamplingSpec, response_key
+from services.cache.keys import response_key
 from services.cache.store import CachedResponse, Finish, ResponseCache
 from services.common import errors
 from services.common.interceptors import outbound_metadata
@@ -24,71 +32,35 @@ from services.common.metrics import INTER_TOKEN, TTFT
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.tokenizer import Tokenizer
-from services.router.metrics import RETRIES, ROUTE_DECISIONS
-from services.router.policy import RoundRobin, TierChoice, TierName, choose_tier
+from services.router.admission import Admission, Ticket
+from services.router.collapse import Collapser
+from services.router.metrics import COLLAPSED, FAILOVERS, REPLICA_DECISIONS, RETRIES, ROUTE_DECISIONS
+from services.router.policy import (
+    Candidate,
+    ReplicaSelector,
+    RoundRobin,
+    TierChoice,
+    TierName,
+    block_hashes,
+    choose_tier,
+)
 from services.router.registry import Registry, Replica
-from services.router.worker_stream import RETRYABLE, WorkerClosed, WorkerStream, domain_error
+from services.router.turn import Chunk, Done, Route, Session, TurnRequest, _Progress
+from services.router.worker_stream import (
+    RESUMABLE,
+    RETRYABLE,
+    WorkerClosed,
+    WorkerStalled,
+    WorkerStream,
+    domain_error,
+    read_or_cancel,
+    sampling_pb,
+)
 
 log = structlog.get_logger(__name__)
 SERVICE = "router"
 _CACHEABLE_FINISH = {int(f) for f in Finish}
-
-
-@dataclass(frozen=True)
-class Route:
-    """Where a turn was served (RouteInfo)."""
-
-    tier: TierName | None
-    worker_id: str
-    cache_hit: bool
-    reason: str
-
-
-@dataclass(frozen=True)
-class Chunk:
-    token_ids: Sequence[int]
-    text: str
-
-
-@dataclass(frozen=True)
-class Done:
-    finish_reason: int  # meshserve.v1.FinishReason value
-    prompt_tokens: int
-    completion_tokens: int
-    route: Route
-
-
-@dataclass
-class TurnRequest:
-    """One generation to serve: prompt ids already validated against the context length."""
-
-    prompt_ids: list[int]
-    sampling: SamplingSpec
-    hint: TierName | None
-    use_cache: bool
-    shareable: bool
-    tenant: str
-    request_id: str
-    timeout: float | None = None
-
-
-@dataclass
-class Session:
-    """Worker-side state that outlives one turn: the open stream of a chat (None for Generate)."""
-
-    stream: WorkerStream | None = None
-    choice: TierChoice | None = None
-
-    async def close(self) -> None:
-        if self.stream is not None:
-            await self.stream.close()
-            self.stream = None
-
-
-@dataclass
-class _Progress:
-    tokens: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
+__all__ = ["SERVICE", "Chunk", "Done", "Route", "Router", "Session", "TurnRequest"]
 
 
 class Router:
@@ -105,6 +77,13 @@ class Router:
         internal_token: str,
         edge_max_prompt_tokens: int,
         retries_before_first_token: int = 2,
+        failovers_after_first_token: int = 2,
+        admission: Admission | None = None,
+        selector: ReplicaSelector | None = None,
+        policy: str = "cache_aware",
+        block_tokens: int = 16,
+        stall_timeout_s: float = 30.0,
+        collapse: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.cache = cache
@@ -114,12 +93,17 @@ class Router:
         self._token = internal_token
         self._edge_max = edge_max_prompt_tokens
         self._retries = retries_before_first_token
+        self._failovers = failovers_after_first_token
+        self.admission = admission or Admission(lambda tier: 1 << 30)
+        self.selector = selector or ReplicaSelector()
+        self._policy = policy
+        self._block = block_tokens
+        self._stall_s = stall_timeout_s
+        self._collapse = collapse
         self._rr = RoundRobin()
+        self.collapser: Collapser[Chunk | Done] = Collapser()
 
-    def cache_key(self, req: TurnRequest) -> str | None:
-        """The response-cache key of ``req``, or None when it must not use the cache."""
-        if not (req.use_cache and self.cache.enabled and req.sampling.deterministic):
-            return None
+    def _key(self, req: TurnRequest) -> str:
         return response_key(
             model_id=self.model_id,
             model_version=self.model_version,
@@ -130,22 +114,50 @@ class Router:
             shareable=req.shareable,
         )
 
-    def pick(self, prompt_tokens: int, hint: TierName | None, exclude: Sequence[Replica]) -> tuple[TierChoice, Replica]:
-        """Tier by policy, then round-robin over that tier's healthy replicas not in ``exclude``."""
-        candidates = {tier: [r for r in self.registry.healthy(tier) if r not in exclude] for tier in TierName}
-        choice = choose_tier(prompt_tokens, hint, {t for t, rs in candidates.items() if rs}, self._edge_max)
-        replica = self._rr.pick(choice.tier.value, candidates[choice.tier])
-        assert replica is not None
-        return choice, replica
+    def cache_key(self, req: TurnRequest) -> str | None:
+        """The response-cache key of ``req``, or None when it must not use the cache."""
+        if not (req.use_cache and self.cache.enabled and req.sampling.deterministic):
+            return None
+        return self._key(req)
+
+    def collapse_key(self, req: TurnRequest, session: Session) -> str | None:
+        """Identical deterministic requests that may share the caches may share one computation."""
+        if not (self._collapse and req.use_cache and req.sampling.deterministic) or session.chat:
+            return None
+        hint = req.hint.value if req.hint else "auto"
+        return f"{self._key(req)}:{hint}"
+
+    def choose(self, req: TurnRequest, exclude: Sequence[Replica]) -> TierChoice:
+        """The tier: by policy over tiers with a healthy replica not in ``exclude``."""
+        usable = {t for t in TierName if any(r not in exclude for r in self.registry.healthy(t))}
+        saturated = {t for t in usable if self.admission.saturated(t)}
+        return choose_tier(len(req.prompt_ids), req.hint, usable, self._edge_max, saturated)
+
+    def blocks(self, req: TurnRequest) -> list[bytes]:
+        return block_hashes(req.prompt_ids, self._block, "" if req.shareable else req.tenant)
+
+    def select(self, req: TurnRequest, tier: TierName, exclude: Sequence[Replica]) -> Replica:
+        """The replica of ``tier`` (healthy, not excluded) by the configured policy."""
+        replicas = [r for r in self.registry.healthy(tier) if r not in exclude]
+        if not replicas:
+            raise errors.Unavailable("no healthy worker can serve this request right now; retry in a few seconds")
+        if self._policy == "round_robin":
+            picked = self._rr.pick(tier.value, replicas)
+            assert picked is not None
+            REPLICA_DECISIONS.labels(tier.value, "round_robin").inc()
+            return picked
+        sel = self.selector.select([Candidate(r.address, r.load) for r in replicas], self.blocks(req))
+        REPLICA_DECISIONS.labels(tier.value, sel.reason).inc()
+        return next(r for r in replicas if r.address == sel.name)
+
+    def pick(self, req: TurnRequest, exclude: Sequence[Replica]) -> tuple[TierChoice, Replica]:
+        choice = self.choose(req, exclude)
+        return choice, self.select(req, choice.tier, exclude)
 
     async def run_turn(
         self, req: TurnRequest, session: Session, cancel: asyncio.Event | None = None
     ) -> AsyncGenerator[Chunk | Done, None]:
-        """Serve one generation: from the cache, else from a worker.
-
-        A worker that fails before the first token is excluded and the request goes to another
-        replica, of the other tier if its own has none left, up to ``retries_before_first_token``.
-        """
+        """Serve one generation: from the cache, by joining an identical one in flight, else a worker."""
         started = time.perf_counter()
         key = self.cache_key(req)
         if key is not None:
@@ -157,64 +169,155 @@ class Router:
                 route = Route(None, "", True, "cache_hit")
                 yield Done(int(hit.finish), len(req.prompt_ids), hit.completion_tokens, route)
                 return
+        ckey = self.collapse_key(req, session)
+        if ckey is None:
+            async with aclosing(self._serve(req, session, cancel, key, started)) as events:
+                async for event in events:
+                    yield event
+            return
+        counted = False
+        async with aclosing(self.collapser.run(ckey, lambda: self._serve_alone(req, key, started))) as shared:
+            async for event, joined in shared:
+                if joined and not counted:
+                    counted = True
+                    COLLAPSED.inc()
+                if joined and isinstance(event, Done):
+                    tier = event.route.tier.value if event.route.tier else "none"
+                    ROUTE_DECISIONS.labels(tier, "collapsed").inc()
+                    event = replace(event, route=replace(event.route, reason="collapsed"))
+                yield event
+
+    async def _serve_alone(self, req: TurnRequest, key: str | None, started: float) -> AsyncGenerator[Chunk | Done]:
+        session = Session()
+        try:
+            async with aclosing(self._serve(req, session, None, key, started)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            await session.close()
+
+    async def _serve(
+        self, req: TurnRequest, session: Session, cancel: asyncio.Event | None, key: str | None, started: float
+    ) -> AsyncGenerator[Chunk | Done, None]:
         exclude: list[Replica] = []
         failure: errors.MeshError | None = None
         progress = _Progress()
-        while True:
-            if session.stream is None:
+        ticket: Ticket | None = None
+        running: Replica | None = None
+        try:
+            while True:
+                if session.stream is None:
+                    try:
+                        picked = self.choose(req, exclude)
+                    except errors.Unavailable:
+                        raise failure or errors.Unavailable(
+                            "no healthy worker can serve this request right now; retry in a few seconds"
+                        ) from None
+                    session.choice = picked
+                    if ticket is None:
+                        ticket = await self._admit(req, picked.tier)
+                    replica = self.select(req, picked.tier, exclude)
+                    session.stream = WorkerStream(replica, outbound_metadata(self._token), req.timeout)
+                    structlog.contextvars.bind_contextvars(worker=replica.name, tier=picked.tier.value)
+                elif ticket is None:
+                    assert session.choice is not None
+                    ticket = await self._admit(req, session.choice.tier)
+                stream = session.stream
+                choice = session.choice
+                assert stream is not None and choice is not None
+                running = stream.replica
+                running.in_flight += 1
                 try:
-                    picked, replica = self.pick(len(req.prompt_ids), req.hint, exclude)
-                except errors.Unavailable:
-                    raise failure or errors.Unavailable(
-                        "no healthy worker can serve this request right now; retry in a few seconds"
-                    ) from None
-                session.choice = picked
-                session.stream = WorkerStream(replica, outbound_metadata(self._token), req.timeout)
-                structlog.contextvars.bind_contextvars(worker=replica.name, tier=picked.tier.value)
-            stream = session.stream
-            choice = session.choice
-            assert choice is not None
-            try:
-                async with aclosing(self._relay(req, stream, choice, cancel, progress, started)) as events:
-                    async for event in events:
-                        if isinstance(event, Done) and key is not None and event.finish_reason in _CACHEABLE_FINISH:
-                            # Stored before the final frame goes out, so a repeat sent right after it hits.
-                            await self.cache.put(
-                                key,
-                                CachedResponse(
-                                    tuple(progress.tokens),
-                                    "".join(progress.text),
-                                    Finish(event.finish_reason),
-                                    len(req.prompt_ids),
-                                    event.completion_tokens,
-                                ),
-                            )
-                        yield event
-                        if isinstance(event, Done):
-                            return
-            except (grpc.aio.AioRpcError, WorkerClosed) as exc:
-                await session.close()
-                code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    self.registry.mark_down(stream.replica, "call_failed")
-                if not progress.tokens and len(exclude) < self._retries and code in RETRYABLE:
-                    log.warning("worker_failed_retrying", worker=stream.replica.name, code=code.name)
-                    RETRIES.labels(choice.tier.value, code.name).inc()
-                    exclude.append(stream.replica)
-                    failure = domain_error(exc) if isinstance(exc, grpc.aio.AioRpcError) else None
-                    continue
-                log.warning(
-                    "worker_failed", worker=stream.replica.name, code=code.name, tokens_sent=len(progress.tokens)
-                )
-                if isinstance(exc, grpc.aio.AioRpcError):
-                    raise domain_error(exc) from None
-                raise errors.Unavailable("the worker serving this request failed; retry the request") from None
-            except BaseException:
-                # Caller went away (CancelledError) or we failed: the worker must stop generating now.
-                if session.stream is not None:
-                    session.stream.abort()
-                    session.stream = None
-                raise
+                    async with aclosing(self._relay(req, stream, choice, cancel, progress, started)) as events:
+                        async for event in events:
+                            if isinstance(event, Done):
+                                await self._store(key, req, progress, event)
+                                self.admission.release(ticket, time.perf_counter() - started)
+                            yield event
+                            if isinstance(event, Done):
+                                return
+                except (grpc.aio.AioRpcError, WorkerClosed) as exc:
+                    await session.close()
+                    failure = self._failed(exc, stream, choice, progress, exclude, failure)
+                finally:
+                    running.in_flight -= 1
+        except BaseException:
+            # Caller went away (CancelledError) or we failed: the worker must stop generating now.
+            if session.stream is not None:
+                session.stream.abort()
+                session.stream = None
+            raise
+        finally:
+            if ticket is not None:
+                self.admission.release(ticket)
+
+    def _failed(
+        self,
+        exc: grpc.aio.AioRpcError | WorkerClosed,
+        stream: WorkerStream,
+        choice: TierChoice,
+        progress: _Progress,
+        exclude: list[Replica],
+        failure: errors.MeshError | None,
+    ) -> errors.MeshError | None:
+        """Decide what a worker failure means: retry, resume elsewhere, or raise to the caller."""
+        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
+        if code == grpc.StatusCode.UNAVAILABLE:
+            self.registry.mark_down(stream.replica, "stalled" if isinstance(exc, WorkerStalled) else "call_failed")
+            self.selector.forget(stream.replica.address)
+        name = stream.replica.name
+        if not progress.tokens and len(exclude) < self._retries and code in RETRYABLE:
+            log.warning("worker_failed_retrying", worker=name, code=code.name)
+            RETRIES.labels(choice.tier.value, code.name).inc()
+            exclude.append(stream.replica)
+            return domain_error(exc) if isinstance(exc, grpc.aio.AioRpcError) else None
+        if progress.tokens and progress.failovers < self._failovers and code in RESUMABLE:
+            log.warning("worker_failed_resuming", worker=name, code=code.name, tokens_sent=len(progress.tokens))
+            FAILOVERS.labels(choice.tier.value, code.name).inc()
+            exclude.append(stream.replica)
+            progress.failovers += 1
+            progress.resumed = len(progress.tokens)
+            return failure
+        log.warning("worker_failed", worker=name, code=code.name, tokens_sent=len(progress.tokens))
+        if isinstance(exc, grpc.aio.AioRpcError):
+            raise domain_error(exc) from None
+        raise errors.Unavailable("the worker serving this request failed; retry the request") from None
+
+    async def _admit(self, req: TurnRequest, tier: TierName) -> Ticket:
+        blocks = self.blocks(req)
+        cached = max((self.selector.cached_blocks(r.address, blocks) for r in self.registry.healthy(tier)), default=0)
+        return await self.admission.acquire(
+            tier,
+            tenant=req.tenant,
+            priority=req.priority,
+            cost=len(req.prompt_ids) + req.sampling.max_tokens,
+            uncached_tokens=len(req.prompt_ids) - cached * self._block,
+        )
+
+    async def _store(self, key: str | None, req: TurnRequest, progress: _Progress, done: Done) -> None:
+        # Stored before the final frame goes out, so a repeat sent right after it hits.
+        if key is None or done.finish_reason not in _CACHEABLE_FINISH:
+            return
+        await self.cache.put(
+            key,
+            CachedResponse(
+                tuple(progress.tokens),
+                "".join(progress.text),
+                Finish(done.finish_reason),
+                len(req.prompt_ids),
+                done.completion_tokens,
+            ),
+        )
+
+    async def _read(
+        self, stream: WorkerStream, cancel: asyncio.Event | None, cancel_sent: bool
+    ) -> tuple[worker_pb2.WorkerResponse, bool]:
+        try:
+            if cancel is not None and not cancel_sent:
+                return await asyncio.wait_for(read_or_cancel(stream, cancel), self._stall_s)
+            return await asyncio.wait_for(stream.read(), self._stall_s), cancel_sent
+        except TimeoutError:
+            raise WorkerStalled(f"worker sent nothing for {self._stall_s:g} s") from None
 
     async def _relay(
         self,
@@ -229,18 +332,20 @@ class Router:
             worker_pb2.WorkerStart(
                 request_id=req.request_id,
                 prompt_token_ids=req.prompt_ids,
-                sampling=_sampling_pb(req.sampling),
+                sampling=sampling_pb(req.sampling),
                 tenant=req.tenant,
+                resume_token_ids=progress.tokens,
             )
         )
         tier = choice.tier.value
         cancel_sent = False
         last = 0.0
+        expected = 0
         while True:
-            if cancel is not None and not cancel_sent:
-                frame, cancel_sent = await _read_or_cancel(stream, cancel)
-            else:
-                frame = await stream.read()
+            frame, cancel_sent = await self._read(stream, cancel, cancel_sent)
+            if frame.sequence != expected:
+                raise WorkerClosed(f"worker frame {frame.sequence} arrived where {expected} was due")
+            expected += 1
             if frame.token_ids or frame.text:
                 now = time.perf_counter()
                 if not progress.tokens:
@@ -258,42 +363,12 @@ class Router:
                 if not progress.tokens:
                     ROUTE_DECISIONS.labels(tier, choice.reason).inc()
                 final = frame.final
+                produced = final.completion_tokens or len(progress.tokens) - progress.resumed
+                reason = choice.reason if not progress.failovers else "failover"
                 yield Done(
                     final.finish_reason or inference_pb2.FINISH_REASON_STOP,
                     len(req.prompt_ids),
-                    final.completion_tokens or len(progress.tokens),
-                    Route(choice.tier, stream.replica.name, False, choice.reason),
+                    progress.resumed + produced,
+                    Route(choice.tier, stream.replica.name, False, reason),
                 )
                 return
-
-
-async def _read_or_cancel(stream: WorkerStream, cancel: asyncio.Event) -> tuple[worker_pb2.WorkerResponse, bool]:
-    """The next frame; if ``cancel`` fires first, send WorkerCancel and keep reading."""
-    if cancel.is_set():
-        await stream.cancel_turn()
-        return await stream.read(), True
-    read = asyncio.ensure_future(stream.read())
-    waiter = asyncio.ensure_future(cancel.wait())
-    try:
-        await asyncio.wait({read, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        read.cancel()
-        raise
-    finally:
-        waiter.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await waiter
-    sent = False
-    if cancel.is_set():
-        await stream.cancel_turn()
-        sent = True
-    return await read, sent
-
-
-def _sampling_pb(s: SamplingSpec) -> inference_pb2.SamplingParams:
-    msg = inference_pb2.SamplingParams(
-        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=list(s.stop)
-    )
-    if s.seed is not None:
-        msg.seed = s.seed
-    return msg

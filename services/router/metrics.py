@@ -2,15 +2,46 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 ROUTE_DECISIONS = Counter(
     "meshserve_route_decisions_total",
-    "Routing decisions by chosen tier and reason (prompt_short, prompt_long, hint, spill, fallback, cache_hit).",
+    "Routing decisions by chosen tier and reason (prompt_short, prompt_long, hint, spill, spill_saturated, "
+    "fallback, cache_hit, collapsed).",
+    ["tier", "reason"],
+)
+REPLICA_DECISIONS = Counter(
+    "meshserve_router_replica_decisions_total",
+    "Replica choices by tier and reason (prefix, ring, p2c, only).",
     ["tier", "reason"],
 )
 RETRIES = Counter(
     "meshserve_router_retries_total",
     "Requests retried on another replica after a worker failed before the first token, by status code.",
     ["tier", "code"],
+)
+FAILOVERS = Counter(
+    "meshserve_router_failovers_total",
+    "Streams resumed on another replica after tokens were sent (prompt + sent tokens prefilled).",
+    ["tier", "code"],
+)
+COLLAPSED = Counter(
+    "meshserve_router_collapsed_requests_total",
+    "Requests served by joining an identical deterministic request already in flight.",
+)
+SHED = Counter(
+    "meshserve_router_shed_requests_total",
+    "Requests refused early (RESOURCE_EXHAUSTED) because the estimated TTFT exceeded the tenant's SLO.",
+    ["tier", "priority"],
+)
+EJECTIONS = Counter(
+    "meshserve_router_ejections_total",
+    "Replicas ejected from routing after errors or stalls.",
+    ["tier", "reason"],
+)
+QUEUE_TIME = Histogram(
+    "meshserve_router_queue_time_seconds",
+    "Time a request waited in the router for a free slot of its tier.",
+    ["tier"],
+    buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )

@@ -1,16 +1,48 @@
 """Routing policy: which tier, which replica. Pure functions and state, no grpc, no I/O.
 
-Tier choice, in order:
-1. an explicit hint (edge/cloud) is honoured when that tier has a healthy replica (reason "hint"),
+Tier choice (:func:`choose_tier`), in order:
+
+1. a tenant restricted to some tiers (tenant policy) is only ever routed inside them;
+2. an explicit hint (edge/cloud) is honoured when that tier has a usable replica (reason "hint"),
    otherwise the other tier serves (reason "fallback");
-2. prompts of at most ``edge_max_prompt_tokens`` go to the edge ("prompt_short"), longer ones to
-   the cloud ("prompt_long"); when that tier has no healthy replica the other one serves ("spill").
-Replica choice is round-robin over the healthy replicas of the chosen tier.
+3. prompts of at most ``edge_max_prompt_tokens`` go to the edge ("prompt_short"), longer ones to
+   the cloud ("prompt_long"); when that tier has no healthy replica the other one serves ("spill"),
+   and when every replica of it is saturated while the other tier has room, too ("spill_saturated").
+
+Replica choice (:class:`ReplicaSelector`), for the healthy replicas of the chosen tier. The load of a
+replica is ``load = max(in_flight, active + queued)``: the streams this router has open on it, or
+what the replica itself last reported when that is higher (other routers). Then:
+
+1. **Bounded load** (consistent hashing with bounded loads, Mirrokni et al. 2018): with ``n``
+   replicas and total load ``L``, the capacity is ``C = ceil((1 + ε) · (L + 1) / n)``; a replica is
+   *eligible* when ``load + 1 <= C``. The least-loaded replica always is, so the set is never empty,
+   and no replica is ever pushed above (1 + ε) times the average (rounded up).
+2. **Longest cached prefix**: the prompt is cut into blocks of ``block_tokens`` tokens, each named
+   by the hash chain of all blocks up to it (the vLLM scheme). The selector remembers, per replica,
+   the block hashes it recently served (LRU, ``prefix_capacity`` blocks). Among eligible replicas
+   the one with the longest remembered prefix wins (more blocks → fewer prefill tokens); ties go
+   to the lower load.
+3. **Consistent hashing** for a prefix no replica holds yet: the first block's hash is placed on a
+   ring of ``vnodes`` virtual nodes per replica and the ring is walked clockwise to the first
+   eligible replica. Requests sharing a system prompt therefore meet on one replica until it is
+   full, then overflow to the next one on the ring, and so on: a hot prompt spreads over all
+   replicas instead of pinning one, and a replica joining or leaving moves only its own arcs.
+4. **Power of two choices** for prompts shorter than one block (nothing worth caching): two
+   distinct eligible replicas are drawn at random and the lower ``(load, picks)`` wins (``picks``,
+   how often it was chosen, makes ties deterministic and round-robin-like).
+
+In short, the score of an eligible replica ``r`` for a request is the tuple
+``(cached_blocks(r), -load(r), -picks(r))``, maximised; ring order breaks a zero-block tie for
+multi-block prompts and P2C sampling replaces the full scan for short ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+import hashlib
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
@@ -40,26 +72,36 @@ def choose_tier(
     hint: TierName | None,
     healthy: Collection[TierName],
     edge_max_prompt_tokens: int,
+    saturated: Collection[TierName] = (),
+    allowed: Collection[TierName] | None = None,
 ) -> TierChoice:
-    """Pick the tier for a prompt of ``prompt_tokens`` tokens; raises Unavailable if none is healthy."""
+    """Pick the tier for a prompt of ``prompt_tokens`` tokens; raises Unavailable if none is usable.
+
+    ``saturated``: healthy tiers whose every replica is at capacity. ``allowed``: the tenant's tiers
+    (None = all).
+    """
+    usable = {t for t in healthy if allowed is None or t in allowed}
     if hint is not None:
         preferred, reason, other_reason = hint, "hint", "fallback"
     elif prompt_tokens <= edge_max_prompt_tokens:
         preferred, reason, other_reason = TierName.EDGE, "prompt_short", "spill"
     else:
         preferred, reason, other_reason = TierName.CLOUD, "prompt_long", "spill"
-    if preferred in healthy:
+    if preferred in usable:
+        if preferred in saturated and preferred.other in usable and preferred.other not in saturated:
+            return TierChoice(preferred.other, "spill_saturated")
         return TierChoice(preferred, reason)
-    if preferred.other in healthy:
+    if preferred.other in usable:
         return TierChoice(preferred.other, other_reason)
     raise Unavailable("no healthy worker can serve this request right now; retry in a few seconds")
 
 
 T = TypeVar("T")
+K = TypeVar("K", bound=Hashable)
 
 
 class RoundRobin:
-    """Round-robin over a changing list of candidates, one cursor per tier."""
+    """Round-robin over a changing list of candidates, one cursor per tier (the baseline policy)."""
 
     def __init__(self) -> None:
         self._next: dict[str, int] = {}
@@ -72,3 +114,147 @@ class RoundRobin:
         i = self._next.get(group, 0)
         self._next[group] = i + 1
         return allowed[i % len(allowed)]
+
+
+def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str = "") -> list[bytes]:
+    """Chained hashes of the prompt's full blocks: block i's hash covers blocks 0..i (and ``salt``)."""
+    out: list[bytes] = []
+    parent = salt.encode()
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        block = token_ids[start : start + block_tokens]
+        parent = hashlib.blake2b(parent + b"|" + ",".join(map(str, block)).encode(), digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+def capacity(total_load: int, n: int, epsilon: float) -> int:
+    """Most load one of ``n`` replicas may carry after taking one more request: ceil((1+ε)(L+1)/n)."""
+    return max(1, math.ceil((1.0 + epsilon) * (total_load + 1) / n))
+
+
+class HashRing:
+    """Consistent-hash ring with ``vnodes`` virtual nodes per member."""
+
+    def __init__(self, vnodes: int = 64) -> None:
+        self._vnodes = vnodes
+        self._members: tuple[str, ...] = ()
+        self._points: list[tuple[int, str]] = []
+
+    def _build(self, members: Sequence[str]) -> None:
+        key = tuple(sorted(members))
+        if key == self._members:
+            return
+        self._members = key
+        self._points = sorted(
+            (int.from_bytes(hashlib.blake2b(f"{m}#{v}".encode(), digest_size=8).digest(), "big"), m)
+            for m in key
+            for v in range(self._vnodes)
+        )
+
+    def walk(self, key: bytes, members: Sequence[str]) -> list[str]:
+        """Members in ring order starting at ``key``'s position, each once."""
+        self._build(members)
+        if not self._points:
+            return []
+        h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big")
+        lo, hi = 0, len(self._points)
+        while lo < hi:  # first point >= h
+            mid = (lo + hi) // 2
+            if self._points[mid][0] < h:
+                lo = mid + 1
+            else:
+                hi = mid
+        seen: dict[str, None] = {}
+        n = len(self._points)
+        for i in range(n):
+            seen.setdefault(self._points[(lo + i) % n][1], None)
+            if len(seen) == len(self._members):
+                break
+        return list(seen)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A replica as the policy sees it: a stable name and its load (see the module docstring)."""
+
+    name: str
+    load: int
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The chosen replica, how many prompt blocks it is believed to hold, and why it was chosen."""
+
+    name: str
+    cached_blocks: int
+    reason: str  # "prefix" (longest cached prefix), "ring" (consistent hash), "p2c", "only"
+
+
+class ReplicaSelector:
+    """Replica choice by bounded-load consistent hashing + longest cached prefix + P2C (module doc)."""
+
+    def __init__(
+        self,
+        *,
+        epsilon: float = 0.25,
+        prefix_capacity: int = 4096,
+        vnodes: int = 64,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.epsilon = epsilon
+        self._capacity = prefix_capacity
+        self._ring = HashRing(vnodes)
+        self._rng = rng or random.Random()
+        self._held: dict[str, OrderedDict[bytes, None]] = {}
+        self.picks: dict[str, int] = {}
+
+    def cached_blocks(self, name: str, blocks: Sequence[bytes]) -> int:
+        """Leading blocks of ``blocks`` that replica ``name`` is believed to hold."""
+        held = self._held.get(name)
+        if not held:
+            return 0
+        n = 0
+        for b in blocks:
+            if b not in held:
+                break
+            n += 1
+        return n
+
+    def record(self, name: str, blocks: Sequence[bytes]) -> None:
+        """Replica ``name`` served (so now holds) ``blocks``; least recently used ones are forgotten."""
+        held = self._held.setdefault(name, OrderedDict())
+        for b in blocks:
+            held[b] = None
+            held.move_to_end(b)
+        while len(held) > self._capacity:
+            held.popitem(last=False)
+
+    def forget(self, name: str) -> None:
+        """Replica ``name`` lost its cache (restarted or ejected)."""
+        self._held.pop(name, None)
+
+    def select(self, candidates: Sequence[Candidate], blocks: Sequence[bytes]) -> Selection:
+        """Choose among ``candidates`` (non-empty) for a prompt whose block hashes are ``blocks``."""
+        if not candidates:
+            raise Unavailable("no healthy worker can serve this request right now; retry in a few seconds")
+        if len(candidates) == 1:
+            return self._chosen(candidates[0], blocks, "only")
+        cap = capacity(sum(c.load for c in candidates), len(candidates), self.epsilon)
+        eligible = [c for c in candidates if c.load + 1 <= cap] or [min(candidates, key=lambda c: c.load)]
+        if blocks:
+            best = max(eligible, key=lambda c: (self.cached_blocks(c.name, blocks), -c.load))
+            if self.cached_blocks(best.name, blocks) > 0:
+                return self._chosen(best, blocks, "prefix")
+            by_name = {c.name: c for c in eligible}
+            for name in self._ring.walk(blocks[0], [c.name for c in candidates]):
+                if name in by_name:
+                    return self._chosen(by_name[name], blocks, "ring")
+        pair = self._rng.sample(eligible, 2) if len(eligible) > 1 else eligible
+        winner = min(pair, key=lambda c: (c.load, self.picks.get(c.name, 0), c.name))
+        return self._chosen(winner, blocks, "p2c")
+
+    def _chosen(self, c: Candidate, blocks: Sequence[bytes], reason: str) -> Selection:
+        cached = self.cached_blocks(c.name, blocks)
+        self.picks[c.name] = self.picks.get(c.name, 0) + 1
+        self.record(c.name, blocks)
+        return Selection(c.name, cached, reason)

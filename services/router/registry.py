@@ -2,14 +2,20 @@
 
 Every ``interval_s`` each replica is probed with ``grpc.health.v1.Health/Check`` and
 ``Worker.Stats`` (identity and load). A replica is up when health says SERVING and Stats answers.
-A call that fails with UNAVAILABLE marks its replica down at once (``mark_down``); the next
-successful probe brings it back.
+Outlier ejection: a call that fails with UNAVAILABLE or stalls ejects its replica at once
+(``mark_down``) for ``eject_base_s * 2**(consecutive ejections - 1)`` (capped at ``eject_max_s``);
+probes cannot bring it back before that. Re-admission is gradual: for ``readmit_s`` after it
+comes back, a replica carries an extra routing load that decays linearly from its slot count to 0
+(:attr:`Replica.load`), so it takes a growing share of new traffic instead of all of it at once.
+A replica that stays healthy for ``readmit_s`` has its ejection count reset.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -20,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common import metadata as md
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.serving import grpc_options
+from services.router.metrics import EJECTIONS
 from services.router.policy import TierName
 
 log = structlog.get_logger(__name__)
@@ -37,7 +44,24 @@ class Replica:
     worker_id: str = ""
     active_sequences: int = 0
     queue_depth: int = 0
+    max_active: int = 4
     failures: int = field(default=0)
+    in_flight: int = 0
+    """Turns this router has running on the replica now."""
+    ejections: int = 0
+    ejected_until: float = 0.0
+    readmitted_at: float = 0.0
+    readmit_s: float = 0.0
+
+    @property
+    def load(self) -> int:
+        """Routing load: ``max(in_flight, active + queued)`` plus the re-admission penalty."""
+        base = max(self.in_flight, self.active_sequences + self.queue_depth)
+        if self.readmit_s > 0 and self.readmitted_at:
+            left = 1.0 - (time.monotonic() - self.readmitted_at) / self.readmit_s
+            if left > 0:
+                base += math.ceil(left * self.max_active)
+        return base
 
     @property
     def name(self) -> str:
@@ -57,12 +81,18 @@ class Registry:
         interval_s: float = 1.0,
         timeout_s: float = 0.5,
         on_change: Callable[[bool], object] | None = None,
+        eject_base_s: float = 1.0,
+        eject_max_s: float = 30.0,
+        readmit_s: float = 10.0,
     ) -> None:
         self._addresses = [(a, TierName.EDGE) for a in edge] + [(a, TierName.CLOUD) for a in cloud]
         self._token = internal_token
         self._interval = interval_s
         self._timeout = timeout_s
         self._on_change = on_change
+        self._eject_base = eject_base_s
+        self._eject_max = eject_max_s
+        self._readmit = readmit_s
         self.replicas: list[Replica] = []
         self._task: asyncio.Task[None] | None = None
         self._any_up: bool | None = None
@@ -71,7 +101,8 @@ class Registry:
         """Open the channels, probe every replica once, then keep polling in the background."""
         for address, tier in self._addresses:
             channel = grpc.aio.insecure_channel(address, options=grpc_options())
-            self.replicas.append(Replica(address, tier, channel, worker_pb2_grpc.WorkerStub(channel)))
+            replica = Replica(address, tier, channel, worker_pb2_grpc.WorkerStub(channel), readmit_s=self._readmit)
+            self.replicas.append(replica)
         await self.probe_all()
         self._task = asyncio.create_task(self._poll(), name="router-health-poll")
 
@@ -94,8 +125,15 @@ class Registry:
         return {r.tier for r in self.replicas if r.healthy}
 
     def mark_down(self, replica: Replica, reason: str) -> None:
+        """Eject ``replica`` (it failed or stalled) with exponential backoff; see the module doc."""
         if replica.healthy:
-            log.warning("worker_marked_down", worker=replica.name, address=replica.address, reason=reason)
+            replica.ejections += 1
+            backoff = min(self._eject_max, self._eject_base * 2 ** (replica.ejections - 1))
+            replica.ejected_until = time.monotonic() + backoff
+            EJECTIONS.labels(replica.tier.value, reason).inc()
+            log.warning(
+                "worker_ejected", worker=replica.name, address=replica.address, reason=reason, backoff_s=backoff
+            )
         replica.healthy = False
         replica.failures += 1
         self._notify()
@@ -125,12 +163,21 @@ class Registry:
                 r.worker_id = stats.worker_id or r.worker_id
                 r.active_sequences = stats.active_sequences
                 r.queue_depth = stats.queue_depth
+                r.max_active = stats.max_active_sequences or r.max_active
         except grpc.aio.AioRpcError as exc:
             up = False
             if r.healthy:
                 log.warning("worker_probe_failed", worker=r.name, address=r.address, code=exc.code().name)
+        now = time.monotonic()
+        if up and not r.healthy and now < r.ejected_until:
+            up = False  # still ejected: wait out the backoff
         if up != r.healthy:
             log.info("worker_health_changed", worker=r.name, address=r.address, tier=r.tier.value, up=up)
+            if up and r.ejections:
+                r.readmitted_at = now
+        elif up and r.ejections and r.readmitted_at and now - r.readmitted_at > self._readmit:
+            r.ejections = 0
+            r.readmitted_at = 0.0
         r.healthy = up
 
     def _notify(self) -> None:

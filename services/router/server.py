@@ -10,8 +10,10 @@ from services.cache.store import ResponseCache
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
 from services.common.serving import RunningServer, start_server
 from services.common.tokenizer import Tokenizer
+from services.router.admission import Admission
 from services.router.config import RouterSettings
 from services.router.core import SERVICE, Router
+from services.router.policy import ReplicaSelector, TierName
 from services.router.registry import Registry
 from services.router.servicer import RouterServicer
 
@@ -51,8 +53,22 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
         interval_s=settings.health_interval_s,
         timeout_s=settings.health_timeout_s,
         on_change=on_change,
+        eject_base_s=settings.eject_base_s,
+        eject_max_s=settings.eject_max_s,
+        readmit_s=settings.readmit_s,
     )
     await registry.start()
+
+    def slots(tier: TierName) -> int:
+        return sum(settings.replica_slots or r.max_active for r in registry.healthy(tier))
+
+    admission = Admission(
+        slots,
+        default_slo_ms=settings.ttft_slo_ms,
+        tenant_slo_ms={t: int(ms) for t, ms in settings.tenant_ttft_slo_ms.items()},
+        tenant_weights=settings.tenant_weights,
+        turn_s=settings.assumed_turn_s,
+    )
     router = Router(
         tokenizer=tokenizer,
         cache=cache,
@@ -62,6 +78,13 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
         internal_token=settings.internal_token,
         edge_max_prompt_tokens=settings.edge_max_prompt_tokens,
         retries_before_first_token=settings.retries_before_first_token,
+        failovers_after_first_token=settings.failovers_after_first_token,
+        admission=admission,
+        selector=ReplicaSelector(epsilon=settings.balance_epsilon),
+        policy=settings.routing_policy,
+        block_tokens=settings.prefix_block_tokens,
+        stall_timeout_s=settings.stall_timeout_s,
+        collapse=settings.collapse_requests,
     )
     servicer = RouterServicer(
         router, context_length=settings.context_length, default_max_tokens=settings.default_max_tokens
@@ -76,6 +99,7 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
     holder.append(server)
 
     async def close() -> None:
+        await router.collapser.aclose()
         await registry.close()
         await cache.close()
 

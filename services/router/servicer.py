@@ -62,6 +62,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
             tenant=str(ctx.get("tenant", "")),
             request_id=str(ctx.get("request_id", "")),
             timeout=remaining if remaining is not None and remaining < 1e9 else None,
+            priority=routing_msg.priority,
         )
 
     async def _generate_events(
@@ -138,7 +139,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                 inbox.put_nowait(None)
 
         reader = asyncio.create_task(read_client(), name="chat-client-reader")
-        session = Session()
+        session = Session(chat=True)
         messages: list[dict[str, str]] = []
         hint: TierName | None = None
         turn_index = 0

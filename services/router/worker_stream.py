@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
 import grpc
 
+from services.cache.keys import SamplingSpec
 from services.common import errors
 from services.common.pb.meshserve.internal.v1 import worker_pb2
+from services.common.pb.meshserve.v1 import inference_pb2
 from services.router.registry import Replica
 
-# Failures before the first token that another replica may not have: retried once elsewhere.
+# Failures before the first token that another replica may not have: retried elsewhere.
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+# Failures after tokens were sent that another replica can continue from (the worker died/stalled).
+RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
 
 
 class WorkerClosed(Exception):
-    """The worker ended the stream without a final frame."""
+    """The worker ended the stream without a final frame, or broke the frame sequence."""
+
+
+class WorkerStalled(WorkerClosed):
+    """The worker sent nothing for longer than the stall timeout."""
 
 
 class WorkerStream:
@@ -66,3 +75,35 @@ def domain_error(exc: grpc.aio.AioRpcError) -> errors.MeshError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return errors.InvalidArgument("the worker rejected the request's parameters; check them against ListModels")
     return errors.Unavailable("the worker serving this request failed; retry the request")
+
+
+async def read_or_cancel(stream: WorkerStream, cancel: asyncio.Event) -> tuple[worker_pb2.WorkerResponse, bool]:
+    """The next frame; if ``cancel`` fires first, send WorkerCancel and keep reading."""
+    if cancel.is_set():
+        await stream.cancel_turn()
+        return await stream.read(), True
+    read = asyncio.ensure_future(stream.read())
+    waiter = asyncio.ensure_future(cancel.wait())
+    try:
+        await asyncio.wait({read, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        read.cancel()
+        raise
+    finally:
+        waiter.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiter
+    sent = False
+    if cancel.is_set():
+        await stream.cancel_turn()
+        sent = True
+    return await read, sent
+
+
+def sampling_pb(s: SamplingSpec) -> inference_pb2.SamplingParams:
+    msg = inference_pb2.SamplingParams(
+        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=list(s.stop)
+    )
+    if s.seed is not None:
+        msg.seed = s.seed
+    return msg

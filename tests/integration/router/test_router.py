@@ -73,6 +73,8 @@ async def mesh(tokenizer: Tokenizer, redis_url: str) -> AsyncIterator[Mesh]:
         shutdown_grace_s=0,
         cache_retry_after_s=0,
         health_interval_s=0.2,
+        eject_base_s=0.001,  # probes may re-admit a failed fake at once
+        readmit_s=0,
     )
     server, router = await start_router(settings, tokenizer=tokenizer)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")

@@ -1,0 +1,73 @@
+"""The request path's data: what a turn asks for, what it streams back, where it ran."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from services.cache.keys import SamplingSpec
+from services.router.policy import TierChoice, TierName
+from services.router.worker_stream import WorkerStream
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a turn was served (RouteInfo)."""
+
+    tier: TierName | None
+    worker_id: str
+    cache_hit: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: Sequence[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: int  # meshserve.v1.FinishReason value
+    prompt_tokens: int
+    completion_tokens: int
+    route: Route
+
+
+@dataclass
+class TurnRequest:
+    """One generation to serve: prompt ids already validated against the context length."""
+
+    prompt_ids: list[int]
+    sampling: SamplingSpec
+    hint: TierName | None
+    use_cache: bool
+    shareable: bool
+    tenant: str
+    request_id: str
+    timeout: float | None = None
+    priority: int = 0
+
+
+@dataclass
+class Session:
+    """Worker-side state that outlives one turn: the open stream of a chat (None for Generate)."""
+
+    stream: WorkerStream | None = None
+    choice: TierChoice | None = None
+    chat: bool = False
+    """A chat session keeps its worker stream across turns (and is never collapsed)."""
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            await self.stream.close()
+            self.stream = None
+
+
+@dataclass
+class _Progress:
+    tokens: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    resumed: int = 0  # tokens sent before the current worker took over
+    failovers: int = 0
+    first_token_at: float = 0.0
