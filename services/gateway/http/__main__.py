@@ -1,0 +1,69 @@
+"""``python -m services.gateway.http``: the OpenAI-compatible HTTP adapter behind Envoy.
+
+Settings from ``MESHSERVE_GATEWAY_HTTP_*``. Logs ``service_started`` with the bound HTTP port (port 0
+picks one), serves ``GET /healthz`` for Envoy's health checks, drains on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import grpc
+import structlog
+from aiohttp import web
+
+from services.common.errors import ConfigError
+from services.common.logging import configure_logging
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.serving import grpc_options
+from services.common.settings import load_settings
+from services.gateway.http.app import build_app
+from services.gateway.http.config import HttpAdapterSettings
+
+log = structlog.get_logger(__name__)
+
+
+async def serve(settings: HttpAdapterSettings) -> tuple[web.AppRunner, int, grpc.aio.Channel]:
+    """Start the adapter; returns the runner (``cleanup()`` stops it), the bound port and the channel."""
+    channel = grpc.aio.insecure_channel(settings.gateway_address, options=grpc_options())
+    app = build_app(inference_pb2_grpc.InferenceStub(channel), settings.max_body_bytes)
+    # handler_cancellation: a client that hangs up cancels its handler, hence the gRPC call upstream.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.host, settings.port, shutdown_timeout=settings.shutdown_grace_s)
+    await site.start()
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    port = int(sockets[0].getsockname()[1]) if sockets else settings.port
+    log.info("service_started", host=settings.host, port=port, gateway=settings.gateway_address)
+    return runner, port, channel
+
+
+async def _main(settings: HttpAdapterSettings) -> None:
+    runner, _port, channel = await serve(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("service_draining", grace_s=settings.shutdown_grace_s)
+    await runner.cleanup()
+    await channel.close()
+    log.info("service_stopped")
+
+
+def main() -> int:
+    try:
+        settings = load_settings(HttpAdapterSettings)
+        configure_logging("gateway_http", settings.log_level, settings.log_json)
+        asyncio.run(_main(settings))
+    except ConfigError as exc:
+        print(f"gateway_http: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""The OpenAI-compatible HTTP API (aiohttp), relaying each request to the gateway over gRPC.
+
+A handler only translates: OpenAI JSON -> proto (:mod:`.openai_api`), one gRPC call to the gateway
+with the caller's ``Authorization`` header, proto -> JSON or server-sent events. Authentication,
+validation, limits and errors are the gateway's; a gRPC status becomes OpenAI's error JSON with the
+matching HTTP status (429 carries ``Retry-After`` in seconds, rounded up, and ``retry-after-ms``).
+
+Streams: the first frame is awaited *before* the SSE headers go out, so an error the gateway reports
+up front (401, 429, 400, 404, 503) still gets its real HTTP status; an error after that is sent as
+``data: {"error": ...}``. A client that disconnects cancels the gRPC call (handler cancellation), which
+cancels generation on the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+import structlog
+from aiohttp import web
+
+from services.common import metadata as md
+from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.gateway.http import openai_api as oa
+
+log = structlog.get_logger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_FORWARDED = (md.AUTHORIZATION, md.API_KEY)
+_DONE = b"data: [DONE]\n\n"
+
+
+def _grpc_error(exc: grpc.aio.AioRpcError) -> MeshError:
+    """The domain error for a gateway status (the gateway's messages are written for callers)."""
+    code = exc.code().name
+    message = exc.details() or "the request failed"
+    if code == "RESOURCE_EXHAUSTED":
+        retry_ms = 1000
+        for key, value in exc.trailing_metadata() or ():
+            if key == md.RETRY_AFTER_MS:
+                try:
+                    retry_ms = int(value)
+                except (TypeError, ValueError):
+                    pass
+        return ResourceExhausted(message, retry_after_ms=retry_ms)
+    if code not in oa.HTTP_STATUS:
+        code = "INTERNAL"
+    error = MeshError(message)
+    error.code = code
+    return error
+
+
+def error_response(exc: MeshError) -> web.Response:
+    status, body = oa.error_body(exc.code, exc.message)
+    headers = {}
+    if isinstance(exc, ResourceExhausted):
+        headers = {"Retry-After": str(oa.retry_after_s(exc.retry_after_ms)), "retry-after-ms": str(exc.retry_after_ms)}
+    return web.json_response(body, status=status, headers=headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every failure leaves as OpenAI error JSON; never a traceback."""
+    try:
+        return await handler(request)
+    except MeshError as exc:
+        return error_response(exc)
+    except grpc.aio.AioRpcError as exc:
+        return error_response(_grpc_error(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        code = "NOT_FOUND" if exc.status == 404 else "INVALID_ARGUMENT"
+        _, body = oa.error_body(code, f"{exc.reason}: {request.method} {request.path}")
+        return web.json_response(body, status=exc.status)
+    except Exception:
+        log.exception("http_internal_error", path=request.path)
+        return error_response(MeshError("internal error in the HTTP adapter; the server log has the details"))
+
+
+class OpenAIApp:
+    """Route handlers bound to one gRPC channel to the gateway."""
+
+    def __init__(self, gateway: inference_pb2_grpc.InferenceStub) -> None:
+        self._gateway = gateway
+
+    @staticmethod
+    def _metadata(request: web.Request) -> tuple[tuple[str, str], ...]:
+        return tuple((name, request.headers[name]) for name in _FORWARDED if name in request.headers)
+
+    @staticmethod
+    async def _json(request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json(loads=json.loads)
+        except (ValueError, UnicodeDecodeError):
+            raise InvalidArgument("the request body must be a JSON object") from None
+        if not isinstance(body, dict):
+            raise InvalidArgument("the request body must be a JSON object")
+        return body
+
+    async def healthz(self, _request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def models(self, request: web.Request) -> web.Response:
+        reply = await self._gateway.ListModels(pb.ListModelsRequest(), metadata=self._metadata(request))
+        return web.json_response(oa.models_list(reply))
+
+    async def model(self, request: web.Request) -> web.Response:
+        reply = await self._gateway.ListModels(pb.ListModelsRequest(), metadata=self._metadata(request))
+        wanted = request.match_info["model"]
+        if not any(m.id == wanted for m in reply.models):
+            raise _not_found(wanted)
+        return web.json_response(oa.model_entry(wanted))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        parsed, turn = oa.chat_request(await self._json(request))
+        call = self._gateway.Chat(metadata=self._metadata(request))
+        try:
+            await call.write(turn)
+            await call.done_writing()
+            frames = _chat_frames(call)
+            first = await _first(frames)
+            request_id = await _request_id(call)
+            if not parsed.stream:
+                text, final = await _collect(first, frames)
+                return web.json_response(oa.chat_completion(request_id, parsed.model, text, final))
+            created = int(time.time())
+            response = await _sse_start(request, request_id)
+            role = {"role": "assistant", "content": ""}
+            await _sse(response, oa.chat_chunk(request_id, parsed.model, role, None, created))
+            try:
+                end: pb.Final | None = None
+                async for text, last in _prepend(first, frames):
+                    end = last
+                    if text:
+                        await _sse(response, oa.chat_chunk(request_id, parsed.model, {"content": text}, None, created))
+                if end is not None:
+                    chunk = oa.chat_chunk(request_id, parsed.model, {}, oa.finish_reason(end), created)
+                    await _sse(response, chunk)
+                    if parsed.include_usage:
+                        chunk = oa.usage_chunk("chat.completion.chunk", request_id, parsed.model, end, created)
+                        await _sse(response, chunk)
+            except (MeshError, grpc.aio.AioRpcError) as exc:
+                return await _sse_error(response, exc)
+            return await _sse_end(response)
+        finally:
+            call.cancel()
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        parsed, generate = oa.completion_request(await self._json(request))
+        metadata = self._metadata(request)
+        if not parsed.stream:
+            reply = await self._gateway.Complete(generate, metadata=metadata)
+            return web.json_response(oa.completion(reply.request_id, parsed.model, reply.text, reply.final))
+        call = self._gateway.Generate(generate, metadata=metadata)
+        try:
+            frames = _generate_frames(call)
+            first = await _first(frames)
+            request_id = await _request_id(call)
+            created = int(time.time())
+            response = await _sse_start(request, request_id)
+            try:
+                async for text, final in _prepend(first, frames):
+                    if text or final is not None:
+                        chunk = oa.completion(request_id, parsed.model, text, final, created, with_usage=False)
+                        await _sse(response, chunk)
+                    if final is not None and parsed.include_usage:
+                        usage = oa.usage_chunk("text_completion", request_id, parsed.model, final, created)
+                        await _sse(response, usage)
+            except (MeshError, grpc.aio.AioRpcError) as exc:
+                return await _sse_error(response, exc)
+            return await _sse_end(response)
+        finally:
+            call.cancel()
+
+
+def _not_found(model: str) -> MeshError:
+    error = MeshError(f"the model {model!r} does not exist; GET /v1/models lists the served models")
+    error.code = "NOT_FOUND"
+    return error
+
+
+Frame = tuple[str, pb.Final | None]
+
+
+async def _chat_frames(call: Any) -> AsyncIterator[Frame]:
+    async for frame in call:
+        yield frame.text, frame.final if frame.HasField("final") else None
+        if frame.HasField("final"):
+            return
+
+
+async def _generate_frames(call: Any) -> AsyncIterator[Frame]:
+    async for frame in call:
+        yield frame.text, frame.final if frame.HasField("final") else None
+
+
+async def _first(frames: AsyncIterator[Frame]) -> Frame | None:
+    """The first frame (raising the gateway's error, if any, before anything was sent)."""
+    try:
+        return await anext(frames)
+    except StopAsyncIteration:
+        return None
+
+
+async def _prepend(first: Frame | None, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+    if first is not None:
+        yield first
+        async for frame in frames:
+            yield frame
+
+
+async def _collect(first: Frame | None, frames: AsyncIterator[Frame]) -> tuple[str, pb.Final]:
+    parts: list[str] = []
+    final = None
+    async for text, last in _prepend(first, frames):
+        parts.append(text)
+        final = last
+    if final is None:
+        raise MeshError("the stream ended without a final frame; retry, and report it if it persists")
+    return "".join(parts), final
+
+
+async def _request_id(call: Any) -> str:
+    for key, value in await call.initial_metadata() or ():
+        if key == md.REQUEST_ID:
+            return str(value)
+    return ""
+
+
+async def _sse_start(request: web.Request, request_id: str) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            md.REQUEST_ID: request_id,
+        }
+    )
+    await response.prepare(request)
+    return response
+
+
+async def _sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def _sse_end(response: web.StreamResponse) -> web.StreamResponse:
+    await response.write(_DONE)
+    await response.write_eof()
+    return response
+
+
+async def _sse_error(response: web.StreamResponse, exc: MeshError | grpc.aio.AioRpcError) -> web.StreamResponse:
+    """An error after the stream started: OpenAI's in-stream error event, then the end of the body."""
+    error = exc if isinstance(exc, MeshError) else _grpc_error(exc)
+    await _sse(response, oa.error_body(error.code, error.message)[1])
+    await response.write_eof()
+    return response
+
+
+def build_app(gateway: inference_pb2_grpc.InferenceStub, max_body_bytes: int = 4 * 1024 * 1024) -> web.Application:
+    """The aiohttp application: routes of the OpenAI API plus ``/healthz``."""
+    handlers = OpenAIApp(gateway)
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[errors_middleware])
+    app.router.add_get("/healthz", handlers.healthz)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/v1/models/{model}", handlers.model)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    return app

@@ -1,0 +1,26 @@
+"""HTTP adapter settings (env prefix ``MESHSERVE_GATEWAY_HTTP_``, YAML section ``gateway_http:``)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from services.common.settings import ServiceSettings
+
+
+class HttpAdapterSettings(ServiceSettings):
+    """Settings of the OpenAI-compatible HTTP adapter that sits behind Envoy; parsed once in ``__main__``.
+
+    ``port`` (inherited) is the HTTP port; ``internal_token`` is unused: the adapter is a public
+    client of the gateway and carries the caller's own ``Authorization`` header.
+    """
+
+    service: ClassVar[str] = "gateway_http"
+    model_config = SettingsConfigDict(env_prefix="MESHSERVE_GATEWAY_HTTP_", extra="ignore")
+
+    gateway_address: str = "127.0.0.1:50051"
+    """gRPC target of the gateway's `meshserve.v1.Inference` service (any grpc target string)."""
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    """Largest accepted request body; bigger bodies get 413."""

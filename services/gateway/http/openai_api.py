@@ -1,0 +1,252 @@
+"""OpenAI JSON <-> meshserve.v1 messages, and the OpenAI error body. No transport here.
+
+The OpenAI shapes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) differ from our
+proto (messages vs turns, ``choices``, ``stop`` as string or list), which is why Envoy's gRPC-JSON
+transcoder cannot speak them on its own; this module is the whole difference.
+Unsupported fields that change the answer (``n`` > 1, ``logprobs``, ``echo``, tools) are refused with
+400 rather than silently ignored; fields that only tune delivery are accepted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.errors import InvalidArgument
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+
+OWNED_BY = "meshserve"
+
+_FINISH = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_STOP_STRING: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_CANCELLED: "stop",
+}
+
+# HTTP status and OpenAI error "type" per domain error code (services.common.errors.MeshError.code).
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "CANCELLED": (499, "cancelled"),
+    "INTERNAL": (500, "server_error"),
+    "UNAVAILABLE": (503, "service_unavailable"),
+    "DEADLINE_EXCEEDED": (504, "timeout"),
+}
+_ERROR_CODE = {
+    "UNAUTHENTICATED": "invalid_api_key",
+    "NOT_FOUND": "model_not_found",
+    "RESOURCE_EXHAUSTED": "rate_limit_exceeded",
+}
+_REFUSED = {
+    "logprobs": "logprobs are not supported",
+    "top_logprobs": "logprobs are not supported",
+    "echo": "echo is not supported",
+    "tools": "tool calls are not supported",
+    "functions": "function calls are not supported",
+    "suffix": "suffix is not supported",
+    "best_of": "best_of is not supported",
+}
+
+
+def error_body(code: str, message: str) -> tuple[int, dict[str, Any]]:
+    """HTTP status and OpenAI error JSON for a domain error code."""
+    status, kind = HTTP_STATUS.get(code, HTTP_STATUS["INTERNAL"])
+    return status, {"error": {"message": message, "type": kind, "param": None, "code": _ERROR_CODE.get(code)}}
+
+
+def retry_after_s(retry_after_ms: int) -> int:
+    """Retry-After header value: whole seconds, rounded up, at least 1."""
+    return max(1, math.ceil(retry_after_ms / 1000))
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A parsed OpenAI request: the model it named, whether to stream, and usage-in-stream."""
+
+    model: str
+    stream: bool
+    include_usage: bool
+
+
+def _number(body: dict[str, Any], name: str, default: float = 0.0) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"'{name}' must be a number (got {value!r})")
+    return float(value)
+
+
+def _int(body: dict[str, Any], *names: str) -> int:
+    for name in names:
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise InvalidArgument(f"'{name}' must be a non-negative integer (got {value!r})")
+        return value
+    return 0
+
+
+def _stop(body: dict[str, Any]) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise InvalidArgument("'stop' must be a string or a list of strings")
+
+
+def _common(body: dict[str, Any]) -> tuple[Parsed, pb.SamplingParams]:
+    for name, why in _REFUSED.items():
+        if body.get(name) not in (None, False, 0, []):
+            raise InvalidArgument(f"'{name}': {why} by meshserve; remove it from the request")
+    if _int(body, "n") > 1:
+        raise InvalidArgument("'n' must be 1: meshserve returns one choice per request")
+    model = body.get("model", "")
+    if not isinstance(model, str):
+        raise InvalidArgument("'model' must be a string; GET /v1/models lists the served models")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidArgument("'stream' must be true or false")
+    options = body.get("stream_options") or {}
+    include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+    sampling = pb.SamplingParams(
+        max_tokens=_int(body, "max_completion_tokens", "max_tokens"),
+        temperature=_number(body, "temperature", 1.0),
+        top_p=_number(body, "top_p", 0.0),
+        stop=_stop(body),
+    )
+    if body.get("seed") is not None:
+        sampling.seed = _int(body, "seed")
+    return Parsed(model, stream, include_usage), sampling
+
+
+def _content(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidArgument(
+                    "message content parts must be {'type': 'text', 'text': ...}; images are not supported"
+                )
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise InvalidArgument("message 'content' must be a string or a list of text parts")
+
+
+def chat_request(body: dict[str, Any]) -> tuple[Parsed, pb.ChatRequest]:
+    """An OpenAI chat completion request as the one turn of a Chat stream."""
+    parsed, sampling = _common(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument("'messages' must be a non-empty list of {'role': ..., 'content': ...}")
+    turn = pb.ChatTurn(model=parsed.model, sampling=sampling)
+    for message in messages:
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidArgument("each message must be an object with a 'role' and a 'content'")
+        role = "system" if message["role"] == "developer" else message["role"]
+        turn.messages.add(role=role, content=_content(message))
+    return parsed, pb.ChatRequest(turn=turn)
+
+
+def completion_request(body: dict[str, Any]) -> tuple[Parsed, pb.GenerateRequest]:
+    """An OpenAI (legacy) completion request as a GenerateRequest."""
+    parsed, sampling = _common(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise InvalidArgument("'prompt' must be a string (one prompt per request)")
+    return parsed, pb.GenerateRequest(model=parsed.model, prompt=prompt, sampling=sampling)
+
+
+def finish_reason(final: pb.Final) -> str:
+    return _FINISH.get(final.finish_reason, "stop")
+
+
+def usage(final: pb.Final) -> dict[str, int]:
+    u = final.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+
+
+def chat_completion(request_id: str, model: str, text: str, final: pb.Final) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason(final),
+            }
+        ],
+        "usage": usage(final),
+    }
+
+
+def chat_chunk(
+    request_id: str, model: str, delta: dict[str, str], finish: str | None = None, created: int = 0
+) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{request_id}",
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+    }
+
+
+def completion(
+    request_id: str, model: str, text: str, final: pb.Final | None, created: int = 0, with_usage: bool = True
+) -> dict[str, Any]:
+    """A whole completion, or (``final`` None / ``with_usage`` False) one streamed chunk of one."""
+    body: dict[str, Any] = {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": created or int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(final) if final else None}
+        ],
+    }
+    if final is not None and with_usage:
+        body["usage"] = usage(final)
+    return body
+
+
+def usage_chunk(object_name: str, request_id: str, model: str, final: pb.Final, created: int) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
+    prefix = "chatcmpl" if object_name == "chat.completion.chunk" else "cmpl"
+    return {
+        "id": f"{prefix}-{request_id}",
+        "object": object_name,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(final),
+    }
+
+
+def models_list(reply: pb.ListModelsResponse) -> dict[str, Any]:
+    return {"object": "list", "data": [model_entry(m.id) for m in reply.models]}
+
+
+def model_entry(model_id: str) -> dict[str, Any]:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": OWNED_BY}
