@@ -1,14 +1,28 @@
-"""Redis key schema of meshserve. No other module builds Redis keys by hand.
+"""Redis key schema of meshserve. No other module builds cache keys by hand (docs/cache.md).
 
-Every key lives under ``meshserve:v1:`` (bump the version when a key or value layout changes
-incompatibly; old keys then simply expire). Response-cache keys::
+Every cache key has the form::
 
-    meshserve:v1:resp:<model_id>:<sha256 hex>
+    meshserve:v1:{<kind>|<model>|<version digest>|<scope digest>}:<suffix>
 
-where the hash covers, each length-prefixed so no two field lists collide: the model id and version,
-the tokenizer fingerprint, the canonical sampling parameters (JSON, sorted keys), the tenant salt
-(or the "shared" marker for CACHE_POLICY_SHAREABLE_PREFIX) and the prompt token ids (little-endian
-uint32). The model id stays readable in the key so an admin can invalidate one model with a SCAN.
+* ``meshserve:v1`` — namespace and schema version (bump it when a key or value layout changes
+  incompatibly; old keys then simply expire).
+* ``{...}`` — the Redis Cluster hash tag: everything of one *scope* (cache kind x model x model
+  version x tenant salt) lives in one slot, so the multi-key operations we issue (MGET of a KV
+  chain, the accounting script that writes an entry and its ledger) never cross slots.
+* ``kind`` — ``r`` response cache, ``k`` KV prefix blocks.
+* ``model`` — the model id when it is made of safe characters, else ``h`` + a digest; readable so an
+  admin can flush one model with a SCAN.
+* ``version digest`` — 12 hex of SHA-256(model version): flush by model version, and a new version
+  never sees old entries.
+* ``scope digest`` — 16 hex of SHA-256(tenant salt): the tenant id (never in clear) or the fixed
+  marker for shareable prefixes.
+* suffix ``e:<sha256>`` an entry (response or KV block), ``ix`` / ``sz`` / ``used`` the scope's
+  byte ledger (see ledger.py).
+
+Response entry hash: SHA-256 over length-prefixed fields (model id, version, tokenizer
+fingerprint, canonical sampling JSON, tenant salt, prompt ids as little-endian uint32).
+KV block hash (the vLLM chain): SHA-256(parent block hash, model id, version, tenant salt, block
+tokens); the first block's parent is 32 zero bytes.
 """
 
 from __future__ import annotations
@@ -16,12 +30,25 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 NAMESPACE = "meshserve:v1"
-RESPONSE_PREFIX = f"{NAMESPACE}:resp"
+RESPONSE_PREFIX = f"{NAMESPACE}:{{r|"
+STATS_KEY = f"{NAMESPACE}:{{stats}}:counters"
+"""Hash of lookup/store counters by ``<kind>:<result>`` (flushed by every cache user)."""
+_SAFE_MODEL = re.compile(r"^[A-Za-z0-9._/-]{1,64}$")
+_ROOT = b"\0" * 32
+
+
+class Kind(StrEnum):
+    """Cache kinds; the value is the one-letter tag used in keys."""
+
+    RESPONSE = "r"
+    KV = "k"
 
 
 @dataclass(frozen=True)
@@ -84,6 +111,54 @@ def tenant_salt(tenant: str, shareable: bool) -> bytes:
     return b"shared" if shareable else b"tenant:" + tenant.encode()
 
 
+def _digest(data: bytes, n: int) -> str:
+    return hashlib.sha256(data).hexdigest()[:n]
+
+
+def model_tag(model_id: str) -> str:
+    """The model part of a key: the id itself when safe for keys and SCAN patterns, else a digest."""
+    return model_id if _SAFE_MODEL.match(model_id) else "h" + _digest(model_id.encode(), 16)
+
+
+def version_tag(model_version: str) -> str:
+    return _digest(model_version.encode(), 12)
+
+
+def scope_tag(tenant: str, shareable: bool) -> str:
+    return _digest(tenant_salt(tenant, shareable), 16)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """One cache kind of one model version for one tenant salt: one hash tag, one slot, one ledger."""
+
+    kind: Kind
+    model_id: str
+    model_version: str
+    tenant: str
+    shareable: bool = False
+
+    @property
+    def tag(self) -> str:
+        return (
+            f"{{{self.kind.value}|{model_tag(self.model_id)}|{version_tag(self.model_version)}"
+            f"|{scope_tag(self.tenant, self.shareable)}}}"
+        )
+
+    @property
+    def prefix(self) -> str:
+        return f"{NAMESPACE}:{self.tag}"
+
+    def entry(self, digest: str) -> str:
+        return f"{self.prefix}:e:{digest}"
+
+    @property
+    def ledger(self) -> tuple[str, str, str]:
+        """(index zset, sizes hash, used-bytes counter) of this scope."""
+        p = self.prefix
+        return f"{p}:ix", f"{p}:sz", f"{p}:used"
+
+
 def response_key(
     *,
     model_id: str,
@@ -102,9 +177,69 @@ def response_key(
     _field(h, json.dumps(sampling.canonical(), sort_keys=True, separators=(",", ":")).encode())
     _field(h, tenant_salt(tenant, shareable))
     _field(h, struct.pack(f"<{len(prompt_ids)}I", *prompt_ids))
-    return f"{RESPONSE_PREFIX}:{model_id}:{h.hexdigest()}"
+    return Scope(Kind.RESPONSE, model_id, model_version, tenant, shareable).entry(h.hexdigest())
+
+
+def scope_of(key: str) -> tuple[str, str, str]:
+    """The ledger keys of the scope an entry key belongs to."""
+    head, sep, _rest = key.rpartition(":e:")
+    if not sep or not head.startswith(NAMESPACE + ":{"):
+        raise ValueError(f"not a meshserve cache entry key: {key!r}")
+    return f"{head}:ix", f"{head}:sz", f"{head}:used"
+
+
+def kv_block_keys(
+    *,
+    model_id: str,
+    model_version: str,
+    tenant: str,
+    token_ids: Sequence[int],
+    block_tokens: int,
+    shareable: bool = False,
+) -> list[str]:
+    """Keys of the full ``block_tokens``-sized blocks of ``token_ids``, in chain order.
+
+    Block i's hash covers block i-1's hash, so a key names the whole prefix up to its block; a
+    trailing partial block has no key.
+    """
+    if block_tokens <= 0:
+        raise ValueError("block_tokens must be positive")
+    scope = Scope(Kind.KV, model_id, model_version, tenant, shareable)
+    salt = tenant_salt(tenant, shareable)
+    parent = _ROOT
+    keys: list[str] = []
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        h = hashlib.sha256()
+        _field(h, parent)
+        _field(h, model_id.encode())
+        _field(h, model_version.encode())
+        _field(h, salt)
+        block = token_ids[start : start + block_tokens]
+        _field(h, struct.pack(f"<{len(block)}I", *block))
+        parent = h.digest()
+        keys.append(scope.entry(parent.hex()))
+    return keys
+
+
+def scan_pattern(
+    kind: Kind | None = None,
+    model_id: str | None = None,
+    model_version: str | None = None,
+    tenant: str | None = None,
+    shareable: bool = False,
+    suffix: str = "*",
+) -> str:
+    """SCAN MATCH pattern for keys of the scopes matching the given filters (None = any)."""
+    k = kind.value if kind else "?"
+    m = model_tag(model_id) if model_id else "*"
+    v = version_tag(model_version) if model_version else "*"
+    if tenant is None and not shareable:
+        s = "*"
+    else:
+        s = scope_tag(tenant or "", shareable)
+    return f"{NAMESPACE}:{{{k}|{m}|{v}|{s}}}:{suffix}"
 
 
 def response_pattern(model_id: str | None = None) -> str:
-    """SCAN pattern matching the response-cache keys (of one model, or all)."""
-    return f"{RESPONSE_PREFIX}:{model_id}:*" if model_id else f"{RESPONSE_PREFIX}:*"
+    """SCAN pattern matching the response-cache entries (of one model, or all)."""
+    return scan_pattern(Kind.RESPONSE, model_id, suffix="e:*")

@@ -4,7 +4,20 @@ from typing import Any
 
 import pytest
 
-from services.cache.keys import RESPONSE_PREFIX, SamplingSpec, response_key, response_pattern
+from fnmatch import fnmatchcase
+
+from redis.crc import key_slot
+
+from services.cache.keys import (
+    RESPONSE_PREFIX,
+    Kind,
+    SamplingSpec,
+    kv_block_keys,
+    response_key,
+    response_pattern,
+    scan_pattern,
+    scope_of,
+)
 
 
 def key(**over: Any) -> str:
@@ -23,10 +36,51 @@ def key(**over: Any) -> str:
 
 def test_namespaced_and_stable() -> None:
     k = key()
-    assert k.startswith(f"{RESPONSE_PREFIX}:m:") and k.startswith("meshserve:v1:resp:")
+    assert k.startswith(f"{RESPONSE_PREFIX}m|") and k.startswith("meshserve:v1:{r|m|")
     assert k == key()
     assert len(k.rsplit(":", 1)[1]) == 64
-    assert response_pattern("m") == "meshserve:v1:resp:m:*"
+    assert "acme" not in k  # tenants appear only as a digest
+    assert fnmatchcase(k, response_pattern("m")) and not fnmatchcase(k, response_pattern("other"))
+
+
+def test_scan_patterns_select_tenant_model_and_version() -> None:
+    k = key()
+    assert fnmatchcase(k, scan_pattern(tenant="acme"))
+    assert not fnmatchcase(k, scan_pattern(tenant="acm"))
+    assert fnmatchcase(k, scan_pattern(Kind.RESPONSE, "m", "v1"))
+    assert not fnmatchcase(k, scan_pattern(Kind.RESPONSE, "m", "v2"))
+    assert not fnmatchcase(k, scan_pattern(Kind.KV))
+    shared = key(shareable=True)
+    assert fnmatchcase(shared, scan_pattern(shareable=True)) and not fnmatchcase(shared, scan_pattern(tenant="acme"))
+    odd = key(model_id="weird{model}*")
+    assert "{model}" not in odd and odd.count("{") == 1  # unsafe ids become digests: one hash tag
+
+
+def test_entry_and_ledger_share_one_cluster_slot() -> None:
+    k = key()
+    assert len({key_slot(x.encode()) for x in (k, *scope_of(k))}) == 1
+
+
+def chain(**over: Any) -> list[str]:
+    args: dict[str, Any] = dict(
+        model_id="m", model_version="v1", tenant="acme", token_ids=list(range(40)), block_tokens=8
+    )
+    args.update(over)
+    return kv_block_keys(**args)
+
+
+def test_kv_chain_keys() -> None:
+    keys = chain()
+    assert len(keys) == 5 and len(set(keys)) == 5
+    assert chain(token_ids=list(range(43))) == keys  # trailing partial block has no key
+    # a block key names its whole prefix: same first block, different second block
+    other = chain(token_ids=[*range(8), *range(100, 132)])
+    assert other[0] == keys[0] and other[1] != keys[1]
+    assert len({key_slot(k.encode()) for k in (*keys, *scope_of(keys[0]))}) == 1
+    assert chain(tenant="b")[0] != keys[0] and chain(model_version="v2")[0] != keys[0]
+    assert chain(tenant="a", shareable=True) == chain(tenant="b", shareable=True)
+    with pytest.raises(ValueError):
+        chain(block_tokens=0)
 
 
 @pytest.mark.parametrize(

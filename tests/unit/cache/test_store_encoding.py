@@ -4,14 +4,8 @@ import struct
 
 import pytest
 
-from services.cache.store import (
-    CachedResponse,
-    CorruptEntry,
-    Finish,
-    ResponseCache,
-    decode_response,
-    encode_response,
-)
+from services.cache.codec import CachedResponse, CorruptEntry, Finish, decode_response, encode_response
+from services.cache.store import ResponseCache
 
 
 def resp(tokens: tuple[int, ...] = (1, 2, 49151)) -> CachedResponse:
@@ -52,7 +46,7 @@ def test_header_is_documented_layout() -> None:
 
 
 async def test_disabled_cache_is_a_miss() -> None:
-    cache = ResponseCache(None)
+    cache = ResponseCache.from_url("")
     assert not cache.enabled
     assert await cache.get("k") is None
     assert await cache.put("k", resp()) is False
