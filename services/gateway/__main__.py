@@ -68,6 +68,12 @@ def build_gate(settings: GatewaySettings) -> Gate:
 
 async def serve(settings: GatewaySettings) -> RunningServer:
     """Start the gateway (health SERVING once bound) and return it; ``stop()`` also closes the router channel."""
+    running, _gate = await start_gateway(settings)
+    return running
+
+
+async def start_gateway(settings: GatewaySettings) -> tuple[RunningServer, Gate]:
+    """:func:`serve`, also returning the admission gate (tests wait on its settlements)."""
     gate = build_gate(settings)
     channel = grpc.aio.insecure_channel(
         settings.router_address,
@@ -90,7 +96,7 @@ async def serve(settings: GatewaySettings) -> RunningServer:
     running.on_stop.append(channel.close)
     running.on_stop.append(gate.close)
     log.info("gateway_ready", router=settings.router_address, redis=bool(settings.redis_url))
-    return running
+    return running, gate
 
 
 async def _main(settings: GatewaySettings) -> None:

@@ -52,6 +52,9 @@ class Gate:
         self._policies = policies
         self._limiter = limiter
         self._settling: set[asyncio.Task[None]] = set()
+        self._changed = asyncio.Condition()
+        self.settled = 0
+        """Settlements finished so far (tests wait on it with :meth:`wait_settled`)."""
 
     async def identify(self, metadata: Iterable[tuple[str, str | bytes]]) -> Identity:
         return await self._auth.authenticate(metadata)
@@ -94,9 +97,22 @@ class Gate:
         """Settle ``ticket`` with its usage in a task of its own (survives the call's cancellation)."""
         if self._limiter is None or ticket.reservation is None:
             return
-        task = asyncio.create_task(self._limiter.settle(ticket.reservation, ticket.tokens_used()))
+        task = asyncio.create_task(self._settle(self._limiter, ticket.reservation, ticket.tokens_used()))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, limiter: RateLimiter, reservation: Reservation, used: int) -> None:
+        try:
+            await limiter.settle(reservation, used)
+        finally:
+            self.settled += 1
+            async with self._changed:
+                self._changed.notify_all()
+
+    async def wait_settled(self, count: int) -> None:
+        """Return once ``count`` settlements have finished."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.settled >= count)
 
     async def drain(self) -> None:
         """Wait for pending settlements (at shutdown, and in tests)."""

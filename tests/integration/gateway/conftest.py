@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
 import grpc
@@ -15,7 +16,8 @@ from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import RunningServer, start_server
 from services.common.settings import ServiceSettings
-from services.gateway.__main__ import serve
+from services.gateway.__main__ import serve, start_gateway
+from services.gateway.admission import Gate
 from services.gateway.auth import hash_api_key
 from services.gateway.config import GatewaySettings
 from services.gateway.servicer import SERVICE_NAME
@@ -175,3 +177,46 @@ async def stub(stack: Stack) -> AsyncIterator[inference_pb2_grpc.InferenceStub]:
 async def client(stack: Stack) -> AsyncIterator[MeshClient]:
     async with MeshClient(stack.address, api_key=KEYS["acme"]) as mesh_client:
         yield mesh_client
+
+
+@dataclass
+class Gateways:
+    router: FakeRouter
+    servers: list[RunningServer]
+    gates: list[Gate]
+    stubs: list[inference_pb2_grpc.InferenceStub]
+    redis_url: str
+
+
+StartFn = Callable[..., Awaitable[Gateways]]
+
+
+@pytest.fixture
+async def start(redis_url: str) -> AsyncIterator[StartFn]:
+    """``await start(replicas, **settings)``: a fake router and that many gateways on one Redis."""
+    async with AsyncExitStack() as stack:
+
+        async def _start(replicas: int = 1, url: str = redis_url, **overrides: object) -> Gateways:
+            router = FakeRouter()
+            router_server = await start_server(
+                ServiceSettings(host="127.0.0.1", port=0, metrics_port=-1, internal_token=INTERNAL_TOKEN),
+                register=lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(router, s),
+                service_names=[SERVICE_NAME],
+                internal=True,
+            )
+            stack.push_async_callback(router_server.stop)
+            gateways = Gateways(router, [], [], [], url)
+            for _ in range(replicas):
+                settings = gateway_settings(f"127.0.0.1:{router_server.port}", redis_url=url, **overrides)
+                server, gate = await start_gateway(settings)
+                stack.push_async_callback(server.stop)
+                address = f"127.0.0.1:{server.port}"
+                await wait_for_health(address, 10.0, SERVICE_NAME)
+                channel = grpc.aio.insecure_channel(address)
+                stack.push_async_callback(channel.close)
+                gateways.servers.append(server)
+                gateways.gates.append(gate)
+                gateways.stubs.append(inference_pb2_grpc.InferenceStub(channel))
+            return gateways
+
+        yield _start
