@@ -1,4 +1,4 @@
-"""The ``meshserve`` command: ``models prepare``, ``chat``, ``up``, ``bench``.
+"""The ``meshserve`` command: ``models prepare``, ``chat``, ``up``, ``bench``, ``keys``.
 
 ``up`` and ``bench`` hand their arguments to :func:`services.mesh.main_up` and
 :func:`benchmarks.run.main`, imported only when used so the other commands start fast.
@@ -44,6 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), up to 2")
     chat.add_argument("--tier", choices=("auto", "edge", "cloud"), default="auto", help="routing hint")
     chat.add_argument("--system", default=None, help="optional system message")
+
+    from services.gateway import keys_cli
+
+    keys_cli.add_arguments(commands.add_parser("keys", help="create, list and revoke the gateway's API keys"))
 
     commands.add_parser("up", help="start the whole mesh locally (see `meshserve up -h`)", add_help=False)
     commands.add_parser("bench", help="benchmark the mesh (see `meshserve bench -h`)", add_help=False)
@@ -100,6 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if argv and argv[0] in _DELEGATED:
         return _delegate(argv[0], argv[1:])
     args = _parser().parse_args(argv)
+    if args.command == "keys":
+        from services.gateway import keys_cli
+
+        return keys_cli.run(args)
     if args.command == "models":
         from services.models import prepare
 

@@ -87,6 +87,7 @@ class FileXds:
         check: dict[str, Any] = {
             "timeout": "1s",
             "interval": interval,
+            "no_traffic_interval": interval,  # default 60 s would keep a dead idle replica for a minute
             "healthy_threshold": 1,
             "unhealthy_threshold": 2,
         }

@@ -1,0 +1,144 @@
+"""The official `openai` client against Envoy's port: every endpoint and every error it maps."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import grpc
+import openai
+import pytest
+
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from tests.integration.frontdoor.conftest import API_KEY, MODEL, TINY_KEY, WORDS, FakeRouter, Stack
+
+pytestmark = pytest.mark.integration
+TEXT = "".join(WORDS)
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
+
+
+@pytest.fixture
+async def client(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=stack.door.base_url, api_key=API_KEY, max_retries=0) as c:
+        yield c
+
+
+async def test_chat_completion(client: openai.AsyncOpenAI, router: FakeRouter) -> None:
+    reply = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)  # type: ignore[arg-type]
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.role == "assistant"
+    assert reply.choices[0].message.content == TEXT
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage is not None
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens, reply.usage.total_tokens) == (7, 3, 10)
+    turn = router.requests[-1].turn  # type: ignore[attr-defined]
+    assert [(m.role, m.content) for m in turn.messages] == [("system", "Be brief."), ("user", "Say hello")]
+    assert turn.sampling.max_tokens == 8 and turn.sampling.temperature == 0
+
+
+async def test_chat_completion_streaming(client: openai.AsyncOpenAI) -> None:
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    deltas, finish, usage = [], None, None
+    async for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.choices:
+            deltas.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(deltas) == TEXT
+    assert finish == "length"
+    assert usage is not None and usage.completion_tokens == len(WORDS)
+
+
+async def test_completions(client: openai.AsyncOpenAI, router: FakeRouter) -> None:
+    reply = await client.completions.create(model=MODEL, prompt="Once upon", max_tokens=5, seed=3, stop=["\n"])
+    assert reply.object == "text_completion"
+    assert reply.choices[0].text == TEXT
+    assert reply.usage is not None and reply.usage.total_tokens == 10
+    request = router.requests[-1]
+    assert isinstance(request, pb.GenerateRequest)
+    assert (request.prompt, request.sampling.seed, list(request.sampling.stop)) == ("Once upon", 3, ["\n"])
+
+    stream = await client.completions.create(model=MODEL, prompt="Once upon", stream=True)
+    texts = [chunk.choices[0].text async for chunk in stream]
+    assert "".join(texts) == TEXT
+
+
+async def test_models(client: openai.AsyncOpenAI) -> None:
+    models = [m async for m in client.models.list()]
+    assert [m.id for m in models] == [MODEL]
+    assert (await client.models.retrieve(MODEL)).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        await client.models.retrieve("no-such-model")
+
+
+async def test_wrong_key_is_401(stack: Stack) -> None:
+    async with openai.AsyncOpenAI(base_url=stack.door.base_url, api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(openai.AuthenticationError) as info:
+            await bad.chat.completions.create(model=MODEL, messages=MESSAGES)  # type: ignore[arg-type]
+    assert info.value.status_code == 401
+    assert info.value.code == "invalid_api_key"
+
+
+async def test_exhausted_limit_is_429_with_retry_after(stack: Stack, redis_url: str) -> None:
+    """The real Redis rate limiter of the gateway: tenant `tiny` may send one request a minute."""
+    async with openai.AsyncOpenAI(base_url=stack.door.base_url, api_key=TINY_KEY, max_retries=0) as tiny:
+        await tiny.completions.create(model=MODEL, prompt="first")
+        with pytest.raises(openai.RateLimitError) as info:
+            await tiny.completions.create(model=MODEL, prompt="second")
+    assert info.value.status_code == 429
+    assert int(info.value.response.headers["retry-after"]) >= 1
+
+
+async def test_router_overload_is_429_with_retry_after_rounded_up(
+    client: openai.AsyncOpenAI, router: FakeRouter
+) -> None:
+    router.mode = "exhausted"  # retry_after_ms=2300
+    with pytest.raises(openai.RateLimitError) as info:
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)  # type: ignore[arg-type]
+    assert info.value.response.headers["retry-after"] == "3"
+    assert info.value.response.headers["retry-after-ms"] == "2300"
+
+
+async def test_errors_keep_their_http_status(client: openai.AsyncOpenAI, router: FakeRouter) -> None:
+    with pytest.raises(openai.BadRequestError):  # gateway validation
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=5)  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError):  # refused by the adapter, never forwarded
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        await client.completions.create(model="no-such-model", prompt="hi")
+    router.mode = "unavailable"
+    with pytest.raises(openai.InternalServerError) as info:
+        await client.completions.create(model=MODEL, prompt="hi")
+    assert info.value.status_code == 503
+
+
+async def test_raw_http_errors_are_openai_json(stack: Stack) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{stack.door.base_url}/chat/completions", data=b"{not json", headers=headers) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["type"] == "invalid_request_error"
+        async with session.get(f"{stack.door.base_url}/nothing-here", headers=headers) as r:
+            assert r.status == 404
+            assert "error" in await r.json()
+
+
+async def test_grpc_clients_enter_through_envoy_too(stack: Stack) -> None:
+    async with grpc.aio.insecure_channel(stack.door.address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        auth = (("authorization", f"Bearer {API_KEY}"),)
+        models = await stub.ListModels(pb.ListModelsRequest(), metadata=auth)
+        assert [m.id for m in models.models] == [MODEL]
+        frames = [f async for f in stub.Generate(pb.GenerateRequest(prompt="hi"), metadata=auth)]
+        assert "".join(f.text for f in frames) == TEXT and frames[-1].HasField("final")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.ListModels(pb.ListModelsRequest())
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
