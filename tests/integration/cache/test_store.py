@@ -1,4 +1,4 @@
-"""ResponseCache against a real redis-server: TTL, size limit, corrupt values, outage."""
+"""ResponseCache against a real redis-server: TTL, size limit, tenant isolation, corrupt values, budgets, outage."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from services.cache.keys import SamplingSpec, response_key
+from services.cache.codec import encode_response
+from services.cache.keys import SamplingSpec, response_key, scope_of
 from services.cache.store import CachedResponse, Finish, ResponseCache
 from tests.helpers import RedisServer, free_port
 
@@ -93,3 +94,94 @@ async def test_recovers_after_outage(redis_srv: RedisServer, redis_url: str) -> 
 async def test_disabled_when_url_empty() -> None:
     cache = ResponseCache.from_url("")
     assert not cache.enabled and await cache.get(KEY) is None
+
+
+def _key(tenant: str, shareable: bool = False) -> str:
+    return response_key(
+        model_id="m",
+        model_version="v",
+        tokenizer_id="t",
+        sampling=SamplingSpec(max_tokens=3),
+        prompt_ids=[1, 2, 3, 4],
+        tenant=tenant,
+        shareable=shareable,
+    )
+
+
+async def test_tenants_never_read_each_others_responses(redis_url: str) -> None:
+    cache = ResponseCache.from_url(redis_url, timeout_s=1)
+    try:
+        a = CachedResponse((1,), "secret of a", Finish.STOP, 4, 1)
+        b = CachedResponse((2,), "secret of b", Finish.STOP, 4, 1)
+        assert await cache.get(_key("b")) is None
+        assert await cache.put(_key("a"), a)
+        assert await cache.get(_key("b")) is None  # A wrote, B cannot read
+        assert await cache.put(_key("b"), b)
+        assert await cache.get(_key("a")) == a and await cache.get(_key("b")) == b  # B wrote, A still sees its own
+        assert await cache.get(_key("a", shareable=True)) is None  # private entries are not shared
+        shared = CachedResponse((3,), "public", Finish.STOP, 4, 1)
+        assert await cache.put(_key("a", shareable=True), shared)
+        assert await cache.get(_key("b", shareable=True)) == shared  # shared prefix: both ways
+        assert await cache.get(_key("b")) == b
+    finally:
+        await cache.close()
+
+
+async def test_old_format_values_are_ignored_and_counted(redis_url: str) -> None:
+    cache = ResponseCache.from_url(redis_url, timeout_s=1)
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        good = encode_response(RESP)
+        await raw.set(KEY, good[:4] + bytes([0]) + good[5:])  # format version 0
+        assert await cache.get(KEY) is None
+        await raw.set(KEY, good[:4] + bytes([2]) + good[5:])  # a newer writer's format
+        assert await cache.get(KEY) is None
+        await raw.set(KEY, good[:-1])  # truncated
+        assert await cache.get(KEY) is None
+        assert cache.stats.corrupt == 3 and cache.stats.hits == 0
+        assert cache.guard.tally["response:lookup:corrupt"] == 3
+    finally:
+        await raw.aclose()
+        await cache.close()
+
+
+async def test_byte_budget_holds_and_evicts_oldest(redis_url: str) -> None:
+    entry = CachedResponse(tuple(range(40)), "x" * 100, Finish.LENGTH, 4, 40)
+    size = len(encode_response(entry))
+    budget = size * 5 + size // 2
+    cache = ResponseCache.from_url(redis_url, timeout_s=1, budget_bytes=budget)
+    raw = aioredis.Redis.from_url(redis_url)
+    try:
+        keys = [
+            response_key(
+                model_id="m",
+                model_version="v",
+                tokenizer_id="t",
+                sampling=SamplingSpec(max_tokens=40),
+                prompt_ids=[i],
+                tenant="acme",
+            )
+            for i in range(20)
+        ]
+        for k in keys:
+            assert await cache.put(k, entry)
+            stored = [x for x in await raw.mget(keys) if x is not None]
+            assert sum(len(x) for x in stored) <= budget
+        assert await cache.get(keys[-1]) == entry  # newest kept
+        assert await cache.get(keys[0]) is None  # oldest evicted
+        _ix, _sz, used = scope_of(keys[0])
+        assert int(await raw.get(used)) == size * 5
+        assert 0 < await raw.ttl(used)
+        other_tenant = response_key(
+            model_id="m",
+            model_version="v",
+            tokenizer_id="t",
+            sampling=SamplingSpec(max_tokens=40),
+            prompt_ids=[0],
+            tenant="other",
+        )
+        assert await cache.put(other_tenant, entry)  # budgets are per tenant: one cannot evict another
+        assert await cache.get(keys[-1]) == entry
+    finally:
+        await raw.aclose()
+        await cache.close()
