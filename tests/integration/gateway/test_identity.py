@@ -1,0 +1,104 @@
+"""Credentials through a real gateway with real Redis: stored API keys, JWTs, static keys."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import jwt
+import pytest
+import redis.asyncio as aioredis
+
+from services.common import metadata as md
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.gateway.keys_cli import main as keys_main
+from services.gateway.keystore import KeyStore
+from tests.integration.gateway.conftest import KEYS, Gateways, StartFn
+
+pytestmark = pytest.mark.integration
+
+SECRET = "hs256-test-secret-of-enough-length"
+
+
+def token(**over: object) -> str:
+    claims = {"sub": "svc-7", "tenant": "umbrella", "aud": "meshserve", "exp": int(time.time()) + 300, **over}
+    return jwt.encode(claims, SECRET, algorithm="HS256")
+
+
+async def call(mesh: Gateways, credential: str, max_tokens: int = 4) -> grpc.StatusCode:
+    reply = mesh.stubs[0].Complete(
+        pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=max_tokens)),
+        metadata=((md.AUTHORIZATION, f"Bearer {credential}"),),
+    )
+    try:
+        await reply
+    except grpc.aio.AioRpcError as exc:
+        assert exc.code() != grpc.StatusCode.INTERNAL
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.fixture
+async def mesh(start: StartFn) -> Gateways:
+    return await start(1, jwt_hs256_secret=SECRET, jwt_audience="meshserve")
+
+
+@pytest.fixture
+async def store(redis_url: str):
+    client = aioredis.Redis.from_url(redis_url)
+    yield KeyStore(client)
+    await client.aclose()
+
+
+async def test_stored_key_authenticates_binds_tenant_and_key_id_then_revocation_refuses_it(
+    mesh: Gateways, store: KeyStore
+) -> None:
+    plaintext, record = await store.create("initech", name="ci")
+    assert await call(mesh, plaintext) == grpc.StatusCode.OK
+    seen = mesh.router.seen[-1].metadata
+    assert (seen[md.TENANT], seen[md.KEY_ID]) == ("initech", record.key_id)
+    assert plaintext not in str(await store._client.hgetall(f"meshserve:v1:apikey:{record.digest}"))
+    assert await store.revoke(record.key_id)
+    assert await call(mesh, plaintext) == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_unknown_expired_and_tampered_keys_are_unauthenticated(mesh: Gateways, store: KeyStore) -> None:
+    plaintext, _ = await store.create("initech", ttl_s=0.001)
+    assert await call(mesh, plaintext) == grpc.StatusCode.UNAUTHENTICATED  # expired
+    good, record = await store.create("initech")
+    assert await call(mesh, good[:-1] + ("A" if good[-1] != "A" else "B")) == grpc.StatusCode.UNAUTHENTICATED
+    assert await call(mesh, f"msk_{record.key_id}_not-the-secret") == grpc.StatusCode.UNAUTHENTICATED
+    assert await call(mesh, "msk_0123456789ab_unknown") == grpc.StatusCode.UNAUTHENTICATED
+    assert await call(mesh, KEYS["acme"]) == grpc.StatusCode.OK, "static keys keep working beside the store"
+
+
+async def test_limits_stored_on_a_key_override_the_tenant_policy(mesh: Gateways, store: KeyStore) -> None:
+    plaintext, _ = await store.create("hooli", limits={"requests_per_minute": 1, "max_tokens": 16})
+    assert await call(mesh, plaintext, max_tokens=32) == grpc.StatusCode.INVALID_ARGUMENT
+    assert await call(mesh, plaintext) == grpc.StatusCode.OK
+    assert await call(mesh, plaintext) == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+async def test_jwt_authenticates_and_bad_jwts_are_unauthenticated(mesh: Gateways) -> None:
+    assert await call(mesh, token()) == grpc.StatusCode.OK
+    seen = mesh.router.seen[-1].metadata
+    assert (seen[md.TENANT], seen[md.KEY_ID]) == ("umbrella", "jwt:svc-7")
+    forged = jwt.encode({"tenant": "umbrella", "aud": "meshserve", "exp": int(time.time()) + 60}, "x" * 40)
+    for bad in (forged, token(exp=int(time.time()) - 120), token(aud="other")):
+        assert await call(mesh, bad) == grpc.StatusCode.UNAUTHENTICATED
+    assert len(mesh.router.seen) == 1
+
+
+def test_keys_cli_creates_lists_and_revokes(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert keys_main(["--redis-url", redis_url, "create", "--tenant", "acme", "--tokens-per-minute", "500"]) == 0
+    out = capsys.readouterr().out
+    key_id = out.split("key id:")[1].split()[0]
+    plaintext = out.split("api key:")[1].split()[0]
+    assert plaintext.startswith(f"msk_{key_id}_")
+    assert keys_main(["--redis-url", redis_url, "list", "--json"]) == 0
+    listed = capsys.readouterr().out
+    assert key_id in listed and plaintext not in listed and '"tokens_per_minute": 500' in listed
+    assert keys_main(["--redis-url", redis_url, "revoke", key_id]) == 0
+    assert keys_main(["--redis-url", redis_url, "list"]) == 0
+    assert "revoked" in capsys.readouterr().out
+    assert keys_main(["--redis-url", redis_url, "revoke", "ffffffffffff"]) == 1
