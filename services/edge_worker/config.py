@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.errors import ConfigError
@@ -21,6 +22,11 @@ class EdgeWorkerSettings(WorkerSettings):
     model_dir: Path | None = None
     """onnxruntime-genai model directory (genai_config.json, model.onnx, tokenizer.json); empty uses
     `<models_dir>/<model_id>/edge-int4` from `meshserve models prepare`."""
+
+    chat_reserve_tokens: int = Field(default=512, ge=0)
+    """KV room a chat sequence keeps beyond its first turn so later turns extend it in place (the
+    builder's CPU model preallocates KV up to a generator's max_length: ~46 KB per token for
+    SmolLM2-135M). A later turn that does not fit starts a fresh sequence."""
 
     def resolved_model_dir(self) -> Path:
         return self.model_dir or model_paths(self.model_id).edge_dir

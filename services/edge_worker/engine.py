@@ -3,6 +3,12 @@
 Sampling is onnxruntime-genai's own (``set_search_options``): greedy when temperature is 0, else
 temperature/top-k/top-p with a per-generator ``random_seed`` (0.18 seeds each generator, so the same
 seed gives the same tokens however many sequences run at once; top_k=0 means the whole vocabulary).
+
+Chat turns: a sequence started with :meth:`OgEngine.start_chat` survives its turn; the next turn's
+context is matched against the tokens the generator already holds, the generator is rewound to the
+longest common prefix whose KV exists (``rewind_to``) and only the rest is appended (prefilled). A
+generated token has no KV until the next forward pass, so the usable prefix ends one token before
+the last generated one.
 """
 
 from __future__ import annotations
@@ -21,24 +27,48 @@ from services.common.worker.types import EngineInfo, SamplingConfig
 _SEED_MASK = 0x7FFFFFFF  # og's random_seed is a C int
 
 
-class OgSequence:
-    """One generation on an ``og.Generator``; the first ``step`` appends (prefills) the context."""
+def _search_options(sampling: SamplingConfig) -> dict[str, Any]:
+    if sampling.greedy:
+        return {"do_sample": False}
+    seed = sampling.seed if sampling.seed is not None else random.getrandbits(31)
+    return {
+        "do_sample": True,
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "random_seed": seed & _SEED_MASK,
+    }
 
-    def __init__(self, model: og.Model, token_ids: Sequence[int], sampling: SamplingConfig) -> None:
-        options: dict[str, Any] = {"max_length": len(token_ids) + sampling.max_tokens, "do_sample": False}
-        if not sampling.greedy:
-            seed = sampling.seed if sampling.seed is not None else random.getrandbits(31)
-            options.update(
-                do_sample=True,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                random_seed=seed & _SEED_MASK,
-            )
+
+def _reusable_key(sampling: SamplingConfig) -> tuple[Any, ...] | None:
+    """Turns with equal keys may share a generator; None (an explicit seed) never shares one.
+
+    A seeded turn must give the tokens a fresh generator gives (the response cache relies on it), and
+    a reused generator's random state has moved on, so seeded turns always start fresh.
+    """
+    if sampling.greedy:
+        return ("greedy",)
+    if sampling.seed is not None:
+        return None
+    return ("sample", sampling.temperature, sampling.top_p, sampling.top_k)
+
+
+class OgSequence:
+    """One generation on an ``og.Generator``; the first ``step`` appends (prefills) the pending tokens."""
+
+    def __init__(
+        self, model: og.Model, token_ids: Sequence[int], sampling: SamplingConfig, *, max_length: int | None = None
+    ) -> None:
+        self.max_length = max_length or len(token_ids) + sampling.max_tokens
         params = og.GeneratorParams(model)
-        params.set_search_options(**options)
+        params.set_search_options(max_length=self.max_length, **_search_options(sampling))
         self._generator: og.Generator | None = og.Generator(model, params)
+        self._key = _reusable_key(sampling)
+        self._tokens: list[int] = []  # the generator's sequence
+        self._kv_len = 0  # leading tokens of ``_tokens`` whose KV has been computed
         self._pending: list[int] | None = list(token_ids)
+        self.prefill_tokens = len(token_ids)
+        """Tokens the next ``step`` prefills (all of the context, or only a chat turn's new ones)."""
 
     def step(self) -> int:
         generator = self._generator
@@ -46,18 +76,51 @@ class OgSequence:
             raise RuntimeError("sequence is closed")
         if self._pending is not None:
             generator.append_tokens(self._pending)
+            self._tokens += self._pending
             self._pending = None
+        self._kv_len = len(self._tokens)
         generator.generate_next_token()
-        return int(generator.get_next_tokens()[0])
+        token = int(generator.get_next_tokens()[0])
+        self._tokens.append(token)
+        return token
+
+    def reuse(self, token_ids: Sequence[int], sampling: SamplingConfig) -> bool:
+        """Prepare the next turn over ``token_ids`` on this generator; False if it cannot be reused.
+
+        Reuse needs the same sampling kind, room for the turn within ``max_length``, and a non-empty
+        common prefix with what the generator holds. On success ``prefill_tokens`` is the new part.
+        """
+        key = _reusable_key(sampling)
+        if self._generator is None or key is None or key != self._key:
+            return False
+        if len(token_ids) + sampling.max_tokens > self.max_length:
+            return False
+        common = 0
+        limit = min(self._kv_len, len(token_ids) - 1)  # at least one token must run to get logits
+        while common < limit and self._tokens[common] == token_ids[common]:
+            common += 1
+        if common == 0:
+            return False
+        if common < len(self._tokens):
+            self._generator.rewind_to(common)
+        self._tokens = self._tokens[:common]
+        self._kv_len = common
+        self._pending = list(token_ids[common:])
+        self.prefill_tokens = len(self._pending)
+        return True
 
     def close(self) -> None:
         self._generator = None  # frees the generator's KV buffers
 
 
 class OgEngine:
-    """The INT4 ONNX model of ``model_dir`` (as written by onnxruntime-genai's model builder)."""
+    """The INT4 ONNX model of ``model_dir`` (as written by onnxruntime-genai's model builder).
 
-    def __init__(self, model_dir: Path, *, model_id: str, threads: int = 0) -> None:
+    ``chat_reserve_tokens``: room kept in a chat sequence's KV buffer beyond its first turn, so later
+    turns can extend it in place (the builder's CPU config preallocates KV to ``max_length``).
+    """
+
+    def __init__(self, model_dir: Path, *, model_id: str, threads: int = 0, chat_reserve_tokens: int = 512) -> None:
         config = og.Config(str(model_dir))
         if threads:
             config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
@@ -71,6 +134,7 @@ class OgEngine:
             eos_token_ids=frozenset(eos if isinstance(eos, list) else [eos]),
         )
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.chat_reserve_tokens = chat_reserve_tokens
 
     @property
     def info(self) -> EngineInfo:
@@ -86,3 +150,8 @@ class OgEngine:
 
     def start(self, token_ids: Sequence[int], sampling: SamplingConfig) -> OgSequence:
         return OgSequence(self._model, token_ids, sampling)
+
+    def start_chat(self, token_ids: Sequence[int], sampling: SamplingConfig) -> OgSequence:
+        """Like ``start``, with KV room for later turns (see ``OgSequence.reuse``)."""
+        wanted = len(token_ids) + sampling.max_tokens + self.chat_reserve_tokens
+        return OgSequence(self._model, token_ids, sampling, max_length=min(self._info.context_length, wanted))

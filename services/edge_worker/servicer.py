@@ -13,7 +13,12 @@ TIER = "edge"
 
 def build_engine(settings: EdgeWorkerSettings) -> OgEngine:
     """Load the model named by the settings (blocking: seconds)."""
-    return OgEngine(settings.check_model(), model_id=settings.model_id, threads=settings.threads)
+    return OgEngine(
+        settings.check_model(),
+        model_id=settings.model_id,
+        threads=settings.threads,
+        chat_reserve_tokens=settings.chat_reserve_tokens,
+    )
 
 
 async def start_edge_worker(settings: EdgeWorkerSettings, engine: OgEngine | None = None) -> RunningWorker:

@@ -64,6 +64,8 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
         max_active=settings.max_active_sequences,
         max_queue=settings.max_queue,
         name=type(settings).service,
+        max_open_chats=settings.max_open_chats,
+        chat_idle_timeout_s=settings.chat_idle_timeout_s,
     )
     servicer = WorkerServicer(
         runner,
@@ -75,6 +77,12 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
     server = await start_server(settings, servicer.register, [WORKER_SERVICE_NAME], internal=True, serving=False)
 
     server.on_stop.append(runner.aclose)
+    sweeper = asyncio.create_task(runner.sweep_sessions_forever())
+
+    async def stop_sweeper() -> None:
+        sweeper.cancel()
+
+    server.on_stop.append(stop_sweeper)
     servicer.worker_id = settings.resolved_worker_id(server.port)
     try:
         if settings.warmup:

@@ -18,10 +18,12 @@ import structlog
 
 from services.common.worker.admission import Admission
 from services.common.worker.detokenizer import IncrementalDetokenizer
+from services.common.worker.sessions import ChatSession, ChatSessions
 from services.common.worker.stats import WorkerCounters
 from services.common.worker.stops import StopStringMatcher
 from services.common.worker.types import (
     Engine,
+    EngineSequence,
     FinalEvent,
     FinishReason,
     GenerationRequest,
@@ -32,18 +34,40 @@ from services.common.worker.types import (
 log = structlog.get_logger(__name__)
 
 
+def open_sequence(
+    engine: Engine, context: tuple[int, ...], sampling: SamplingConfig, session: ChatSession | None
+) -> tuple[EngineSequence, int]:
+    """A sequence for this turn and how many tokens its first step prefills.
+
+    With a session and an engine that supports chats (``start_chat``, and ``reuse`` on its
+    sequences), the session's held sequence is reused when the engine can extend it.
+    """
+    start_chat = getattr(engine, "start_chat", None)
+    if session is None or start_chat is None:
+        return engine.start(context, sampling), len(context)
+    previous = session.take()
+    if previous is not None:
+        reuse = getattr(previous, "reuse", None)
+        if reuse is not None and reuse(context, sampling):
+            return previous, int(getattr(previous, "prefill_tokens", len(context)))
+        previous.close()
+    return start_chat(context, sampling), len(context)
+
+
 def run_sequence(
     engine: Engine,
     request: GenerationRequest,
     stop_flag: threading.Event,
     emit: Callable[[TokenEvent], None],
     counters: WorkerCounters,
+    session: ChatSession | None = None,
 ) -> FinalEvent:
     """Generate one turn (blocking; call from a worker thread). Returns the final event.
 
     EOS ends the turn with STOP and is neither sent nor detokenized (it counts as a completion
     token). When a stop string matches, the token that completed it is still sent (its text is
     cut before the stop string), as vLLM does. ``max_tokens`` covers resumed tokens too.
+    With a ``session`` the sequence is handed back to it afterwards (KV kept for the next turn).
     """
     context = request.prompt_ids + request.resume_ids
     sampling = request.sampling
@@ -53,7 +77,8 @@ def run_sequence(
     stops = StopStringMatcher(sampling.stop)
     produced = 0
     reason = FinishReason.LENGTH
-    seq = engine.start(context, replace(sampling, max_tokens=max(budget, 1)))
+    seq, prefill = open_sequence(engine, context, replace(sampling, max_tokens=max(budget, 1)), session)
+    failed = True
     try:
         while True:
             if stop_flag.is_set():
@@ -64,7 +89,7 @@ def run_sequence(
                 break
             token = seq.step()
             if produced == 0:
-                counters.prefilled(len(context))
+                counters.prefilled(prefill)
             produced += 1
             counters.token_generated()
             if token in eos:
@@ -75,8 +100,12 @@ def run_sequence(
             if stopped:
                 reason = FinishReason.STOP_STRING
                 break
+        failed = False
     finally:
-        seq.close()
+        if session is None or failed:
+            seq.close()
+        else:
+            session.keep(seq)
     tail = ""
     if reason in (FinishReason.STOP, FinishReason.LENGTH):  # release held text, unless it completes a stop
         tail, stopped = stops.feed(detok.flush())
@@ -88,7 +117,7 @@ def run_sequence(
         reason=reason,
         prompt_tokens=len(context),
         completion_tokens=produced,
-        prefill_tokens=len(context) if produced else 0,
+        prefill_tokens=prefill if produced else 0,
         text=tail,
     )
 
@@ -96,9 +125,10 @@ def run_sequence(
 class Turn:
     """One generation in flight. Iterate ``events()`` once; ``cancel()`` may be called any time."""
 
-    def __init__(self, runner: Runner, request: GenerationRequest) -> None:
+    def __init__(self, runner: Runner, request: GenerationRequest, session: ChatSession | None = None) -> None:
         self._runner = runner
         self.request = request
+        self.session = session
         self._stop = threading.Event()
         self._cancelled = asyncio.Event()
 
@@ -132,7 +162,7 @@ class Turn:
 
             def work() -> FinalEvent:
                 try:
-                    return run_sequence(runner.engine, self.request, self._stop, emit, runner.counters)
+                    return run_sequence(runner.engine, self.request, self._stop, emit, runner.counters, self.session)
                 finally:
                     emit(None)
 
@@ -149,16 +179,36 @@ class Turn:
 class Runner:
     """Owns the engine's thread pool, admission and counters."""
 
-    def __init__(self, engine: Engine, *, max_active: int, max_queue: int, name: str = "worker") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_active: int,
+        max_queue: int,
+        name: str = "worker",
+        max_open_chats: int = 16,
+        chat_idle_timeout_s: float = 120.0,
+    ) -> None:
         self.engine = engine
+        self.sessions = ChatSessions(max_open_chats, chat_idle_timeout_s)
         self.admission = Admission(max_active, max_queue)
         self.counters = WorkerCounters()
         self.executor = ThreadPoolExecutor(max_workers=max_active, thread_name_prefix=f"{name}-seq")
         self.running: dict[asyncio.Future[FinalEvent], Turn] = {}
 
-    def turn(self, request: GenerationRequest) -> Turn:
-        """A new turn; it counts as started once accepted (admitted or queued) by ``events()``."""
-        return Turn(self, request)
+    def turn(self, request: GenerationRequest, session: ChatSession | None = None) -> Turn:
+        """A new turn; it counts as started once accepted (admitted or queued) by ``events()``.
+
+        Turns of one stream share its ``session`` (KV kept between turns where the engine can).
+        """
+        self.sessions.sweep()
+        return Turn(self, request, session)
+
+    async def sweep_sessions_forever(self) -> None:
+        """Free idle chat sequences every few seconds (runs until cancelled)."""
+        while True:
+            await asyncio.sleep(max(0.5, min(self.sessions.idle_timeout_s / 4, 5.0)))
+            self.sessions.sweep()
 
     def sequence_done(self, future: asyncio.Future[FinalEvent]) -> None:
         self.running.pop(future, None)

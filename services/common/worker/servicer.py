@@ -22,6 +22,7 @@ from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.worker.runner import Runner, Turn
 from services.common.worker.sampling import resolve_sampling, validate_prompt
+from services.common.worker.sessions import ChatSession
 from services.common.worker.types import FinalEvent, FinishReason, GenerationRequest
 
 _FINISH = {
@@ -41,6 +42,8 @@ class _Stream:
     starts: asyncio.Queue[worker_pb2.WorkerStart | None] = field(default_factory=asyncio.Queue)
     turn: Turn | None = None
     cancel_next: bool = False
+    session: ChatSession | None = None
+    """KV kept between this stream's turns (chat), freed when the stream ends."""
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -80,7 +83,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Generate(
         self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WorkerResponse]:
-        stream = _Stream()
+        stream = _Stream(session=self.runner.sessions.open())
         reader = asyncio.create_task(self._read(request_iterator, stream))
         try:
             while (start := await stream.starts.get()) is not None:
@@ -90,6 +93,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             reader.cancel()
             if stream.turn is not None:
                 stream.turn.cancel()
+            if stream.session is not None:
+                stream.session.close()
 
     async def _read(self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], stream: _Stream) -> None:
         try:
@@ -129,7 +134,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _turn(self, start: worker_pb2.WorkerStart, stream: _Stream) -> AsyncIterator[worker_pb2.WorkerResponse]:
         began = last = time.perf_counter()
         labels = {"service": self.service, "tier": self.tier}
-        turn = self.runner.turn(self.to_request(start))
+        turn = self.runner.turn(self.to_request(start), stream.session)
         stream.turn = turn
         if stream.cancel_next:
             stream.cancel_next = False

@@ -27,6 +27,11 @@ class WorkerSettings(ServiceSettings):
     """Sequences that may wait for a slot; beyond it requests get RESOURCE_EXHAUSTED."""
     default_max_tokens: int = Field(default=256, ge=1)
     """Tokens generated when a request leaves max_tokens at 0 (clamped to the context)."""
+    max_open_chats: int = Field(default=16, ge=0)
+    """Chat streams whose KV is kept between turns; beyond it the least recently used is freed
+    (its next turn prefills the whole context again). 0 keeps none."""
+    chat_idle_timeout_s: float = Field(default=120.0, gt=0)
+    """A chat's KV kept between turns is freed after this many idle seconds."""
     warmup: bool = True
     """Run a tiny generation before health reports SERVING (keeps the first request fast)."""
 
