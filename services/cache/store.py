@@ -63,10 +63,11 @@ class ResponseCache:
     ) -> ResponseCache:
         """A cache on ``url`` (see connection.py for the schemes); empty url = disabled cache.
 
-        ``retry_after_s`` is how long the circuit breaker stays open after Redis failed.
+        ``retry_after_s`` is how long the circuit breaker stays open after Redis failed; each failed
+        probe doubles it, up to 4 x ``retry_after_s``.
         """
         client = redis_from_url(url, timeout_s) if url else None
-        breaker = CircuitBreaker(failure_threshold=1, reset_s=retry_after_s, max_reset_s=max(retry_after_s, 5.0))
+        breaker = CircuitBreaker(failure_threshold=1, reset_s=retry_after_s, max_reset_s=4 * retry_after_s)
         guard = Guard(client, timeout_s=timeout_s, breaker=breaker, service=service)
         return cls(guard, **kwargs)  # type: ignore[arg-type]
 

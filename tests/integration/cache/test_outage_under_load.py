@@ -1,0 +1,122 @@
+"""Redis killed and restarted in the middle of a load of router requests: none fails, hits come back.
+
+The real router (port 0) with fake workers and its own redis-server; a bounded load of 240
+deterministic requests over 6 prompts, 8 at a time. Redis is stopped after 80 requests and
+started again after 160.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.settings import load_settings
+from services.common.tokenizer import Tokenizer
+from services.models.paths import model_paths
+from services.router.config import RouterSettings
+from services.router.server import start_router
+from tests.helpers import RedisServer, free_port
+from tests.integration.router.fake_worker import start_fake
+
+HF_DIR = model_paths().hf_dir
+TOKEN = "cache-outage-token"
+META = (("x-meshserve-internal-token", TOKEN), ("x-meshserve-tenant", "acme"))
+TOTAL, STOP_AT, START_AT, CONCURRENCY = 240, 80, 160, 8
+PROMPTS = [f"Question number {i}: what is the sea?" for i in range(6)]
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not (HF_DIR / "tokenizer.json").is_file(), reason="model not prepared"),
+]
+
+
+@dataclass
+class Outcome:
+    index: int
+    ok: bool
+    hit: bool
+
+
+@pytest.fixture
+async def router_stub(tmp_path: object) -> AsyncIterator[tuple[inference_pb2_grpc.InferenceStub, RedisServer]]:
+    redis = RedisServer(port=free_port(), dir=str(tmp_path))
+    redis.start()
+    workers = [await start_fake("edge-0", pb.TIER_EDGE, TOKEN), await start_fake("cloud-0", pb.TIER_CLOUD, TOKEN)]
+    settings = load_settings(
+        RouterSettings,
+        edge_workers=workers[0].address,
+        cloud_workers=workers[1].address,
+        redis_url=redis.url,
+        internal_token=TOKEN,
+        shutdown_grace_s=0,
+        cache_timeout_s=0.25,
+        cache_retry_after_s=0.1,
+        health_interval_s=0.2,
+    )
+    server, _router = await start_router(settings, tokenizer=Tokenizer(HF_DIR))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    health = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+    async for reply in health:
+        if reply.status == health_pb2.HealthCheckResponse.SERVING:
+            health.cancel()
+            break
+    try:
+        yield inference_pb2_grpc.InferenceStub(channel), redis
+    finally:
+        await channel.close()
+        await server.stop()
+        for w in workers:
+            assert w.server is not None
+            await w.server.stop()
+        redis.stop()
+
+
+async def test_redis_restart_mid_load(router_stub: tuple[inference_pb2_grpc.InferenceStub, RedisServer]) -> None:
+    stub, redis = router_stub
+    outcomes: list[Outcome] = []
+    issued = 0
+    stopped, restarted = asyncio.Event(), asyncio.Event()
+
+    async def one(i: int) -> Outcome:
+        req = pb.GenerateRequest(prompt=PROMPTS[i % len(PROMPTS)], sampling=pb.SamplingParams(max_tokens=4))
+        try:
+            frames = [f async for f in stub.Generate(req, metadata=META, timeout=10)]
+        except grpc.aio.AioRpcError:
+            return Outcome(i, False, False)
+        last = frames[-1]
+        return Outcome(i, last.HasField("final"), last.final.route.cache_hit)
+
+    async def client() -> None:
+        nonlocal issued
+        while issued < TOTAL:
+            i = issued
+            issued += 1
+            if i == STOP_AT:
+                await asyncio.to_thread(redis.stop)  # killed while the other clients keep sending
+                stopped.set()
+            if i == START_AT:
+                await asyncio.to_thread(redis.start)
+                restarted.set()
+            outcomes.append(await one(i))
+
+    await asyncio.wait_for(asyncio.gather(*(client() for _ in range(CONCURRENCY))), 120)
+    assert stopped.is_set() and restarted.is_set()
+    outcomes.sort(key=lambda o: o.index)
+    assert len(outcomes) == TOTAL
+    assert [o.index for o in outcomes if not o.ok] == []  # no request failed because the cache did
+
+    def ratio(lo: int, hi: int) -> float:
+        window = outcomes[lo:hi]
+        return sum(o.hit for o in window) / len(window)
+
+    before, during, after = ratio(20, STOP_AT), ratio(STOP_AT + 10, START_AT), ratio(TOTAL - 40, TOTAL)
+    assert before >= 0.8
+    assert during <= 0.2  # Redis is down: misses, served by the workers
+    assert after >= 0.8, f"hit ratio did not recover: before={before:.2f} during={during:.2f} after={after:.2f}"
