@@ -19,6 +19,7 @@ from services.common.settings import load_settings
 from services.gateway.admission import Gate
 from services.gateway.auth import ApiKeyAuthenticator, parse_api_keys
 from services.gateway.config import GatewaySettings
+from services.gateway.decoding import GuardedServer
 from services.gateway.identity import Authenticator
 from services.gateway.jwt_auth import JwtVerifier
 from services.gateway.keystore import KeyStore
@@ -86,7 +87,7 @@ async def start_gateway(settings: GatewaySettings) -> tuple[RunningServer, Gate]
     try:
         running = await start_server(
             settings,
-            register=lambda server: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server),
+            register=lambda server: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, GuardedServer(server)),  # type: ignore[arg-type]
             service_names=[SERVICE_NAME],
         )
     except BaseException:

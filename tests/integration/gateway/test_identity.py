@@ -102,3 +102,21 @@ def test_keys_cli_creates_lists_and_revokes(redis_url: str, capsys: pytest.Captu
     assert keys_main(["--redis-url", redis_url, "list"]) == 0
     assert "revoked" in capsys.readouterr().out
     assert keys_main(["--redis-url", redis_url, "revoke", "ffffffffffff"]) == 1
+
+
+@pytest.mark.parametrize("method", ["Complete", "Generate"])
+async def test_bad_utf8_in_a_request_is_invalid_argument_not_internal(mesh: Gateways, method: str) -> None:
+    bad_prompt = b"\x12\x03\xff\xfeA"  # field 2 (prompt) holding bytes that are not UTF-8
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{mesh.servers[0].port}") as channel:
+        kind = channel.unary_unary if method == "Complete" else channel.unary_stream
+        raw_call = kind(f"/meshserve.v1.Inference/{method}", request_serializer=lambda b: b)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            result = raw_call(bad_prompt, metadata=((md.API_KEY, KEYS["acme"]),))
+            if method == "Complete":
+                await result
+            else:
+                async for _ in result:
+                    pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "UTF-8" in (err.value.details() or "")
+    assert mesh.router.seen == []
