@@ -19,6 +19,7 @@ do not reserve-and-settle, nor tie three limits into one atomic step.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass
@@ -186,7 +187,7 @@ class RateLimiter:
                 ],
             )
         except (RedisError, OSError) as exc:
-            self._mark_down(exc)
+            await self._mark_down(exc)
             return self._degraded(tenant, policy)
         self._mark_up()
         if not int(allowed):
@@ -213,7 +214,7 @@ class RateLimiter:
                 keys=[keys.tokens, keys.streams], args=[reservation.tokens_per_minute, refund, reservation.lease]
             )
         except (RedisError, OSError) as exc:
-            self._mark_down(exc)
+            await self._mark_down(exc)
             log.warning("rate_limit_settle_failed", error=type(exc).__name__, refund=refund)
 
     async def tokens_available(self, tenant: str, policy: TenantPolicy) -> float:
@@ -236,11 +237,15 @@ class RateLimiter:
             raise Unavailable("the rate limiter cannot reach its store right now; retry in a few seconds")
         return Reservation(tenant, 0, policy.tokens_per_minute, degraded=True)
 
-    def _mark_down(self, exc: BaseException) -> None:
+    async def _mark_down(self, exc: BaseException) -> None:
         self._down_until = time.monotonic() + self._retry_after_s
         if not self._down:
             self._down = True
             log.warning("rate_limiter_redis_down", error=type(exc).__name__, mode=self.failure_mode)
+            # Pooled connections opened before the outage are dead too; drop them all so the first
+            # calls after Redis returns do not fail one by one on stale sockets.
+            with contextlib.suppress(RedisError, OSError):
+                await self._client.connection_pool.disconnect()
 
     def _mark_up(self) -> None:
         if self._down:
