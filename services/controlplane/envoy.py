@@ -13,6 +13,7 @@ import os
 import shutil
 import string
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,12 +149,17 @@ class Envoy:
 
     async def wait_hosts(self, cluster: str, addresses: set[str], timeout_s: float = 30.0) -> None:
         """Block until exactly ``addresses`` are in ``cluster`` and all pass their health checks."""
+        await self.wait_until(lambda hosts: set(hosts) == addresses and all(hosts.values()), cluster, timeout_s)
 
-        async def settled() -> bool:
-            hosts = await self.hosts(cluster)
-            return set(hosts) == addresses and all(hosts.values())
+    async def wait_until(
+        self, predicate: Callable[[dict[str, bool]], bool], cluster: str, timeout_s: float = 30.0
+    ) -> None:
+        """Block until ``predicate(self.hosts(cluster))`` holds."""
 
-        await self._until(settled, timeout_s, f"Envoy's cluster {cluster} did not converge to {sorted(addresses)}")
+        async def check() -> bool:
+            return predicate(await self.hosts(cluster))
+
+        await self._until(check, timeout_s, f"Envoy's cluster {cluster} did not reach the expected state")
 
     async def _until(self, check: Any, timeout_s: float, what: str) -> None:
         loop = asyncio.get_running_loop()

@@ -97,6 +97,12 @@ class FileXds:
             "type": "EDS",
             "connect_timeout": "1s",
             "lb_policy": "ROUND_ROBIN",
+            # Envoy batches host-health changes for 1 s by default before its workers see them; a
+            # replica set this small gains nothing from batching, so changes apply at once.
+            "common_lb_config": {"update_merge_window": "0s"},
+            # Without this Envoy keeps a removed replica while it still passes health checks, so a
+            # replica the control plane takes out for draining would keep receiving new requests.
+            "ignore_health_on_host_removal": True,
             "eds_cluster_config": {
                 "eds_config": {
                     "resource_api_version": "V3",

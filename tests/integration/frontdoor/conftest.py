@@ -145,3 +145,22 @@ async def router(stack: Stack) -> AsyncIterator[FakeRouter]:
     stack.router.requests.clear()
     yield stack.router
     stack.router.mode = "ok"
+
+
+class NamedGateway(inference_pb2_grpc.InferenceServicer):
+    """A stand-in gateway whose ListModels answers with its own name: shows which replica Envoy chose."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    async def ListModels(self, request, context):  # type: ignore[no-untyped-def]
+        return pb.ListModelsResponse(models=[pb.ModelInfo(id=self.name)])
+
+
+async def start_named_gateway(name: str) -> RunningServer:
+    gateway = NamedGateway(name)
+    return await start_server(
+        ServiceSettings(host="127.0.0.1", port=0, metrics_port=-1, shutdown_grace_s=0.2),
+        register=lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(gateway, s),
+        service_names=[SERVICE_NAME],
+    )
