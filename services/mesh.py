@@ -274,6 +274,7 @@ class Mesh:
                 MESHSERVE_GATEWAY_ROUTER_ADDRESS=router.address,
                 MESHSERVE_GATEWAY_PORT=cfg.gateway_port,
                 MESHSERVE_GATEWAY_API_KEYS=f"dev:{api_key_hash(cfg.api_key)}",
+                MESHSERVE_GATEWAY_REDIS_URL=self.redis_url,  # key store (`meshserve keys`) + rate limits
             )
             await gateway.spawn()
             await gateway.wait_started(timeout)
