@@ -1,0 +1,165 @@
+"""Cache administration (no transport): stats by kind, flush by tenant/model/version, warm-up.
+
+* Stats: lookup/store counters every cache user flushes into keys.STATS_KEY (guard.py), entry and
+  byte counts from the per-scope ledgers (ledger.py), and Redis' own memory figures and policy.
+* Flush: SCAN MATCH over the hash-tagged namespace (keys.scan_pattern) + UNLINK in batches; the
+  ledgers of a flushed scope go with it. Chosen over generation numbers in keys because it costs no
+  extra read on the request path and frees memory at once; the SCAN walks the keyspace, which is
+  fine for an admin action (docs/cache.md).
+* Warm: shared system prompts are sent through the router once as deterministic, shareable
+  requests, so the shared response entry (and, once workers export KV, the shared prefix blocks)
+  exist before users arrive. The call to the router is passed in (servicer side), keeping gRPC out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from services.cache.connection import AnyRedis
+from services.cache.keys import NAMESPACE, STATS_KEY, Kind, scan_pattern
+
+log = structlog.get_logger(__name__)
+KIND_NAMES = {Kind.RESPONSE: "response", Kind.KV: "kv"}
+_RESULT_FIELD = {"hit": "hits", "miss": "misses", "error": "errors"}
+_SCAN_COUNT = 1000
+_UNLINK_BATCH = 500
+
+
+@dataclass
+class KindStats:
+    kind: str
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0
+    corrupt: int = 0
+    skipped: int = 0
+    stored: int = 0
+    too_large: int = 0
+    over_budget: int = 0
+    entries: int = 0
+    bytes: int = 0
+    scopes: int = 0
+
+    @property
+    def hit_ratio(self) -> float:
+        lookups = self.hits + self.misses + self.errors + self.corrupt + self.skipped
+        return self.hits / lookups if lookups else 0.0
+
+
+@dataclass
+class Stats:
+    kinds: dict[str, KindStats] = field(default_factory=dict)
+    used_memory: int = 0
+    maxmemory: int = 0
+    maxmemory_policy: str = ""
+
+
+@dataclass(frozen=True)
+class FlushFilter:
+    """Which entries to flush; at least one filter, or ``everything``."""
+
+    kind: Kind | None = None
+    model_id: str | None = None
+    model_version: str | None = None
+    tenant: str | None = None
+    shared: bool = False
+    everything: bool = False
+
+    def check(self) -> None:
+        if not (self.everything or self.model_id or self.model_version or self.tenant or self.shared):
+            raise ValueError("name a tenant, a model, a model version or shared entries to flush (or ask for all)")
+        if self.tenant and self.shared:
+            raise ValueError("flush either one tenant's entries or the shared ones, not both")
+
+
+Generate = Callable[[str, int], Awaitable[None]]
+"""Sends one prompt through the router as a deterministic, shareable request of ``max_tokens``."""
+
+
+class CacheAdmin:
+    def __init__(self, client: AnyRedis, *, max_scopes: int = 100_000) -> None:
+        self.client = client
+        self.max_scopes = max_scopes
+
+    async def stats(self) -> Stats:
+        out = Stats(kinds={name: KindStats(name) for name in KIND_NAMES.values()})
+        counters = await self.client.hgetall(STATS_KEY)  # type: ignore[misc]
+        for raw_name, raw_value in counters.items():
+            kind, op, result = _text(raw_name).split(":", 2)
+            if op == "store" and result in ("error", "skipped"):
+                continue  # failed writes are not lookups; the Prometheus counters have them
+            result = _RESULT_FIELD.get(result, result)
+            ks = out.kinds.get(kind)
+            if ks is not None and hasattr(ks, result):
+                setattr(ks, result, getattr(ks, result) + int(raw_value))
+        for kind, name in KIND_NAMES.items():
+            ks = out.kinds[name]
+            seen = 0
+            async for used_key in self.client.scan_iter(match=scan_pattern(kind, suffix="used"), count=_SCAN_COUNT):
+                seen += 1
+                if seen > self.max_scopes:
+                    log.warning("cache_stats_truncated", kind=name, max_scopes=self.max_scopes)
+                    break
+                prefix = _text(used_key)[: -len(":used")]
+                used = await self.client.get(used_key)
+                ks.entries += int(await self.client.zcard(f"{prefix}:ix"))
+                ks.bytes += int(used or 0)
+                ks.scopes += 1
+        info = await self.client.info("memory")
+        for node_info in _per_node(info):
+            out.used_memory += int(str(node_info.get("used_memory", 0)))
+            out.maxmemory += int(str(node_info.get("maxmemory", 0)))
+            out.maxmemory_policy = str(node_info.get("maxmemory_policy", out.maxmemory_policy))
+        return out
+
+    async def flush(self, what: FlushFilter) -> int:
+        """UNLINK every key of the matching scopes (entries and ledgers); returns how many."""
+        what.check()
+        if what.everything:
+            pattern = f"{NAMESPACE}:{{[rk]|*"
+        else:
+            pattern = scan_pattern(what.kind, what.model_id, what.model_version, what.tenant, what.shared, suffix="*")
+        deleted = 0
+        batch: list[str] = []
+        async for key in self.client.scan_iter(match=pattern, count=_SCAN_COUNT):
+            batch.append(_text(key))
+            if len(batch) >= _UNLINK_BATCH:
+                deleted += await self._unlink(batch)
+                batch = []
+        if batch:
+            deleted += await self._unlink(batch)
+        log.info("cache_flushed", pattern=pattern, keys=deleted)
+        return deleted
+
+    async def _unlink(self, keys: list[str]) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.unlink(key)
+        return sum(int(n) for n in await pipe.execute())
+
+    @staticmethod
+    async def warm(prompts: Sequence[str], max_tokens: int, generate: Generate) -> tuple[int, int]:
+        """Send each prompt once; returns (warmed, failed). A failed prompt does not stop the rest."""
+        warmed = failed = 0
+        for prompt in prompts:
+            try:
+                await generate(prompt, max_tokens)
+                warmed += 1
+            except Exception as exc:  # reported per prompt; the rest still warm
+                failed += 1
+                log.warning("cache_warm_failed", error=type(exc).__name__)
+        return warmed, failed
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _per_node(info: dict[str, object]) -> list[dict[str, object]]:
+    """INFO of one server, or of every node of a cluster (redis-py returns a dict per node)."""
+    if info and all(isinstance(v, dict) for v in info.values()):
+        return [v for v in info.values() if isinstance(v, dict)]
+    return [info]

@@ -1,0 +1,34 @@
+"""Build the cache admin service's dependencies and start its gRPC server (``__main__`` and tests)."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.cache.admin import CacheAdmin
+from services.cache.config import CacheSettings
+from services.cache.connection import redis_from_url
+from services.cache.servicer import SERVICE_NAME, CacheServicer, router_generate
+from services.common.pb.meshserve.internal.v1 import cache_pb2_grpc
+from services.common.serving import RunningServer, start_server
+
+
+async def start_cache_service(settings: CacheSettings) -> RunningServer:
+    """Start the admin service; ``await server.stop()`` also closes Redis and the router channel."""
+    client = redis_from_url(settings.redis_url, settings.timeout_s, max_connections=8)
+    channel = grpc.aio.insecure_channel(settings.router_address) if settings.router_address else None
+    generate = router_generate(channel, settings.internal_token, settings.warm_timeout_s) if channel else None
+    servicer = CacheServicer(CacheAdmin(client, max_scopes=settings.max_scopes), generate)
+    server = await start_server(
+        settings,
+        lambda s: cache_pb2_grpc.add_CacheServicer_to_server(servicer, s),
+        [SERVICE_NAME],
+        internal=True,
+    )
+
+    async def close() -> None:
+        if channel is not None:
+            await channel.close()
+        await client.aclose()
+
+    server.on_stop.append(close)
+    return server
