@@ -32,6 +32,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     cancels: int = 0  # WorkerCancel messages received
     aborted: int = 0  # calls cancelled by the router while open
     fail_next: grpc.StatusCode | None = None
+    die_after_tokens: int | None = None  # next stream: abort with UNAVAILABLE after this many tokens
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     server: RunningServer | None = None
 
@@ -41,11 +42,13 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return f"127.0.0.1:{self.server.port}"
 
     def tokens(self, start: worker_pb2.WorkerStart) -> list[int]:
+        """The turn's tokens; a resumed start continues at position len(resume_token_ids)."""
         s = start.sampling
-        n = s.max_tokens
+        done = len(start.resume_token_ids)
+        n = max(0, s.max_tokens - done)
         if s.temperature == 0 or s.HasField("seed"):
             base = sum(start.prompt_token_ids) * 31 + (s.seed if s.HasField("seed") else 0)
-            return [3 + (base + 7 * i) % 1000 for i in range(n)]
+            return [3 + (base + 7 * i) % 1000 for i in range(done, done + n)]
         return [random.randrange(3, 1003) for _ in range(n)]
 
     async def Generate(
@@ -77,7 +80,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 cancel_turn.clear()
                 finish = inference_pb2.FINISH_REASON_LENGTH
                 produced = 0
+                die_after, self.die_after_tokens = self.die_after_tokens, None
                 for seq, tok in enumerate(self.tokens(start)):
+                    if die_after is not None and seq == die_after:
+                        await context.abort(grpc.StatusCode.UNAVAILABLE, "fake crash mid-stream")
                     if self.token_delay_s:
                         await asyncio.sleep(self.token_delay_s)  # simulated decode step
                     if cancel_turn.is_set():

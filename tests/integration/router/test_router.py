@@ -365,3 +365,50 @@ async def test_list_models(mesh: Mesh) -> None:
     (model,) = resp.models
     assert model.id == "smollm2-135m-instruct" and model.context_length == 8192
     assert set(model.tiers) == {pb.TIER_EDGE, pb.TIER_CLOUD}
+
+
+async def test_worker_dying_mid_stream_is_resumed_elsewhere_without_duplicate_or_gap(mesh: Mesh) -> None:
+    bypass = pb.RoutingOptions(cache_policy=pb.CACHE_POLICY_BYPASS)
+    undisturbed = tokens(await generate(mesh, request("Resume me", 12, routing=bypass)))
+    for e in mesh.edges:
+        e.die_after_tokens = 5
+    frames = await generate(mesh, request("Resume me", 12, routing=bypass))
+    fin = final(frames)  # also checks the sequence numbers
+    assert tokens(frames) == undisturbed
+    assert fin.route.reason == "failover" and fin.usage.completion_tokens == 12
+    # Both edges die after 5 tokens each: edge -> edge (resumed at 5) -> cloud (resumed at 10).
+    resumed = sorted((list(s.resume_token_ids) for w in mesh.all() for s in w.starts if s.resume_token_ids), key=len)
+    assert resumed == [undisturbed[:5], undisturbed[:10]]
+
+
+async def test_failover_budget_is_bounded(mesh: Mesh) -> None:
+    for w in mesh.all():
+        w.die_after_tokens = 2
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(
+            mesh, request("Resume me again", 12, routing=pb.RoutingOptions(cache_policy=pb.CACHE_POLICY_BYPASS))
+        )
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert sum(1 for w in mesh.all() for s in w.starts if s.resume_token_ids) == 2  # failovers_after_first_token
+
+
+async def test_collapsed_identical_requests_reach_one_worker(mesh: Mesh) -> None:
+    for w in mesh.all():
+        w.token_delay_s = 0.01
+    results = await asyncio.gather(*(generate(mesh, request("Same question", 8)) for _ in range(5)))
+    assert sum(len(w.starts) for w in mesh.all()) == 1
+    assert all(tokens(r) == tokens(results[0]) for r in results)
+    assert sorted(final(r).route.reason for r in results).count("collapsed") >= 1
+
+
+async def test_client_cancel_of_a_collapsed_request_stops_the_worker_when_all_left(mesh: Mesh) -> None:
+    for w in mesh.all():
+        w.token_delay_s = 0.05
+    calls = [mesh.stub.Generate(request("Cancel us", 200), metadata=META) for _ in range(2)]
+    for call in calls:
+        await call.read()  # first token of each
+    calls[0].cancel()
+    worker = next(w for w in mesh.all() if w.starts)
+    assert not worker.cancelled.is_set()
+    calls[1].cancel()
+    await asyncio.wait_for(worker.cancelled.wait(), 5)
