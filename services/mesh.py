@@ -23,13 +23,16 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 DEV_API_KEY = "msk-local-dev-key"
 """API key of the local mesh's ``dev`` tenant (override with MESHSERVE_API_KEY)."""
+
+if TYPE_CHECKING:
+    from services.controlplane.frontdoor import FrontDoor
 
 LogSink = Callable[[str, str], None]
 
@@ -54,6 +57,13 @@ class MeshConfig:
     start_timeout_s: float = 240.0
     extra_env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every service (e.g. MESHSERVE_MODELS_DIR)."""
+    envoy: bool = False
+    """Start the front door too: Envoy + the OpenAI-compatible HTTP adapter (services/controlplane)."""
+    http_port: int = 0
+    """Envoy's public port (HTTP/1.1 OpenAI API and gRPC on one port); 0 = a free port."""
+    tls_cert: str = ""
+    """PEM certificate for Envoy's listener; with ``tls_key`` the front door speaks only TLS."""
+    tls_key: str = ""
 
 
 class ServiceProcess:
@@ -178,6 +188,7 @@ class Mesh:
         self.redis_url = self.config.redis_url
         self._redis: ServiceProcess | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.front_door: FrontDoor | None = None
 
     @property
     def gateway_address(self) -> str:
@@ -186,6 +197,13 @@ class Mesh:
     @property
     def router_address(self) -> str:
         return self.processes["router"].address
+
+    @property
+    def http_base_url(self) -> str:
+        """OpenAI base URL of the front door (``MeshConfig(envoy=True)`` only)."""
+        if self.front_door is None:
+            raise RuntimeError("the front door is not running; start the mesh with MeshConfig(envoy=True)")
+        return self.front_door.base_url
 
     def workers(self, tier: str) -> list[ServiceProcess]:
         """Worker processes of a tier ("edge" or "cloud"), in start order."""
@@ -279,13 +297,29 @@ class Mesh:
             await gateway.spawn()
             await gateway.wait_started(timeout)
             await gateway.wait_serving(timeout)
+            if cfg.envoy:  # last: Envoy only takes traffic once everything behind it serves
+                from services.controlplane.frontdoor import FrontDoor
+
+                self.front_door = FrontDoor(
+                    [gateway.address],
+                    self.sink,
+                    http_port=cfg.http_port,
+                    tls_cert=cfg.tls_cert,
+                    tls_key=cfg.tls_key,
+                    env=cfg.extra_env,
+                    timeout_s=timeout,
+                )
+                await self.front_door.start()
         except BaseException:
             await self.stop()
             raise
         return self
 
     async def stop(self) -> None:
-        """Stop in reverse order: gateway, router, workers (in parallel), redis."""
+        """Stop in reverse order: front door, gateway, router, workers (in parallel), redis."""
+        if self.front_door is not None:
+            await self.front_door.stop()
+            self.front_door = None
         order = [n for n in ("gateway", "router") if n in self.processes]
         for name in order:
             await self.processes[name].stop()
@@ -339,6 +373,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""), help="use this Redis (default: start one)")
     p.add_argument("--edge-threads", type=int, default=1, help="intra-op threads per edge worker")
     p.add_argument("--cloud-threads", type=int, default=2, help="intra-op threads per cloud worker")
+    p.add_argument("--http-port", type=int, default=8080, help="Envoy's HTTP/gRPC port (default 8080; 0 = any)")
+    p.add_argument("--no-envoy", action="store_true", help="do not start Envoy and the OpenAI HTTP front door")
+    p.add_argument("--tls-cert", default="", help="PEM certificate: serve TLS on Envoy's port (with --tls-key)")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     p.add_argument("--demo", metavar="PROMPT", help="once up, stream an answer to PROMPT through the gateway")
     p.add_argument("--exit-after-demo", action="store_true", help="stop the mesh after the demo answer")
     return p
@@ -354,6 +392,10 @@ async def run_up(args: argparse.Namespace) -> int:
         api_key=api_key,
         edge_threads=args.edge_threads,
         cloud_threads=args.cloud_threads,
+        envoy=not args.no_envoy,
+        http_port=args.http_port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
     mesh = Mesh(config)
     loop = asyncio.get_running_loop()
@@ -366,7 +408,12 @@ async def run_up(args: argparse.Namespace) -> int:
         print(
             f"\nmeshserve: mesh is up. gRPC gateway at {mesh.gateway_address} (API key: {api_key})\n"
             f'  try: meshserve chat --address {mesh.gateway_address} "Tell me about the sea"\n'
-            "  Ctrl-C stops everything.\n",
+            + (
+                f"  OpenAI-compatible HTTP (and gRPC) through Envoy: {mesh.http_base_url}\n"
+                if mesh.front_door is not None
+                else ""
+            )
+            + "  Ctrl-C stops everything.\n",
             file=sys.stderr,
             flush=True,
         )
