@@ -1,4 +1,4 @@
-"""The ``meshserve`` command: ``models prepare``, ``chat``, ``up``, ``bench``, ``keys``.
+"""The ``meshserve`` command: ``models prepare``, ``chat``, ``up``, ``bench``, ``keys``, ``cache``.
 
 ``up`` and ``bench`` hand their arguments to :func:`services.mesh.main_up` and
 :func:`benchmarks.run.main`, imported only when used so the other commands start fast.
@@ -14,7 +14,11 @@ import sys
 from collections.abc import Sequence
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-_DELEGATED = {"up": ("services.mesh", "main_up"), "bench": ("benchmarks.run", "main")}
+_DELEGATED = {
+    "up": ("services.mesh", "main_up"),
+    "bench": ("benchmarks.run", "main"),
+    "cache": ("services.cache.cli", "main"),
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
     commands.add_parser("up", help="start the whole mesh locally (see `meshserve up -h`)", add_help=False)
     commands.add_parser("bench", help="benchmark the mesh (see `meshserve bench -h`)", add_help=False)
+    commands.add_parser("cache", help="cache stats, flush and warm-up (see `meshserve cache -h`)", add_help=False)
     return parser
 
 

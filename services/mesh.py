@@ -1,7 +1,8 @@
 """`meshserve up`: the whole mesh as local processes, health-gated, one merged log, clean stop.
 
-Topology (defaults): redis-server (unless a Redis URL is given), 2 edge workers, 1 cloud worker,
-router, gateway. Every service binds port 0 on loopback; its ``service_started`` log line tells us
+Topology (defaults): redis-server (unless a Redis URL is given; started with ``--maxmemory`` and
+``allkeys-lru``, see docs/cache.md), 2 edge workers, 1 cloud worker, router, cache admin, gateway.
+Every service binds port 0 on loopback; its ``service_started`` log line tells us
 the port, and we wait on its gRPC health before starting what depends on it. Ctrl-C (SIGINT) or
 SIGTERM stops everything in reverse order, letting in-flight streams drain.
 
@@ -76,6 +77,7 @@ class ServiceProcess:
         self.sink = sink
         self.proc: asyncio.subprocess.Process | None = None
         self.port: int | None = None
+        self.metrics_port: int | None = None
         self._started = asyncio.Event()
         self._relay: asyncio.Task[None] | None = None
 
@@ -100,7 +102,10 @@ class ServiceProcess:
             text = line.decode(errors="replace").rstrip()
             if self.port is None and '"service_started"' in text:
                 with contextlib.suppress(ValueError, KeyError, TypeError):
-                    self.port = int(json.loads(text)["port"])
+                    started = json.loads(text)
+                    self.port = int(started["port"])
+                    if started.get("metrics_port"):
+                        self.metrics_port = int(started["metrics_port"])
                     self._started.set()
             self.sink(self.name, text)
 
@@ -205,6 +210,16 @@ class Mesh:
             raise RuntimeError("the front door is not running; start the mesh with MeshConfig(envoy=True)")
         return self.front_door.base_url
 
+    @property
+    def cache_address(self) -> str:
+        return self.processes["cache"].address
+
+    def metrics_endpoints(self) -> str:
+        """`name=http://host:port/metrics` for every service that serves metrics."""
+        return " ".join(
+            f"{n}=http://127.0.0.1:{p.metrics_port}/metrics" for n, p in self.processes.items() if p.metrics_port
+        )
+
     def workers(self, tier: str) -> list[ServiceProcess]:
         """Worker processes of a tier ("edge" or "cloud"), in start order."""
         return [p for n, p in self.processes.items() if n.startswith(f"{tier}-")]
@@ -217,6 +232,9 @@ class Mesh:
         return env
 
     def _service(self, name: str, module: str, **env: str | int) -> ServiceProcess:
+        # Every service serves Prometheus /metrics on a free loopback port (logged in service_started).
+        prefix = "MESHSERVE_" + module.rsplit(".", 1)[-1].upper()
+        env = {f"{prefix}_METRICS_PORT": 0, **env}
         proc = ServiceProcess(name, [sys.executable, "-m", module], self._env(**env), self.sink)
         self.processes[name] = proc
         return proc
@@ -286,6 +304,15 @@ class Mesh:
             await router.spawn()
             await router.wait_started(timeout)
             await router.wait_serving(timeout)
+            cache = self._service(  # cache admin service (`meshserve cache stats|flush|warm`)
+                "cache",
+                "services.cache",
+                MESHSERVE_CACHE_REDIS_URL=self.redis_url,
+                MESHSERVE_CACHE_ROUTER_ADDRESS=router.address,
+            )
+            await cache.spawn()
+            await cache.wait_started(timeout)
+            await cache.wait_serving(timeout)
             gateway = self._service(
                 "gateway",
                 "services.gateway",
@@ -320,7 +347,7 @@ class Mesh:
         if self.front_door is not None:
             await self.front_door.stop()
             self.front_door = None
-        order = [n for n in ("gateway", "router") if n in self.processes]
+        order = [n for n in ("gateway", "cache", "router") if n in self.processes]
         for name in order:
             await self.processes[name].stop()
         await asyncio.gather(*(p.stop() for n, p in self.processes.items() if n not in order))
@@ -408,6 +435,8 @@ async def run_up(args: argparse.Namespace) -> int:
         print(
             f"\nmeshserve: mesh is up. gRPC gateway at {mesh.gateway_address} (API key: {api_key})\n"
             f'  try: meshserve chat --address {mesh.gateway_address} "Tell me about the sea"\n'
+            f"  cache admin: meshserve cache --address {mesh.cache_address} stats\n"
+            f"  metrics: {mesh.metrics_endpoints()}\n"
             + (
                 f"  OpenAI-compatible HTTP (and gRPC) through Envoy: {mesh.http_base_url}\n"
                 if mesh.front_door is not None

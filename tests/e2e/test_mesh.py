@@ -199,9 +199,28 @@ async def test_chat_two_turns_and_a_cancel_on_one_stream(gateway) -> None:
         await frames.__anext__()
 
 
+async def test_every_service_serves_prometheus_metrics(gateway, mesh: Mesh) -> None:
+    import urllib.request
+
+    await collect(gateway, greedy("Metrics please", 4, policy=pb.CACHE_POLICY_BYPASS))
+
+    def scrape(port: int) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            return reply.read().decode()
+
+    for name in ("gateway", "router", "cloud-0"):
+        port = mesh.processes[name].metrics_port
+        assert port, f"{name} must log its metrics port"
+        text = await asyncio.to_thread(scrape, port)
+        assert "meshserve_time_to_first_token_seconds" in text, name
+        assert "meshserve_request_duration_seconds" in text, name
+    gateway_text = await asyncio.to_thread(scrape, mesh.processes["gateway"].metrics_port or 0)
+    assert 'meshserve_time_to_first_token_seconds_count{service="gateway"' in gateway_text
+
 async def test_zz_short_prompt_is_served_by_cloud_when_all_edge_workers_are_down(gateway, mesh: Mesh) -> None:
     """Runs last in this module: it stops the edge workers of the shared mesh."""
     await asyncio.gather(*(w.stop() for w in mesh.workers("edge")))
     _tokens, text, final = await collect(gateway, greedy("Hello there, how are", 8, policy=pb.CACHE_POLICY_BYPASS))
     assert final.route.tier == pb.TIER_CLOUD
     assert text
+
