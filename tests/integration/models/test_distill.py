@@ -1,0 +1,106 @@
+"""`meshserve distill` end to end on a tiny random teacher: train, checkpoint, resume, ONNX INT4, load."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from services.models import distill as dist
+from services.models.paths import model_paths
+
+pytestmark = pytest.mark.integration
+
+
+def tiny_teacher(path: Path) -> None:
+    """A 4-layer Llama with the real tokenizer (head size 64, as the ONNX builder's kernels need)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    hf = model_paths().hf_dir
+    tokenizer = AutoTokenizer.from_pretrained(str(hf))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def test_student_layers_are_initialised_from_the_teacher(tmp_path: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tiny_teacher(tmp_path / "teacher")
+    teacher = AutoModelForCausalLM.from_pretrained(str(tmp_path / "teacher"))
+    fifteen = dist.pick_layers(30, 15)
+    assert len(fifteen) == 15 and fifteen[0] == 0 and fifteen[-1] == 29
+    assert dist.pick_layers(4, 2) == [0, 3] and dist.pick_layers(30, 30) == list(range(30))
+    student = dist.make_student(teacher, [0, 3])
+    assert student.config.num_hidden_layers == 2
+    t, s = teacher.state_dict(), student.state_dict()
+    assert torch.equal(s["model.layers.1.mlp.up_proj.weight"], t["model.layers.3.mlp.up_proj.weight"])
+    assert torch.equal(s["model.embed_tokens.weight"], t["model.embed_tokens.weight"])
+
+
+@pytest.mark.timeout(600)
+def test_distill_end_to_end_with_resume_and_int4_export(tmp_path: Path) -> None:
+    tiny_teacher(tmp_path / "teacher")
+    corpus = tmp_path / "plays.txt"
+    corpus.write_text("Now is the winter of our discontent made glorious summer by this sun of York. " * 40)
+    base = {
+        "teacher": tmp_path / "teacher",
+        "out": tmp_path / "student",
+        "corpus": [corpus],
+        "layers": 2,
+        "seq_len": 32,
+        "batch_size": 2,
+        "warmup_steps": 1,
+        "checkpoint_every": 2,
+        "ce_weight": 0.5,
+        "device": "cpu",
+        "show_progress": False,
+    }
+    first = dist.distill(dist.DistillConfig(**base, steps=2, export=False))  # type: ignore[arg-type]
+    assert first.steps_run == 2 and first.resumed_from == 0
+    assert (tmp_path / "student" / "checkpoints" / "step-2.pt").is_file()
+
+    second = dist.distill(dist.DistillConfig(**base, steps=4))  # type: ignore[arg-type]
+    assert second.resumed_from == 2 and second.steps_run == 2
+    assert all(loss == loss and loss >= 0 for loss in first.losses + second.losses)
+    checkpoints = sorted(p.name for p in (tmp_path / "student" / "checkpoints").glob("step-*.pt"))
+    assert checkpoints == ["step-2.pt", "step-4.pt"]
+    config = json.loads((second.student_dir / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and (second.student_dir / "tokenizer.json").is_file()
+
+    assert second.edge_dir is not None
+    genai = json.loads((second.edge_dir / "genai_config.json").read_text())
+    assert genai["model"]["decoder"]["num_hidden_layers"] == 2
+    import onnxruntime_genai as og
+
+    model = og.Model(str(second.edge_dir))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=12, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens([1, 504, 3458, 282])
+    generator.generate_next_token()
+    assert 0 <= int(generator.get_next_tokens()[0]) < config["vocab_size"]
+
+
+def test_cli_reports_a_missing_teacher(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    dist.add_arguments(parser)
+    args = parser.parse_args(["--teacher", str(tmp_path / "nope"), "--quiet"])
+    assert dist.run(args) == 1
+    assert "no teacher checkpoint" in capsys.readouterr().err
