@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import ipaddress
 import ssl
@@ -54,6 +55,7 @@ def self_signed(directory: Path) -> tuple[str, str]:
 
 async def test_tls_listener_serves_https_and_grpc_over_tls(tmp_path: Path) -> None:
     cert, key = self_signed(tmp_path)
+    root = await asyncio.to_thread(Path(cert).read_bytes)
     gateway = await start_named_gateway("tls-gateway")
     try:
         async with FrontDoor([f"127.0.0.1:{gateway.port}"], sink, tls_cert=cert, tls_key=key) as door:
@@ -62,7 +64,7 @@ async def test_tls_listener_serves_https_and_grpc_over_tls(tmp_path: Path) -> No
             async with openai.AsyncOpenAI(base_url=door.base_url, api_key="k", http_client=http_client) as client:
                 assert [m.id async for m in client.models.list()] == ["tls-gateway"]
 
-            credentials = grpc.ssl_channel_credentials(root_certificates=Path(cert).read_bytes())
+            credentials = grpc.ssl_channel_credentials(root_certificates=root)
             async with grpc.aio.secure_channel(door.address, credentials) as channel:
                 reply = await inference_pb2_grpc.InferenceStub(channel).ListModels(pb.ListModelsRequest())
                 assert reply.models[0].id == "tls-gateway"
