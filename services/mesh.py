@@ -93,6 +93,7 @@ class ServiceProcess:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
+            preexec_fn=_die_with_parent,
         )
         self._relay = asyncio.create_task(self._relay_logs())
 
@@ -151,6 +152,15 @@ class ServiceProcess:
             return
         self.signal(signal.SIGKILL)
         await self.proc.wait()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the launcher dies (even by SIGKILL), so no orphans."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 async def wait_for_health(address: str, timeout_s: float, service: str = "") -> None:
