@@ -44,5 +44,5 @@ async def test_sentinel_url_names_master_and_db() -> None:
     ["http://x:1", "redis+sentinel://s1:26379", "redis+cluster://h:notaport", "redis+cluster://"],
 )
 def test_bad_urls_say_how_to_fix(url: str) -> None:
-    with pytest.raises(ValueError, match="Redis URL|Sentinel|host:port"):
+    with pytest.raises(ValueError, match=r"Redis URL|Sentinel|host:port"):
         redis_from_url(url, 0.05)

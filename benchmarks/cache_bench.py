@@ -1,0 +1,334 @@
+"""Cache benchmark: services/cache against raw redis-py on the same transfers, and exact-hit TTFT.
+
+1. Library vs raw redis-py, one local redis-server (started here), interleaved A/B so machine noise
+   hits both sides alike:
+   * response entries: our ``ResponseCache.get`` (GET + decode + breaker + counters) vs raw ``GET``;
+     our ``put`` (one EVALSHA: SET + byte ledger) vs raw ``SET EX``;
+   * KV blocks (SmolLM2-135M geometry, fp16 [30, 2, 3, 16, 64] = 360 KiB per block, chains of 32):
+     our ``KVBlockStore.put`` / ``load`` (encode/decode + ledger + MGET) vs raw pipelined SETs /
+     MGET + ``np.frombuffer`` of the same bytes. Latency p50/p99 and MB/s.
+2. Exact-hit TTFT through the whole mesh (``services.mesh.Mesh``, gRPC): one greedy request
+   fills the cache, then repeats are timed through the gateway and straight to the router.
+
+Usage: python -m benchmarks.cache_bench [--requests N] [--skip-mesh] [--out docs/benchmarks]
+Writes cache.json and cache.md to the output directory and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import redis
+import redis.asyncio as aioredis
+
+from benchmarks.stats import percentile
+from services.cache.connection import redis_from_url
+from services.cache.guard import Guard
+from services.cache.keys import SamplingSpec, response_key
+from services.cache.kv import KVBlockStore, KVContext
+from services.cache.store import CachedResponse, Finish, ResponseCache
+
+BLOCK_SHAPE = (30, 2, 3, 16, 64)  # SmolLM2-135M: 30 layers, K/V, 3 KV heads, 16 tokens, head_dim 64
+CHAIN = 32
+Op = Callable[[], Awaitable[object]]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_redis(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        sys.exit("redis-server is not installed; run `make setup`")
+    port = _free_port()
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp]
+    argv += ["--maxmemory", "1gb", "--maxmemory-policy", "allkeys-lru"]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_connect_timeout=0.2)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)  # a just-spawned process without a health API
+    client.close()
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+async def ab_latency(ours: Op, raw: Op, n: int) -> dict[str, float]:
+    """Alternate the two ops ``n`` times each; p50/p99 in ms."""
+    a: list[float] = []
+    b: list[float] = []
+    for _ in range(n):
+        for op, out in ((ours, a), (raw, b)):
+            t0 = time.perf_counter()
+            await op()
+            out.append((time.perf_counter() - t0) * 1000)
+    return {
+        "ours_p50_ms": percentile(a, 50),
+        "ours_p99_ms": percentile(a, 99),
+        "raw_p50_ms": percentile(b, 50),
+        "raw_p99_ms": percentile(b, 99),
+        "p50_overhead_pct": (percentile(a, 50) / percentile(b, 50) - 1) * 100,
+    }
+
+
+async def ab_throughput(ours: Op, raw: Op, ops: int, concurrency: int, rounds: int = 5) -> dict[str, float]:
+    """Ops/s with ``concurrency`` tasks doing ``ops`` ops in all; median of alternating rounds."""
+
+    async def run(op: Op) -> float:
+        per_task = ops // concurrency
+
+        async def task() -> None:
+            for _ in range(per_task):
+                await op()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(task() for _ in range(concurrency)))
+        return per_task * concurrency / (time.perf_counter() - t0)
+
+    a, b = [], []
+    for _ in range(rounds):
+        a.append(await run(ours))
+        b.append(await run(raw))
+    ours_ops, raw_ops = float(np.median(a)), float(np.median(b))
+    return {"ours_ops_s": ours_ops, "raw_ops_s": raw_ops, "throughput_ratio": ours_ops / raw_ops}
+
+
+async def bench_responses(url: str, n: int) -> dict[str, object]:
+    cache = ResponseCache.from_url(url, timeout_s=1.0, ttl_s=600, service="bench")
+    raw = aioredis.Redis.from_url(url)
+    resp = CachedResponse(tuple(range(1000, 1128)), "word " * 128, Finish.LENGTH, 40, 128)
+    key = response_key(
+        model_id="bench",
+        model_version="v",
+        tokenizer_id="t",
+        sampling=SamplingSpec(max_tokens=128),
+        prompt_ids=list(range(40)),
+        tenant="bench",
+    )
+    raw_key = "bench:raw:response"
+    from services.cache.codec import encode_response
+
+    value = encode_response(resp)
+    await cache.put(key, resp)
+    await raw.set(raw_key, value, ex=600)
+    for _ in range(50):  # warm connections and the script cache
+        await cache.get(key)
+        await raw.get(raw_key)
+    out: dict[str, object] = {"entry_bytes": len(value)}
+    out["get"] = await ab_latency(lambda: cache.get(key), lambda: raw.get(raw_key), n)
+    out["put"] = await ab_latency(lambda: cache.put(key, resp), lambda: raw.set(raw_key, value, ex=600), n)
+    out["get_concurrent"] = await ab_throughput(lambda: cache.get(key), lambda: raw.get(raw_key), n, 16)
+    out["put_concurrent"] = await ab_throughput(
+        lambda: cache.put(key, resp), lambda: raw.set(raw_key, value, ex=600), n, 16
+    )
+    assert cache.stats.errors == 0, "Redis errors during the benchmark; rerun on a quieter machine"
+    await cache.close()
+    await raw.aclose()
+    return out
+
+
+async def bench_kv(url: str, n: int) -> dict[str, object]:
+    guard = Guard(redis_from_url(url, 10.0), timeout_s=10.0, service="bench")
+    store = KVBlockStore(guard, block_tokens=16, ttl_s=600, max_block_bytes=1 << 20, budget_bytes=1 << 30, timeout_s=10)
+    raw = aioredis.Redis.from_url(url)
+    rng = np.random.default_rng(0)
+    blocks = [rng.standard_normal(BLOCK_SHAPE).astype(np.float16) for _ in range(CHAIN)]
+    tokens = list(range(16 * CHAIN))
+    ctx = KVContext("bench", "v", "bench")
+    raw_keys = [f"bench:raw:kv:{i}" for i in range(CHAIN)]
+    mb = sum(b.nbytes for b in blocks) / 1e6
+
+    async def ours_put() -> None:
+        assert await store.put(ctx, tokens, blocks) == CHAIN
+
+    async def raw_put() -> None:
+        pipe = raw.pipeline(transaction=False)
+        for k, b in zip(raw_keys, blocks, strict=True):
+            pipe.set(k, b.tobytes(), ex=600)
+        await pipe.execute()
+
+    async def ours_load() -> None:
+        assert len(await store.load(ctx, tokens)) == CHAIN
+
+    async def raw_load() -> None:
+        values = await raw.mget(raw_keys)
+        _ = [np.frombuffer(v, dtype=np.float16).reshape(BLOCK_SHAPE) for v in values]  # type: ignore[arg-type]
+
+    async def ours_match() -> None:
+        assert await store.match(ctx, tokens) == CHAIN
+
+    async def raw_match() -> None:
+        await raw.exists(*raw_keys)
+
+    for _ in range(3):
+        await ours_put()
+        await raw_put()
+        await ours_load()
+        await raw_load()
+    out: dict[str, object] = {"block_bytes": blocks[0].nbytes, "chain_blocks": CHAIN, "chain_mb": mb}
+    for name, ours, raw_op in (("put", ours_put, raw_put), ("load", ours_load, raw_load)):
+        lat = await ab_latency(ours, raw_op, n)
+        lat["ours_mb_s"] = mb / (lat["ours_p50_ms"] / 1000)
+        lat["raw_mb_s"] = mb / (lat["raw_p50_ms"] / 1000)
+        out[name] = lat
+    out["match"] = await ab_latency(ours_match, raw_match, n)
+    await guard.close()
+    await raw.aclose()
+    return out
+
+
+async def bench_mesh(requests: int) -> dict[str, object]:
+    import grpc
+
+    from services.common.pb.meshserve.v1 import inference_pb2 as pb
+    from services.common.pb.meshserve.v1 import inference_pb2_grpc
+    from services.common.settings import DEFAULT_INTERNAL_TOKEN
+    from services.mesh import DEV_API_KEY, Mesh, MeshConfig
+
+    request = pb.GenerateRequest(prompt="Write a short poem about the sea.", sampling=pb.SamplingParams(max_tokens=32))
+    targets = {
+        "gateway": [("authorization", f"Bearer {DEV_API_KEY}")],
+        "router": [("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN), ("x-meshserve-tenant", "dev")],
+    }
+    out: dict[str, object] = {}
+    async with Mesh(MeshConfig(edge_workers=1, cloud_workers=1), sink=lambda _n, _l: None) as mesh:
+        for name, address in (("gateway", mesh.gateway_address), ("router", mesh.router_address)):
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = inference_pb2_grpc.InferenceStub(channel)
+                ttft: list[float] = []
+                hits = 0
+                for i in range(requests + 10):
+                    t0 = time.perf_counter()
+                    first = None
+                    async for frame in stub.Generate(request, metadata=targets[name]):
+                        if first is None and frame.token_ids:
+                            first = time.perf_counter() - t0
+                        if frame.HasField("final"):
+                            hits += frame.final.route.cache_hit
+                    if i >= 10:  # the first fills the cache; the rest warm the channel
+                        ttft.append((first or float("nan")) * 1000)
+                out[name] = {
+                    "requests": len(ttft),
+                    "cache_hits": hits,
+                    "ttft_ms_p50": percentile(ttft, 50),
+                    "ttft_ms_p99": percentile(ttft, 99),
+                }
+    return out
+
+
+def _markdown(report: dict[str, object]) -> str:
+    r = report["responses"]
+    k = report["kv"]
+    assert isinstance(r, dict) and isinstance(k, dict)
+    lines = [
+        "# Cache benchmark",
+        "",
+        f"{report['date']} · {report['machine']} · `{report['command']}`",
+        "",
+        f"## Response entries ({r['entry_bytes']} B: 128 tokens + text) — ours vs raw redis-py",
+        "",
+        "| op | ours p50 ms | raw p50 ms | p50 overhead | ours p99 ms | raw p99 ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for op in ("get", "put"):
+        x = r[op]
+        lines.append(
+            f"| {op} | {x['ours_p50_ms']:.3f} | {x['raw_p50_ms']:.3f} | {x['p50_overhead_pct']:+.1f} % "
+            f"| {x['ours_p99_ms']:.3f} | {x['raw_p99_ms']:.3f} |"
+        )
+    lines += ["", "| op, 16 concurrent | ours ops/s | raw ops/s | ours / raw |", "|---|---|---|---|"]
+    for op in ("get_concurrent", "put_concurrent"):
+        x = r[op]
+        lines.append(f"| {op} | {x['ours_ops_s']:.0f} | {x['raw_ops_s']:.0f} | {x['throughput_ratio']:.3f} |")
+    lines += [
+        "",
+        f"## KV blocks (fp16 {list(BLOCK_SHAPE)} = {k['block_bytes']} B per block, chain of {k['chain_blocks']}"
+        f" = {k['chain_mb']:.1f} MB) — ours vs raw redis-py",
+        "",
+        "| op | ours p50 ms | raw p50 ms | p50 overhead | ours MB/s | raw MB/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for op in ("put", "load"):
+        x = k[op]
+        lines.append(
+            f"| {op} | {x['ours_p50_ms']:.2f} | {x['raw_p50_ms']:.2f} | {x['p50_overhead_pct']:+.1f} % "
+            f"| {x['ours_mb_s']:.0f} | {x['raw_mb_s']:.0f} |"
+        )
+    m = k["match"]
+    lines.append(
+        f"| match (prefix length, no data) | {m['ours_p50_ms']:.3f} | {m['raw_p50_ms']:.3f} (EXISTS) "
+        f"| {m['p50_overhead_pct']:+.1f} % | | |"
+    )
+    mesh = report.get("mesh")
+    if isinstance(mesh, dict):
+        lines += ["", "## Exact-hit TTFT through the mesh (gRPC, greedy, 32 tokens)", ""]
+        lines += ["| entry point | requests | cache hits | TTFT p50 ms | TTFT p99 ms |", "|---|---|---|---|---|"]
+        for name, x in mesh.items():
+            lines.append(
+                f"| {name} | {x['requests']} | {x['cache_hits']} | {x['ttft_ms_p50']:.2f} | {x['ttft_ms_p99']:.2f} |"
+            )
+    lines += ["", "Raw redis-py does the same transfers without our layer (no header, ledger, breaker, counters).", ""]
+    return "\n".join(lines)
+
+
+async def _run(args: argparse.Namespace) -> dict[str, object]:
+    report: dict[str, object] = {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}",
+        "command": "python -m benchmarks.cache_bench " + " ".join(sys.argv[1:]),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        proc, url = start_redis(tmp)
+        try:
+            report["responses"] = await bench_responses(url, args.ops)
+            report["kv"] = await bench_kv(url, args.kv_ops)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+    if not args.skip_mesh:
+        report["mesh"] = await bench_mesh(args.requests)
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cache_bench", description=__doc__)
+    parser.add_argument("--ops", type=int, default=2000, help="response-entry ops per side (default 2000)")
+    parser.add_argument("--kv-ops", type=int, default=30, help="KV chain transfers per side (default 30)")
+    parser.add_argument("--requests", type=int, default=200, help="mesh requests per entry point (default 200)")
+    parser.add_argument("--skip-mesh", action="store_true", help="only the library benchmark")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
+    args = parser.parse_args(argv)
+    report = asyncio.run(_run(args))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cache.json").write_text(json.dumps(report, indent=2) + "\n")
+    text = _markdown(report)
+    (args.out / "cache.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
