@@ -217,10 +217,29 @@ async def test_every_service_serves_prometheus_metrics(gateway, mesh: Mesh) -> N
     gateway_text = await asyncio.to_thread(scrape, mesh.processes["gateway"].metrics_port or 0)
     assert 'meshserve_time_to_first_token_seconds_count{service="gateway"' in gateway_text
 
+
+async def test_every_service_serves_health_and_reflection(mesh: Mesh) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    expected = {"gateway": "meshserve.v1.Inference", "router": "meshserve.v1.Inference"}
+    expected |= {w.name: "meshserve.internal.v1.Worker" for w in mesh.workers("edge") + mesh.workers("cloud")}
+    for name, service in expected.items():
+        address = mesh.processes[name].address
+        async with grpc.aio.insecure_channel(address) as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+
+        def services(addr: str = address) -> list[str]:
+            with grpc.insecure_channel(addr) as sync_channel:
+                return list(ProtoReflectionDescriptorDatabase(sync_channel).get_services())
+
+        assert service in await asyncio.to_thread(services), name
+
+
 async def test_zz_short_prompt_is_served_by_cloud_when_all_edge_workers_are_down(gateway, mesh: Mesh) -> None:
     """Runs last in this module: it stops the edge workers of the shared mesh."""
     await asyncio.gather(*(w.stop() for w in mesh.workers("edge")))
     _tokens, text, final = await collect(gateway, greedy("Hello there, how are", 8, policy=pb.CACHE_POLICY_BYPASS))
     assert final.route.tier == pb.TIER_CLOUD
     assert text
-
