@@ -57,6 +57,8 @@ class RouterSettings(ServiceSettings):
     """Per-tenant TTFT objectives as tenant:ms pairs, comma-separated (e.g. ``acme:2000,free:8000``)."""
     tenant_weights: TenantMap = Field(default_factory=dict)
     """Fair-queuing weights as tenant:weight pairs (default 1); a weight of 2 gets twice the tokens."""
+    tenant_tiers: Annotated[dict[str, list[str]], NoDecode] = Field(default_factory=dict)
+    """Tenants restricted to some tiers, as tenant:tier pairs (e.g. ``free:edge,acme:edge,acme:cloud``)."""
     assumed_turn_s: float = Field(default=2.0, gt=0)
     """Initial estimate of how long a turn holds its slot (refined from observed turns)."""
     collapse_requests: bool = True
@@ -103,6 +105,19 @@ class RouterSettings(ServiceSettings):
                 sep = ""
             if not sep or not tenant:
                 raise ValueError(f"{part!r} must be tenant:number, e.g. acme:2000")
+        return out
+
+    @field_validator("tenant_tiers", mode="before")
+    @classmethod
+    def _tiers(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        out: dict[str, list[str]] = {}
+        for part in filter(None, (p.strip() for p in value.split(","))):
+            tenant, _, tier = part.rpartition(":")
+            if not tenant or tier not in ("edge", "cloud"):
+                raise ValueError(f"{part!r} must be tenant:edge or tenant:cloud")
+            out.setdefault(tenant, []).append(tier)
         return out
 
     @field_validator("edge_workers", "cloud_workers")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Collection, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import replace
 
@@ -84,6 +84,7 @@ class Router:
         block_tokens: int = 16,
         stall_timeout_s: float = 30.0,
         collapse: bool = True,
+        tenant_tiers: Mapping[str, Collection[str]] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.cache = cache
@@ -100,6 +101,7 @@ class Router:
         self._block = block_tokens
         self._stall_s = stall_timeout_s
         self._collapse = collapse
+        self._tenant_tiers = {t: {TierName(x) for x in tiers} for t, tiers in (tenant_tiers or {}).items()}
         self._rr = RoundRobin()
         self.collapser: Collapser[Chunk | Done] = Collapser()
 
@@ -131,10 +133,13 @@ class Router:
         """The tier: by policy over tiers with a healthy replica not in ``exclude``."""
         usable = {t for t in TierName if any(r not in exclude for r in self.registry.healthy(t))}
         saturated = {t for t in usable if self.admission.saturated(t)}
-        return choose_tier(len(req.prompt_ids), req.hint, usable, self._edge_max, saturated)
+        allowed = self._tenant_tiers.get(req.tenant)
+        return choose_tier(len(req.prompt_ids), req.hint, usable, self._edge_max, saturated, allowed)
 
     def blocks(self, req: TurnRequest) -> list[bytes]:
-        return block_hashes(req.prompt_ids, self._block, "" if req.shareable else req.tenant)
+        if req.prefix_blocks is None:
+            req.prefix_blocks = block_hashes(req.prompt_ids, self._block, "" if req.shareable else req.tenant)
+        return req.prefix_blocks
 
     def select(self, req: TurnRequest, tier: TierName, exclude: Sequence[Replica]) -> Replica:
         """The replica of ``tier`` (healthy, not excluded) by the configured policy."""

@@ -41,6 +41,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
@@ -119,10 +120,11 @@ class RoundRobin:
 def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str = "") -> list[bytes]:
     """Chained hashes of the prompt's full blocks: block i's hash covers blocks 0..i (and ``salt``)."""
     out: list[bytes] = []
-    parent = salt.encode()
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        block = token_ids[start : start + block_tokens]
-        parent = hashlib.blake2b(parent + b"|" + ",".join(map(str, block)).encode(), digest_size=16).digest()
+    parent = hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    data = array("I", token_ids).tobytes()
+    step = block_tokens * 4
+    for start in range(0, (len(token_ids) // block_tokens) * step, step):
+        parent = hashlib.blake2b(parent + data[start : start + step], digest_size=16).digest()
         out.append(parent)
     return out
 
@@ -242,8 +244,9 @@ class ReplicaSelector:
         cap = capacity(sum(c.load for c in candidates), len(candidates), self.epsilon)
         eligible = [c for c in candidates if c.load + 1 <= cap] or [min(candidates, key=lambda c: c.load)]
         if blocks:
-            best = max(eligible, key=lambda c: (self.cached_blocks(c.name, blocks), -c.load))
-            if self.cached_blocks(best.name, blocks) > 0:
+            cached = {c.name: self.cached_blocks(c.name, blocks) for c in eligible}
+            best = max(eligible, key=lambda c: (cached[c.name], -c.load))
+            if cached[best.name] > 0:
                 return self._chosen(best, blocks, "prefix")
             by_name = {c.name: c for c in eligible}
             for name in self._ring.walk(blocks[0], [c.name for c in candidates]):

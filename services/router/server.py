@@ -85,6 +85,7 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
         block_tokens=settings.prefix_block_tokens,
         stall_timeout_s=settings.stall_timeout_s,
         collapse=settings.collapse_requests,
+        tenant_tiers=settings.tenant_tiers,
     )
     servicer = RouterServicer(
         router, context_length=settings.context_length, default_max_tokens=settings.default_max_tokens

@@ -47,6 +47,8 @@ class TurnRequest:
     request_id: str
     timeout: float | None = None
     priority: int = 0
+    prefix_blocks: list[bytes] | None = None
+    """Block hashes of the prompt, computed once by the router."""
 
 
 @dataclass

@@ -29,3 +29,27 @@ def test_needs_workers(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_bad_address() -> None:
     with pytest.raises(ConfigError, match="host:port"):
         load_settings(RouterSettings, edge_workers="nohost")
+
+
+def test_tenant_maps_parse_and_explain_mistakes() -> None:
+    from services.common.errors import ConfigError
+    from services.common.settings import load_settings
+    from services.router.config import RouterSettings
+
+    s = load_settings(
+        RouterSettings,
+        edge_workers="127.0.0.1:1",
+        tenant_ttft_slo_ms="acme:2000, free:8000",
+        tenant_weights="gold:3",
+        tenant_tiers="free:edge,acme:edge,acme:cloud",
+    )
+    assert s.tenant_ttft_slo_ms == {"acme": 2000.0, "free": 8000.0}
+    assert s.tenant_weights == {"gold": 3.0}
+    assert s.tenant_tiers == {"free": ["edge"], "acme": ["edge", "cloud"]}
+    for field, bad in (("tenant_ttft_slo_ms", "acme=2000"), ("tenant_tiers", "free:gpu")):
+        try:
+            load_settings(RouterSettings, edge_workers="127.0.0.1:1", **{field: bad})
+        except ConfigError as exc:
+            assert "tenant:" in str(exc)
+        else:
+            raise AssertionError(f"{field}={bad!r} must be refused")
