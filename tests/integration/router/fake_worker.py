@@ -33,6 +33,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     aborted: int = 0  # calls cancelled by the router while open
     fail_next: grpc.StatusCode | None = None
     die_after_tokens: int | None = None  # next stream: abort with UNAVAILABLE after this many tokens
+    stall_after_tokens: int | None = None  # next stream: go silent (until cancelled) after this many
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     server: RunningServer | None = None
 
@@ -81,9 +82,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 finish = inference_pb2.FINISH_REASON_LENGTH
                 produced = 0
                 die_after, self.die_after_tokens = self.die_after_tokens, None
+                stall_after, self.stall_after_tokens = self.stall_after_tokens, None
                 for seq, tok in enumerate(self.tokens(start)):
                     if die_after is not None and seq == die_after:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, "fake crash mid-stream")
+                    if stall_after is not None and seq == stall_after:
+                        await asyncio.Event().wait()  # hung: only the router's stall timeout ends this
                     if self.token_delay_s:
                         await asyncio.sleep(self.token_delay_s)  # simulated decode step
                     if cancel_turn.is_set():

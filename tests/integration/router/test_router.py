@@ -75,6 +75,7 @@ async def mesh(tokenizer: Tokenizer, redis_url: str) -> AsyncIterator[Mesh]:
         health_interval_s=0.2,
         eject_base_s=0.001,  # probes may re-admit a failed fake at once
         readmit_s=0,
+        stall_timeout_s=1.0,
     )
     server, router = await start_router(settings, tokenizer=tokenizer)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
@@ -412,3 +413,13 @@ async def test_client_cancel_of_a_collapsed_request_stops_the_worker_when_all_le
     assert not worker.cancelled.is_set()
     calls[1].cancel()
     await asyncio.wait_for(worker.cancelled.wait(), 5)
+
+
+async def test_stalled_worker_is_ejected_and_the_stream_resumed(mesh: Mesh) -> None:
+    bypass = pb.RoutingOptions(cache_policy=pb.CACHE_POLICY_BYPASS)
+    undisturbed = tokens(await generate(mesh, request("Stall here", 8, routing=bypass)))
+    for e in mesh.edges:
+        e.stall_after_tokens = 3
+    frames = await generate(mesh, request("Stall here", 8, routing=bypass))
+    assert tokens(frames) == undisturbed and final(frames).route.reason == "failover"
+    assert any(r.ejections for r in mesh.router.registry.replicas if r.tier.value == "edge")
