@@ -12,6 +12,10 @@ worker, limits off) and, interleaving the paths request by request so machine no
 3. **Cache-hit TTFT** — a cached greedy request streamed over HTTP (SSE, ``/v1/chat/completions``
    and ``/v1/completions``) vs. the gateway's gRPC ``Generate``: time to the first text.
 
+The hop table also has (e) Envoy's gRPC-JSON transcoder in front of the gateway (a second Envoy,
+``auto_mapping`` of ``POST /meshserve.v1.Inference/Complete``): the alternative to the Python adapter.
+It speaks our proto's JSON, not OpenAI's, so it is measured only to price the adapter.
+
 Writes docs/benchmarks/frontdoor.json and .md.
 """
 
@@ -23,6 +27,8 @@ import datetime as dt
 import json
 import os
 import platform
+import string
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -36,7 +42,8 @@ from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
-from services.mesh import DEV_API_KEY, Mesh, MeshConfig
+from services.controlplane.envoy import envoy_binary
+from services.mesh import DEV_API_KEY, Mesh, MeshConfig, _free_port
 
 PROMPT = "The capital of France is"
 AUTH = (("authorization", f"Bearer {DEV_API_KEY}"),)
@@ -94,6 +101,57 @@ async def _sse_ttft(session: aiohttp.ClientSession, url: str, body: dict[str, ob
     return ttft
 
 
+def _transcoder_bootstrap(directory: Path, gateway: str, port: int, admin_port: int) -> Path:
+    """A standalone Envoy: JSON on ``port`` -> gRPC-JSON transcoder -> the gateway (static)."""
+    from grpc_tools import protoc
+
+    descriptor = directory / "inference.pb"
+    root = Path(__file__).resolve().parents[1] / "protos"
+    proto = root / "meshserve" / "v1" / "inference.proto"
+    args = ["protoc", f"-I{root}", "--include_imports", f"--descriptor_set_out={descriptor}", str(proto)]
+    if protoc.main(args) != 0:
+        raise RuntimeError("protoc failed to build the descriptor set")
+    host, _, gw_port = gateway.rpartition(":")
+    template = Path(__file__).with_name("envoy_transcoder.yaml").read_text()
+    text = string.Template(template).substitute(
+        ADMIN_PORT=admin_port, PORT=port, DESCRIPTOR=descriptor, GATEWAY_HOST=host, GATEWAY_PORT=gw_port
+    )
+    path = directory / "transcoder.yaml"
+    path.write_text(text)
+    return path
+
+
+async def _start_transcoder(gateway: str) -> tuple[asyncio.subprocess.Process, str, tempfile.TemporaryDirectory[str]]:
+    tmp = tempfile.TemporaryDirectory(prefix="meshserve-transcoder-")
+    port, admin = _free_port(), _free_port()
+    config = _transcoder_bootstrap(Path(tmp.name), gateway, port, admin)
+    proc = await asyncio.create_subprocess_exec(
+        envoy_binary(),
+        "-c",
+        str(config),
+        "--disable-hot-restart",
+        "--concurrency",
+        "1",
+        "--log-level",
+        "error",
+        stdin=asyncio.subprocess.DEVNULL,
+    )
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    async with aiohttp.ClientSession() as session:
+        while True:
+            try:
+                async with session.get(f"http://127.0.0.1:{admin}/ready") as reply:
+                    if reply.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            if loop.time() > deadline or proc.returncode is not None:
+                raise RuntimeError("the transcoder Envoy did not start")
+            await asyncio.sleep(0.05)  # bounded poll of Envoy's admin (no watch API)
+    return proc, f"http://127.0.0.1:{port}", tmp
+
+
 async def run(requests: int) -> dict[str, object]:
     env = {"MESHSERVE_GATEWAY_REQUESTS_PER_MINUTE": "0", "MESHSERVE_GATEWAY_TOKENS_PER_MINUTE": "0"}
     config = MeshConfig(edge_workers=1, cloud_workers=0, envoy=True, extra_env=env)
@@ -106,6 +164,7 @@ async def run(requests: int) -> dict[str, object]:
         router, gateway, envoy = (inference_pb2_grpc.InferenceStub(c) for c in channels[:3])
         worker = worker_pb2_grpc.WorkerStub(channels[3])
         connector = aiohttp.TCPConnector(limit=1)
+        transcoder, transcoder_url, transcoder_tmp = await _start_transcoder(mesh.gateway_address)
         try:
             async with aiohttp.ClientSession(connector=connector) as session:
                 cached = _cached_request()
@@ -117,12 +176,21 @@ async def run(requests: int) -> dict[str, object]:
                         assert r.status == 200, await r.text()
                         await r.read()
 
+                proto_json = {"prompt": PROMPT, "sampling": {"maxTokens": 16, "temperature": 0}}
+
+                async def transcoded_complete() -> None:
+                    url = f"{transcoder_url}/meshserve.v1.Inference/Complete"
+                    async with session.post(url, json=proto_json, headers=dict(AUTH)) as r:
+                        assert r.status == 200, await r.text()
+                        await r.read()
+
                 hops = await _interleaved(
                     {
                         "router_grpc (baseline)": _timed(lambda: router.Complete(cached, metadata=INTERNAL)),
                         "gateway_grpc": _timed(lambda: gateway.Complete(cached, metadata=AUTH)),
                         "envoy_grpc -> gateway": _timed(lambda: envoy.Complete(cached, metadata=AUTH)),
                         "envoy_http -> adapter -> gateway": _timed(http_complete),
+                        "envoy grpc-json transcoder -> gateway (proto JSON)": _timed(transcoded_complete),
                     },
                     requests,
                 )
@@ -174,6 +242,9 @@ async def run(requests: int) -> dict[str, object]:
         finally:
             for channel in channels:
                 await channel.close()
+            transcoder.terminate()
+            await transcoder.wait()
+            transcoder_tmp.cleanup()
     return {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.python_implementation()} "
