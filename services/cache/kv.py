@@ -15,7 +15,6 @@ Encoding/decoding of large transfers runs in a thread so the event loop keeps se
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -24,9 +23,9 @@ import structlog
 
 from services.cache.codec import CorruptEntry
 from services.cache.guard import Failed, Guard
-from services.cache.keys import kv_block_keys, scope_of
-from services.cache.kv_codec import Tensor, decode_block, encode_block
-from services.cache.ledger import prefix_len_script, put_script
+from services.cache.keys import kv_block_keys
+from services.cache.kv_codec import Tensor, decode_block, encode_block_view
+from services.cache.ledger import prefix_len_script, put_entries
 
 log = structlog.get_logger(__name__)
 KIND = "kv"
@@ -99,10 +98,10 @@ class KVBlockStore:
             fits += 1
         if fits == 0:
             return 0
-        args: tuple[bytes | int, ...] = (self.ttl_s, int(time.time() * 1000), self.budget_bytes, *values[:fits])
-        ledger = scope_of(keys[0])
         result = await self.guard.run(
-            "kv_put", lambda c: put_script(c, (*ledger, *keys[:fits]), args), timeout_s=self.timeout_s
+            "kv_put",
+            lambda c: put_entries(c, keys[:fits], values[:fits], self.ttl_s, self.budget_bytes),
+            timeout_s=self.timeout_s,
         )
         if isinstance(result, Failed):
             self.guard.count(KIND, "error", store=True)
@@ -146,11 +145,11 @@ class KVBlockStore:
             self.guard.count(KIND, "corrupt" if corrupt else "miss", len(keys) - len(blocks))
         return blocks
 
-    async def _encode(self, blocks: Sequence[Tensor]) -> list[bytes]:
+    async def _encode(self, blocks: Sequence[Tensor]) -> list[memoryview]:
         size = sum(int(getattr(b, "nbytes", 0)) for b in blocks)
         if size > _THREAD_BYTES:
-            return await asyncio.to_thread(lambda: [encode_block(b) for b in blocks])
-        return [encode_block(b) for b in blocks]
+            return await asyncio.to_thread(lambda: [encode_block_view(b) for b in blocks])
+        return [encode_block_view(b) for b in blocks]
 
     async def _decode(self, values: list[bytes], as_: Literal["numpy", "torch"]) -> tuple[list[Tensor], bool]:
         def run() -> tuple[list[Tensor], bool]:

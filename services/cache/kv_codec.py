@@ -6,8 +6,12 @@ format version 1::
     header  struct "<4sBBBB": magic b"MSKV", format version, dtype code (1 fp16, 2 bf16),
             number of dimensions (1..8), reserved
     shape   ndim x little-endian uint32
-    check   little-endian uint32: CRC32 of the payload (a torn or bit-flipped value is rejected)
-    payload the elements, C order, little-endian
+    payload the elements, C order, little-endian (exactly 2 x prod(shape) bytes)
+
+No checksum: Redis writes a value atomically, and the magic/version/dtype/rank/exact-length checks
+already reject foreign, old-format and truncated values; a CRC32 cost ~15 % of a block transfer
+here (docs/benchmarks/cache.md). Encoding makes exactly one copy of the tensor's bytes; decoding to
+numpy fp16 makes none (the array is a read-only view of the value).
 
 numpy arrays are accepted as float16 (or float32/float64, stored as float16); torch tensors as
 float16 or bfloat16 (float32 is stored as bfloat16, keeping its range). Decoding returns the same
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import struct
 import sys
-import zlib
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -33,7 +36,6 @@ MAGIC = b"MSKV"
 FORMAT_VERSION = 1
 FP16, BF16 = 1, 2
 _HEADER = struct.Struct("<4sBBBB")
-_CRC = struct.Struct("<I")
 _MAX_DIMS = 8
 _ITEM = 2
 
@@ -44,7 +46,8 @@ def _is_torch(t: object) -> bool:
     return type(t).__module__.split(".", 1)[0] == "torch"
 
 
-def _payload(t: Tensor) -> tuple[int, tuple[int, ...], bytes]:
+def _elements(t: Tensor) -> tuple[int, tuple[int, ...], np.ndarray]:
+    """(dtype code, shape, C-contiguous little-endian 2-byte elements), copying only if needed."""
     if _is_torch(t):
         import torch
 
@@ -56,27 +59,35 @@ def _payload(t: Tensor) -> tuple[int, tuple[int, ...], bytes]:
             if tt.dtype != torch.bfloat16:
                 tt = tt.to(torch.bfloat16)
         raw = tt.contiguous().cpu().view(torch.int16).numpy()
-        return code, tuple(tt.shape), raw.astype("<i2", copy=False).tobytes()
+        return code, tuple(tt.shape), np.ascontiguousarray(raw, dtype="<i2")
     arr = np.asarray(t)
     if arr.dtype.kind != "f":
         raise TypeError(f"a KV block must be a float tensor, got {arr.dtype}")
-    return FP16, arr.shape, np.ascontiguousarray(arr, dtype="<f2").tobytes()
+    return FP16, arr.shape, np.ascontiguousarray(arr, dtype="<f2")
+
+
+def encode_block_view(t: Tensor) -> memoryview:
+    """Encode one block tensor (numpy array or torch tensor) into a fresh buffer (one copy)."""
+    code, shape, elements = _elements(t)
+    if not 1 <= len(shape) <= _MAX_DIMS:
+        raise ValueError(f"a KV block must have 1 to {_MAX_DIMS} dimensions, got {len(shape)}")
+    head = _HEADER.pack(MAGIC, FORMAT_VERSION, code, len(shape), 0) + struct.pack(f"<{len(shape)}I", *shape)
+    buf = bytearray(len(head) + elements.nbytes)
+    buf[: len(head)] = head
+    np.frombuffer(buf, dtype=np.uint8, offset=len(head))[:] = elements.reshape(-1).view(np.uint8)
+    return memoryview(buf)
 
 
 def encode_block(t: Tensor) -> bytes:
-    """Encode one block tensor (numpy array or torch tensor)."""
-    code, shape, payload = _payload(t)
-    if not 1 <= len(shape) <= _MAX_DIMS:
-        raise ValueError(f"a KV block must have 1 to {_MAX_DIMS} dimensions, got {len(shape)}")
-    head = _HEADER.pack(MAGIC, FORMAT_VERSION, code, len(shape), 0)
-    dims = struct.pack(f"<{len(shape)}I", *shape)
-    return b"".join((head, dims, _CRC.pack(zlib.crc32(payload)), payload))
+    """Like :func:`encode_block_view`, as bytes."""
+    return bytes(encode_block_view(t))
 
 
 def decode_block(data: bytes, as_: Literal["numpy", "torch"] = "numpy") -> Tensor:
     """Decode a value of :func:`encode_block`; raises :class:`CorruptEntry` on anything else.
 
-    ``as_="numpy"`` gives float16 arrays (bf16 blocks come back as float32, numpy has no bf16);
+    ``as_="numpy"`` gives read-only float16 views of ``data`` (bf16 blocks come back as float32
+    copies, numpy has no bf16);
     ``as_="torch"`` gives tensors of the stored dtype.
     """
     if len(data) < _HEADER.size:
@@ -87,16 +98,12 @@ def decode_block(data: bytes, as_: Literal["numpy", "torch"] = "numpy") -> Tenso
     if code not in (FP16, BF16) or not 1 <= ndim <= _MAX_DIMS:
         raise CorruptEntry(f"bad dtype code {code} or rank {ndim}")
     off = _HEADER.size + 4 * ndim
-    if len(data) < off + _CRC.size:
+    if len(data) < off:
         raise CorruptEntry("value shorter than its shape")
     shape = struct.unpack_from(f"<{ndim}I", data, _HEADER.size)
-    (crc,) = _CRC.unpack_from(data, off)
-    payload = memoryview(data)[off + _CRC.size :]
-    if len(payload) != _ITEM * int(np.prod(shape, dtype=np.int64)):
+    if len(data) - off != _ITEM * int(np.prod(shape, dtype=np.int64)):
         raise CorruptEntry("payload length does not match the shape")
-    if zlib.crc32(payload) != crc:
-        raise CorruptEntry("payload checksum mismatch")
-    raw = np.frombuffer(payload, dtype="<f2" if code == FP16 else "<u2").reshape(shape)
+    raw = np.frombuffer(data, dtype="<f2" if code == FP16 else "<u2", offset=off).reshape(shape)
     if as_ == "torch":
         import torch
 
@@ -105,5 +112,5 @@ def decode_block(data: bytes, as_: Literal["numpy", "torch"] = "numpy") -> Tenso
         t = torch.from_numpy(raw.view(np.int16).copy()).view(torch.float16 if code == FP16 else torch.bfloat16)
         return t
     if code == FP16:
-        return raw.astype(np.float16)
+        return raw
     return (raw.astype(np.uint32) << 16).view(np.float32)

@@ -2,8 +2,12 @@
 
 Each scope (keys.Scope: one kind x model version x tenant salt, one hash tag, one slot) has an index
 zset (entry key -> expiry in ms), a sizes hash (entry key -> value bytes) and a used-bytes counter.
-``PUT`` drops expired members, evicts the entries that expire soonest until the new entries fit the
-scope's budget, writes them with their TTL and updates the ledger, atomically, in one round trip.
+A put is one pipeline, one round trip: a native ``SET key value EX ttl`` per entry (the bulk bytes
+never pass through Lua, which would copy them twice), then ``ACCOUNT`` with only the sizes.
+``ACCOUNT`` drops expired members, admits the longest leading run of new entries that fits the
+scope's budget (the rest are unlinked at once: for a KV chain a gap would be useless), evicts the
+entries that expire soonest until the admitted ones fit, and records them. The budget holds after
+every put; while one put's pipeline runs it may be exceeded by that put's bytes.
 An entry evicted by Redis itself (maxmemory) stays counted until its expiry: the ledger errs on the
 side of using less than the budget, never more. Every loop in the scripts is bounded.
 """
@@ -11,13 +15,15 @@ side of using less than the budget, never more. Every loop in the scripts is bou
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 
 from redis.exceptions import NoScriptError
 
 from services.cache.connection import AnyRedis
+from services.cache.keys import scope_of
 
-PUT = """
+ACCOUNT = """
 local ix, sz, used = KEYS[1], KEYS[2], KEYS[3]
 local ttl, now, budget = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local total = tonumber(redis.call('GET', used) or '0')
@@ -27,7 +33,6 @@ for _, m in ipairs(expired) do
   redis.call('HDEL', sz, m)
   redis.call('ZREM', ix, m)
 end
-local incoming = 0
 for i = 4, #KEYS do
   local old = redis.call('HGET', sz, KEYS[i])
   if old then
@@ -35,7 +40,16 @@ for i = 4, #KEYS do
     redis.call('HDEL', sz, KEYS[i])
     redis.call('ZREM', ix, KEYS[i])
   end
-  incoming = incoming + #ARGV[i]
+end
+local admitted, incoming = 0, 0
+for i = 4, #KEYS do
+  local n = tonumber(ARGV[i])
+  if incoming + n > budget then break end
+  incoming = incoming + n
+  admitted = admitted + 1
+end
+for i = 4 + admitted, #KEYS do
+  redis.call('UNLINK', KEYS[i])
 end
 local evicted = 0
 while total + incoming > budget and evicted < 100000 do
@@ -47,21 +61,16 @@ while total + incoming > budget and evicted < 100000 do
   redis.call('UNLINK', v[1])
   evicted = evicted + 1
 end
-local stored = 0
-for i = 4, #KEYS do
-  local n = #ARGV[i]
-  if total + n > budget then break end
-  redis.call('SET', KEYS[i], ARGV[i], 'EX', ttl)
+for i = 4, 3 + admitted do
   redis.call('ZADD', ix, now + ttl * 1000, KEYS[i])
-  redis.call('HSET', sz, KEYS[i], n)
-  total = total + n
-  stored = stored + 1
+  redis.call('HSET', sz, KEYS[i], ARGV[i])
 end
+total = total + incoming
 if total < 0 then total = 0 end
 redis.call('SET', used, total, 'EX', ttl + 60)
 redis.call('EXPIRE', ix, ttl + 60)
 redis.call('EXPIRE', sz, ttl + 60)
-return {stored, evicted}
+return {admitted, evicted}
 """
 
 PREFIX_LEN = """
@@ -88,5 +97,36 @@ class Script:
             return await client.eval(self.source, len(keys), *keys, *args)  # type: ignore[misc]
 
 
-put_script = Script(PUT)
+account_script = Script(ACCOUNT)
+
+
+async def put_entries(
+    client: AnyRedis, keys: Sequence[str], values: Sequence[bytes | memoryview], ttl_s: int, budget: int
+) -> tuple[int, int]:
+    """SET ``keys`` to ``values`` with the TTL and account for them in their scope's ledger.
+
+    All keys must belong to one scope. Returns (entries kept, other entries evicted). One round trip
+    (two the first time a Redis node sees the script).
+    """
+    ledger = scope_of(keys[0])
+    sizes = [len(v) for v in values]
+    args: list[bytes | str | int] = [ttl_s, int(time.time() * 1000), budget, *sizes]
+    pipe = client.pipeline(transaction=False)
+    for key, value in zip(keys, values, strict=True):
+        pipe.set(key, value, ex=ttl_s)  # type: ignore[arg-type]
+    # execute_command, not pipe.evalsha: redis-py blocks the latter in cluster pipelines although all
+    # our keys share one slot
+    pipe.execute_command("EVALSHA", account_script.sha, 3 + len(keys), *ledger, *keys, *args)
+    results = await pipe.execute(raise_on_error=False)
+    for r in results[:-1]:
+        if isinstance(r, Exception):
+            raise r
+    last = results[-1]
+    if isinstance(last, NoScriptError):
+        last = await client.eval(account_script.source, 3 + len(keys), *ledger, *keys, *args)  # type: ignore[misc]
+    elif isinstance(last, Exception):
+        raise last
+    return int(last[0]), int(last[1])
+
+
 prefix_len_script = Script(PREFIX_LEN)

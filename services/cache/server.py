@@ -14,7 +14,9 @@ from services.common.serving import RunningServer, start_server
 
 async def start_cache_service(settings: CacheSettings) -> RunningServer:
     """Start the admin service; ``await server.stop()`` also closes Redis and the router channel."""
-    client = redis_from_url(settings.redis_url, settings.timeout_s, max_connections=8)
+    client = redis_from_url(
+        settings.redis_url, settings.timeout_s, max_connections=8, read_timeout_s=settings.timeout_s
+    )
     channel = grpc.aio.insecure_channel(settings.router_address) if settings.router_address else None
     generate = router_generate(channel, settings.internal_token, settings.warm_timeout_s) if channel else None
     servicer = CacheServicer(CacheAdmin(client, max_scopes=settings.max_scopes), generate)

@@ -1,7 +1,7 @@
 """Response cache on Redis: exact-match entries, TTL, size and byte budgets, fail-open access.
 
 Keys come from keys.response_key (tenant-salted unless shareable), values from codec.py. A get is
-one GET; a put is one EVALSHA of ledger.PUT (entry + byte ledger, atomically). Redis down, slow or
+one GET; a put is one pipeline (SET + the byte-ledger script, ledger.py). Redis down, slow or
 returning garbage never fails a request: ``get`` returns None (a miss), ``put`` returns False;
 corrupt or unknown-format values are counted and ignored. Timeouts and the circuit breaker live in
 guard.py.
@@ -9,7 +9,6 @@ guard.py.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import structlog
@@ -18,8 +17,7 @@ from services.cache.breaker import CircuitBreaker
 from services.cache.codec import CachedResponse, CorruptEntry, Finish, decode_response, encode_response
 from services.cache.connection import redis_from_url
 from services.cache.guard import FAILED, SKIPPED, Failed, Guard
-from services.cache.keys import scope_of
-from services.cache.ledger import put_script
+from services.cache.ledger import put_entries
 
 log = structlog.get_logger(__name__)
 KIND = "response"
@@ -115,10 +113,7 @@ class ResponseCache:
             self.stats.too_large += 1
             self.guard.count(KIND, "too_large", store=True)
             return False
-        ledger = scope_of(key)
-        now_ms = int(time.time() * 1000)
-        args = (self.ttl_s, now_ms, self.budget_bytes, data)
-        result = await self.guard.run("put", lambda c: put_script(c, (*ledger, key), args))
+        result = await self.guard.run("put", lambda c: put_entries(c, (key,), (data,), self.ttl_s, self.budget_bytes))
         if result is SKIPPED:
             self.guard.count(KIND, "skipped", store=True)
             return False

@@ -92,7 +92,7 @@ async def test_corrupt_and_old_format_blocks_end_the_chain(store: KVBlockStore, 
         assert len(out) == 2 and store.guard.tally["kv:lookup:corrupt"] == 2
         await raw.set(keys[1], b"\x80\x04\x95pickle")
         assert len(await store.load(A, PROMPT)) == 1
-        await raw.set(keys[0], good[:-1] + bytes([good[-1] ^ 0xFF]))  # flipped bits
+        await raw.set(keys[0], good[:6] + bytes([9]) + good[7:])  # impossible rank
         assert await store.load(A, PROMPT) == []
     finally:
         await raw.aclose()

@@ -13,7 +13,7 @@ async def test_single_server() -> None:
     client = redis_from_url("redis://127.0.0.1:6390/2", 0.05)
     assert isinstance(client, Redis)
     assert client.connection_pool.connection_kwargs["db"] == 2
-    assert client.connection_pool.connection_kwargs["socket_timeout"] == 0.05
+    assert client.connection_pool.connection_kwargs["socket_connect_timeout"] == 0.05
     await client.aclose()
 
 

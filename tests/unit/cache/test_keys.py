@@ -1,11 +1,9 @@
 from __future__ import annotations
 
+from fnmatch import fnmatchcase
 from typing import Any
 
 import pytest
-
-from fnmatch import fnmatchcase
-
 from redis.crc import key_slot
 
 from services.cache.keys import (
