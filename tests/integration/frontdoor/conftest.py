@@ -6,6 +6,7 @@ the front door maps can be produced without loading a model.
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -41,8 +42,9 @@ class FakeRouter(inference_pb2_grpc.InferenceServicer):
     """Streams WORDS then a final frame; ``mode`` makes it fail the way a router or limiter would."""
 
     def __init__(self) -> None:
-        self.mode = "ok"  # ok | exhausted | unavailable
+        self.mode = "ok"  # ok | exhausted | unavailable | hang (one frame, then waits to be cancelled)
         self.requests: list[object] = []
+        self.cancelled = asyncio.Event()
 
     def _check(self, model: str) -> None:
         if model and model != MODEL:
@@ -66,6 +68,12 @@ class FakeRouter(inference_pb2_grpc.InferenceServicer):
         self._check(request.model)
         for i, word in enumerate(WORDS):
             yield pb.GenerateResponse(sequence=i, token_ids=[10 + i], text=word)
+            if self.mode == "hang":
+                try:
+                    await asyncio.Event().wait()
+                except asyncio.CancelledError:
+                    self.cancelled.set()
+                    raise
         yield pb.GenerateResponse(sequence=len(WORDS), final=self.final())
 
     async def Complete(self, request, context):  # type: ignore[no-untyped-def]
@@ -143,6 +151,7 @@ async def stack(redis_srv: RedisServer) -> AsyncIterator[Stack]:
 async def router(stack: Stack) -> AsyncIterator[FakeRouter]:
     stack.router.mode = "ok"
     stack.router.requests.clear()
+    stack.router.cancelled = asyncio.Event()
     yield stack.router
     stack.router.mode = "ok"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -142,3 +143,15 @@ async def test_grpc_clients_enter_through_envoy_too(stack: Stack) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.ListModels(pb.ListModelsRequest())
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_client_disconnect_mid_stream_cancels_the_router_call(stack: Stack, router: FakeRouter) -> None:
+    router.mode = "hang"
+    body = {"model": MODEL, "prompt": "hi", "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with aiohttp.ClientSession() as session:
+        reply = await session.post(f"{stack.door.base_url}/completions", json=body, headers=headers)
+        assert reply.status == 200
+        assert (await reply.content.readline()).startswith(b"data: {")  # the first token arrived
+        reply.close()  # hang up mid-stream: Envoy -> adapter -> gateway -> router must all let go
+    await asyncio.wait_for(router.cancelled.wait(), 15)
