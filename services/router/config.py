@@ -79,6 +79,8 @@ class RouterSettings(ServiceSettings):
     """Timeout of each Redis call; a slower Redis counts as a cache miss."""
     cache_retry_after_s: float = Field(default=1.0, ge=0)
     """After a Redis error the cache is skipped for this long (an outage costs one timeout)."""
+    heartbeat_ttl_s: float = Field(default=5.0, gt=0)
+    """A self-registered worker (WorkerRegistry.Heartbeat) is forgotten after this long without a heartbeat."""
     health_interval_s: float = Field(default=1.0, gt=0)
     """How often each worker's gRPC health and Stats are polled."""
     health_timeout_s: float = Field(default=0.5, gt=0)

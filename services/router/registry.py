@@ -8,6 +8,11 @@ probes cannot bring it back before that. Re-admission is gradual: for ``readmit_
 comes back, a replica carries an extra routing load that decays linearly from its slot count to 0
 (:attr:`Replica.load`), so it takes a growing share of new traffic instead of all of it at once.
 A replica that stays healthy for ``readmit_s`` has its ejection count reset.
+
+Replicas come from static config and from self-registration (:meth:`Registry.heartbeat`, served as
+``WorkerRegistry.Heartbeat``): an unknown address is added (after one health probe), every
+heartbeat refreshes its load report, and a registered replica whose heartbeats stop for
+``heartbeat_ttl_s`` (or that says it is leaving) is removed. Static replicas are never removed.
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ class Replica:
     ejected_until: float = 0.0
     readmitted_at: float = 0.0
     readmit_s: float = 0.0
+    registered_until: float = 0.0
+    """For a self-registered replica: forgotten after this time without a heartbeat (0 = static)."""
 
     @property
     def load(self) -> int:
@@ -84,6 +91,7 @@ class Registry:
         eject_base_s: float = 1.0,
         eject_max_s: float = 30.0,
         readmit_s: float = 10.0,
+        heartbeat_ttl_s: float = 5.0,
     ) -> None:
         self._addresses = [(a, TierName.EDGE) for a in edge] + [(a, TierName.CLOUD) for a in cloud]
         self._token = internal_token
@@ -93,18 +101,69 @@ class Registry:
         self._eject_base = eject_base_s
         self._eject_max = eject_max_s
         self._readmit = readmit_s
+        self.heartbeat_ttl_s = heartbeat_ttl_s
         self.replicas: list[Replica] = []
         self._task: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Future[None]] = set()
         self._any_up: bool | None = None
 
     async def start(self) -> None:
         """Open the channels, probe every replica once, then keep polling in the background."""
         for address, tier in self._addresses:
-            channel = grpc.aio.insecure_channel(address, options=grpc_options())
-            replica = Replica(address, tier, channel, worker_pb2_grpc.WorkerStub(channel), readmit_s=self._readmit)
-            self.replicas.append(replica)
+            self.replicas.append(self._replica(address, tier))
         await self.probe_all()
         self._task = asyncio.create_task(self._poll(), name="router-health-poll")
+
+    def _replica(self, address: str, tier: TierName) -> Replica:
+        channel = grpc.aio.insecure_channel(address, options=grpc_options())
+        return Replica(address, tier, channel, worker_pb2_grpc.WorkerStub(channel), readmit_s=self._readmit)
+
+    async def heartbeat(
+        self,
+        address: str,
+        tier: TierName,
+        *,
+        worker_id: str = "",
+        active: int = 0,
+        queued: int = 0,
+        max_active: int = 0,
+        leaving: bool = False,
+    ) -> float:
+        """Register or refresh a self-registered worker; returns the TTL in seconds."""
+        now = time.monotonic()
+        replica = next((r for r in self.replicas if r.address == address), None)
+        if replica is None:
+            if leaving:
+                return self.heartbeat_ttl_s
+            replica = self._replica(address, tier)
+            replica.registered_until = now + self.heartbeat_ttl_s
+            self.replicas.append(replica)
+            log.info("worker_registered", address=address, tier=tier.value, worker=worker_id or address)
+            await self._probe(replica)
+            self._notify()
+        elif replica.registered_until:
+            replica.registered_until = now + self.heartbeat_ttl_s
+        replica.worker_id = worker_id or replica.worker_id
+        replica.active_sequences, replica.queue_depth = active, queued
+        replica.max_active = max_active or replica.max_active
+        if leaving:
+            replica.healthy = False  # a static replica only goes down; a registered one is dropped
+            if replica.registered_until:
+                self._drop(replica)
+            self._notify()
+        return self.heartbeat_ttl_s
+
+    def _drop(self, replica: Replica) -> None:
+        log.info("worker_deregistered", address=replica.address, worker=replica.name)
+        self.replicas.remove(replica)
+        task = asyncio.ensure_future(replica.channel.close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for r in [r for r in self.replicas if 0 < r.registered_until < now]:
+            self._drop(r)
 
     async def close(self) -> None:
         if self._task is not None:
@@ -140,6 +199,7 @@ class Registry:
 
     async def probe_all(self) -> None:
         """Probe every replica now (the background loop calls this every interval)."""
+        self._expire()
         await asyncio.gather(*(self._probe(r) for r in self.replicas))
         self._notify()
 

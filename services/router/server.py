@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import structlog
 
 from services.cache.store import ResponseCache
+from services.common.pb.meshserve.internal.v1 import registry_pb2, registry_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
 from services.common.serving import RunningServer, start_server
 from services.common.tokenizer import Tokenizer
@@ -15,10 +17,12 @@ from services.router.config import RouterSettings
 from services.router.core import SERVICE, Router
 from services.router.policy import ReplicaSelector, TierName
 from services.router.registry import Registry
+from services.router.registry_servicer import WorkerRegistryServicer
 from services.router.servicer import RouterServicer
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
+REGISTRY_SERVICE_NAME = registry_pb2.DESCRIPTOR.services_by_name["WorkerRegistry"].full_name
 
 
 async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = None) -> tuple[RunningServer, Router]:
@@ -56,6 +60,7 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
         eject_base_s=settings.eject_base_s,
         eject_max_s=settings.eject_max_s,
         readmit_s=settings.readmit_s,
+        heartbeat_ttl_s=settings.heartbeat_ttl_s,
     )
     await registry.start()
 
@@ -92,8 +97,8 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
     )
     server = await start_server(
         settings,
-        lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, s),
-        [SERVICE_NAME],
+        lambda s: _register(s, servicer, WorkerRegistryServicer(registry)),
+        [SERVICE_NAME, REGISTRY_SERVICE_NAME],
         internal=True,
         serving=bool(registry.healthy_tiers()),
     )
@@ -106,3 +111,8 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
 
     server.on_stop.append(close)
     return server, router
+
+
+def _register(server: grpc.aio.Server, inference: RouterServicer, registry: WorkerRegistryServicer) -> None:
+    inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
+    registry_pb2_grpc.add_WorkerRegistryServicer_to_server(registry, server)

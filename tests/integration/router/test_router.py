@@ -18,6 +18,8 @@ from services.common.tokenizer import Tokenizer
 from services.models.paths import model_paths
 from services.router.config import RouterSettings
 from services.router.core import Router
+from services.router.policy import TierName
+from services.router.registry import Registry
 from services.router.server import start_router
 from tests.helpers import RedisServer
 from tests.integration.router.fake_worker import FakeWorker, start_fake
@@ -423,3 +425,49 @@ async def test_stalled_worker_is_ejected_and_the_stream_resumed(mesh: Mesh) -> N
     frames = await generate(mesh, request("Stall here", 8, routing=bypass))
     assert tokens(frames) == undisturbed and final(frames).route.reason == "failover"
     assert any(r.ejections for r in mesh.router.registry.replicas if r.tier.value == "edge")
+
+
+async def test_self_registered_worker_joins_by_heartbeat_and_leaves(mesh: Mesh) -> None:
+    from services.common.pb.meshserve.internal.v1 import registry_pb2, registry_pb2_grpc, worker_pb2
+
+    extra = await start_fake("cloud-9", pb.TIER_CLOUD, TOKEN)
+    registry = registry_pb2_grpc.WorkerRegistryStub(mesh.channel)
+    beat = registry_pb2.WorkerHeartbeat(
+        address=extra.address, tier=pb.TIER_CLOUD, stats=worker_pb2.WorkerStats(worker_id="cloud-9")
+    )
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await registry.Heartbeat(beat)  # no internal credential
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        reply = await registry.Heartbeat(beat, metadata=META)
+        assert reply.ttl_ms > 0
+        assert any(r.address == extra.address and r.healthy for r in mesh.router.registry.replicas)
+        mesh.cloud.fail_next = grpc.StatusCode.UNAVAILABLE  # the static cloud replica fails: use the new one
+        fin = final(
+            await generate(mesh, request(LONG_PROMPT, routing=pb.RoutingOptions(cache_policy=pb.CACHE_POLICY_BYPASS)))
+        )
+        assert fin.route.tier == pb.TIER_CLOUD and fin.route.worker_id == "cloud-9"
+        beat.leaving = True
+        await registry.Heartbeat(beat, metadata=META)
+        assert all(r.address != extra.address for r in mesh.router.registry.replicas)
+    finally:
+        assert extra.server is not None
+        await extra.server.stop()
+
+
+async def test_registered_worker_without_heartbeats_expires(mesh: Mesh) -> None:
+    registry = mesh.router.registry
+    extra = await start_fake("edge-9", pb.TIER_EDGE, TOKEN)
+    try:
+        registry.heartbeat_ttl_s = 0.01
+        await registry.heartbeat(extra.address, TierName.EDGE, worker_id="edge-9")
+        assert any(r.address == extra.address for r in registry.replicas)
+        await asyncio.wait_for(_until_gone(registry, extra.address), 5)
+    finally:
+        assert extra.server is not None
+        await extra.server.stop()
+
+
+async def _until_gone(registry: Registry, address: str) -> None:
+    while any(r.address == address for r in registry.replicas):
+        await registry.probe_all()
