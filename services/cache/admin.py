@@ -1,7 +1,7 @@
 """Cache administration (no transport): stats by kind, flush by tenant/model/version, warm-up.
 
 * Stats: lookup/store counters every cache user flushes into keys.STATS_KEY (guard.py), entry and
-  byte counts from the per-scope ledgers (ledger.py), and Redis' own memory figures and policy.
+  value-byte counts by SCAN + STRLEN (bounded by ``max_keys``), and Redis' memory figures and policy.
 * Flush: SCAN MATCH over the hash-tagged namespace (keys.scan_pattern) + UNLINK in batches; the
   ledgers of a flushed scope go with it. Chosen over generation numbers in keys because it costs no
   extra read on the request path and frees memory at once; the SCAN walks the keyspace, which is
@@ -80,9 +80,9 @@ Generate = Callable[[str, int], Awaitable[None]]
 
 
 class CacheAdmin:
-    def __init__(self, client: AnyRedis, *, max_scopes: int = 100_000) -> None:
+    def __init__(self, client: AnyRedis, *, max_keys: int = 1_000_000) -> None:
         self.client = client
-        self.max_scopes = max_scopes
+        self.max_keys = max_keys
 
     async def stats(self) -> Stats:
         out = Stats(kinds={name: KindStats(name) for name in KIND_NAMES.values()})
@@ -96,24 +96,39 @@ class CacheAdmin:
             if ks is not None and hasattr(ks, result):
                 setattr(ks, result, getattr(ks, result) + int(raw_value))
         for kind, name in KIND_NAMES.items():
-            ks = out.kinds[name]
-            seen = 0
-            async for used_key in self.client.scan_iter(match=scan_pattern(kind, suffix="used"), count=_SCAN_COUNT):
-                seen += 1
-                if seen > self.max_scopes:
-                    log.warning("cache_stats_truncated", kind=name, max_scopes=self.max_scopes)
-                    break
-                prefix = _text(used_key)[: -len(":used")]
-                used = await self.client.get(used_key)
-                ks.entries += int(await self.client.zcard(f"{prefix}:ix"))
-                ks.bytes += int(used or 0)
-                ks.scopes += 1
+            await self._count_entries(kind, out.kinds[name])
         info = await self.client.info("memory")
         for node_info in _per_node(info):
             out.used_memory += int(str(node_info.get("used_memory", 0)))
             out.maxmemory += int(str(node_info.get("maxmemory", 0)))
             out.maxmemory_policy = str(node_info.get("maxmemory_policy", out.maxmemory_policy))
         return out
+
+    async def _count_entries(self, kind: Kind, ks: KindStats) -> None:
+        """Entries, value bytes (STRLEN, pipelined) and scopes of one kind, up to ``max_keys``."""
+        tags: set[str] = set()
+        batch: list[str] = []
+        async for key in self.client.scan_iter(match=scan_pattern(kind, suffix="e:*"), count=_SCAN_COUNT):
+            text = _text(key)
+            batch.append(text)
+            tags.add(text.split("}", 1)[0])
+            if len(batch) >= _UNLINK_BATCH:
+                ks.bytes += await self._strlen(batch)
+                ks.entries += len(batch)
+                batch = []
+            if ks.entries + len(batch) >= self.max_keys:
+                log.warning("cache_stats_truncated", kind=ks.kind, max_keys=self.max_keys)
+                break
+        if batch:
+            ks.bytes += await self._strlen(batch)
+            ks.entries += len(batch)
+        ks.scopes = len(tags)
+
+    async def _strlen(self, keys: list[str]) -> int:
+        pipe = self.client.pipeline(transaction=False)
+        for key in keys:
+            pipe.strlen(key)
+        return sum(int(n) for n in await pipe.execute())
 
     async def flush(self, what: FlushFilter) -> int:
         """UNLINK every key of the matching scopes (entries and ledgers); returns how many."""

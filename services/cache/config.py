@@ -29,8 +29,8 @@ class CacheSettings(ServiceSettings):
     """Timeout of each Redis call of an admin operation (SCANs of a large keyspace take a while)."""
     warm_timeout_s: float = Field(default=120.0, gt=0)
     """Deadline of one warm-up request through the router."""
-    max_scopes: int = Field(default=100_000, ge=1)
-    """Stats stop counting ledgers after this many scopes (bounds the SCAN)."""
+    max_keys: int = Field(default=1_000_000, ge=1)
+    """Stats stop counting entries after this many keys per kind (bounds the SCAN)."""
 
     @field_validator("redis_url")
     @classmethod

@@ -73,7 +73,7 @@ class Guard:
         self._pending: Tally[str] = Tally()
         self._last_flush = time.monotonic()
         self._flush_task: asyncio.Task[None] | None = None
-        self._children: dict[str, Counter] = {}
+        self._children: dict[tuple[str, str, bool], tuple[str, Counter]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -101,11 +101,12 @@ class Guard:
 
     def count(self, kind: str, result: str, n: int = 1, *, store: bool = False) -> None:
         """Count ``n`` lookups (or stores) of ``kind`` with ``result``."""
-        name = f"{kind}:{'store' if store else 'lookup'}:{result}"
-        child = self._children.get(name)
-        if child is None:
+        cached = self._children.get((kind, result, store))
+        if cached is None:
             child = (CACHE_STORES if store else CACHE_LOOKUPS).labels(self.service, kind, result)
-            self._children[name] = child
+            cached = (f"{kind}:{'store' if store else 'lookup'}:{result}", child)
+            self._children[(kind, result, store)] = cached
+        name, child = cached
         child.inc(n)
         self.tally[name] += n
         self._pending[name] += n

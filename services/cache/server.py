@@ -19,7 +19,7 @@ async def start_cache_service(settings: CacheSettings) -> RunningServer:
     )
     channel = grpc.aio.insecure_channel(settings.router_address) if settings.router_address else None
     generate = router_generate(channel, settings.internal_token, settings.warm_timeout_s) if channel else None
-    servicer = CacheServicer(CacheAdmin(client, max_scopes=settings.max_scopes), generate)
+    servicer = CacheServicer(CacheAdmin(client, max_keys=settings.max_keys), generate)
     server = await start_server(
         settings,
         lambda s: cache_pb2_grpc.add_CacheServicer_to_server(servicer, s),

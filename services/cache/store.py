@@ -15,7 +15,7 @@ import structlog
 
 from services.cache.breaker import CircuitBreaker
 from services.cache.codec import CachedResponse, CorruptEntry, Finish, decode_response, encode_response
-from services.cache.connection import redis_from_url
+from services.cache.connection import AnyRedis, redis_from_url
 from services.cache.guard import FAILED, SKIPPED, Failed, Guard
 from services.cache.ledger import put_entries
 
@@ -45,8 +45,10 @@ class ResponseCache:
     guard: Guard
     ttl_s: int = 3600
     max_entry_bytes: int = 1 << 20
-    budget_bytes: int = 256 << 20
-    """Most value bytes one scope (model version x tenant salt) may hold; oldest entries go first."""
+    budget_bytes: int = 0
+    """Most value bytes one scope (model version x tenant salt) may hold, oldest entries going first;
+    0 = no per-scope ledger: entries are bounded by TTL, ``max_entry_bytes`` and Redis maxmemory, and
+    a put is a bare ``SET EX`` (the ledger costs a script per put, docs/benchmarks/cache.md)."""
     stats: CacheStats = field(default_factory=CacheStats)
 
     @classmethod
@@ -109,11 +111,16 @@ class ResponseCache:
         if not self.enabled:
             return False
         data = encode_response(resp)
-        if len(data) > self.max_entry_bytes or len(data) > self.budget_bytes:
+        if len(data) > self.max_entry_bytes or 0 < self.budget_bytes < len(data):
             self.stats.too_large += 1
             self.guard.count(KIND, "too_large", store=True)
             return False
-        result = await self.guard.run("put", lambda c: put_entries(c, (key,), (data,), self.ttl_s, self.budget_bytes))
+        if self.budget_bytes:
+            result = await self.guard.run(
+                "put", lambda c: put_entries(c, (key,), (data,), self.ttl_s, self.budget_bytes)
+            )
+        else:
+            result = await self.guard.run("put", lambda c: _set(c, key, data, self.ttl_s))
         if result is SKIPPED:
             self.guard.count(KIND, "skipped", store=True)
             return False
@@ -133,3 +140,8 @@ class ResponseCache:
 
     async def close(self) -> None:
         await self.guard.close()
+
+
+async def _set(client: AnyRedis, key: str, data: bytes, ttl_s: int) -> tuple[int, int]:
+    await client.set(key, data, ex=ttl_s)
+    return 1, 0

@@ -103,9 +103,9 @@ class CacheKindStats(_message.Message):
     over_budget: _builtins.int
     """Entries refused because they did not fit the scope's byte budget."""
     entries: _builtins.int
-    """Entries currently counted by the byte ledgers."""
+    """Entries currently in Redis (counted by SCAN)."""
     bytes: _builtins.int
-    """Value bytes currently counted by the byte ledgers."""
+    """Value bytes of those entries (STRLEN; Redis adds per-key overhead on top)."""
     scopes: _builtins.int
     """Scopes (model version x tenant salt) holding entries."""
     def __init__(
