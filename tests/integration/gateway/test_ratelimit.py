@@ -166,3 +166,25 @@ async def test_redis_outage_follows_the_failure_mode_and_recovers(start: StartFn
             assert client.exists(rate_limit_keys("acme").requests), "limits are enforced in Redis again"
         finally:
             client.close()
+
+
+async def test_each_chat_turn_counts_a_request_and_the_session_holds_one_stream_slot(start: StartFn) -> None:
+    mesh = await start(1, requests_per_minute=1, request_burst=2, max_concurrent_streams=1)
+    turn = pb.ChatRequest(
+        turn=pb.ChatTurn(messages=[pb.ChatMessage(role="user", content="hi")], sampling=pb.SamplingParams(max_tokens=4))
+    )
+    session = mesh.stubs[0].Chat(metadata=AUTH)
+    for _ in range(2):  # two turns fit the burst of 2; each ends with its final frame
+        await session.write(turn)
+        while not (await session.read()).HasField("final"):
+            pass
+    with pytest.raises(grpc.aio.AioRpcError) as other:  # the open session holds the only stream slot
+        second = mesh.stubs[0].Chat(metadata=AUTH)
+        await second.write(turn)
+        await second.read()
+    assert other.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    await session.write(turn)  # a third turn is over the request limit
+    with pytest.raises(grpc.aio.AioRpcError) as third:
+        await session.read()
+    assert third.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert int(dict(third.value.trailing_metadata() or ())[md.RETRY_AFTER_MS]) > 0
