@@ -114,12 +114,29 @@ def og_greedy(model_dir: Path) -> Greedy:
     return run
 
 
+def torch_greedy(hf_dir: Path) -> Greedy:
+    """Greedy decoding with transformers' ``generate`` (KV cached, no sampling)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+
+    def run(prompt: list[int], n: int) -> list[int]:
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+        return [int(t) for t in out[0, len(prompt) :]]
+
+    return run
+
+
 def load_variant(path: Path, threads: int = 0) -> Variant:
     """An HF checkpoint dir (torch) or an onnxruntime-genai dir (onnxruntime + og greedy)."""
     if (path / "genai_config.json").is_file():
         return Variant(onnx_logits(path, threads), og_greedy(path))
     if (path / "config.json").is_file():
-        return Variant(torch_logits(path, threads))
+        return Variant(torch_logits(path, threads), torch_greedy(path))
     raise FileNotFoundError(f"{path} is neither an HF checkpoint (config.json) nor an onnxruntime-genai model")
 
 

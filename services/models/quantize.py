@@ -9,6 +9,9 @@ One typed object, :class:`Int4Options`, turned into the builder's ``--extra_opti
 * ``accuracy_level``: the activations' type inside MatMulNBits: 4 = int8 (fast CPU kernels),
   1 = fp32 (exact but several times slower here), 2 = fp16, 3 = bf16.
 * ``lm_head``: ``int4``, ``int8`` or ``fp32`` (not quantized); ``embeddings``: ``fp32`` or ``int4``.
+* ``sensitive_int8``: keep the most quantization-sensitive MatMuls 8-bit (the builder's
+  ``mixed_layers`` selector, llama.cpp's mixed strategy: the first and last eighth of the layers plus
+  every third layer's qkv/v/down projections).
 
 Embeddings and lm_head are always exported untied (``shared_embeddings=false``): the builder's tied
 export is broken for asymmetric INT4 (it feeds uint8 into a float Reshape), and untied fp32
@@ -36,6 +39,7 @@ class Int4Options:
     accuracy_level: int = 4
     lm_head: str = "int8"
     embeddings: str = "fp32"
+    sensitive_int8: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:
@@ -57,10 +61,13 @@ class Int4Options:
         ]
         if self.embeddings == "int4":
             items.append("op_types_to_quantize=MatMul/Gather")
+        mixed = ["mixed_layers:int8"] if self.sensitive_int8 else []
         if self.lm_head == "int8":
-            items.append("matmul_mixed_precision=last_matmul:int8")
+            mixed.insert(0, "last_matmul:int8")
         elif self.lm_head == "fp32":
             items.append("nodes_to_exclude=/lm_head/MatMul")
+        if mixed:
+            items.append("matmul_mixed_precision=" + ",".join(mixed))
         return items
 
     def as_dict(self) -> dict[str, Any]:
@@ -71,6 +78,7 @@ class Int4Options:
         return (
             f"int4 {sym} block {self.block_size}, accuracy level {self.accuracy_level}, "
             f"lm_head {self.lm_head}, embeddings {self.embeddings}"
+            + (", sensitive layers int8" if self.sensitive_int8 else "")
         )
 
 
@@ -96,6 +104,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--int4-lm-head", choices=LM_HEAD, default=d.lm_head, help="(default %(default)s)")
     group.add_argument("--int4-embeddings", choices=EMBEDDINGS, default=d.embeddings, help="(default %(default)s)")
+    group.add_argument(
+        "--int4-sensitive-int8",
+        action=argparse.BooleanOptionalAction,
+        default=d.sensitive_int8,
+        help="keep the most quantization-sensitive MatMuls 8-bit (default: on)",
+    )
 
 
 def from_args(args: argparse.Namespace) -> Int4Options:
@@ -105,4 +119,5 @@ def from_args(args: argparse.Namespace) -> Int4Options:
         accuracy_level=args.int4_accuracy_level,
         lm_head=args.int4_lm_head,
         embeddings=args.int4_embeddings,
+        sensitive_int8=args.int4_sensitive_int8,
     )

@@ -79,7 +79,9 @@ def test_changed_int4_options_rebuild_only_the_edge_model_and_change_the_version
 def test_int4_options_map_to_builder_extra_options() -> None:
     default = Int4Options().extra_options()
     assert "is_symmetric=false" in default and "block_size=32" in default and "shared_embeddings=false" in default
-    assert "matmul_mixed_precision=last_matmul:int8" in default
+    assert "matmul_mixed_precision=last_matmul:int8,mixed_layers:int8" in default
+    plain = Int4Options(sensitive_int8=False).extra_options()
+    assert "matmul_mixed_precision=last_matmul:int8" in plain
     fp_head = Int4Options(lm_head="fp32", embeddings="int4", accuracy_level=1).extra_options()
     assert "nodes_to_exclude=/lm_head/MatMul" in fp_head and "op_types_to_quantize=MatMul/Gather" in fp_head
     assert "accuracy_level=1" in fp_head

@@ -1,0 +1,219 @@
+"""Edge tier benchmark through the whole mesh: roofline share, aggregate throughput, memory per stream.
+
+``python -m benchmarks.edge`` starts the mesh (gateway -> router -> one edge worker; no cloud worker),
+sends greedy requests with the EDGE hint and the response cache bypassed, and reports:
+
+* single-stream decode tokens/s as a share of the memory-bandwidth roofline: the bytes of weights
+  one decode step reads (every initializer except the embedding table, of which one row is read)
+  divided into the machine's measured read bandwidth (numpy sums over a buffer far larger than the
+  caches, best of 3, the better of 1 thread and the worker's thread count);
+* aggregate tokens/s at 1, 4 and 16 concurrent streams (all tokens / wall time of the round);
+* memory per stream: the edge worker's peak RSS during the 16-stream round minus its idle RSS, / 16.
+
+Writes ``docs/benchmarks/edge.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from benchmarks.stats import StreamSample, summarize
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.mesh import DEV_API_KEY, Mesh, MeshConfig
+from services.models.paths import model_paths
+
+PROMPT = "Once upon a time, in a small village by the sea, there lived"  # decodes 48+ tokens before EOS
+
+
+def read_bandwidth_gbs(threads: int = 1, megabytes: int = 512, repeats: int = 3) -> float:
+    """Sustained read bandwidth in GB/s: ``threads`` numpy reductions (they release the GIL) over
+    disjoint parts of a buffer much larger than the caches; best of ``repeats``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = np.ones(megabytes * (1 << 20) // 4, dtype=np.float32)
+    parts = np.array_split(data, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            list(pool.map(lambda part: float(part.sum()), parts))
+            best = min(best, time.perf_counter() - start)
+    return data.nbytes / best / 1e9
+
+
+def weight_bytes_per_token(model_dir: Path) -> tuple[int, int]:
+    """(bytes a decode step reads, all weight bytes) of an ONNX model: initializers minus the embedding gather."""
+    import onnx
+    from onnx.external_data_helper import uses_external_data
+
+    model = onnx.load(str(model_dir / "model.onnx"), load_external_data=False)
+    total = per_token = 0
+    for init in model.graph.initializer:
+        if uses_external_data(init):
+            size = int(next(e.value for e in init.external_data if e.key == "length"))
+        else:
+            size = len(init.raw_data) or onnx.numpy_helper.to_array(init).nbytes
+        total += size
+        if "embed_tokens" not in init.name:
+            per_token += size
+    return per_token, total
+
+
+async def _stream(stub: inference_pb2_grpc.InferenceStub, max_tokens: int) -> StreamSample:
+    request = pb.GenerateRequest(
+        prompt=PROMPT,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
+        routing=pb.RoutingOptions(tier=pb.TIER_EDGE, cache_policy=pb.CACHE_POLICY_BYPASS),
+    )
+    start = time.perf_counter()
+    sample = StreamSample(ttft=float("nan"))
+    async for frame in stub.Generate(request, metadata=(("authorization", f"Bearer {DEV_API_KEY}"),)):
+        if frame.token_ids:
+            now = time.perf_counter() - start
+            if sample.tokens == 0:
+                sample.ttft = now
+            sample.tokens += len(frame.token_ids)
+            sample.token_times.append(now)
+    sample.total = time.perf_counter() - start
+    return sample
+
+
+def _rss(pid: int) -> int:
+    import psutil
+
+    return int(psutil.Process(pid).memory_info().rss)
+
+
+async def _round(stub: inference_pb2_grpc.InferenceStub, streams: int, max_tokens: int, pid: int) -> dict[str, Any]:
+    peak = _rss(pid)
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, _rss(pid))
+            await asyncio.sleep(0.05)  # sampling memory, not waiting for readiness
+
+    watcher = asyncio.create_task(watch())
+    start = time.perf_counter()
+    samples = await asyncio.gather(*(_stream(stub, max_tokens) for _ in range(streams)))
+    wall = time.perf_counter() - start
+    stop.set()
+    await watcher
+    tokens = sum(s.tokens for s in samples)
+    return {
+        "streams": streams,
+        "tokens": tokens,
+        "wall_s": wall,
+        "aggregate_tokens_per_s": tokens / wall,
+        "peak_rss_bytes": peak,
+        **summarize(list(samples)),
+    }
+
+
+async def run(max_tokens: int, threads: int, stream_counts: Sequence[int]) -> dict[str, Any]:
+    edge_dir = model_paths().edge_dir
+    per_token, total = weight_bytes_per_token(edge_dir)
+    bandwidth = max(read_bandwidth_gbs(1), read_bandwidth_gbs(threads))
+    config = MeshConfig(
+        edge_workers=1,
+        cloud_workers=0,
+        edge_threads=threads,
+        extra_env={
+            "MESHSERVE_EDGE_WORKER_MAX_ACTIVE_SEQUENCES": str(max(stream_counts)),
+            "MESHSERVE_EDGE_WORKER_MAX_QUEUE": str(2 * max(stream_counts)),
+        },
+    )
+    rounds = []
+    async with Mesh(config, sink=lambda _name, _line: None) as mesh:
+        proc = mesh.workers("edge")[0].proc
+        assert proc is not None
+        async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            await _stream(stub, 4)  # warm the path
+            idle = _rss(proc.pid)
+            for n in stream_counts:
+                print(f"{n} streams ...", file=sys.stderr, flush=True)
+                rounds.append(await _round(stub, n, max_tokens, proc.pid))
+    single = next(r for r in rounds if r["streams"] == 1)
+    roofline = bandwidth * 1e9 / per_token
+    top = rounds[-1]
+    return {
+        "benchmark": "edge",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m": os.getloadavg()[0]},
+        "command": f"python -m benchmarks.edge --max-tokens {max_tokens} --threads {threads}",
+        "model_dir": str(edge_dir),
+        "weight_bytes_total": total,
+        "weight_bytes_per_token": per_token,
+        "read_bandwidth_gbs": bandwidth,
+        "roofline_tokens_per_s": roofline,
+        "single_stream_decode_tokens_per_s": single["decode_tokens_per_s"],
+        "single_stream_roofline_share": single["decode_tokens_per_s"] / roofline,
+        "idle_rss_bytes": idle,
+        "memory_per_stream_bytes": (top["peak_rss_bytes"] - idle) / top["streams"],
+        "rounds": rounds,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    mib = 1 << 20
+    lines = [
+        "# Edge tier through the whole mesh",
+        "",
+        f"Measured {report['date']} on {report['machine']} with `{report['command']}`.",
+        "Greedy requests with the EDGE hint, response cache bypassed, one edge worker.",
+        "",
+        f"- weights read per decode step: {report['weight_bytes_per_token'] / mib:.1f} MiB "
+        f"(all weights {report['weight_bytes_total'] / mib:.1f} MiB; the embedding table is a gather)",
+        f"- measured read bandwidth: {report['read_bandwidth_gbs']:.2f} GB/s "
+        f"-> roofline {report['roofline_tokens_per_s']:.1f} tokens/s",
+        f"- single-stream decode: {report['single_stream_decode_tokens_per_s']:.1f} tokens/s = "
+        f"**{report['single_stream_roofline_share'] * 100:.0f} % of the roofline**",
+        f"- memory per stream (peak RSS at {report['rounds'][-1]['streams']} streams - idle, / streams): "
+        f"{report['memory_per_stream_bytes'] / mib:.1f} MiB (idle worker {report['idle_rss_bytes'] / mib:.0f} MiB)",
+        "",
+        "| streams | aggregate tok/s | x single | TTFT p50 (ms) | ITL p50 (ms) | decode tok/s per stream |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    base = report["rounds"][0]["aggregate_tokens_per_s"] or float("nan")
+    for r in report["rounds"]:
+        lines.append(
+            f"| {r['streams']} | {r['aggregate_tokens_per_s']:.1f} | {r['aggregate_tokens_per_s'] / base:.2f} | "
+            f"{r['ttft_ms_p50']:.0f} | {r['itl_ms_p50']:.1f} | {r['decode_tokens_per_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.edge", description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="edge worker intra-op threads")
+    parser.add_argument("--streams", default="1,4,16", help="comma-separated stream counts (default 1,4,16)")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
+    args = parser.parse_args(argv)
+    counts = [int(n) for n in args.streams.split(",")]
+    report = asyncio.run(run(args.max_tokens, args.threads, counts))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "edge.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "edge.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
