@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+from asyncio.subprocess import PIPE
 
 import grpc
 import pytest
@@ -246,15 +248,22 @@ async def test_print_stream_writes_answer_and_route(stack: Stack, router: FakeRo
     assert "edge via edge-fake" in err.getvalue() and result.request_id in err.getvalue()
 
 
-async def test_cli_chat_streams_through_the_gateway(stack: Stack, router: FakeRouter, capsys) -> None:
-    from services.cli import main
+async def test_cli_chat_streams_through_the_gateway(stack: Stack, router: FakeRouter) -> None:
+    """`meshserve chat` as users run it: a separate process (grpc.aio is bound to one event loop)."""
 
-    argv = ["chat", "hello there", "--address", stack.address, "--api-key", KEYS["acme"], "--tier", "edge"]
-    assert await asyncio.to_thread(main, argv) == 0
-    captured = capsys.readouterr()
-    assert captured.out == "c0 c1 c2 \n" and "edge via edge-fake" in captured.err
+    async def cli(*args: str) -> tuple[int, str, str]:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.cli", *args, stdout=PIPE, stderr=PIPE
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        return proc.returncode or 0, out.decode(), err.decode()
+
+    code, out, err = await cli(
+        "chat", "hello there", "--address", stack.address, "--api-key", KEYS["acme"], "--tier", "edge"
+    )
+    assert code == 0, err
+    assert out == "c0 c1 c2 \n" and "edge via edge-fake" in err
     (turn,) = router.chat_requests
     assert turn.turn.routing.tier == pb.TIER_EDGE and turn.turn.messages[0].content == "hello there"
-    bad = ["chat", "hello", "--address", stack.address, "--api-key", "wrong"]
-    assert await asyncio.to_thread(main, bad) == 1
-    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    code, _out, err = await cli("chat", "hello", "--address", stack.address, "--api-key", "wrong")
+    assert code == 1 and "UNAUTHENTICATED" in err
