@@ -57,9 +57,15 @@ class OgSequence:
     """One generation on an ``og.Generator``; the first ``step`` appends (prefills) the pending tokens."""
 
     def __init__(
-        self, model: og.Model, token_ids: Sequence[int], sampling: SamplingConfig, *, max_length: int | None = None
+        self,
+        model: og.Model,
+        token_ids: Sequence[int],
+        sampling: SamplingConfig,
+        *,
+        max_length: int | None = None,
+        replay: Sequence[int] = (),
     ) -> None:
-        self.max_length = max_length or len(token_ids) + sampling.max_tokens
+        self.max_length = max_length or len(token_ids) + len(replay) + sampling.max_tokens
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=self.max_length, **_search_options(sampling))
         self._generator: og.Generator | None = og.Generator(model, params)
@@ -67,7 +73,8 @@ class OgSequence:
         self._tokens: list[int] = []  # the generator's sequence
         self._kv_len = 0  # leading tokens of ``_tokens`` whose KV has been computed
         self._pending: list[int] | None = list(token_ids)
-        self.prefill_tokens = len(token_ids)
+        self._replay = list(replay)  # fed one token per forward pass after the prefill (see Engine.start)
+        self.prefill_tokens = len(token_ids) + len(replay)
         """Tokens the next ``step`` prefills (all of the context, or only a chat turn's new ones)."""
 
     def step(self) -> int:
@@ -78,6 +85,10 @@ class OgSequence:
             generator.append_tokens(self._pending)
             self._tokens += self._pending
             self._pending = None
+            for token in self._replay:
+                generator.append_tokens([token])
+                self._tokens.append(token)
+            self._replay = []
         self._kv_len = len(self._tokens)
         generator.generate_next_token()
         token = int(generator.get_next_tokens()[0])
@@ -148,8 +159,8 @@ class OgEngine:
     def model(self) -> og.Model:
         return self._model
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingConfig) -> OgSequence:
-        return OgSequence(self._model, token_ids, sampling)
+    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> OgSequence:
+        return OgSequence(self._model, token_ids, sampling, replay=replay)
 
     def start_chat(self, token_ids: Sequence[int], sampling: SamplingConfig) -> OgSequence:
         """Like ``start``, with KV room for later turns (see ``OgSequence.reuse``)."""

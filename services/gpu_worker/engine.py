@@ -48,10 +48,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 class TorchSequence:
     """One generation: prefill on the first ``step``, then one token per step from the KV cache."""
 
-    def __init__(self, engine: TorchEngine, token_ids: Sequence[int], sampling: SamplingConfig) -> None:
+    def __init__(
+        self, engine: TorchEngine, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()
+    ) -> None:
         self._model = engine.model
         self._device = engine.device
         self._context: list[int] | None = list(token_ids)
+        self._replay: Sequence[int] = tuple(replay)
         self._cache: DynamicCache | None = None
         self._last = 0
         self._greedy = sampling.greedy
@@ -76,6 +79,10 @@ class TorchSequence:
             self._cache = DynamicCache(config=self._model.config)
             input_ids = torch.tensor([self._context], dtype=torch.long, device=self._device)
             self._context = None
+            for token in self._replay:  # replayed as decoded: one forward pass each (see Engine.start)
+                self._model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
+                input_ids = torch.tensor([[token]], dtype=torch.long, device=self._device)
+            self._replay = ()
         elif self._cache is not None:
             input_ids = torch.tensor([[self._last]], dtype=torch.long, device=self._device)
         else:
@@ -134,5 +141,5 @@ class TorchEngine:
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingConfig) -> TorchSequence:
-        return TorchSequence(self, token_ids, sampling)
+    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> TorchSequence:
+        return TorchSequence(self, token_ids, sampling, replay=replay)

@@ -31,11 +31,11 @@ from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.mesh import Mesh, MeshConfig, ServiceProcess
 from tests.e2e.conftest import auth, worker_stub
 from tests.helpers import RedisServer
-from tests.reference import _tokenizer, encode
+from tests.reference import _tokenizer
 
 pytestmark = pytest.mark.e2e
 
-STORY = "Write a long, detailed story about a lighthouse keeper who finds a message in a bottle."
+STORY = "Once upon a time, in a small village by the sea, there lived an old lighthouse keeper named"
 
 
 ROUTER_EVENTS: list[dict[str, object]] = []
@@ -170,7 +170,7 @@ async def test_requests_beyond_the_ttft_objective_are_shed_with_retry_after(stub
 async def test_kill_9_mid_stream_resumes_on_another_replica_with_identical_greedy_text(stub, router_mesh: Mesh) -> None:
     request = greedy(STORY, 160)
     ref_tokens, ref_text, ref_final = await collect(stub, request)
-    assert len(ref_tokens) > 40, "the reference must be long enough for the kill to land mid-stream"
+    assert len(ref_tokens) > 40, f"the reference must be long enough for the kill to land mid-stream: {ref_final}"
 
     edges = router_mesh.workers("edge")
     tokens: list[int] = []
@@ -195,13 +195,9 @@ async def test_kill_9_mid_stream_resumes_on_another_replica_with_identical_greed
     assert ROUTER_EVENTS, "the router must log the resume"
     k = int(str(ROUTER_EVENTS[-1]["tokens_sent"]))
     assert 8 <= k < len(tokens)
-    # No duplicate, no gap: the first k tokens are the undisturbed run's, the rest is exactly what
-    # the engine continues with from prompt + those k tokens.
+    # No duplicate, no gap, and the resumed worker replays the emitted tokens exactly as they were
+    # decoded, so the whole stream equals the undisturbed run.
     assert tokens[:k] == ref_tokens[:k]
-    prompt_ids = encode(STORY)
-    expected_tail = await asyncio.to_thread(_edge_continuation, prompt_ids + ref_tokens[:k], 160 - k)
-    assert tokens[k:] == expected_tail
+    assert (tokens, text) == (ref_tokens, ref_text)
     assert final.usage.completion_tokens >= len(tokens)
     assert text == _tokenizer().decode(tokens, skip_special_tokens=True)
-    if expected_tail == ref_tokens[k:]:  # the engine's prefill and decode agree past the kill
-        assert (tokens, text) == (ref_tokens, ref_text)

@@ -12,14 +12,14 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from tests.worker_helpers import CANCEL, Session, generate, start_frame, stats, wait_idle, wait_serving
+from tests.worker_helpers import CANCEL, META, Session, fold, generate, start_frame, stats, wait_idle, wait_serving
 
 Reference = Callable[[list[int], int], list[int]]
 N = 12
@@ -37,6 +37,21 @@ class WorkerCases:
         assert result.sequences == list(range(len(expected) + 1))
         again = await generate(stub, prompt, max_tokens=N)
         assert again.token_ids == result.token_ids
+
+    async def test_resumed_stream_continues_exactly_like_the_undisturbed_run(
+        self, stub: worker_pb2_grpc.WorkerStub, prompt: list[int]
+    ) -> None:
+        full = await generate(stub, prompt, max_tokens=24)
+        k = 9  # tokens another worker already sent before it died
+
+        async def requests() -> AsyncIterator[worker_pb2.WorkerRequest]:
+            frame = start_frame(prompt, max_tokens=24)
+            frame.start.resume_token_ids.extend(full.token_ids[:k])
+            yield frame
+
+        resumed = fold([f async for f in stub.Generate(requests(), metadata=META)])
+        assert resumed.token_ids == full.token_ids[k:]  # only the new tokens, none repeated or missing
+        assert resumed.final is not None and resumed.final.prompt_tokens == len(prompt) + k
 
     async def test_max_tokens_is_length(self, stub: worker_pb2_grpc.WorkerStub, prompt: list[int]) -> None:
         result = await generate(stub, prompt, max_tokens=3)

@@ -35,13 +35,21 @@ log = structlog.get_logger(__name__)
 
 
 def open_sequence(
-    engine: Engine, context: tuple[int, ...], sampling: SamplingConfig, session: ChatSession | None
+    engine: Engine,
+    context: tuple[int, ...],
+    sampling: SamplingConfig,
+    session: ChatSession | None,
+    replay: tuple[int, ...] = (),
 ) -> tuple[EngineSequence, int]:
     """A sequence for this turn and how many tokens its first step prefills.
 
     With a session and an engine that supports chats (``start_chat``, and ``reuse`` on its
     sequences), the session's held sequence is reused when the engine can extend it.
     """
+    if replay:  # a resumed stream: exact replay matters more than reusing a held chat sequence
+        if session is not None and (previous := session.take()) is not None:
+            previous.close()
+        return engine.start(context[: len(context) - len(replay)], sampling, replay=replay), len(context)
     start_chat = getattr(engine, "start_chat", None)
     if session is None or start_chat is None:
         return engine.start(context, sampling), len(context)
@@ -77,7 +85,9 @@ def run_sequence(
     stops = StopStringMatcher(sampling.stop)
     produced = 0
     reason = FinishReason.LENGTH
-    seq, prefill = open_sequence(engine, context, replace(sampling, max_tokens=max(budget, 1)), session)
+    seq, prefill = open_sequence(
+        engine, context, replace(sampling, max_tokens=max(budget, 1)), session, request.resume_ids
+    )
     failed = True
     try:
         while True:

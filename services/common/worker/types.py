@@ -111,6 +111,12 @@ class Engine(Protocol):
     @property
     def tokenizer(self) -> Tokenizer: ...
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingConfig) -> EngineSequence:
-        """A new sequence over ``token_ids`` (nothing runs until the first ``step``)."""
+    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> EngineSequence:
+        """A new sequence over ``token_ids`` (nothing runs until the first ``step``).
+
+        ``replay``: tokens another worker already generated after ``token_ids`` (a resumed stream).
+        They are fed one forward pass each, as they were when decoded, so the continuation is
+        bit-for-bit the one an undisturbed run would have produced (a single prefill pass over them
+        computes slightly different numbers, which flips greedy choices at near-ties).
+        """
         ...

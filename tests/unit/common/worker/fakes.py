@@ -92,6 +92,6 @@ class FakeEngine:
     def tokenizer(self) -> ByteTokenizer:
         return TOKENIZER
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingConfig) -> FakeSequence:
-        self.started.append((list(token_ids), sampling))
+    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> FakeSequence:
+        self.started.append(([*token_ids, *replay], sampling))
         return FakeSequence(self, sampling)
