@@ -248,7 +248,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output",
         type=Path,
-        default=Path("docs/models/quality.md"),
+        default=Path("docs/models/eval.md"),
         help="markdown table to write (a .json with the raw numbers is written beside it)",
     )
 
