@@ -87,13 +87,16 @@ class ServiceProcess:
 
     async def spawn(self) -> None:
         self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.common.child",  # execs argv; the child gets SIGTERM if we die
+            str(os.getpid()),
             *self.argv,
             env=self.env,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
-            preexec_fn=_die_with_parent,
         )
         self._relay = asyncio.create_task(self._relay_logs())
 
@@ -152,15 +155,6 @@ class ServiceProcess:
             return
         self.signal(signal.SIGKILL)
         await self.proc.wait()
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM if the launcher dies (even by SIGKILL), so no orphans."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        pr_set_pdeathsig = 1
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 async def wait_for_health(address: str, timeout_s: float, service: str = "") -> None:
