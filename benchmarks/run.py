@@ -31,7 +31,7 @@ from services.mesh import DEV_API_KEY, Mesh, MeshConfig
 from services.models.paths import model_paths
 
 PROMPTS = {
-    "edge": "Write a short poem about the sea.",
+    "edge": "Once upon a time, in a small village by the sea, there lived an old fisherman who",
     "cloud": " ".join(["The history of the river valley and the towns along it is long and full of change."] * 12),
 }
 TIERS = {"edge": pb.TIER_EDGE, "cloud": pb.TIER_CLOUD}
