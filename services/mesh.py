@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
-import json
 import os
 import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from services.processes import LogSink, ServiceProcess, free_port, stdout_sink, wait_for_health, wait_redis
 
 DEV_API_KEY = "msk-local-dev-key"
 """API key of the local mesh's ``dev`` tenant (override with MESHSERVE_API_KEY)."""
@@ -35,7 +32,8 @@ DEV_API_KEY = "msk-local-dev-key"
 if TYPE_CHECKING:
     from services.controlplane.frontdoor import FrontDoor
 
-LogSink = Callable[[str, str], None]
+# Re-exported: launchers (front door, tests, benchmarks) import these from here.
+_free_port = free_port
 
 
 def api_key_hash(key: str) -> str:
@@ -67,132 +65,12 @@ class MeshConfig:
     tls_key: str = ""
 
 
-class ServiceProcess:
-    """One child process of the mesh, with its log relayed line by line."""
-
-    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], sink: LogSink) -> None:
-        self.name = name
-        self.argv = list(argv)
-        self.env = env
-        self.sink = sink
-        self.proc: asyncio.subprocess.Process | None = None
-        self.port: int | None = None
-        self.metrics_port: int | None = None
-        self._started = asyncio.Event()
-        self._relay: asyncio.Task[None] | None = None
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    async def spawn(self) -> None:
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "services.common.child",  # execs argv; the child gets SIGTERM if we die
-            str(os.getpid()),
-            *self.argv,
-            env=self.env,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
-        )
-        self._relay = asyncio.create_task(self._relay_logs())
-
-    async def _relay_logs(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        while line := await self.proc.stdout.readline():
-            text = line.decode(errors="replace").rstrip()
-            if self.port is None and '"service_started"' in text:
-                with contextlib.suppress(ValueError, KeyError, TypeError):
-                    started = json.loads(text)
-                    self.port = int(started["port"])
-                    if started.get("metrics_port"):
-                        self.metrics_port = int(started["metrics_port"])
-                    self._started.set()
-            self.sink(self.name, text)
-
-    async def wait_started(self, timeout_s: float) -> None:
-        """Wait for the service_started line, failing fast if the process dies first."""
-        assert self.proc is not None
-        started = asyncio.create_task(self._started.wait())
-        exited = asyncio.create_task(self.proc.wait())
-        done, _ = await asyncio.wait({started, exited}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        for task in (started, exited):
-            if task not in done:
-                task.cancel()
-        if started not in done:
-            if exited in done:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before serving; see its log")
-            raise TimeoutError(f"{self.name} did not start within {timeout_s:.0f} s")
-
-    async def wait_serving(self, timeout_s: float) -> None:
-        await wait_for_health(self.address, timeout_s)
-
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, sig)
-
-    async def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM (graceful drain), then SIGKILL after ``timeout_s``."""
-        if self.proc is None:
-            return
-        self.signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self.proc.wait(), timeout_s)
-        except TimeoutError:
-            self.signal(signal.SIGKILL)
-            await self.proc.wait()
-        if self._relay is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._relay, 5)
-
-    async def kill(self) -> None:
-        """SIGKILL now (fault injection)."""
-        if self.proc is None:
-            return
-        self.signal(signal.SIGKILL)
-        await self.proc.wait()
-
-
-async def wait_for_health(address: str, timeout_s: float, service: str = "") -> None:
-    """Block until ``address`` reports SERVING over grpc.health.v1 Watch (no polling sleeps)."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-
-        async def watch() -> None:
-            while True:
-                try:
-                    call = stub.Watch(health_pb2.HealthCheckRequest(service=service), wait_for_ready=True)
-                    async for reply in call:
-                        if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                            return
-                except grpc.aio.AioRpcError as exc:
-                    if exc.code() != grpc.StatusCode.UNAVAILABLE:
-                        raise
-                    await channel.channel_ready()
-
-        await asyncio.wait_for(watch(), timeout_s)
-
-
-def _stdout_sink(stream: TextIO = sys.stdout) -> LogSink:
-    width = 14
-
-    def sink(name: str, line: str) -> None:
-        stream.write(f"{name:<{width}}| {line}\n")
-        stream.flush()
-
-    return sink
-
-
 class Mesh:
     """A running local mesh. Use ``async with Mesh(config) as mesh:`` or start()/stop()."""
 
     def __init__(self, config: MeshConfig | None = None, sink: LogSink | None = None) -> None:
         self.config = config or MeshConfig()
-        self.sink = sink or _stdout_sink()
+        self.sink = sink or stdout_sink()
         self.processes: dict[str, ServiceProcess] = {}
         self.redis_url = self.config.redis_url
         self._redis: ServiceProcess | None = None
@@ -248,7 +126,7 @@ class Mesh:
         if exe is None:
             raise RuntimeError("redis-server is not installed; run `make setup` or pass --redis-url")
         self._tmp = tempfile.TemporaryDirectory(prefix="meshserve-redis-")
-        port = _free_port()
+        port = free_port()
         argv = [
             exe,
             "--port",
@@ -269,7 +147,7 @@ class Mesh:
         self._redis = ServiceProcess("redis", argv, self._env(), self.sink)
         await self._redis.spawn()
         self.redis_url = f"redis://127.0.0.1:{port}/0"
-        await _wait_redis(self.redis_url, 30.0)
+        await wait_redis(self.redis_url, 30.0)
 
     async def start(self) -> Mesh:
         cfg = self.config
@@ -367,33 +245,6 @@ class Mesh:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def _wait_redis(url: str, timeout_s: float) -> None:
-    import redis.asyncio as aioredis
-
-    client = aioredis.Redis.from_url(url, socket_connect_timeout=0.2)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    try:
-        while True:
-            try:
-                await client.ping()
-                return
-            except (OSError, aioredis.ConnectionError):
-                if loop.time() > deadline:
-                    raise
-                await asyncio.sleep(0.02)  # redis has no health stream; this polls a just-spawned process
-    finally:
-        await client.aclose()
 
 
 def _parser() -> argparse.ArgumentParser:
