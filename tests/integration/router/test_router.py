@@ -4,113 +4,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.common.serving import RunningServer
-from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
-from services.models.paths import model_paths
-from services.router.config import RouterSettings
-from services.router.core import Router
-from services.router.policy import TierName
-from services.router.registry import Registry
-from services.router.server import start_router
 from tests.helpers import RedisServer
-from tests.integration.router.fake_worker import FakeWorker, start_fake
-
-HF_DIR = model_paths().hf_dir
-TOKEN = "router-test-token"
-META = (("x-meshserve-internal-token", TOKEN), ("x-request-id", "req-1"), ("x-meshserve-tenant", "acme"))
-LONG_PROMPT = "Tell me everything about the history of the Roman empire. " * 20
+from tests.integration.router.harness import HF_DIR, LONG_PROMPT, META, TOKEN, Mesh, final, generate, request, tokens
 
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(not (HF_DIR / "tokenizer.json").is_file(), reason="model not prepared"),
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(HF_DIR)
-
-
-@dataclass
-class Mesh:
-    router: Router
-    server: RunningServer
-    edges: list[FakeWorker]
-    cloud: FakeWorker
-    stub: inference_pb2_grpc.InferenceStub
-    channel: grpc.aio.Channel
-
-    def all(self) -> list[FakeWorker]:
-        return [*self.edges, self.cloud]
-
-
-async def wait_serving(channel: grpc.aio.Channel) -> None:
-    """Block until the server's health says SERVING (streamed, no polling)."""
-    stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
-    async for resp in stream:
-        if resp.status == health_pb2.HealthCheckResponse.SERVING:
-            stream.cancel()
-            return
-
-
-@pytest.fixture
-async def mesh(tokenizer: Tokenizer, redis_url: str) -> AsyncIterator[Mesh]:
-    edges = [await start_fake(f"edge-{i}", pb.TIER_EDGE, TOKEN) for i in range(2)]
-    cloud = await start_fake("cloud-0", pb.TIER_CLOUD, TOKEN)
-    settings = load_settings(
-        RouterSettings,
-        edge_workers=",".join(e.address for e in edges),
-        cloud_workers=cloud.address,
-        redis_url=redis_url,
-        internal_token=TOKEN,
-        shutdown_grace_s=0,
-        cache_retry_after_s=0,
-        health_interval_s=0.2,
-        eject_base_s=0.001,  # probes may re-admit a failed fake at once
-        readmit_s=0,
-        stall_timeout_s=1.0,
-    )
-    server, router = await start_router(settings, tokenizer=tokenizer)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    await asyncio.wait_for(wait_serving(channel), 10)
-    yield Mesh(router, server, edges, cloud, inference_pb2_grpc.InferenceStub(channel), channel)
-    await channel.close()
-    await server.stop()
-    for w in [*edges, cloud]:
-        assert w.server is not None
-        await w.server.stop()
-
-
-def request(prompt: str = "Hello there", max_tokens: int = 4, **kw: object) -> pb.GenerateRequest:
-    routing = kw.pop("routing", None)
-    return pb.GenerateRequest(
-        prompt=prompt,
-        sampling=pb.SamplingParams(max_tokens=max_tokens, **kw),  # type: ignore[arg-type]
-        routing=routing,  # type: ignore[arg-type]
-    )
-
-
-async def generate(mesh: Mesh, req: pb.GenerateRequest) -> list[pb.GenerateResponse]:
-    return [r async for r in mesh.stub.Generate(req, metadata=META)]
-
-
-def tokens(frames: list[pb.GenerateResponse]) -> list[int]:
-    return [t for f in frames for t in f.token_ids]
-
-
-def final(frames: list[pb.GenerateResponse]) -> pb.Final:
-    assert frames[-1].HasField("final")
-    assert [f.sequence for f in frames] == list(range(len(frames)))
-    return frames[-1].final
 
 
 async def test_short_prompt_goes_to_edge_round_robin(mesh: Mesh, tokenizer: Tokenizer) -> None:
@@ -368,106 +274,3 @@ async def test_list_models(mesh: Mesh) -> None:
     (model,) = resp.models
     assert model.id == "smollm2-135m-instruct" and model.context_length == 8192
     assert set(model.tiers) == {pb.TIER_EDGE, pb.TIER_CLOUD}
-
-
-async def test_worker_dying_mid_stream_is_resumed_elsewhere_without_duplicate_or_gap(mesh: Mesh) -> None:
-    bypass = pb.RoutingOptions(cache_policy=pb.CACHE_POLICY_BYPASS)
-    undisturbed = tokens(await generate(mesh, request("Resume me", 12, routing=bypass)))
-    for e in mesh.edges:
-        e.die_after_tokens = 5
-    frames = await generate(mesh, request("Resume me", 12, routing=bypass))
-    fin = final(frames)  # also checks the sequence numbers
-    assert tokens(frames) == undisturbed
-    assert fin.route.reason == "failover" and fin.usage.completion_tokens == 12
-    # Both edges die after 5 tokens each: edge -> edge (resumed at 5) -> cloud (resumed at 10).
-    resumed = sorted((list(s.resume_token_ids) for w in mesh.all() for s in w.starts if s.resume_token_ids), key=len)
-    assert resumed == [undisturbed[:5], undisturbed[:10]]
-
-
-async def test_failover_budget_is_bounded(mesh: Mesh) -> None:
-    for w in mesh.all():
-        w.die_after_tokens = 2
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await generate(
-            mesh, request("Resume me again", 12, routing=pb.RoutingOptions(cache_policy=pb.CACHE_POLICY_BYPASS))
-        )
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert sum(1 for w in mesh.all() for s in w.starts if s.resume_token_ids) == 2  # failovers_after_first_token
-
-
-async def test_collapsed_identical_requests_reach_one_worker(mesh: Mesh) -> None:
-    for w in mesh.all():
-        w.token_delay_s = 0.01
-    results = await asyncio.gather(*(generate(mesh, request("Same question", 8)) for _ in range(5)))
-    assert sum(len(w.starts) for w in mesh.all()) == 1
-    assert all(tokens(r) == tokens(results[0]) for r in results)
-    assert sorted(final(r).route.reason for r in results).count("collapsed") >= 1
-
-
-async def test_client_cancel_of_a_collapsed_request_stops_the_worker_when_all_left(mesh: Mesh) -> None:
-    for w in mesh.all():
-        w.token_delay_s = 0.05
-    calls = [mesh.stub.Generate(request("Cancel us", 200), metadata=META) for _ in range(2)]
-    for call in calls:
-        await call.read()  # first token of each
-    calls[0].cancel()
-    worker = next(w for w in mesh.all() if w.starts)
-    assert not worker.cancelled.is_set()
-    calls[1].cancel()
-    await asyncio.wait_for(worker.cancelled.wait(), 5)
-
-
-async def test_stalled_worker_is_ejected_and_the_stream_resumed(mesh: Mesh) -> None:
-    bypass = pb.RoutingOptions(cache_policy=pb.CACHE_POLICY_BYPASS)
-    undisturbed = tokens(await generate(mesh, request("Stall here", 8, routing=bypass)))
-    for e in mesh.edges:
-        e.stall_after_tokens = 3
-    frames = await generate(mesh, request("Stall here", 8, routing=bypass))
-    assert tokens(frames) == undisturbed and final(frames).route.reason == "failover"
-    assert any(r.ejections for r in mesh.router.registry.replicas if r.tier.value == "edge")
-
-
-async def test_self_registered_worker_joins_by_heartbeat_and_leaves(mesh: Mesh) -> None:
-    from services.common.pb.meshserve.internal.v1 import registry_pb2, registry_pb2_grpc, worker_pb2
-
-    extra = await start_fake("cloud-9", pb.TIER_CLOUD, TOKEN)
-    registry = registry_pb2_grpc.WorkerRegistryStub(mesh.channel)
-    beat = registry_pb2.WorkerHeartbeat(
-        address=extra.address, tier=pb.TIER_CLOUD, stats=worker_pb2.WorkerStats(worker_id="cloud-9")
-    )
-    try:
-        with pytest.raises(grpc.aio.AioRpcError) as err:
-            await registry.Heartbeat(beat)  # no internal credential
-        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        reply = await registry.Heartbeat(beat, metadata=META)
-        assert reply.ttl_ms > 0
-        assert any(r.address == extra.address and r.healthy for r in mesh.router.registry.replicas)
-        mesh.cloud.fail_next = grpc.StatusCode.UNAVAILABLE  # the static cloud replica fails: use the new one
-        fin = final(
-            await generate(mesh, request(LONG_PROMPT, routing=pb.RoutingOptions(cache_policy=pb.CACHE_POLICY_BYPASS)))
-        )
-        assert fin.route.tier == pb.TIER_CLOUD and fin.route.worker_id == "cloud-9"
-        beat.leaving = True
-        await registry.Heartbeat(beat, metadata=META)
-        assert all(r.address != extra.address for r in mesh.router.registry.replicas)
-    finally:
-        assert extra.server is not None
-        await extra.server.stop()
-
-
-async def test_registered_worker_without_heartbeats_expires(mesh: Mesh) -> None:
-    registry = mesh.router.registry
-    extra = await start_fake("edge-9", pb.TIER_EDGE, TOKEN)
-    try:
-        registry.heartbeat_ttl_s = 0.01
-        await registry.heartbeat(extra.address, TierName.EDGE, worker_id="edge-9")
-        assert any(r.address == extra.address for r in registry.replicas)
-        await asyncio.wait_for(_until_gone(registry, extra.address), 5)
-    finally:
-        assert extra.server is not None
-        await extra.server.stop()
-
-
-async def _until_gone(registry: Registry, address: str) -> None:
-    while any(r.address == address for r in registry.replicas):
-        await registry.probe_all()

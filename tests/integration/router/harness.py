@@ -1,0 +1,105 @@
+"""Shared fixtures and helpers of the router integration tests (real router, fake workers, real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.serving import RunningServer
+from services.common.settings import load_settings
+from services.common.tokenizer import Tokenizer
+from services.models.paths import model_paths
+from services.router.config import RouterSettings
+from services.router.core import Router
+from services.router.server import start_router
+from tests.integration.router.fake_worker import FakeWorker, start_fake
+
+HF_DIR = model_paths().hf_dir
+TOKEN = "router-test-token"
+META = (("x-meshserve-internal-token", TOKEN), ("x-request-id", "req-1"), ("x-meshserve-tenant", "acme"))
+LONG_PROMPT = "Tell me everything about the history of the Roman empire. " * 20
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(HF_DIR)
+
+
+@dataclass
+class Mesh:
+    router: Router
+    server: RunningServer
+    edges: list[FakeWorker]
+    cloud: FakeWorker
+    stub: inference_pb2_grpc.InferenceStub
+    channel: grpc.aio.Channel
+
+    def all(self) -> list[FakeWorker]:
+        return [*self.edges, self.cloud]
+
+
+async def wait_serving(channel: grpc.aio.Channel) -> None:
+    """Block until the server's health says SERVING (streamed, no polling)."""
+    stream = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=""))
+    async for resp in stream:
+        if resp.status == health_pb2.HealthCheckResponse.SERVING:
+            stream.cancel()
+            return
+
+
+@pytest.fixture
+async def mesh(tokenizer: Tokenizer, redis_url: str) -> AsyncIterator[Mesh]:
+    edges = [await start_fake(f"edge-{i}", pb.TIER_EDGE, TOKEN) for i in range(2)]
+    cloud = await start_fake("cloud-0", pb.TIER_CLOUD, TOKEN)
+    settings = load_settings(
+        RouterSettings,
+        edge_workers=",".join(e.address for e in edges),
+        cloud_workers=cloud.address,
+        redis_url=redis_url,
+        internal_token=TOKEN,
+        shutdown_grace_s=0,
+        cache_retry_after_s=0,
+        health_interval_s=0.2,
+        eject_base_s=0.001,  # probes may re-admit a failed fake at once
+        readmit_s=0,
+        stall_timeout_s=1.0,
+    )
+    server, router = await start_router(settings, tokenizer=tokenizer)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    await asyncio.wait_for(wait_serving(channel), 10)
+    yield Mesh(router, server, edges, cloud, inference_pb2_grpc.InferenceStub(channel), channel)
+    await channel.close()
+    await server.stop()
+    for w in [*edges, cloud]:
+        assert w.server is not None
+        await w.server.stop()
+
+
+def request(prompt: str = "Hello there", max_tokens: int = 4, **kw: object) -> pb.GenerateRequest:
+    routing = kw.pop("routing", None)
+    return pb.GenerateRequest(
+        prompt=prompt,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, **kw),  # type: ignore[arg-type]
+        routing=routing,  # type: ignore[arg-type]
+    )
+
+
+async def generate(mesh: Mesh, req: pb.GenerateRequest) -> list[pb.GenerateResponse]:
+    return [r async for r in mesh.stub.Generate(req, metadata=META)]
+
+
+def tokens(frames: list[pb.GenerateResponse]) -> list[int]:
+    return [t for f in frames for t in f.token_ids]
+
+
+def final(frames: list[pb.GenerateResponse]) -> pb.Final:
+    assert frames[-1].HasField("final")
+    assert [f.sequence for f in frames] == list(range(len(frames)))
+    return frames[-1].final
