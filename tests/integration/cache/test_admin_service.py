@@ -118,7 +118,6 @@ async def test_flush_without_filter_and_calls_without_token_are_refused(admin: c
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # no router configured
 
 
-@pytest.mark.skipif(not (HF_DIR / "tokenizer.json").is_file(), reason="model not prepared")
 async def test_warm_fills_the_shared_cache(redis_url: str) -> None:
     edge = await start_fake("edge-0", pb.TIER_EDGE, TOKEN)
     settings = load_settings(

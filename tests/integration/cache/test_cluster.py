@@ -33,7 +33,7 @@ pytestmark = pytest.mark.integration
 def cluster_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.skip("redis-server is not installed")
+        pytest.fail("redis-server is not installed; run `make setup`")
     port = free_port()
     tmp = tmp_path_factory.mktemp("cluster")
     argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]

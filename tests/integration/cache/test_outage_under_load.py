@@ -36,7 +36,6 @@ PROMPTS = [f"Question number {i}: what is the sea?" for i in range(6)]
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(not (HF_DIR / "tokenizer.json").is_file(), reason="model not prepared"),
 ]
 
 

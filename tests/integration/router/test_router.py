@@ -11,11 +11,10 @@ import pytest
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.tokenizer import Tokenizer
 from tests.helpers import RedisServer
-from tests.integration.router.harness import HF_DIR, LONG_PROMPT, META, TOKEN, Mesh, final, generate, request, tokens
+from tests.integration.router.harness import LONG_PROMPT, META, TOKEN, Mesh, final, generate, request, tokens
 
 pytestmark = [
     pytest.mark.integration,
-    pytest.mark.skipif(not (HF_DIR / "tokenizer.json").is_file(), reason="model not prepared"),
 ]
 
 
