@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from benchmarks.stats import StreamSample, summarize
+from benchmarks.stats import StreamSample, summarize, time_stream
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.mesh import DEV_API_KEY, Mesh, MeshConfig
@@ -79,17 +79,7 @@ async def _stream(stub: inference_pb2_grpc.InferenceStub, max_tokens: int) -> St
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
         routing=pb.RoutingOptions(tier=pb.TIER_EDGE, cache_policy=pb.CACHE_POLICY_BYPASS),
     )
-    start = time.perf_counter()
-    sample = StreamSample(ttft=float("nan"))
-    async for frame in stub.Generate(request, metadata=(("authorization", f"Bearer {DEV_API_KEY}"),)):
-        if frame.token_ids:
-            now = time.perf_counter() - start
-            if sample.tokens == 0:
-                sample.ttft = now
-            sample.tokens += len(frame.token_ids)
-            sample.token_times.append(now)
-    sample.total = time.perf_counter() - start
-    return sample
+    return await time_stream(lambda: stub.Generate(request, metadata=(("authorization", f"Bearer {DEV_API_KEY}"),)))
 
 
 def _rss(pid: int) -> int:

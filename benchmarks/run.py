@@ -16,13 +16,13 @@ import json
 import os
 import platform
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 
-from benchmarks.stats import StreamSample, summarize
+from benchmarks.stats import StreamSample, summarize, time_stream
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
@@ -43,17 +43,7 @@ async def _through_mesh(stub: inference_pb2_grpc.InferenceStub, tier: str, max_t
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
         routing=pb.RoutingOptions(tier=TIERS[tier], cache_policy=pb.CACHE_POLICY_BYPASS),
     )
-    start = time.perf_counter()
-    sample = StreamSample(ttft=float("nan"))
-    async for frame in stub.Generate(request, metadata=(("authorization", f"Bearer {DEV_API_KEY}"),)):
-        if frame.token_ids:
-            now = time.perf_counter() - start
-            if sample.tokens == 0:
-                sample.ttft = now
-            sample.tokens += len(frame.token_ids)
-            sample.token_times.append(now)
-    sample.total = time.perf_counter() - start
-    return sample
+    return await time_stream(lambda: stub.Generate(request, metadata=(("authorization", f"Bearer {DEV_API_KEY}"),)))
 
 
 async def _direct(stub: worker_pb2_grpc.WorkerStub, ids: list[int], max_tokens: int) -> StreamSample:
@@ -68,21 +58,15 @@ async def _direct(stub: worker_pb2_grpc.WorkerStub, ids: list[int], max_tokens: 
         yield start_msg
         await done.wait()
 
-    start = time.perf_counter()
-    sample = StreamSample(ttft=float("nan"))
-    call = stub.Generate(requests(), metadata=(("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),))
-    async for frame in call:
-        if frame.token_ids:
-            now = time.perf_counter() - start
-            if sample.tokens == 0:
-                sample.ttft = now
-            sample.tokens += len(frame.token_ids)
-            sample.token_times.append(now)
-        if frame.HasField("final"):
-            break
+    calls = []
+
+    def open_call() -> Any:
+        calls.append(stub.Generate(requests(), metadata=(("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),)))
+        return calls[0]
+
+    sample = await time_stream(open_call)
     done.set()
-    call.cancel()
-    sample.total = time.perf_counter() - start
+    calls[0].cancel()
     return sample
 
 

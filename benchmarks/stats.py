@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import statistics
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -29,6 +32,26 @@ class StreamSample:
     @property
     def inter_token(self) -> list[float]:
         return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+
+async def time_stream(open_stream: Callable[[], AsyncIterator[Any]]) -> StreamSample:
+    """Time one streamed call: ``open_stream()`` starts it; frames carry ``token_ids`` and ``final``.
+
+    The clock starts just before the call is opened; reading stops after the final frame.
+    """
+    start = time.perf_counter()
+    sample = StreamSample(ttft=float("nan"))
+    async for frame in open_stream():
+        if frame.token_ids:
+            now = time.perf_counter() - start
+            if sample.tokens == 0:
+                sample.ttft = now
+            sample.tokens += len(frame.token_ids)
+            sample.token_times.append(now)
+        if frame.HasField("final"):
+            break
+    sample.total = time.perf_counter() - start
+    return sample
 
 
 def summarize(samples: list[StreamSample]) -> dict[str, float]:
