@@ -202,6 +202,12 @@ class ChatSession:
         self.turns = 0
 
     async def _requests(self) -> AsyncIterator[pb.ChatRequest]:
+        # The gateway sends its headers (x-request-id) once the caller is authenticated; writing
+        # before that races a rejection, and grpc.aio then reports a failed write as
+        # "INTERNAL: Internal error from Core" instead of the server's status (grpc/grpc#36066).
+        await self.call.initial_metadata()
+        if self.call.done():
+            return
         while (item := await self._outbox.get()) is not None:
             yield item
 

@@ -187,6 +187,18 @@ async def test_chat_turns_are_relayed_on_one_stream(client: MeshClient, router: 
     assert seen.metadata[md.TENANT] == "acme" and seen.metadata[md.REQUEST_ID] == first.request_id
 
 
+async def test_chat_with_a_wrong_key_is_unauthenticated_every_time(stack: Stack, router: FakeRouter) -> None:
+    """The client writes its first turn only after the gateway accepted the stream, so a rejection
+    is always reported as UNAUTHENTICATED (never grpc.aio's "Internal error from Core" write race)."""
+    async with MeshClient(stack.address, api_key="wrong") as client:
+        for _ in range(20):
+            async with client.chat(timeout_s=10.0) as session:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await session.turn("hello")
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value.details()
+    assert router.chat_requests == []
+
+
 async def test_chat_in_band_cancel_is_relayed_in_order(client: MeshClient, router: FakeRouter) -> None:
     async with client.chat(timeout_s=10.0) as session:
         await session.turn("hi")
