@@ -188,6 +188,45 @@ def scope_of(key: str) -> tuple[str, str, str]:
     return f"{head}:ix", f"{head}:sz", f"{head}:used"
 
 
+def kv_block_hashes(
+    *,
+    model_id: str,
+    model_version: str,
+    tenant: str,
+    token_ids: Sequence[int],
+    block_tokens: int,
+    shareable: bool = False,
+    limit: int | None = None,
+) -> list[bytes]:
+    """SHA-256 chain digests of the full ``block_tokens``-sized blocks of ``token_ids``, in order.
+
+    These are the digests inside :func:`kv_block_keys` (``entry(digest.hex())``), so a block hash
+    names one block of one prefix in one scope: routers and workers compare them to say which
+    replica holds KV for a prompt's prefix without building Redis keys. ``limit`` stops after that
+    many blocks.
+    """
+    if block_tokens <= 0:
+        raise ValueError("block_tokens must be positive")
+    salt = tenant_salt(tenant, shareable)
+    model, version = model_id.encode(), model_version.encode()
+    parent = _ROOT
+    out: list[bytes] = []
+    n = len(token_ids) // block_tokens
+    if limit is not None:
+        n = min(n, limit)
+    for start in range(0, n * block_tokens, block_tokens):
+        h = hashlib.sha256()
+        _field(h, parent)
+        _field(h, model)
+        _field(h, version)
+        _field(h, salt)
+        block = token_ids[start : start + block_tokens]
+        _field(h, struct.pack(f"<{len(block)}I", *block))
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
 def kv_block_keys(
     *,
     model_id: str,
@@ -202,23 +241,16 @@ def kv_block_keys(
     Block i's hash covers block i-1's hash, so a key names the whole prefix up to its block; a
     trailing partial block has no key.
     """
-    if block_tokens <= 0:
-        raise ValueError("block_tokens must be positive")
     scope = Scope(Kind.KV, model_id, model_version, tenant, shareable)
-    salt = tenant_salt(tenant, shareable)
-    parent = _ROOT
-    keys: list[str] = []
-    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
-        h = hashlib.sha256()
-        _field(h, parent)
-        _field(h, model_id.encode())
-        _field(h, model_version.encode())
-        _field(h, salt)
-        block = token_ids[start : start + block_tokens]
-        _field(h, struct.pack(f"<{len(block)}I", *block))
-        parent = h.digest()
-        keys.append(scope.entry(parent.hex()))
-    return keys
+    digests = kv_block_hashes(
+        model_id=model_id,
+        model_version=model_version,
+        tenant=tenant,
+        token_ids=token_ids,
+        block_tokens=block_tokens,
+        shareable=shareable,
+    )
+    return [scope.entry(d.hex()) for d in digests]
 
 
 def scan_pattern(
