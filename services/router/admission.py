@@ -79,6 +79,14 @@ class Admission:
         t = self._tier(tier)
         return t.busy >= self._slots(tier) or len(t.queue) > 0
 
+    def waiting(self, tier: TierName) -> int:
+        """Requests queued for a slot of ``tier``."""
+        return len(self._tier(tier).queue)
+
+    def busy(self, tier: TierName) -> int:
+        """Slots of ``tier`` held by turns in flight."""
+        return self._tier(tier).busy
+
     def slo_ms(self, tenant: str) -> int:
         """The tenant's TTFT SLO in ms (0 = none: never shed)."""
         return self._tenant_slo_ms.get(tenant, self._default_slo_ms)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import grpc
 import structlog
 
 from services.cache.store import ResponseCache
+from services.common.metrics import track_load
 from services.common.pb.meshserve.internal.v1 import registry_pb2, registry_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
 from services.common.serving import RunningServer, start_server
@@ -74,6 +76,8 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
         tenant_weights=settings.tenant_weights,
         turn_s=settings.assumed_turn_s,
     )
+    for tier in TierName:
+        track_load(SERVICE, tier.value, queued=partial(admission.waiting, tier), active=partial(admission.busy, tier))
     router = Router(
         tokenizer=tokenizer,
         cache=cache,

@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import structlog
 
+from services.common import metrics
 from services.common.errors import ConfigError
 from services.common.logging import configure_logging
 from services.common.pb.meshserve.internal.v1 import worker_pb2
@@ -75,6 +76,8 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
         default_max_tokens=settings.default_max_tokens,
     )
     server = await start_server(settings, servicer.register, [WORKER_SERVICE_NAME], internal=True, serving=False)
+    admission = runner.admission
+    metrics.track_load(type(settings).service, tier, queued=lambda: admission.queued, active=lambda: admission.active)
 
     server.on_stop.append(runner.aclose)
     sweeper = asyncio.create_task(runner.sweep_sessions_forever())
