@@ -34,10 +34,15 @@ class WorkerStart(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     RESUME_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    SHAREABLE_PREFIX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id from the gateway, for logs."""
     tenant: _builtins.str
     """Tenant, for logs and KV-cache salting."""
+    shareable_prefix: _builtins.bool
+    """The request marked its prefix shareable: its KV blocks are salted with the shared marker
+    instead of the tenant (services.cache.keys.tenant_salt).
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The full prompt as token ids (chat template already applied by the router)."""
@@ -58,10 +63,11 @@ class WorkerStart(_message.Message):
         sampling: _inference_pb2.SamplingParams | None = ...,
         resume_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         tenant: _builtins.str = ...,
+        shareable_prefix: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "shareable_prefix", b"shareable_prefix", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -222,6 +228,14 @@ class WorkerStats(_message.Message):
     TOKENS_GENERATED_TOTAL_FIELD_NUMBER: _builtins.int
     PREFILL_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
     RECENT_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    KV_USED_BYTES_FIELD_NUMBER: _builtins.int
+    KV_BUDGET_BYTES_FIELD_NUMBER: _builtins.int
+    KV_TOKENS_FIELD_NUMBER: _builtins.int
+    HELD_SEQUENCES_FIELD_NUMBER: _builtins.int
+    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    HOT_PREFIX_BLOCKS_FIELD_NUMBER: _builtins.int
+    MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker replica id."""
     tier: _inference_pb2.Tier.ValueType
@@ -244,6 +258,29 @@ class WorkerStats(_message.Message):
     """Prompt tokens run through prefill since the worker started."""
     recent_tokens_per_second: _builtins.float
     """Tokens generated per second over the last few seconds."""
+    kv_used_bytes: _builtins.int
+    """KV cache bytes the worker holds now, as its engine reports them; 0 = not reported."""
+    kv_budget_bytes: _builtins.int
+    """The engine's KV cache budget in bytes; 0 = no fixed budget (usage as a fraction is unknown)."""
+    kv_tokens: _builtins.int
+    """Tokens whose KV the worker holds now: live sequences plus chats kept between turns."""
+    held_sequences: _builtins.int
+    """Chat sequences kept between turns (their KV serves the next turn of that chat)."""
+    prefix_block_tokens: _builtins.int
+    """Block size, in tokens, of hot_prefix_blocks."""
+    model_version: _builtins.str
+    """Version of the served model (the prepared content hash) the block hashes were computed with."""
+    prompt_tokens_total: _builtins.int
+    """Prompt tokens (including resumed ones) of the turns run since the worker started; minus
+    prefill_tokens_total, the prompt tokens served from KV already held.
+    """
+    @_builtins.property
+    def hot_prefix_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """KV block hashes (services.cache.keys.kv_block_hashes: the SHA-256 chain over model id and
+        version, tenant salt and block tokens) of prompt prefixes the worker holds KV for. Each chain
+        is listed from its first block; most recently used chains first; bounded by the worker.
+        """
+
     def __init__(
         self,
         *,
@@ -258,10 +295,18 @@ class WorkerStats(_message.Message):
         tokens_generated_total: _builtins.int = ...,
         prefill_tokens_total: _builtins.int = ...,
         recent_tokens_per_second: _builtins.float = ...,
+        kv_used_bytes: _builtins.int = ...,
+        kv_budget_bytes: _builtins.int = ...,
+        kv_tokens: _builtins.int = ...,
+        held_sequences: _builtins.int = ...,
+        prefix_block_tokens: _builtins.int = ...,
+        hot_prefix_blocks: _abc.Iterable[_builtins.bytes] | None = ...,
+        model_version: _builtins.str = ...,
+        prompt_tokens_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sequences", b"active_sequences", "max_active_sequences", b"max_active_sequences", "model", b"model", "prefill_tokens_total", b"prefill_tokens_total", "queue_depth", b"queue_depth", "recent_tokens_per_second", b"recent_tokens_per_second", "sequences_cancelled_total", b"sequences_cancelled_total", "sequences_started_total", b"sequences_started_total", "tier", b"tier", "tokens_generated_total", b"tokens_generated_total", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sequences", b"active_sequences", "held_sequences", b"held_sequences", "hot_prefix_blocks", b"hot_prefix_blocks", "kv_budget_bytes", b"kv_budget_bytes", "kv_tokens", b"kv_tokens", "kv_used_bytes", b"kv_used_bytes", "max_active_sequences", b"max_active_sequences", "model", b"model", "model_version", b"model_version", "prefill_tokens_total", b"prefill_tokens_total", "prefix_block_tokens", b"prefix_block_tokens", "prompt_tokens_total", b"prompt_tokens_total", "queue_depth", b"queue_depth", "recent_tokens_per_second", b"recent_tokens_per_second", "sequences_cancelled_total", b"sequences_cancelled_total", "sequences_started_total", b"sequences_started_total", "tier", b"tier", "tokens_generated_total", b"tokens_generated_total", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
