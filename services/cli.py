@@ -1,4 +1,5 @@
-"""The ``meshserve`` command: ``models prepare``, ``chat``, ``up``, ``bench``, ``keys``, ``cache``.
+"""The ``meshserve`` command: ``models prepare``, ``chat``, ``up``, ``bench``, ``keys``, ``cache``, and the
+container entry points ``serve``, ``health`` and ``frontdoor``.
 
 ``up`` and ``bench`` hand their arguments to :func:`services.mesh.main_up` and
 :func:`benchmarks.run.main`, imported only when used so the other commands start fast.
@@ -18,6 +19,9 @@ _DELEGATED = {
     "up": ("services.mesh", "main_up"),
     "bench": ("benchmarks.run", "main"),
     "cache": ("services.cache.cli", "main"),
+    "serve": ("services.launch", "serve_main"),
+    "health": ("services.launch", "health_main"),
+    "frontdoor": ("services.controlplane.serve", "main"),
 }
 
 
@@ -65,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("up", help="start the whole mesh locally (see `meshserve up -h`)", add_help=False)
     commands.add_parser("bench", help="benchmark the mesh (see `meshserve bench -h`)", add_help=False)
     commands.add_parser("cache", help="cache stats, flush and warm-up (see `meshserve cache -h`)", add_help=False)
+    commands.add_parser("serve", help="run one service in the foreground (container entry point)", add_help=False)
+    commands.add_parser("health", help="exit 0 if a gRPC service reports SERVING (healthchecks)", add_help=False)
+    commands.add_parser("frontdoor", help="run Envoy + the OpenAI HTTP adapter before the gateways", add_help=False)
     return parser
 
 
