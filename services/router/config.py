@@ -79,8 +79,12 @@ class RouterSettings(ServiceSettings):
     """Timeout of each Redis call; a slower Redis counts as a cache miss."""
     cache_retry_after_s: float = Field(default=1.0, ge=0)
     """After a Redis error the cache is skipped for this long (an outage costs one timeout)."""
+    accept_registrations: bool = True
+    """Serve WorkerRegistry.Heartbeat: workers started with this router's address join the routing set."""
     heartbeat_ttl_s: float = Field(default=5.0, gt=0)
     """A self-registered worker (WorkerRegistry.Heartbeat) is forgotten after this long without a heartbeat."""
+    kv_high_watermark: float = Field(default=0.95, gt=0, le=1)
+    """A worker reporting this fraction of its KV budget in use gets no new turns while another has room."""
     health_interval_s: float = Field(default=1.0, gt=0)
     """How often each worker's gRPC health and Stats are polled."""
     health_timeout_s: float = Field(default=0.5, gt=0)
@@ -133,9 +137,10 @@ class RouterSettings(ServiceSettings):
 
     @model_validator(mode="after")
     def _check(self) -> RouterSettings:
-        if not self.edge_workers and not self.cloud_workers:
+        if not self.edge_workers and not self.cloud_workers and not self.accept_registrations:
             raise ValueError(
-                "no workers configured; set MESHSERVE_ROUTER_EDGE_WORKERS and/or MESHSERVE_ROUTER_CLOUD_WORKERS"
+                "no workers configured and self-registration is off; set MESHSERVE_ROUTER_EDGE_WORKERS and/or "
+                "MESHSERVE_ROUTER_CLOUD_WORKERS, or MESHSERVE_ROUTER_ACCEPT_REGISTRATIONS=true"
             )
         if self.default_max_tokens >= self.context_length:
             raise ValueError("default_max_tokens must be smaller than context_length; lower it")

@@ -11,17 +11,22 @@ Tier choice (:func:`choose_tier`), in order:
 
 Replica choice (:class:`ReplicaSelector`), for the healthy replicas of the chosen tier. The load of a
 replica is ``load = max(in_flight, active + queued)``: the streams this router has open on it, or
-what the replica itself last reported when that is higher (other routers). Then:
+what the replica itself last reported (heartbeat or Stats) when that is higher (other routers).
+A replica whose KV budget is (nearly) used up (``Candidate.kv_full``, from its load report) is left
+out while another replica has room. Then:
 
 1. **Bounded load** (consistent hashing with bounded loads, Mirrokni et al. 2018): with ``n``
    replicas and total load ``L``, the capacity is ``C = ceil((1 + ε) · (L + 1) / n)``; a replica is
    *eligible* when ``load + 1 <= C``. The least-loaded replica always is, so the set is never empty,
    and no replica is ever pushed above (1 + ε) times the average (rounded up).
 2. **Longest cached prefix**: the prompt is cut into blocks of ``block_tokens`` tokens, each named
-   by the hash chain of all blocks up to it (the vLLM scheme). The selector remembers, per replica,
-   the block hashes it recently served (LRU, ``prefix_capacity`` blocks). Among eligible replicas
-   the one with the longest remembered prefix wins (more blocks → fewer prefill tokens); ties go
-   to the lower load.
+   by the hash chain of all blocks up to it (:func:`prefix_blocks`: the KV cache's own scheme,
+   ``services.cache.keys.kv_block_hashes``, so they equal the hashes workers report). A replica
+   holds a block when the selector remembers sending it there (LRU, ``prefix_capacity`` blocks) or
+   when the replica's last load report lists it as hot (``Candidate.hot``: KV the worker really
+   holds, including what other routers sent it). Among eligible replicas the one holding the longest
+   leading run of the prompt's blocks wins (more blocks → fewer prefill tokens); ties go to the
+   lower load.
 3. **Consistent hashing** for a prefix no replica holds yet: the first block's hash is placed on a
    ring of ``vnodes`` virtual nodes per replica and the ring is walked clockwise to the first
    eligible replica. Requests sharing a system prompt therefore meet on one replica until it is
@@ -41,13 +46,13 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from array import array
 from collections import OrderedDict
 from collections.abc import Collection, Hashable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
 
+from services.cache.keys import kv_block_hashes
 from services.common.errors import Unavailable
 
 
@@ -117,16 +122,30 @@ class RoundRobin:
         return allowed[i % len(allowed)]
 
 
+def prefix_blocks(
+    token_ids: Sequence[int],
+    block_tokens: int,
+    *,
+    model_id: str = "",
+    model_version: str = "",
+    tenant: str = "",
+    shareable: bool = False,
+) -> list[bytes]:
+    """Chained hashes of the prompt's full blocks (block i's covers blocks 0..i), as the KV cache names
+    them: the same model, version and tenant salt give the hashes workers report as hot."""
+    return kv_block_hashes(
+        model_id=model_id,
+        model_version=model_version,
+        tenant=tenant,
+        token_ids=token_ids,
+        block_tokens=block_tokens,
+        shareable=shareable,
+    )
+
+
 def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str = "") -> list[bytes]:
-    """Chained hashes of the prompt's full blocks: block i's hash covers blocks 0..i (and ``salt``)."""
-    out: list[bytes] = []
-    parent = hashlib.blake2b(salt.encode(), digest_size=16).digest()
-    data = array("I", token_ids).tobytes()
-    step = block_tokens * 4
-    for start in range(0, (len(token_ids) // block_tokens) * step, step):
-        parent = hashlib.blake2b(parent + data[start : start + step], digest_size=16).digest()
-        out.append(parent)
-    return out
+    """:func:`prefix_blocks` salted with ``salt`` as the tenant ("" = shareable), no model (simulations)."""
+    return prefix_blocks(token_ids, block_tokens, tenant=salt, shareable=not salt)
 
 
 def capacity(total_load: int, n: int, epsilon: float) -> int:
@@ -177,10 +196,14 @@ class HashRing:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A replica as the policy sees it: a stable name and its load (see the module docstring)."""
+    """A replica as the policy sees it (see the module docstring)."""
 
     name: str
     load: int
+    hot: Collection[bytes] = frozenset()
+    """Prefix block hashes the replica reported holding KV for (a set, for fast membership)."""
+    kv_full: bool = False
+    """Its KV budget is used up: chosen only when every candidate is."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +212,7 @@ class Selection:
 
     name: str
     cached_blocks: int
-    reason: str  # "prefix" (longest cached prefix), "ring" (consistent hash), "p2c", "only"
+    reason: str  # "prefix" (longest cached prefix), "ring" (consistent hash), "p2c", "only", "kv_room"
 
 
 class ReplicaSelector:
@@ -210,14 +233,14 @@ class ReplicaSelector:
         self._held: dict[str, OrderedDict[bytes, None]] = {}
         self.picks: dict[str, int] = {}
 
-    def cached_blocks(self, name: str, blocks: Sequence[bytes]) -> int:
-        """Leading blocks of ``blocks`` that replica ``name`` is believed to hold."""
+    def cached_blocks(self, name: str, blocks: Sequence[bytes], hot: Collection[bytes] = ()) -> int:
+        """Leading blocks of ``blocks`` that replica ``name`` holds: sent there (remembered) or ``hot``."""
         held = self._held.get(name)
-        if not held:
+        if not held and not hot:
             return 0
         n = 0
         for b in blocks:
-            if b not in held:
+            if not ((held is not None and b in held) or b in hot):
                 break
             n += 1
         return n
@@ -241,10 +264,13 @@ class ReplicaSelector:
             raise Unavailable("no healthy worker can serve this request right now; retry in a few seconds")
         if len(candidates) == 1:
             return self._chosen(candidates[0], blocks, "only")
+        candidates = [c for c in candidates if not c.kv_full] or list(candidates)
+        if len(candidates) == 1:
+            return self._chosen(candidates[0], blocks, "kv_room")
         cap = capacity(sum(c.load for c in candidates), len(candidates), self.epsilon)
         eligible = [c for c in candidates if c.load + 1 <= cap] or [min(candidates, key=lambda c: c.load)]
         if blocks:
-            cached = {c.name: self.cached_blocks(c.name, blocks) for c in eligible}
+            cached = {c.name: self.cached_blocks(c.name, blocks, c.hot) for c in eligible}
             best = max(eligible, key=lambda c: (cached[c.name], -c.load))
             if cached[best.name] > 0:
                 return self._chosen(best, blocks, "prefix")
@@ -257,7 +283,7 @@ class ReplicaSelector:
         return self._chosen(winner, blocks, "p2c")
 
     def _chosen(self, c: Candidate, blocks: Sequence[bytes], reason: str) -> Selection:
-        cached = self.cached_blocks(c.name, blocks)
+        cached = self.cached_blocks(c.name, blocks, c.hot)
         self.picks[c.name] = self.picks.get(c.name, 0) + 1
         self.record(c.name, blocks)
         return Selection(c.name, cached, reason)

@@ -12,7 +12,16 @@ A replica that stays healthy for ``readmit_s`` has its ejection count reset.
 Replicas come from static config and from self-registration (:meth:`Registry.heartbeat`, served as
 ``WorkerRegistry.Heartbeat``): an unknown address is added (after one health probe), every
 heartbeat refreshes its load report, and a registered replica whose heartbeats stop for
-``heartbeat_ttl_s`` (or that says it is leaving) is removed. Static replicas are never removed.
+``heartbeat_ttl_s`` (or that says it is leaving) is removed; its channel is closed with a grace
+period, so streams still running on a draining worker finish. Static replicas are never removed.
+
+Load reports (:class:`WorkerReport`) arrive both ways, pushed by heartbeats and pulled by the
+``Worker.Stats`` probe; the latest one wins. What the policy uses from them: ``active + queued``
+(:attr:`Replica.load`), ``max_active`` (admission slots), KV usage (:attr:`Replica.kv_full`: at or
+above ``kv_high_watermark`` of the worker's KV budget, the replica takes no new turns while another
+has room and gives no admission slots) and the hot prefix blocks (:attr:`Replica.hot_blocks`, only
+when the worker hashed them with the router's block size and model version; otherwise they could
+never match and a warning says why).
 """
 
 from __future__ import annotations
@@ -37,6 +46,50 @@ from services.router.policy import TierName
 log = structlog.get_logger(__name__)
 
 
+@dataclass(frozen=True)
+class WorkerReport:
+    """A worker's load report (``WorkerStats``) as the router keeps it."""
+
+    worker_id: str = ""
+    active: int = 0
+    queued: int = 0
+    max_active: int = 0
+    tokens_per_s: float = 0.0
+    kv_used_bytes: int = 0
+    kv_budget_bytes: int = 0
+    kv_tokens: int = 0
+    held_sequences: int = 0
+    block_tokens: int = 0
+    hot_blocks: tuple[bytes, ...] = ()
+    model_version: str = ""
+    prompt_tokens_total: int = 0
+    prefill_tokens_total: int = 0
+
+    @classmethod
+    def from_pb(cls, s: worker_pb2.WorkerStats) -> WorkerReport:
+        return cls(
+            worker_id=s.worker_id,
+            active=s.active_sequences,
+            queued=s.queue_depth,
+            max_active=s.max_active_sequences,
+            tokens_per_s=s.recent_tokens_per_second,
+            kv_used_bytes=s.kv_used_bytes,
+            kv_budget_bytes=s.kv_budget_bytes,
+            kv_tokens=s.kv_tokens,
+            held_sequences=s.held_sequences,
+            block_tokens=s.prefix_block_tokens,
+            hot_blocks=tuple(s.hot_prefix_blocks),
+            model_version=s.model_version,
+            prompt_tokens_total=s.prompt_tokens_total,
+            prefill_tokens_total=s.prefill_tokens_total,
+        )
+
+    @property
+    def kv_usage(self) -> float | None:
+        """Fraction of the KV budget in use; None when the worker has no fixed budget."""
+        return self.kv_used_bytes / self.kv_budget_bytes if self.kv_budget_bytes else None
+
+
 @dataclass(eq=False)
 class Replica:
     """One worker replica: its address, channel and last known health/load."""
@@ -59,6 +112,18 @@ class Replica:
     readmit_s: float = 0.0
     registered_until: float = 0.0
     """For a self-registered replica: forgotten after this time without a heartbeat (0 = static)."""
+    report: WorkerReport = field(default_factory=WorkerReport)
+    """The latest load report (heartbeat or Stats probe)."""
+    reported_at: float = 0.0
+    hot_blocks: frozenset[bytes] = frozenset()
+    """Prefix block hashes the worker reports holding KV for (empty when its hashes cannot match ours)."""
+    kv_high_watermark: float = 1.0
+
+    @property
+    def kv_full(self) -> bool:
+        """The worker's KV budget is (nearly) used up: give it no new turns while others have room."""
+        usage = self.report.kv_usage
+        return usage is not None and usage >= self.kv_high_watermark
 
     @property
     def load(self) -> int:
@@ -92,6 +157,10 @@ class Registry:
         eject_max_s: float = 30.0,
         readmit_s: float = 10.0,
         heartbeat_ttl_s: float = 5.0,
+        block_tokens: int = 16,
+        model_version: str = "",
+        kv_high_watermark: float = 0.95,
+        drain_s: float = 30.0,
     ) -> None:
         self._addresses = [(a, TierName.EDGE) for a in edge] + [(a, TierName.CLOUD) for a in cloud]
         self._token = internal_token
@@ -102,9 +171,14 @@ class Registry:
         self._eject_max = eject_max_s
         self._readmit = readmit_s
         self.heartbeat_ttl_s = heartbeat_ttl_s
+        self._block_tokens = block_tokens
+        self._model_version = model_version
+        self._kv_high = kv_high_watermark
+        self._drain_s = drain_s
+        self._mismatch_warned: set[str] = set()
         self.replicas: list[Replica] = []
         self._task: asyncio.Task[None] | None = None
-        self._closing: set[asyncio.Future[None]] = set()
+        self._draining: dict[asyncio.Future[None], grpc.aio.Channel] = {}
         self._any_up: bool | None = None
 
     async def start(self) -> None:
@@ -116,18 +190,42 @@ class Registry:
 
     def _replica(self, address: str, tier: TierName) -> Replica:
         channel = grpc.aio.insecure_channel(address, options=grpc_options())
-        return Replica(address, tier, channel, worker_pb2_grpc.WorkerStub(channel), readmit_s=self._readmit)
+        return Replica(
+            address,
+            tier,
+            channel,
+            worker_pb2_grpc.WorkerStub(channel),
+            readmit_s=self._readmit,
+            kv_high_watermark=self._kv_high,
+        )
+
+    def apply_report(self, replica: Replica, report: WorkerReport) -> None:
+        """Take ``report`` as ``replica``'s current load (pushed or pulled, the latest wins)."""
+        replica.report = report
+        replica.reported_at = time.monotonic()
+        replica.worker_id = report.worker_id or replica.worker_id
+        replica.active_sequences, replica.queue_depth = report.active, report.queued
+        replica.max_active = report.max_active or replica.max_active
+        if not report.hot_blocks:
+            replica.hot_blocks = frozenset()
+        elif report.block_tokens == self._block_tokens and report.model_version == self._model_version:
+            replica.hot_blocks = frozenset(report.hot_blocks)
+        else:
+            replica.hot_blocks = frozenset()
+            if replica.address not in self._mismatch_warned:
+                self._mismatch_warned.add(replica.address)
+                log.warning(
+                    "worker_prefix_blocks_ignored",
+                    worker=replica.name,
+                    worker_block_tokens=report.block_tokens,
+                    router_block_tokens=self._block_tokens,
+                    worker_model_version=report.model_version,
+                    router_model_version=self._model_version,
+                    fix="give the worker and the router the same prefix_block_tokens and prepared model",
+                )
 
     async def heartbeat(
-        self,
-        address: str,
-        tier: TierName,
-        *,
-        worker_id: str = "",
-        active: int = 0,
-        queued: int = 0,
-        max_active: int = 0,
-        leaving: bool = False,
+        self, address: str, tier: TierName, report: WorkerReport | None = None, *, leaving: bool = False
     ) -> float:
         """Register or refresh a self-registered worker; returns the TTL in seconds."""
         now = time.monotonic()
@@ -138,32 +236,34 @@ class Registry:
             replica = self._replica(address, tier)
             replica.registered_until = now + self.heartbeat_ttl_s
             self.replicas.append(replica)
-            log.info("worker_registered", address=address, tier=tier.value, worker=worker_id or address)
+            worker = report.worker_id if report else ""
+            log.info("worker_registered", address=address, tier=tier.value, worker=worker or address)
             await self._probe(replica)
             self._notify()
         elif replica.registered_until:
             replica.registered_until = now + self.heartbeat_ttl_s
-        replica.worker_id = worker_id or replica.worker_id
-        replica.active_sequences, replica.queue_depth = active, queued
-        replica.max_active = max_active or replica.max_active
+        if report is not None:
+            self.apply_report(replica, report)
         if leaving:
             replica.healthy = False  # a static replica only goes down; a registered one is dropped
             if replica.registered_until:
-                self._drop(replica)
+                self._drop(replica, "leaving")
             self._notify()
         return self.heartbeat_ttl_s
 
-    def _drop(self, replica: Replica) -> None:
-        log.info("worker_deregistered", address=replica.address, worker=replica.name)
+    def _drop(self, replica: Replica, reason: str) -> None:
+        log.info("worker_deregistered", address=replica.address, worker=replica.name, reason=reason)
         self.replicas.remove(replica)
-        task = asyncio.ensure_future(replica.channel.close())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        replica.healthy = False
+        # Streams still running on a draining worker finish; a dead worker's fail on their own.
+        task = asyncio.ensure_future(replica.channel.close(grace=self._drain_s))
+        self._draining[task] = replica.channel
+        task.add_done_callback(lambda t: self._draining.pop(t, None))
 
     def _expire(self) -> None:
         now = time.monotonic()
         for r in [r for r in self.replicas if 0 < r.registered_until < now]:
-            self._drop(r)
+            self._drop(r, "heartbeat_expired")
 
     async def close(self) -> None:
         if self._task is not None:
@@ -172,6 +272,10 @@ class Registry:
                 await self._task
         for r in self.replicas:
             await r.channel.close()
+        for channel in list(self._draining.values()):  # the router stops: no more grace
+            await channel.close()
+        if self._draining:
+            await asyncio.wait(list(self._draining), timeout=1.0)
 
     def tiers(self) -> set[TierName]:
         """Tiers that have replicas configured (healthy or not)."""
@@ -220,10 +324,7 @@ class Registry:
             up = health.status == health_pb2.HealthCheckResponse.SERVING
             if up:
                 stats = await r.stub.Stats(worker_pb2.StatsRequest(), timeout=self._timeout, metadata=meta)
-                r.worker_id = stats.worker_id or r.worker_id
-                r.active_sequences = stats.active_sequences
-                r.queue_depth = stats.queue_depth
-                r.max_active = stats.max_active_sequences or r.max_active
+                self.apply_report(r, WorkerReport.from_pb(stats))
         except grpc.aio.AioRpcError as exc:
             up = False
             if r.healthy:

@@ -8,7 +8,7 @@ from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.internal.v1 import registry_pb2, registry_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.router.policy import TierName
-from services.router.registry import Registry
+from services.router.registry import Registry, WorkerReport
 
 _TIERS = {inference_pb2.TIER_EDGE: TierName.EDGE, inference_pb2.TIER_CLOUD: TierName.CLOUD}
 
@@ -25,14 +25,6 @@ class WorkerRegistryServicer(registry_pb2_grpc.WorkerRegistryServicer):
             raise InvalidArgument(f"worker address {request.address!r} must be host:port, e.g. 10.0.0.7:7101")
         if request.tier not in _TIERS:
             raise InvalidArgument("heartbeat tier must be TIER_EDGE or TIER_CLOUD")
-        s = request.stats
-        ttl = await self._registry.heartbeat(
-            request.address,
-            _TIERS[request.tier],
-            worker_id=s.worker_id,
-            active=s.active_sequences,
-            queued=s.queue_depth,
-            max_active=s.max_active_sequences,
-            leaving=request.leaving,
-        )
+        report = WorkerReport.from_pb(request.stats) if request.HasField("stats") else None
+        ttl = await self._registry.heartbeat(request.address, _TIERS[request.tier], report, leaving=request.leaving)
         return registry_pb2.HeartbeatReply(ttl_ms=int(ttl * 1000))

@@ -63,11 +63,15 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
         eject_max_s=settings.eject_max_s,
         readmit_s=settings.readmit_s,
         heartbeat_ttl_s=settings.heartbeat_ttl_s,
+        block_tokens=settings.prefix_block_tokens,
+        model_version=settings.model_version(),
+        kv_high_watermark=settings.kv_high_watermark,
+        drain_s=settings.shutdown_grace_s,
     )
     await registry.start()
 
-    def slots(tier: TierName) -> int:
-        return sum(settings.replica_slots or r.max_active for r in registry.healthy(tier))
+    def slots(tier: TierName) -> int:  # a replica out of KV room gives none: new turns wait or spill
+        return sum(settings.replica_slots or r.max_active for r in registry.healthy(tier) if not r.kv_full)
 
     admission = Admission(
         slots,
@@ -99,10 +103,11 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
     servicer = RouterServicer(
         router, context_length=settings.context_length, default_max_tokens=settings.default_max_tokens
     )
+    registration = WorkerRegistryServicer(registry) if settings.accept_registrations else None
     server = await start_server(
         settings,
-        lambda s: _register(s, servicer, WorkerRegistryServicer(registry)),
-        [SERVICE_NAME, REGISTRY_SERVICE_NAME],
+        lambda s: _register(s, servicer, registration),
+        [SERVICE_NAME, REGISTRY_SERVICE_NAME] if registration else [SERVICE_NAME],
         internal=True,
         serving=bool(registry.healthy_tiers()),
     )
@@ -117,6 +122,7 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
     return server, router
 
 
-def _register(server: grpc.aio.Server, inference: RouterServicer, registry: WorkerRegistryServicer) -> None:
+def _register(server: grpc.aio.Server, inference: RouterServicer, registry: WorkerRegistryServicer | None) -> None:
     inference_pb2_grpc.add_InferenceServicer_to_server(inference, server)
-    registry_pb2_grpc.add_WorkerRegistryServicer_to_server(registry, server)
+    if registry is not None:
+        registry_pb2_grpc.add_WorkerRegistryServicer_to_server(registry, server)

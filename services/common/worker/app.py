@@ -12,6 +12,7 @@ As a process, ``run_worker_process(SettingsClass, build_engine, tier=...)`` is t
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -24,8 +25,10 @@ from services.common.logging import configure_logging
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.serving import RunningServer, start_server
 from services.common.settings import load_settings
+from services.common.worker.heartbeat import Heartbeater
+from services.common.worker.report import LoadReporter, PrefixHasher
 from services.common.worker.runner import Runner
-from services.common.worker.servicer import WorkerServicer
+from services.common.worker.servicer import _TIERS, WorkerServicer
 from services.common.worker.settings import WorkerSettings
 from services.common.worker.types import Engine
 
@@ -42,17 +45,27 @@ class RunningWorker:
     server: RunningServer
     servicer: WorkerServicer
     runner: Runner
+    heartbeater: Heartbeater | None = None
+    """Set when the worker registers itself with routers (``router_address``)."""
 
     @property
     def port(self) -> int:
         return self.server.port
 
     async def stop(self) -> None:
-        """Graceful: NOT_SERVING, let streams finish for the grace period, cancel the rest."""
+        """Graceful: tell routers we leave, NOT_SERVING, let streams finish for the grace period, cancel the rest."""
+        if self.heartbeater is not None:  # before the drain, so routers stop sending new work at once
+            await self.heartbeater.leave()
         await self.server.stop()
 
     async def serve_until_signal(self) -> None:
-        await self.server.serve_until_signal()
+        """Block until SIGTERM/SIGINT, then :meth:`stop`."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await self.stop()
 
 
 async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -> RunningWorker:
@@ -68,12 +81,14 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
         max_open_chats=settings.max_open_chats,
         chat_idle_timeout_s=settings.chat_idle_timeout_s,
     )
+    hasher = PrefixHasher(engine.info.model_id, settings.resolved_model_version(), settings.prefix_block_tokens)
     servicer = WorkerServicer(
         runner,
         service=type(settings).service,
         tier=tier,
         worker_id=settings.resolved_worker_id(),
         default_max_tokens=settings.default_max_tokens,
+        reporter=LoadReporter(runner, hasher, max_hot_blocks=settings.max_hot_blocks),
     )
     server = await start_server(settings, servicer.register, [WORKER_SERVICE_NAME], internal=True, serving=False)
     admission = runner.admission
@@ -96,7 +111,20 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
     await server.set_serving(True)
     info = engine.info
     log.info("worker_ready", worker_id=servicer.worker_id, tier=tier, model=info.model_id, port=server.port)
-    return RunningWorker(server, servicer, runner)
+    heartbeater = None
+    if settings.router_address:  # registered only once it serves: the router probes health at once
+        heartbeater = Heartbeater(
+            settings.router_address,
+            address=settings.resolved_advertise_address(server.port),
+            tier=_TIERS[tier],
+            stats=servicer.stats,
+            internal_token=settings.internal_token,
+            interval_s=settings.heartbeat_interval_s,
+            timeout_s=settings.heartbeat_timeout_s,
+        )
+        heartbeater.start()
+        server.on_stop.append(heartbeater.close)
+    return RunningWorker(server, servicer, runner, heartbeater)
 
 
 def run_worker_process(settings_cls: type[W], build_engine: Callable[[W], Engine], *, tier: str) -> None:

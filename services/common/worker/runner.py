@@ -16,9 +16,10 @@ from dataclasses import replace
 
 import structlog
 
+from services.common import tracing
 from services.common.worker.admission import Admission
 from services.common.worker.detokenizer import IncrementalDetokenizer
-from services.common.worker.sessions import ChatSession, ChatSessions
+from services.common.worker.sessions import ChatSession, ChatSessions, HeldPrefix
 from services.common.worker.stats import WorkerCounters
 from services.common.worker.stops import StopStringMatcher
 from services.common.worker.types import (
@@ -32,6 +33,12 @@ from services.common.worker.types import (
 )
 
 log = structlog.get_logger(__name__)
+_local = threading.local()
+
+
+def current_request() -> GenerationRequest | None:
+    """The request the calling worker thread is running (for engines that salt KV by tenant)."""
+    return getattr(_local, "request", None)
 
 
 def open_sequence(
@@ -85,10 +92,12 @@ def run_sequence(
     stops = StopStringMatcher(sampling.stop)
     produced = 0
     reason = FinishReason.LENGTH
+    _local.request = request
     seq, prefill = open_sequence(
         engine, context, replace(sampling, max_tokens=max(budget, 1)), session, request.resume_ids
     )
     failed = True
+    generated: list[int] = []
     try:
         while True:
             if stop_flag.is_set():
@@ -99,8 +108,9 @@ def run_sequence(
                 break
             token = seq.step()
             if produced == 0:
-                counters.prefilled(prefill)
+                counters.prefilled(prefill, len(context))
             produced += 1
+            generated.append(token)
             counters.token_generated()
             if token in eos:
                 reason = FinishReason.STOP
@@ -112,10 +122,11 @@ def run_sequence(
                 break
         failed = False
     finally:
+        _local.request = None
         if session is None or failed:
             seq.close()
-        else:
-            session.keep(seq)
+        else:  # the last token's KV is computed by the next step, so it is not held yet
+            session.keep(seq, HeldPrefix(context + tuple(generated[:-1]), request.tenant, request.shareable))
     tail = ""
     if reason in (FinishReason.STOP, FinishReason.LENGTH):  # release held text, unless it completes a stop
         tail, stopped = stops.feed(detok.flush())
@@ -155,7 +166,8 @@ class Turn:
         try:
             runner.admission.ensure_room()
             runner.counters.sequence_started()
-            admitted = await runner.admission.acquire(self._cancelled)
+            with tracing.span("worker.queue_wait"):
+                admitted = await runner.admission.acquire(self._cancelled)
             if not admitted:
                 runner.counters.sequence_cancelled()
                 n = len(self.request.prompt_ids) + len(self.request.resume_ids)
@@ -176,12 +188,28 @@ class Turn:
                 finally:
                     emit(None)
 
+            # Phases (spans): prefill = admitted -> first token on the loop; first_token = until its
+            # frame was sent; stream_end = the rest of the stream until the final frame was sent.
+            phase = tracing.start_span("worker.prefill")
             future = loop.run_in_executor(runner.executor, work)
             runner.running[future] = self
             future.add_done_callback(runner.sequence_done)
-            while (event := await queue.get()) is not None:
-                yield event
-            yield await future
+            try:
+                sent = 0
+                while (event := await queue.get()) is not None:
+                    if sent == 0:
+                        phase.end()
+                        phase = tracing.start_span("worker.first_token")
+                    yield event
+                    sent += 1
+                    if sent == 1:
+                        phase.end()
+                        phase = tracing.start_span("worker.stream_end")
+                final = await future
+                phase.set_attributes({"meshserve.completion_tokens": final.completion_tokens})
+                yield final
+            finally:
+                phase.end()
         finally:
             self.cancel()
 

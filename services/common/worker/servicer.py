@@ -20,6 +20,7 @@ from services.common import metrics
 from services.common.errors import MeshError
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
+from services.common.worker.report import LoadReport, LoadReporter, PrefixHasher
 from services.common.worker.runner import Runner, Turn
 from services.common.worker.sampling import resolve_sampling, validate_prompt
 from services.common.worker.sessions import ChatSession
@@ -50,13 +51,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Implements Worker.Generate and Worker.Stats. ``tier`` is "edge" or "cloud"."""
 
     def __init__(
-        self, runner: Runner, *, service: str, tier: str, worker_id: str, default_max_tokens: int = 256
+        self,
+        runner: Runner,
+        *,
+        service: str,
+        tier: str,
+        worker_id: str,
+        default_max_tokens: int = 256,
+        reporter: LoadReporter | None = None,
     ) -> None:
         self.runner = runner
         self.service = service
         self.tier = tier
         self.worker_id = worker_id
         self.default_max_tokens = default_max_tokens
+        self.reporter = reporter or LoadReporter(runner, PrefixHasher(runner.engine.info.model_id, "", 16))
 
     def register(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
@@ -64,20 +73,34 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Stats(
         self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:
-        snap = self.runner.counters.snapshot()
-        admission = self.runner.admission
+        return await self.stats()
+
+    async def stats(self) -> worker_pb2.WorkerStats:
+        """The current load report as ``WorkerStats`` (Stats answers it, heartbeats push it)."""
+        return self.stats_pb(await self.reporter.report())
+
+    def stats_pb(self, r: LoadReport) -> worker_pb2.WorkerStats:
+        snap = r.counters
         return worker_pb2.WorkerStats(
             worker_id=self.worker_id,
             tier=_TIERS[self.tier],
             model=self.runner.engine.info.model_id,
-            active_sequences=admission.active,
-            queue_depth=admission.queued,
-            max_active_sequences=admission.max_active,
+            active_sequences=r.active_sequences,
+            queue_depth=r.queue_depth,
+            max_active_sequences=r.max_active_sequences,
             sequences_started_total=snap.sequences_started_total,
             sequences_cancelled_total=snap.sequences_cancelled_total,
             tokens_generated_total=snap.tokens_generated_total,
             prefill_tokens_total=snap.prefill_tokens_total,
             recent_tokens_per_second=snap.recent_tokens_per_second,
+            kv_used_bytes=r.kv_used_bytes,
+            kv_budget_bytes=r.kv_budget_bytes,
+            kv_tokens=r.kv_tokens,
+            held_sequences=r.held_sequences,
+            prefix_block_tokens=r.prefix_block_tokens,
+            hot_prefix_blocks=r.hot_prefix_blocks,
+            model_version=r.model_version,
+            prompt_tokens_total=snap.prompt_tokens_total,
         )
 
     async def Generate(
@@ -129,7 +152,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             info=info,
             default_max_tokens=self.default_max_tokens,
         )
-        return GenerationRequest(prompt, sampling, resume, start.request_id)
+        return GenerationRequest(prompt, sampling, resume, start.request_id, start.tenant, start.shareable_prefix)
 
     async def _turn(self, start: worker_pb2.WorkerStart, stream: _Stream) -> AsyncIterator[worker_pb2.WorkerResponse]:
         began = last = time.perf_counter()

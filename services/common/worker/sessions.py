@@ -13,8 +13,18 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from services.common.worker.types import EngineSequence
+
+
+@dataclass(frozen=True)
+class HeldPrefix:
+    """Tokens whose KV a sequence holds, and the scope their block hashes are salted with."""
+
+    token_ids: tuple[int, ...]
+    tenant: str = ""
+    shareable: bool = False
 
 
 class ChatSession:
@@ -25,13 +35,19 @@ class ChatSession:
         self.seq: EngineSequence | None = None
         self.closed = False
         self.last_used = pool.now()
+        self.held: HeldPrefix | None = None
+        """Tokens whose KV the held sequence holds, and their scope (for the load report)."""
 
     def take(self) -> EngineSequence | None:
         """The held sequence (now owned by the caller), or None."""
         return self._pool.take(self)
 
-    def keep(self, seq: EngineSequence) -> None:
-        """Hold ``seq`` for the next turn (may free the least recently used held sequence)."""
+    def keep(self, seq: EngineSequence, held: HeldPrefix | None = None) -> None:
+        """Hold ``seq`` for the next turn (may free the least recently used held sequence).
+
+        ``held``: the tokens ``seq`` holds KV for, reported as hot prefix blocks while it is held.
+        """
+        self.held = held
         self._pool.keep(self, seq)
 
     def close(self) -> None:
@@ -61,6 +77,11 @@ class ChatSessions:
         """Sequences held between turns right now."""
         with self._lock:
             return len(self._held)
+
+    def held_prefixes(self) -> list[HeldPrefix]:
+        """What the held sequences hold, most recently used first."""
+        with self._lock:
+            return [s.held for s in reversed(self._held.values()) if s.held is not None and s.seq is not None]
 
     def take(self, session: ChatSession) -> EngineSequence | None:
         with self._lock:

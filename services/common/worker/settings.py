@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Annotated, Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import NoDecode
 
 from services.common.errors import ConfigError
 from services.common.settings import ServiceSettings
-from services.models.paths import DEFAULT_MODEL_ID
+from services.models.paths import DEFAULT_MODEL_ID, model_paths
 
 
 class WorkerSettings(ServiceSettings):
@@ -34,12 +36,60 @@ class WorkerSettings(ServiceSettings):
     """A chat's KV kept between turns is freed after this many idle seconds."""
     warmup: bool = True
     """Run a tiny generation before health reports SERVING (keeps the first request fast)."""
+    model_version: str = ""
+    """Version of the served model in KV block hashes; empty reads the prepared model's manifest
+    (`meshserve models prepare`), as the router does, so both hash prefixes alike."""
+    router_address: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """Routers to register with (comma-separated host:port); empty = no self-registration (the router
+    then needs this worker in its static list)."""
+    advertise_address: str = ""
+    """host:port routers should call this worker on; empty = `<host>:<bound port>` (the hostname when
+    listening on 0.0.0.0)."""
+    heartbeat_interval_s: float = Field(default=1.0, gt=0)
+    """Seconds between heartbeats (shortened to a third of the TTL a router answers with)."""
+    heartbeat_timeout_s: float = Field(default=1.0, gt=0)
+    """Timeout of one heartbeat call; a router that does not answer is retried with backoff."""
+    prefix_block_tokens: int = Field(default=16, ge=1)
+    """Block size of the hot prefix block hashes in load reports (the router's prefix_block_tokens)."""
+    max_hot_blocks: int = Field(default=256, ge=0)
+    """Most hot prefix block hashes (32 bytes each) one load report carries."""
+
+    @field_validator("router_address", mode="before")
+    @classmethod
+    def _split(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("router_address")
+    @classmethod
+    def _addresses(cls, value: list[str]) -> list[str]:
+        for addr in value:
+            host, sep, port = addr.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"router address {addr!r} must be host:port, e.g. 127.0.0.1:50052")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:
         if not self.model_id.strip():
             raise ConfigError("model_id is empty; set it to the id the router uses, e.g. smollm2-135m-instruct")
+        if self.advertise_address:
+            host, sep, port = self.advertise_address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ConfigError(f"advertise_address {self.advertise_address!r} must be host:port, e.g. 10.0.0.7:7101")
         return self
+
+    def resolved_model_version(self) -> str:
+        """``model_version`` or the prepared model's version ("unprepared" when there is none)."""
+        return self.model_version or model_paths(self.model_id).version()
+
+    def resolved_advertise_address(self, port: int) -> str:
+        """Where routers reach this worker once it is bound to ``port``."""
+        if self.advertise_address:
+            return self.advertise_address
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"{host}:{port}"
 
     def resolved_worker_id(self, port: int | None = None) -> str:
         """``worker_id`` or one derived from the host and bound port (pid when not bound yet)."""

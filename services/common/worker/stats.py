@@ -17,6 +17,7 @@ class CounterSnapshot:
     tokens_generated_total: int
     prefill_tokens_total: int
     recent_tokens_per_second: float
+    prompt_tokens_total: int = 0
 
 
 class WorkerCounters:
@@ -30,6 +31,7 @@ class WorkerCounters:
         self._cancelled = 0
         self._tokens = 0
         self._prefill = 0
+        self._prompt = 0
         self._buckets: deque[list[float]] = deque()  # [second, count]
 
     def sequence_started(self) -> None:
@@ -40,9 +42,11 @@ class WorkerCounters:
         with self._lock:
             self._cancelled += 1
 
-    def prefilled(self, tokens: int) -> None:
+    def prefilled(self, tokens: int, prompt_tokens: int = 0) -> None:
+        """A turn's first step ran ``tokens`` of its ``prompt_tokens`` through prefill (rest: held KV)."""
         with self._lock:
             self._prefill += tokens
+            self._prompt += prompt_tokens
 
     def token_generated(self, n: int = 1) -> None:
         second = float(int(self._now()))
@@ -69,4 +73,5 @@ class WorkerCounters:
                 tokens_generated_total=self._tokens,
                 prefill_tokens_total=self._prefill,
                 recent_tokens_per_second=recent / self._window_s,
+                prompt_tokens_total=self._prompt,
             )

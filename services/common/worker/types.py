@@ -3,6 +3,17 @@
 An :class:`Engine` owns one loaded model. ``Engine.start`` creates an :class:`EngineSequence` that
 produces one token per ``step()``; both are called only from worker threads, never from the event
 loop. Everything else (admission, detokenization, stop strings, counters) is engine-independent.
+
+Optional engine methods, found by duck typing (like ``start_chat``), feed the load report
+(``services.common.worker.report``); both are called from a thread, never from the event loop, so
+they may take the engine's locks but must be quick:
+
+* ``kv_usage() -> KVUsage``: KV bytes held and the engine's budget (for the router's admission).
+* ``hot_prefix_blocks(block_tokens: int) -> Sequence[bytes]``: block hashes, in the
+  ``services.cache.keys.kv_block_hashes`` scheme at ``block_tokens`` per block, of prefixes whose KV
+  the engine can reuse for a *new* request (a cross-request prefix cache); each chain from its first
+  block, most recently used first. The scope (tenant, shareable) of the request being run on the
+  calling thread is :func:`services.common.worker.runner.current_request`.
 """
 
 from __future__ import annotations
@@ -53,6 +64,10 @@ class GenerationRequest:
     resume_ids: tuple[int, ...] = ()
     """Tokens an earlier worker already sent; prefilled after the prompt, never re-sent."""
     request_id: str = ""
+    tenant: str = ""
+    """Tenant of the request: the salt of its KV block hashes unless ``shareable``."""
+    shareable: bool = False
+    """The request marked its prefix shareable across tenants (KV block hashes use the shared salt)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +87,16 @@ class FinalEvent:
     completion_tokens: int
     prefill_tokens: int
     text: str = ""
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """KV memory an engine holds now (``Engine.kv_usage()``, optional)."""
+
+    used_bytes: int
+    """Bytes of KV held by live sequences, kept chats and any prefix cache."""
+    budget_bytes: int = 0
+    """The most KV bytes the engine will hold; 0 = no fixed budget."""
 
 
 @dataclass(frozen=True)

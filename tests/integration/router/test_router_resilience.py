@@ -9,7 +9,7 @@ import pytest
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.router.policy import TierName
-from services.router.registry import Registry
+from services.router.registry import Registry, WorkerReport
 from tests.integration.router.fake_worker import start_fake
 from tests.integration.router.harness import LONG_PROMPT, META, TOKEN, Mesh, final, generate, request, tokens
 
@@ -108,7 +108,7 @@ async def test_registered_worker_without_heartbeats_expires(mesh: Mesh) -> None:
     extra = await start_fake("edge-9", pb.TIER_EDGE, TOKEN)
     try:
         registry.heartbeat_ttl_s = 0.01
-        await registry.heartbeat(extra.address, TierName.EDGE, worker_id="edge-9")
+        await registry.heartbeat(extra.address, TierName.EDGE, WorkerReport(worker_id="edge-9"))
         assert any(r.address == extra.address for r in registry.replicas)
         await asyncio.wait_for(_until_gone(registry, extra.address), 5)
     finally:

@@ -19,11 +19,12 @@ def test_comma_lists_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert s.redis_url == ""
 
 
-def test_needs_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_needs_static_workers_only_without_self_registration(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MESHSERVE_ROUTER_EDGE_WORKERS", raising=False)
     monkeypatch.delenv("MESHSERVE_ROUTER_CLOUD_WORKERS", raising=False)
+    assert load_settings(RouterSettings).accept_registrations  # workers will register themselves
     with pytest.raises(ConfigError, match="MESHSERVE_ROUTER_EDGE_WORKERS"):
-        load_settings(RouterSettings)
+        load_settings(RouterSettings, accept_registrations=False)
 
 
 def test_bad_address() -> None:
