@@ -41,8 +41,8 @@ from services.router.policy import (
     RoundRobin,
     TierChoice,
     TierName,
-    block_hashes,
     choose_tier,
+    prefix_blocks,
 )
 from services.router.registry import Registry, Replica
 from services.router.turn import Chunk, Done, Route, Session, TurnRequest, _Progress
@@ -138,7 +138,14 @@ class Router:
 
     def blocks(self, req: TurnRequest) -> list[bytes]:
         if req.prefix_blocks is None:
-            req.prefix_blocks = block_hashes(req.prompt_ids, self._block, "" if req.shareable else req.tenant)
+            req.prefix_blocks = prefix_blocks(
+                req.prompt_ids,
+                self._block,
+                model_id=self.model_id,
+                model_version=self.model_version,
+                tenant=req.tenant,
+                shareable=req.shareable,
+            )
         return req.prefix_blocks
 
     def select(self, req: TurnRequest, tier: TierName, exclude: Sequence[Replica]) -> Replica:
@@ -151,7 +158,8 @@ class Router:
             assert picked is not None
             REPLICA_DECISIONS.labels(tier.value, "round_robin").inc()
             return picked
-        sel = self.selector.select([Candidate(r.address, r.load) for r in replicas], self.blocks(req))
+        cands = [Candidate(r.address, r.load, r.hot_blocks, r.kv_full) for r in replicas]
+        sel = self.selector.select(cands, self.blocks(req))
         REPLICA_DECISIONS.labels(tier.value, sel.reason).inc()
         return next(r for r in replicas if r.address == sel.name)
 
@@ -290,7 +298,10 @@ class Router:
 
     async def _admit(self, req: TurnRequest, tier: TierName) -> Ticket:
         blocks = self.blocks(req)
-        cached = max((self.selector.cached_blocks(r.address, blocks) for r in self.registry.healthy(tier)), default=0)
+        cached = max(
+            (self.selector.cached_blocks(r.address, blocks, r.hot_blocks) for r in self.registry.healthy(tier)),
+            default=0,
+        )
         return await self.admission.acquire(
             tier,
             tenant=req.tenant,
@@ -340,6 +351,7 @@ class Router:
                 sampling=sampling_pb(req.sampling),
                 tenant=req.tenant,
                 resume_token_ids=progress.tokens,
+                shareable_prefix=req.shareable,
             )
         )
         tier = choice.tier.value
