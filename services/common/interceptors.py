@@ -18,6 +18,7 @@ import grpc
 import structlog
 
 from services.common import metadata as md
+from services.common import tracing
 from services.common.errors import MeshError, ResourceExhausted
 
 log = structlog.get_logger(__name__)
@@ -171,4 +172,5 @@ def outbound_metadata(internal_token: str, **extra: str) -> tuple[tuple[str, str
         md.INTERNAL_TOKEN: internal_token,
         **extra,
     }
+    tracing.inject(pairs)  # W3C traceparent of the current span (nothing when tracing is off)
     return tuple((k, v) for k, v in pairs.items() if v)

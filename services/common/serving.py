@@ -22,6 +22,7 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common import tracing
 from services.common.interceptors import ErrorInterceptor, InternalAuthInterceptor
 from services.common.metrics import start_metrics_server
 from services.common.settings import ServiceSettings
@@ -92,6 +93,12 @@ async def start_server(
     if internal:
         interceptors.append(InternalAuthInterceptor(settings.internal_token))
     interceptors.append(ErrorInterceptor())
+    # Tracing (MESHSERVE_TRACING_*) is set up once per process; an in-process test's setup is kept.
+    provider = None if tracing.enabled() else tracing.setup_tracing(settings.service)
+    if tracing.enabled():
+        from services.common.tracing_interceptor import TracingInterceptor
+
+        interceptors.append(TracingInterceptor())
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options())
     register(server)
     health_servicer = health.aio.HealthServicer()
@@ -106,6 +113,13 @@ async def start_server(
     await server.start()
     running = RunningServer(server, port, health_servicer, service_names, settings.shutdown_grace_s)
     running.metrics_port = start_metrics_server(settings.metrics_port, settings.host)
+    if provider is not None:
+
+        async def flush_spans() -> None:
+            # Exports what is left (may wait on a collector), then tracing is off for this process.
+            await asyncio.to_thread(tracing.reset_tracing)
+
+        running.on_stop.append(flush_spans)
     await running.set_serving(serving)
     log.info("service_started", host=settings.host, port=port, metrics_port=running.metrics_port)
     return running

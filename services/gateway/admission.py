@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import structlog
 from prometheus_client import Counter
 
+from services.common import tracing
 from services.gateway.identity import Authenticator, Identity
 from services.gateway.policy import PolicyBook, TenantPolicy, check_request, estimate_prompt_tokens
 from services.gateway.ratelimit import RateLimiter, Reservation
@@ -57,7 +58,8 @@ class Gate:
         """Settlements finished so far (tests wait on it with :meth:`wait_settled`)."""
 
     async def identify(self, metadata: Iterable[tuple[str, str | bytes]]) -> Identity:
-        return await self._auth.authenticate(metadata)
+        with tracing.span("gateway.auth"):
+            return await self._auth.authenticate(metadata)
 
     def policy(self, identity: Identity) -> TenantPolicy:
         return self._policies.for_tenant(identity.tenant, identity.limits)
@@ -82,13 +84,14 @@ class Gate:
             check_request(policy, prompt_tokens, budget)
         ticket = Ticket(policy, prompt_tokens if count_request else 0)
         if self._limiter is not None:
-            ticket.reservation = await self._limiter.admit(
-                identity.tenant,
-                policy,
-                tokens=prompt_tokens + budget if count_request else 0,
-                count_request=count_request,
-                stream_ttl_s=stream_ttl_s,
-            )
+            with tracing.span("gateway.rate_limit"):
+                ticket.reservation = await self._limiter.admit(
+                    identity.tenant,
+                    policy,
+                    tokens=prompt_tokens + budget if count_request else 0,
+                    count_request=count_request,
+                    stream_ttl_s=stream_ttl_s,
+                )
         if count_request:
             ADMITTED.labels("gateway", identity.tenant, identity.source).inc()
         return ticket

@@ -26,7 +26,7 @@ import structlog
 
 from services.cache.keys import response_key
 from services.cache.store import CachedResponse, Finish, ResponseCache
-from services.common import errors
+from services.common import errors, tracing
 from services.common.interceptors import outbound_metadata
 from services.common.metrics import INTER_TOKEN, TTFT
 from services.common.pb.meshserve.internal.v1 import worker_pb2
@@ -174,7 +174,9 @@ class Router:
         started = time.perf_counter()
         key = self.cache_key(req)
         if key is not None:
-            hit = await self.cache.get(key)
+            with tracing.span("router.cache_lookup") as lookup:
+                hit = await self.cache.get(key)
+                lookup.set_attribute("meshserve.cache.hit", hit is not None)
             if hit is not None:
                 ROUTE_DECISIONS.labels("none", "cache_hit").inc()
                 TTFT.labels(SERVICE, "cache").observe(time.perf_counter() - started)
@@ -220,16 +222,18 @@ class Router:
         try:
             while True:
                 if session.stream is None:
-                    try:
-                        picked = self.choose(req, exclude)
-                    except errors.Unavailable:
-                        raise failure or errors.Unavailable(
-                            "no healthy worker can serve this request right now; retry in a few seconds"
-                        ) from None
-                    session.choice = picked
-                    if ticket is None:
-                        ticket = await self._admit(req, picked.tier)
-                    replica = self.select(req, picked.tier, exclude)
+                    with tracing.span("router.route_decision") as decision:  # tier, router queue, replica
+                        try:
+                            picked = self.choose(req, exclude)
+                        except errors.Unavailable:
+                            raise failure or errors.Unavailable(
+                                "no healthy worker can serve this request right now; retry in a few seconds"
+                            ) from None
+                        session.choice = picked
+                        if ticket is None:
+                            ticket = await self._admit(req, picked.tier)
+                        replica = self.select(req, picked.tier, exclude)
+                        decision.set_attributes({"meshserve.tier": picked.tier.value, "meshserve.worker": replica.name})
                     session.stream = WorkerStream(replica, outbound_metadata(self._token), req.timeout)
                     structlog.contextvars.bind_contextvars(worker=replica.name, tier=picked.tier.value)
                 elif ticket is None:
