@@ -1,0 +1,104 @@
+"""deploy/compose.yaml (and the GPU override) against the Compose specification's JSON schema, offline.
+
+The schema is shipped in deploy/schemas/compose-spec.json (the compose_spec.json of the PyPI wheel
+docker-compose 1.29.2, Apache-2.0), so no network is needed. Durations are format-checked too.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from typing import Any
+
+import jsonschema
+import pytest
+
+from tests.unit.deploy import commands, compose_model
+
+SCHEMA = json.loads((compose_model.DEPLOY / "schemas" / "compose-spec.json").read_text())
+_DURATION = re.compile(r"^(\d+(\.\d+)?(us|ms|s|m|h))+$")
+_FORMATS = jsonschema.FormatChecker()
+
+
+@_FORMATS.checks("duration")
+def _is_duration(value: object) -> bool:
+    return not isinstance(value, str) or bool(_DURATION.match(value))
+
+
+def _errors(doc: dict[str, Any]) -> list[str]:
+    validator = jsonschema.Draft201909Validator(SCHEMA, format_checker=_FORMATS)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(doc)]
+
+
+@pytest.mark.parametrize(
+    "files",
+    [(compose_model.COMPOSE,), (compose_model.COMPOSE, compose_model.COMPOSE_GPU)],
+    ids=["cpu", "cpu+gpu-override"],
+)
+def test_compose_files_match_the_compose_spec(files: tuple[Any, ...]) -> None:
+    assert _errors(compose_model.load(*files, env={"MESHSERVE_TP_SIZE": "3"})) == []
+
+
+def test_the_schema_catches_mistakes() -> None:
+    """The validation is real: typical slips are reported."""
+    doc = compose_model.load()
+    broken = copy.deepcopy(doc)
+    broken["services"]["router"]["healthcheck"]["interval"] = "5 seconds"
+    broken["services"]["gateway"]["depends_on"]["router"]["condition"] = "service_ready"
+    broken["services"]["cache"]["enviroment"] = {"A": "1"}
+    errors = _errors(broken)
+    assert any(e.startswith("services/router/healthcheck/interval") for e in errors), errors
+    assert any(e.startswith("services/gateway/depends_on") for e in errors), errors
+    assert any("enviroment" in e for e in errors), errors
+
+
+def test_every_container_command_is_a_meshserve_entry_point() -> None:
+    doc = compose_model.load(compose_model.COMPOSE, compose_model.COMPOSE_GPU)
+    checked = 0
+    for name, service in doc["services"].items():
+        if "build" not in service:  # third-party images (redis, prometheus, grafana)
+            continue
+        parsed = commands.parse(compose_model.command(service))
+        if parsed.subcommand == "serve":
+            assert parsed.module.startswith("services.")
+        checked += 1
+        if "healthcheck" in service:
+            assert commands.parse(service["healthcheck"]["test"][1:]).subcommand == "health", name
+    assert checked >= 8
+
+
+def test_the_gpu_override_reserves_one_gpu_per_tp_rank() -> None:
+    env = {"MESHSERVE_TP_SIZE": "3"}
+    doc = compose_model.load(compose_model.COMPOSE, compose_model.COMPOSE_GPU, env=env)
+    cloud = doc["services"]["cloud-0"]
+    launcher = commands.parse(compose_model.command(cloud)).torchrun
+    assert launcher is not None and launcher.nproc_per_node == "3"
+    (device,) = cloud["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and int(device["count"]) == 3
+    assert cloud["build"]["target"] == "cuda"
+    assert cloud["environment"]["MESHSERVE_GPU_WORKER_DEVICE"] == "cuda"
+    assert doc["services"]["edge-0"]["build"]["target"] == "cpu"  # only the TP group needs CUDA
+
+
+def test_unknown_commands_are_refused() -> None:
+    with pytest.raises(commands.NotAnEntryPoint):
+        commands.parse(["meshserve", "serve", "edge"])
+    with pytest.raises(commands.NotAnEntryPoint):
+        commands.parse(["meshserve", "launch", "router"])
+    with pytest.raises(commands.NotAnEntryPoint):
+        commands.parse(["python", "-m", "services.router"])
+    with pytest.raises(commands.NotAnEntryPoint):
+        commands.parse(["torchrun", "--nproc-per-node=2", "meshserve", "serve", "gpu-worker"])  # no --no-python
+
+
+def test_models_volume_is_prepared_before_any_model_reader_starts() -> None:
+    doc = compose_model.load()
+    services = doc["services"]
+    prepare = commands.parse(compose_model.command(services["models"]))
+    assert (prepare.subcommand, prepare.args.models_command) == ("models", "prepare")
+    assert "models:/models" in services["models"]["volumes"]
+    assert doc["volumes"] == {"models": None}
+    for name in ("edge-0", "edge-1", "cloud-0"):
+        assert services[name]["depends_on"]["models"] == {"condition": "service_completed_successfully"}
+        assert "models:/models:ro" in services[name]["volumes"]

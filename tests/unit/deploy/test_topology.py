@@ -1,0 +1,181 @@
+"""deploy/compose.yaml declares what ``meshserve up`` starts: the same services, commands and environment.
+
+The launcher's side is recorded from its real code (:mod:`tests.unit.deploy.up_capture`); the compose
+side is the file as docker compose reads it. Loopback ``127.0.0.1:<port>`` addresses in the
+launcher's environment are translated to ``<service>:<container port>`` before comparing, so
+``MESHSERVE_ROUTER_EDGE_WORKERS=127.0.0.1:41001,127.0.0.1:41002`` must appear in compose as
+``edge-0:50061,edge-1:50061``. Differences that containers need are listed in ``CONTAINER_ONLY`` and
+checked too.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from typing import Any
+
+import pytest
+
+from services.common.settings import DEFAULT_INTERNAL_TOKEN, ServiceSettings
+from services.controlplane.frontdoor import FrontDoor
+from tests.unit.deploy import commands, compose_model
+from tests.unit.deploy.up_capture import Captured, capture_up
+
+ONE_SHOT_OR_OPTIONAL = {"models", "prometheus", "grafana"}
+"""Compose services `meshserve up` has no counterpart of: the model-preparation step (`meshserve up`
+expects prepared models, `make run` prepares them) and the `observe` profile."""
+FRONT_DOOR = "envoy"
+REPLICAS = {"gateway": 2}
+"""Scaled on purpose in compose (stateless; Envoy balances them); everything else runs once, as in `up`."""
+CONTAINER_ONLY = {"HOST", "PORT", "INTERNAL_TOKEN"}
+"""Per-service settings compose adds: listen on all interfaces, fixed ports, the internal credential
+from $MESHSERVE_INTERNAL_TOKEN (default: the same built-in token `up` uses)."""
+COMMON_ONLY = {"MESHSERVE_MODELS_DIR": "/models"}
+"""The models volume (``up`` uses ~/.cache/meshserve/models)."""
+
+
+@pytest.fixture(scope="module")
+async def up() -> Captured:
+    return await capture_up()
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return compose_model.load()
+
+
+def _prefix(child_env: dict[str, str]) -> str:
+    """``MESHSERVE_<SERVICE>_`` of a child, from the metrics port variable every service gets."""
+    (key,) = [k for k in child_env if k.endswith("_METRICS_PORT")]
+    return key.removesuffix("METRICS_PORT")
+
+
+def _translator(up: Captured, compose: dict[str, Any]):  # type: ignore[no-untyped-def]
+    addresses = {f"127.0.0.1:{up.redis_port}": "redis:6379"}
+    for name, child in up.children.items():
+        if name == "redis":
+            continue
+        env = compose_model.service_env(compose["services"][name])
+        addresses[child.address] = f"{name}:{env[_prefix(child.env_delta()) + 'PORT']}"
+    pattern = re.compile(r"127\.0\.0\.1:\d+")
+
+    def translate(value: str) -> str:
+        def sub(m: re.Match[str]) -> str:
+            assert m[0] in addresses, f"{m[0]} is no service `meshserve up` started"
+            return addresses[m[0]]
+
+        return pattern.sub(sub, value)
+
+    return translate
+
+
+def test_same_services(up: Captured, compose: dict[str, Any]) -> None:
+    assert up.front_door is not None, "`meshserve up` starts the front door by default"
+    declared = set(compose["services"]) - ONE_SHOT_OR_OPTIONAL
+    assert declared == set(up.children) | {FRONT_DOOR}
+    for name, service in compose["services"].items():
+        replicas = service.get("deploy", {}).get("replicas", 1)
+        assert replicas == REPLICAS.get(name, 1), name
+    assert up.config.edge_workers == len([n for n in up.children if n.startswith("edge-")])
+
+
+def test_same_commands(up: Captured, compose: dict[str, Any]) -> None:
+    for name, child in up.children.items():
+        if name == "redis":
+            continue
+        module = child.argv[child.argv.index("-m") + 1]
+        parsed = commands.parse(compose_model.command(compose["services"][name]))
+        assert parsed.module == module, name
+
+
+def test_same_environment(up: Captured, compose: dict[str, Any]) -> None:
+    translate = _translator(up, compose)
+    for name, child in up.children.items():
+        if name == "redis":
+            continue
+        launched = child.env_delta()
+        declared = compose_model.service_env(compose["services"][name])
+        prefix = _prefix(launched)
+        for key, value in launched.items():
+            assert key in declared, f"{name}: compose lacks {key} (`meshserve up` sets it to {value!r})"
+            if key == prefix + "METRICS_PORT":
+                assert int(declared[key]) > 0, f"{name}: a fixed metrics port for scraping"
+            else:
+                assert declared[key] == translate(value), f"{name}: {key}"
+        for key in set(declared) - set(launched):
+            if child.env.get(key) == declared[key]:
+                continue  # inherited by `up`'s child with the same value (e.g. PYTHONUNBUFFERED=1)
+            if key in COMMON_ONLY:
+                assert declared[key] == COMMON_ONLY[key]
+                continue
+            field = key.removeprefix(prefix)
+            assert key.startswith(prefix) and field in CONTAINER_ONLY, f"{name}: {key} is set only in compose"
+        assert declared[prefix + "HOST"] == "0.0.0.0"
+        assert declared[prefix + "INTERNAL_TOKEN"] == DEFAULT_INTERNAL_TOKEN  # ${MESHSERVE_INTERNAL_TOKEN:-...}
+
+
+def test_redis_runs_with_the_launchers_memory_policy(up: Captured, compose: dict[str, Any]) -> None:
+    def flags(argv: list[str]) -> dict[str, str]:
+        pairs = dict(zip(argv[1::2], argv[2::2], strict=False))
+        return {k: v for k, v in pairs.items() if k not in ("--port", "--bind", "--dir")}
+
+    launched = up.children["redis"].argv
+    declared = compose_model.command(compose["services"]["redis"])
+    assert declared[0] == "redis-server" and launched[0].endswith("redis-server")
+    assert flags(declared) == flags(launched)
+    assert flags(declared)["--maxmemory-policy"] == "allkeys-lru"
+
+
+def test_front_door_fronts_the_gateways(up: Captured, compose: dict[str, Any]) -> None:
+    assert up.front_door is not None
+    translate = _translator(up, compose)
+    parsed = commands.parse(compose_model.command(compose["services"][FRONT_DOOR]))
+    assert parsed.subcommand == "frontdoor"
+    assert parsed.args.gateways == translate(",".join(up.front_door["gateways"]))
+    assert parsed.args.http_port == up.front_door["http_port"]
+    assert (parsed.args.tls_cert, parsed.args.tls_key) == (up.front_door["tls_cert"], up.front_door["tls_key"])
+    default_adapters = inspect.signature(FrontDoor).parameters["adapters"].default
+    assert parsed.args.adapters == up.front_door.get("adapters", default_adapters)
+    assert compose["services"][FRONT_DOOR]["ports"] == [f"{parsed.args.http_port}:{parsed.args.http_port}"]
+
+
+def test_start_order_follows_the_addresses_each_service_is_given(up: Captured, compose: dict[str, Any]) -> None:
+    """A service that is given another's address waits for it to be healthy (as `up` waits)."""
+    translate = _translator(up, compose)
+    services = compose["services"]
+    for name, child in up.children.items():
+        if name == "redis":
+            continue
+        given = " ".join(child.env_delta().values())
+        needs = {other for other in up.children if re.search(rf"\b{other}:\d+", translate(given))} - {name}
+        depends = services[name].get("depends_on", {})
+        for dependency in needs:
+            assert depends.get(dependency) == {"condition": "service_healthy"}, f"{name} -> {dependency}"
+    assert services[FRONT_DOOR]["depends_on"] == {"gateway": {"condition": "service_healthy"}}
+
+
+def test_healthchecks_ask_each_service_over_grpc_health(compose: dict[str, Any]) -> None:
+    for name, service in compose["services"].items():
+        if name in ONE_SHOT_OR_OPTIONAL or name == "redis":
+            continue
+        check = commands.parse(service["healthcheck"]["test"][1:])
+        assert service["healthcheck"]["test"][0] == "CMD"
+        assert check.subcommand == "health"
+        if name == FRONT_DOOR:
+            port = commands.parse(compose_model.command(service)).args.http_port
+        else:
+            env = compose_model.service_env(service)
+            (port,) = [int(v) for k, v in env.items() if re.fullmatch(r"MESHSERVE_[A-Z_]+(?<!METRICS)_PORT", k)]
+        assert check.args.address == f"127.0.0.1:{port}", name
+
+
+def test_stop_grace_outlasts_the_drain(compose: dict[str, Any]) -> None:
+    """SIGKILL must not cut the drain short: stop_grace_period > shutdown_grace_s."""
+    default_grace = ServiceSettings.model_fields["shutdown_grace_s"].default
+    for name, service in compose["services"].items():
+        if name in ONE_SHOT_OR_OPTIONAL or name == "redis":
+            continue
+        env = compose_model.service_env(service)
+        grace = max([float(v) for k, v in env.items() if k.endswith("_SHUTDOWN_GRACE_S")] or [default_grace])
+        stop = service["stop_grace_period"]
+        assert stop.endswith("s") and float(stop[:-1]) >= grace + 5, name

@@ -1,0 +1,119 @@
+"""What ``meshserve up`` starts, recorded without starting anything.
+
+:func:`capture_up` runs the real launcher code path: ``services.mesh.run_up`` with ``meshserve up``'s
+default arguments builds the :class:`MeshConfig`, and the real :meth:`Mesh.start` builds every child's
+argv and environment. Only the process layer is replaced: children, Redis and the front door are
+stand-ins that record what they were given and report themselves started and healthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+from unittest import mock
+
+import services.controlplane.frontdoor as frontdoor
+import services.mesh as mesh
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    port: int
+    inherited: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    """The launcher's own environment when it started this child."""
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def env_delta(self) -> dict[str, str]:
+        """The variables the launcher set or changed (what the child gets beyond the caller's env)."""
+        return {k: v for k, v in self.env.items() if self.inherited.get(k) != v}
+
+
+@dataclass
+class Captured:
+    config: mesh.MeshConfig
+    children: dict[str, Child] = field(default_factory=dict)
+    front_door: dict[str, Any] | None = None
+
+    @property
+    def redis_port(self) -> int:
+        argv = self.children["redis"].argv
+        return int(argv[argv.index("--port") + 1])
+
+
+class _Stop(Exception):
+    pass
+
+
+async def capture_up(argv: list[str] | None = None) -> Captured:
+    real_mesh = mesh.Mesh
+    configs: list[mesh.MeshConfig] = []
+
+    class ConfigProbe(real_mesh):  # type: ignore[misc, valid-type]
+        async def start(self) -> mesh.Mesh:
+            configs.append(self.config)
+            raise _Stop
+
+    loop = asyncio.get_running_loop()
+    try:
+        with mock.patch.object(mesh, "Mesh", ConfigProbe), mock.patch("builtins.print"):
+            await mesh.run_up(mesh._parser().parse_args(argv or []))
+    except _Stop:
+        pass
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    captured = Captured(configs[0])
+    ports = itertools.count(41000)
+
+    class RecordingProcess:
+        def __init__(self, name: str, argv: list[str], env: dict[str, str], sink: object) -> None:
+            self.child = Child(name, list(argv), dict(env), next(ports))
+            self.port: int = self.child.port
+            self.metrics_port = None
+            captured.children[name] = self.child
+
+        @property
+        def address(self) -> str:
+            return self.child.address
+
+        async def spawn(self) -> None:
+            pass
+
+        async def wait_started(self, timeout_s: float) -> None:
+            pass
+
+        async def wait_serving(self, timeout_s: float) -> None:
+            pass
+
+        async def stop(self, timeout_s: float = 15.0) -> None:
+            pass
+
+    class RecordingFrontDoor:
+        def __init__(self, gateways: list[str], sink: object, **kwargs: Any) -> None:
+            captured.front_door = {"gateways": list(gateways), **kwargs}
+
+        async def start(self) -> RecordingFrontDoor:
+            return self
+
+        async def stop(self) -> None:
+            pass
+
+    with (
+        mock.patch.object(mesh, "ServiceProcess", RecordingProcess),
+        mock.patch.object(mesh, "wait_redis", mock.AsyncMock()),
+        mock.patch.object(frontdoor, "FrontDoor", RecordingFrontDoor),
+    ):
+        running = real_mesh(captured.config, sink=lambda name, line: None)
+        await running.start()
+        await running.stop()
+    return captured
