@@ -59,6 +59,7 @@ class Heartbeater:
         """Per router: did the last heartbeat succeed (for tests and health pages)."""
         self.beats: dict[str, int] = dict.fromkeys(self.routers, 0)
         """Per router: heartbeats answered."""
+        self._changed = asyncio.Event()
 
     def start(self) -> None:
         for router in self.routers:
@@ -93,10 +94,17 @@ class Heartbeater:
             backoff = self.interval_s
             await asyncio.sleep(min(self.interval_s, ttl / 3) if ttl > 0 else self.interval_s)
 
+    async def wait_state(self, router: str, up: bool) -> None:
+        """Until the last heartbeat to ``router`` succeeded (``up``) or failed (not ``up``)."""
+        while self.registered.get(router) is not up:
+            self._changed.clear()
+            await self._changed.wait()
+
     def _state(self, router: str, up: bool, **kw: object) -> None:
         if self.registered.get(router) == up:
             return
         self.registered[router] = up
+        self._changed.set()
         if up:
             log.info("worker_registered_with_router", router=router, address=self.address, **kw)
         else:
