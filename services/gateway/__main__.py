@@ -22,6 +22,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.decoding import GuardedServer
 from services.gateway.identity import Authenticator
 from services.gateway.jwt_auth import JwtVerifier
+from services.gateway.keycache import KeyRecordCache
 from services.gateway.keystore import KeyStore
 from services.gateway.ratelimit import RateLimiter
 from services.gateway.servicer import SERVICE_NAME, GatewayServicer
@@ -56,7 +57,8 @@ def build_gate(settings: GatewaySettings) -> Gate:
             failure_mode=settings.rate_limit_failure_mode,
             retry_after_s=settings.rate_limit_retry_s,
         )
-    authenticator = Authenticator(ApiKeyAuthenticator(keys), store, jwt)
+    cache = KeyRecordCache(settings.key_cache_ttl_s) if store is not None and settings.key_cache_ttl_s > 0 else None
+    authenticator = Authenticator(ApiKeyAuthenticator(keys), store, jwt, cache)
     if not authenticator.configured:
         raise ConfigError(
             "no credentials configured: set MESHSERVE_GATEWAY_API_KEYS (tenant:sha256hex entries), "

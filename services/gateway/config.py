@@ -46,6 +46,9 @@ class GatewaySettings(ServiceSettings):
     """Redis of the API-key store and the rate limiter ("" = neither: static keys/JWT only, no limits)."""
     redis_timeout_s: float = Field(default=0.25, gt=0)
     """Timeout of one Redis call of the key store or the limiter."""
+    key_cache_ttl_s: float = Field(default=1.0, ge=0)
+    """Seconds a stored API key's record is reused without asking Redis; also the longest a revoked
+    key keeps working on a gateway that had just seen it (0 = ask Redis on every request)."""
     rate_limit_failure_mode: Literal["open", "closed"] = "open"
     """Redis unreachable: `open` admits without limits, `closed` rejects with UNAVAILABLE."""
     rate_limit_retry_s: float = Field(default=1.0, gt=0)

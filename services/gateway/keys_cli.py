@@ -44,7 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     create = actions.add_parser("create", help="create a key and print it (shown only this once)")
     create.add_argument("--tenant", required=True, help="tenant the key belongs to")
     create.add_argument("--name", default="", help="a note for humans (who or what uses the key)")
-    create.add_argument("--scopes", default="", help="comma-separated scopes")
+    create.add_argument(
+        "--scopes",
+        default="",
+        help="comma-separated scopes: inference (default: Generate, Complete, Chat, ListModels), "
+        "models:read (ListModels only), * (everything)",
+    )
     create.add_argument("--expires-in", type=parse_duration, default=None, help="lifetime, e.g. 30d (default: none)")
     for name in POLICY_FIELDS:
         flag = "--" + name.replace("_", "-")

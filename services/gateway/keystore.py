@@ -22,6 +22,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from services.cache.gateway_keys import api_key_id, api_key_id_pattern, api_key_record
+from services.gateway import scopes as api_scopes
 from services.gateway.policy import TenantPolicy
 
 KEY_PREFIX = "msk_"
@@ -107,9 +108,13 @@ class KeyStore:
         ttl_s: float | None = None,
         name: str = "",
     ) -> tuple[str, KeyRecord]:
-        """Store a new key; returns ``(plaintext, record)``. The plaintext is never stored."""
+        """Store a new key; returns ``(plaintext, record)``. The plaintext is never stored.
+
+        ``scopes`` must be known (:mod:`services.gateway.scopes`); none given means ``inference``.
+        """
         if not _TENANT.match(tenant):
             raise ValueError("tenant must be 1-64 letters, digits, _ . - (starting with a letter or digit)")
+        granted = api_scopes.check_known(scopes) or api_scopes.DEFAULT
         checked = TenantPolicy().with_overrides(limits)  # raises ValueError naming a bad field
         del checked
         key_id = secrets.token_hex(6)
@@ -119,7 +124,7 @@ class KeyStore:
             key_id=key_id,
             tenant=tenant,
             digest=digest_of(plaintext),
-            scopes=tuple(scopes),
+            scopes=granted,
             limits=dict(limits or {}),
             created_at=now,
             expires_at=now + ttl_s if ttl_s else 0.0,

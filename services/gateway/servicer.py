@@ -24,6 +24,7 @@ from services.common.interceptors import outbound_metadata
 from services.common.metrics import INTER_TOKEN, REQUEST_DURATION, TOKENS, TTFT
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.gateway import scopes
 from services.gateway.admission import Gate, Ticket
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import from_router_error
@@ -120,14 +121,16 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             max_model_chars=settings.max_model_chars,
         )
 
-    async def _admit(self, context: grpc.aio.ServicerContext) -> tuple[str, Identity]:
-        """Assign the request id, authenticate, bind id + tenant + key id for logs and metadata."""
+    async def _admit(self, context: grpc.aio.ServicerContext, method: str) -> tuple[str, Identity]:
+        """Assign the request id, authenticate, check the method's scope, bind id + tenant + key id
+        for logs and metadata, and send the response headers (``x-request-id``)."""
         request_id = uuid.uuid4().hex
         # Overwrite whatever the caller put in x-request-id / x-meshserve-tenant: nothing from a
         # public caller is trusted until its credential has resolved the tenant.
         structlog.contextvars.bind_contextvars(request_id=request_id, tenant="", key_id="")
         identity = await self._gate.identify(context.invocation_metadata() or ())
         structlog.contextvars.bind_contextvars(tenant=identity.tenant, key_id=identity.key_id)
+        scopes.require(method, identity.scopes, identity.key_id)
         await context.send_initial_metadata(((md.REQUEST_ID, request_id),))
         return request_id, identity
 
@@ -157,7 +160,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         with _observe() as observed:
-            request_id, identity = await self._admit(context)
+            request_id, identity = await self._admit(context, "Generate")
             validate_generate(request, self._limits)
             timeout = self._timeout(context, self._settings.default_deadline_s)
             ticket = await self._reserve(identity, request, stream_ttl_s=timeout)
@@ -178,7 +181,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         with _observe() as observed:
-            request_id, identity = await self._admit(context)
+            request_id, identity = await self._admit(context, "Complete")
             validate_generate(request, self._limits)
             timeout = self._timeout(context, self._settings.default_deadline_s)
             ticket = await self._reserve(identity, request, stream_ttl_s=None)
@@ -200,7 +203,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         with _observe():
-            await self._admit(context)
+            await self._admit(context, "ListModels")
             call = self._router.ListModels(
                 request, metadata=self._metadata(), timeout=self._timeout(context, self._settings.default_deadline_s)
             )
@@ -221,7 +224,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         caller in the order they happened; leaving this generator for any reason cancels both.
         """
         with _observe() as observed:
-            request_id, identity = await self._admit(context)
+            request_id, identity = await self._admit(context, "Chat")
             policy = self._gate.policy(identity)
             timeout = self._timeout(context, self._settings.default_chat_deadline_s)
             # The session holds one stream slot; each turn takes one request and reserves its tokens.

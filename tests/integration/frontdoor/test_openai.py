@@ -9,9 +9,11 @@ import aiohttp
 import grpc
 import openai
 import pytest
+import redis.asyncio as aioredis
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.gateway.keystore import KeyStore
 from tests.integration.frontdoor.conftest import API_KEY, MODEL, TINY_KEY, WORDS, FakeRouter, Stack
 
 pytestmark = pytest.mark.integration
@@ -155,3 +157,20 @@ async def test_client_disconnect_mid_stream_cancels_the_router_call(stack: Stack
         assert (await reply.content.readline()).startswith(b"data: {")  # the first token arrived
         reply.close()  # hang up mid-stream: Envoy -> adapter -> gateway -> router must all let go
     await asyncio.wait_for(router.cancelled.wait(), 15)
+
+
+async def test_a_key_without_the_inference_scope_is_403_but_may_list_models(stack: Stack, redis_url: str) -> None:
+    """A stored key (real Redis key store) whose only scope is models:read."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        reader, _ = await KeyStore(client).create("acme", scopes=["models:read"])
+    finally:
+        await client.aclose()
+    async with openai.AsyncOpenAI(base_url=stack.door.base_url, api_key=reader, max_retries=0) as limited:
+        assert [m.id async for m in limited.models.list()] == [MODEL]
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            await limited.chat.completions.create(model=MODEL, messages=MESSAGES)  # type: ignore[arg-type]
+        assert info.value.status_code == 403
+        assert "inference scope" in info.value.message
+        with pytest.raises(openai.PermissionDeniedError):
+            await limited.completions.create(model=MODEL, prompt="hi", stream=True)

@@ -10,7 +10,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.common import metadata as md
+from services.common.errors import Unauthenticated
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.gateway.identity import Authenticator
+from services.gateway.keycache import KeyRecordCache
 from services.gateway.keys_cli import main as keys_main
 from services.gateway.keystore import KeyStore
 from tests.integration.gateway.conftest import KEYS, Gateways, StartFn
@@ -40,7 +43,8 @@ async def call(mesh: Gateways, credential: str, max_tokens: int = 4) -> grpc.Sta
 
 @pytest.fixture
 async def mesh(start: StartFn) -> Gateways:
-    return await start(1, jwt_hs256_secret=SECRET, jwt_audience="meshserve")
+    # No key cache: a revocation is seen by the very next request (the cache is tested below).
+    return await start(1, jwt_hs256_secret=SECRET, jwt_audience="meshserve", key_cache_ttl_s=0)
 
 
 @pytest.fixture
@@ -120,3 +124,81 @@ async def test_bad_utf8_in_a_request_is_invalid_argument_not_internal(mesh: Gate
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "UTF-8" in (err.value.details() or "")
     assert mesh.router.seen == []
+
+
+async def _denied(coro: object) -> grpc.StatusCode:
+    try:
+        await coro  # type: ignore[misc]
+    except grpc.aio.AioRpcError as exc:
+        assert "inference scope" in (exc.details() or "")
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+async def test_scopes_are_enforced_per_method_and_denied_calls_never_reach_the_router(
+    mesh: Gateways, store: KeyStore
+) -> None:
+    reader, record = await store.create("initech", scopes=["models:read"])
+    assert record.scopes == ("models:read",)
+    meta = ((md.AUTHORIZATION, f"Bearer {reader}"),)
+    stub = mesh.stubs[0]
+    models = await stub.ListModels(pb.ListModelsRequest(), metadata=meta)
+    assert models.models[0].id == "fake-model"
+    request = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=4))
+    assert await _denied(stub.Complete(request, metadata=meta)) == grpc.StatusCode.PERMISSION_DENIED
+
+    async def first_frame() -> None:
+        async for _ in stub.Generate(request, metadata=meta):
+            pass
+
+    assert await _denied(first_frame()) == grpc.StatusCode.PERMISSION_DENIED
+    chat = stub.Chat(metadata=meta)
+    assert await _denied(chat.read()) == grpc.StatusCode.PERMISSION_DENIED
+    assert [seen.method for seen in mesh.router.seen] == ["ListModels"]
+
+    default, record = await store.create("initech")
+    assert record.scopes == ("inference",)
+    assert await call(mesh, default) == grpc.StatusCode.OK
+    everything, _ = await store.create("initech", scopes=["*"])
+    assert await call(mesh, everything) == grpc.StatusCode.OK
+    with pytest.raises(ValueError, match="unknown scope"):
+        await store.create("initech", scopes=["admin"])
+
+
+async def test_jwt_scope_claim_is_enforced(mesh: Gateways) -> None:
+    assert await call(mesh, token(scope="openid inference")) == grpc.StatusCode.OK
+    assert await call(mesh, token(scope="models:read")) == grpc.StatusCode.PERMISSION_DENIED
+    assert await call(mesh, token()) == grpc.StatusCode.OK, "no scope claim means the default, inference"
+
+
+async def test_gateway_reuses_a_verified_key_without_asking_redis_again(
+    start: StartFn, store: KeyStore, redis_url: str
+) -> None:
+    mesh = await start(1, key_cache_ttl_s=60)
+    plaintext, _ = await store.create("initech")
+
+    async def lookups() -> int:
+        stats = await store._client.info("commandstats")
+        return int(stats.get("cmdstat_hgetall", {}).get("calls", 0))
+
+    before = await lookups()
+    for _ in range(3):
+        assert await call(mesh, plaintext) == grpc.StatusCode.OK
+    assert await lookups() == before + 1
+    assert await call(mesh, "msk_0123456789ab_unknown") == grpc.StatusCode.UNAUTHENTICATED
+    assert await call(mesh, "msk_0123456789ab_unknown") == grpc.StatusCode.UNAUTHENTICATED
+    assert await lookups() == before + 3, "unknown keys are never cached"
+
+
+async def test_a_revoked_key_is_refused_once_its_cached_record_expires(store: KeyStore) -> None:
+    now = [0.0]
+    authenticator = Authenticator(store=store, key_cache=KeyRecordCache(1.0, clock=lambda: now[0]))
+    plaintext, record = await store.create("initech")
+    meta = ((md.AUTHORIZATION, f"Bearer {plaintext}"),)
+    assert (await authenticator.authenticate(meta)).key_id == record.key_id
+    assert await store.revoke(record.key_id)
+    now[0] = 0.99  # within the documented bound the cached record still answers
+    assert (await authenticator.authenticate(meta)).key_id == record.key_id
+    now[0] = 1.0
+    with pytest.raises(Unauthenticated, match="revoked"):
+        await authenticator.authenticate(meta)

@@ -1,0 +1,60 @@
+"""API scopes: what a credential may do at the gateway.
+
+=============== ==========================================================
+scope           grants
+=============== ==========================================================
+``inference``   Generate, Complete, Chat and ListModels (the default)
+``models:read`` ListModels only (dashboards, health checkers)
+``*``           everything, including scopes added later
+=============== ==========================================================
+
+Where scopes come from: a stored key's ``scopes`` (``meshserve keys create --scopes``), a JWT's
+``scope`` claim (space-separated, OAuth 2.0 style, or a list). A credential that names no scopes —
+a key created without ``--scopes``, a JWT without a ``scope`` claim — gets ``inference``. Static keys
+(``MESHSERVE_GATEWAY_API_KEYS``) are the operator's own and get ``*``.
+A credential without the scope a method needs is refused with PERMISSION_DENIED (HTTP 403).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from services.common.errors import PermissionDenied
+
+INFERENCE = "inference"
+MODELS_READ = "models:read"
+ALL = "*"
+KNOWN = (INFERENCE, MODELS_READ, ALL)
+DEFAULT = (INFERENCE,)
+
+_GRANTS: dict[str, frozenset[str]] = {
+    "Generate": frozenset({INFERENCE, ALL}),
+    "Complete": frozenset({INFERENCE, ALL}),
+    "Chat": frozenset({INFERENCE, ALL}),
+    "ListModels": frozenset({INFERENCE, MODELS_READ, ALL}),
+}
+
+
+def effective(scopes: Iterable[str]) -> tuple[str, ...]:
+    """The scopes a credential holds: its own, or :data:`DEFAULT` when it names none."""
+    held = tuple(s for s in scopes if s)
+    return held or DEFAULT
+
+
+def check_known(scopes: Iterable[str]) -> tuple[str, ...]:
+    """``scopes`` if every one is known; raises ValueError naming the bad one (for key creation)."""
+    out = tuple(s.strip() for s in scopes if s.strip())
+    for scope in out:
+        if scope not in KNOWN:
+            raise ValueError(f"unknown scope {scope!r}; use {', '.join(KNOWN)}")
+    return out
+
+
+def require(method: str, scopes: Iterable[str], key_id: str) -> None:
+    """Raise :class:`PermissionDenied` unless ``scopes`` grant ``method``."""
+    granted_by = _GRANTS[method]
+    if granted_by.isdisjoint(scopes):
+        needed = INFERENCE if method != "ListModels" else f"{INFERENCE} or {MODELS_READ}"
+        raise PermissionDenied(
+            f"credential {key_id} may not call {method}: it needs the {needed} scope; use a key that has it"
+        )
