@@ -17,6 +17,7 @@ from services.router.policy import (
     block_hashes,
     capacity,
     choose_tier,
+    prefix_blocks,
 )
 
 E, C = TierName.EDGE, TierName.CLOUD
@@ -196,3 +197,37 @@ def test_prefix_memory_is_bounded_lru() -> None:
     sel.record("a", first)
     sel.record("a", block_hashes(list(range(100, 132)), 16))
     assert sel.cached_blocks("a", first) == 0  # evicted (4 blocks recorded, 3 kept)
+
+
+def test_blocks_a_replica_reports_hot_count_as_cached() -> None:
+    sel = ReplicaSelector(rng=random.Random(3))
+    blocks = prefix_blocks(list(range(64)), 16, model_id="m", model_version="v", tenant="acme")
+    # Another router filled c's KV: this selector never sent it anything, but c reports the blocks.
+    cands = [Candidate("a", 1), Candidate("b", 1), Candidate("c", 1, hot=frozenset(blocks[:3]))]
+    choice = sel.select(cands, blocks)
+    assert (choice.name, choice.cached_blocks, choice.reason) == ("c", 3, "prefix")
+    assert sel.cached_blocks("d", blocks, frozenset(blocks[1:])) == 0  # only a leading run counts
+    assert sel.cached_blocks("d", blocks, frozenset(blocks[:1])) == 1
+
+
+def test_prefix_blocks_are_the_kv_cache_block_hashes() -> None:
+    from services.cache.keys import kv_block_hashes
+
+    tokens = list(range(40))
+    ours = prefix_blocks(tokens, 16, model_id="m", model_version="v", tenant="acme")
+    assert ours == kv_block_hashes(model_id="m", model_version="v", tenant="acme", token_ids=tokens, block_tokens=16)
+    shared = prefix_blocks(tokens, 16, model_id="m", model_version="v", tenant="acme", shareable=True)
+    assert shared == prefix_blocks(tokens, 16, model_id="m", model_version="v", tenant="other", shareable=True)
+    assert shared != ours
+
+
+def test_replicas_out_of_kv_room_are_skipped_while_another_has_room() -> None:
+    sel = ReplicaSelector(rng=random.Random(5))
+    blocks = block_hashes(list(range(64)), 16)
+    sel.record("a", blocks)  # a holds the whole prefix, but its KV budget is used up
+    cands = [Candidate("a", 0, kv_full=True), Candidate("b", 2), Candidate("c", 2, kv_full=True)]
+    for prompt in (blocks, []):
+        choice = sel.select(cands, prompt)
+        assert (choice.name, choice.reason) == ("b", "kv_room")
+    everyone_full = [Candidate("a", 0, kv_full=True), Candidate("b", 0, kv_full=True)]
+    assert sel.select(everyone_full, blocks).name == "a"  # nobody has room: the usual score decides

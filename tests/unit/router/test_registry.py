@@ -4,7 +4,7 @@ import time
 from typing import Any
 
 from services.router.policy import TierName
-from services.router.registry import Registry, Replica
+from services.router.registry import Registry, Replica, WorkerReport
 
 
 def _replica(**kw: Any) -> Replica:
@@ -40,3 +40,63 @@ def test_ejection_backs_off_exponentially_and_is_capped() -> None:
         backoffs.append(round(r.ejected_until - before))
         assert not r.healthy
     assert backoffs == [1, 2, 4, 4]
+
+
+def _registry(**kw: Any) -> Registry:
+    return Registry([], [], internal_token="t", block_tokens=16, model_version="v1", kv_high_watermark=0.9, **kw)
+
+
+def test_a_report_sets_load_kv_and_hot_blocks() -> None:
+    reg = _registry()
+    r = _replica(kv_high_watermark=0.9)
+    hot = (b"a" * 32, b"b" * 32)
+    reg.apply_report(
+        r,
+        WorkerReport(
+            worker_id="w-1",
+            active=2,
+            queued=1,
+            max_active=8,
+            kv_used_bytes=95,
+            kv_budget_bytes=100,
+            block_tokens=16,
+            hot_blocks=hot,
+            model_version="v1",
+        ),
+    )
+    assert (r.name, r.load, r.max_active, r.hot_blocks) == ("w-1", 3, 8, frozenset(hot))
+    assert r.report.kv_usage == 0.95 and r.kv_full
+    reg.apply_report(r, WorkerReport(kv_used_bytes=50, kv_budget_bytes=100))
+    assert not r.kv_full and r.hot_blocks == frozenset()
+    reg.apply_report(r, WorkerReport(kv_used_bytes=1 << 40))  # no budget: usage unknown, never "full"
+    assert r.report.kv_usage is None and not r.kv_full
+
+
+def test_hot_blocks_hashed_differently_from_ours_are_ignored() -> None:
+    reg = _registry()
+    r = _replica()
+    for block_tokens, version in ((32, "v1"), (16, "v0")):
+        reg.apply_report(r, WorkerReport(block_tokens=block_tokens, model_version=version, hot_blocks=(b"x" * 32,)))
+        assert r.hot_blocks == frozenset()
+
+
+def test_report_from_stats_keeps_every_field() -> None:
+    from services.common.pb.meshserve.internal.v1 import worker_pb2
+
+    stats = worker_pb2.WorkerStats(
+        worker_id="w",
+        active_sequences=1,
+        queue_depth=2,
+        max_active_sequences=3,
+        recent_tokens_per_second=4.5,
+        kv_used_bytes=6,
+        kv_budget_bytes=7,
+        kv_tokens=8,
+        held_sequences=9,
+        prefix_block_tokens=10,
+        hot_prefix_blocks=[b"h"],
+        model_version="v",
+        prompt_tokens_total=11,
+        prefill_tokens_total=12,
+    )
+    assert WorkerReport.from_pb(stats) == WorkerReport("w", 1, 2, 3, 4.5, 6, 7, 8, 9, 10, (b"h",), "v", 11, 12)
