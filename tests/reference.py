@@ -1,6 +1,8 @@
 """The default model called directly (no mesh), as the reference for token-for-token checks.
 
-Edge reference: onnxruntime-genai greedy on the INT4 model. Cloud reference: transformers
+Edge reference: the edge worker's batched engine on the INT4 model, one sequence alone (its tokens
+do not depend on what else shares a decode step; onnxruntime-genai's one-row decode rounds
+differently, docs/edge.md). Cloud reference: transformers
 ``generate(do_sample=False)`` on the HF checkpoint. Prompts are tokenized with the model's
 tokenizer.json exactly as the router does. Trailing EOS is dropped (the mesh does not stream it).
 """
@@ -31,25 +33,29 @@ def _strip_eos(tokens: list[int]) -> list[int]:
 
 
 @cache
-def _onnx_model() -> Any:
-    import onnxruntime_genai as og
+def edge_engine() -> Any:
+    from services.edge_worker.batched import BatchedEngine
 
-    return og.Model(str(model_paths().edge_dir))
+    return BatchedEngine(model_paths().edge_dir, model_id="reference", threads=1, max_batch=2)
+
+
+def edge_continuation(ids: list[int], max_tokens: int) -> list[int]:
+    """Greedy tokens of the edge engine after ``ids`` (trailing EOS dropped)."""
+    from services.common.worker.types import SamplingConfig
+
+    engine = edge_engine()
+    seq = engine.start(ids, SamplingConfig(max_tokens=max_tokens))
+    out: list[int] = []
+    try:
+        while len(out) < max_tokens and (not out or out[-1] != EOS):
+            out.append(seq.step())
+    finally:
+        seq.close()
+    return _strip_eos(out)
 
 
 def edge_greedy(prompt: str, max_tokens: int) -> list[int]:
-    import onnxruntime_genai as og
-
-    ids = encode(prompt)
-    params = og.GeneratorParams(_onnx_model())
-    params.set_search_options(max_length=len(ids) + max_tokens, do_sample=False)
-    generator = og.Generator(_onnx_model(), params)
-    generator.append_tokens(ids)
-    out: list[int] = []
-    while not generator.is_done():
-        generator.generate_next_token()
-        out.append(int(generator.get_next_tokens()[0]))
-    return _strip_eos(out)
+    return edge_continuation(encode(prompt), max_tokens)
 
 
 @cache

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
@@ -23,10 +23,19 @@ class EdgeWorkerSettings(WorkerSettings):
     """onnxruntime-genai model directory (genai_config.json, model.onnx, tokenizer.json); empty uses
     `<models_dir>/<model_id>/edge-int4` from `meshserve models prepare`."""
 
+    engine: Literal["batched", "og"] = "batched"
+    """`batched`: one onnxruntime decode call for all live sequences (KV slots, continuous batching;
+    docs/edge.md). `og`: one onnxruntime-genai generator per sequence (the sequences take turns)."""
+    batch_wait_ms: float = Field(default=3.0, ge=0.0, le=100.0)
+    """Batched engine: how long a decode step waits for the previous step's sequences to come back
+    before it runs without them."""
+    prefill_chunk_tokens: int = Field(default=512, ge=16, le=8192)
+    """Batched engine: prompt tokens per prefill call (bounds the logits buffer: 192 KB per token)."""
     chat_reserve_tokens: int = Field(default=512, ge=0)
-    """KV room a chat sequence keeps beyond its first turn so later turns extend it in place (the
-    builder's CPU model preallocates KV up to a generator's max_length: ~46 KB per token for
-    SmolLM2-135M). A later turn that does not fit starts a fresh sequence."""
+    """og engine: KV room a chat sequence keeps beyond its first turn so later turns extend it in place
+    (the builder's CPU model preallocates KV up to a generator's max_length: ~46 KB per token for
+    SmolLM2-135M). A later turn that does not fit starts a fresh sequence. The batched engine grows
+    KV slots on demand instead."""
 
     def resolved_model_dir(self) -> Path:
         return self.model_dir or model_paths(self.model_id).edge_dir

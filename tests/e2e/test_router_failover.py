@@ -50,19 +50,9 @@ def _sink(name: str, line: str) -> None:
 
 def _edge_continuation(ids: list[int], max_tokens: int) -> list[int]:
     """Greedy tokens of the edge model after prefilling ``ids`` in one pass (what a resumed worker does)."""
-    import onnxruntime_genai as og
+    from tests.reference import edge_continuation
 
-    from tests.reference import EOS, _onnx_model
-
-    params = og.GeneratorParams(_onnx_model())
-    params.set_search_options(max_length=len(ids) + max_tokens, do_sample=False)
-    generator = og.Generator(_onnx_model(), params)
-    generator.append_tokens(ids)
-    out: list[int] = []
-    while not generator.is_done() and len(out) < max_tokens:
-        generator.generate_next_token()
-        out.append(int(generator.get_next_tokens()[0]))
-    return out[:-1] if out and out[-1] == EOS else out
+    return edge_continuation(ids, max_tokens)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,392 @@
+"""Batched edge engine: every live sequence's decode step runs in one onnxruntime call.
+
+Why not one ``og.Generator`` per sequence (:mod:`services.edge_worker.engine`): decode of a 135M INT4
+model reads all weights for every token, and onnxruntime-genai holds the GIL during a step, so N
+sequences on N threads take turns and N streams give ~1x one stream's tokens/s. onnxruntime-genai's
+own batching ``og.Engine`` was measured slower than that up to 8 streams and ~1.2x at 16, with
+batched greedy tokens that differed from single-stream ones (docs/edge.md). Here the builder's ONNX
+graph runs directly on onnxruntime (which releases the GIL): one decode call has one row per sequence
+(MatMulNBits then reads the weights once for all of them), KV lives in per-layer slot buffers shared
+by past and present (:mod:`services.edge_worker.kvslots`).
+
+The runtime's interface is unchanged: a worker thread per sequence calls ``step()``, which enqueues
+the sequence and blocks until the batch thread has run the model for it. The batch thread takes
+everything waiting (waiting up to ``max_wait_s`` for the sequences of the previous step to come back),
+prefills new prompts one sequence per call (chunked), then runs one decode call for all the rest.
+
+Batch invariance: MatMulNBits' int8-activation kernels compute one row (M=1) differently from several
+rows (M>=2), while rows of an M>=2 call do not depend on each other. A decode call therefore always has
+at least two rows (a dummy row pads a lone sequence), so a sequence's tokens are the same whether it
+runs alone or with 15 others, and a resumed stream replays exactly (tested).
+
+Chats: a sequence kept between turns keeps its KV in its slot; when a slot is needed it is parked
+(its valid KV copied out, compact) and copied back when its chat continues. ``reuse`` rewinds to the
+longest common prefix whose KV exists and prefills only the rest, as the og engine did.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+from tokenizers import Tokenizer
+
+from services.common.worker.types import EngineInfo, KVUsage, SamplingConfig
+from services.edge_worker.kvslots import KvSlots
+from services.edge_worker.sampler import pick, rng_for
+
+
+def _reusable_key(sampling: SamplingConfig) -> tuple[Any, ...] | None:
+    """Turns with equal keys may share a sequence; None (an explicit seed) never shares one."""
+    if sampling.greedy:
+        return ("greedy",)
+    if sampling.seed is not None:
+        return None  # a seeded turn must reproduce what a fresh sequence gives (the response cache relies on it)
+    return ("sample", sampling.temperature, sampling.top_p, sampling.top_k)
+
+
+class BatchedSequence:
+    """One generation; ``step`` blocks until the batch thread produced its next token."""
+
+    def __init__(
+        self, engine: BatchedEngine, tokens: Sequence[int], sampling: SamplingConfig, prefill_end: int
+    ) -> None:
+        self._engine = engine
+        self.tokens = list(tokens)
+        """Every token of the sequence; KV exists for the first ``kv_len``."""
+        self.kv_len = 0
+        self.prefill_end = prefill_end
+        """Tokens before this index are prefilled in chunks; later ones (replay) one decode row each."""
+        self.sampling = sampling
+        self.rng = rng_for(sampling)
+        self._key = _reusable_key(sampling)
+        self.slot: int | None = None
+        self.parked: list[np.ndarray] | None = None
+        self.closed = False
+        self.last_used = 0.0
+        self._done = threading.Event()
+        self._result: int | BaseException | None = None
+        self.prefill_tokens = len(self.tokens)
+        """Tokens the next ``step`` computes before its token (the context, or a chat turn's new part)."""
+
+    def step(self) -> int:
+        if self.closed:
+            raise RuntimeError("sequence is closed")
+        self._done.clear()
+        self._engine.submit(self)
+        self._done.wait()
+        result = self._result
+        if isinstance(result, BaseException):
+            raise result
+        assert result is not None
+        return result
+
+    def finish(self, result: int | BaseException) -> None:
+        self._result = result
+        self._done.set()
+
+    def reuse(self, token_ids: Sequence[int], sampling: SamplingConfig) -> bool:
+        """Prepare the next turn over ``token_ids``; False if this sequence cannot be reused."""
+        key = _reusable_key(sampling)
+        if self.closed or key is None or key != self._key:
+            return False
+        if len(token_ids) + sampling.max_tokens > self._engine.info.context_length:
+            return False
+        common = 0
+        limit = min(self.kv_len, len(token_ids) - 1)  # at least one token must run to get logits
+        while common < limit and self.tokens[common] == token_ids[common]:
+            common += 1
+        if common == 0:
+            return False
+        self.tokens = list(token_ids)
+        self.kv_len = common
+        self.prefill_end = len(self.tokens)
+        self.sampling = sampling
+        self.prefill_tokens = len(self.tokens) - common
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._engine.release(self)
+
+
+class BatchedEngine:
+    """The INT4 ONNX model of ``model_dir`` (as written by onnxruntime-genai's model builder), batched.
+
+    ``max_batch``: rows of one decode call (and KV slots); the worker admits at most that many
+    sequences at once. ``max_wait_s``: how long a step waits for the previous step's sequences to
+    come back before running without them.
+    """
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        model_id: str,
+        threads: int = 0,
+        max_batch: int = 16,
+        max_wait_s: float = 0.003,
+        prefill_chunk: int = 512,
+        kv_capacity: int = 256,
+    ) -> None:
+        config = json.loads((model_dir / "genai_config.json").read_text())["model"]
+        decoder = config["decoder"]
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        self._session = ort.InferenceSession(
+            str(model_dir / decoder["filename"]), options, providers=["CPUExecutionProvider"]
+        )
+        eos = config.get("eos_token_id", [])
+        self._info = EngineInfo(
+            model_id=model_id,
+            vocab_size=int(config["vocab_size"]),
+            context_length=int(config["context_length"]),
+            eos_token_ids=frozenset(eos if isinstance(eos, list) else [eos]),
+        )
+        self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.max_batch = max(2, max_batch)  # a decode call has >= 2 rows (see the module docstring)
+        self.max_wait_s = max_wait_s
+        self.prefill_chunk = max(4, prefill_chunk)
+        self._kv = KvSlots(
+            layers=int(decoder["num_hidden_layers"]),
+            kv_heads=int(decoder["num_key_value_heads"]),
+            head_size=int(decoder["head_size"]),
+            slots=self.max_batch,
+            capacity=kv_capacity,
+            max_capacity=self._info.context_length,
+        )
+        self._owners: list[BatchedSequence | None] = [None] * self.max_batch
+        self._parked_bytes = 0
+        self._cv = threading.Condition()
+        self._waiting: list[BatchedSequence] = []
+        self._released: list[BatchedSequence] = []
+        self._expected: set[BatchedSequence] = set()
+        self._stopped = False
+        self.steps = 0
+        """Decode calls run so far (a batch of any size counts once)."""
+        self.rows = 0
+        """Sequence rows decoded so far (rows / steps = mean batch size)."""
+        self._thread = threading.Thread(target=self._loop, name="edge-batch", daemon=True)
+        self._thread.start()
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> BatchedSequence:
+        return BatchedSequence(self, [*token_ids, *replay], sampling, prefill_end=len(token_ids))
+
+    def start_chat(self, token_ids: Sequence[int], sampling: SamplingConfig) -> BatchedSequence:
+        """Like ``start``; the sequence's KV survives its turn for ``reuse``."""
+        return self.start(token_ids, sampling)
+
+    def kv_usage(self) -> KVUsage:
+        return KVUsage(used_bytes=self._kv.allocated_bytes + self._parked_bytes)
+
+    def submit(self, seq: BatchedSequence) -> None:
+        with self._cv:
+            if self._stopped:
+                seq.finish(RuntimeError("the edge engine is stopped"))
+                return
+            self._waiting.append(seq)
+            self._cv.notify()
+
+    def release(self, seq: BatchedSequence) -> None:
+        with self._cv:
+            self._released.append(seq)
+            self._cv.notify()
+
+    def close(self) -> None:
+        """Stop the batch thread; sequences still waiting get an error."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify()
+        self._thread.join(timeout=10)
+
+    # --- the batch thread -------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        carry: list[BatchedSequence] = []  # sequences still replaying or prefilling: no token yet
+        while True:
+            batch, released = self._gather(carry)
+            if batch is None:
+                for seq in carry:
+                    seq.finish(RuntimeError("the edge engine is stopped"))
+                return
+            for seq in released:
+                self._free(seq)
+            try:
+                done, carry = self._iterate(batch)
+            except Exception as exc:  # an onnxruntime failure fails this step's sequences, not the thread
+                for seq in batch:
+                    seq.finish(exc)
+                done, carry = [], []
+            self._expected = {seq for seq, _ in done}
+            for seq, token in done:
+                seq.finish(token)
+
+    def _gather(self, carry: list[BatchedSequence]) -> tuple[list[BatchedSequence] | None, list[BatchedSequence]]:
+        with self._cv:
+            while not self._waiting and not self._released and not carry and not self._stopped:
+                self._cv.wait()
+            if self._stopped:
+                waiting, self._waiting = self._waiting, []
+                for seq in waiting:
+                    seq.finish(RuntimeError("the edge engine is stopped"))
+                return None, []
+            deadline = time.monotonic() + self.max_wait_s
+            while len(carry) + len(self._waiting) < self.max_batch:
+                missing = any(s not in self._waiting and not s.closed for s in self._expected)
+                left = deadline - time.monotonic()
+                if not missing or left <= 0:
+                    break
+                self._cv.wait(left)
+            room = self.max_batch - len(carry)
+            batch = carry + self._waiting[:room]
+            del self._waiting[:room]
+            released, self._released = self._released, []
+            return batch, released
+
+    def _free(self, seq: BatchedSequence) -> None:
+        if seq.slot is not None and self._owners[seq.slot] is seq:
+            self._owners[seq.slot] = None
+        seq.slot = None
+        if seq.parked is not None:
+            self._parked_bytes -= sum(part.nbytes for part in seq.parked)
+            seq.parked = None
+
+    def _iterate(self, batch: list[BatchedSequence]) -> tuple[list[tuple[BatchedSequence, int]], list[BatchedSequence]]:
+        """One round: a prefill chunk per prefilling sequence, one decode call for the rest."""
+        for seq in batch:
+            if seq.closed:
+                seq.finish(RuntimeError("sequence is closed"))
+        batch = [seq for seq in batch if not seq.closed]
+        now = time.monotonic()
+        for seq in batch:
+            seq.last_used = now
+            self._kv.ensure_capacity(min(len(seq.tokens) + 1, self._kv.max_capacity))
+        for seq in batch:
+            self._acquire(seq, batch)
+        done: list[tuple[BatchedSequence, int]] = []
+        carry: list[BatchedSequence] = []
+        decode: list[BatchedSequence] = []
+        for seq in batch:
+            if seq.prefill_end - seq.kv_len >= 2:
+                logits = self._prefill(seq)
+                self._after(seq, logits, done, carry)
+            else:
+                decode.append(seq)
+        if decode:
+            logits = self._decode(decode)
+            for row, seq in enumerate(decode):
+                self._after(seq, logits[row], done, carry)
+        return done, carry
+
+    def _after(
+        self,
+        seq: BatchedSequence,
+        logits: np.ndarray,
+        done: list[tuple[BatchedSequence, int]],
+        carry: list[BatchedSequence],
+    ) -> None:
+        if seq.kv_len < len(seq.tokens):
+            carry.append(seq)  # more of its context to feed before it may choose a token
+            return
+        token = pick(logits, seq.sampling, seq.rng)
+        seq.tokens.append(token)
+        seq.prefill_end = max(seq.prefill_end, seq.kv_len)
+        done.append((seq, token))
+
+    def _acquire(self, seq: BatchedSequence, batch: list[BatchedSequence]) -> None:
+        """Give ``seq`` a slot (parking the least recently used sequence outside ``batch`` if needed)."""
+        if seq.slot is not None:
+            return
+        if None not in self._owners:
+            members = set(batch)
+            victims = [s for s in self._owners if s is not None and s not in members]
+            victim = min(victims, key=lambda s: s.last_used)
+            assert victim.slot is not None
+            victim.parked = self._kv.copy_out(victim.slot, victim.kv_len)
+            self._parked_bytes += sum(part.nbytes for part in victim.parked)
+            self._owners[victim.slot] = None
+            victim.slot = None
+        slot = self._owners.index(None)
+        self._owners[slot] = seq
+        seq.slot = slot
+        if seq.parked is not None:
+            self._kv.copy_in(slot, seq.parked)
+            self._parked_bytes -= sum(part.nbytes for part in seq.parked)
+            seq.parked = None
+
+    def _prefill(self, seq: BatchedSequence) -> np.ndarray:
+        assert seq.slot is not None
+        end = min(seq.prefill_end, seq.kv_len + self.prefill_chunk)
+        if seq.prefill_end - end == 1:
+            end -= 1  # never leave a single prompt token for a decode row of a different shape
+        chunk = seq.tokens[seq.kv_len : end]
+        self._kv.ensure_capacity(end)
+        io = self._kv.binding(self._session, seq.slot, 1)
+        ids = np.array([chunk], dtype=np.int64)
+        mask = np.ones((1, end), dtype=np.int64)
+        io.bind_cpu_input("input_ids", ids)
+        io.bind_cpu_input("attention_mask", mask)
+        io.bind_output("logits")  # unallocated again: its shape changes between runs
+        self._session.run_with_iobinding(io)
+        seq.kv_len = end
+        logits: np.ndarray = io.get_outputs()[0].numpy()
+        return logits[0, -1]
+
+    def _decode(self, seqs: list[BatchedSequence]) -> np.ndarray:
+        """One call, row i = ``seqs[i]`` (moved to slot i); a lone sequence gets a dummy second row."""
+        for row, seq in enumerate(seqs):
+            self._move(seq, row)
+        rows = max(2, len(seqs))
+        lengths = [seq.kv_len for seq in seqs]
+        ids = [seq.tokens[seq.kv_len] for seq in seqs]
+        for slot in range(len(seqs), rows):  # dummy rows write one position past their owner's KV
+            owner = self._owners[slot]
+            lengths.append(owner.kv_len if owner is not None else 0)
+            ids.append(0)
+        width = max(lengths) + 1
+        self._kv.ensure_capacity(width)
+        mask = np.zeros((rows, width), dtype=np.int64)
+        for row, length in enumerate(lengths):
+            mask[row, : length + 1] = 1
+        io = self._kv.binding(self._session, 0, rows)
+        id_array = np.array(ids, dtype=np.int64).reshape(rows, 1)
+        io.bind_cpu_input("input_ids", id_array)
+        io.bind_cpu_input("attention_mask", mask)
+        io.bind_output("logits")  # unallocated again: its shape changes between runs
+        self._session.run_with_iobinding(io)
+        for seq in seqs:
+            seq.kv_len += 1
+        self.steps += 1
+        self.rows += len(seqs)
+        logits: np.ndarray = io.get_outputs()[0].numpy()
+        return logits[: len(seqs), -1]
+
+    def _move(self, seq: BatchedSequence, slot: int) -> None:
+        """Put ``seq`` in ``slot``, swapping with whoever holds it (valid KV only)."""
+        assert seq.slot is not None
+        if seq.slot == slot:
+            return
+        other = self._owners[slot]
+        tokens = max(seq.kv_len, other.kv_len if other is not None else 0)
+        self._kv.swap(seq.slot, slot, tokens)
+        self._owners[seq.slot], self._owners[slot] = other, seq
+        if other is not None:
+            other.slot = seq.slot
+        seq.slot = slot

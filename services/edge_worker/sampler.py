@@ -1,0 +1,36 @@
+"""Next-token choice from one row of logits: greedy, or temperature / top-k / top-p with a seeded RNG.
+
+numpy on the engine's batch thread; each sequence owns its ``numpy.random.Generator``, so a seed gives
+the same tokens however many sequences share a decode step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.common.worker.types import SamplingConfig
+
+
+def rng_for(sampling: SamplingConfig) -> np.random.Generator | None:
+    """The sequence's random generator (None for greedy decoding)."""
+    if sampling.greedy:
+        return None
+    return np.random.default_rng(sampling.seed)
+
+
+def pick(logits: np.ndarray, sampling: SamplingConfig, rng: np.random.Generator | None) -> int:
+    """The next token id for one row of logits ``[vocab]``."""
+    if rng is None or sampling.greedy:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / sampling.temperature
+    candidates = np.arange(scaled.size)
+    if 0 < sampling.top_k < scaled.size:
+        candidates = np.argpartition(-scaled, sampling.top_k - 1)[: sampling.top_k]
+    if sampling.top_p < 1.0:
+        candidates = candidates[np.argsort(-scaled[candidates], kind="stable")]
+    weights = np.exp(scaled[candidates] - scaled[candidates].max())
+    probs = weights / weights.sum()
+    if sampling.top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), sampling.top_p)) + 1
+        candidates, probs = candidates[:keep], probs[:keep] / probs[:keep].sum()
+    return int(candidates[rng.choice(candidates.size, p=probs)])
