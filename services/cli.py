@@ -19,6 +19,7 @@ _DELEGATED = {
     "up": ("services.mesh", "main_up"),
     "bench": ("benchmarks.run", "main"),
     "cache": ("services.cache.cli", "main"),
+    "status": ("services.status", "main"),
     "serve": ("services.launch", "serve_main"),
     "health": ("services.launch", "health_main"),
     "frontdoor": ("services.controlplane.serve", "main"),
@@ -69,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("up", help="start the whole mesh locally (see `meshserve up -h`)", add_help=False)
     commands.add_parser("bench", help="benchmark the mesh (see `meshserve bench -h`)", add_help=False)
     commands.add_parser("cache", help="cache stats, flush and warm-up (see `meshserve cache -h`)", add_help=False)
+    commands.add_parser("status", help="live view of the mesh: replicas, load, tokens/s, caches", add_help=False)
     commands.add_parser("serve", help="run one service in the foreground (container entry point)", add_help=False)
     commands.add_parser("health", help="exit 0 if a gRPC service reports SERVING (healthchecks)", add_help=False)
     commands.add_parser("frontdoor", help="run Envoy + the OpenAI HTTP adapter before the gateways", add_help=False)

@@ -102,6 +102,16 @@ class Mesh:
             f"{n}=http://127.0.0.1:{p.metrics_port}/metrics" for n, p in self.processes.items() if p.metrics_port
         )
 
+    def describe(self) -> dict[str, object]:
+        """Addresses of the running services: what `meshserve status` reads from up's state file."""
+        metrics = {n: f"http://127.0.0.1:{p.metrics_port}/metrics" for n, p in self.processes.items() if p.metrics_port}
+        return {
+            "gateway": self.gateway_address,
+            "router": self.router_address,
+            "cache": self.cache_address,
+            "metrics": metrics,
+        }
+
     def workers(self, tier: str) -> list[ServiceProcess]:
         """Worker processes of a tier ("edge" or "cloud"), in start order."""
         return [p for n, p in self.processes.items() if n.startswith(f"{tier}-")]
@@ -286,6 +296,9 @@ async def run_up(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     print("meshserve: starting the mesh (first start loads the models)...", file=sys.stderr, flush=True)
     await mesh.start()
+    from services.status import write_state
+
+    state = write_state(mesh.describe())  # for `meshserve status`
     try:
         print(
             f"\nmeshserve: mesh is up. gRPC gateway at {mesh.gateway_address} (API key: {api_key})\n"
@@ -297,6 +310,7 @@ async def run_up(args: argparse.Namespace) -> int:
                 if mesh.front_door is not None
                 else ""
             )
+            + "  live view: meshserve status\n"
             + "  Ctrl-C stops everything.\n",
             file=sys.stderr,
             flush=True,
@@ -311,6 +325,7 @@ async def run_up(args: argparse.Namespace) -> int:
         print("\nmeshserve: stopping (draining in-flight streams)...", file=sys.stderr, flush=True)
         return 0
     finally:
+        state.unlink(missing_ok=True)
         await mesh.stop()
 
 

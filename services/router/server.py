@@ -14,6 +14,8 @@ from services.common.pb.meshserve.internal.v1 import registry_pb2, registry_pb2_
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
 from services.common.serving import RunningServer, start_server
 from services.common.tokenizer import Tokenizer
+from services.router.admin_servicer import SERVICE_NAME as ADMIN_SERVICE_NAME
+from services.router.admin_servicer import RouterAdminServicer
 from services.router.admission import Admission
 from services.router.config import RouterSettings
 from services.router.core import SERVICE, Router
@@ -104,10 +106,16 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
         router, context_length=settings.context_length, default_max_tokens=settings.default_max_tokens
     )
     registration = WorkerRegistryServicer(registry) if settings.accept_registrations else None
+    admin = RouterAdminServicer(registry)  # the replica view for `meshserve status`
+
+    def register(s: grpc.aio.Server) -> None:
+        _register(s, servicer, registration)
+        admin.register(s)
+
     server = await start_server(
         settings,
-        lambda s: _register(s, servicer, registration),
-        [SERVICE_NAME, REGISTRY_SERVICE_NAME] if registration else [SERVICE_NAME],
+        register,
+        [SERVICE_NAME, ADMIN_SERVICE_NAME, *([REGISTRY_SERVICE_NAME] if registration else [])],
         internal=True,
         serving=bool(registry.healthy_tiers()),
     )

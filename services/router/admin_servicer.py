@@ -1,0 +1,43 @@
+"""meshserve.internal.v1.RouterAdmin as served by the router: its replica view, for `meshserve status`."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common.pb.meshserve.internal.v1 import router_admin_pb2, router_admin_pb2_grpc
+from services.common.pb.meshserve.v1 import inference_pb2
+from services.router.policy import TierName
+from services.router.registry import Registry
+
+SERVICE_NAME = router_admin_pb2.DESCRIPTOR.services_by_name["RouterAdmin"].full_name
+_TIERS = {TierName.EDGE: inference_pb2.TIER_EDGE, TierName.CLOUD: inference_pb2.TIER_CLOUD}
+
+
+class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def register(self, server: grpc.aio.Server) -> None:
+        router_admin_pb2_grpc.add_RouterAdminServicer_to_server(self, server)
+
+    async def ListReplicas(
+        self, request: router_admin_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
+    ) -> router_admin_pb2.ListReplicasResponse:
+        return router_admin_pb2.ListReplicasResponse(
+            replicas=[
+                router_admin_pb2.ReplicaStatus(
+                    address=r.address,
+                    worker_id=r.worker_id,
+                    tier=_TIERS[r.tier],
+                    healthy=r.healthy,
+                    active_sequences=r.active_sequences,
+                    queue_depth=r.queue_depth,
+                    max_active_sequences=r.max_active,
+                    in_flight=max(0, r.in_flight),
+                    load=max(0, r.load),
+                    ejections=r.ejections,
+                    self_registered=r.registered_until > 0,
+                )
+                for r in self._registry.replicas
+            ]
+        )

@@ -1,0 +1,63 @@
+"""`meshserve status --once` against the real mesh shows every replica, its tier, health and tokens.
+
+Named to run before test_mesh.py, whose last test stops the edge workers of the shared mesh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.mesh import Mesh
+from tests.e2e.conftest import auth
+
+pytestmark = pytest.mark.e2e
+
+
+async def status(*argv: str) -> str:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        "status",
+        "--once",
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    return out.decode()
+
+
+async def test_status_once_shows_the_replicas_per_tier_with_load_tokens_caches_and_traffic(
+    gateway: inference_pb2_grpc.InferenceStub, mesh: Mesh
+) -> None:
+    request = pb.GenerateRequest(prompt="Status e2e: name a color", sampling=pb.SamplingParams(max_tokens=4))
+    frames = [f async for f in gateway.Generate(request, metadata=auth())]
+    served_by = frames[-1].final.route.worker_id
+    state = mesh.describe()
+    metrics = [f"{name}={url}" for name, url in state["metrics"].items()]  # type: ignore[attr-defined]
+    text = await status("--router", mesh.router_address, "--cache", mesh.cache_address, "--metrics", *metrics)
+
+    assert f"router {mesh.router_address} SERVING" in text
+    assert "edge: 2/2 replicas healthy" in text and "cloud: 1/1 replicas healthy" in text
+    for tier in ("edge", "cloud"):
+        for proc in mesh.workers(tier):
+            row = next(line for line in text.splitlines() if proc.address in line)
+            assert row.split("│")[3].strip() == "up", row
+    served_row = next(line for line in text.splitlines() if line.startswith(f"│ {served_by} "))
+    assert int(served_row.split("│")[8].strip()) >= frames[-1].final.usage.completion_tokens  # tokens generated
+    assert "response" in text and "kv prefix" in text  # cache hit ratios from the cache service
+    requests = next(line for line in text.splitlines() if line.startswith("traffic: "))
+    assert int(requests.split("requests ")[1].split()[0]) >= 1
+    assert "unreachable" not in text
+
+
+async def test_status_reports_an_unreachable_router_in_one_line(mesh: Mesh) -> None:
+    text = await status("--router", "127.0.0.1:1", "--cache", "", "--metrics")
+    assert "unreachable: router 127.0.0.1:1: UNAVAILABLE" in text
