@@ -81,7 +81,7 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
         max_open_chats=settings.max_open_chats,
         chat_idle_timeout_s=settings.chat_idle_timeout_s,
     )
-    hasher = PrefixHasher(engine.info.model_id, settings.resolved_model_version(), settings.prefix_block_tokens)
+    hasher = PrefixHasher(settings.model_id, settings.resolved_model_version(), settings.prefix_block_tokens)
     servicer = WorkerServicer(
         runner,
         service=type(settings).service,
