@@ -193,6 +193,9 @@ def render(view: MeshView) -> Group:
     parts: list[object] = [header]
     for tier in ("edge", "cloud"):
         rows = [r for r in view.replicas if r.tier == tier]
+        if not rows:
+            parts.append(Text(f"{tier}: no replicas"))
+            continue
         up = sum(r.healthy for r in rows)
         rate = sum(r.tokens_per_s or 0.0 for r in rows)
         table = Table(title=f"{tier}: {up}/{len(rows)} replicas healthy, {rate:.1f} tokens/s", title_justify="left")
