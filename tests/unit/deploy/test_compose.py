@@ -14,7 +14,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from tests.unit.deploy import commands, compose_model
+from tests.unit.deploy import commands, compose_model, settings_check
 
 SCHEMA = json.loads((compose_model.DEPLOY / "schemas" / "compose-spec.json").read_text())
 _DURATION = re.compile(r"^(\d+(\.\d+)?(us|ms|s|m|h))+$")
@@ -102,3 +102,11 @@ def test_models_volume_is_prepared_before_any_model_reader_starts() -> None:
     for name in ("edge-0", "edge-1", "cloud-0"):
         assert services[name]["depends_on"]["models"] == {"condition": "service_completed_successfully"}
         assert "models:/models:ro" in services[name]["volumes"]
+
+
+def test_every_setting_is_a_field_of_its_service() -> None:
+    doc = compose_model.load(compose_model.COMPOSE, compose_model.COMPOSE_GPU)
+    for name, service in doc["services"].items():
+        if "build" in service:
+            for key in compose_model.service_env(service):
+                settings_check.check(key, name)

@@ -1,0 +1,236 @@
+"""deploy/k8s: both overlays build offline and every resource validates against the Kubernetes schemas.
+
+Schemas come from the pinned PyPI package kubernetes-validate (strict mode: unknown fields fail).
+Beyond the schemas: commands are meshserve entry points, every setting is a real settings field,
+probes ask the port the service listens on, the drain fits in terminationGracePeriodSeconds, HPAs
+scale on metrics the services export (through the prometheus-adapter rules), selectors match pods,
+and the GPU overlay gives each TP rank one GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from services.common.settings import ServiceSettings
+from services.models.paths import DEFAULT_MODEL_ID, model_paths
+from tests.unit.deploy import commands, exported_metrics, kustomize, settings_check
+
+K8S = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
+KUBERNETES_VERSION = "1.33.0"
+OVERLAYS = ["cpu", "gpu"]
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def built(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return kustomize.build(K8S / "overlays" / request.param)
+
+
+def _find(resources: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (found,) = [r for r in resources if r["kind"] == kind and r["metadata"]["name"] == name]
+    return found
+
+
+def _workloads(resources: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in resources if kustomize.containers(r)]
+
+
+def _container_env(resources: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it (ConfigMaps, then env with $(VAR))."""
+    env: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        env.update(_find(resources, "ConfigMap", source["configMapRef"]["name"])["data"])
+    for var in container.get("env", []):
+        if "value" in var:
+            env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), var["value"])
+        else:
+            env[var["name"]] = "<" + json.dumps(var["valueFrom"], sort_keys=True) + ">"
+    return env
+
+
+def _expand(arg: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], arg)
+
+
+def test_every_resource_validates_against_the_kubernetes_schema(built: list[dict[str, Any]]) -> None:
+    kinds = {r["kind"] for r in built}
+    assert {"Deployment", "StatefulSet", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget"} <= kinds
+    assert {"ConfigMap", "Secret", "Namespace"} <= kinds
+    for resource in built:
+        kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True)
+        if resource["kind"] != "Namespace":
+            assert resource["metadata"]["namespace"] == "meshserve"
+
+
+def test_the_schema_validation_catches_mistakes(built: list[dict[str, Any]]) -> None:
+    deployment = json.loads(json.dumps(_find(built, "Deployment", "gateway")))
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["port"] = "grpc"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+    deployment = json.loads(json.dumps(_find(built, "Deployment", "gateway")))
+    deployment["spec"]["template"]["spec"]["terminationGracePeriod"] = 30
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+
+
+def test_deployments_and_the_tp_statefulset(built: list[dict[str, Any]]) -> None:
+    for name in ("gateway", "router", "cache", "edge-worker", "frontdoor"):
+        _find(built, "Deployment", name)
+    tp = _find(built, "StatefulSet", "gpu-worker")
+    service = _find(built, "Service", tp["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None"  # headless: stable per-group DNS
+    (container,) = tp["spec"]["template"]["spec"]["containers"]
+    launcher = commands.parse([_expand(a, _container_env(built, container)) for a in container["command"]]).torchrun
+    assert launcher is not None and launcher.no_python
+
+
+def test_every_command_is_a_meshserve_entry_point(built: list[dict[str, Any]]) -> None:
+    served = set()
+    for workload in _workloads(built):
+        for container in kustomize.containers(workload):
+            env = _container_env(built, container)
+            parsed = commands.parse([_expand(a, env) for a in container["command"]])
+            if parsed.subcommand == "serve":
+                served.add(parsed.args.service)
+    assert served == {"gateway", "router", "cache", "edge-worker", "gpu-worker"}
+
+
+def test_every_setting_is_a_field_of_its_service(built: list[dict[str, Any]]) -> None:
+    for workload in _workloads(built):
+        for container in kustomize.containers(workload):
+            for key in _container_env(built, container):
+                settings_check.check(key, workload["metadata"]["name"])
+
+
+def _port(env: dict[str, str]) -> int | None:
+    ports = [int(v) for k, v in env.items() if re.fullmatch(r"MESHSERVE_[A-Z_]+(?<!METRICS)_PORT", k)]
+    return ports[0] if len(ports) == 1 else None
+
+
+def test_probes_ask_grpc_health_on_the_serving_port(built: list[dict[str, Any]]) -> None:
+    for workload in _workloads(built):
+        for container in workload["spec"]["template"]["spec"]["containers"]:
+            env = _container_env(built, container)
+            parsed = commands.parse([_expand(a, env) for a in container["command"]])
+            port = parsed.args.http_port if parsed.subcommand == "frontdoor" else _port(env)
+            assert port is not None, container["name"]
+            assert container["readinessProbe"]["grpc"]["port"] == port, container["name"]
+            liveness = container["livenessProbe"]
+            assert (liveness.get("grpc") or liveness.get("tcpSocket"))["port"] == port
+            assert env.get(next(iter(k for k in env if k.endswith("_HOST")), ""), "0.0.0.0") == "0.0.0.0"
+            if parsed.subcommand == "serve" and parsed.args.service.endswith("worker"):
+                assert container["startupProbe"]["grpc"]["port"] == port  # model load before liveness
+
+
+def test_drain_fits_in_the_termination_grace_period(built: list[dict[str, Any]]) -> None:
+    """preStop (endpoints drop the pod) + shutdown_grace_s (streams finish) + 5 s <= the grace period."""
+    default = ServiceSettings.model_fields["shutdown_grace_s"].default
+    for workload in _workloads(built):
+        spec = workload["spec"]["template"]["spec"]
+        for container in spec["containers"]:
+            env = _container_env(built, container)
+            grace = max([float(v) for k, v in env.items() if k.endswith("_SHUTDOWN_GRACE_S")] or [default])
+            pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+            readiness = container["readinessProbe"]
+            assert readiness["periodSeconds"] * readiness["failureThreshold"] <= pre_stop + grace
+            assert spec["terminationGracePeriodSeconds"] >= pre_stop + grace + 5, workload["metadata"]["name"]
+
+
+def test_selectors_match_pods(built: list[dict[str, Any]]) -> None:
+    pods = [w["spec"]["template"]["metadata"]["labels"] for w in _workloads(built)]
+
+    def matches(selector: dict[str, str]) -> int:
+        return sum(all(labels.get(k) == v for k, v in selector.items()) for labels in pods)
+
+    for workload in _workloads(built):
+        assert matches(workload["spec"]["selector"]["matchLabels"]) == 1
+    for resource in built:
+        if resource["kind"] == "Service":
+            assert matches(resource["spec"]["selector"]) == 1, resource["metadata"]["name"]
+        if resource["kind"] == "PodDisruptionBudget":
+            assert matches(resource["spec"]["selector"]["matchLabels"]) == 1, resource["metadata"]["name"]
+    covered = {
+        r["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
+        for r in built
+        if r["kind"] == "PodDisruptionBudget"
+    }
+    assert covered >= {"gateway", "router", "edge-worker", "gpu-worker", "frontdoor"}
+
+
+def test_referenced_configmaps_and_secrets_exist(built: list[dict[str, Any]]) -> None:
+    names = {(r["kind"], r["metadata"]["name"]) for r in built}
+    for workload in _workloads(built):
+        spec = workload["spec"]["template"]["spec"]
+        for container in kustomize.containers(workload):
+            for source in container.get("envFrom", []):
+                assert ("ConfigMap", source["configMapRef"]["name"]) in names
+            for var in container.get("env", []):
+                ref = var.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    secret = _find(built, "Secret", ref["name"])
+                    assert ref["key"] in secret["stringData"]
+        for volume in spec.get("volumes", []):
+            if "secret" in volume and not volume["secret"].get("optional"):
+                assert ("Secret", volume["secret"]["secretName"]) in names
+    secret = _find(built, "Secret", "meshserve-secrets")["stringData"]
+    assert secret["redis-url"].startswith(("redis+sentinel://", "redis+cluster://"))
+
+
+def test_hpas_scale_on_exported_metrics_through_the_adapter_rules(built: list[dict[str, Any]]) -> None:
+    rules = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())["rules"]["custom"]
+    series = exported_metrics.all_series()
+    provided = {}
+    for rule in rules:
+        (queried,) = re.findall(r"^(\w+)\{", rule["seriesQuery"])
+        assert queried in series, f"adapter rule reads {queried}, which no service exports"
+        assert re.fullmatch(rule["name"]["matches"], queried)
+        provided[rule["name"]["as"]] = queried
+    workloads = {(w["kind"], w["metadata"]["name"]) for w in _workloads(built)}
+    hpas = [r for r in built if r["kind"] == "HorizontalPodAutoscaler"]
+    assert {h["metadata"]["name"] for h in hpas} >= {"gateway", "edge-worker", "gpu-worker"}
+    custom = set()
+    for hpa in hpas:
+        ref = hpa["spec"]["scaleTargetRef"]
+        assert (ref["kind"], ref["name"]) in workloads
+        for metric in hpa["spec"]["metrics"]:
+            if metric["type"] == "Pods":
+                custom.add(metric["pods"]["metric"]["name"])
+                assert metric["pods"]["metric"]["name"] in provided
+    assert {"meshserve_queue_depth", "meshserve_time_to_first_token_seconds_p90"} <= custom
+
+
+def test_gpu_overlay_gives_each_tp_rank_a_gpu() -> None:
+    built = kustomize.build(K8S / "overlays" / "gpu")
+    tp = _find(built, "StatefulSet", "gpu-worker")
+    (container,) = tp["spec"]["template"]["spec"]["containers"]
+    env = _container_env(built, container)
+    tp_size = int(env["MESHSERVE_TP_SIZE"])
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == tp_size
+    assert env["MESHSERVE_GPU_WORKER_DEVICE"] == "cuda"
+    assert container["image"] == "meshserve:cuda"
+    config = json.loads((model_paths(DEFAULT_MODEL_ID).hf_dir / "config.json").read_text())
+    assert config["num_attention_heads"] % tp_size == 0 and config["num_key_value_heads"] % tp_size == 0
+    others = [c["image"] for w in _workloads(built) if w is not tp for c in kustomize.containers(w)]
+    assert set(others) == {"meshserve:cpu"}
+    cpu = kustomize.build(K8S / "overlays" / "cpu")
+    images = {c["image"] for w in _workloads(cpu) for c in kustomize.containers(w)}
+    assert images == {"meshserve:cpu"}
+
+
+def test_the_builder_refuses_what_it_does_not_implement(tmp_path: Path) -> None:
+    (tmp_path / "kustomization.yaml").write_text("resources: []\nconfigMapGenerator: []\n")
+    with pytest.raises(kustomize.KustomizeError, match="configMapGenerator"):
+        kustomize.build(tmp_path)
+    strategic_merge = {
+        "resources": [str(K8S / "overlays" / "cpu")],
+        "patches": [{"target": {"kind": "Deployment", "name": "gateway"}, "patch": "spec: {replicas: 3}"}],
+    }
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(strategic_merge))
+    with pytest.raises(kustomize.KustomizeError, match="JSON 6902"):
+        kustomize.build(tmp_path)
