@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import structlog
 
+from services.common import tracing
 from services.common.errors import InvalidArgument, MeshError, NotFound
 from services.common.metrics import REQUEST_DURATION, TOKENS
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
@@ -39,7 +40,8 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
             raise NotFound(f"unknown model {model!r}; ListModels shows the served models ({self._router.model_id})")
 
     async def _encode(self, fn: Callable[[], list[int]], size: int) -> list[int]:
-        return fn() if size <= _INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn)
+        with tracing.span("router.tokenize"):
+            return fn() if size <= _INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn)
 
     def _turn_request(
         self,

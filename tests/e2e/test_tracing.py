@@ -32,6 +32,7 @@ WORKER_RPC = "meshserve.internal.v1.Worker/Generate"
 PHASES = [
     ("gateway", "gateway.auth"),
     ("gateway", "gateway.rate_limit"),
+    ("router", "router.tokenize"),
     ("router", "router.cache_lookup"),
     ("router", "router.route_decision"),
     ("edge_worker", "worker.queue_wait"),
@@ -83,10 +84,10 @@ async def test_one_request_is_one_connected_trace_with_the_phases_in_order(trace
     assert frames[-1].final.usage.completion_tokens > 0
 
     spans = await trace_of(
-        folder, lambda s: s["name"] == GATEWAY_RPC and s["service"] == "gateway" and not s["parent_span_id"], 11
+        folder, lambda s: s["name"] == GATEWAY_RPC and s["service"] == "gateway" and not s["parent_span_id"], 12
     )
     by_name = {(s["service"], s["name"]): s for s in spans}
-    assert len(by_name) == len(spans) == 11, sorted(by_name)  # one of each, nothing else in the trace
+    assert len(by_name) == len(spans) == 12, sorted(by_name)  # one of each, nothing else in the trace
 
     # Parent links: gateway RPC (root) -> router RPC -> worker RPC; each phase under its service's RPC.
     gateway_rpc = by_name[("gateway", GATEWAY_RPC)]
@@ -110,4 +111,4 @@ async def test_one_request_is_one_connected_trace_with_the_phases_in_order(trace
     completion = frames[-1].final.usage.completion_tokens
     assert by_name[("edge_worker", "worker.stream_end")]["attributes"]["meshserve.completion_tokens"] == completion
     # Every phase lies inside the gateway's RPC span.
-    assert all(gateway_rpc["start_ns"] <= s["start_ns"] and s["end_ns"] <= gateway_rpc["end_ns"] for s in phases[:6])
+    assert all(gateway_rpc["start_ns"] <= s["start_ns"] and s["end_ns"] <= gateway_rpc["end_ns"] for s in phases[:7])
