@@ -30,6 +30,7 @@ REPLICAS = {"gateway": 2}
 CONTAINER_ONLY = {"HOST", "PORT", "INTERNAL_TOKEN"}
 """Per-service settings compose adds: listen on all interfaces, fixed ports, the internal credential
 from $MESHSERVE_INTERNAL_TOKEN (default: the same built-in token `up` uses)."""
+WORKERS = {"edge-0", "edge-1", "cloud-0"}
 COMMON_ONLY = {"MESHSERVE_MODELS_DIR": "/models"}
 """The models volume (``up`` uses ~/.cache/meshserve/models)."""
 
@@ -139,18 +140,29 @@ def test_front_door_fronts_the_gateways(up: Captured, compose: dict[str, Any]) -
     assert compose["services"][FRONT_DOOR]["ports"] == [f"{parsed.args.http_port}:{parsed.args.http_port}"]
 
 
-def test_start_order_follows_the_addresses_each_service_is_given(up: Captured, compose: dict[str, Any]) -> None:
-    """A service that is given another's address waits for it to be healthy (as `up` waits)."""
+def test_start_order_is_the_launchers(up: Captured, compose: dict[str, Any]) -> None:
+    """A service given another's address waits for it as `up` does: healthy, or just started.
+
+    `up` waits for a dependency's gRPC health (service_healthy) or only for its service_started line
+    (service_started) before spawning the service that is given its address.
+    """
     translate = _translator(up, compose)
     services = compose["services"]
+    conditions = {"serving": "service_healthy", "started": "service_started"}
     for name, child in up.children.items():
         if name == "redis":
             continue
-        given = " ".join(child.env_delta().values())
-        needs = {other for other in up.children if re.search(rf"\b{other}:\d+", translate(given))} - {name}
+        given = translate(" ".join(child.env_delta().values()))
+        needs = {other for other in up.children if re.search(rf"\b{other}:\d+", given)} - {name}
         depends = services[name].get("depends_on", {})
         for dependency in needs:
-            assert depends.get(dependency) == {"condition": "service_healthy"}, f"{name} -> {dependency}"
+            waited = up.awaited_before_spawn(dependency, name)
+            assert waited is not None, f"`up` starts {name} before {dependency}, whose address it is given"
+            assert depends.get(dependency) == {"condition": conditions[waited]}, f"{name} -> {dependency}"
+        for dependency, condition in depends.items():  # and compose waits for nothing `up` does not
+            if dependency not in ONE_SHOT_OR_OPTIONAL:
+                waited = up.awaited_before_spawn(dependency, name)
+                assert waited is not None and condition == {"condition": conditions[waited]}, f"{name} -> {dependency}"
     assert services[FRONT_DOOR]["depends_on"] == {"gateway": {"condition": "service_healthy"}}
 
 

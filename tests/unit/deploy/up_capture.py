@@ -43,6 +43,16 @@ class Captured:
     config: mesh.MeshConfig
     children: dict[str, Child] = field(default_factory=dict)
     front_door: dict[str, Any] | None = None
+    events: list[tuple[str, str]] = field(default_factory=list)
+    """(event, child) in launch order: spawn, started (its service_started line), serving (gRPC health)."""
+
+    def awaited_before_spawn(self, dependency: str, child: str) -> str | None:
+        """How far the launcher let ``dependency`` get before spawning ``child``: serving, started or None."""
+        before = self.events[: self.events.index(("spawn", child))]
+        for state in ("serving", "started"):
+            if (state, dependency) in before:
+                return state
+        return None
 
     @property
     def redis_port(self) -> int:
@@ -87,13 +97,13 @@ async def capture_up(argv: list[str] | None = None) -> Captured:
             return self.child.address
 
         async def spawn(self) -> None:
-            pass
+            captured.events.append(("spawn", self.child.name))
 
         async def wait_started(self, timeout_s: float) -> None:
-            pass
+            captured.events.append(("started", self.child.name))
 
         async def wait_serving(self, timeout_s: float) -> None:
-            pass
+            captured.events.append(("serving", self.child.name))
 
         async def stop(self, timeout_s: float = 15.0) -> None:
             pass
@@ -108,9 +118,12 @@ async def capture_up(argv: list[str] | None = None) -> Captured:
         async def stop(self) -> None:
             pass
 
+    def redis_ready(url: str, timeout_s: float) -> None:
+        captured.events.append(("serving", "redis"))  # wait_redis: PING answered
+
     with (
         mock.patch.object(mesh, "ServiceProcess", RecordingProcess),
-        mock.patch.object(mesh, "wait_redis", mock.AsyncMock()),
+        mock.patch.object(mesh, "wait_redis", mock.AsyncMock(side_effect=redis_ready)),
         mock.patch.object(frontdoor, "FrontDoor", RecordingFrontDoor),
     ):
         running = real_mesh(captured.config, sink=lambda name, line: None)
