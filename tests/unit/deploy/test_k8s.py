@@ -234,3 +234,28 @@ def test_the_builder_refuses_what_it_does_not_implement(tmp_path: Path) -> None:
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(strategic_merge))
     with pytest.raises(kustomize.KustomizeError, match="JSON 6902"):
         kustomize.build(tmp_path)
+
+
+def test_workers_reach_the_router_before_it_is_ready(built: list[dict[str, Any]]) -> None:
+    """The router turns ready only once a worker registered, so heartbeats go to a Service that
+    lists not-ready routers too; gateways use the one that lists only ready routers."""
+    router_pods = _find(built, "Deployment", "router")["spec"]["template"]["metadata"]["labels"]
+
+    def service_of(address: str) -> dict[str, Any]:
+        host, _, port = address.rpartition(":")
+        service = _find(built, "Service", host)
+        assert all(router_pods.get(k) == v for k, v in service["spec"]["selector"].items())
+        assert int(port) in {p["port"] for p in service["spec"]["ports"]}
+        return service
+
+    for workload in ("edge-worker", "gpu-worker"):
+        kind = "StatefulSet" if workload == "gpu-worker" else "Deployment"
+        (container,) = _find(built, kind, workload)["spec"]["template"]["spec"]["containers"]
+        env = _container_env(built, container)
+        (address,) = [v for k, v in env.items() if k.endswith("_WORKER_ROUTER_ADDRESS")]
+        assert service_of(address)["spec"].get("publishNotReadyAddresses") is True
+        (advertised,) = [v for k, v in env.items() if k.endswith("_ADVERTISE_ADDRESS")]
+        assert "status.podIP" in advertised and advertised.endswith(f":{_port(env)}")
+    (gateway,) = _find(built, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"]
+    address = _container_env(built, gateway)["MESHSERVE_GATEWAY_ROUTER_ADDRESS"]
+    assert not service_of(address)["spec"].get("publishNotReadyAddresses")
