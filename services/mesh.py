@@ -1,10 +1,12 @@
 """`meshserve up`: the whole mesh as local processes, health-gated, one merged log, clean stop.
 
 Topology (defaults): redis-server (unless a Redis URL is given; started with ``--maxmemory`` and
-``allkeys-lru``, see docs/cache.md), 2 edge workers, 1 cloud worker, router, cache admin, gateway.
+``allkeys-lru``, see docs/cache.md), router, 2 edge workers, 1 cloud worker, cache admin, gateway.
 Every service binds port 0 on loopback; its ``service_started`` log line tells us
-the port, and we wait on its gRPC health before starting what depends on it. Ctrl-C (SIGINT) or
-SIGTERM stops everything in reverse order, letting in-flight streams drain.
+the port, and we wait on its gRPC health before starting what depends on it. The router starts
+first with no static worker list: the workers are given its address and register themselves by
+heartbeat (docs/router.md), so a worker that dies is dropped from routing after the heartbeat TTL.
+Ctrl-C (SIGINT) or SIGTERM stops everything, letting in-flight streams drain.
 
 :class:`Mesh` is also what the end-to-end tests and the benchmarks start, so they run exactly the
 topology users get.
@@ -165,12 +167,21 @@ class Mesh:
         try:
             if not self.redis_url:
                 await self._start_redis()
+            router = self._service(
+                "router",
+                "services.router",
+                MESHSERVE_ROUTER_REDIS_URL=self.redis_url,
+                MESHSERVE_ROUTER_EDGE_MAX_PROMPT_TOKENS=cfg.edge_max_prompt_tokens,
+            )
+            await router.spawn()  # first: the workers register with it (it serves once one has)
+            await router.wait_started(timeout)
             workers = [
                 self._service(
                     f"edge-{i}",
                     "services.edge_worker",
                     MESHSERVE_EDGE_WORKER_WORKER_ID=f"edge-{i}",
                     MESHSERVE_EDGE_WORKER_THREADS=cfg.edge_threads,
+                    MESHSERVE_EDGE_WORKER_ROUTER_ADDRESS=router.address,
                 )
                 for i in range(cfg.edge_workers)
             ] + [
@@ -179,22 +190,13 @@ class Mesh:
                     "services.gpu_worker",
                     MESHSERVE_GPU_WORKER_WORKER_ID=f"cloud-{i}",
                     MESHSERVE_GPU_WORKER_THREADS=cfg.cloud_threads,
+                    MESHSERVE_GPU_WORKER_ROUTER_ADDRESS=router.address,
                 )
                 for i in range(cfg.cloud_workers)
             ]
             await asyncio.gather(*(w.spawn() for w in workers))
             await asyncio.gather(*(w.wait_started(timeout) for w in workers))
             await asyncio.gather(*(w.wait_serving(timeout) for w in workers))
-            router = self._service(
-                "router",
-                "services.router",
-                MESHSERVE_ROUTER_EDGE_WORKERS=",".join(w.address for w in self.workers("edge")),
-                MESHSERVE_ROUTER_CLOUD_WORKERS=",".join(w.address for w in self.workers("cloud")),
-                MESHSERVE_ROUTER_REDIS_URL=self.redis_url,
-                MESHSERVE_ROUTER_EDGE_MAX_PROMPT_TOKENS=cfg.edge_max_prompt_tokens,
-            )
-            await router.spawn()
-            await router.wait_started(timeout)
             await router.wait_serving(timeout)
             cache = self._service(  # cache admin service (`meshserve cache stats|flush|warm`)
                 "cache",
@@ -235,14 +237,17 @@ class Mesh:
         return self
 
     async def stop(self) -> None:
-        """Stop in reverse order: front door, gateway, router, workers (in parallel), redis."""
+        """Stop in order: front door, gateway, cache, workers (in parallel; each tells the router it
+        leaves), router, redis."""
         if self.front_door is not None:
             await self.front_door.stop()
             self.front_door = None
-        order = [n for n in ("gateway", "cache", "router") if n in self.processes]
+        order = [n for n in ("gateway", "cache") if n in self.processes]
         for name in order:
             await self.processes[name].stop()
-        await asyncio.gather(*(p.stop() for n, p in self.processes.items() if n not in order))
+        await asyncio.gather(*(p.stop() for n, p in self.processes.items() if n not in (*order, "router")))
+        if "router" in self.processes:
+            await self.processes["router"].stop()
         if self._redis is not None:
             await self._redis.stop()
             self._redis = None
