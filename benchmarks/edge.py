@@ -8,7 +8,9 @@ sends greedy requests with the EDGE hint and the response cache bypassed, and re
   divided into the machine's measured read bandwidth (numpy sums over a buffer far larger than the
   caches, best of 3, the better of 1 thread and the worker's thread count);
 * aggregate tokens/s at 1, 4 and 16 concurrent streams (all tokens / wall time of the round);
-* memory per stream: the edge worker's peak RSS during the 16-stream round minus its idle RSS, / 16.
+* memory per stream: the edge worker's peak RSS during the 16-stream round minus its idle RSS, / 16;
+* the same rounds on the engine alone, in-process (``--direct``, default on): batched and og engines
+  interleaved, with CPU time per token (benchmarks/edge_direct.py).
 
 Writes ``docs/benchmarks/edge.{json,md}``.
 """
@@ -30,6 +32,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from benchmarks import edge_direct
 from benchmarks.stats import StreamSample, summarize, time_stream
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
@@ -115,7 +118,7 @@ async def _round(stub: inference_pb2_grpc.InferenceStub, streams: int, max_token
     }
 
 
-async def run(max_tokens: int, threads: int, stream_counts: Sequence[int]) -> dict[str, Any]:
+async def run(max_tokens: int, threads: int, stream_counts: Sequence[int], engine: str = "batched") -> dict[str, Any]:
     edge_dir = model_paths().edge_dir
     per_token, total = weight_bytes_per_token(edge_dir)
     bandwidth = max(read_bandwidth_gbs(1), read_bandwidth_gbs(threads))
@@ -126,6 +129,7 @@ async def run(max_tokens: int, threads: int, stream_counts: Sequence[int]) -> di
         extra_env={
             "MESHSERVE_EDGE_WORKER_MAX_ACTIVE_SEQUENCES": str(max(stream_counts)),
             "MESHSERVE_EDGE_WORKER_MAX_QUEUE": str(2 * max(stream_counts)),
+            "MESHSERVE_EDGE_WORKER_ENGINE": engine,
         },
     )
     rounds = []
@@ -146,7 +150,8 @@ async def run(max_tokens: int, threads: int, stream_counts: Sequence[int]) -> di
         "benchmark": "edge",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m": os.getloadavg()[0]},
-        "command": f"python -m benchmarks.edge --max-tokens {max_tokens} --threads {threads}",
+        "command": f"python -m benchmarks.edge --max-tokens {max_tokens} --threads {threads} --engine {engine}",
+        "engine": engine,
         "model_dir": str(edge_dir),
         "weight_bytes_total": total,
         "weight_bytes_per_token": per_token,
@@ -166,7 +171,7 @@ def markdown(report: dict[str, Any]) -> str:
         "# Edge tier through the whole mesh",
         "",
         f"Measured {report['date']} on {report['machine']} with `{report['command']}`.",
-        "Greedy requests with the EDGE hint, response cache bypassed, one edge worker.",
+        f"Greedy requests with the EDGE hint, response cache bypassed, one edge worker ({report['engine']} engine).",
         "",
         f"- weights read per decode step: {report['weight_bytes_per_token'] / mib:.1f} MiB "
         f"(all weights {report['weight_bytes_total'] / mib:.1f} MiB; the embedding table is a gather)",
@@ -186,6 +191,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {r['streams']} | {r['aggregate_tokens_per_s']:.1f} | {r['aggregate_tokens_per_s'] / base:.2f} | "
             f"{r['ttft_ms_p50']:.0f} | {r['itl_ms_p50']:.1f} | {r['decode_tokens_per_s']:.1f} |"
         )
+    if report.get("direct"):
+        lines += edge_direct.markdown(report["direct"], report["roofline_tokens_per_s"])
     return "\n".join(lines) + "\n"
 
 
@@ -194,10 +201,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="edge worker intra-op threads")
     parser.add_argument("--streams", default="1,4,16", help="comma-separated stream counts (default 1,4,16)")
+    parser.add_argument("--engine", choices=("batched", "og"), default="batched", help="edge engine in the mesh")
+    parser.add_argument(
+        "--direct", action=argparse.BooleanOptionalAction, default=True, help="also time both engines in-process"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="in-process rounds per point (median; default 3)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.streams.split(",")]
-    report = asyncio.run(run(args.max_tokens, args.threads, counts))
+    report = asyncio.run(run(args.max_tokens, args.threads, counts, args.engine))
+    if args.direct:
+        print("engines in-process ...", file=sys.stderr, flush=True)
+        from tokenizers import Tokenizer
+
+        edge_dir = model_paths().edge_dir
+        prompt = list(Tokenizer.from_file(str(edge_dir / "tokenizer.json")).encode(PROMPT).ids)
+        report["direct"] = edge_direct.measure(
+            ("batched", "og"),
+            edge_dir,
+            prompt,
+            threads=args.threads,
+            counts=counts,
+            max_tokens=args.max_tokens,
+            repeats=args.repeats,
+        )
+        report["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "edge.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "edge.md").write_text(markdown(report))

@@ -31,7 +31,6 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnxruntime as ort
@@ -39,82 +38,8 @@ from tokenizers import Tokenizer
 
 from services.common.worker.types import EngineInfo, KVUsage, SamplingConfig
 from services.edge_worker.kvslots import KvSlots
-from services.edge_worker.sampler import pick, rng_for
-
-
-def _reusable_key(sampling: SamplingConfig) -> tuple[Any, ...] | None:
-    """Turns with equal keys may share a sequence; None (an explicit seed) never shares one."""
-    if sampling.greedy:
-        return ("greedy",)
-    if sampling.seed is not None:
-        return None  # a seeded turn must reproduce what a fresh sequence gives (the response cache relies on it)
-    return ("sample", sampling.temperature, sampling.top_p, sampling.top_k)
-
-
-class BatchedSequence:
-    """One generation; ``step`` blocks until the batch thread produced its next token."""
-
-    def __init__(
-        self, engine: BatchedEngine, tokens: Sequence[int], sampling: SamplingConfig, prefill_end: int
-    ) -> None:
-        self._engine = engine
-        self.tokens = list(tokens)
-        """Every token of the sequence; KV exists for the first ``kv_len``."""
-        self.kv_len = 0
-        self.prefill_end = prefill_end
-        """Tokens before this index are prefilled in chunks; later ones (replay) one decode row each."""
-        self.sampling = sampling
-        self.rng = rng_for(sampling)
-        self._key = _reusable_key(sampling)
-        self.slot: int | None = None
-        self.parked: list[np.ndarray] | None = None
-        self.closed = False
-        self.last_used = 0.0
-        self._done = threading.Event()
-        self._result: int | BaseException | None = None
-        self.prefill_tokens = len(self.tokens)
-        """Tokens the next ``step`` computes before its token (the context, or a chat turn's new part)."""
-
-    def step(self) -> int:
-        if self.closed:
-            raise RuntimeError("sequence is closed")
-        self._done.clear()
-        self._engine.submit(self)
-        self._done.wait()
-        result = self._result
-        if isinstance(result, BaseException):
-            raise result
-        assert result is not None
-        return result
-
-    def finish(self, result: int | BaseException) -> None:
-        self._result = result
-        self._done.set()
-
-    def reuse(self, token_ids: Sequence[int], sampling: SamplingConfig) -> bool:
-        """Prepare the next turn over ``token_ids``; False if this sequence cannot be reused."""
-        key = _reusable_key(sampling)
-        if self.closed or key is None or key != self._key:
-            return False
-        if len(token_ids) + sampling.max_tokens > self._engine.info.context_length:
-            return False
-        common = 0
-        limit = min(self.kv_len, len(token_ids) - 1)  # at least one token must run to get logits
-        while common < limit and self.tokens[common] == token_ids[common]:
-            common += 1
-        if common == 0:
-            return False
-        self.tokens = list(token_ids)
-        self.kv_len = common
-        self.prefill_end = len(self.tokens)
-        self.sampling = sampling
-        self.prefill_tokens = len(self.tokens) - common
-        return True
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._engine.release(self)
+from services.edge_worker.sampler import pick
+from services.edge_worker.sequence import BatchedSequence
 
 
 class BatchedEngine:
@@ -122,7 +47,8 @@ class BatchedEngine:
 
     ``max_batch``: rows of one decode call (and KV slots); the worker admits at most that many
     sequences at once. ``max_wait_s``: how long a step waits for the previous step's sequences to
-    come back before running without them.
+    come back before running without them. ``batch_invariant=False`` lets a lone sequence decode in a
+    one-row call (faster, but its greedy tokens may then differ at near-ties from a batched run).
     """
 
     def __init__(
@@ -135,6 +61,7 @@ class BatchedEngine:
         max_wait_s: float = 0.003,
         prefill_chunk: int = 512,
         kv_capacity: int = 256,
+        batch_invariant: bool = True,
     ) -> None:
         config = json.loads((model_dir / "genai_config.json").read_text())["model"]
         decoder = config["decoder"]
@@ -142,6 +69,9 @@ class BatchedEngine:
         if threads:
             options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        # Idle intra-op threads sleep instead of spinning: on a small shared CPU (the worker sits next
+        # to the gateway and router) spinning cost ~1.6x CPU per token at 2 threads (docs/edge.md).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self._session = ort.InferenceSession(
             str(model_dir / decoder["filename"]), options, providers=["CPUExecutionProvider"]
         )
@@ -153,7 +83,8 @@ class BatchedEngine:
             eos_token_ids=frozenset(eos if isinstance(eos, list) else [eos]),
         )
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        self.max_batch = max(2, max_batch)  # a decode call has >= 2 rows (see the module docstring)
+        self.max_batch = max(2, max_batch)
+        self.min_rows = 2 if batch_invariant else 1  # >= 2 rows per decode call: see the module docstring
         self.max_wait_s = max_wait_s
         self.prefill_chunk = max(4, prefill_chunk)
         self._kv = KvSlots(
@@ -353,7 +284,7 @@ class BatchedEngine:
         """One call, row i = ``seqs[i]`` (moved to slot i); a lone sequence gets a dummy second row."""
         for row, seq in enumerate(seqs):
             self._move(seq, row)
-        rows = max(2, len(seqs))
+        rows = max(self.min_rows, len(seqs))
         lengths = [seq.kv_len for seq in seqs]
         ids = [seq.tokens[seq.kv_len] for seq in seqs]
         for slot in range(len(seqs), rows):  # dummy rows write one position past their owner's KV

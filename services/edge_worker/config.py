@@ -29,6 +29,10 @@ class EdgeWorkerSettings(WorkerSettings):
     batch_wait_ms: float = Field(default=3.0, ge=0.0, le=100.0)
     """Batched engine: how long a decode step waits for the previous step's sequences to come back
     before it runs without them."""
+    batch_invariant: bool = True
+    """Batched engine: decode a lone sequence in a two-row call (a dummy row), so its tokens equal what
+    it gets in any batch (the INT4 kernels round one row differently from several). Off: a lone
+    sequence runs one row (~20 % less CPU per token) and greedy output can depend on the load."""
     prefill_chunk_tokens: int = Field(default=512, ge=16, le=8192)
     """Batched engine: prompt tokens per prefill call (bounds the logits buffer: 192 KB per token)."""
     chat_reserve_tokens: int = Field(default=512, ge=0)

@@ -28,6 +28,7 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
         max_batch=settings.max_active_sequences,
         max_wait_s=settings.batch_wait_ms / 1000,
         prefill_chunk=settings.prefill_chunk_tokens,
+        batch_invariant=settings.batch_invariant,
     )
 
 

@@ -9,7 +9,8 @@ import onnxruntime_genai as og
 import pytest
 
 from services.common.worker.types import SamplingConfig
-from services.edge_worker.batched import BatchedEngine, BatchedSequence
+from services.edge_worker.batched import BatchedEngine
+from services.edge_worker.sequence import BatchedSequence
 from services.models.paths import model_paths
 
 pytestmark = pytest.mark.integration

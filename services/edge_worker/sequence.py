@@ -1,0 +1,95 @@
+"""One sequence of the batched edge engine (:mod:`services.edge_worker.batched`).
+
+Its worker thread calls ``step()``, which hands the sequence to the engine's batch thread and blocks
+until that thread has fed its pending tokens and chosen the next one. Only the batch thread touches
+``tokens``, ``kv_len``, ``slot`` and ``parked`` while a step is pending.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from services.common.worker.types import SamplingConfig
+from services.edge_worker.sampler import rng_for
+
+if TYPE_CHECKING:
+    from services.edge_worker.batched import BatchedEngine
+
+
+def _reusable_key(sampling: SamplingConfig) -> tuple[Any, ...] | None:
+    """Turns with equal keys may share a sequence; None (an explicit seed) never shares one."""
+    if sampling.greedy:
+        return ("greedy",)
+    if sampling.seed is not None:
+        return None  # a seeded turn must reproduce what a fresh sequence gives (the response cache relies on it)
+    return ("sample", sampling.temperature, sampling.top_p, sampling.top_k)
+
+
+class BatchedSequence:
+    """One generation; ``step`` blocks until the batch thread produced its next token."""
+
+    def __init__(
+        self, engine: BatchedEngine, tokens: Sequence[int], sampling: SamplingConfig, prefill_end: int
+    ) -> None:
+        self._engine = engine
+        self.tokens = list(tokens)
+        """Every token of the sequence; KV exists for the first ``kv_len``."""
+        self.kv_len = 0
+        self.prefill_end = prefill_end
+        """Tokens before this index are prefilled in chunks; later ones (replay) one decode row each."""
+        self.sampling = sampling
+        self.rng = rng_for(sampling)
+        self._key = _reusable_key(sampling)
+        self.slot: int | None = None
+        self.parked: list[np.ndarray] | None = None
+        self.closed = False
+        self.last_used = 0.0
+        self._done = threading.Event()
+        self._result: int | BaseException | None = None
+        self.prefill_tokens = len(self.tokens)
+        """Tokens the next ``step`` computes before its token (the context, or a chat turn's new part)."""
+
+    def step(self) -> int:
+        if self.closed:
+            raise RuntimeError("sequence is closed")
+        self._done.clear()
+        self._engine.submit(self)
+        self._done.wait()
+        result = self._result
+        if isinstance(result, BaseException):
+            raise result
+        assert result is not None
+        return result
+
+    def finish(self, result: int | BaseException) -> None:
+        self._result = result
+        self._done.set()
+
+    def reuse(self, token_ids: Sequence[int], sampling: SamplingConfig) -> bool:
+        """Prepare the next turn over ``token_ids``; False if this sequence cannot be reused."""
+        key = _reusable_key(sampling)
+        if self.closed or key is None or key != self._key:
+            return False
+        if len(token_ids) + sampling.max_tokens > self._engine.info.context_length:
+            return False
+        common = 0
+        limit = min(self.kv_len, len(token_ids) - 1)  # at least one token must run to get logits
+        while common < limit and self.tokens[common] == token_ids[common]:
+            common += 1
+        if common == 0:
+            return False
+        self.tokens = list(token_ids)
+        self.kv_len = common
+        self.prefill_end = len(self.tokens)
+        self.sampling = sampling
+        self.prefill_tokens = len(self.tokens) - common
+        return True
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._engine.release(self)
