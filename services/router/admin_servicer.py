@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2, router_admin_pb2_grpc
@@ -23,6 +25,7 @@ class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
     async def ListReplicas(
         self, request: router_admin_pb2.ListReplicasRequest, context: grpc.aio.ServicerContext
     ) -> router_admin_pb2.ListReplicasResponse:
+        now = time.monotonic()
         return router_admin_pb2.ListReplicasResponse(
             replicas=[
                 router_admin_pb2.ReplicaStatus(
@@ -37,6 +40,14 @@ class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
                     load=max(0, r.load),
                     ejections=r.ejections,
                     self_registered=r.registered_until > 0,
+                    recent_tokens_per_second=r.report.tokens_per_s,
+                    kv_tokens=r.report.kv_tokens,
+                    kv_used_bytes=r.report.kv_used_bytes,
+                    kv_budget_bytes=r.report.kv_budget_bytes,
+                    held_sequences=r.report.held_sequences,
+                    hot_prefix_blocks=len(r.hot_blocks),
+                    kv_full=r.kv_full,
+                    report_age_ms=int((now - r.reported_at) * 1000) if r.reported_at else 0,
                 )
                 for r in self._registry.replicas
             ]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb.meshserve.v1 import inference_pb2 as meshserve_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(meshserve/internal/v1/router_admin.proto\x12\x15meshserve.internal.v1\x1a\x1cmeshserve/v1/inference.proto\"\x15\n\x13ListReplicasRequest\"\x80\x02\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x18\n\x10\x61\x63tive_sequences\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x1c\n\x14max_active_sequences\x18\x07 \x01(\r\x12\x11\n\tin_flight\x18\x08 \x01(\r\x12\x0c\n\x04load\x18\t \x01(\r\x12\x11\n\tejections\x18\n \x01(\r\x12\x17\n\x0fself_registered\x18\x0b \x01(\x08\"N\n\x14ListReplicasResponse\x12\x36\n\x08replicas\x18\x01 \x03(\x0b\x32$.meshserve.internal.v1.ReplicaStatus2v\n\x0bRouterAdmin\x12g\n\x0cListReplicas\x12*.meshserve.internal.v1.ListReplicasRequest\x1a+.meshserve.internal.v1.ListReplicasResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(meshserve/internal/v1/router_admin.proto\x12\x15meshserve.internal.v1\x1a\x1cmeshserve/v1/inference.proto\"\x15\n\x13ListReplicasRequest\"\xc0\x03\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x18\n\x10\x61\x63tive_sequences\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x1c\n\x14max_active_sequences\x18\x07 \x01(\r\x12\x11\n\tin_flight\x18\x08 \x01(\r\x12\x0c\n\x04load\x18\t \x01(\r\x12\x11\n\tejections\x18\n \x01(\r\x12\x17\n\x0fself_registered\x18\x0b \x01(\x08\x12 \n\x18recent_tokens_per_second\x18\x0c \x01(\x02\x12\x11\n\tkv_tokens\x18\r \x01(\x04\x12\x15\n\rkv_used_bytes\x18\x0e \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x0f \x01(\x04\x12\x16\n\x0eheld_sequences\x18\x10 \x01(\r\x12\x19\n\x11hot_prefix_blocks\x18\x11 \x01(\r\x12\x0f\n\x07kv_full\x18\x12 \x01(\x08\x12\x15\n\rreport_age_ms\x18\x13 \x01(\r\"N\n\x14ListReplicasResponse\x12\x36\n\x08replicas\x18\x01 \x03(\x0b\x32$.meshserve.internal.v1.ReplicaStatus2v\n\x0bRouterAdmin\x12g\n\x0cListReplicas\x12*.meshserve.internal.v1.ListReplicasRequest\x1a+.meshserve.internal.v1.ListReplicasResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,9 +35,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTREPLICASREQUEST']._serialized_start=97
   _globals['_LISTREPLICASREQUEST']._serialized_end=118
   _globals['_REPLICASTATUS']._serialized_start=121
-  _globals['_REPLICASTATUS']._serialized_end=377
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=379
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=457
-  _globals['_ROUTERADMIN']._serialized_start=459
-  _globals['_ROUTERADMIN']._serialized_end=577
+  _globals['_REPLICASTATUS']._serialized_end=569
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=571
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=649
+  _globals['_ROUTERADMIN']._serialized_start=651
+  _globals['_ROUTERADMIN']._serialized_end=769
 # @@protoc_insertion_point(module_scope)

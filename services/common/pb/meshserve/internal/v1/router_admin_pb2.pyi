@@ -55,6 +55,14 @@ class ReplicaStatus(_message.Message):
     LOAD_FIELD_NUMBER: _builtins.int
     EJECTIONS_FIELD_NUMBER: _builtins.int
     SELF_REGISTERED_FIELD_NUMBER: _builtins.int
+    RECENT_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    KV_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_USED_BYTES_FIELD_NUMBER: _builtins.int
+    KV_BUDGET_BYTES_FIELD_NUMBER: _builtins.int
+    HELD_SEQUENCES_FIELD_NUMBER: _builtins.int
+    HOT_PREFIX_BLOCKS_FIELD_NUMBER: _builtins.int
+    KV_FULL_FIELD_NUMBER: _builtins.int
+    REPORT_AGE_MS_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """host:port the router calls the replica on."""
     worker_id: _builtins.str
@@ -77,6 +85,22 @@ class ReplicaStatus(_message.Message):
     """Consecutive ejections (failures or stalls) not yet forgiven."""
     self_registered: _builtins.bool
     """The replica registered itself by heartbeats (false: configured statically)."""
+    recent_tokens_per_second: _builtins.float
+    """Tokens generated per second, from the worker's latest load report."""
+    kv_tokens: _builtins.int
+    """Tokens whose KV the worker holds (live sequences and kept chats), from its latest load report."""
+    kv_used_bytes: _builtins.int
+    """KV bytes held and the worker's KV budget (0: none reported), from its latest load report."""
+    kv_budget_bytes: _builtins.int
+    """The worker's KV budget in bytes; 0 = no fixed budget."""
+    held_sequences: _builtins.int
+    """Chats kept between turns on the worker, from its latest load report."""
+    hot_prefix_blocks: _builtins.int
+    """Hot prefix blocks of the worker the router counts as cached when it scores this replica."""
+    kv_full: _builtins.bool
+    """At or above the router's KV high watermark: gets no new turns while another replica has room."""
+    report_age_ms: _builtins.int
+    """Milliseconds since the latest load report (heartbeat or Stats probe); 0 = none yet."""
     def __init__(
         self,
         *,
@@ -91,10 +115,18 @@ class ReplicaStatus(_message.Message):
         load: _builtins.int = ...,
         ejections: _builtins.int = ...,
         self_registered: _builtins.bool = ...,
+        recent_tokens_per_second: _builtins.float = ...,
+        kv_tokens: _builtins.int = ...,
+        kv_used_bytes: _builtins.int = ...,
+        kv_budget_bytes: _builtins.int = ...,
+        held_sequences: _builtins.int = ...,
+        hot_prefix_blocks: _builtins.int = ...,
+        kv_full: _builtins.bool = ...,
+        report_age_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sequences", b"active_sequences", "address", b"address", "ejections", b"ejections", "healthy", b"healthy", "in_flight", b"in_flight", "load", b"load", "max_active_sequences", b"max_active_sequences", "queue_depth", b"queue_depth", "self_registered", b"self_registered", "tier", b"tier", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sequences", b"active_sequences", "address", b"address", "ejections", b"ejections", "healthy", b"healthy", "held_sequences", b"held_sequences", "hot_prefix_blocks", b"hot_prefix_blocks", "in_flight", b"in_flight", "kv_budget_bytes", b"kv_budget_bytes", "kv_full", b"kv_full", "kv_tokens", b"kv_tokens", "kv_used_bytes", b"kv_used_bytes", "load", b"load", "max_active_sequences", b"max_active_sequences", "queue_depth", b"queue_depth", "recent_tokens_per_second", b"recent_tokens_per_second", "report_age_ms", b"report_age_ms", "self_registered", b"self_registered", "tier", b"tier", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
