@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+from pydantic_settings import BaseSettings
+
 from services.cache.config import CacheSettings
-from services.common.settings import ServiceSettings
+from services.common.tracing import TracingSettings
 from services.edge_worker.config import EdgeWorkerSettings
 from services.gateway.config import GatewaySettings
 from services.gpu_worker.config import GpuWorkerSettings
 from services.router.config import RouterSettings
 
-SETTINGS: list[type[ServiceSettings]] = [
+SETTINGS: list[type[BaseSettings]] = [
     GatewaySettings,
     RouterSettings,
     CacheSettings,
     EdgeWorkerSettings,
     GpuWorkerSettings,
+    TracingSettings,
 ]
 NOT_SETTINGS = {"MESHSERVE_MODELS_DIR", "MESHSERVE_TP_SIZE", "PYTHONUNBUFFERED", "POD_NAME", "POD_IP"}
 """Read by the models path helper, the torchrun command line, Python, and $(VAR) expansion."""
