@@ -47,14 +47,14 @@ async def replicas(mesh: Mesh) -> dict[str, router_admin_pb2.ReplicaStatus]:
 
 
 async def until(mesh: Mesh, condition: object, timeout_s: float = 20.0) -> dict[str, router_admin_pb2.ReplicaStatus]:
-    """The router's view once ``condition(view)`` holds (polled, bounded)."""
-
-    async def loop() -> dict[str, router_admin_pb2.ReplicaStatus]:
-        while not condition(view := await replicas(mesh)):  # type: ignore[operator]
-            await asyncio.sleep(0.2)  # polling router state that heartbeats change
-        return view
-
-    return await asyncio.wait_for(loop(), timeout_s)
+    """The router's view once ``condition(view)`` holds (polled every 0.2 s, bounded)."""
+    view: dict[str, router_admin_pb2.ReplicaStatus] = {}
+    for _ in range(int(timeout_s / 0.2)):
+        view = await replicas(mesh)
+        if condition(view):  # type: ignore[operator]
+            return view
+        await asyncio.sleep(0.2)  # polling router state that heartbeats change
+    raise AssertionError(f"the router's replica view never reached the expected state: {view}")
 
 
 async def complete(gateway: inference_pb2_grpc.InferenceStub, prompt: str) -> pb.GenerateResponse:
