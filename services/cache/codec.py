@@ -33,6 +33,9 @@ class Finish(IntEnum):
     STOP_STRING = 3
 
 
+_FINISH = {int(f): f for f in Finish}
+
+
 class CorruptEntry(ValueError):
     """A cached value that is not a valid entry of a format this code knows."""
 
@@ -82,10 +85,12 @@ def decode_response(data: bytes) -> CachedResponse:
     end_tokens = _HEADER.size + n * width
     if len(data) != end_tokens + text_len:
         raise CorruptEntry("length does not match the header")
+    reason = _FINISH.get(finish)
+    if reason is None:
+        raise CorruptEntry(f"unknown finish reason {finish}")
     try:
-        reason = Finish(finish)
         text = data[end_tokens:].decode()
-    except (ValueError, UnicodeDecodeError) as exc:
+    except UnicodeDecodeError as exc:
         raise CorruptEntry(str(exc)) from None
     tokens = array("H" if width == 2 else "I")
     tokens.frombytes(data[_HEADER.size : end_tokens])

@@ -7,9 +7,9 @@
   listed node). Every multi-key operation of services/cache stays in one slot (keys.py hash tags).
 
 One try per call (no redis-py retries): a retry would only double the latency of a miss; the
-circuit breaker handles outages. Connecting has ``timeout_s``; every call's deadline is set by the
-caller (guard.py wraps each call in ``asyncio.timeout``), so no socket read timeout is set here:
-redis-py would wrap every read in a second timer, costing ~10 % of a small GET.
+circuit breaker handles outages. Connecting has ``timeout_s``; reads have ``read_timeout_s`` when
+given. Either the client's read timeout or the caller's ``asyncio.timeout`` bounds a call, never
+both (guard.py): each is one timer per call, about the cost of parsing a small GET's reply.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 ``await guard.run(op, factory)`` returns the call's result, :data:`FAILED` when Redis is down or
 slow (over ``timeout_s``), or :data:`SKIPPED` when the breaker is open (or no Redis is configured).
+The timeout is the client's own socket timeout when the client was built with ``timeout_s`` as its
+read timeout (``client_timeout=True``: no timer of ours per call, which costs as much as a small GET's
+parsing); calls that pass their own ``timeout_s`` (large KV transfers) get an ``asyncio.timeout``.
 Nothing here raises on a Redis problem. Counters of lookups/stores by kind and result go to
 Prometheus and, every ``stats_flush_s``, to the Redis hash keys.STATS_KEY in the background, so
 `meshserve cache stats` sees every process's hit ratio without a write on the request path.
@@ -19,7 +22,7 @@ import structlog
 from prometheus_client import Counter
 from redis.exceptions import RedisError
 
-from services.cache.breaker import CircuitBreaker
+from services.cache.breaker import CircuitBreaker, State
 from services.cache.connection import AnyRedis
 from services.cache.keys import STATS_KEY
 
@@ -63,9 +66,12 @@ class Guard:
         breaker: CircuitBreaker | None = None,
         service: str = "unknown",
         stats_flush_s: float = 2.0,
+        client_timeout: bool = False,
     ) -> None:
         self.client = client
         self.timeout_s = timeout_s
+        self.client_timeout = client_timeout
+        """True when ``client`` itself times out reads after ``timeout_s`` (its socket timeout)."""
         self.breaker = breaker or CircuitBreaker()
         self.service = service
         self.stats_flush_s = stats_flush_s
@@ -83,20 +89,24 @@ class Guard:
         self, op: str, factory: Callable[[AnyRedis], Awaitable[T]], timeout_s: float | None = None
     ) -> T | Failed:
         """Run ``factory(client)`` under the timeout and breaker; FAILED/SKIPPED, never a Redis error."""
-        if self.client is None or not self.breaker.allow():
+        breaker = self.breaker
+        if self.client is None or not breaker.allow():
             return SKIPPED
         try:
-            async with asyncio.timeout(timeout_s or self.timeout_s):
+            if timeout_s is None and self.client_timeout:
                 result = await factory(self.client)
+            else:
+                async with asyncio.timeout(timeout_s or self.timeout_s):
+                    result = await factory(self.client)
         except REDIS_ERRORS as exc:
-            was = self.breaker.state
-            self.breaker.failure()
-            if self.breaker.state != was:
-                log.warning("cache_breaker_open", op=op, error=type(exc).__name__, state=self.breaker.state.value)
+            was = breaker.state
+            breaker.failure()
+            if breaker.state != was:
+                log.warning("cache_breaker_open", op=op, error=type(exc).__name__, state=breaker.state.value)
             return FAILED
-        if self.breaker.failures or self.breaker.state != "closed":
+        if breaker.failures or breaker.state is not State.CLOSED:
             log.info("cache_breaker_closed", op=op)
-        self.breaker.success()
+            breaker.success()
         return result
 
     def count(self, kind: str, result: str, n: int = 1, *, store: bool = False) -> None:

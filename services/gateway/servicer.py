@@ -121,9 +121,11 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             max_model_chars=settings.max_model_chars,
         )
 
-    async def _admit(self, context: grpc.aio.ServicerContext, method: str) -> tuple[str, Identity]:
+    async def _admit(
+        self, context: grpc.aio.ServicerContext, method: str, *, send_headers: bool = True
+    ) -> tuple[str, Identity]:
         """Assign the request id, authenticate, check the method's scope, bind id + tenant + key id
-        for logs and metadata, and send the response headers (``x-request-id``)."""
+        for logs and metadata, and (``send_headers``) send the response headers (``x-request-id``)."""
         request_id = uuid.uuid4().hex
         # Overwrite whatever the caller put in x-request-id / x-meshserve-tenant: nothing from a
         # public caller is trusted until its credential has resolved the tenant.
@@ -131,15 +133,33 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         identity = await self._gate.identify(context.invocation_metadata() or ())
         structlog.contextvars.bind_contextvars(tenant=identity.tenant, key_id=identity.key_id)
         scopes.require(method, identity.scopes, identity.key_id)
-        await context.send_initial_metadata(((md.REQUEST_ID, request_id),))
+        if send_headers:
+            await context.send_initial_metadata(((md.REQUEST_ID, request_id),))
         return request_id, identity
 
-    async def _reserve(self, identity: Identity, request: pb.GenerateRequest, stream_ttl_s: float | None) -> Ticket:
-        """Policy checks and rate-limit reservation of a Generate/Complete request."""
-        policy = self._gate.policy(identity)
-        ticket = await self._gate.admit(
-            identity, policy, [request.prompt], request.sampling.max_tokens, stream_ttl_s=stream_ttl_s
-        )
+    async def _reserve(
+        self,
+        context: grpc.aio.ServicerContext,
+        request_id: str,
+        identity: Identity,
+        request: pb.GenerateRequest,
+        stream_ttl_s: float | None,
+    ) -> Ticket:
+        """Policy checks and rate-limit reservation of a Generate/Complete request.
+
+        The response headers go out while the limiter's Redis call is in flight (two waits
+        overlapped instead of queued, a round trip off the time to first token); both have finished
+        when this returns or raises, so headers always precede any frame or error status.
+        """
+        headers = asyncio.ensure_future(context.send_initial_metadata(((md.REQUEST_ID, request_id),)))
+        try:
+            validate_generate(request, self._limits)
+            policy = self._gate.policy(identity)
+            ticket = await self._gate.admit(
+                identity, policy, [request.prompt], request.sampling.max_tokens, stream_ttl_s=stream_ttl_s
+            )
+        finally:
+            await headers
         request.routing.priority = min(request.routing.priority, policy.priority)
         return ticket
 
@@ -160,10 +180,9 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         with _observe() as observed:
-            request_id, identity = await self._admit(context, "Generate")
-            validate_generate(request, self._limits)
+            request_id, identity = await self._admit(context, "Generate", send_headers=False)
             timeout = self._timeout(context, self._settings.default_deadline_s)
-            ticket = await self._reserve(identity, request, stream_ttl_s=timeout)
+            ticket = await self._reserve(context, request_id, identity, request, stream_ttl_s=timeout)
             try:
                 call = self._router.Generate(request, metadata=self._metadata(), timeout=timeout)
                 try:
@@ -181,10 +200,9 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         with _observe() as observed:
-            request_id, identity = await self._admit(context, "Complete")
-            validate_generate(request, self._limits)
+            request_id, identity = await self._admit(context, "Complete", send_headers=False)
             timeout = self._timeout(context, self._settings.default_deadline_s)
-            ticket = await self._reserve(identity, request, stream_ttl_s=None)
+            ticket = await self._reserve(context, request_id, identity, request, stream_ttl_s=None)
             try:
                 call = self._router.Complete(request, metadata=self._metadata(), timeout=timeout)
                 try:

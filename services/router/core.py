@@ -335,7 +335,10 @@ class Router:
         try:
             if cancel is not None and not cancel_sent:
                 return await asyncio.wait_for(read_or_cancel(stream, cancel), self._stall_s)
-            return await asyncio.wait_for(stream.read(), self._stall_s), cancel_sent
+            # asyncio.timeout, not wait_for: wait_for wraps every read in a task of its own (an extra
+            # task and loop pass per relayed frame).
+            async with asyncio.timeout(self._stall_s):
+                return await stream.read(), cancel_sent
         except TimeoutError:
             raise WorkerStalled(f"worker sent nothing for {self._stall_s:g} s") from None
 
@@ -359,6 +362,7 @@ class Router:
             )
         )
         tier = choice.tier.value
+        inter_token = INTER_TOKEN.labels(SERVICE, tier)
         cancel_sent = False
         last = 0.0
         expected = 0
@@ -375,7 +379,7 @@ class Router:
                 elif frame.token_ids:
                     gap = (now - last) / len(frame.token_ids)
                     for _ in frame.token_ids:
-                        INTER_TOKEN.labels(SERVICE, tier).observe(gap)
+                        inter_token.observe(gap)
                 last = now
                 progress.tokens.extend(frame.token_ids)
                 progress.text.append(frame.text)

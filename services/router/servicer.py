@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 from functools import partial
@@ -13,6 +14,7 @@ from typing import Any
 import grpc
 import structlog
 
+from services.cache.keys import SamplingSpec
 from services.common import tracing
 from services.common.errors import InvalidArgument, MeshError, NotFound
 from services.common.metrics import REQUEST_DURATION, TOKENS
@@ -25,6 +27,29 @@ log = structlog.get_logger(__name__)
 
 # Tokenizing a long prompt takes milliseconds: do it off the event loop past this many characters.
 _INLINE_TOKENIZE_CHARS = 4096
+# Recently seen prompts (up to the inline size) keep their token ids: a repeated prompt (a cache hit,
+# a client retrying) skips the tokenizer, whose call costs more than the rest of a cache hit.
+_ENCODED_PROMPTS = 2048
+
+
+class _EncodeCache:
+    """LRU of prompt text -> token ids (bounded by entries; each prompt at most the inline size)."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+
+    def get(self, text: str) -> list[int] | None:
+        ids = self._ids.get(text)
+        if ids is None:
+            return None
+        self._ids.move_to_end(text)
+        return list(ids)
+
+    def put(self, text: str, ids: list[int]) -> None:
+        self._ids[text] = tuple(ids)
+        if len(self._ids) > self._size:
+            self._ids.popitem(last=False)
 
 
 class RouterServicer(inference_pb2_grpc.InferenceServicer):
@@ -32,6 +57,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         self._router = router
         self._context_length = context_length
         self._default_max_tokens = default_max_tokens
+        self._encoded = _EncodeCache(_ENCODED_PROMPTS)
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -43,14 +69,24 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         with tracing.span("router.tokenize"):
             return fn() if size <= _INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn)
 
+    async def _encode_prompt(self, prompt: str) -> list[int]:
+        ids = self._encoded.get(prompt)
+        if ids is not None:
+            return ids
+        ids = await self._encode(partial(self._router.tokenizer.encode, prompt), len(prompt))
+        if len(prompt) <= _INLINE_TOKENIZE_CHARS:
+            self._encoded.put(prompt, ids)
+        return ids
+
     def _turn_request(
         self,
         prompt_ids: list[int],
         sampling_msg: inference_pb2.SamplingParams,
         routing_msg: inference_pb2.RoutingOptions,
         context: grpc.aio.ServicerContext,
+        spec: SamplingSpec | None = None,
     ) -> TurnRequest:
-        spec = convert.sampling(sampling_msg, self._default_max_tokens)
+        spec = spec or convert.sampling(sampling_msg, self._default_max_tokens)
         hint, use_cache, shareable = convert.routing(routing_msg)
         convert.check_length(len(prompt_ids), spec.max_tokens, self._context_length)
         ctx = structlog.contextvars.get_contextvars()
@@ -74,9 +110,9 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         if not request.prompt:
             raise InvalidArgument("the prompt is empty; send at least one character of text")
         # Parameters are checked before tokenizing: bad ones are refused without the cost.
-        convert.sampling(request.sampling, self._default_max_tokens)
-        ids = await self._encode(lambda: self._router.tokenizer.encode(request.prompt), len(request.prompt))
-        req = self._turn_request(ids, request.sampling, request.routing, context)
+        spec = convert.sampling(request.sampling, self._default_max_tokens)
+        ids = await self._encode_prompt(request.prompt)
+        req = self._turn_request(ids, request.sampling, request.routing, context, spec)
         session = Session()
         try:
             async with aclosing(self._router.run_turn(req, session)) as events:
