@@ -65,7 +65,10 @@ async def serve(engine: FakeEngine, **overrides: Any) -> RunningWorker:
 def _start(prompt: Sequence[int], tenant: str, shareable: bool = False) -> worker_pb2.WorkerRequest:
     return worker_pb2.WorkerRequest(
         start=worker_pb2.WorkerStart(
-            prompt_token_ids=list(prompt), tenant=tenant, shareable_prefix=shareable, sampling=pb.SamplingParams(max_tokens=3)
+            prompt_token_ids=list(prompt),
+            tenant=tenant,
+            shareable_prefix=shareable,
+            sampling=pb.SamplingParams(max_tokens=3),
         )
     )
 
