@@ -36,6 +36,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     stall_after_tokens: int | None = None  # next stream: go silent (until cancelled) after this many
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     server: RunningServer | None = None
+    kv_used_bytes: int = 0  # reported in Stats (the load report)
+    kv_budget_bytes: int = 0
 
     @property
     def address(self) -> str:
@@ -119,6 +121,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             tier=self.tier,  # type: ignore[arg-type]
             sequences_started_total=len(self.starts),
             sequences_cancelled_total=self.cancels + self.aborted,
+            kv_used_bytes=self.kv_used_bytes,
+            kv_budget_bytes=self.kv_budget_bytes,
         )
 
 

@@ -119,3 +119,24 @@ async def test_registered_worker_without_heartbeats_expires(mesh: Mesh) -> None:
 async def _until_gone(registry: Registry, address: str) -> None:
     while any(r.address == address for r in registry.replicas):
         await registry.probe_all()
+
+
+async def test_replicas_out_of_kv_room_get_no_new_turns_and_a_full_tier_spills(mesh: Mesh) -> None:
+    registry = mesh.router.registry
+    bypass = pb.RoutingOptions(cache_policy=pb.CACHE_POLICY_BYPASS)
+    full, spare = mesh.edges
+    full.kv_used_bytes, full.kv_budget_bytes = 99, 100  # at or above the 0.95 watermark
+    spare.kv_used_bytes, spare.kv_budget_bytes = 10, 100
+    await registry.probe_all()  # pull the load reports now
+    served = {final(await generate(mesh, request(f"Short {i}", 2, routing=bypass))).route.worker_id for i in range(4)}
+    assert served == {"edge-1"}
+
+    spare.kv_used_bytes = 100  # the whole edge tier is out of KV room: short prompts spill to the cloud
+    await registry.probe_all()
+    fin = final(await generate(mesh, request("Short again", 2, routing=bypass)))
+    assert (fin.route.tier, fin.route.reason) == (pb.TIER_CLOUD, "spill_saturated")
+
+    full.kv_used_bytes = spare.kv_used_bytes = 0  # KV freed: the edge tier takes turns again
+    await registry.probe_all()
+    fin = final(await generate(mesh, request("Short at last", 2, routing=bypass)))
+    assert fin.route.tier == pb.TIER_EDGE
