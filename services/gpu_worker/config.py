@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.errors import ConfigError
@@ -24,6 +24,27 @@ class GpuWorkerSettings(WorkerSettings):
     """Where the model runs: cuda when available (auto), or forced cpu/cuda."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     """Weights/activations dtype; auto is float32 on CPU, bfloat16 on CUDA (float16 where bf16 is unsupported)."""
+    allow_download: bool = False
+    """Let a hub id in ``model`` be downloaded when it is not in the local HF cache (off: offline only)."""
+    max_active_sequences: int = Field(default=32, ge=1, le=256)
+    """Sequences generating at once (one continuous batch); more wait in the queue."""
+    kv_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """KV cache dtype; auto is the model dtype when 16-bit, else float16 (half the memory, stored exactly in Redis)."""
+    kv_budget_bytes: int = Field(default=512 << 20, ge=1 << 20)
+    """KV cache memory (live sequences + cached prefixes); a request that cannot fit waits for space.
+    KV blocks hold ``prefix_block_tokens`` tokens (the block size of the Redis prefix cache and the router)."""
+    max_step_tokens: int = Field(default=512, ge=16)
+    """Tokens one batch step may process: every decoding sequence's token, then prefill chunks up to this."""
+    prefix_cache: bool = True
+    """Reuse KV of prompt prefixes computed earlier (local LRU, and Redis when ``redis_url`` is set)."""
+    redis_url: str = ""
+    """Redis of the shared KV prefix cache (exports finished prefixes, imports on local miss); empty: local only."""
+    kv_redis_budget_bytes: int = Field(default=256 << 20, ge=1 << 20)
+    """Most KV bytes one scope (model version x tenant) may hold in Redis."""
+    kv_redis_ttl_s: int = Field(default=3600, ge=1)
+    """Lifetime of a KV block in Redis."""
+    kv_redis_timeout_s: float = Field(default=0.5, gt=0)
+    """Deadline of one Redis KV transfer; slower is a miss."""
 
     @model_validator(mode="after")
     def _check_dtype(self) -> GpuWorkerSettings:
@@ -31,6 +52,13 @@ class GpuWorkerSettings(WorkerSettings):
             raise ConfigError(
                 "float16 is slow and inaccurate on CPU; set MESHSERVE_GPU_WORKER_DTYPE to float32 or auto"
             )
+        if self.redis_url:
+            from services.cache.connection import redis_from_url
+
+            try:
+                redis_from_url(self.redis_url, 1.0)
+            except ValueError as exc:
+                raise ConfigError(f"MESHSERVE_GPU_WORKER_REDIS_URL: {exc}") from None
         return self
 
     def resolved_model(self) -> str:

@@ -1,30 +1,49 @@
-"""transformers/torch engine: one model shared by all sequences, a DynamicCache per sequence.
+"""Cloud engine: our Llama forward (model.py) behind a continuous-batching scheduler with prefix KV reuse.
 
-A plain incremental decode loop (prefill the context, then one token per step with
-``past_key_values``) — the same computation as ``model.generate``, so greedy output matches it token
-for token. Sampling uses transformers' own logits warpers (temperature, top-k, top-p, in
-``generate``'s order) and a per-sequence ``torch.Generator``, so a seed reproduces its tokens
-whatever else runs concurrently. Continuous batching and tensor parallelism come later.
+The worker runtime calls ``Engine.start`` and then ``step()`` from one thread per sequence
+(services/common/worker/runner.py). Here ``step()`` hands the sequence to the :class:`Scheduler`
+on its first call and then waits for the batch step that produced its next token; one scheduler
+thread runs every sequence's decode steps and prefill chunks together (scheduler.py). ``close()``
+frees the sequence's KV within one step.
+
+Prefix reuse (DESIGN.md section 4): on its first ``step()`` a sequence computes the chain keys of
+its prompt's full blocks; blocks held locally (blocks.py LRU) are shared, and when the local cache
+misses part of the prefix the longest stored chain is imported from Redis (prefix.py) by the
+sequence's own thread, so the scheduler never waits on the network. On ``close()`` the full blocks
+the sequence computed are exported to Redis (in the background). Counters: prompt tokens computed
+vs reused from local blocks vs imported from Redis (``prefix_counters``, Prometheus
+``meshserve_prefix_tokens_total``). Requests with cache policy BYPASS neither read nor write.
+
+Load reports: ``kv_usage()`` (bytes held by live sequences, the budget, cached prefix bytes) and
+``hot_prefix_blocks()`` (chain hashes of recently used cached prompt prefixes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import cast
 
 import torch
+from prometheus_client import Counter
 from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
+from transformers import AutoTokenizer, GenerationConfig
+
+from services.cache.kv import KVContext
+from services.common.worker.runner import current_request
+from services.common.worker.types import EngineInfo, KVUsage, SamplingConfig
+from services.gpu_worker.blocks import BlockManager
+from services.gpu_worker.model import AllReduce, LlamaModel, Shard
+from services.gpu_worker.prefix import RedisPrefixCache, chain_keys, key_digest
+from services.gpu_worker.sampler import Sampler
+from services.gpu_worker.scheduler import Forward, Scheduler, SeqState
+
+PREFIX_TOKENS = Counter(
+    "meshserve_prefix_tokens_total",
+    "Prompt tokens of the cloud engine by source: computed (prefilled), local (KV blocks held), redis (imported).",
+    ["source"],
 )
-
-from services.common.worker.types import EngineInfo, SamplingConfig
-
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -45,93 +64,122 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-class TorchSequence:
-    """One generation: prefill on the first ``step``, then one token per step from the KV cache."""
+def resolve_kv_dtype(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """``auto``: the model dtype when it is 16-bit, else float16 (half the memory; Redis stores it exactly)."""
+    if kv_dtype != "auto":
+        return _DTYPES[kv_dtype]
+    return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
+
+
+class CloudSequence:
+    """One generation on the shared scheduler (see the module docstring)."""
 
     def __init__(
-        self, engine: TorchEngine, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()
+        self, engine: CloudEngine, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int]
     ) -> None:
-        self._model = engine.model
-        self._device = engine.device
-        self._context: list[int] | None = list(token_ids)
-        self._replay: Sequence[int] = tuple(replay)
-        self._cache: DynamicCache | None = None
-        self._last = 0
-        self._greedy = sampling.greedy
-        self._warpers = LogitsProcessorList()
-        self._rng: torch.Generator | None = None
-        if not self._greedy:
-            if sampling.temperature != 1.0:
-                self._warpers.append(TemperatureLogitsWarper(sampling.temperature))
-            if sampling.top_k > 0:
-                self._warpers.append(TopKLogitsWarper(sampling.top_k))
-            if sampling.top_p < 1.0:
-                self._warpers.append(TopPLogitsWarper(sampling.top_p))
-            self._rng = torch.Generator(device=self._device)
-            if sampling.seed is not None:
-                self._rng.manual_seed(sampling.seed & 0xFFFF_FFFF_FFFF_FFFF)
-            else:
-                self._rng.seed()
+        self._engine = engine
+        self._token_ids = list(token_ids)
+        self._sampling = sampling
+        self._replay = tuple(replay)
+        self.state: SeqState | None = None
+        self._ctx: KVContext | None = None
+        self.prefill_tokens = len(self._token_ids) + len(self._replay)
+        """Tokens this sequence ran through the model before its first token (known after it)."""
+        self._closed = False
 
-    @torch.inference_mode()
     def step(self) -> int:
-        if self._context is not None:
-            self._cache = DynamicCache(config=self._model.config)
-            input_ids = torch.tensor([self._context], dtype=torch.long, device=self._device)
-            self._context = None
-            for token in self._replay:  # replayed as decoded: one forward pass each (see Engine.start)
-                self._model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
-                input_ids = torch.tensor([[token]], dtype=torch.long, device=self._device)
-            self._replay = ()
-        elif self._cache is not None:
-            input_ids = torch.tensor([[self._last]], dtype=torch.long, device=self._device)
-        else:
+        engine = self._engine
+        if self._closed:
             raise RuntimeError("sequence is closed")
-        out = self._model(input_ids=input_ids, past_key_values=self._cache, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1, :].float()
-        if self._greedy:
-            token = int(torch.argmax(logits, dim=-1).item())
+        if self.state is None:
+            # The runtime runs this thread for one request: its tenant salts the KV block keys.
+            request = current_request()
+            self._ctx = None
+            if engine.prefix_cache:
+                tenant = request.tenant if request else ""
+                self._ctx = engine.kv_context(tenant, request.shareable if request else False)
+            priority = int(getattr(request, "priority", 0))
+            self.state = engine.submit(self._token_ids, self._sampling, self._replay, self._ctx, priority)
+            first = True
         else:
-            scores = self._warpers(cast(torch.LongTensor, input_ids), logits)
-            probs = torch.softmax(scores, dim=-1)
-            token = int(torch.multinomial(probs, num_samples=1, generator=self._rng).item())
-        self._last = token
+            first = False
+        token = engine.scheduler.next_token(self.state)
+        if token is None:
+            raise RuntimeError("sequence is closed or finished")
+        if first:
+            engine.count_prefill(self.state)
+            self.prefill_tokens = self.state.prefilled + len(self._replay)
         return token
 
     def close(self) -> None:
-        self._cache = None
-        self._context = None
+        if self._closed:
+            return
+        self._closed = True
+        if self.state is not None:
+            self._engine.release(self.state, self._ctx)
 
 
-class TorchEngine:
-    """A causal LM from an HF directory or hub id, in eval mode on ``device``."""
+class CloudEngine:
+    """A Llama-family model served with continuous batching and prefix KV reuse."""
 
     def __init__(
-        self, model: str, *, model_id: str, device: str = "auto", dtype: str = "auto", threads: int = 0
+        self,
+        model: str,
+        *,
+        model_id: str,
+        model_version: str = "",
+        device: str = "auto",
+        dtype: str = "auto",
+        kv_dtype: str = "auto",
+        threads: int = 0,
+        kv_budget_bytes: int = 512 << 20,
+        block_tokens: int = 16,
+        max_step_tokens: int = 512,
+        prefix_cache: bool = True,
+        redis: RedisPrefixCache | None = None,
+        allow_download: bool = False,
+        shard: Shard | None = None,
+        all_reduce: AllReduce | None = None,
+        wrap_forward: Callable[[Forward], Forward] | None = None,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)  # process-wide: one worker per process
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype)
-        self.model.to(self.device)  # type: ignore[arg-type]
-        self.model.eval()
-        tokenizer_file = Path(model) / "tokenizer.json"
-        if tokenizer_file.is_file():
-            self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        else:
-            self._tokenizer = AutoTokenizer.from_pretrained(model).backend_tokenizer
-        config = self.model.config
-        eos: set[int] = set()
-        for source in (self.model.generation_config.eos_token_id, config.eos_token_id):
-            if source is not None:
-                eos.update(source if isinstance(source, list) else [source])
+        self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype)
+        shard = shard or Shard()
+        self.model = LlamaModel.load(
+            model,
+            device=self.device,
+            dtype=self.dtype,
+            shard=shard,
+            all_reduce=all_reduce,
+            allow_download=allow_download,
+        )
+        cfg = self.model.config
+        self.block_tokens = block_tokens
+        self.bytes_per_block = cfg.kv_bytes_per_token(self.kv_dtype, shard.world) * block_tokens
+        num_blocks = kv_budget_bytes // self.bytes_per_block
+        self.blocks = BlockManager(num_blocks, block_tokens, self.bytes_per_block)
+        self.cache = self.model.new_cache(num_blocks, block_tokens, self.kv_dtype)
+        self.model_id = model_id
+        self.model_version = model_version or model_id
+        self.prefix_cache = prefix_cache
+        self.redis = redis if shard.world == 1 else None  # TP ranks hold a slice of the heads each
+        forward: Forward = lambda segments: self.model.forward(segments, self.cache)  # noqa: E731
+        if wrap_forward is not None:
+            forward = wrap_forward(forward)
+        self.scheduler = Scheduler(forward, self.cache, self.blocks, max_step_tokens=max_step_tokens)
+        self._tokenizer = _load_tokenizer(model, allow_download)
         self._info = EngineInfo(
             model_id=model_id,
-            vocab_size=int(config.vocab_size),
-            context_length=int(getattr(config, "max_position_embeddings", 2048)),
-            eos_token_ids=frozenset(eos),
+            vocab_size=cfg.vocab,
+            context_length=cfg.max_positions,
+            eos_token_ids=frozenset(_eos_ids(model, allow_download)),
         )
+        self._lock = threading.Lock()
+        self.counters = {"computed": 0, "local": 0, "redis": 0}
+        self._recent: OrderedDict[str, list[str]] = OrderedDict()  # last prompt block key -> its chain
 
     @property
     def info(self) -> EngineInfo:
@@ -141,5 +189,162 @@ class TorchEngine:
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> TorchSequence:
-        return TorchSequence(self, token_ids, sampling, replay=replay)
+    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> CloudSequence:
+        return CloudSequence(self, token_ids, sampling, replay)
+
+    def kv_context(self, tenant: str, shareable: bool = False) -> KVContext:
+        return KVContext(self.model_id, self.model_version, tenant, shareable)
+
+    # -- sequence life cycle (called from sequence threads) -------------------------------------
+
+    def submit(
+        self,
+        token_ids: list[int],
+        sampling: SamplingConfig,
+        replay: Sequence[int],
+        ctx: KVContext | None,
+        priority: int,
+    ) -> SeqState:
+        bt = self.block_tokens
+        state = SeqState(
+            tokens=list(token_ids),
+            prompt_len=len(token_ids),
+            replay=deque(replay),
+            sampler=Sampler(sampling),
+            max_new=max(1, sampling.max_tokens),
+            eos=self._info.eos_token_ids,
+            priority=priority,
+        )
+        if ctx is not None:
+            state.key_fn = lambda ids: chain_keys(ctx, bt, ids)
+            state.keys = state.key_fn(token_ids)
+            matchable = (len(token_ids) - 1) // bt
+            with self.blocks.lock:
+                local = self.blocks.cached_prefix(state.keys[:matchable])
+            if self.redis is not None and local < matchable:
+                state.imported = self._checked(self.redis.load(ctx, token_ids[: matchable * bt]))
+        self.scheduler.submit(state)
+        return state
+
+    def _checked(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Blocks of our layout only (another model or TP layout is a miss), in the cache dtype."""
+        cfg = self.model.config
+        shape = (cfg.layers, 2, self.model.local_kv_heads, self.block_tokens, cfg.head_dim)
+        out: list[torch.Tensor] = []
+        for block in blocks:
+            if tuple(block.shape) != shape:
+                break
+            out.append(block.to(self.kv_dtype))
+        return out
+
+    def count_prefill(self, state: SeqState) -> None:
+        with self._lock:
+            self.counters["computed"] += state.prefilled
+            self.counters["local"] += state.reused_local
+            self.counters["redis"] += state.reused_redis
+        for source, n in (("computed", state.prefilled), ("local", state.reused_local), ("redis", state.reused_redis)):
+            if n:
+                PREFIX_TOKENS.labels(source).inc(n)
+
+    def release(self, state: SeqState, ctx: KVContext | None) -> None:
+        """Stop the sequence and free its KV; export its new full blocks to Redis first."""
+        export = self._export if ctx is not None and self.redis is not None else None
+        self.scheduler.close(state, before_release=(lambda s: export(s, ctx)) if export and ctx else None)
+        if ctx is not None and state.named:
+            prompt_blocks = min(state.named, state.prompt_len // self.block_tokens)
+            if prompt_blocks:
+                chain = state.keys[:prompt_blocks]
+                with self._lock:
+                    self._recent[chain[-1]] = chain
+                    self._recent.move_to_end(chain[-1])
+                    while len(self._recent) > 256:
+                        self._recent.popitem(last=False)
+
+    def _export(self, state: SeqState, ctx: KVContext) -> None:
+        assert self.redis is not None
+        with self.blocks.lock:
+
+            def exportable(i: int) -> bool:  # named by this sequence's own chain, not in Redis yet
+                block = state.blocks[i]
+                return self.blocks.key_of(block) == state.keys[i] and not self.blocks.exported(block)
+
+            first = next((i for i in range(state.named) if exportable(i)), state.named)
+            end = first
+            while end < state.named and exportable(end):
+                end += 1
+            ids = state.blocks[first:end]
+            if not ids:
+                return
+            self.blocks.mark_exported(ids)
+        data = [self.cache.read_block(b).cpu() for b in ids]
+        self.redis.store_async(ctx, state.tokens[: (first + len(data)) * self.block_tokens], data, first)
+
+    # -- load reports ---------------------------------------------------------------------------
+
+    def kv_usage(self) -> KVUsage:
+        """KV bytes referenced by live sequences, and the budget.
+
+        Cached prefix blocks nobody references are not counted: they are evicted as soon as space is
+        needed, so they never make the worker full (``kv_stats`` reports them).
+        """
+        used, budget, _cached = self.blocks.usage()
+        return KVUsage(used_bytes=used, budget_bytes=budget)
+
+    def kv_stats(self) -> dict[str, int]:
+        """KV bytes: used by live sequences, cached for reuse, the budget; blocks evicted so far."""
+        used, budget, cached = self.blocks.usage()
+        evicted = self.blocks.evicted_total
+        return {"used_bytes": used, "cached_bytes": cached, "budget_bytes": budget, "evicted_blocks": evicted}
+
+    def hot_prefix_blocks(self, block_tokens: int, limit: int = 256) -> list[bytes]:
+        """Chain hashes of recently used prompt prefixes still cached, each chain from its first block.
+
+        Empty when ``block_tokens`` is not this engine's block size (the hashes would not compare).
+        """
+        if block_tokens != self.block_tokens:
+            return []
+        with self._lock:
+            chains = list(reversed(self._recent.values()))
+        out: list[bytes] = []
+        seen: set[str] = set()
+        with self.blocks.lock:
+            for chain in chains:
+                for key in chain:
+                    if len(out) >= limit or not self.blocks.is_cached(key):
+                        break
+                    if key not in seen:
+                        seen.add(key)
+                        out.append(key_digest(key))
+        return out
+
+    def prefix_counters(self) -> dict[str, int]:
+        """Prompt tokens so far: computed by prefill, reused from local blocks, imported from Redis."""
+        with self._lock:
+            return dict(self.counters)
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        if self.redis is not None:
+            self.redis.close()
+
+
+def _load_tokenizer(model: str, allow_download: bool) -> Tokenizer:
+    tokenizer_file = Path(model) / "tokenizer.json"
+    if tokenizer_file.is_file():
+        return Tokenizer.from_file(str(tokenizer_file))
+    return AutoTokenizer.from_pretrained(model, local_files_only=not allow_download).backend_tokenizer
+
+
+def _eos_ids(model: str, allow_download: bool) -> set[int]:
+    from transformers import AutoConfig
+
+    eos: set[int] = set()
+    sources: list[object] = [AutoConfig.from_pretrained(model, local_files_only=not allow_download).eos_token_id]
+    try:
+        sources.append(GenerationConfig.from_pretrained(model, local_files_only=not allow_download).eos_token_id)
+    except OSError:  # no generation_config.json
+        pass
+    for source in sources:
+        if source is not None:
+            eos.update(source if isinstance(source, list) else [int(source)])  # type: ignore[call-overload]
+    return eos

@@ -1,4 +1,4 @@
-"""Cloud worker wiring: the generic Worker servicer over a :class:`TorchEngine`."""
+"""Cloud worker wiring: the generic Worker servicer over a :class:`CloudEngine`."""
 
 from __future__ import annotations
 
@@ -6,24 +6,49 @@ import asyncio
 
 from services.common.worker.app import RunningWorker, start_worker
 from services.gpu_worker.config import GpuWorkerSettings
-from services.gpu_worker.engine import TorchEngine
+from services.gpu_worker.engine import CloudEngine
+from services.gpu_worker.prefix import RedisPrefixCache
 
 TIER = "cloud"
 
 
-def build_engine(settings: GpuWorkerSettings) -> TorchEngine:
+def build_engine(settings: GpuWorkerSettings) -> CloudEngine:
     """Load the model named by the settings (blocking: seconds)."""
-    return TorchEngine(
+    redis = None
+    if settings.redis_url and settings.prefix_cache:
+        redis = RedisPrefixCache(
+            settings.redis_url,
+            block_tokens=settings.prefix_block_tokens,
+            budget_bytes=settings.kv_redis_budget_bytes,
+            ttl_s=settings.kv_redis_ttl_s,
+            timeout_s=settings.kv_redis_timeout_s,
+            max_block_bytes=64 << 20,
+        )
+    return CloudEngine(
         settings.check_model(),
         model_id=settings.model_id,
+        model_version=settings.resolved_model_version(),
         device=settings.device,
         dtype=settings.dtype,
+        kv_dtype=settings.kv_dtype,
         threads=settings.threads,
+        kv_budget_bytes=settings.kv_budget_bytes,
+        block_tokens=settings.prefix_block_tokens,
+        max_step_tokens=settings.max_step_tokens,
+        prefix_cache=settings.prefix_cache,
+        redis=redis,
+        allow_download=settings.allow_download,
     )
 
 
-async def start_gpu_worker(settings: GpuWorkerSettings, engine: TorchEngine | None = None) -> RunningWorker:
+async def start_gpu_worker(settings: GpuWorkerSettings, engine: CloudEngine | None = None) -> RunningWorker:
     """Serve a cloud worker in this process; loads the model in a thread unless ``engine`` is given."""
     if engine is None:
         engine = await asyncio.to_thread(build_engine, settings)
-    return await start_worker(settings, engine, tier=TIER)
+    worker = await start_worker(settings, engine, tier=TIER)
+
+    async def close_engine() -> None:
+        await asyncio.to_thread(engine.close)
+
+    worker.server.on_stop.append(close_engine)
+    return worker

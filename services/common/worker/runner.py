@@ -107,7 +107,8 @@ def run_sequence(
                 reason = FinishReason.LENGTH
                 break
             token = seq.step()
-            if produced == 0:
+            if produced == 0:  # engines with a prefix cache know only now how much they prefilled
+                prefill = int(getattr(seq, "prefill_tokens", prefill))
                 counters.prefilled(prefill, len(context))
             produced += 1
             generated.append(token)

@@ -11,12 +11,13 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
 from services.common.settings import load_settings
 from services.common.worker.app import RunningWorker
 from services.gpu_worker.config import GpuWorkerSettings
-from services.gpu_worker.engine import TorchEngine
+from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.servicer import start_gpu_worker
 from tests.integration.worker_cases import WorkerCases
 from tests.worker_helpers import wait_serving
@@ -28,11 +29,17 @@ CHAT = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n
 @pytest.fixture(scope="session")
 async def gpu_worker() -> AsyncIterator[RunningWorker]:
     settings = load_settings(
-        GpuWorkerSettings, port=0, threads=1, device="cpu", max_active_sequences=2, worker_id="cloud-test"
+        GpuWorkerSettings, port=0, threads=1, device="cpu", max_active_sequences=2, kv_budget_bytes=64 << 20, worker_id="cloud-test"
     )
     worker = await start_gpu_worker(settings)
     yield worker
     await worker.stop()
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> PreTrainedModel:
+    """The checkpoint through transformers itself: the reference our own forward must match."""
+    return AutoModelForCausalLM.from_pretrained(GpuWorkerSettings().check_model(), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -56,13 +63,13 @@ class TestGpuWorker(WorkerCases):
         return list(tokenizer.encode(CHAT).ids)  # type: ignore[attr-defined]
 
     @pytest.fixture
-    def reference(self, gpu_worker: RunningWorker) -> object:
+    def reference(self, gpu_worker: RunningWorker, hf_model: PreTrainedModel) -> object:
         engine = gpu_worker.runner.engine
-        assert isinstance(engine, TorchEngine)
+        assert isinstance(engine, CloudEngine)
 
         def greedy(ids: list[int], n: int) -> list[int]:
             with torch.inference_mode():
-                out = engine.model.generate(  # type: ignore[operator]
+                out = hf_model.generate(  # type: ignore[operator]
                     torch.tensor([ids]),
                     attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                     do_sample=False,

@@ -1,0 +1,280 @@
+"""Continuous batching: one thread runs packed model steps for every admitted sequence.
+
+Each step (``Scheduler._step``) is planned under the lock, run without it, committed under it:
+
+1. *Admission* between steps: waiting sequences in priority order (higher ``priority`` first, then
+   arrival) take their cached prefix blocks (local LRU, plus blocks their runner thread imported
+   from Redis) and reserve blocks for the rest of prompt + replay + ``max_tokens``; when the KV
+   budget cannot hold the next one, admission stops until blocks are freed (no preemption).
+2. *Decode first*: every running sequence that needs a token contributes one (so streams never
+   stall behind a long prompt), then the remaining per-step token budget (``max_step_tokens``)
+   goes to *chunked prefill* of admitted prompts, most urgent first.
+3. One ``forward(segments)`` call (the model, or a tensor-parallel wrapper that broadcasts the
+   segments to follower ranks); then tokens are sampled per sequence, appended to its output
+   queue, and full blocks are named by their chain key so later prompts share them.
+
+A sequence decodes ahead of its consumer by at most ``lookahead`` tokens. ``close()`` marks it,
+waits for the step in flight (if it is in it) and releases its blocks at once: cancel stops
+within one step and frees KV immediately. Resumed streams replay their tokens one decode step each
+(see ``Engine.start``). For speculative decoding, a segment may carry the last token plus k draft
+tokens with ``all_logits=True``; accepting j of them means keeping ``computed`` at the accepted
+length: the KV slots past it are simply overwritten later.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+
+import structlog
+from torch import Tensor
+
+from services.common.errors import ResourceExhausted
+from services.gpu_worker.blocks import BlockManager
+from services.gpu_worker.model import KVCache
+from services.gpu_worker.plan import Segment
+from services.gpu_worker.sampler import Sampler
+
+log = structlog.get_logger(__name__)
+Forward = Callable[[Sequence[Segment]], list[Tensor]]
+_arrivals = count()
+
+
+@dataclass(eq=False)
+class SeqState:
+    """One sequence as the scheduler sees it. Fields are guarded by the scheduler's lock."""
+
+    tokens: list[int]
+    """Prompt, then tokens fed back (replayed or generated); ``tokens[:computed]`` have KV."""
+    prompt_len: int
+    replay: deque[int]
+    sampler: Sampler
+    max_new: int
+    eos: frozenset[int]
+    priority: int = 0
+    keys: list[str] = field(default_factory=list)
+    """Chain keys of the full blocks of ``tokens`` named so far (empty: prefix caching off)."""
+    key_fn: Callable[[Sequence[int]], list[str]] | None = None
+    imported: list[Tensor] = field(default_factory=list)
+    """Blocks loaded from Redis for the prompt's first blocks (written into the cache on admission)."""
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    blocks: list[int] = field(default_factory=list)
+    computed: int = 0
+    named: int = 0
+    """Leading blocks registered under their chain keys."""
+    generated: int = 0
+    out: deque[int] = field(default_factory=deque)
+    admitted: bool = False
+    done: bool = False
+    closed: bool = False
+    released: bool = False
+    error: BaseException | None = None
+    prefilled: int = 0
+    reused_local: int = 0
+    reused_redis: int = 0
+
+    @property
+    def reserve(self) -> int:
+        return self.prompt_len + len(self.replay) + self.max_new
+
+
+class Scheduler:
+    """Runs the batching loop in its own thread (see the module docstring)."""
+
+    def __init__(
+        self,
+        forward: Forward,
+        cache: KVCache,
+        blocks: BlockManager,
+        *,
+        max_step_tokens: int = 512,
+        lookahead: int = 2,
+        on_step: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.forward = forward
+        self.cache = cache
+        self.blocks = blocks
+        self.block_tokens = blocks.block_tokens
+        self.max_step_tokens = max_step_tokens
+        self.lookahead = lookahead
+        self.on_step = on_step
+        self.cond = threading.Condition(blocks.lock)
+        self.waiting: list[SeqState] = []
+        self.running: list[SeqState] = []
+        self.in_flight: set[int] = set()
+        self.steps_total = 0
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="gpu-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- called from sequence threads ---------------------------------------------------------
+
+    def submit(self, seq: SeqState) -> None:
+        need = -(-seq.reserve // self.block_tokens)
+        if need > self.blocks.num_blocks:
+            raise ResourceExhausted(
+                f"prompt + max_tokens needs {need} KV blocks but the worker's KV budget holds "
+                f"{self.blocks.num_blocks}; lower max_tokens or raise MESHSERVE_GPU_WORKER_KV_BUDGET_BYTES",
+                retry_after_ms=0,
+            )
+        with self.cond:
+            self.waiting.append(seq)
+            self.cond.notify_all()
+
+    def next_token(self, seq: SeqState) -> int | None:
+        """Block until ``seq`` has a token; None when it is finished (EOS or max tokens) or closed."""
+        with self.cond:
+            while not seq.out and not seq.done and not seq.closed and seq.error is None:
+                self.cond.wait()
+            if seq.error is not None:
+                raise seq.error
+            if seq.out:
+                token = seq.out.popleft()
+                self.cond.notify_all()  # room in the lookahead window
+                return token
+            return None
+
+    def close(self, seq: SeqState, before_release: Callable[[SeqState], None] | None = None) -> None:
+        """Stop ``seq`` (at the latest after the step in flight) and free its KV blocks now."""
+        with self.cond:
+            seq.closed = True
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+            while id(seq) in self.in_flight:
+                self.cond.wait()
+            if seq in self.running:
+                self.running.remove(seq)
+            if seq.released:
+                return
+            seq.released = True
+        if before_release is not None and seq.blocks:
+            before_release(seq)  # blocks still referenced: nothing can evict or rewrite them
+        with self.cond:
+            self.blocks.release(seq.blocks)
+            seq.blocks = []
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stop = True
+            self.cond.notify_all()
+        self._thread.join(timeout=10)
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self.cond:
+                while not self._stop and not (plan := self._plan()):
+                    self.cond.wait()
+                if self._stop:
+                    return
+                self.in_flight = {id(s) for s, _ in plan}
+            try:
+                logits = self.forward([seg for _, seg in plan])
+                error: BaseException | None = None
+            except BaseException as exc:  # a failed step fails its sequences, not the worker
+                log.error("gpu_step_failed", exc_info=exc)
+                logits, error = [], exc
+            with self.cond:
+                self.in_flight = set()
+                if error is not None:
+                    for seq, _ in plan:
+                        seq.error = error
+                else:
+                    self._commit(plan, logits)
+                self.steps_total += 1
+                self.cond.notify_all()
+            if self.on_step is not None:
+                self.on_step(len(plan), sum(len(seg.token_ids) for _, seg in plan))
+
+    def _admit(self) -> None:
+        self.waiting.sort(key=lambda s: (-s.priority, s.arrival))
+        while self.waiting:
+            seq = self.waiting[0]
+            bt = self.block_tokens
+            matchable = (seq.prompt_len - 1) // bt  # at least one prompt token is prefilled (logits)
+            local = self.blocks.acquire_prefix(seq.keys[:matchable])
+            imported = seq.imported[len(local) : matchable]
+            total = -(-seq.reserve // bt)
+            fresh = self.blocks.allocate(total - len(local))
+            if fresh is None:
+                self.blocks.release(local)
+                return
+            self.waiting.pop(0)
+            for i, data in enumerate(imported):
+                self.cache.write_block(fresh[i], data)
+                self.blocks.register(fresh[i], seq.keys[len(local) + i], exported=True)
+            seq.imported = []
+            seq.blocks = local + fresh
+            seq.computed = (len(local) + len(imported)) * bt
+            seq.named = len(local) + len(imported)
+            seq.reused_local = len(local) * bt
+            seq.reused_redis = len(imported) * bt
+            seq.admitted = True
+            self.running.append(seq)
+
+    def _plan(self) -> list[tuple[SeqState, Segment]]:
+        self._admit()
+        plan: list[tuple[SeqState, Segment]] = []
+        budget = self.max_step_tokens
+        for seq in self.running:
+            if seq.closed or seq.done or budget <= 0:
+                continue
+            if seq.computed >= seq.prompt_len and len(seq.out) < self.lookahead:
+                plan.append((seq, Segment([seq.tokens[seq.computed]], seq.computed, seq.blocks)))
+                budget -= 1
+        prefilling = [s for s in self.running if s.computed < s.prompt_len and not s.closed]
+        prefilling.sort(key=lambda s: (-s.priority, s.arrival))
+        for seq in prefilling:
+            if budget <= 0:
+                break
+            n = min(seq.prompt_len - seq.computed, budget)
+            if seq.computed + n < seq.prompt_len and n >= self.block_tokens:
+                n -= (seq.computed + n) % self.block_tokens  # chunks end on block boundaries
+            chunk = seq.tokens[seq.computed : seq.computed + n]
+            plan.append((seq, Segment(chunk, seq.computed, seq.blocks)))
+            budget -= n
+        return plan
+
+    def _commit(self, plan: list[tuple[SeqState, Segment]], logits: list[Tensor]) -> None:
+        for (seq, seg), row in zip(plan, logits, strict=True):
+            try:
+                self._advance(seq, len(seg.token_ids), row)
+            except Exception as exc:  # e.g. a sampling error: that sequence fails, the others go on
+                log.error("gpu_sequence_failed", exc_info=exc)
+                seq.error = exc
+
+    def _advance(self, seq: SeqState, n: int, row: Tensor) -> None:
+        if seq.computed < seq.prompt_len:
+            seq.prefilled += n
+        seq.computed += n
+        self._name_blocks(seq)
+        if seq.computed < seq.prompt_len or seq.closed:
+            return
+        if seq.replay:
+            seq.tokens.append(seq.replay.popleft())
+            return
+        token = seq.sampler.pick(row[-1:])
+        seq.generated += 1
+        seq.out.append(token)
+        if token in seq.eos or seq.generated >= seq.max_new:
+            seq.done = True
+        else:
+            seq.tokens.append(token)
+
+    def _name_blocks(self, seq: SeqState) -> None:
+        """Give the sequence's newly completed blocks their chain keys (shareable from now on)."""
+        if seq.key_fn is None:
+            return
+        full = seq.computed // self.block_tokens
+        if full <= seq.named:
+            return
+        if full > len(seq.keys):
+            seq.keys = seq.key_fn(seq.tokens[: full * self.block_tokens])
+        for i in range(seq.named, full):
+            self.blocks.register(seq.blocks[i], seq.keys[i])
+        seq.named = full
