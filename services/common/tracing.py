@@ -21,7 +21,8 @@ Context crosses hops as W3C ``traceparent``/``tracestate`` gRPC metadata: the cl
 :func:`services.common.interceptors.outbound_metadata` (:func:`inject`), the server side starts the
 RPC's SERVER span from it (:func:`start_server_span`, called by
 :class:`services.common.tracing_interceptor.TracingInterceptor`). Domain code creates spans with
-:func:`span` / :func:`start_span` only (no grpc here). We keep our own tracer instead of replacing
+:func:`span` / :func:`start_span` only (no grpc here); those are phases of a traced call and record
+nothing outside one. We keep our own tracer instead of replacing
 OpenTelemetry's global provider, which may be set once per process and so would pin in-process
 tests to the first setup.
 """
@@ -218,16 +219,18 @@ class _Scope:
 def span(name: str, attributes: Mapping[str, AttributeValue] | None = None) -> contextlib.AbstractContextManager[Span]:
     """``with span("gateway.auth"):`` a child of the current span, current inside the block.
 
-    An exception leaving the block marks the span failed (and is re-raised).
+    An exception leaving the block marks the span failed (and is re-raised). Phases exist only
+    inside a recorded request: outside any traced call, or in a trace the sampler left out, this is
+    the shared no-op (an unsampled request costs one context lookup per phase, not a span).
     """
-    if not _State.enabled:
+    if not _State.enabled or not trace.get_current_span().is_recording():
         return _NOOP_SCOPE
     return _Scope(_State.tracer.start_span(name, attributes=attributes))
 
 
 def start_span(name: str, attributes: Mapping[str, AttributeValue] | None = None) -> Span:
-    """A child of the current span that the caller ends (for phases that span ``yield``s)."""
-    if not _State.enabled:
+    """A child of the current span that the caller ends (for phases that span ``yield``s); see :func:`span`."""
+    if not _State.enabled or not trace.get_current_span().is_recording():
         return INVALID_SPAN
     return _State.tracer.start_span(name, attributes=attributes)
 

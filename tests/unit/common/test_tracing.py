@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextvars
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import pytest
@@ -18,6 +19,8 @@ from services.common.errors import ConfigError
 from services.common.interceptors import outbound_metadata
 from services.common.settings import load_settings
 from services.common.tracing import TracingSettings
+
+T = TypeVar("T")
 
 
 @pytest.fixture
@@ -53,10 +56,26 @@ def test_settings_come_from_env_and_yaml_with_clear_errors(monkeypatch: pytest.M
     assert (settings.exporter, settings.otlp_endpoint, settings.sample_ratio) == ("otlp", "http://collector:4317", 0.25)
 
 
+def in_call(fn: Callable[[], T]) -> T:
+    """Run ``fn`` as a traced call would: in a fresh context, under a SERVER span."""
+
+    def run() -> T:
+        server = tracing.start_server_span("test.v1.T/Call", ())
+        try:
+            return fn()
+        finally:
+            server.end()
+
+    return contextvars.Context().run(run)
+
+
 def test_context_crosses_a_hop_in_metadata_only(memory: InMemorySpanExporter) -> None:
-    with tracing.span("caller.work") as caller:
-        metadata = outbound_metadata("token")
-    assert dict(metadata)["traceparent"].split("-")[1] == f"{caller.get_span_context().trace_id:032x}"
+    def call() -> tuple[tuple[tuple[str, str], ...], int]:
+        with tracing.span("caller.work") as work:
+            return outbound_metadata("token"), work.get_span_context().trace_id
+
+    metadata, trace_id = in_call(call)
+    assert dict(metadata)["traceparent"].split("-")[1] == f"{trace_id:032x}"
 
     def serve() -> None:  # a fresh context, as in another process: only the metadata links them
         server = tracing.start_server_span("svc.v1.S/M", metadata)
@@ -66,12 +85,10 @@ def test_context_crosses_a_hop_in_metadata_only(memory: InMemorySpanExporter) ->
 
     contextvars.Context().run(serve)
     spans = {s.name: s for s in memory.get_finished_spans()}
-    assert set(spans) == {"caller.work", "svc.v1.S/M", "callee.phase"}
-    trace_ids = {s.context.trace_id for s in spans.values()}
-    assert len(trace_ids) == 1
+    assert set(spans) == {"test.v1.T/Call", "caller.work", "svc.v1.S/M", "callee.phase"}
+    assert {s.context.trace_id for s in spans.values() if s.context} == {trace_id}
     links = {
-        name: (s.parent.span_id if s.parent else None, s.context.span_id if s.context else None)
-        for name, s in spans.items()
+        n: (s.parent.span_id if s.parent else None, s.context.span_id if s.context else None) for n, s in spans.items()
     }
     assert links["svc.v1.S/M"][0] == links["caller.work"][1]
     assert links["callee.phase"][0] == links["svc.v1.S/M"][1]
@@ -84,13 +101,39 @@ def test_a_call_without_trace_context_starts_a_new_trace(memory: InMemorySpanExp
 
     contextvars.Context().run(serve)
     (server,) = memory.get_finished_spans()
-    assert server.parent is None and server.context.is_valid
+    assert server.parent is None and server.context is not None and server.context.is_valid
+
+
+def test_phases_are_recorded_only_inside_a_recorded_call(memory: InMemorySpanExporter) -> None:
+    with tracing.span("background.work"):  # no traced call around it
+        tracing.start_span("background.phase").end()
+    assert memory.get_finished_spans() == ()
+
+
+def test_an_unsampled_call_records_nothing_and_tells_the_next_hop(tmp_path: Path) -> None:
+    exporter = InMemorySpanExporter()
+    tracing.setup_tracing("unit", TracingSettings(sample_ratio=0.0), exporter=exporter)
+    try:
+
+        def call() -> tuple[tuple[str, str], ...]:
+            with tracing.span("phase"):
+                return outbound_metadata("token")
+
+        metadata = in_call(call)
+    finally:
+        tracing.reset_tracing()
+    assert exporter.get_finished_spans() == ()
+    flags = int(dict(metadata)["traceparent"].rsplit("-", 1)[1], 16)
+    assert flags & 1 == 0  # sampled flag off: the next hop records nothing either
 
 
 def test_failed_phase_is_marked_with_the_error(memory: InMemorySpanExporter) -> None:
-    with pytest.raises(ConfigError), tracing.span("gateway.auth"):
-        raise ConfigError("boom")
-    (failed,) = memory.get_finished_spans()
+    def call() -> None:
+        with pytest.raises(ConfigError), tracing.span("gateway.auth"):
+            raise ConfigError("boom")
+
+    in_call(call)
+    failed = next(s for s in memory.get_finished_spans() if s.name == "gateway.auth")
     assert failed.status.status_code.name == "ERROR"
     assert failed.events[0].name == "exception"
 
@@ -99,13 +142,13 @@ def test_file_exporter_writes_one_json_line_per_span(tmp_path: Path) -> None:
     settings = TracingSettings(exporter="file", dir=str(tmp_path / "spans"))
     assert tracing.setup_tracing("filesvc", settings) is not None
     try:
-        with tracing.span("outer"):
-            tracing.start_span("inner", {"k": 1}).end()
+        in_call(lambda: tracing.start_span("inner", {"k": 1}).end())
     finally:
         tracing.reset_tracing()
     (path,) = (tmp_path / "spans").glob("filesvc-*.jsonl")
     inner, outer = (json.loads(line) for line in path.read_text().splitlines())
-    assert (inner["name"], outer["name"]) == ("inner", "outer")
+    assert (inner["name"], outer["name"]) == ("inner", "test.v1.T/Call")
+    assert outer["kind"] == "SERVER" and outer["parent_span_id"] == ""
     assert inner["parent_span_id"] == outer["span_id"] and inner["trace_id"] == outer["trace_id"]
     assert inner["attributes"] == {"k": 1} and inner["service"] == "filesvc"
     assert outer["start_ns"] <= inner["start_ns"] <= inner["end_ns"] <= outer["end_ns"]
@@ -139,8 +182,7 @@ async def test_otlp_exporter_sends_spans_to_a_collector(collector: tuple[_Collec
     servicer, port = collector
     settings = TracingSettings(exporter="otlp", otlp_endpoint=f"http://127.0.0.1:{port}")
     assert tracing.setup_tracing("otlpsvc", settings) is not None
-    with tracing.span("exported.op"):
-        pass
+    in_call(lambda: None)
     await asyncio.to_thread(tracing.reset_tracing)  # shutdown flushes the batch to the collector
     spans = [
         (rs.resource, span)
@@ -149,6 +191,6 @@ async def test_otlp_exporter_sends_spans_to_a_collector(collector: tuple[_Collec
         for ss in rs.scope_spans
         for span in ss.spans
     ]
-    assert [s.name for _, s in spans] == ["exported.op"]
+    assert [s.name for _, s in spans] == ["test.v1.T/Call"]
     resource = {a.key: a.value.string_value for a in spans[0][0].attributes}
     assert resource["service.name"] == "otlpsvc"

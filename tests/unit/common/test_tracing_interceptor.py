@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Span
 
 from services.common import errors, tracing
 from services.common.interceptors import outbound_metadata
@@ -53,8 +55,15 @@ async def test_each_rpc_is_a_server_span_under_the_callers_span(
 ) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
-        with tracing.span("client.request") as client:
-            reply = await stub.Complete(pb.GenerateRequest(prompt="hi"), metadata=outbound_metadata("t"))
+
+        async def traced_caller() -> tuple[pb.GenerateResponse, Span]:  # its own task: its own context
+            caller = tracing.start_server_span("client.v1.C/Request", ())
+            with tracing.span("client.request") as client:
+                reply = await stub.Complete(pb.GenerateRequest(prompt="hi"), metadata=outbound_metadata("t"))
+            caller.end()
+            return reply, client
+
+        reply, client = await asyncio.create_task(traced_caller())
         with pytest.raises(grpc.aio.AioRpcError) as failed:
             async for _ in stub.Generate(pb.GenerateRequest(prompt="x"), metadata=outbound_metadata("t")):
                 pass
@@ -62,7 +71,7 @@ async def test_each_rpc_is_a_server_span_under_the_callers_span(
     assert reply.text == "hi" and failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     spans = {s.name: s for s in memory.get_finished_spans()}
     rpcs = {"meshserve.v1.Inference/Complete", "meshserve.v1.Inference/Generate"}
-    assert set(spans) == {"client.request", "echo.work", *rpcs}
+    assert set(spans) == {"client.v1.C/Request", "client.request", "echo.work", *rpcs}
     complete = spans["meshserve.v1.Inference/Complete"]
     assert complete.kind.name == "SERVER"
     assert complete.parent is not None and complete.parent.span_id == client.get_span_context().span_id
