@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: help setup proto proto-check lint test test-fast run demo bench clean
+.PHONY: help setup proto proto-check lint test test-fast fault fuzz run demo bench clean
 
 help: ## Show this help.
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-12s %s\n", $$1, $$2}'
@@ -31,6 +31,14 @@ test: setup ## Run the whole test suite (unit, integration, e2e) with real Redis
 
 test-fast: ## Unit tests only (no setup).
 	$(VENV)/bin/pytest -q tests/unit
+
+fault: setup ## Full fault-injection suite (kill -9, Redis outage, slow/stalled worker, gateway restart) at full load.
+	MESHSERVE_FAULT_FULL=1 $(VENV)/bin/pytest -q -p no:cacheprovider -m fault tests/fault --timeout=1800
+
+FUZZ_SCALE ?= 30
+fuzz: setup ## Long fuzz run (>= 10,000 cases, gRPC + HTTP through Envoy); counts in docs/fuzz_report.json.
+	MESHSERVE_FUZZ_SCALE=$(FUZZ_SCALE) MESHSERVE_FUZZ_REPORT=docs/fuzz_report.json \
+	  $(VENV)/bin/pytest -q -p no:cacheprovider -m fuzz tests/fuzz --timeout=0
 
 run: setup ## Start the local mesh, stream an answer to a demo prompt, keep serving until Ctrl-C.
 	$(VENV)/bin/meshserve up --demo "$(PROMPT)"

@@ -24,13 +24,24 @@ from services.gateway.http.config import HttpAdapterSettings
 
 log = structlog.get_logger(__name__)
 
+MAX_HEADER_BYTES = 64 * 1024
+"""Longest request line / header field the adapter parses (Envoy's header limit is 60 KiB in all)."""
+
 
 async def serve(settings: HttpAdapterSettings) -> tuple[web.AppRunner, int, grpc.aio.Channel]:
     """Start the adapter; returns the runner (``cleanup()`` stops it), the bound port and the channel."""
     channel = grpc.aio.insecure_channel(settings.gateway_address, options=grpc_options())
     app = build_app(inference_pb2_grpc.InferenceStub(channel), settings.max_body_bytes)
     # handler_cancellation: a client that hangs up cancels its handler, hence the gRPC call upstream.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # Header limits above Envoy's (60 KiB for all headers): Envoy rejects oversized headers with 431;
+    # with aiohttp's 8 KiB default, a 9-60 KiB header passed Envoy and made aiohttp log a traceback.
+    runner = web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        max_line_size=MAX_HEADER_BYTES,
+        max_field_size=MAX_HEADER_BYTES,
+    )
     await runner.setup()
     site = web.TCPSite(runner, settings.host, settings.port, shutdown_timeout=settings.shutdown_grace_s)
     await site.start()

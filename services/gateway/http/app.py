@@ -33,6 +33,8 @@ log = structlog.get_logger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _FORWARDED = (md.AUTHORIZATION, md.API_KEY)
 _DONE = b"data: [DONE]\n\n"
+MAX_CREDENTIAL_CHARS = 8192
+"""Longest Authorization / x-api-key value forwarded to the gateway (real keys and JWTs are far shorter)."""
 
 
 def _grpc_error(exc: grpc.aio.AioRpcError) -> MeshError:
@@ -91,7 +93,14 @@ class OpenAIApp:
 
     @staticmethod
     def _metadata(request: web.Request) -> tuple[tuple[str, str], ...]:
-        return tuple((name, request.headers[name]) for name in _FORWARDED if name in request.headers)
+        forwarded = tuple((name, request.headers[name]) for name in _FORWARDED if name in request.headers)
+        for name, value in forwarded:
+            # gRPC refuses metadata over 16 KiB with RESOURCE_EXHAUSTED, which would read as a 429.
+            if len(value) > MAX_CREDENTIAL_CHARS:
+                raise InvalidArgument(
+                    f"the {name} header is longer than {MAX_CREDENTIAL_CHARS} characters; send an API key or JWT"
+                )
+        return forwarded
 
     @staticmethod
     async def _json(request: web.Request) -> dict[str, Any]:
