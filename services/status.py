@@ -98,6 +98,8 @@ class MeshView:
     requests: dict[str, int] = field(default_factory=dict)
     """Gateway requests by final status."""
     counters: dict[str, int] = field(default_factory=dict)
+    metrics_read: bool = False
+    """At least one metrics endpoint answered (the traffic line is shown, zeros included)."""
     problems: list[str] = field(default_factory=list)
     taken_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
 
@@ -179,6 +181,7 @@ async def gather(
                 try:
                     async with session.get(url) as response:
                         _add_metrics(name, await response.text(), view)
+                    view.metrics_read = True
                 except (aiohttp.ClientError, TimeoutError) as exc:
                     view.problems.append(f"metrics {name} {url}: {type(exc).__name__}")
     return view
@@ -231,7 +234,7 @@ def render(view: MeshView) -> Group:
         for kind, (ratio, hits, misses, entries) in view.cache.items():
             caches.add_row(kind, f"{ratio:.1%}", str(hits), str(misses), str(entries))
         parts.append(caches)
-    if view.requests or view.counters:
+    if view.requests or view.counters or view.metrics_read:
         total = sum(view.requests.values())
         errors = sum(n for status, n in view.requests.items() if status != "OK")
         figures = [f"requests {total}", f"errors {errors}"] + [f"{k} {v}" for k, v in view.counters.items()]

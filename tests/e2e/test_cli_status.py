@@ -6,7 +6,12 @@ Named to run before test_mesh.py, whose last test stops the edge workers of the 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +19,7 @@ from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.mesh import Mesh
 from tests.e2e.conftest import auth
+from tests.helpers import RedisServer
 
 pytestmark = pytest.mark.e2e
 
@@ -68,3 +74,47 @@ async def test_status_once_shows_the_replicas_per_tier_with_load_tokens_caches_a
 async def test_status_reports_an_unreachable_router_in_one_line(mesh: Mesh) -> None:
     text = await status("--router", "127.0.0.1:1", "--cache", "", "--metrics")
     assert "unreachable: router 127.0.0.1:1: UNAVAILABLE" in text
+
+
+async def test_status_alone_watches_the_mesh_meshserve_up_started(redis_srv: RedisServer, tmp_path: Path) -> None:
+    state = tmp_path / "mesh.json"
+    env = {**os.environ, "MESHSERVE_STATE_FILE": str(state)}
+    argv = ["up", "--no-envoy", "--port", "0", "--edge-workers", "1", "--cloud-workers", "0"]
+    up = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        *argv,
+        "--redis-url",
+        redis_srv.url,
+        env=env,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not state.exists():  # written once every service is healthy
+            assert up.returncode is None and time.monotonic() < deadline, "meshserve up did not come up"
+            await asyncio.sleep(0.2)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.cli",
+            "status",
+            "--once",
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err.decode()
+        text = out.decode()
+        recorded = json.loads(state.read_text())
+        assert f"router {recorded['router']} SERVING" in text
+        assert "edge: 1/1 replicas healthy" in text and "cloud: no replicas" in text
+        assert "response" in text and "traffic: requests" in text and "unreachable" not in text
+    finally:
+        up.send_signal(signal.SIGINT)
+        await asyncio.wait_for(up.wait(), 60)
+    assert up.returncode == 0
+    assert not state.exists()  # removed when the mesh stops
