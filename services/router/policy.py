@@ -22,11 +22,12 @@ out while another replica has room. Then:
 2. **Longest cached prefix**: the prompt is cut into blocks of ``block_tokens`` tokens, each named
    by the hash chain of all blocks up to it (:func:`prefix_blocks`: the KV cache's own scheme,
    ``services.cache.keys.kv_block_hashes``, so they equal the hashes workers report). A replica
-   holds a block when the selector remembers sending it there (LRU, ``prefix_capacity`` blocks) or
-   when the replica's last load report lists it as hot (``Candidate.hot``: KV the worker really
-   holds, including what other routers sent it). Among eligible replicas the one holding the longest
-   leading run of the prompt's blocks wins (more blocks → fewer prefill tokens); ties go to the
-   lower load.
+   holds a block when its last load report lists it as hot (``Candidate.hot``: KV the worker really
+   holds, including what other routers sent it) or the selector remembers sending it there (LRU,
+   ``prefix_capacity`` blocks; the router calls :meth:`ReplicaSelector.forget` when a report in this
+   scheme arrives, so the memory only bridges the time until the next report). Among eligible
+   replicas the one holding the longest leading run of the prompt's blocks wins (more blocks →
+   fewer prefill tokens); ties go to the lower load.
 3. **Consistent hashing** for a prefix no replica holds yet: the first block's hash is placed on a
    ring of ``vnodes`` virtual nodes per replica and the ring is walked clockwise to the first
    eligible replica. Requests sharing a system prompt therefore meet on one replica until it is

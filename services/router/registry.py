@@ -21,7 +21,8 @@ Load reports (:class:`WorkerReport`) arrive both ways, pushed by heartbeats and 
 above ``kv_high_watermark`` of the worker's KV budget, the replica takes no new turns while another
 has room and gives no admission slots) and the hot prefix blocks (:attr:`Replica.hot_blocks`, only
 when the worker hashed them with the router's block size and model version; otherwise they could
-never match and a warning says why).
+never match and a warning says why). Such a report is the truth about what the worker holds, so
+``on_report`` lets the router drop its own belief (what it sent there before the report).
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ class Registry:
         model_version: str = "",
         kv_high_watermark: float = 0.95,
         drain_s: float = 30.0,
+        on_report: Callable[[Replica], object] | None = None,
     ) -> None:
         self._addresses = [(a, TierName.EDGE) for a in edge] + [(a, TierName.CLOUD) for a in cloud]
         self._token = internal_token
@@ -176,6 +178,8 @@ class Registry:
         self._kv_high = kv_high_watermark
         self._drain_s = drain_s
         self._mismatch_warned: set[str] = set()
+        self._on_report = on_report
+        """Called with a replica whose report lists its hot prefix blocks in our scheme (authoritative)."""
         self.replicas: list[Replica] = []
         self._task: asyncio.Task[None] | None = None
         self._draining: dict[asyncio.Future[None], grpc.aio.Channel] = {}
@@ -206,10 +210,12 @@ class Registry:
         replica.worker_id = report.worker_id or replica.worker_id
         replica.active_sequences, replica.queue_depth = report.active, report.queued
         replica.max_active = report.max_active or replica.max_active
-        if not report.hot_blocks:
-            replica.hot_blocks = frozenset()
-        elif report.block_tokens == self._block_tokens and report.model_version == self._model_version:
+        if report.block_tokens == self._block_tokens and report.model_version == self._model_version:
             replica.hot_blocks = frozenset(report.hot_blocks)
+            if self._on_report is not None:
+                self._on_report(replica)
+        elif not report.hot_blocks:
+            replica.hot_blocks = frozenset()
         else:
             replica.hot_blocks = frozenset()
             if replica.address not in self._mismatch_warned:

@@ -54,6 +54,7 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
             pending.add(task)
             task.add_done_callback(pending.discard)
 
+    selector = ReplicaSelector(epsilon=settings.balance_epsilon)
     registry = Registry(
         settings.edge_workers,
         settings.cloud_workers,
@@ -69,6 +70,8 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
         model_version=settings.model_version(),
         kv_high_watermark=settings.kv_high_watermark,
         drain_s=settings.shutdown_grace_s,
+        # A worker's report of its hot prefix blocks replaces the router's memory of what it sent.
+        on_report=lambda replica: selector.forget(replica.address),
     )
     await registry.start()
 
@@ -95,7 +98,7 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
         retries_before_first_token=settings.retries_before_first_token,
         failovers_after_first_token=settings.failovers_after_first_token,
         admission=admission,
-        selector=ReplicaSelector(epsilon=settings.balance_epsilon),
+        selector=selector,
         policy=settings.routing_policy,
         block_tokens=settings.prefix_block_tokens,
         stall_timeout_s=settings.stall_timeout_s,

@@ -9,7 +9,8 @@ itself knows:
 * ``hot_prefix_blocks``: block hashes (``services.cache.keys.kv_block_hashes``, the scheme of the KV
   prefix cache, salted with each request's tenant unless shareable) of the engine's prefix cache
   first, then of the running sequences and the kept chats, most recent first, deduplicated, and cut
-  at ``max_hot_blocks``. A chain is listed from its first block, so a cut keeps leading blocks.
+  at ``max_hot_blocks`` (1024 by default: 32 KiB a report). A chain is listed from its first
+  block, so a cut keeps leading blocks.
 
 Kept chats only serve their own next turn on engines without a cross-request prefix cache (the
 edge engine), so their blocks tell the router where a chat's context lives rather than promise reuse
@@ -73,7 +74,7 @@ class PrefixHasher:
 class LoadReporter:
     """Builds :class:`LoadReport` s for a runner (engine calls and hashing run in a thread)."""
 
-    def __init__(self, runner: Runner, hasher: PrefixHasher, *, max_hot_blocks: int = 256) -> None:
+    def __init__(self, runner: Runner, hasher: PrefixHasher, *, max_hot_blocks: int = 1024) -> None:
         self.runner = runner
         self.hasher = hasher
         self.max_hot_blocks = max_hot_blocks

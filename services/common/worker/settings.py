@@ -51,7 +51,7 @@ class WorkerSettings(ServiceSettings):
     """Timeout of one heartbeat call; a router that does not answer is retried with backoff."""
     prefix_block_tokens: int = Field(default=16, ge=1)
     """Block size of the hot prefix block hashes in load reports (the router's prefix_block_tokens)."""
-    max_hot_blocks: int = Field(default=256, ge=0)
+    max_hot_blocks: int = Field(default=1024, ge=0)
     """Most hot prefix block hashes (32 bytes each) one load report carries."""
 
     @field_validator("router_address", mode="before")

@@ -100,3 +100,13 @@ def test_report_from_stats_keeps_every_field() -> None:
         prefill_tokens_total=12,
     )
     assert WorkerReport.from_pb(stats) == WorkerReport("w", 1, 2, 3, 4.5, 6, 7, 8, 9, 10, (b"h",), "v", 11, 12)
+
+
+def test_a_report_in_our_hash_scheme_replaces_the_routers_belief() -> None:
+    reported: list[str] = []
+    reg = _registry(on_report=lambda r: reported.append(r.address))
+    r = _replica()
+    reg.apply_report(r, WorkerReport(block_tokens=16, model_version="v1"))  # holds nothing: also the truth
+    reg.apply_report(r, WorkerReport(block_tokens=32, model_version="v1", hot_blocks=(b"x" * 32,)))
+    reg.apply_report(r, WorkerReport())  # an old worker that reports no blocks: the router's memory stays
+    assert reported == [r.address]

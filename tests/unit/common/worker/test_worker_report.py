@@ -57,7 +57,13 @@ class HookedEngine(FakeEngine):
 
 async def serve(engine: FakeEngine, **overrides: Any) -> RunningWorker:
     settings = load_settings(
-        WorkerSettings, port=0, worker_id="w-1", model_version="v1", prefix_block_tokens=BLOCK, **overrides
+        WorkerSettings,
+        port=0,
+        worker_id="w-1",
+        model_id="fake-model",
+        model_version="v1",
+        prefix_block_tokens=BLOCK,
+        **overrides,
     )
     return await start_worker(settings, engine, tier="edge")
 
