@@ -15,7 +15,7 @@ import promql_parser
 import pytest
 import yaml
 
-from tests.unit.deploy import exported_metrics
+from tests.unit.deploy import exported_metrics, settings_check
 
 GRAFANA = Path(__file__).resolve().parents[3] / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "meshserve.json"
@@ -37,8 +37,11 @@ def _expressions() -> list[tuple[str, str]]:
     return [(p["title"], t["expr"]) for p in _panels(doc) for t in p.get("targets", [])]
 
 
-def _parse(expr: str) -> tuple[set[str], set[str]]:
-    """(metric names selected, label names matched or grouped by) of one expression."""
+def _parse(expr: str, values: dict[str, set[str]] | None = None) -> tuple[set[str], set[str]]:
+    """(metric names selected, label names matched or grouped by) of one expression.
+
+    ``values`` collects the values each label is matched against (regex alternatives split).
+    """
     for variable, value in GRAFANA_VARIABLES.items():
         expr = expr.replace(variable, value)
     tree = promql_parser.parse(expr)
@@ -50,6 +53,9 @@ def _parse(expr: str) -> tuple[set[str], set[str]]:
             assert node.name, f"select metrics by name, not by matchers only: {expr}"
             metrics.add(node.name)
             labels.update(m.name for m in node.matchers.matchers)
+            if values is not None:
+                for m in node.matchers.matchers:
+                    values.setdefault(m.name, set()).update(m.value.split("|"))
         elif isinstance(node, promql_parser.AggregateExpr) and node.modifier is not None:
             labels.update(node.modifier.labels)
         elif isinstance(node, promql_parser.BinaryExpr) and node.modifier is not None:
@@ -93,6 +99,17 @@ def test_the_dashboard_shows_what_an_operator_needs() -> None:
         "meshserve_request_duration_seconds_count",  # errors by status
     }
     assert required <= queried
+
+
+def test_label_values_are_ones_the_services_use() -> None:
+    values: dict[str, set[str]] = {}
+    for _, expr in _expressions():
+        _parse(expr, values)
+    services = {cls.service for cls in settings_check.SETTINGS if hasattr(cls, "service")} | {"cache"}
+    assert values["service"] <= services, values["service"] - services
+    assert values["direction"] <= {"input", "output"}
+    assert values["result"] <= {"hit", "miss", "error", "corrupt", "skipped"}
+    assert values["status"] <= {"OK"}  # used as status!="OK"
 
 
 def test_the_check_rejects_a_misspelled_metric() -> None:
