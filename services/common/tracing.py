@@ -45,6 +45,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from services.common import metadata as md
 from services.common.settings import _YamlSection, load_settings
 
 if TYPE_CHECKING:
@@ -55,6 +56,9 @@ TRACE_HEADERS = ("traceparent", "tracestate")
 """The W3C trace-context metadata keys carried on every internal hop."""
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+# Metadata that becomes SERVER span attributes, so a trace can be found by request id or tenant.
+_CORRELATION = {md.REQUEST_ID: "meshserve.request_id", md.TENANT: "meshserve.tenant"}
+_SERVER_KEYS = frozenset((*TRACE_HEADERS, *_CORRELATION))
 _NOOP_SCOPE = contextlib.nullcontext(INVALID_SPAN)
 AttributeValue = str | bool | int | float
 
@@ -247,14 +251,24 @@ def start_server_span(name: str, metadata: Iterable[tuple[str, str | bytes]]) ->
     The context stays attached for the rest of the calling task: gRPC runs every call in a task of
     its own, so it ends with the call (the same reason structlog's contextvars need no unbind).
     """
-    carrier = {k: v for k, v in metadata if k in TRACE_HEADERS and isinstance(v, str)}
+    carrier = {k: v for k, v in metadata if k in _SERVER_KEYS and isinstance(v, str)}
     parent = _PROPAGATOR.extract(carrier)
-    server = _State.tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes={"rpc.system": "grpc"})
+    attributes = {"rpc.system": "grpc"}
+    for key, attribute in _CORRELATION.items():
+        if carrier.get(key):
+            attributes[attribute] = carrier[key]
+    server = _State.tracer.start_span(name, context=parent, kind=SpanKind.SERVER, attributes=attributes)
     otel_context.attach(trace.set_span_in_context(server, parent))
     ctx = server.get_span_context()
     if ctx.is_valid:
         structlog.contextvars.bind_contextvars(trace_id=trace.format_trace_id(ctx.trace_id))
     return server
+
+
+def annotate(attributes: Mapping[str, AttributeValue]) -> None:
+    """Set attributes on the current span (in a handler: the RPC's SERVER span)."""
+    if _State.enabled:
+        trace.get_current_span().set_attributes(attributes)
 
 
 def record_error(target: Span, exc: BaseException, code: str) -> None:

@@ -19,6 +19,7 @@ import grpc
 import structlog
 
 from services.common import metadata as md
+from services.common import tracing
 from services.common.errors import DeadlineExceeded, MeshError
 from services.common.interceptors import outbound_metadata
 from services.common.metrics import INTER_TOKEN, REQUEST_DURATION, TOKENS, TTFT
@@ -132,6 +133,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         structlog.contextvars.bind_contextvars(request_id=request_id, tenant="", key_id="")
         identity = await self._gate.identify(context.invocation_metadata() or ())
         structlog.contextvars.bind_contextvars(tenant=identity.tenant, key_id=identity.key_id)
+        tracing.annotate({"meshserve.request_id": request_id, "meshserve.tenant": identity.tenant})
         scopes.require(method, identity.scopes, identity.key_id)
         if send_headers:
             await context.send_initial_metadata(((md.REQUEST_ID, request_id),))

@@ -96,6 +96,9 @@ async def test_one_request_is_one_connected_trace_with_the_phases_in_order(trace
     assert router_rpc["parent_span_id"] == gateway_rpc["span_id"]
     assert worker_rpc["parent_span_id"] == router_rpc["span_id"]
     assert {s["kind"] for s in (gateway_rpc, router_rpc, worker_rpc)} == {"SERVER"}
+    for rpc in (gateway_rpc, router_rpc, worker_rpc):  # findable by the request id the caller got back
+        assert rpc["attributes"]["meshserve.request_id"] == frames[-1].request_id != ""
+        assert rpc["attributes"]["meshserve.tenant"] == "dev"
     rpc_of = {"gateway": gateway_rpc, "router": router_rpc, "edge_worker": worker_rpc}
     for service, name in PHASES:
         assert by_name[(service, name)]["parent_span_id"] == rpc_of[service]["span_id"], name
