@@ -147,4 +147,8 @@ def run_worker_process(settings_cls: type[W], build_engine: Callable[[W], Engine
         worker = await start_worker(settings, engine, tier=tier)
         await worker.serve_until_signal()
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except ConfigError as exc:  # settings read when serving starts (MESHSERVE_TRACING_*)
+        log.error("config_error", error=str(exc))
+        raise SystemExit(2) from None

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextvars
 import json
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -194,3 +197,17 @@ async def test_otlp_exporter_sends_spans_to_a_collector(collector: tuple[_Collec
     assert [s.name for _, s in spans] == ["test.v1.T/Call"]
     resource = {a.key: a.value.string_value for a in spans[0][0].attributes}
     assert resource["service.name"] == "otlpsvc"
+
+
+def test_bad_tracing_settings_stop_a_worker_with_exit_2_and_one_line() -> None:
+    # A process of its own: the worker configures logging for the whole interpreter.
+    script = (
+        "from services.common.worker.app import run_worker_process\n"
+        "from services.edge_worker.config import EdgeWorkerSettings\n"
+        "run_worker_process(EdgeWorkerSettings, lambda settings: object(), tier='edge')\n"
+    )
+    env = {**os.environ, "MESHSERVE_TRACING_EXPORTER": "file"}  # without MESHSERVE_TRACING_DIR
+    env.pop("MESHSERVE_TRACING_DIR", None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "MESHSERVE_TRACING_DIR" in done.stderr and "Traceback" not in done.stderr
