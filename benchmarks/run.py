@@ -1,6 +1,9 @@
-"""`meshserve bench`: what the mesh adds over calling a worker directly, per tier.
+"""`meshserve bench`: what the mesh adds over calling a worker directly — hops alone, then per tier.
 
-Starts the local mesh (same launcher as `meshserve up`), then for each tier sends the same greedy
+First :mod:`benchmarks.hops`: gateway + router over a direct call to a real worker process whose
+synthetic engine emits tokens at once, so the hops' own cost (a few ms) is not buried under model
+time; writes docs/benchmarks/hops.md/.json. Then, with the real models: starts the local
+mesh (same launcher as `meshserve up`), then for each tier sends the same greedy
 requests (response cache bypassed) alternately (a) through gateway -> router -> worker and
 (b) straight to one worker of that tier over the internal API, measuring TTFT, inter-token
 latency and per-stream decode tokens/s. Prints a table and writes JSON + Markdown to
@@ -152,10 +155,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=20, help="requests per tier and path (default 20)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
+    parser.add_argument(
+        "--only", choices=("hops", "model"), default=None, help="run only the hop benchmark or only the real-model one"
+    )
+    parser.add_argument("--hops-requests", type=int, default=400, help="interleaved requests per path in hops")
     args = parser.parse_args(argv)
-    report = asyncio.run(run(args.requests, args.max_tokens))
-    write_report(report, args.out)
-    print(_markdown(report))
+    if args.only in (None, "hops"):
+        from benchmarks import hops
+
+        hop_report = asyncio.run(hops.run(args.hops_requests, max(100, args.hops_requests * 3 // 4)))
+        hops.write_report(hop_report, args.out)
+        print(hops.markdown(hop_report))
+    if args.only in (None, "model"):
+        report = asyncio.run(run(args.requests, args.max_tokens))
+        write_report(report, args.out)
+        print(_markdown(report))
     return 0
 
 

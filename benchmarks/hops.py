@@ -1,0 +1,449 @@
+"""What the gateway and router hops cost, isolated from model compute.
+
+``python -m benchmarks.hops`` (also part of ``meshserve bench``) starts, as separate processes like
+``meshserve up`` does: redis-server, one real worker process running a synthetic engine that emits
+tokens at once (:mod:`benchmarks.instant_worker`: the real worker runtime, no model time), the real
+router and the real gateway (API keys, rate limits in Redis, stream leases all on). Then:
+
+1. **Added latency.** The same greedy request (response cache bypassed) sent round-robin, request
+   by request, (a) straight to the worker over its internal API, (b) to the router, (c) to the
+   gateway with the static dev key, (d) to the gateway with a key from the Redis key store. TTFT
+   and total time, p50/p99 per path; *added* = path minus direct (p50 - p50, p99 - p99). The
+   per-frame relay cost is (added total - added TTFT) / (frames - 1), from the medians.
+2. **CPU per request.** The same paths again, in blocks of 10 requests per path taken in turn,
+   reading every process's CPU time (all threads, ns, /proc schedstat) around each block: ms of CPU
+   per request in the client, the gateway, the router, the worker and Redis. CPU time is stretched
+   far less by other load on the machine than wall time is: the steadier number on a shared box.
+3. **Exact cache hit.** A cached greedy request streamed through the router and through the
+   gateway: TTFT (first token) p50/p99 (issue 4's target: p50 ≤ 3 ms over gRPC through the mesh).
+
+``--before TREE`` (a checkout of earlier code, e.g. ``git worktree add /tmp/before <commit>``) also
+starts that tree's router and gateway beside the current ones, on the same worker and Redis, and
+interleaves their requests with the others: a before/after comparison under identical machine load.
+``--profile DIR`` runs the router and the gateway under cProfile and writes DIR/<service>.prof.
+Writes docs/benchmarks/hops.json and hops.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import redis.asyncio as aioredis
+
+from benchmarks.stats import percentile
+from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.settings import DEFAULT_INTERNAL_TOKEN
+from services.common.tokenizer import Tokenizer
+from services.gateway.keystore import KeyStore
+from services.mesh import DEV_API_KEY, api_key_hash
+from services.models.paths import model_paths
+from services.processes import ServiceProcess, free_port, wait_redis
+
+PROMPT = "Write a short poem about the sea and the ships that sail on it."
+INTERNAL = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN), ("x-meshserve-tenant", "bench"))
+Probe = Callable[[], Awaitable[tuple[float, float, int]]]
+"""One request: (TTFT s, total s, frames with tokens)."""
+
+
+@dataclass
+class Stack:
+    redis: ServiceProcess
+    worker: ServiceProcess
+    router: ServiceProcess
+    gateway: ServiceProcess
+    relays: list[ServiceProcess]
+    redis_url: str
+    tmp: tempfile.TemporaryDirectory[str]
+    before: dict[str, ServiceProcess]
+    """``gateway_before`` / ``router_before``: the services of the ``--before`` tree, if any."""
+
+    def processes(self) -> dict[str, ServiceProcess]:
+        procs = {"gateway": self.gateway, "router": self.router, "worker": self.worker, "redis": self.redis}
+        return procs | self.before | {f"relay{i}": r for i, r in enumerate(self.relays)}
+
+    async def stop(self) -> None:
+        for proc in (self.gateway, self.router, *self.before.values(), *self.relays, self.worker, self.redis):
+            await proc.stop()
+        self.tmp.cleanup()
+
+
+def _argv(module: str, profile_dir: Path | None, name: str, tree: Path | None = None) -> list[str]:
+    if tree is not None:  # that tree's code first on the path
+        code = (
+            f"import runpy, sys; sys.path.insert(0, {str(tree)!r}); runpy.run_module({module!r}, run_name='__main__')"
+        )
+        return [sys.executable, "-c", code]
+    if profile_dir is None:
+        return [sys.executable, "-m", module]
+    return [sys.executable, "-m", "benchmarks.profiled", str(profile_dir / f"{name}.prof"), module]
+
+
+async def _start(proc: ServiceProcess, health: bool = True) -> ServiceProcess:
+    """Spawn; wait for its ``service_started`` line and, with ``health``, for SERVING."""
+    await proc.spawn()
+    await proc.wait_started(120)
+    if health:
+        await proc.wait_serving(120)
+    return proc
+
+
+async def start_stack(profile_dir: Path | None = None, before: Path | None = None) -> Stack:
+    """redis-server, instant worker, router, gateway (and the ``before`` tree's): separate processes."""
+    sink: Callable[[str, str], None] = lambda _name, _line: None  # noqa: E731
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    tmp = tempfile.TemporaryDirectory(prefix="meshserve-hops-")
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed; run `make setup`")
+    port = free_port()
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp.name]
+    redis_proc = ServiceProcess("redis", argv, env, sink)
+    await redis_proc.spawn()
+    redis_url = f"redis://127.0.0.1:{port}/0"
+    await wait_redis(redis_url, 30)
+    worker_env = {"MESHSERVE_INSTANT_WORKER_MAX_ACTIVE_SEQUENCES": "8", "MESHSERVE_INSTANT_WORKER_WORKER_ID": "instant"}
+    worker = await _start(
+        ServiceProcess("worker", [sys.executable, "-m", "benchmarks.instant_worker"], env | worker_env, sink)
+    )
+    router_env = env | {"MESHSERVE_ROUTER_EDGE_WORKERS": worker.address, "MESHSERVE_ROUTER_REDIS_URL": redis_url}
+    gateway_env = env | {
+        "MESHSERVE_GATEWAY_API_KEYS": f"dev:{api_key_hash(DEV_API_KEY)}",
+        "MESHSERVE_GATEWAY_REDIS_URL": redis_url,
+        # Limits stay on (every request runs the admission script and, for streams, a lease)
+        # but high enough that the benchmark's own traffic never hits them.
+        "MESHSERVE_GATEWAY_REQUESTS_PER_MINUTE": "100000000",
+        "MESHSERVE_GATEWAY_TOKENS_PER_MINUTE": "1000000000",
+    }
+    services: dict[str, ServiceProcess] = {}
+    for suffix, tree in (("", None), ("_before", before)):
+        if suffix and tree is None:
+            continue
+        router = await _start(
+            ServiceProcess(f"router{suffix}", _argv("services.router", profile_dir, "router", tree), router_env, sink)
+        )
+        services[f"router{suffix}"] = router
+        services[f"gateway{suffix}"] = await _start(
+            ServiceProcess(
+                f"gateway{suffix}",
+                _argv("services.gateway", profile_dir, "gateway", tree),
+                gateway_env | {"MESHSERVE_GATEWAY_ROUTER_ADDRESS": router.address},
+                sink,
+            )
+        )
+    relays: list[ServiceProcess] = []
+    upstream = worker.address
+    for i in range(2):  # two bare relays chained: the floor of two Python gRPC hops
+        relay_env = env | {"MESHSERVE_BARE_RELAY_UPSTREAM": upstream}
+        relay = ServiceProcess(f"relay{i}", [sys.executable, "-m", "benchmarks.bare_relay"], relay_env, sink)
+        relays.append(await _start(relay, health=False))
+        upstream = relay.address
+    router, gateway = services.pop("router"), services.pop("gateway")
+    return Stack(redis_proc, worker, router, gateway, relays, redis_url, tmp, services)
+
+
+async def _stream(call: AsyncIterator[Any]) -> tuple[float, float, int]:
+    start = time.perf_counter()
+    first = float("nan")
+    frames = 0
+    async for frame in call:
+        if frame.token_ids:
+            frames += 1
+            if frames == 1:
+                first = time.perf_counter() - start
+        if frame.HasField("final"):
+            break
+    return first, time.perf_counter() - start, frames
+
+
+def _probes(
+    stubs: dict[str, Any], ids: list[int], keystore_key: str, max_tokens: int, cached: bool
+) -> dict[str, Probe]:
+    sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    routing = pb.RoutingOptions(
+        tier=pb.TIER_EDGE, cache_policy=pb.CACHE_POLICY_USE if cached else pb.CACHE_POLICY_BYPASS
+    )
+    request = pb.GenerateRequest(prompt=PROMPT, sampling=sampling, routing=routing)
+    start = worker_pb2.WorkerRequest(
+        start=worker_pb2.WorkerStart(request_id="bench", prompt_token_ids=ids, sampling=sampling)
+    )
+
+    async def worker_call(stub: Any) -> tuple[float, float, int]:
+        t0 = time.perf_counter()
+        call = stub.Generate(metadata=INTERNAL)
+        await call.write(start)
+        first, frames = float("nan"), 0
+        try:
+            while True:
+                frame = await call.read()
+                if frame.token_ids:
+                    frames += 1
+                    if frames == 1:
+                        first = time.perf_counter() - t0
+                if frame.HasField("final"):
+                    break
+        finally:
+            call.cancel()
+        return first, time.perf_counter() - t0, frames
+
+    def via(stub: Any, metadata: Sequence[tuple[str, str]]) -> Probe:
+        return lambda: _stream(stub.Generate(request, metadata=metadata))
+
+    probes: dict[str, Probe] = {}
+    if not cached:
+        probes["direct_worker"] = lambda: worker_call(stubs["worker"])
+        probes["bare_relay_x2 (floor)"] = lambda: worker_call(stubs["relay"])
+    static = (("authorization", f"Bearer {DEV_API_KEY}"),)
+    stored = (("authorization", f"Bearer {keystore_key}"),)
+    for suffix in ("", "_before"):
+        if f"router{suffix}" not in stubs:
+            continue
+        label = " (before)" if suffix else ""
+        probes[f"router{label}"] = via(stubs[f"router{suffix}"], INTERNAL)
+        probes[f"gateway_static_key{label}"] = via(stubs[f"gateway{suffix}"], static)
+        probes[f"gateway_stored_key{label}"] = via(stubs[f"gateway{suffix}"], stored)
+    return probes
+
+
+def _cpu_ns(pid: int) -> int:
+    """CPU time of every thread of ``pid`` in ns (/proc schedstat: exact, not 10 ms ticks)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
+    return total
+
+
+async def _latency(probes: dict[str, Probe], requests: int, warmup: int) -> dict[str, list[tuple[float, float, int]]]:
+    for _ in range(warmup):
+        for probe in probes.values():
+            await probe()
+    samples: dict[str, list[tuple[float, float, int]]] = {name: [] for name in probes}
+    for _ in range(requests):
+        for name, probe in probes.items():
+            samples[name].append(await probe())
+    return samples
+
+
+async def _cpu(probes: dict[str, Probe], stack: Stack, requests: int, block: int = 10) -> dict[str, dict[str, float]]:
+    """CPU ms per request of every process, per path: blocks of ``block`` requests of each path in
+    turn (interleaved like the latency run, so every path sees the same machine load)."""
+    pids = {name: p.proc.pid for name, p in stack.processes().items() if p.proc is not None} | {"client": os.getpid()}
+    spent: dict[str, dict[str, int]] = {path: dict.fromkeys(pids, 0) for path in probes}
+    for probe in probes.values():
+        for _ in range(block):
+            await probe()
+    for _ in range(max(1, requests // block)):
+        for path, probe in probes.items():
+            before = {n: _cpu_ns(pid) for n, pid in pids.items()}
+            for _ in range(block):
+                await probe()
+            for n, pid in pids.items():
+                spent[path][n] += _cpu_ns(pid) - before[n]
+    done = max(1, requests // block) * block
+    return {path: {n: round(ns / done / 1e6, 3) for n, ns in row.items()} for path, row in spent.items()}
+
+
+def _summary(samples: list[tuple[float, float, int]], base: list[tuple[float, float, int]] | None) -> dict[str, float]:
+    ttft = [s[0] * 1000 for s in samples]
+    total = [s[1] * 1000 for s in samples]
+    row = {
+        "requests": len(samples),
+        "frames": samples[0][2] if samples else 0,
+        "ttft_p50_ms": round(percentile(ttft, 50), 3),
+        "ttft_p99_ms": round(percentile(ttft, 99), 3),
+        "total_p50_ms": round(percentile(total, 50), 3),
+        "total_p99_ms": round(percentile(total, 99), 3),
+    }
+    if base is not None:
+        b_ttft = [s[0] * 1000 for s in base]
+        b_total = [s[1] * 1000 for s in base]
+        row["added_ttft_p50_ms"] = round(row["ttft_p50_ms"] - percentile(b_ttft, 50), 3)
+        row["added_ttft_p99_ms"] = round(row["ttft_p99_ms"] - percentile(b_ttft, 99), 3)
+        row["added_total_p50_ms"] = round(row["total_p50_ms"] - percentile(b_total, 50), 3)
+        row["added_total_p99_ms"] = round(row["total_p99_ms"] - percentile(b_total, 99), 3)
+        frames = max(1, int(row["frames"]) - 1)
+        row["relay_us_per_frame"] = round((row["added_total_p50_ms"] - row["added_ttft_p50_ms"]) * 1000 / frames, 1)
+    return row
+
+
+async def run(
+    requests: int = 400,
+    cpu_requests: int = 300,
+    max_tokens: int = 16,
+    profile_dir: Path | None = None,
+    before: Path | None = None,
+) -> dict[str, Any]:
+    stack = await start_stack(profile_dir, before)
+    channels: list[grpc.aio.Channel] = []
+    try:
+        client = aioredis.Redis.from_url(stack.redis_url)
+        try:
+            keystore_key, _record = await KeyStore(client).create("bench", name="hops benchmark")
+        finally:
+            await client.aclose()
+        targets = {"worker": stack.worker, "relay": stack.relays[-1], "router": stack.router, "gateway": stack.gateway}
+        stubs: dict[str, Any] = {}
+        for name, proc in (targets | stack.before).items():
+            channels.append(grpc.aio.insecure_channel(proc.address))
+            kind = worker_pb2_grpc.WorkerStub if name in ("worker", "relay") else inference_pb2_grpc.InferenceStub
+            stubs[name] = kind(channels[-1])
+        ids = Tokenizer(model_paths().hf_dir).encode(PROMPT)
+        probes = _probes(stubs, ids, keystore_key, max_tokens, cached=False)
+        latency = await _latency(probes, requests, warmup=30)
+        cpu = await _cpu(probes, stack, cpu_requests)
+        hit_probes = _probes(stubs, ids, keystore_key, max_tokens, cached=True)
+        hits = await _latency(hit_probes, requests, warmup=10)
+        hit_cpu = await _cpu(hit_probes, stack, cpu_requests)
+    finally:
+        for channel in channels:
+            await channel.close()
+        await stack.stop()
+    base = latency["direct_worker"]
+    return {
+        "benchmark": "hops",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "command": f"python -m benchmarks.hops --requests {requests} --cpu-requests {cpu_requests} "
+        f"--max-tokens {max_tokens}" + (f" --before {before}" if before else ""),
+        "before": str(before) if before else None,
+        "max_tokens": max_tokens,
+        "latency": {name: _summary(s, None if name == "direct_worker" else base) for name, s in latency.items()},
+        "cpu_ms_per_request": cpu,
+        "cache_hit": {name: _summary(s, None) for name, s in hits.items()},
+        "cache_hit_cpu_ms_per_request": hit_cpu,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "# Hop overhead: gateway + router over a direct worker call, model compute removed",
+        "",
+        f"{report['date']} · {report['machine']['cpus']} CPUs (shared with other work), "
+        f"Python {report['machine']['python']} · `{report['command']}`",
+        "",
+        "Real redis-server, real worker runtime (synthetic engine: tokens at once), real router and gateway",
+        f"(API key check, rate-limit admission + stream lease in Redis), separate processes. Greedy requests of "
+        f"{report['max_tokens']} tokens, response cache bypassed, the paths interleaved request by request.",
+        "",
+        "## Latency (ms); added = path minus direct worker",
+        "",
+        "| path | TTFT p50 | TTFT p99 | total p50 | total p99 | added TTFT p50 | added TTFT p99 | added total p50 "
+        "| added total p99 | relay µs/frame |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in report["latency"].items():
+        added = (
+            f"{r['added_ttft_p50_ms']:+.2f} | {r['added_ttft_p99_ms']:+.2f} | {r['added_total_p50_ms']:+.2f} | "
+            f"{r['added_total_p99_ms']:+.2f} | {r['relay_us_per_frame']:.0f}"
+            if "added_ttft_p50_ms" in r
+            else " | | | | "
+        )
+        lines.append(
+            f"| {name} | {r['ttft_p50_ms']:.2f} | {r['ttft_p99_ms']:.2f} | {r['total_p50_ms']:.2f} | "
+            f"{r['total_p99_ms']:.2f} | {added} |"
+        )
+    lines += _cpu_table(report["cpu_ms_per_request"], "CPU ms per request, by process (cache bypassed)")
+    lines += [
+        "",
+        "## Exact cache hit (greedy, response cache on): time to the first token, ms",
+        "",
+        "| path | TTFT p50 | TTFT p99 | total p50 | total p99 |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name, r in report["cache_hit"].items():
+        lines.append(
+            f"| {name} | {r['ttft_p50_ms']:.2f} | {r['ttft_p99_ms']:.2f} | {r['total_p50_ms']:.2f} | "
+            f"{r['total_p99_ms']:.2f} |"
+        )
+    lines += _cpu_table(report["cache_hit_cpu_ms_per_request"], "CPU ms per cache-hit request, by process")
+    if report.get("before"):
+        lines += _comparison(report)
+    return "\n".join(lines) + "\n"
+
+
+def _comparison(report: dict[str, Any]) -> list[str]:
+    """Before/after rows of one interleaved run (paths named "... (before)" ran the earlier code)."""
+    lines = [
+        "",
+        f"## Before / after, same run (before = the code in {report['before']}, interleaved with the current code)",
+        "",
+        "| measure | before | after | change |",
+        "|---|---:|---:|---:|",
+    ]
+    rows: list[tuple[str, float, float]] = []
+    for path in ("router", "gateway_static_key", "gateway_stored_key"):
+        b, a = report["latency"][f"{path} (before)"], report["latency"][path]
+        for key in ("added_ttft_p50_ms", "added_ttft_p99_ms", "added_total_p50_ms", "relay_us_per_frame"):
+            rows.append((f"{path}: {key}", b[key], a[key]))
+    for path in ("router", "gateway_static_key", "gateway_stored_key"):
+        b, a = report["cache_hit"][f"{path} (before)"], report["cache_hit"][path]
+        for key in ("ttft_p50_ms", "ttft_p99_ms"):
+            rows.append((f"cache hit, {path}: {key}", b[key], a[key]))
+    for section, label in (
+        ("cpu_ms_per_request", "CPU ms per request"),
+        ("cache_hit_cpu_ms_per_request", "CPU ms per hit"),
+    ):
+        cpu = report[section]
+        for path, procs in (("router", ("router",)), ("gateway_stored_key", ("gateway", "router"))):
+            for proc in procs:
+                rows.append((f"{label}, {path}: {proc}", cpu[f"{path} (before)"][f"{proc}_before"], cpu[path][proc]))
+    for name, b, a in rows:
+        change = f"{(a / b - 1) * 100:+.0f} %" if b else ""
+        lines.append(f"| {name} | {b:.2f} | {a:.2f} | {change} |")
+    return lines
+
+
+def _cpu_table(cpu: dict[str, dict[str, float]], title: str) -> list[str]:
+    names = ["client", "gateway", "router", "gateway_before", "router_before", "relay0", "relay1", "worker", "redis"]
+    names = [n for n in names if any(n in row for row in cpu.values())]
+    lines = ["", f"## {title}", "", "| path | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for path, row in cpu.items():
+        lines.append(f"| {path} | " + " | ".join(f"{row.get(n, 0.0):.2f}" for n in names) + " |")
+    return lines
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hops.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "hops.md").write_text(markdown(report))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.hops", description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=400, help="interleaved requests per path (default 400)")
+    parser.add_argument("--cpu-requests", type=int, default=300, help="requests per path for CPU time (default 300)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per request (default 16)")
+    parser.add_argument("--profile", type=Path, default=None, help="write cProfile output of router and gateway here")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
+    parser.add_argument("--before", type=Path, default=None, help="a checkout of earlier code to compare with")
+    args = parser.parse_args(argv)
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    report = asyncio.run(run(args.requests, args.cpu_requests, args.max_tokens, args.profile, args.before))
+    if args.profile is None:
+        write_report(report, args.out)
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
