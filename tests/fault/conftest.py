@@ -34,7 +34,7 @@ from tests.helpers import RedisServer, redis_server
 
 FULL = os.environ.get("MESHSERVE_FAULT_FULL") == "1"
 STREAMS = 6 if FULL else 4
-MAX_TOKENS = 64 if FULL else 40
+MAX_TOKENS = 64 if FULL else 32
 STALL_TIMEOUT_S = 10.0
 """Shorter than the default 30 s so the stall test is quick, but longer than a loaded 2-core
 machine's time to a resumed stream's first frame (prefill + replay of the sent tokens behind the
