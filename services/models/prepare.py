@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 from tqdm import tqdm
 
 from services.common.settings import default_models_dir
-from services.models import quantize
+from services.models import biascorrect, quantize
 from services.models.paths import DEFAULT_MODEL_ID, ModelPaths, model_paths
 from services.models.quantize import Int4Options
 from services.models.sources import (
@@ -216,6 +216,8 @@ def build_edge(
         bar.set_postfix_str("done")
     if not edge_complete(dest):
         raise PrepareError(f"the ONNX model builder left an incomplete model; see {log_path}")
+    if int4.bias_correction:  # about a minute of torch on CPU (services/models/biascorrect.py)
+        biascorrect.correct(dest, hf_dir)
 
 
 def _follow(fd: int, log: BinaryIO, bar: tqdm, total: int) -> None:

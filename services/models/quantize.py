@@ -12,6 +12,10 @@ One typed object, :class:`Int4Options`, turned into the builder's ``--extra_opti
 * ``sensitive_int8``: keep the most quantization-sensitive MatMuls 8-bit (the builder's
   ``mixed_layers`` selector, llama.cpp's mixed strategy: the first and last eighth of the layers plus
   every third layer's qkv/v/down projections).
+* ``bias_correction``: after the build, give every quantized MatMul the bias ``(W - W_q) @ E[x]``
+  (mean inputs from a calibration text; :mod:`services.models.biascorrect`): the integer zero
+  points shift each int4 block of the Q4_1 source, and this removes most of that error at no decode
+  cost.
 
 Embeddings and lm_head are always exported untied (``shared_embeddings=false``): the builder's tied
 export is broken for asymmetric INT4 (it feeds uint8 into a float Reshape), and untied fp32
@@ -40,6 +44,7 @@ class Int4Options:
     lm_head: str = "int8"
     embeddings: str = "fp32"
     sensitive_int8: bool = True
+    bias_correction: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in BLOCK_SIZES:
@@ -79,6 +84,7 @@ class Int4Options:
             f"int4 {sym} block {self.block_size}, accuracy level {self.accuracy_level}, "
             f"lm_head {self.lm_head}, embeddings {self.embeddings}"
             + (", sensitive layers int8" if self.sensitive_int8 else "")
+            + (", bias-corrected" if self.bias_correction else "")
         )
 
 
@@ -110,6 +116,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.sensitive_int8,
         help="keep the most quantization-sensitive MatMuls 8-bit (default: on)",
     )
+    group.add_argument(
+        "--int4-bias-correction",
+        action=argparse.BooleanOptionalAction,
+        default=d.bias_correction,
+        help="add each quantized MatMul's expected error on calibration text as its bias (default: on)",
+    )
 
 
 def from_args(args: argparse.Namespace) -> Int4Options:
@@ -120,4 +132,5 @@ def from_args(args: argparse.Namespace) -> Int4Options:
         lm_head=args.int4_lm_head,
         embeddings=args.int4_embeddings,
         sensitive_int8=args.int4_sensitive_int8,
+        bias_correction=args.int4_bias_correction,
     )

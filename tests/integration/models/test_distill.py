@@ -87,6 +87,11 @@ def test_distill_end_to_end_with_resume_and_int4_export(tmp_path: Path) -> None:
     assert second.edge_dir is not None
     genai = json.loads((second.edge_dir / "genai_config.json").read_text())
     assert genai["model"]["decoder"]["num_hidden_layers"] == 2
+    import onnx
+
+    graph = onnx.load(str(second.edge_dir / "model.onnx"), load_external_data=False).graph
+    quantized = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert quantized and all(n.input[5].endswith("bias_correction") for n in quantized)  # the default INT4 options
     import onnxruntime_genai as og
 
     model = og.Model(str(second.edge_dir))
