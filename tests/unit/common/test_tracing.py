@@ -211,3 +211,10 @@ def test_bad_tracing_settings_stop_a_worker_with_exit_2_and_one_line() -> None:
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "MESHSERVE_TRACING_DIR" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_otlp_without_its_package_is_a_config_error_saying_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)  # not installed
+    with pytest.raises(ConfigError, match=r"pip install 'meshserve\[otlp\]'"):
+        tracing.setup_tracing("unit", TracingSettings(exporter="otlp"))
+    assert not tracing.enabled()
