@@ -5,8 +5,9 @@
 2. Added latency: the real router (``start_router``) in front of an in-process worker that streams
    instantly, vs the same worker called directly; TTFT and total time p50/p99 (sequential requests).
 3. Multi-turn workload with shared system prompts (:mod:`benchmarks.router_sim`): prefix-cache hit
-   rate and TTFT under both policies. Simulated replicas (the edge/cloud workers keep no prefix KV
-   across requests yet, so a real-mesh run would measure nothing); the routing code is the real one.
+   rate and TTFT under both policies, on simulated replicas (many replicas and conversations in
+   seconds); the routing code is the real one. :mod:`benchmarks.router_prefix` runs the comparison
+   on real cloud workers with their prefix KV cache (docs/benchmarks/router_prefix.md).
 
 Run: ``.venv/bin/python -m benchmarks.router_bench`` (about a minute). Writes
 docs/benchmarks/router.json and docs/benchmarks/router.md.
@@ -219,7 +220,7 @@ def _markdown(report: dict[str, object]) -> str:
         "",
         "Simulated replicas with LRU prefix KV caches (see benchmarks/router_sim.py for the model and",
         "its parameters); the replica choice is the router's real policy code. Anchor: Ray Serve reports",
-        "-60 % TTFT from prefix-aware routing.",
+        "-60 % TTFT from prefix-aware routing. With real workers: [router_prefix.md](router_prefix.md).",
         "",
         "| scenario | policy | prefix hit rate | TTFT mean (ms) | p50 | p99 | TTFT mean change |",
         "|---|---|---|---|---|---|---|",

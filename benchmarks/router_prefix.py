@@ -50,6 +50,7 @@ from services.mesh import Mesh, MeshConfig
 from services.models.paths import model_paths
 
 OUT = Path("docs/benchmarks")
+POLICIES = ("round_robin", "cache_aware")
 META = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN), ("x-meshserve-tenant", "bench"))
 WORDS = (
     "the river valley town market bridge harbour ship sailor weather rain wind stone road forest hill "
@@ -69,6 +70,10 @@ class Workload:
     user_words: int = 18
     max_tokens: int = 12
     concurrency: int = 6
+    kv_budget_mb: int = 48
+    """KV budget of each cloud worker (live sequences + its prefix LRU); small enough that a replica
+    cannot keep every system prompt, as in production where prompts outnumber what fits."""
+    threads: int = 1
     seed: int = 11
 
 
@@ -96,7 +101,13 @@ async def _run_policy(policy: str, cfg: Workload, tokenizer: Tokenizer) -> dict[
         edge_workers=cfg.replicas if cfg.tier == "edge" else 0,
         cloud_workers=cfg.replicas if cfg.tier == "cloud" else 0,
         envoy=False,
-        extra_env={"MESHSERVE_ROUTER_ROUTING_POLICY": policy, "MESHSERVE_ROUTER_TTFT_SLO_MS": "0"},
+        edge_threads=cfg.threads,
+        cloud_threads=cfg.threads,
+        extra_env={
+            "MESHSERVE_ROUTER_ROUTING_POLICY": policy,
+            "MESHSERVE_ROUTER_TTFT_SLO_MS": "0",
+            "MESHSERVE_GPU_WORKER_KV_BUDGET_BYTES": str(cfg.kv_budget_mb << 20),
+        },
     )
     async with Mesh(config, sink=_sink) as mesh:
         work = asyncio.Queue[tuple[str, list[str]]]()
@@ -183,7 +194,6 @@ def _replica_decisions(port: int | None) -> dict[str, float]:
 
 def _markdown(report: dict[str, Any]) -> str:
     cfg = report["workload"]
-    rr, ca = report["round_robin"], report["cache_aware"]
     lines = [
         "# Router prefix-cache benchmark (real workers)",
         "",
@@ -192,37 +202,55 @@ def _markdown(report: dict[str, Any]) -> str:
         f"{cfg['replicas']} {cfg['tier']} workers (`meshserve up`'s launcher, registered by heartbeat), "
         f"{cfg['conversations']} conversations x {cfg['turns']} turns under {cfg['system_prompts']} shared "
         f"system prompts (~{cfg['system_words']} words each), {cfg['concurrency']} at once, "
-        f"{cfg['max_tokens']} greedy tokens per turn; every turn resends the whole conversation. "
-        "Hit rate = prompt tokens the workers served from KV they already held (their own counters).",
+        f"{cfg['max_tokens']} greedy tokens per turn; every turn resends the whole conversation; "
+        f"{cfg['kv_budget_mb']} MiB KV budget per cloud worker (live sequences + prefix LRU, no Redis). "
+        "Hit rate = prompt tokens the workers served from KV they already held (their own counters); "
+        "prefill = prompt tokens they had to compute. Policies alternate, one fresh mesh per run; "
+        "load = the machine's 1-minute load average when the run ended.",
         "",
-        "| policy | prefix hit rate | TTFT mean (ms) | p50 | p99 | later turns p50 | requests per worker |",
-        "|---|---|---|---|---|---|---|",
+        "| round | policy | prefix hit rate | prefill tokens | TTFT mean (ms) | p50 | p99 | requests per worker "
+        "| load |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, r in (("round_robin", rr), ("cache_aware", ca)):
-        spread = ", ".join(str(w["requests"]) for w in r["per_worker"].values())
-        lines.append(
-            f"| {name} | {r['prefix_hit_rate']:.1%} | {r['ttft_ms_mean']:.0f} | {r['ttft_ms_p50']:.0f} | "
-            f"{r['ttft_ms_p99']:.0f} | {r['later_turns_ttft_ms_p50']:.0f} | {spread} |"
-        )
-    change = 100 * (ca["ttft_ms_mean"] / rr["ttft_ms_mean"] - 1)
+    for i, rnd in enumerate(report["rounds"]):
+        for name in POLICIES:
+            r = rnd[name]
+            spread = ", ".join(str(w["requests"]) for w in r["per_worker"].values())
+            lines.append(
+                f"| {i + 1} | {name} | {r['prefix_hit_rate']:.1%} | {r['prefill_tokens']} | "
+                f"{r['ttft_ms_mean']:.0f} | {r['ttft_ms_p50']:.0f} | {r['ttft_ms_p99']:.0f} | {spread} | "
+                f"{r['load_avg']:.1f} |"
+            )
+    decisions = report["rounds"][-1]["cache_aware"]["router_replica_decisions"]
+    prefill = [rnd["cache_aware"]["prefill_tokens"] / rnd["round_robin"]["prefill_tokens"] for rnd in report["rounds"]]
+    ttft = [rnd["cache_aware"]["ttft_ms_mean"] / rnd["round_robin"]["ttft_ms_mean"] for rnd in report["rounds"]]
     lines += [
         "",
-        f"TTFT mean change, cache-aware vs round-robin: {change:+.0f} % (anchor: Ray Serve reports -60 %).",
-        f"Router replica decisions (cache-aware run): {ca['router_replica_decisions']}.",
+        "Cache-aware vs round-robin, per round: prefill tokens "
+        + ", ".join(f"{100 * (x - 1):+.0f} %" for x in prefill)
+        + "; TTFT mean "
+        + ", ".join(f"{100 * (x - 1):+.0f} %" for x in ttft)
+        + " (anchor: Ray Serve reports -60 % TTFT).",
+        f"Router replica decisions (cache-aware, last round): {decisions}.",
         "",
     ]
     return "\n".join(lines)
 
 
-async def _main(cfg: Workload) -> dict[str, Any]:
+async def _main(cfg: Workload, rounds: int) -> dict[str, Any]:
     tokenizer = Tokenizer(model_paths().hf_dir)
     report: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)",
         "workload": asdict(cfg),
+        "rounds": [],
     }
-    for policy in ("round_robin", "cache_aware"):
-        report[policy] = await _run_policy(policy, cfg, tokenizer)
+    for i in range(rounds):
+        rnd: dict[str, Any] = {}
+        for policy in POLICIES if i % 2 == 0 else tuple(reversed(POLICIES)):
+            rnd[policy] = await _run_policy(policy, cfg, tokenizer)
+            rnd[policy]["load_avg"] = os.getloadavg()[0]
+        report["rounds"].append(rnd)
     return report
 
 
@@ -231,10 +259,11 @@ def main() -> None:
     defaults = Workload()
     for name, value in asdict(defaults).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each policy, alternating")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     cfg = Workload(**{k: getattr(args, k) for k in asdict(defaults)})
-    report = asyncio.run(_main(cfg))
+    report = asyncio.run(_main(cfg, args.rounds))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "router_prefix.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "router_prefix.md").write_text(_markdown(report))
