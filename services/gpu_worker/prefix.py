@@ -119,3 +119,5 @@ class RedisPrefixCache:
             log.warning("kv_prefix_close_failed", error=type(exc).__name__)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()

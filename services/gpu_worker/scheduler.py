@@ -173,6 +173,7 @@ class Scheduler:
                 if self._stop:
                     return
                 self.in_flight = {id(s) for s, _ in plan}
+                self.cond.notify_all()  # admissions happened: waiters on ``admitted`` may go on
             try:
                 logits = self.forward([seg for _, seg in plan])
                 error: BaseException | None = None
