@@ -29,7 +29,13 @@ CHAT = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n
 @pytest.fixture(scope="session")
 async def gpu_worker() -> AsyncIterator[RunningWorker]:
     settings = load_settings(
-        GpuWorkerSettings, port=0, threads=1, device="cpu", max_active_sequences=2, kv_budget_bytes=64 << 20, worker_id="cloud-test"
+        GpuWorkerSettings,
+        port=0,
+        threads=1,
+        device="cpu",
+        max_active_sequences=2,
+        kv_budget_bytes=64 << 20,
+        worker_id="cloud-test",
     )
     worker = await start_gpu_worker(settings)
     yield worker
