@@ -9,8 +9,9 @@ sends greedy requests with the EDGE hint and the response cache bypassed, and re
   caches, best of 3, the better of 1 thread and the worker's thread count);
 * aggregate tokens/s at 1, 4 and 16 concurrent streams (all tokens / wall time of the round);
 * memory per stream: the edge worker's peak RSS during the 16-stream round minus its idle RSS, / 16;
-* the same rounds on the engine alone, in-process (``--direct``, default on): batched and og engines
-  interleaved, with CPU time per token (benchmarks/edge_direct.py).
+* the same rounds on the engine alone, in-process (``--direct``, default on): the batched engine (and
+  its one-row variant for a lone sequence) and the og engine interleaved, with CPU time per token
+  (benchmarks/edge_direct.py).
 
 Writes ``docs/benchmarks/edge.{json,md}``.
 """
@@ -217,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         edge_dir = model_paths().edge_dir
         prompt = list(Tokenizer.from_file(str(edge_dir / "tokenizer.json")).encode(PROMPT).ids)
         report["direct"] = edge_direct.measure(
-            ("batched", "og"),
+            ("batched", "batched-1row", "og"),
             edge_dir,
             prompt,
             threads=args.threads,

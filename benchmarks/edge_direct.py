@@ -24,7 +24,9 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
         return OgEngine(model_dir, model_id="bench", threads=threads)
     from services.edge_worker.batched import BatchedEngine
 
-    return BatchedEngine(model_dir, model_id="bench", threads=threads, max_batch=max_batch)
+    # "batched-1row": a lone sequence decodes in one row (MESHSERVE_EDGE_WORKER_BATCH_INVARIANT=false)
+    invariant = kind != "batched-1row"
+    return BatchedEngine(model_dir, model_id="bench", threads=threads, max_batch=max_batch, batch_invariant=invariant)
 
 
 def _round(engine: Engine, prompt: list[int], streams: int, max_tokens: int) -> dict[str, float]:

@@ -125,7 +125,9 @@ class BatchedEngine:
         return self.start(token_ids, sampling)
 
     def kv_usage(self) -> KVUsage:
-        return KVUsage(used_bytes=self._kv.allocated_bytes + self._parked_bytes)
+        """Bytes of valid KV in slots plus parked copies (buffer pages beyond them are never touched)."""
+        held = sum(seq.kv_len for seq in list(self._owners) if seq is not None)
+        return KVUsage(used_bytes=held * self._kv.bytes_per_token + self._parked_bytes)
 
     def submit(self, seq: BatchedSequence) -> None:
         with self._cv:
@@ -208,7 +210,7 @@ class BatchedEngine:
         now = time.monotonic()
         for seq in batch:
             seq.last_used = now
-            self._kv.ensure_capacity(min(len(seq.tokens) + 1, self._kv.max_capacity))
+            self._grow(min(len(seq.tokens) + 1, self._kv.max_capacity))
         for seq in batch:
             self._acquire(seq, batch)
         done: list[tuple[BatchedSequence, int]] = []
@@ -268,7 +270,7 @@ class BatchedEngine:
         if seq.prefill_end - end == 1:
             end -= 1  # never leave a single prompt token for a decode row of a different shape
         chunk = seq.tokens[seq.kv_len : end]
-        self._kv.ensure_capacity(end)
+        self._grow(end)
         io = self._kv.binding(self._session, seq.slot, 1)
         ids = np.array([chunk], dtype=np.int64)
         mask = np.ones((1, end), dtype=np.int64)
@@ -292,7 +294,7 @@ class BatchedEngine:
             lengths.append(owner.kv_len if owner is not None else 0)
             ids.append(0)
         width = max(lengths) + 1
-        self._kv.ensure_capacity(width)
+        self._grow(width)
         mask = np.zeros((rows, width), dtype=np.int64)
         for row, length in enumerate(lengths):
             mask[row, : length + 1] = 1
@@ -308,6 +310,9 @@ class BatchedEngine:
         self.rows += len(seqs)
         logits: np.ndarray = io.get_outputs()[0].numpy()
         return logits[: len(seqs), -1]
+
+    def _grow(self, tokens: int) -> None:
+        self._kv.ensure_capacity(tokens, [seq.kv_len if seq is not None else 0 for seq in self._owners])
 
     def _move(self, seq: BatchedSequence, slot: int) -> None:
         """Put ``seq`` in ``slot``, swapping with whoever holds it (valid KV only)."""

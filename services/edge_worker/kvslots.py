@@ -12,6 +12,7 @@ more, so memory follows the longest live sequence instead of the context length.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -41,8 +42,12 @@ class KvSlots:
     def allocated_bytes(self) -> int:
         return self.slots * self.capacity * self.bytes_per_token
 
-    def ensure_capacity(self, tokens: int) -> None:
-        """Grow every slot to hold ``tokens`` (doubling; copies the valid data). Raises past the context."""
+    def ensure_capacity(self, tokens: int, lengths: Sequence[int] | None = None) -> None:
+        """Grow every slot to hold ``tokens`` (doubling). Raises past the context.
+
+        ``lengths``: valid tokens per slot; only those are copied, so the new buffers' pages stay
+        unallocated beyond them (None copies everything).
+        """
         if tokens <= self.capacity:
             return
         if tokens > self.max_capacity:
@@ -54,7 +59,11 @@ class KvSlots:
         grown = []
         for old in self._buffers:
             new = self._zeros(capacity)
-            new[:, :, : self.capacity] = old
+            if lengths is None:
+                new[:, :, : self.capacity] = old
+            else:
+                for slot, valid in enumerate(lengths):
+                    new[slot, :, :valid] = old[slot, :, :valid]
             grown.append(new)
         self._buffers = grown
         self.capacity = capacity
@@ -74,8 +83,8 @@ class KvSlots:
         return [buf[slot, :, :tokens].copy() for buf in self._buffers]
 
     def copy_in(self, slot: int, saved: list[np.ndarray]) -> None:
+        """Restore a parked slot (the caller made room: ``ensure_capacity`` first)."""
         tokens = saved[0].shape[1] if saved else 0
-        self.ensure_capacity(tokens)
         for buf, part in zip(self._buffers, saved, strict=True):
             buf[slot, :, :tokens] = part
 
