@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from functools import partial
 
+import aiohttp
+import grpc
 from prometheus_client import REGISTRY
 
 from services.common.metrics import track_load
+from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
+from services.common.settings import load_settings
 from services.common.worker.admission import Admission as WorkerAdmission
+from services.common.worker.app import start_worker
+from services.common.worker.settings import WorkerSettings
 from services.router.admission import Admission as RouterAdmission
 from services.router.policy import TierName
+from tests.unit.common.worker.fakes import TOKENIZER, FakeEngine
+from tests.worker_helpers import generate, stats
 
 
 def _gauges(service: str, tier: str) -> tuple[float | None, float | None]:
@@ -53,3 +63,42 @@ async def test_router_gauges_follow_each_tiers_fair_queue() -> None:
     admission.release(first)
     admission.release(await second)
     assert _gauges("test_router", "edge") == (0.0, 0.0)
+
+
+async def _scrape(port: int) -> str:
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/metrics") as reply:
+        assert reply.status == 200
+        return await reply.text()
+
+
+def _sample(text: str, name: str, service: str, tier: str) -> float:
+    (line,) = [row for row in text.splitlines() if row.startswith(f'{name}{{service="{service}",tier="{tier}"}}')]
+    return float(line.rsplit(" ", 1)[1])
+
+
+async def test_a_serving_worker_exposes_its_load_on_metrics() -> None:
+    """Over the real /metrics endpoint: one sequence held mid-generation, one waiting behind it."""
+    engine = FakeEngine()
+    settings = load_settings(WorkerSettings, port=0, metrics_port=0, max_active_sequences=1, max_queue=4)
+    worker = await start_worker(settings, engine, tier="edge")
+    engine.gate = threading.Semaphore(0)  # after the warm-up: hold every step from now on
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}")
+    stub = worker_pb2_grpc.WorkerStub(channel)
+    prompt = TOKENIZER.encode("hi")
+    turns = [asyncio.create_task(generate(stub, prompt, max_tokens=2)) for _ in range(2)]
+    try:
+        assert worker.server.metrics_port is not None
+        deadline = time.monotonic() + 10
+        while (await stats(stub)).queue_depth < 1:  # bounded wait for the second turn to queue
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        text = await _scrape(worker.server.metrics_port)
+        assert _sample(text, "meshserve_queue_depth", "common", "edge") == 1.0
+        assert _sample(text, "meshserve_batch_size", "common", "edge") == 1.0
+        assert "# TYPE meshserve_queue_depth gauge" in text
+    finally:
+        for _ in range(8):
+            engine.gate.release()
+        await asyncio.gather(*turns)
+        await channel.close()
+        await worker.stop()
