@@ -45,14 +45,14 @@ async def test_kill_9_of_a_worker_mid_stream_under_load(fault_stub, fault_mesh: 
     await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in streams)), 60)
     victim = await _busiest_edge(fault_mesh)
     await fault_mesh.processes[victim].kill()  # SIGKILL: no drain, streams break mid-generation
-    await finish(done)
-
-    assert_equal_to_reference(streams, expected)
-    moved = [s for s in streams if s.final is not None and s.final.route.reason == "failover"]
-    assert moved, f"no stream was on {victim}; the kill proved nothing"
-    assert all(s.final is not None and s.final.route.worker_id != victim for s in streams)
-
-    await restart(fault_mesh, victim, "MESHSERVE_EDGE_WORKER_PORT")
+    try:
+        await finish(done)
+        assert_equal_to_reference(streams, expected)
+        moved = [s for s in streams if s.final is not None and s.final.route.reason == "failover"]
+        assert moved, f"no stream was on {victim}; the kill proved nothing"
+        assert all(s.final is not None and s.final.route.worker_id != victim for s in streams)
+    finally:  # the next tests need both workers, whatever happened here
+        await restart(fault_mesh, victim, "MESHSERVE_EDGE_WORKER_PORT")
     await served_by(fault_stub, victim)  # recovery: the router routes to the restarted worker again
 
 
