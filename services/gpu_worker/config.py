@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
@@ -45,6 +46,14 @@ class GpuWorkerSettings(WorkerSettings):
     """Lifetime of a KV block in Redis."""
     kv_redis_timeout_s: float = Field(default=0.5, gt=0)
     """Deadline of one Redis KV transfer; slower is a miss."""
+    tp_timeout_s: float = Field(default=120.0, gt=0)
+    """Tensor parallelism (torchrun ranks > 1): timeout of one collective; an idle rank 0 pings a third as often."""
+    speculative: bool = False
+    """Speculative decoding of greedy requests: the edge tier's INT4 model drafts, this model verifies."""
+    speculative_k_max: int = Field(default=8, ge=1, le=32)
+    """Most draft tokens per verify pass (k adapts to the acceptance rate within 1..k_max)."""
+    draft_model: str = ""
+    """onnxruntime-genai model directory of the draft; empty uses `<models_dir>/<model_id>/edge-int4`."""
 
     @model_validator(mode="after")
     def _check_dtype(self) -> GpuWorkerSettings:
@@ -60,6 +69,16 @@ class GpuWorkerSettings(WorkerSettings):
             except ValueError as exc:
                 raise ConfigError(f"MESHSERVE_GPU_WORKER_REDIS_URL: {exc}") from None
         return self
+
+    def resolved_draft_model(self) -> str:
+        """The draft's directory, or ConfigError saying how to get one (speculative decoding only)."""
+        path = Path(self.draft_model) if self.draft_model else model_paths(self.model_id).edge_dir
+        if not (path / "genai_config.json").is_file():
+            raise ConfigError(
+                f"no onnxruntime-genai draft model at {path}; run `meshserve models prepare`, set "
+                "MESHSERVE_GPU_WORKER_DRAFT_MODEL, or turn MESHSERVE_GPU_WORKER_SPECULATIVE off"
+            )
+        return str(path)
 
     def resolved_model(self) -> str:
         return self.model or str(model_paths(self.model_id).hf_dir)

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+from typing import Any
 
 from services.common.worker.app import RunningWorker, start_worker
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.prefix import RedisPrefixCache
+from services.gpu_worker.spec_engine import SpeculativeEngine
+from services.gpu_worker.speculative import load_draft_model
+from services.gpu_worker.tp import start_leader
 
 TIER = "cloud"
 
@@ -24,7 +29,11 @@ def build_engine(settings: GpuWorkerSettings) -> CloudEngine:
             timeout_s=settings.kv_redis_timeout_s,
             max_block_bytes=64 << 20,
         )
-    return CloudEngine(
+    leader = start_leader(settings)  # rank 0 of a torchrun group of > 1 ranks (tp.py); else None
+    tp_hooks: dict[str, Any] = {}
+    if leader is not None:
+        tp_hooks = {"shard": leader.shard, "all_reduce": leader.all_reduce, "wrap_forward": leader.wrap_forward}
+    engine = CloudEngine(
         settings.check_model(),
         model_id=settings.model_id,
         model_version=settings.resolved_model_version(),
@@ -38,7 +47,14 @@ def build_engine(settings: GpuWorkerSettings) -> CloudEngine:
         prefix_cache=settings.prefix_cache,
         redis=redis,
         allow_download=settings.allow_download,
+        **tp_hooks,
     )
+    if leader is not None:
+        leader.share_cache(engine.cache)  # followers allocate the same paged cache (call id 0)
+    if settings.speculative:
+        draft = load_draft_model(Path(settings.resolved_draft_model()), threads=settings.threads or 1)
+        return SpeculativeEngine(engine, draft, k_max=settings.speculative_k_max)  # type: ignore[return-value]
+    return engine
 
 
 async def start_gpu_worker(settings: GpuWorkerSettings, engine: CloudEngine | None = None) -> RunningWorker:

@@ -1,0 +1,266 @@
+"""Speculative decoding: the edge tier's model drafts k tokens, the cloud model verifies them in one pass.
+
+Per round, for a sequence whose committed tokens are ``t[0..n]`` (``t[n]`` has no KV yet):
+
+1. the draft proposes ``d[0..k-1]`` greedily (:class:`OgDraft`: the edge tier's INT4 ONNX model on
+   onnxruntime-genai, one ``og.Generator`` per sequence keeping its own KV);
+2. the target runs ONE forward over ``[t[n], d[0..k-1]]`` at positions ``n..n+k`` with
+   ``all_logits=True`` (``model.py``), giving its greedy choice ``g[i]`` after each prefix;
+3. accepted = the longest ``j`` with ``g[i] == d[i]`` for ``i < j``; the round emits
+   ``d[0..j-1]`` and then ``g[j]`` (the target's own token), so every round yields 1..k+1 tokens and
+   each is exactly the target's greedy choice after the tokens before it: the output is plain greedy
+   decoding's (tested token for token);
+4. rollback: the target keeps KV for ``t[n], d[0..j-1]`` (slots past it are overwritten by the next
+   round); the draft ``rewind_to``\\ s its last valid position and appends the emitted tokens.
+
+``k`` adapts per sequence (:class:`AdaptiveK`): +2 after a round where every draft was accepted,
+-1 otherwise, within 1..k_max (the schedule transformers' assisted generation calls "heuristic").
+Acceptance (accepted / drafted tokens) is exported as Prometheus counters and a smoothed gauge.
+
+Only greedy requests are speculated. Sampled requests (temperature > 0) go to the normal
+continuous-batching path: a speculative-sampling acceptance rule would need the draft's full
+probability rows, which onnxruntime-genai's generator does not expose per drafted token cheaply.
+
+Why the INT4 edge model as the draft rather than the distilled student through our own torch
+forward: it is the edge tier's artifact (no extra model to ship), it shares the tokenizer, and on
+CPU a draft token costs a fraction of a target step (docs/benchmarks/cloud_spec.md has the numbers).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+import torch
+from prometheus_client import Counter, Gauge
+from torch import Tensor
+
+from services.common.worker.types import SamplingConfig
+from services.gpu_worker.plan import Segment
+
+log = structlog.get_logger(__name__)
+
+DRAFTED = Counter(
+    "meshserve_speculative_draft_tokens_total", "Draft tokens proposed to the cloud model for verification."
+)
+ACCEPTED = Counter("meshserve_speculative_accepted_tokens_total", "Draft tokens the cloud model accepted.")
+ACCEPTANCE = Gauge(
+    "meshserve_speculative_acceptance_ratio",
+    "Accepted / drafted tokens, exponentially smoothed over verify rounds (all sequences).",
+)
+SPEC_K = Gauge("meshserve_speculative_k", "Draft length of the latest verify round (adapts per sequence).")
+
+Forward = Callable[[Sequence[Segment]], list[Tensor]]
+
+
+class Draft(Protocol):
+    """A draft model's view of one sequence."""
+
+    def propose(self, k: int) -> list[int]:
+        """``k`` greedy tokens continuing the committed sequence."""
+        ...
+
+    def commit(self, accepted: int, token: int) -> None:
+        """The last proposal's first ``accepted`` tokens were kept, then ``token`` was appended."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class OgDraft:
+    """One sequence on an onnxruntime-genai generator (greedy); rolls back with ``rewind_to``.
+
+    After ``append_tokens`` og has the logits of the next token, so the first ``generate_next_token``
+    of a proposal runs no model; each later one runs the previous draft token. A generated token has
+    no KV until the next forward pass, hence the rewind point in :meth:`commit`.
+    """
+
+    def __init__(self, model: Any, context: Sequence[int], max_length: int) -> None:
+        import onnxruntime_genai as og
+
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=max_length, do_sample=False)
+        self._gen: Any = og.Generator(model, params)
+        self._gen.append_tokens(list(context))
+        self._committed = len(context)
+        self._kv = len(context)  # tokens with KV in the generator
+        self._length = len(context)  # tokens in the generator (the last generated one has no KV)
+        self._proposal: list[int] = []
+
+    def propose(self, k: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(k):
+            if self._gen.is_done():  # the draft produced EOS or hit max_length: propose fewer
+                break
+            self._gen.generate_next_token()
+            out.append(int(self._gen.get_next_tokens()[0]))
+        if out:
+            self._kv = self._committed + len(out) - 1
+            self._length = self._committed + len(out)
+        self._proposal = out
+        return out
+
+    def commit(self, accepted: int, token: int) -> None:
+        tail = [*self._proposal[:accepted], token]  # positions committed .. committed + accepted
+        keep = min(self._committed + accepted, self._kv)
+        if keep < self._length:
+            self._gen.rewind_to(keep)
+        self._gen.append_tokens(tail[keep - self._committed :])
+        self._committed += len(tail)
+        self._kv = self._length = self._committed
+        self._proposal = []
+
+    def close(self) -> None:
+        self._gen = None
+
+
+class AdaptiveK:
+    """Draft length from the acceptance history: +2 when a round accepts all, else -1; in 1..k_max."""
+
+    def __init__(self, k_max: int, k: int | None = None) -> None:
+        self.k_max = k_max
+        self.k = min(k_max, k if k is not None else 4)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.k = min(self.k_max, self.k + 2) if accepted == drafted else max(1, self.k - 1)
+
+
+class _Smoothed:
+    """Exponentially smoothed acceptance across sequences (for the gauge)."""
+
+    def __init__(self, alpha: float = 0.05) -> None:
+        self.alpha = alpha
+        self.value: float | None = None
+        self._lock = threading.Lock()
+
+    def add(self, drafted: int, accepted: int) -> None:
+        with self._lock:
+            rate = accepted / drafted
+            self.value = rate if self.value is None else self.value + self.alpha * (rate - self.value)
+            ACCEPTANCE.set(self.value)
+
+
+SMOOTHED = _Smoothed()
+
+
+def verify_round(
+    forward: Forward, last: int, drafts: Sequence[int], start: int, table: Sequence[int]
+) -> tuple[int, int]:
+    """One verify pass: (accepted drafts, the target's next token after them)."""
+    logits = forward([Segment([last, *drafts], start, table, all_logits=len(drafts) > 0)])[0]
+    choices = torch.argmax(logits, dim=-1).tolist()
+    accepted = 0
+    while accepted < len(drafts) and choices[accepted] == drafts[accepted]:
+        accepted += 1
+    return accepted, int(choices[accepted])
+
+
+class SpeculativeDecoder:
+    """Greedy speculative decoding of one sequence over a target ``forward`` and KV ``table``.
+
+    ``forward`` runs segments over the cache that ``table`` (block ids) indexes; ``table`` must hold
+    ``len(prompt) + max_tokens + k_max`` tokens. ``next()`` returns one token at a time.
+    """
+
+    def __init__(
+        self,
+        forward: Forward,
+        table: Sequence[int],
+        prompt: Sequence[int],
+        max_tokens: int,
+        make_draft: Callable[[list[int]], Draft],
+        *,
+        k_max: int = 8,
+        eos: frozenset[int] = frozenset(),
+    ) -> None:
+        self.forward = forward
+        self.table = list(table)
+        self.tokens = list(prompt)
+        self.max_tokens = max_tokens
+        self.make_draft = make_draft
+        self.k = AdaptiveK(k_max)
+        self.eos = eos
+        self.draft: Draft | None = None
+        self.out: deque[int] = deque()
+        self.generated = 0
+        self.done = False
+        self.drafted = 0
+        self.accepted = 0
+        self.rounds = 0
+
+    def next(self) -> int:
+        while not self.out:
+            if self.done:
+                raise RuntimeError("sequence is finished")
+            self._round()
+        return self.out.popleft()
+
+    def _emit(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.out.append(t)
+            self.generated += 1
+            if t in self.eos or self.generated >= self.max_tokens:
+                self.done = True
+                return
+
+    def _round(self) -> None:
+        if self.generated == 0:  # prefill: the prompt's logits give the first token
+            logits = self.forward([Segment(self.tokens, 0, self.table)])[0]
+            first = int(torch.argmax(logits[-1]).item())
+            self.tokens.append(first)
+            self._emit([first])
+            if not self.done:
+                self.draft = self.make_draft(list(self.tokens))
+            return
+        assert self.draft is not None
+        k = max(0, min(self.k.k, self.max_tokens - self.generated - 1))
+        drafts = self.draft.propose(k) if k else []
+        k = len(drafts)
+        n = len(self.tokens) - 1
+        accepted, token = verify_round(self.forward, self.tokens[-1], drafts, n, self.table)
+        emitted = [*drafts[:accepted], token]
+        self.tokens.extend(emitted)
+        self._emit(emitted)
+        if k:
+            self.rounds += 1
+            self.drafted += k
+            self.accepted += accepted
+            DRAFTED.inc(k)
+            ACCEPTED.inc(accepted)
+            SMOOTHED.add(k, accepted)
+            SPEC_K.set(k)
+            self.k.update(k, accepted)
+        if not self.done:
+            self.draft.commit(accepted, token)
+
+    def close(self) -> None:
+        if self.draft is not None:
+            self.draft.close()
+            self.draft = None
+
+
+def load_draft_model(path: Path, threads: int = 1) -> Any:
+    """The draft's ``og.Model`` (shared by every sequence's generator)."""
+    import json
+
+    import onnxruntime_genai as og
+
+    config = og.Config(str(path))
+    if threads:
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    return og.Model(config)
+
+
+def draft_factory(model: Any, max_length: int) -> Callable[[list[int]], Draft]:
+    return lambda context: OgDraft(model, context, max_length)
+
+
+def greedy_only(sampling: SamplingConfig) -> bool:
+    """Whether a request is speculated (greedy ones only; see the module docstring)."""
+    return sampling.greedy

@@ -1,0 +1,382 @@
+"""Tensor parallelism: rank 0 leads, the other ranks of the group follow its model calls.
+
+A cloud worker of TP degree N is N processes started by torchrun (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` in the environment)::
+
+    torchrun --standalone --nnodes=1 --nproc-per-node=3 --no-python meshserve serve gpu-worker
+
+Every rank loads its head/MLP slice of the model (``LlamaModel.load(shard=Shard(rank, world),
+all_reduce=...)``, see ``model.py``). Rank 0 is the normal worker (gRPC, scheduler, sampling); its
+model calls go through a :class:`Leader`, which, before each call that touches the shards
+(``new_cache``, ``forward``), broadcasts it to the followers (``LeaderModel`` wraps a model with it).
+Followers run :func:`follow`: receive a call, make the same call on their shard, repeat
+until told to stop. Tensor results meet in the model's ``all_reduce`` (sum after o_proj and
+down_proj), so every rank computes identical logits; only rank 0 looks at them.
+
+Transport: the model's all-reduce runs on the default process group (NCCL with CUDA tensors on
+``cuda:LOCAL_RANK``, gloo on CPU); call messages (token ids, starts, block tables: small Python
+objects) go through ``broadcast_object_list`` on a gloo group, so they never touch the GPU.
+
+Failure handling, so that no rank hangs:
+
+* every collective has the process group's timeout (``tp_timeout_s``); an idle leader sends a
+  ``ping`` every third of it so idle followers do not time out;
+* the leader sends ``stop`` when the worker shuts down (also at interpreter exit); followers then
+  leave the group and exit 0. Followers ignore SIGTERM/SIGINT (torchrun and Ctrl-C signal every
+  rank) because in-flight steps still need them while rank 0 drains;
+* a call that fails the same way on every rank (a bad step plan: ``ValueError``) fails on the
+  leader and is skipped by followers; any other failure on a follower, or a broken group, ends the
+  follower with exit status 1, which makes torchrun tear the whole group down (rank 0 included) so
+  a supervisor restarts it instead of leaving a half-dead group serving.
+
+Why our own sharding and not transformers' ``tp_plan="auto"``: the engine runs our own
+``LlamaModel`` over a paged KV cache (``model.py`` says why), and sharding it by heads costs two
+all-reduces per layer, the same as Megatron-style ``tp_plan``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import structlog
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from services.common.errors import ConfigError
+from services.common.logging import configure_logging
+from services.common.settings import load_settings
+from services.gpu_worker.config import GpuWorkerSettings
+from services.gpu_worker.engine import resolve_device, resolve_dtype
+from services.gpu_worker.model import KVCache, LlamaConfig, LlamaModel, Shard
+from services.gpu_worker.plan import Segment
+
+Forward = Callable[[Sequence[Segment]], list[Tensor]]
+
+log = structlog.get_logger(__name__)
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """This process's place in its tensor-parallel group (torchrun's environment variables)."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> RankEnv:
+        env = os.environ if environ is None else environ
+        world = int(env.get("WORLD_SIZE", "1"))
+        rank = int(env.get("RANK", "0"))
+        return cls(rank=rank, world=world, local_rank=int(env.get("LOCAL_RANK", str(rank))))
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+def check_degree(config: LlamaConfig, world: int) -> None:
+    """ConfigError (one sentence, with the fix) unless ``world`` divides the heads, KV heads and MLP width."""
+    kv, heads = config.kv_heads, config.heads
+    if kv % world or heads % world or config.intermediate % world:
+        fits = [d for d in range(1, kv + 1) if kv % d == 0 and heads % d == 0 and config.intermediate % d == 0]
+        raise ConfigError(
+            f"tensor-parallel degree {world} must divide the model's {heads} attention heads and {kv} KV heads "
+            f"(and its MLP width {config.intermediate}); start one of {fits} ranks (torchrun --nproc-per-node)"
+        )
+
+
+def model_config(path: str, *, allow_download: bool = False) -> LlamaConfig:
+    """The model's shape, read from its ``config.json`` (no weights loaded)."""
+    from transformers import AutoConfig
+
+    return LlamaConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=not allow_download))
+
+
+def device_for(env: RankEnv, device: torch.device) -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` for CUDA (one GPU per rank), else ``device`` unchanged."""
+    if device.type == "cuda":
+        index = env.local_rank if env.world > 1 else (device.index or 0)
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return device
+
+
+class Group:
+    """The process group of one TP worker: all-reduce for the model, a gloo group for call messages."""
+
+    def __init__(self, env: RankEnv, device: torch.device, *, timeout_s: float) -> None:
+        self.env = env
+        self.timeout_s = timeout_s
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = device
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.world,
+            timeout=timedelta(seconds=timeout_s),
+            **kwargs,
+        )
+        self._control = None
+        if backend != "gloo":  # call messages stay on the CPU
+            self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        log.info("tp_group_ready", rank=env.rank, world=env.world, backend=backend, device=str(device))
+
+    def all_reduce(self, t: Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        """Leader: broadcast one call message to the followers."""
+        dist.broadcast_object_list([message], src=0, group=self._control)
+
+    def receive(self) -> tuple[Any, ...]:
+        """Follower: the next call message from the leader (blocks up to the group's timeout)."""
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        return tuple(box[0])
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _segments_message(segments: Sequence[Segment]) -> list[tuple[list[int], int, list[int], bool]]:
+    return [(list(s.token_ids), s.start, list(s.block_table), s.all_logits) for s in segments]
+
+
+class Leader:
+    """Rank 0's side of the group: mirrors model calls on the followers (see the module docstring).
+
+    Calls are serialized by one lock (followers run them in broadcast order), so the scheduler thread
+    and speculative sequences may call concurrently. An idle leader pings every ``keepalive_s``.
+    """
+
+    def __init__(self, group: Group, *, keepalive_s: float | None = None) -> None:
+        self.group = group
+        self.shard = Shard(group.env.rank, group.env.world)
+        self.lock = threading.Lock()
+        self._next_cache = 0
+        self._closed = False
+        self._last_send = time.monotonic()
+        self._keepalive_s = keepalive_s if keepalive_s is not None else max(group.timeout_s / 3, 0.5)
+        self._stop_keepalive = threading.Event()
+        self._keepalive = threading.Thread(target=self._ping_forever, name="tp-keepalive", daemon=True)
+        self._keepalive.start()
+        atexit.register(self.close)
+
+    def all_reduce(self, t: Tensor) -> None:
+        self.group.all_reduce(t)
+
+    def _send(self, *message: Any) -> None:
+        if self._closed:
+            raise RuntimeError("the tensor-parallel group is closed")
+        self.group.send(message)
+        self._last_send = time.monotonic()
+
+    def share_cache(self, cache: KVCache) -> KVCache:
+        """Have every follower allocate a cache like ``cache`` (tagged with an id for later calls)."""
+        with self.lock:
+            cid = self._next_cache
+            self._next_cache += 1
+            blocks = cache.k[0].shape[0] // cache.block_tokens
+            self._send("new_cache", cid, blocks, cache.block_tokens, _DTYPE_NAMES[cache.k[0].dtype])
+        cache.tp_id = cid  # type: ignore[attr-defined]
+        return cache
+
+    def free_cache(self, cache: KVCache) -> None:
+        with self.lock:
+            if not self._closed:
+                self._send("free_cache", cache.tp_id)  # type: ignore[attr-defined]
+
+    def forward(self, model: LlamaModel, segments: Sequence[Segment], cache: KVCache) -> list[Tensor]:
+        """``model.forward(segments, cache)`` on every rank; the leader's logits."""
+        with self.lock:
+            self._send("forward", cache.tp_id, _segments_message(segments))  # type: ignore[attr-defined]
+            return model.forward(segments, cache)
+
+    def wrap_forward(self, forward: Forward) -> Forward:
+        """For ``CloudEngine(wrap_forward=...)``: its step function over its cache (the first one
+        shared, id 0: call :meth:`share_cache` on it before the first step), mirrored first."""
+
+        def run(segments: Sequence[Segment]) -> list[Tensor]:
+            with self.lock:
+                self._send("forward", 0, _segments_message(segments))
+                return forward(segments)
+
+        return run
+
+    def _ping_forever(self) -> None:
+        while not self._stop_keepalive.wait(self._keepalive_s / 2):
+            if time.monotonic() - self._last_send < self._keepalive_s:
+                continue
+            with self.lock:
+                if self._closed:
+                    return
+                try:
+                    self._send("ping")
+                except Exception as exc:  # a broken group: the next real call reports it
+                    log.error("tp_keepalive_failed", error=str(exc))
+                    return
+
+    def close(self) -> None:
+        """Tell the followers to stop and leave the group (idempotent)."""
+        self._stop_keepalive.set()
+        with self.lock:
+            if self._closed:
+                return
+            try:
+                self._send("stop")
+            except Exception as exc:
+                log.warning("tp_stop_failed", error=str(exc))
+            self._closed = True
+        self.group.close()
+
+
+class LeaderModel:
+    """Rank 0's model with ``LlamaModel``'s interface (``new_cache``, ``forward``), mirrored on followers."""
+
+    def __init__(self, model: LlamaModel, leader: Leader) -> None:
+        self.model = model
+        self.leader = leader
+        self.config = model.config
+        self.shard = model.shard
+        self.device = model.device
+        self.dtype = model.dtype
+
+    def new_cache(self, num_blocks: int, block_tokens: int, dtype: torch.dtype) -> KVCache:
+        return self.leader.share_cache(self.model.new_cache(num_blocks, block_tokens, dtype))
+
+    def free_cache(self, cache: KVCache) -> None:
+        self.leader.free_cache(cache)
+
+    def forward(self, segments: Sequence[Segment], cache: KVCache) -> list[Tensor]:
+        return self.leader.forward(self.model, segments, cache)
+
+    def close(self) -> None:
+        self.leader.close()
+
+
+def follow(model: LlamaModel, group: Group) -> None:
+    """A follower's loop: mirror the leader's calls on this rank's shard until ``stop``."""
+    caches: dict[int, KVCache] = {}
+    while True:
+        message = group.receive()
+        kind = message[0]
+        if kind == "ping":
+            continue
+        if kind == "stop":
+            return
+        if kind == "new_cache":
+            _, cid, num_blocks, block_tokens, dtype = message
+            caches[cid] = model.new_cache(num_blocks, block_tokens, _DTYPES[dtype])
+        elif kind == "free_cache":
+            caches.pop(message[1], None)
+        elif kind == "forward":
+            _, cid, raw = message
+            segments = [Segment(tokens, start, table, all_logits) for tokens, start, table, all_logits in raw]
+            try:
+                model.forward(segments, caches[cid])
+            except ValueError as exc:  # a bad plan fails before any collective, on the leader too
+                log.warning("tp_step_rejected", error=str(exc))
+        else:
+            raise RuntimeError(f"unknown tensor-parallel call {kind!r}")
+
+
+def load_model(
+    path: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    env: RankEnv | None = None,
+    timeout_s: float = 120.0,
+    allow_download: bool = False,
+) -> tuple[LlamaModel | LeaderModel, Group | None]:
+    """This rank's model: a plain ``LlamaModel`` when the group has one rank, else its shard in a group.
+
+    The TP degree is checked against the model before the group forms, so every rank fails fast with
+    the same ConfigError. On rank 0 the model is a :class:`LeaderModel`; followers get the shard and
+    the group to pass to :func:`follow`.
+    """
+    env = env or RankEnv.from_env()
+    check_degree(model_config(path, allow_download=allow_download), env.world)
+    if env.world == 1:
+        return LlamaModel.load(path, device=device, dtype=dtype, allow_download=allow_download), None
+    device = device_for(env, device)
+    group = Group(env, device, timeout_s=timeout_s)
+    model = LlamaModel.load(
+        path,
+        device=device,
+        dtype=dtype,
+        shard=Shard(env.rank, env.world),
+        all_reduce=group.all_reduce,
+        allow_download=allow_download,
+    )
+    if env.leader:
+        return LeaderModel(model, Leader(group)), group
+    return model, group
+
+
+def run_follower(path: str, *, device: torch.device, dtype: torch.dtype, env: RankEnv, timeout_s: float) -> int:
+    """A follower process: load the shard, follow rank 0 until ``stop``; returns the exit status."""
+    for sig in (signal.SIGTERM, signal.SIGINT):  # rank 0 drains first and then sends stop
+        signal.signal(sig, lambda *_: log.info("tp_follower_signal_ignored", rank=env.rank))
+    model, group = load_model(path, device=device, dtype=dtype, env=env, timeout_s=timeout_s)
+    assert group is not None and isinstance(model, LlamaModel)
+    log.info("tp_follower_ready", rank=env.rank, world=env.world)
+    try:
+        follow(model, group)
+    except Exception as exc:  # broken group or a failed step: end this rank so torchrun ends the group
+        log.error("tp_follower_failed", rank=env.rank, error=str(exc))
+        return 1
+    finally:
+        group.close()
+    log.info("tp_follower_stopped", rank=env.rank)
+    return 0
+
+
+def start_leader(settings: GpuWorkerSettings) -> Leader | None:
+    """Rank 0 of a torchrun group of more than one rank: check the degree, join the group; else None."""
+    env = RankEnv.from_env()
+    if env.world == 1:
+        return None
+    path = settings.check_model()
+    check_degree(model_config(path, allow_download=settings.allow_download), env.world)
+    device = device_for(env, resolve_device(settings.device))
+    return Leader(Group(env, device, timeout_s=settings.tp_timeout_s))
+
+
+def follower_main(settings_cls: type[GpuWorkerSettings]) -> int:
+    """``python -m services.gpu_worker`` on a rank > 0: follow rank 0; the process exit status."""
+    try:
+        settings = load_settings(settings_cls)
+    except ConfigError as exc:
+        configure_logging(settings_cls.service)
+        log.error("config_error", error=str(exc))
+        return 2
+    configure_logging(settings_cls.service, settings.log_level, settings.log_json)
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    env = RankEnv.from_env()
+    try:
+        path = settings.check_model()
+        device = resolve_device(settings.device)
+        dtype = resolve_dtype(settings.dtype, device)
+        return run_follower(path, device=device, dtype=dtype, env=env, timeout_s=settings.tp_timeout_s)
+    except ConfigError as exc:
+        log.error("config_error", error=str(exc), rank=env.rank)
+        return 2
