@@ -10,8 +10,10 @@ checked too.
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -80,13 +82,42 @@ def test_same_services(up: Captured, compose: dict[str, Any]) -> None:
     assert up.config.edge_workers == len([n for n in up.children if n.startswith("edge-")])
 
 
+def _launched(argv: list[str]) -> tuple[str, argparse.Namespace | None]:
+    """(service module, torchrun arguments if launched through torchrun) of a child `up` started."""
+    launcher = None
+    if "torch.distributed.run" in argv or Path(argv[0]).name == "torchrun":
+        import torch.distributed.run as torchrun
+
+        start = argv.index("torch.distributed.run") + 1 if "torch.distributed.run" in argv else 1
+        launcher = torchrun.get_args_parser().parse_args(argv[start:])
+        if launcher.module:
+            return launcher.training_script, launcher
+        argv = [launcher.training_script, *launcher.training_script_args]
+    if "serve" in argv:
+        return commands.parse(["meshserve", *argv[argv.index("serve") :]]).module, launcher
+    return argv[argv.index("-m") + 1], launcher
+
+
 def test_same_commands(up: Captured, compose: dict[str, Any]) -> None:
     for name, child in up.children.items():
         if name == "redis":
             continue
-        module = child.argv[child.argv.index("-m") + 1]
+        module, launcher = _launched(child.argv)
         parsed = commands.parse(compose_model.command(compose["services"][name]))
         assert parsed.module == module, name
+        if launcher is not None:  # the same TP degree by default
+            assert parsed.torchrun is not None, f"`up` runs {name} under torchrun; compose must too"
+            assert str(parsed.torchrun.nproc_per_node) == str(launcher.nproc_per_node), name
+
+
+def test_command_comparison_understands_torchrun() -> None:
+    python = "/venv/bin/python"
+    assert _launched([python, "-m", "services.gpu_worker"]) == ("services.gpu_worker", None)
+    tp = ["--nproc-per-node=3"]
+    module, launcher = _launched([python, "-m", "torch.distributed.run", *tp, "-m", "services.gpu_worker"])
+    assert module == "services.gpu_worker" and launcher is not None and launcher.nproc_per_node == "3"
+    module, launcher = _launched(["torchrun", *tp, "--no-python", "meshserve", "serve", "gpu-worker"])
+    assert module == "services.gpu_worker" and launcher is not None
 
 
 def test_same_environment(up: Captured, compose: dict[str, Any]) -> None:
