@@ -153,13 +153,25 @@ def _markdown(report: dict[str, object]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshserve bench", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20, help="requests per tier and path (default 20)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="tokens generated per request (default 64; cloud: 32)"
+    )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     parser.add_argument(
-        "--only", choices=("hops", "model"), default=None, help="run only the hop benchmark or only the real-model one"
+        "--only",
+        choices=("hops", "model", "cloud"),
+        default=None,
+        help="run only the hop benchmark, only the real-model one, or the cloud engine's (benchmarks/cloud.py)",
     )
     parser.add_argument("--hops-requests", type=int, default=400, help="interleaved requests per path in hops")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.only == "cloud":  # its own options (see `meshserve bench --only cloud -h`)
+        from benchmarks import cloud
+
+        given = ["--max-tokens", str(args.max_tokens)] if args.max_tokens else []
+        return cloud.main([*rest, *given, "--out", str(args.out)])
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.only in (None, "hops"):
         from benchmarks import hops
 
@@ -167,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hops.write_report(hop_report, args.out)
         print(hops.markdown(hop_report))
     if args.only in (None, "model"):
-        report = asyncio.run(run(args.requests, args.max_tokens))
+        report = asyncio.run(run(args.requests, args.max_tokens or 64))
         write_report(report, args.out)
         print(_markdown(report))
     return 0
