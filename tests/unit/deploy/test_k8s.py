@@ -42,13 +42,17 @@ def _workloads(resources: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _container_env(resources: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
-    """The container's environment as the kubelet builds it (ConfigMaps, then env with $(VAR))."""
+    """The container's environment as the kubelet builds it (ConfigMaps, then env with $(VAR) and
+    Secret values; downward-API fields stay placeholders)."""
     env: dict[str, str] = {}
     for source in container.get("envFrom", []):
         env.update(_find(resources, "ConfigMap", source["configMapRef"]["name"])["data"])
     for var in container.get("env", []):
         if "value" in var:
             env[var["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), var["value"])
+        elif "secretKeyRef" in var["valueFrom"]:
+            ref = var["valueFrom"]["secretKeyRef"]
+            env[var["name"]] = _find(resources, "Secret", ref["name"])["stringData"][ref["key"]]
         else:
             env[var["name"]] = "<" + json.dumps(var["valueFrom"], sort_keys=True) + ">"
     return env
@@ -259,3 +263,34 @@ def test_workers_reach_the_router_before_it_is_ready(built: list[dict[str, Any]]
     (gateway,) = _find(built, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"]
     address = _container_env(built, gateway)["MESHSERVE_GATEWAY_ROUTER_ADDRESS"]
     assert not service_of(address)["spec"].get("publishNotReadyAddresses")
+
+
+K8S_OF_COMPOSE = {
+    "gateway": "gateway",
+    "router": "router",
+    "cache": "cache",
+    "edge-0": "edge-worker",
+    "cloud-0": "gpu-worker",
+}
+PER_ENVIRONMENT = {"ROUTER_ADDRESS", "REDIS_URL", "WORKER_ID"}
+"""Settings whose value is where/who in each environment (addresses, identity): set in both, not equal.
+Kubernetes also sets more (advertise addresses, drain times sized to its grace periods)."""
+
+
+def test_kubernetes_sets_what_compose_and_up_set(built: list[dict[str, Any]]) -> None:
+    from tests.unit.deploy import compose_model
+
+    compose = compose_model.load()["services"]
+    for service, workload in K8S_OF_COMPOSE.items():
+        (container,) = [
+            c
+            for w in _workloads(built)
+            if w["metadata"]["name"] == workload
+            for c in w["spec"]["template"]["spec"]["containers"]
+        ]
+        k8s_env = _container_env(built, container)
+        for key, value in compose_model.service_env(compose[service]).items():
+            assert key in k8s_env, f"{workload}: compose sets {key}, Kubernetes does not"
+            field = re.sub(r"^MESHSERVE_(GATEWAY|ROUTER|CACHE|EDGE_WORKER|GPU_WORKER)_", "", key)
+            if field not in PER_ENVIRONMENT and key != "MESHSERVE_MODELS_DIR":
+                assert k8s_env[key] == value, f"{workload}: {key}"
