@@ -133,7 +133,10 @@ def test_probes_ask_grpc_health_on_the_serving_port(built: list[dict[str, Any]])
 
 
 def test_drain_fits_in_the_termination_grace_period(built: list[dict[str, Any]]) -> None:
-    """preStop (endpoints drop the pod) + shutdown_grace_s (streams finish) + 5 s <= the grace period."""
+    """preStop (endpoints drop the pod) + shutdown_grace_s (streams finish) + 5 s <= the grace period.
+
+    Under torchrun, its --shutdown-timeout (how long it lets the ranks exit before SIGKILL) must cover
+    the drain, and the grace period must cover it."""
     default = ServiceSettings.model_fields["shutdown_grace_s"].default
     for workload in _workloads(built):
         spec = workload["spec"]["template"]["spec"]
@@ -143,7 +146,12 @@ def test_drain_fits_in_the_termination_grace_period(built: list[dict[str, Any]])
             pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
             readiness = container["readinessProbe"]
             assert readiness["periodSeconds"] * readiness["failureThreshold"] <= pre_stop + grace
-            assert spec["terminationGracePeriodSeconds"] >= pre_stop + grace + 5, workload["metadata"]["name"]
+            stop = grace
+            launcher = commands.parse([_expand(a, env) for a in container["command"]]).torchrun
+            if launcher is not None:  # torchrun SIGKILLs its ranks after --shutdown-timeout
+                assert launcher.shutdown_timeout >= grace + 5, workload["metadata"]["name"]
+                stop = launcher.shutdown_timeout
+            assert spec["terminationGracePeriodSeconds"] >= pre_stop + stop + 5, workload["metadata"]["name"]
 
 
 def test_selectors_match_pods(built: list[dict[str, Any]]) -> None:

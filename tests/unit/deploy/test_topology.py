@@ -222,3 +222,6 @@ def test_stop_grace_outlasts_the_drain(compose: dict[str, Any]) -> None:
         grace = max([float(v) for k, v in env.items() if k.endswith("_SHUTDOWN_GRACE_S")] or [default_grace])
         stop = service["stop_grace_period"]
         assert stop.endswith("s") and float(stop[:-1]) >= grace + 5, name
+        launcher = commands.parse(compose_model.command(service)).torchrun
+        if launcher is not None:  # torchrun SIGKILLs its ranks after --shutdown-timeout
+            assert grace + 5 <= launcher.shutdown_timeout <= float(stop[:-1]) - 5, name
