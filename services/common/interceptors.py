@@ -36,7 +36,9 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
     """Abort the RPC with the status that ``exc`` maps to. Always raises."""
     if isinstance(exc, MeshError):
         if isinstance(exc, ResourceExhausted):
-            context.set_trailing_metadata(((md.RETRY_AFTER_MS, str(exc.retry_after_ms)),))
+            # Added to what the handler set (the gateway's x-request-id), not in place of it.
+            earlier = tuple(context.trailing_metadata() or ())
+            context.set_trailing_metadata((*earlier, (md.RETRY_AFTER_MS, str(exc.retry_after_ms))))
         await context.abort(status_for(exc), exc.message)
     log.error("internal_error", exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, "internal error; the server log has the details")

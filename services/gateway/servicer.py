@@ -75,11 +75,14 @@ class _Observed:
             TOKENS.labels(SERVICE, self.tier, "output").inc(final.usage.completion_tokens)
 
     def record(self) -> None:
-        for ttft in self.ttfts:
-            TTFT.labels(SERVICE, self.tier).observe(ttft)
-        inter = INTER_TOKEN.labels(SERVICE, self.tier)
-        for gap in self.gaps:
-            inter.observe(gap)
+        if self.ttfts:
+            ttft = TTFT.labels(SERVICE, self.tier)
+            for value in self.ttfts:
+                ttft.observe(value)
+        if self.gaps:
+            inter = INTER_TOKEN.labels(SERVICE, self.tier)
+            for gap in self.gaps:
+                inter.observe(gap)
         REQUEST_DURATION.labels(SERVICE, self.tier, self.status).observe(time.perf_counter() - self.start)
 
 
@@ -123,10 +126,17 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         )
 
     async def _admit(
-        self, context: grpc.aio.ServicerContext, method: str, *, send_headers: bool = True
+        self, context: grpc.aio.ServicerContext, method: str, *, send_headers: bool = False
     ) -> tuple[str, Identity]:
         """Assign the request id, authenticate, check the method's scope, bind id + tenant + key id
-        for logs and metadata, and (``send_headers``) send the response headers (``x-request-id``)."""
+        for logs and metadata.
+
+        ``x-request-id`` goes back in the trailing metadata (with the status, on success and on
+        every error after this point) and in every response message. Response headers carrying it
+        are sent only with ``send_headers`` (Chat, whose clients wait for them before writing):
+        a separate headers operation costs a unary call or a stream a sizeable share of the
+        gateway's CPU (docs/benchmarks/hops.md), while the first message carries empty headers free.
+        """
         request_id = uuid.uuid4().hex
         # Overwrite whatever the caller put in x-request-id / x-meshserve-tenant: nothing from a
         # public caller is trusted until its credential has resolved the tenant.
@@ -135,33 +145,18 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         structlog.contextvars.bind_contextvars(tenant=identity.tenant, key_id=identity.key_id)
         tracing.annotate({"meshserve.request_id": request_id, "meshserve.tenant": identity.tenant})
         scopes.require(method, identity.scopes, identity.key_id)
+        context.set_trailing_metadata(((md.REQUEST_ID, request_id),))
         if send_headers:
             await context.send_initial_metadata(((md.REQUEST_ID, request_id),))
         return request_id, identity
 
-    async def _reserve(
-        self,
-        context: grpc.aio.ServicerContext,
-        request_id: str,
-        identity: Identity,
-        request: pb.GenerateRequest,
-        stream_ttl_s: float | None,
-    ) -> Ticket:
-        """Policy checks and rate-limit reservation of a Generate/Complete request.
-
-        The response headers go out while the limiter's Redis call is in flight (two waits
-        overlapped instead of queued, a round trip off the time to first token); both have finished
-        when this returns or raises, so headers always precede any frame or error status.
-        """
-        headers = asyncio.ensure_future(context.send_initial_metadata(((md.REQUEST_ID, request_id),)))
-        try:
-            validate_generate(request, self._limits)
-            policy = self._gate.policy(identity)
-            ticket = await self._gate.admit(
-                identity, policy, [request.prompt], request.sampling.max_tokens, stream_ttl_s=stream_ttl_s
-            )
-        finally:
-            await headers
+    async def _reserve(self, identity: Identity, request: pb.GenerateRequest, stream_ttl_s: float | None) -> Ticket:
+        """Validation, policy checks and rate-limit reservation of a Generate/Complete request."""
+        validate_generate(request, self._limits)
+        policy = self._gate.policy(identity)
+        ticket = await self._gate.admit(
+            identity, policy, [request.prompt], request.sampling.max_tokens, stream_ttl_s=stream_ttl_s
+        )
         request.routing.priority = min(request.routing.priority, policy.priority)
         return ticket
 
@@ -182,9 +177,9 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         with _observe() as observed:
-            request_id, identity = await self._admit(context, "Generate", send_headers=False)
+            request_id, identity = await self._admit(context, "Generate")
             timeout = self._timeout(context, self._settings.default_deadline_s)
-            ticket = await self._reserve(context, request_id, identity, request, stream_ttl_s=timeout)
+            ticket = await self._reserve(identity, request, stream_ttl_s=timeout)
             try:
                 call = self._router.Generate(request, metadata=self._metadata(), timeout=timeout)
                 try:
@@ -202,9 +197,9 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         with _observe() as observed:
-            request_id, identity = await self._admit(context, "Complete", send_headers=False)
+            request_id, identity = await self._admit(context, "Complete")
             timeout = self._timeout(context, self._settings.default_deadline_s)
-            ticket = await self._reserve(context, request_id, identity, request, stream_ttl_s=None)
+            ticket = await self._reserve(identity, request, stream_ttl_s=None)
             try:
                 call = self._router.Complete(request, metadata=self._metadata(), timeout=timeout)
                 try:
@@ -244,7 +239,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         caller in the order they happened; leaving this generator for any reason cancels both.
         """
         with _observe() as observed:
-            request_id, identity = await self._admit(context, "Chat")
+            request_id, identity = await self._admit(context, "Chat", send_headers=True)
             policy = self._gate.policy(identity)
             timeout = self._timeout(context, self._settings.default_chat_deadline_s)
             # The session holds one stream slot; each turn takes one request and reserves its tokens.

@@ -168,9 +168,10 @@ class OpenAIApp:
             return web.json_response(oa.completion(reply.request_id, parsed.model, reply.text, reply.final))
         call = self._gateway.Generate(generate, metadata=metadata)
         try:
-            frames = _generate_frames(call)
+            ids: list[str] = []  # the gateway sends x-request-id in every frame (and its trailers)
+            frames = _generate_frames(call, ids)
             first = await _first(frames)
-            request_id = await _request_id(call)
+            request_id = ids[0] if ids else await _request_id(call)
             created = int(time.time())
             response = await _sse_start(request, request_id)
             try:
@@ -204,8 +205,11 @@ async def _chat_frames(call: Any) -> AsyncIterator[Frame]:
             return
 
 
-async def _generate_frames(call: Any) -> AsyncIterator[Frame]:
+async def _generate_frames(call: Any, request_ids: list[str]) -> AsyncIterator[Frame]:
+    """Frames of a Generate call; the request id the frames carry is appended to ``request_ids``."""
     async for frame in call:
+        if not request_ids and frame.request_id:
+            request_ids.append(frame.request_id)
         yield frame.text, frame.final if frame.HasField("final") else None
 
 

@@ -82,7 +82,7 @@ async def test_stream_is_relayed_with_request_id_tenant_and_internal_token(stub,
     assert seen.metadata[md.INTERNAL_TOKEN] == INTERNAL_TOKEN
     request_id = seen.metadata[md.REQUEST_ID]
     assert len(request_id) == 32 and request_id != "client-chosen"
-    assert dict(await call.initial_metadata())[md.REQUEST_ID] == request_id
+    assert dict(await call.trailing_metadata())[md.REQUEST_ID] == request_id
     assert {f.request_id for f in frames} == {request_id}
 
 
@@ -150,7 +150,9 @@ async def test_resource_exhausted_keeps_its_retry_after_trailer(stub, router: Fa
     err = await expect_status(
         stub.Generate(request(), metadata=auth_metadata(KEYS["acme"])), grpc.StatusCode.RESOURCE_EXHAUSTED
     )
-    assert dict(err.trailing_metadata() or ())[md.RETRY_AFTER_MS] == "1234"
+    trailers = dict(err.trailing_metadata() or ())
+    assert trailers[md.RETRY_AFTER_MS] == "1234"
+    assert len(trailers[md.REQUEST_ID]) == 32, "errors after authentication carry the request id too"
     err = await expect_status(
         stub.Complete(request(), metadata=auth_metadata(KEYS["acme"])), grpc.StatusCode.RESOURCE_EXHAUSTED
     )
