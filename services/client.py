@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import metadata as md
+from services.common.grpc_compat import patch_grpc_aio
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 
@@ -123,6 +124,7 @@ class MeshClient:
     """Client of the gateway's `meshserve.v1.Inference`; use as ``async with``."""
 
     def __init__(self, address: str, api_key: str | None = None, *, channel: grpc.aio.Channel | None = None) -> None:
+        patch_grpc_aio()  # a pipelined Chat frame must not hide the server's status (grpc#36066)
         self.address = address
         self._own_channel = channel is None
         self.channel = channel or grpc.aio.insecure_channel(address)

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import tracing
+from services.common.grpc_compat import patch_grpc_aio
 from services.common.interceptors import ErrorInterceptor, InternalAuthInterceptor
 from services.common.metrics import start_metrics_server
 from services.common.settings import ServiceSettings
@@ -89,6 +90,7 @@ async def start_server(
     With ``serving=False`` health stays NOT_SERVING until the caller calls ``set_serving(True)``
     (e.g. after a warm-up).
     """
+    patch_grpc_aio()  # this process's own outgoing streams report the peer's status (grpc#36066)
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if internal:
         interceptors.append(InternalAuthInterceptor(settings.internal_token))
