@@ -261,12 +261,13 @@ def main() -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each policy, alternating")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--name", default="router_prefix", help="file stem of the report (.json, .md)")
     args = parser.parse_args()
     cfg = Workload(**{k: getattr(args, k) for k in asdict(defaults)})
     report = asyncio.run(_main(cfg, args.rounds))
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "router_prefix.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "router_prefix.md").write_text(_markdown(report))
+    (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / f"{args.name}.md").write_text(_markdown(report))
     print(_markdown(report))
 
 
