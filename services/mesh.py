@@ -54,6 +54,9 @@ class MeshConfig:
     api_key: str = DEV_API_KEY
     edge_threads: int = 1
     cloud_threads: int = 2
+    cloud_tp: int = 1
+    """Ranks of each cloud worker's tensor-parallel group; above 1 the worker is started by torchrun
+    (``cloud_threads`` is split between the ranks). Must divide the model's attention and KV heads."""
     edge_max_prompt_tokens: int = 128
     start_timeout_s: float = 240.0
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -125,11 +128,11 @@ class Mesh:
         env.update({k: str(v) for k, v in values.items()})
         return env
 
-    def _service(self, name: str, module: str, **env: str | int) -> ServiceProcess:
+    def _service(self, name: str, module: str, *, launcher: Sequence[str] = (), **env: str | int) -> ServiceProcess:
         # Every service serves Prometheus /metrics on a free loopback port (logged in service_started).
         prefix = "MESHSERVE_" + module.rsplit(".", 1)[-1].upper()
         env = {f"{prefix}_METRICS_PORT": 0, **env}
-        proc = ServiceProcess(name, [sys.executable, "-m", module], self._env(**env), self.sink)
+        proc = ServiceProcess(name, [sys.executable, "-m", *launcher, module], self._env(**env), self.sink)
         self.processes[name] = proc
         return proc
 
@@ -188,9 +191,11 @@ class Mesh:
                 self._service(
                     f"cloud-{i}",
                     "services.gpu_worker",
+                    launcher=torchrun_launcher(cfg.cloud_tp),
                     MESHSERVE_GPU_WORKER_WORKER_ID=f"cloud-{i}",
-                    MESHSERVE_GPU_WORKER_THREADS=cfg.cloud_threads,
+                    MESHSERVE_GPU_WORKER_THREADS=max(1, cfg.cloud_threads // cfg.cloud_tp),
                     MESHSERVE_GPU_WORKER_ROUTER_ADDRESS=router.address,
+                    **tp_env(cfg.cloud_tp),
                 )
                 for i in range(cfg.cloud_workers)
             ]
@@ -262,6 +267,30 @@ class Mesh:
         await self.stop()
 
 
+def torchrun_launcher(ranks: int) -> list[str]:
+    """``python -m`` arguments that start a module as a TP group of ``ranks`` (none for one rank).
+
+    The same launch as deploy/'s ``torchrun --standalone --nnodes=1 --nproc-per-node=N
+    --shutdown-timeout=S --no-python meshserve serve gpu-worker`` (``serve`` execs the module);
+    the shutdown timeout lets rank 0 drain before torchrun kills the ranks.
+    """
+    if ranks <= 1:
+        return []
+    return [
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={ranks}",
+        "--shutdown-timeout=15",
+        "-m",
+    ]
+
+
+def tp_env(ranks: int) -> dict[str, str]:
+    """Keep a local TP group's gloo traffic on loopback (Linux names it ``lo``)."""
+    return {"GLOO_SOCKET_IFNAME": "lo"} if ranks > 1 and sys.platform == "linux" else {}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshserve up", description="Start the local mesh as processes.")
     p.add_argument("--edge-workers", type=int, default=2, help="edge worker replicas (default 2)")
@@ -270,6 +299,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""), help="use this Redis (default: start one)")
     p.add_argument("--edge-threads", type=int, default=1, help="intra-op threads per edge worker")
     p.add_argument("--cloud-threads", type=int, default=2, help="intra-op threads per cloud worker")
+    p.add_argument(
+        "--cloud-tp", type=int, default=1, help="tensor-parallel ranks per cloud worker (torchrun; 1 or 3 for SmolLM2)"
+    )
     p.add_argument("--http-port", type=int, default=8080, help="Envoy's HTTP/gRPC port (default 8080; 0 = any)")
     p.add_argument("--no-envoy", action="store_true", help="do not start Envoy and the OpenAI HTTP front door")
     p.add_argument("--tls-cert", default="", help="PEM certificate: serve TLS on Envoy's port (with --tls-key)")
@@ -289,6 +321,7 @@ async def run_up(args: argparse.Namespace) -> int:
         api_key=api_key,
         edge_threads=args.edge_threads,
         cloud_threads=args.cloud_threads,
+        cloud_tp=args.cloud_tp,
         envoy=not args.no_envoy,
         http_port=args.http_port,
         tls_cert=args.tls_cert,
