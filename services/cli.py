@@ -2,7 +2,7 @@
 container entry points ``serve``, ``health`` and ``frontdoor``.
 
 ``up`` and ``bench`` hand their arguments to :func:`services.mesh.main_up` and
-:func:`benchmarks.run.main`, imported only when used so the other commands start fast.
+:func:`benchmarks.bench_cli.main`, imported only when used so the other commands start fast.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 _DELEGATED = {
     "up": ("services.mesh", "main_up"),
-    "bench": ("benchmarks.run", "main"),
+    "bench": ("benchmarks.bench_cli", "main"),
     "cache": ("services.cache.cli", "main"),
     "status": ("services.status", "main"),
     "serve": ("services.launch", "serve_main"),
@@ -68,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     keys_cli.add_arguments(commands.add_parser("keys", help="create, list and revoke the gateway's API keys"))
 
     commands.add_parser("up", help="start the whole mesh locally (see `meshserve up -h`)", add_help=False)
-    commands.add_parser("bench", help="benchmark the mesh (see `meshserve bench -h`)", add_help=False)
+    commands.add_parser(
+        "bench", help="benchmarks: load, soak, gateways, relay, report (see `meshserve bench -h`)", add_help=False
+    )
     commands.add_parser("cache", help="cache stats, flush and warm-up (see `meshserve cache -h`)", add_help=False)
     commands.add_parser("status", help="live view of the mesh: replicas, load, tokens/s, caches", add_help=False)
     commands.add_parser("serve", help="run one service in the foreground (container entry point)", add_help=False)

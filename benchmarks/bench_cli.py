@@ -1,0 +1,37 @@
+"""``meshserve bench [SUBCOMMAND]``: the benchmark suites.
+
+``meshserve bench load|soak|gateways|relay|report ...`` run the harness of issue 9 (each has
+``-h``); anything else (``meshserve bench``, ``meshserve bench --only cloud``, ...) goes to
+:func:`benchmarks.run.main`, the mesh-overhead benchmark, unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+SUBCOMMANDS = {
+    "load": ("benchmarks.loadbench", "open/closed-loop load with workload mixes and baselines; JSON + PNG"),
+    "soak": ("benchmarks.soak", "N minutes at 80 % of measured capacity; fails on RSS / fd growth > 5 %"),
+    "gateways": ("benchmarks.gateways", "gateway overhead: meshserve vs LiteLLM in front of a fake backend"),
+    "relay": ("benchmarks.relay", "tokens relayed per second through gateway + router (instant worker)"),
+    "report": ("benchmarks.report", "write docs/benchmarks/README.md from the benchmarks' JSON files"),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
+        return int(module.main(argv[1:]) or 0)
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: meshserve bench [SUBCOMMAND] ...\n\nsubcommands:")
+        for name, (_module, text) in SUBCOMMANDS.items():
+            print(f"  {name:9} {text}")
+        print("\nwithout a subcommand: the mesh-overhead benchmark; its options:\n")
+    return int(importlib.import_module("benchmarks.run").main(argv) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

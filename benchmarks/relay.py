@@ -1,0 +1,189 @@
+"""``meshserve bench relay``: tokens relayed per second through gateway + router (target ≥ 5,000 on 2 cores).
+
+Starts, as separate processes: redis-server, one real worker process over the synthetic engine of
+:mod:`benchmarks.instant_worker` (tokens at once, no model time; up to 64 sequences at once), the
+real router and the real gateway (API key, rate-limit admission and stream lease in Redis; limits
+set high enough never to reject). Then, closed loop, ``--streams`` concurrent greedy streams of
+``--max-tokens`` tokens each (response cache bypassed) for ``--duration`` seconds, (a) straight to the
+worker and (b) through gateway → router → worker, alternating ``--rounds`` times. Reports tokens/s
+received by the client, frames per token, and CPU ms per 1,000 tokens of each process (/proc
+schedstat), and writes docs/benchmarks/relay.json and .md. The client, the worker and both hops
+share the machine's cores, so the through-mesh number is a lower bound of what the hops can relay.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from benchmarks.hops import _cpu_ns
+from benchmarks.load import Result, Workload, closed_loop, make_items, summarize
+from benchmarks.senders import grpc_sender, worker_sender
+from services.client import MeshClient
+from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
+from services.common.tokenizer import Tokenizer
+from services.mesh import DEV_API_KEY, api_key_hash
+from services.models.paths import model_paths
+from services.processes import ServiceProcess, free_port, wait_redis
+
+TARGET_TOKENS_PER_S = 5000.0
+
+
+async def _start(name: str, argv: list[str], env: dict[str, str], health: bool = True) -> ServiceProcess:
+    proc = ServiceProcess(name, argv, env, lambda _n, _l: None)
+    await proc.spawn()
+    await proc.wait_started(120)
+    if health:
+        await proc.wait_serving(120)
+    return proc
+
+
+async def start_stack(tmp: str, slots: int) -> dict[str, ServiceProcess]:
+    """redis, instant worker, router, gateway (in that order; stop in reverse)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("bench relay: redis-server is not installed; run `make setup`")
+    port = free_port()
+    procs: dict[str, ServiceProcess] = {}
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp]
+    procs["redis"] = ServiceProcess("redis", argv, env, lambda _n, _l: None)
+    await procs["redis"].spawn()
+    redis_url = f"redis://127.0.0.1:{port}/0"
+    await wait_redis(redis_url, 30)
+    worker_env = {
+        "MESHSERVE_INSTANT_WORKER_MAX_ACTIVE_SEQUENCES": str(slots),
+        "MESHSERVE_INSTANT_WORKER_MAX_QUEUE": str(slots),
+        "MESHSERVE_INSTANT_WORKER_WORKER_ID": "instant",
+    }
+    procs["worker"] = await _start("worker", [sys.executable, "-m", "benchmarks.instant_worker"], env | worker_env)
+    router_env = {"MESHSERVE_ROUTER_EDGE_WORKERS": procs["worker"].address, "MESHSERVE_ROUTER_REDIS_URL": redis_url}
+    procs["router"] = await _start("router", [sys.executable, "-m", "services.router"], env | router_env)
+    gateway_env = {
+        "MESHSERVE_GATEWAY_API_KEYS": f"dev:{api_key_hash(DEV_API_KEY)}",
+        "MESHSERVE_GATEWAY_REDIS_URL": redis_url,
+        "MESHSERVE_GATEWAY_ROUTER_ADDRESS": procs["router"].address,
+        "MESHSERVE_GATEWAY_REQUESTS_PER_MINUTE": "100000000",
+        "MESHSERVE_GATEWAY_TOKENS_PER_MINUTE": "1000000000",
+        "MESHSERVE_GATEWAY_MAX_CONCURRENT_STREAMS": "4096",
+    }
+    procs["gateway"] = await _start("gateway", [sys.executable, "-m", "services.gateway"], env | gateway_env)
+    return procs
+
+
+async def _measure(send: Any, streams: int, max_tokens: int, duration: float, pids: dict[str, int]) -> dict[str, Any]:
+    items = make_items(Workload(max_tokens=max_tokens, tier="edge"), 100_000, random.Random(1))
+    before = {n: _cpu_ns(pid) for n, pid in pids.items()}
+    results: list[Result]
+    results, wall = await closed_loop(send, items, streams, duration)
+    cpu = {n: _cpu_ns(pid) - before[n] for n, pid in pids.items()}
+    summary = summarize(results, wall)
+    frames = sum(len(r.token_times) for r in results if r.status == "OK")
+    tokens = max(1, summary["tokens"])
+    summary["frames_per_token"] = round(frames / tokens, 3)
+    summary["cpu_ms_per_1k_tokens"] = {n: round(ns / 1e6 / tokens * 1000, 2) for n, ns in cpu.items()}
+    return summary
+
+
+async def run(streams: int, max_tokens: int, duration: float, rounds: int) -> dict[str, Any]:
+    tmp = tempfile.TemporaryDirectory(prefix="meshserve-relay-")
+    procs = await start_stack(tmp.name, max(64, streams))
+    try:
+        pids = {n: p.proc.pid for n, p in procs.items() if p.proc is not None} | {"client": os.getpid()}
+        tokenizer = Tokenizer(model_paths().hf_dir)
+        async with (
+            MeshClient(procs["gateway"].address, DEV_API_KEY) as client,
+            grpc.aio.insecure_channel(procs["worker"].address) as channel,
+        ):
+            paths = {
+                "direct_worker": worker_sender(worker_pb2_grpc.WorkerStub(channel), tokenizer.encode),
+                "gateway_router": grpc_sender(client),
+            }
+            for send in paths.values():  # warm up
+                await _measure(send, streams, max_tokens, 2.0, pids)
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
+            for i in range(rounds):
+                for name, send in paths.items():
+                    runs[name].append(await _measure(send, streams, max_tokens, duration, pids))
+                    print(f"round {i + 1}/{rounds} {name}: {runs[name][-1]['tokens_per_s']:.0f} tok/s", file=sys.stderr)
+    finally:
+        for name in ("gateway", "router", "worker", "redis"):
+            await procs[name].stop()
+        tmp.cleanup()
+    medians = {name: statistics.median(r["tokens_per_s"] for r in rs) for name, rs in runs.items()}
+    return {
+        "benchmark": "relay",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m": os.getloadavg()[0]},
+        "command": f"meshserve bench relay --streams {streams} --max-tokens {max_tokens} --duration {duration:g} "
+        f"--rounds {rounds}",
+        "streams": streams,
+        "max_tokens": max_tokens,
+        "target_tokens_per_s": TARGET_TOKENS_PER_S,
+        "tokens_per_s_median": medians,
+        "gateway_router_tokens_per_s": medians["gateway_router"],
+        "pass": medians["gateway_router"] >= TARGET_TOKENS_PER_S,
+        "runs": runs,
+    }
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [
+        "# Tokens relayed per second through gateway + router",
+        "",
+        f"{report['date']} · {report['machine']['cpus']} CPUs shared by the client, the worker, both hops and Redis "
+        f"(1-min load average {report['machine']['load_avg_1m']:.2f} at the end) · `{report['command']}`",
+        "",
+        f"{report['streams']} concurrent greedy streams of {report['max_tokens']} tokens from a synthetic worker "
+        "(no model time), cache bypassed; medians of the rounds. Target: ≥ "
+        f"{report['target_tokens_per_s']:,.0f} tok/s through gateway + router.",
+        "",
+        "| path | tok/s (median) | frames/token | e2e p50 ms | e2e p99 ms | CPU ms / 1k tokens "
+        "(client, gateway, router, worker, redis) |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for name, rs in report["runs"].items():
+        last = rs[-1]
+        cpu = last["cpu_ms_per_1k_tokens"]
+        cpu_text = ", ".join(f"{cpu.get(n, 0):.0f}" for n in ("client", "gateway", "router", "worker", "redis"))
+        lines.append(
+            f"| {name} | {report['tokens_per_s_median'][name]:,.0f} | {last['frames_per_token']:.2f} | "
+            f"{last['e2e_ms_p50']:.1f} | {last['e2e_ms_p99']:.1f} | {cpu_text} |"
+        )
+    verdict = "pass" if report["pass"] else "fail"
+    lines += ["", f"Through gateway + router: **{report['gateway_router_tokens_per_s']:,.0f} tok/s — {verdict}**."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="meshserve bench relay", description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=32, help="concurrent streams (default 32)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="tokens per stream (default 256)")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per round and path (default 10)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per path (default 3)")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
+    args = parser.parse_args(argv)
+    report = asyncio.run(run(args.streams, args.max_tokens, args.duration, args.rounds))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "relay.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "relay.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""``meshserve bench soak --minutes N``: N minutes at 80 % of measured capacity; fail on resource growth.
+
+1. Starts the local mesh (launcher of ``meshserve up``; rate limits set out of the way).
+2. **Capacity**: a short closed-loop ramp (``--ramp`` concurrencies, ``--ramp-seconds`` each) of the
+   workload; capacity = the highest requests/s of a step without errors.
+3. **Soak**: Poisson arrivals at ``--load`` (0.8) times capacity for N minutes, in 30-s chunks, while a
+   sampler reads every service process's RSS and open file descriptors (psutil) every
+   ``--interval`` seconds.
+4. **Verdict**: per process and measure, the median of a *baseline window* right after the warm-up
+   (not the cold start) against the median of the *final window*; growth above ``--max-growth``
+   (5 %) on any of them fails the run (exit 1). Errors by status are reported too.
+
+Writes docs/benchmarks/soak.json and docs/soak.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks import soak_report
+from benchmarks.load import Result, Workload, closed_loop, make_items, open_loop, poisson_schedule, summarize
+from benchmarks.loadbench import UNLIMITED, parse_mix
+from benchmarks.senders import grpc_sender
+from services.client import MeshClient
+from services.mesh import DEV_API_KEY, Mesh, MeshConfig
+
+Samples = dict[str, list[tuple[float, float]]]
+"""``"<process>/<rss_mb|fds>"`` → (seconds since the soak started, value)."""
+
+
+def service_processes(named: dict[int, str]) -> dict[str, psutil.Process]:
+    """This process's children (the mesh), named from ``named`` (pid → service) or their executable."""
+    out = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            out[named.get(child.pid) or child.name()] = child
+        except psutil.NoSuchProcess:
+            continue
+    return out
+
+
+def sample(procs: dict[str, psutil.Process], t: float, samples: Samples) -> None:
+    for name, proc in procs.items():
+        try:
+            rss, fds = proc.memory_info().rss / 2**20, proc.num_fds()
+        except psutil.NoSuchProcess:
+            continue
+        samples.setdefault(f"{name}/rss_mb", []).append((t, rss))
+        samples.setdefault(f"{name}/fds", []).append((t, float(fds)))
+
+
+def growth(series: list[tuple[float, float]], warmup_s: float, window_s: float) -> dict[str, float]:
+    """Median of the window starting at ``warmup_s`` vs median of the last ``window_s``; growth in %."""
+    if not series:
+        raise ValueError("no samples")
+    end = series[-1][0]
+    base = [v for t, v in series if warmup_s <= t < warmup_s + window_s] or [series[0][1]]
+    final = [v for t, v in series if t >= end - window_s] or [series[-1][1]]
+    b, f = statistics.median(base), statistics.median(final)
+    pct = (f - b) / b * 100 if b else (0.0 if f == b else float("inf"))
+    return {"baseline": round(b, 2), "final": round(f, 2), "growth_pct": round(pct, 2)}
+
+
+def verdict(samples: Samples, warmup_s: float, window_s: float, max_growth_pct: float) -> dict[str, Any]:
+    """Growth of every series and the series that grew more than allowed."""
+    rows = {key: growth(series, warmup_s, window_s) for key, series in sorted(samples.items())}
+    failed = [key for key, row in rows.items() if row["growth_pct"] > max_growth_pct]
+    return {"max_growth_pct": max_growth_pct, "series": rows, "grew": failed, "pass": not failed}
+
+
+async def capacity(send: Any, workload: Workload, levels: Sequence[int], seconds: float) -> dict[str, Any]:
+    """Closed-loop ramp; capacity = best requests/s of an error-free step."""
+    steps = []
+    for level in levels:
+        items = make_items(workload, 10_000, random.Random(level))
+        results, wall = await closed_loop(send, items, level, seconds)
+        steps.append({"concurrency": level, "summary": summarize(results, wall)})
+        print(f"soak ramp: concurrency {level}: {steps[-1]['summary']['requests_per_s']:.2f} req/s", file=sys.stderr)
+    clean = [s["summary"]["requests_per_s"] for s in steps if not s["summary"]["errors"]]
+    return {"steps": steps, "requests_per_s": max(clean or [0.0])}
+
+
+async def soak(args: argparse.Namespace) -> dict[str, Any]:
+    workload = Workload(**parse_mix(args.mix), cache_hit_ratio=args.cache_hit_ratio, max_tokens=args.max_tokens)
+    config = MeshConfig(edge_workers=args.edge_workers, cloud_workers=args.cloud_workers)
+    config.extra_env.update(UNLIMITED)
+    print("soak: starting the mesh...", file=sys.stderr, flush=True)
+    async with Mesh(config, sink=lambda _n, _l: None) as mesh, MeshClient(mesh.gateway_address, DEV_API_KEY) as client:
+        await client.wait_ready()
+        send = grpc_sender(client, args.timeout)
+        cap = await capacity(send, workload, args.ramp, args.ramp_seconds)
+        if cap["requests_per_s"] <= 0:
+            raise SystemExit("soak: no ramp step finished without errors; the mesh cannot be soaked")
+        rate = args.load * cap["requests_per_s"]
+        procs = service_processes({p.proc.pid: n for n, p in mesh.processes.items() if p.proc is not None})
+        samples: Samples = {}
+        results: list[Result] = []
+        t0 = time.perf_counter()
+        total_s = args.minutes * 60
+
+        async def sampler() -> None:
+            while (t := time.perf_counter() - t0) < total_s + args.interval:
+                sample(procs, t, samples)
+                await asyncio.sleep(args.interval)
+
+        task = asyncio.create_task(sampler())
+        rng = random.Random(args.seed)
+        chunk = 0
+        while (elapsed := time.perf_counter() - t0) < total_s:
+            span = min(30.0, total_s - elapsed)
+            arrivals = poisson_schedule(rate, span, 100_000, rng)
+            items = make_items(workload, len(arrivals), rng)
+            got, _wall = await open_loop(send, items, arrivals, timeout_s=args.timeout)
+            results += got
+            chunk += 1
+            print(
+                f"soak: {elapsed / 60 + span / 60:.1f}/{args.minutes:g} min, {len(results)} requests, "
+                f"{sum(r.status != 'OK' for r in results)} errors",
+                file=sys.stderr,
+                flush=True,
+            )
+        wall = time.perf_counter() - t0
+        await task
+    warmup_s = args.warmup_minutes * 60
+    window_s = args.window_minutes * 60
+    return {
+        "benchmark": "soak",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m": os.getloadavg()[0]},
+        "command": " ".join(["meshserve bench soak", *args.argv]),
+        "minutes": args.minutes,
+        "workload": workload.__dict__,
+        "capacity": cap,
+        "load_fraction": args.load,
+        "rate_requests_per_s": round(rate, 3),
+        "warmup_s": warmup_s,
+        "window_s": window_s,
+        "interval_s": args.interval,
+        "summary": summarize(results, wall),
+        "verdict": verdict(samples, warmup_s, window_s, args.max_growth),
+        "samples": {k: [(round(t, 1), round(v, 2)) for t, v in s] for k, s in samples.items()},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="meshserve bench soak", description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10.0, help="soak length (default 10)")
+    parser.add_argument("--load", type=float, default=0.8, help="fraction of measured capacity (default 0.8)")
+    parser.add_argument("--ramp", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8])
+    parser.add_argument("--ramp-seconds", type=float, default=15.0, help="seconds per ramp step (default 15)")
+    parser.add_argument("--interval", type=float, default=5.0, help="seconds between samples (default 5)")
+    parser.add_argument("--warmup-minutes", type=float, default=None, help="before the baseline window (N/5)")
+    parser.add_argument("--window-minutes", type=float, default=None, help="baseline and final window (N/10)")
+    parser.add_argument("--max-growth", type=float, default=5.0, help="allowed growth in %% (default 5)")
+    parser.add_argument("--mix", default="short=0.8,chat=0.2", help="request kinds (default short=0.8,chat=0.2)")
+    parser.add_argument("--cache-hit-ratio", type=float, default=0.2, help="repeated greedy prompts (default 0.2)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="tokens per request (default 16)")
+    parser.add_argument("--edge-workers", type=int, default=2)
+    parser.add_argument("--cloud-workers", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds one request may take")
+    parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="JSON output directory")
+    parser.add_argument("--doc", type=Path, default=Path("docs/soak.md"), help="Markdown report")
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.minutes <= 0:
+        parser.error("--minutes must be > 0")
+    args.warmup_minutes = args.minutes / 5 if args.warmup_minutes is None else args.warmup_minutes
+    args.window_minutes = args.minutes / 10 if args.window_minutes is None else args.window_minutes
+    if args.warmup_minutes + 2 * args.window_minutes > args.minutes:
+        parser.error("--warmup-minutes plus two windows must fit in --minutes")
+    report = asyncio.run(soak(args))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
+    args.doc.write_text(soak_report.markdown(report))
+    print(soak_report.markdown(report))
+    return 0 if report["verdict"]["pass"] else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
