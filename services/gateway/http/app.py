@@ -100,6 +100,9 @@ class OpenAIApp:
                 raise InvalidArgument(
                     f"the {name} header is longer than {MAX_CREDENTIAL_CHARS} characters; send an API key or JWT"
                 )
+            # A non-ASCII metadata value fails inside grpc.aio, and a Chat call then never starts (hangs).
+            if not (value.isascii() and value.isprintable()):
+                raise InvalidArgument(f"the {name} header must be printable ASCII; send an API key or JWT")
         return forwarded
 
     @staticmethod
