@@ -1,5 +1,8 @@
 """The compose TP group's command, run as it is written: torchrun starts `meshserve serve gpu-worker`.
 
+At compose's default TP size (1): TP=3 over gloo works through the same command too, but takes
+minutes on a small CI machine; tests/integration/gpu_worker/test_tp.py covers TP=3 itself.
+
 Only what a container changes is adapted: loopback and a free port instead of 0.0.0.0:50061, no
 metrics port, no router to register with, the local models directory. The worker must load the real
 model, pass the compose healthcheck command (`meshserve health`), and drain on SIGTERM sent to
@@ -14,18 +17,23 @@ import signal
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 
+from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
 from services.processes import free_port, wait_for_health
 from tests.unit.deploy import commands, compose_model
+from tests.worker_helpers import generate
 
 pytestmark = pytest.mark.integration
+PROMPT = [1, 504, 3458, 314, 253]  # token ids of the real tokenizer's vocabulary
 
 
 async def test_compose_tp_group_command_serves_and_drains() -> None:
     service = compose_model.load()["services"]["cloud-0"]
     argv = compose_model.command(service)
-    assert commands.parse(argv).torchrun is not None
+    launcher = commands.parse(argv).torchrun
+    assert launcher is not None and launcher.nproc_per_node == "1"  # compose's default TP size
     port = free_port()
     env = {k: v for k, v in compose_model.service_env(service).items() if k != "MESHSERVE_MODELS_DIR"}
     env.update(
@@ -62,6 +70,10 @@ async def test_compose_tp_group_command_serves_and_drains() -> None:
         done = await asyncio.create_subprocess_exec(*check, env=full_env)
         assert await done.wait() == 0
         assert any('"worker_ready"' in line and '"cloud-0"' in line for line in lines)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:  # the group generates
+            result = await generate(worker_pb2_grpc.WorkerStub(channel), PROMPT, max_tokens=4, temperature=0)
+        assert result.final is not None and result.final.completion_tokens == len(result.token_ids) > 0
+        assert result.sequences == list(range(len(result.sequences)))
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
