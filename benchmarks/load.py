@@ -119,15 +119,19 @@ def poisson_schedule(rate: float, duration_s: float, max_requests: int, rng: ran
     return arrivals
 
 
-def make_items(workload: Workload, n: int, rng: random.Random) -> list[WorkItem]:
-    """``n`` requests drawn from the workload mix with ``rng`` (deterministic for a seed)."""
+def make_items(workload: Workload, n: int, rng: random.Random, tag: str = "") -> list[WorkItem]:
+    """``n`` requests drawn from the workload mix with ``rng`` (deterministic for a seed).
+
+    ``tag`` goes into the unique suffix of the non-repeated prompts: give each run its own, or a
+    later run would find the earlier run's answers in the response cache.
+    """
     weights = [workload.short, workload.long, workload.chat]
     items = []
     for i in range(n):
         kind = rng.choices(("short", "long", "chat"), weights)[0]
         hit = rng.random() < workload.cache_hit_ratio
         # A cacheable item repeats one of a few fixed prompts; the others are made unique.
-        salt = "" if hit else f" (request {i}-{rng.randrange(1 << 30)})"
+        salt = "" if hit else f" (request {tag}{i}-{rng.randrange(1 << 30)})"
         if kind == "short":
             messages: tuple[tuple[str, str], ...] = (("user", rng.choice(SHORT_PROMPTS) + salt),)
         elif kind == "long":

@@ -130,6 +130,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "max_requests": args.requests,
         "targets": {},
     }
+    nonce = dt.datetime.now(dt.UTC).strftime("%H%M%S%f")
     async with targets(args) as senders:
         for send in senders.values():  # warm every path (first requests load kernels, open channels)
             warm = make_items(workload, args.warmup, random.Random(-1))
@@ -137,7 +138,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for load in loads:
             for name, send in senders.items():
                 rng = random.Random(args.seed)
-                items = make_items(workload, args.requests, rng)
+                items = make_items(workload, args.requests, rng, tag=f"{nonce}-{name}-{load:g}-")
                 step = await _step(args, send, items, load, f"{name} @ {load:g}", rng)
                 report["targets"].setdefault(name, []).append({"load": load, "summary": step})
                 print(load_report.step_line(name, load, step), file=sys.stderr, flush=True)

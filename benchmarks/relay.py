@@ -24,6 +24,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,9 @@ async def start_stack(tmp: str, slots: int) -> dict[str, ServiceProcess]:
 
 
 async def _measure(send: Any, streams: int, max_tokens: int, duration: float, pids: dict[str, int]) -> dict[str, Any]:
-    items = make_items(Workload(max_tokens=max_tokens, tier="edge"), 100_000, random.Random(1))
+    items = make_items(
+        Workload(max_tokens=max_tokens, tier="edge"), 100_000, random.Random(1), tag=f"{time.time_ns()}-"
+    )
     before = {n: _cpu_ns(pid) for n, pid in pids.items()}
     results: list[Result]
     results, wall = await closed_loop(send, items, streams, duration)

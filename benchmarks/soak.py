@@ -86,7 +86,7 @@ async def capacity(send: Any, workload: Workload, levels: Sequence[int], seconds
     """Closed-loop ramp; capacity = best requests/s of an error-free step."""
     steps = []
     for level in levels:
-        items = make_items(workload, 10_000, random.Random(level))
+        items = make_items(workload, 10_000, random.Random(level), tag=f"ramp{level}-{time.time_ns()}-")
         results, wall = await closed_loop(send, items, level, seconds)
         steps.append({"concurrency": level, "summary": summarize(results, wall)})
         print(f"soak ramp: concurrency {level}: {steps[-1]['summary']['requests_per_s']:.2f} req/s", file=sys.stderr)
@@ -123,7 +123,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         while (elapsed := time.perf_counter() - t0) < total_s:
             span = min(30.0, total_s - elapsed)
             arrivals = poisson_schedule(rate, span, 100_000, rng)
-            items = make_items(workload, len(arrivals), rng)
+            items = make_items(workload, len(arrivals), rng, tag=f"soak{chunk}-{time.time_ns()}-")
             got, _wall = await open_loop(send, items, arrivals, timeout_s=args.timeout)
             results += got
             chunk += 1

@@ -1,0 +1,211 @@
+"""``meshserve bench report``: docs/benchmarks/README.md from the JSON files the benchmarks wrote.
+
+One table per performance target of the issues; each row reads one number out of one JSON file
+(target, measured, pass/fail, date, the command that reproduces it). A file or key that is not
+there shows as "not measured yet" — nothing is estimated or carried over by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+NOT_MEASURED = "not measured yet"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One target checked against one number of one benchmark file."""
+
+    label: str
+    source: str
+    """JSON file name under the benchmarks directory."""
+    target: str
+    measure: Callable[[dict[str, Any]], float]
+    """Reads the number (raises KeyError/IndexError/TypeError when the file lacks it)."""
+    unit: str
+    passes: Callable[[float], bool] | None
+    """None: a reference number with no pass/fail target."""
+    command: str
+    """Reproduces it when the file does not name its own command."""
+
+
+def _dig(d: Any, *keys: Any) -> Any:
+    for k in keys:
+        d = d[k]
+    return d
+
+
+def _edge_round(d: dict[str, Any], streams: int) -> float:
+    return float(next(r for r in d["rounds"] if r["streams"] == streams)["aggregate_tokens_per_s"])
+
+
+def _hops_or_frontdoor(d: dict[str, Any], q: str) -> float:
+    return float(_dig(d, "latency", "gateway_static_key", f"added_total_{q}_ms"))
+
+
+TABLES: dict[str, list[Row]] = {
+    "Mesh overhead: gateway + router over a direct worker call (issue 3)": [
+        Row("added e2e p50, synthetic worker", "hops.json", "≤ 1.5 ms", lambda d: _hops_or_frontdoor(d, "p50"), "ms",
+            lambda v: v <= 1.5, "python -m benchmarks.hops"),
+        Row("added e2e p99, synthetic worker", "hops.json", "≤ 5 ms", lambda d: _hops_or_frontdoor(d, "p99"), "ms",
+            lambda v: v <= 5.0, "python -m benchmarks.hops"),
+        Row("added e2e p50, real edge worker, max_tokens 1", "frontdoor.json", "≤ 1.5 ms",
+            lambda d: _dig(d, "gateway_router_over_worker_max_tokens_1", "gateway -> router -> worker", "added_p50_ms"),
+            "ms", lambda v: v <= 1.5, "python -m benchmarks.frontdoor"),
+        Row("added e2e p99, real edge worker, max_tokens 1", "frontdoor.json", "≤ 5 ms",
+            lambda d: _dig(d, "gateway_router_over_worker_max_tokens_1", "gateway -> router -> worker", "added_p99_ms"),
+            "ms", lambda v: v <= 5.0, "python -m benchmarks.frontdoor"),
+    ],
+    "Cache-hit TTFT over gRPC through the mesh (issue 4)": [
+        Row("exact hit, gateway Generate, p50", "cache.json", "≤ 3 ms",
+            lambda d: _dig(d, "mesh", "gateway", "ttft_ms_p50"), "ms", lambda v: v <= 3.0,
+            "python -m benchmarks.cache_bench"),
+        Row("exact hit, gateway Generate, p50 (hops run)", "hops.json", "≤ 3 ms",
+            lambda d: _dig(d, "cache_hit", "gateway_static_key", "ttft_p50_ms"), "ms", lambda v: v <= 3.0,
+            "python -m benchmarks.hops"),
+        Row("exact hit, gateway Generate, p50 (front-door run)", "frontdoor.json", "≤ 3 ms",
+            lambda d: _dig(d, "cache_hit_ttft", "gateway_grpc Generate (baseline)", "p50_ms"), "ms",
+            lambda v: v <= 3.0, "python -m benchmarks.frontdoor"),
+    ],
+    "Cache layer vs raw redis-py (issue 4)": [
+        Row("response GET p50 overhead", "cache.json", "≤ 10 %",
+            lambda d: _dig(d, "responses", "get", "p50_overhead_pct"), "%", lambda v: v <= 10.0,
+            "python -m benchmarks.cache_bench"),
+        Row("KV block load p50 overhead", "cache.json", "≤ 10 %", lambda d: _dig(d, "kv", "load", "p50_overhead_pct"),
+            "%", lambda v: v <= 10.0, "python -m benchmarks.cache_bench"),
+    ],
+    "Edge tier: roofline and scaling (issue 6)": [
+        Row("single stream, share of memory-bandwidth roofline", "edge.json", "≥ 50 %",
+            lambda d: 100 * d["single_stream_roofline_share"], "%", lambda v: v >= 50.0, "python -m benchmarks.edge"),
+        Row("aggregate tok/s at 16 streams / at 1 stream", "edge.json", "≥ 4x",
+            lambda d: _edge_round(d, 16) / _edge_round(d, 1), "x", lambda v: v >= 4.0, "python -m benchmarks.edge"),
+    ],
+    "Cloud tier vs transformers (issue 7)": [
+        Row("tok/s at 16 streams / transformers generate_batch", "cloud.json", "≥ 2.5x",
+            lambda d: _dig(d, "throughput", "16", "ours", "tokens_per_s")
+            / _dig(d, "throughput", "16", "hf_generate_batch", "tokens_per_s"),
+            "x", lambda v: v >= 2.5, "meshserve bench --only cloud"),
+        Row("tok/s at 16 streams / transformers sequential generate", "cloud.json", "(reference)",
+            lambda d: _dig(d, "throughput", "16", "ours", "tokens_per_s")
+            / _dig(d, "throughput", "16", "hf_generate", "tokens_per_s"),
+            "x", None, "meshserve bench --only cloud"),
+    ],
+    "Prefix reuse (issues 5 and 7)": [
+        Row("~1k-token prompt TTFT, cold / local prefix", "cloud.json", "≥ 5x",
+            lambda d: _dig(d, "prefix_ttft", "local_prefix", "speedup_vs_cold"), "x", lambda v: v >= 5.0,
+            "meshserve bench --only cloud"),
+        Row("~1k-token prompt TTFT, cold / Redis prefix from another replica", "cloud.json", "≥ 5x",
+            lambda d: _dig(d, "prefix_ttft", "redis_prefix_other_replica", "speedup_vs_cold"), "x", lambda v: v >= 5.0,
+            "meshserve bench --only cloud"),
+        Row("cache-aware vs round-robin routing, TTFT p50 change (simulated)", "router.json",
+            "(reference: Ray Serve -60 %)",
+            lambda d: _dig(d, "workload", "generous_cache", "ttft_p50_change_pct"), "%", None,
+            "python -m benchmarks.router_bench"),
+    ],
+    "Speculative decoding (issue 7)": [
+        Row("speed-up (CPU per token)", "cloud_spec.json", "≥ 1.5x",
+            lambda d: _dig(d, "speculative", "speedup_cpu"), "x", lambda v: v >= 1.5,
+            "python -m benchmarks.cloud_spec"),
+        Row("acceptance rate", "cloud_spec.json", "(reported)",
+            lambda d: 100 * _dig(d, "speculative", "acceptance"), "%", None, "python -m benchmarks.cloud_spec"),
+    ],
+    "Cancel latency (issue 7: within one decode step)": [
+        Row("decode steps after cancel, p99", "cancel.json", "≤ 1 step", lambda d: d["steps_after_cancel_p99"],
+            "steps", lambda v: v <= 1.0, "meshserve bench cancel"),
+    ],
+    "Tokens relayed per second through gateway + router (issue 9)": [
+        Row("tok/s, many streams from a synthetic worker", "relay.json", "≥ 5,000 tok/s",
+            lambda d: d["gateway_router_tokens_per_s"], "tok/s", lambda v: v >= 5000.0, "meshserve bench relay"),
+    ],
+    "Gateway overhead vs LiteLLM, same fake OpenAI backend (issue 9)": [
+        Row("meshserve HTTP front door, added p50", "gateways.json", "(LiteLLM publishes p50 2 ms)",
+            lambda d: _dig(d, "added_ms", "meshserve_http", "p50"), "ms", None, "meshserve bench gateways"),
+        Row("LiteLLM proxy, added p50", "gateways.json", "(LiteLLM publishes p50 2 ms)",
+            lambda d: _dig(d, "added_ms", "litellm", "p50"), "ms", None, "meshserve bench gateways"),
+        Row("meshserve HTTP front door, added p99", "gateways.json", "(LiteLLM publishes p99 13 ms)",
+            lambda d: _dig(d, "added_ms", "meshserve_http", "p99"), "ms", None, "meshserve bench gateways"),
+        Row("LiteLLM proxy, added p99", "gateways.json", "(LiteLLM publishes p99 13 ms)",
+            lambda d: _dig(d, "added_ms", "litellm", "p99"), "ms", None, "meshserve bench gateways"),
+    ],
+    "Soak (issue 9)": [
+        Row("largest RSS / open-fd growth, baseline window → final window", "soak.json", "≤ 5 %",
+            lambda d: max(r["growth_pct"] for r in d["verdict"]["series"].values()), "%", lambda v: v <= 5.0,
+            "meshserve bench soak --minutes 10"),
+    ],
+}  # fmt: skip
+
+
+def _fmt(v: float, unit: str) -> str:
+    if unit == "tok/s":
+        return f"{v:,.0f} tok/s"
+    if unit == "x":
+        return f"{v:.2f}x"
+    return f"{v:.2f} {unit}"
+
+
+def render_row(row: Row, data: dict[str, Any] | None) -> str:
+    if data is None:
+        return f"| {row.label} | {row.target} | {NOT_MEASURED} | — | — | `{row.command}` |"
+    try:
+        value = float(row.measure(data))
+    except (KeyError, IndexError, TypeError, StopIteration, ZeroDivisionError, ValueError):
+        return f"| {row.label} | {row.target} | {NOT_MEASURED} (no such number in {row.source}) | — | — | " + (
+            f"`{row.command}` |"
+        )
+    verdict = "—" if row.passes is None else ("pass" if row.passes(value) else "**fail**")
+    date = str(data.get("date", "?"))[:16].replace("T", " ")
+    command = data.get("command") or row.command
+    return f"| {row.label} | {row.target} | {_fmt(value, row.unit)} | {verdict} | {date} | `{command}` |"
+
+
+def generate(bench_dir: Path) -> str:
+    cache: dict[str, dict[str, Any] | None] = {}
+
+    def load(name: str) -> dict[str, Any] | None:
+        if name not in cache:
+            path = bench_dir / name
+            cache[name] = json.loads(path.read_text()) if path.exists() else None
+        return cache[name]
+
+    lines = [
+        "# Benchmarks: targets and measurements",
+        "",
+        "Generated by `meshserve bench report` from the JSON files in this directory; do not edit by hand.",
+        "Every number was measured on the 2-core build machine, usually while other work ran on it, so wall",
+        "times are noisy (see each benchmark's own .md for its conditions and for CPU-time measures).",
+        '"not measured yet" means the benchmark has not written that number here.',
+    ]
+    for title, rows in TABLES.items():
+        lines += [
+            "",
+            f"## {title}",
+            "",
+            "| measure | target | measured | pass/fail | date | reproduce |",
+            "|---|---|---:|---|---|---|",
+        ]
+        lines += [render_row(row, load(row.source)) for row in rows]
+    runs = sorted(p.name for p in bench_dir.glob("*.json"))
+    lines += ["", "## All result files", "", ", ".join(f"[{n}]({n})" for n in runs) or "none"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="meshserve bench report", description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=Path("docs/benchmarks"), help="where the JSON files are")
+    parser.add_argument("--out", type=Path, default=None, help="README path (default DIR/README.md)")
+    args = parser.parse_args(argv)
+    text = generate(args.dir)
+    out = args.out or args.dir / "README.md"
+    out.write_text(text)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""docs/benchmarks/README.md from sample JSON files; load-run text, comparison and charts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import bench_cli, charts, load_report
+from benchmarks.report import NOT_MEASURED, generate
+
+
+def _write(directory: Path, name: str, data: dict[str, Any]) -> None:
+    (directory / name).write_text(json.dumps(data))
+
+
+def _row(text: str, label: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(f"| {label} |"))
+
+
+def test_report_reads_numbers_judges_them_and_names_the_command(tmp_path: Path) -> None:
+    _write(tmp_path, "relay.json", {"date": "2026-01-02T03:04:05+00:00", "command": "meshserve bench relay --x 1",
+                                    "gateway_router_tokens_per_s": 6123.4})  # fmt: skip
+    rounds = [{"streams": 1, "aggregate_tokens_per_s": 100.0}, {"streams": 16, "aggregate_tokens_per_s": 350.0}]
+    _write(tmp_path, "edge.json", {"date": "2026-01-01", "single_stream_roofline_share": 0.61, "rounds": rounds})
+    text = generate(tmp_path)
+    relay = _row(text, "tok/s, many streams from a synthetic worker")
+    assert "6,123 tok/s" in relay and "| pass |" in relay and "2026-01-02 03:04" in relay
+    assert "`meshserve bench relay --x 1`" in relay
+    assert "| pass |" in _row(text, "single stream, share of memory-bandwidth roofline")
+    scaling = _row(text, "aggregate tok/s at 16 streams / at 1 stream")
+    assert "3.50x" in scaling and "**fail**" in scaling
+    assert "`python -m benchmarks.edge`" in scaling  # the file named no command: the default one
+
+
+def test_missing_files_and_numbers_are_shown_as_not_measured(tmp_path: Path) -> None:
+    _write(tmp_path, "cloud.json", {"date": "2026-01-01", "throughput": {"16": {"ours": {"tokens_per_s": 5.0}}}})
+    text = generate(tmp_path)
+    assert f"| {NOT_MEASURED} |" in _row(text, "tok/s, many streams from a synthetic worker")
+    missing_key = _row(text, "tok/s at 16 streams / transformers generate_batch")
+    assert f"{NOT_MEASURED} (no such number in cloud.json)" in missing_key
+    for title in ("Mesh overhead", "Cache-hit TTFT", "Edge tier", "Cloud tier", "Prefix reuse", "Speculative",
+                  "Cancel latency", "Tokens relayed", "Gateway overhead vs LiteLLM", "Soak"):  # fmt: skip
+        assert f"## {title}" in text
+
+
+def test_soak_row_reports_the_largest_growth(tmp_path: Path) -> None:
+    series = {"gateway/rss_mb": {"growth_pct": 1.5}, "router/fds": {"growth_pct": 7.25}}
+    _write(tmp_path, "soak.json", {"date": "2026-01-01", "command": "c", "verdict": {"series": series}})
+    row = _row(generate(tmp_path), "largest RSS / open-fd growth, baseline window → final window")
+    assert "7.25 %" in row and "**fail**" in row
+
+
+def test_bench_report_subcommand_writes_the_readme(tmp_path: Path) -> None:
+    _write(tmp_path, "relay.json", {"gateway_router_tokens_per_s": 100.0})
+    assert bench_cli.main(["report", "--dir", str(tmp_path)]) == 0
+    text = (tmp_path / "README.md").read_text()
+    assert "**fail**" in _row(text, "tok/s, many streams from a synthetic worker")
+    assert "[relay.json](relay.json)" in text
+
+
+def _run(name: str, values: dict[str, float], mode: str = "closed") -> dict[str, Any]:
+    summary = {key: values.get(key, 1.0) for key, _label in load_report.COLUMNS}
+    summary |= {"ok": 5, "requests": 5, "errors": {}, "routes": {"cache": 2, "edge/edge-0": 3}}
+    return {
+        "name": name,
+        "date": "2026-01-01",
+        "command": f"run {name}",
+        "mode": mode,
+        "machine": {"cpus": 2, "load_avg_1m": 1.0},
+        "workload": {"short": 1, "long": 0, "chat": 0, "cache_hit_ratio": 0.2, "max_tokens": 8},
+        "max_requests": 5,
+        "duration_s": 10,
+        "targets": {"mesh_grpc": [{"load": 1, "summary": summary}, {"load": 2, "summary": summary}]},
+    }
+
+
+def test_compare_prints_both_runs_and_the_change() -> None:
+    text = load_report.compare(_run("a", {"tokens_per_s": 100.0}), _run("b", {"tokens_per_s": 200.0}))
+    assert "| mesh_grpc | 1 | tok/s | 100.00 | 200.00 | +100.0 % |" in text
+    assert "| mesh_grpc | 2 | TTFT p50 | 1.00 | 1.00 | +0.0 % |" in text
+    other = _run("c", {})
+    other["targets"] = {"naive_transformers": other["targets"]["mesh_grpc"]}
+    assert "(no target and load in common)" in load_report.compare(_run("a", {}), other)
+
+
+def test_compare_subcommand_reads_two_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _write(tmp_path, "a.json", _run("a", {"e2e_ms_p99": 10.0}))
+    _write(tmp_path, "b.json", _run("b", {"e2e_ms_p99": 5.0}))
+    assert bench_cli.main(["load", "--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    assert "| mesh_grpc | 1 | e2e p99 | 10.00 | 5.00 | -50.0 % |" in capsys.readouterr().out
+
+
+def test_markdown_and_charts_of_a_load_run(tmp_path: Path) -> None:
+    report = _run("x", {"tokens_per_s": 42.0}, mode="open")
+    text = load_report.markdown(report)
+    assert "| mesh_grpc | 1 | 5/5 |" in text and "cache: 2, edge/edge-0: 3" in text and "offered req/s" in text
+    for path in (
+        charts.latency_chart(report, tmp_path / "e2e.png"),
+        charts.latency_chart(report, tmp_path / "ttft.png", "ttft_ms"),
+        charts.throughput_chart(report, tmp_path / "tput.png"),
+    ):
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,73 @@
+"""Soak verdict: growth between the post-warm-up baseline window and the final window; sampling."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import psutil
+
+from benchmarks.soak import Samples, growth, sample, service_processes, verdict
+from benchmarks.soak_report import markdown
+
+
+def _series(values: list[float], step: float = 5.0) -> list[tuple[float, float]]:
+    return [(i * step, v) for i, v in enumerate(values)]
+
+
+def test_cold_start_growth_is_not_counted() -> None:
+    # Memory climbs while warming up (first minute), then stays flat: no growth.
+    values = [100.0 + 10 * i for i in range(12)] + [220.0] * 108
+    row = growth(_series(values), warmup_s=120.0, window_s=60.0)
+    assert row == {"baseline": 220.0, "final": 220.0, "growth_pct": 0.0}
+
+
+def test_steady_leak_is_caught() -> None:
+    values = [200.0 + 0.2 * i for i in range(120)]  # +0.2 MB every 5 s for 10 minutes
+    row = growth(_series(values), warmup_s=120.0, window_s=60.0)
+    assert row["growth_pct"] > 5.0
+    result = verdict({"gateway/rss_mb": _series(values), "router/fds": _series([30.0] * 120)}, 120.0, 60.0, 5.0)
+    assert result["grew"] == ["gateway/rss_mb"] and not result["pass"]
+    assert result["series"]["router/fds"]["growth_pct"] == 0.0
+
+
+def test_growth_within_the_limit_passes() -> None:
+    values = [100.0] * 60 + [104.0] * 60
+    assert verdict({"worker/rss_mb": _series(values)}, 60.0, 60.0, 5.0)["pass"]
+
+
+def test_sampling_reads_rss_and_fds_of_child_processes() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        procs = service_processes({child.pid: "sleeper"})
+        assert procs["sleeper"].pid == child.pid
+        samples: Samples = {}
+        sample({"sleeper": procs["sleeper"], "me": psutil.Process(os.getpid())}, 0.0, samples)
+        assert samples["sleeper/rss_mb"][0][1] > 1.0 and samples["sleeper/fds"][0][1] >= 3
+        assert samples["me/fds"][0][1] >= 3
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_soak_markdown_states_the_verdict() -> None:
+    summary = {"requests": 10, "ok": 10, "errors": {}, "routes": {"cache": 2}, "requests_per_s": 1.0}
+    summary |= {"tokens_per_s": 16.0, "ttft_ms_p50": 5.0, "ttft_ms_p99": 9.0, "e2e_ms_p50": 50.0, "e2e_ms_p99": 90.0}
+    report = {
+        "date": "2026-01-01",
+        "machine": {"cpus": 2, "load_avg_1m": 1.0},
+        "command": "meshserve bench soak --minutes 1",
+        "workload": {"short": 1, "long": 0, "chat": 0, "cache_hit_ratio": 0.2, "max_tokens": 16},
+        "capacity": {"steps": [{"concurrency": 1, "summary": summary}], "requests_per_s": 1.0},
+        "load_fraction": 0.8,
+        "rate_requests_per_s": 0.8,
+        "minutes": 1,
+        "warmup_s": 12.0,
+        "window_s": 6.0,
+        "interval_s": 5.0,
+        "summary": summary,
+        "verdict": verdict({"gateway/rss_mb": _series([100.0] * 4 + [120.0] * 8)}, 0.0, 15.0, 5.0),
+    }
+    text = markdown(report)
+    assert "**FAIL** (grew: gateway/rss_mb)" in text and "| gateway/rss_mb | 100.0 | 120.0 | +20.00 | grew |" in text
