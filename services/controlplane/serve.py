@@ -97,6 +97,8 @@ async def run(args: argparse.Namespace) -> int:
             except TimeoutError:
                 pass
             current = await asyncio.to_thread(resolve, targets)
+            # An empty answer (DNS hiccup, or every replica restarting) keeps the last set: Envoy's health
+            # checks already take dead replicas out, and an empty cluster would refuse every request.
             if current and current != door.xds.endpoints[GRPC_CLUSTER]:
                 door.xds.set_endpoints(GRPC_CLUSTER, current)  # Envoy health-checks the new set itself
                 log.info("frontdoor_gateways_changed", gateways=current)
