@@ -58,13 +58,13 @@ def _sink(name: str, line: str) -> None:
         sys.stderr.write(f"{name} | {line}\n")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def fault_redis() -> Iterator[RedisServer]:
     with redis_server() as server:
         yield server
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 async def fault_mesh(fault_redis: RedisServer) -> AsyncIterator[Mesh]:
     env = {
         "MESHSERVE_ROUTER_STALL_TIMEOUT_S": str(STALL_TIMEOUT_S),
@@ -77,7 +77,7 @@ async def fault_mesh(fault_redis: RedisServer) -> AsyncIterator[Mesh]:
         yield running
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 async def fault_stub(fault_mesh: Mesh) -> AsyncIterator[inference_pb2_grpc.InferenceStub]:
     async with grpc.aio.insecure_channel(fault_mesh.gateway_address) as channel:
         yield inference_pb2_grpc.InferenceStub(channel)

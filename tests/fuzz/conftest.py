@@ -76,7 +76,7 @@ def _sink(name: str, line: str) -> None:
         sys.stderr.write(f"{name} | {line}\n")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 async def fuzz_mesh() -> AsyncIterator[Mesh]:
     # Its own redis-server: the fuzz load must not spend the rate-limit budget other tests' meshes share.
     env = {
@@ -90,7 +90,7 @@ async def fuzz_mesh() -> AsyncIterator[Mesh]:
         yield running
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 async def gateway_channel(fuzz_mesh: Mesh) -> AsyncIterator[grpc.aio.Channel]:
     async with grpc.aio.insecure_channel(fuzz_mesh.gateway_address) as channel:
         yield channel
