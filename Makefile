@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: help setup proto proto-check lint test test-fast fault fuzz run demo bench clean
+.PHONY: help setup proto proto-check lint test test-fast fault fuzz run demo bench bench-load bench-litellm bench-report soak clean
 
 help: ## Show this help.
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-12s %s\n", $$1, $$2}'
@@ -48,6 +48,21 @@ demo: setup ## Start the mesh, stream one answer, stop.
 
 bench: setup ## Benchmark the mesh; writes docs/benchmarks/.
 	$(VENV)/bin/meshserve bench
+
+bench-load: setup ## Closed-loop load with direct-worker and naive-transformers baselines; JSON + PNG in docs/benchmarks/.
+	$(VENV)/bin/meshserve bench load --baselines direct,naive
+	$(VENV)/bin/meshserve bench report
+
+bench-litellm: ## LiteLLM proxy in its own venv (.venv-litellm; its pins clash with ours), then `bench gateways`.
+	@test -x .venv-litellm/bin/litellm || { python3 -m venv .venv-litellm && .venv-litellm/bin/pip install -q "litellm[proxy]"; }
+	$(VENV)/bin/meshserve bench gateways
+
+bench-report: ## Regenerate docs/benchmarks/README.md from the benchmarks' JSON files.
+	$(VENV)/bin/meshserve bench report
+
+SOAK_MINUTES ?= 10
+soak: setup ## SOAK_MINUTES at 80 % of measured capacity; fails on RSS/fd growth > 5 % (docs/soak.md).
+	$(VENV)/bin/meshserve bench soak --minutes $(SOAK_MINUTES)
 
 clean: ## Remove the virtualenv and caches (prepared models stay in ~/.cache/meshserve).
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
