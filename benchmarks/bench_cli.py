@@ -1,6 +1,6 @@
 """``meshserve bench [SUBCOMMAND]``: the benchmark suites.
 
-``meshserve bench load|soak|gateways|relay|report ...`` run the harness of issue 9 (each has
+``meshserve bench load|soak|gateways|relay|cancel|report ...`` run the harness of issue 9 (each has
 ``-h``); anything else (``meshserve bench``, ``meshserve bench --only cloud``, ...) goes to
 :func:`benchmarks.run.main`, the mesh-overhead benchmark, unchanged.
 """
@@ -16,6 +16,7 @@ SUBCOMMANDS = {
     "soak": ("benchmarks.soak", "N minutes at 80 % of measured capacity; fails on RSS / fd growth > 5 %"),
     "gateways": ("benchmarks.gateways", "gateway overhead: meshserve vs LiteLLM in front of a fake backend"),
     "relay": ("benchmarks.relay", "tokens relayed per second through gateway + router (instant worker)"),
+    "cancel": ("benchmarks.cancel", "decode steps a worker runs after the client cancels (edge and cloud)"),
     "report": ("benchmarks.report", "write docs/benchmarks/README.md from the benchmarks' JSON files"),
 }
 
