@@ -52,8 +52,9 @@ class CachedResponse:
 
 
 def encode_response(resp: CachedResponse) -> bytes:
-    width = 2 if all(0 <= t < 1 << 16 for t in resp.token_ids) else 4
-    tokens = array("H" if width == 2 else "I", resp.token_ids)
+    ids = resp.token_ids
+    width = 2 if not ids or (min(ids) >= 0 and max(ids) < 1 << 16) else 4  # min/max in C, not a genexpr
+    tokens = array("H" if width == 2 else "I", ids)
     if tokens.itemsize != width:  # platforms where "I" is not 4 bytes
         raise ValueError("unsupported platform integer size")
     if not _LITTLE:
