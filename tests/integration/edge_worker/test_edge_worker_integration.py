@@ -139,3 +139,20 @@ async def test_chat_turn_two_prefills_only_its_new_tokens(
     await session.call.done_writing()
     assert await session.call.read() is grpc.aio.EOF
     assert edge_worker.runner.sessions.held == 0  # the stream's KV is freed when it ends
+
+
+async def test_the_og_engine_still_serves_when_chosen() -> None:
+    from services.edge_worker.engine import OgEngine
+    from tests.worker_helpers import generate
+
+    settings = load_settings(EdgeWorkerSettings, port=0, threads=1, engine="og", worker_id="edge-og", warmup=False)
+    worker = await start_edge_worker(settings)
+    try:
+        assert isinstance(worker.runner.engine, OgEngine)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            await wait_serving(channel, "meshserve.internal.v1.Worker")
+            prompt = list(worker.runner.engine.tokenizer.encode(CHAT).ids)
+            result = await generate(worker_pb2_grpc.WorkerStub(channel), prompt, max_tokens=3)
+        assert len(result.token_ids) == 3
+    finally:
+        await worker.stop()

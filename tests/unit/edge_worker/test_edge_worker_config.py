@@ -28,3 +28,15 @@ def test_invalid_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> No
 def test_missing_model_says_how_to_fix(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="meshserve models prepare"):
         load_settings(EdgeWorkerSettings, model_dir=tmp_path).check_model()
+
+
+def test_engine_choice_and_batching_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    defaults = load_settings(EdgeWorkerSettings)
+    assert (defaults.engine, defaults.batch_invariant, defaults.batch_wait_ms) == ("batched", True, 3.0)
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_ENGINE", "og")
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_BATCH_INVARIANT", "false")
+    settings = load_settings(EdgeWorkerSettings)
+    assert (settings.engine, settings.batch_invariant) == ("og", False)
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_ENGINE", "vllm")
+    with pytest.raises(ConfigError, match="MESHSERVE_EDGE_WORKER_ENGINE"):
+        load_settings(EdgeWorkerSettings)
