@@ -195,6 +195,7 @@ class Mesh:
                     MESHSERVE_GPU_WORKER_WORKER_ID=f"cloud-{i}",
                     MESHSERVE_GPU_WORKER_THREADS=max(1, cfg.cloud_threads // cfg.cloud_tp),
                     MESHSERVE_GPU_WORKER_ROUTER_ADDRESS=router.address,
+                    MESHSERVE_GPU_WORKER_REDIS_URL=self.redis_url,  # shared KV prefix cache
                     **tp_env(cfg.cloud_tp),
                 )
                 for i in range(cfg.cloud_workers)

@@ -98,7 +98,7 @@ class CloudSequence:
             if engine.prefix_cache:
                 tenant = request.tenant if request else ""
                 self._ctx = engine.kv_context(tenant, request.shareable if request else False)
-            priority = int(getattr(request, "priority", 0))
+            priority = request.priority if request else 0
             self.state = engine.submit(self._token_ids, self._sampling, self._replay, self._ctx, priority)
             first = True
         else:

@@ -359,6 +359,7 @@ class Router:
                 tenant=req.tenant,
                 resume_token_ids=progress.tokens,
                 shareable_prefix=req.shareable,
+                priority=req.priority,
             )
         )
         tier = choice.tier.value

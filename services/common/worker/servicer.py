@@ -152,7 +152,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             info=info,
             default_max_tokens=self.default_max_tokens,
         )
-        return GenerationRequest(prompt, sampling, resume, start.request_id, start.tenant, start.shareable_prefix)
+        return GenerationRequest(
+            prompt, sampling, resume, start.request_id, start.tenant, start.shareable_prefix, start.priority
+        )
 
     async def _turn(self, start: worker_pb2.WorkerStart, stream: _Stream) -> AsyncIterator[worker_pb2.WorkerResponse]:
         began = last = time.perf_counter()

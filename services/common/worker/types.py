@@ -68,6 +68,8 @@ class GenerationRequest:
     """Tenant of the request: the salt of its KV block hashes unless ``shareable``."""
     shareable: bool = False
     """The request marked its prefix shareable across tenants (KV block hashes use the shared salt)."""
+    priority: int = 0
+    """Priority class from the router, 0 (default) to 9: engines that queue serve higher classes first."""
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from services.common.pb.meshserve.v1 import inference_pb2 as meshserve_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"meshserve/internal/v1/worker.proto\x12\x15meshserve.internal.v1\x1a\x1cmeshserve/v1/inference.proto\"\xaf\x01\n\x0bWorkerStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x04 \x03(\r\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x18\n\x10shareable_prefix\x18\x06 \x01(\x08\"\x0e\n\x0cWorkerCancel\"\x85\x01\n\rWorkerRequest\x12\x33\n\x05start\x18\x01 \x01(\x0b\x32\".meshserve.internal.v1.WorkerStartH\x00\x12\x35\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32#.meshserve.internal.v1.WorkerCancelH\x00\x42\x08\n\x06\x61\x63tion\"\x8a\x01\n\x0bWorkerFinal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x04 \x01(\r\"v\n\x0eWorkerResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\x05\x66inal\x18\x04 \x01(\x0b\x32\".meshserve.internal.v1.WorkerFinal\"\x0e\n\x0cStatsRequest\"\x89\x04\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12 \n\x04tier\x18\x02 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\r\n\x05model\x18\x03 \x01(\t\x12\x18\n\x10\x61\x63tive_sequences\x18\x04 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\r\x12\x1c\n\x14max_active_sequences\x18\x06 \x01(\r\x12\x1f\n\x17sequences_started_total\x18\x07 \x01(\x04\x12!\n\x19sequences_cancelled_total\x18\x08 \x01(\x04\x12\x1e\n\x16tokens_generated_total\x18\t \x01(\x04\x12\x1c\n\x14prefill_tokens_total\x18\n \x01(\x04\x12 \n\x18recent_tokens_per_second\x18\x0b \x01(\x02\x12\x15\n\rkv_used_bytes\x18\x0c \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\r \x01(\x04\x12\x11\n\tkv_tokens\x18\x0e \x01(\x04\x12\x16\n\x0eheld_sequences\x18\x0f \x01(\r\x12\x1b\n\x13prefix_block_tokens\x18\x10 \x01(\r\x12\x19\n\x11hot_prefix_blocks\x18\x11 \x03(\x0c\x12\x15\n\rmodel_version\x18\x12 \x01(\t\x12\x1b\n\x13prompt_tokens_total\x18\x13 \x01(\x04\x32\xb7\x01\n\x06Worker\x12[\n\x08Generate\x12$.meshserve.internal.v1.WorkerRequest\x1a%.meshserve.internal.v1.WorkerResponse(\x01\x30\x01\x12P\n\x05Stats\x12#.meshserve.internal.v1.StatsRequest\x1a\".meshserve.internal.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"meshserve/internal/v1/worker.proto\x12\x15meshserve.internal.v1\x1a\x1cmeshserve/v1/inference.proto\"\xc1\x01\n\x0bWorkerStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x04 \x03(\r\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x18\n\x10shareable_prefix\x18\x06 \x01(\x08\x12\x10\n\x08priority\x18\x07 \x01(\r\"\x0e\n\x0cWorkerCancel\"\x85\x01\n\rWorkerRequest\x12\x33\n\x05start\x18\x01 \x01(\x0b\x32\".meshserve.internal.v1.WorkerStartH\x00\x12\x35\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32#.meshserve.internal.v1.WorkerCancelH\x00\x42\x08\n\x06\x61\x63tion\"\x8a\x01\n\x0bWorkerFinal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x04 \x01(\r\"v\n\x0eWorkerResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\x05\x66inal\x18\x04 \x01(\x0b\x32\".meshserve.internal.v1.WorkerFinal\"\x0e\n\x0cStatsRequest\"\x89\x04\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12 \n\x04tier\x18\x02 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\r\n\x05model\x18\x03 \x01(\t\x12\x18\n\x10\x61\x63tive_sequences\x18\x04 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\r\x12\x1c\n\x14max_active_sequences\x18\x06 \x01(\r\x12\x1f\n\x17sequences_started_total\x18\x07 \x01(\x04\x12!\n\x19sequences_cancelled_total\x18\x08 \x01(\x04\x12\x1e\n\x16tokens_generated_total\x18\t \x01(\x04\x12\x1c\n\x14prefill_tokens_total\x18\n \x01(\x04\x12 \n\x18recent_tokens_per_second\x18\x0b \x01(\x02\x12\x15\n\rkv_used_bytes\x18\x0c \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\r \x01(\x04\x12\x11\n\tkv_tokens\x18\x0e \x01(\x04\x12\x16\n\x0eheld_sequences\x18\x0f \x01(\r\x12\x1b\n\x13prefix_block_tokens\x18\x10 \x01(\r\x12\x19\n\x11hot_prefix_blocks\x18\x11 \x03(\x0c\x12\x15\n\rmodel_version\x18\x12 \x01(\t\x12\x1b\n\x13prompt_tokens_total\x18\x13 \x01(\x04\x32\xb7\x01\n\x06Worker\x12[\n\x08Generate\x12$.meshserve.internal.v1.WorkerRequest\x1a%.meshserve.internal.v1.WorkerResponse(\x01\x30\x01\x12P\n\x05Stats\x12#.meshserve.internal.v1.StatsRequest\x1a\".meshserve.internal.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshserve.internal.v1.worke
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERSTART']._serialized_start=92
-  _globals['_WORKERSTART']._serialized_end=267
-  _globals['_WORKERCANCEL']._serialized_start=269
-  _globals['_WORKERCANCEL']._serialized_end=283
-  _globals['_WORKERREQUEST']._serialized_start=286
-  _globals['_WORKERREQUEST']._serialized_end=419
-  _globals['_WORKERFINAL']._serialized_start=422
-  _globals['_WORKERFINAL']._serialized_end=560
-  _globals['_WORKERRESPONSE']._serialized_start=562
-  _globals['_WORKERRESPONSE']._serialized_end=680
-  _globals['_STATSREQUEST']._serialized_start=682
-  _globals['_STATSREQUEST']._serialized_end=696
-  _globals['_WORKERSTATS']._serialized_start=699
-  _globals['_WORKERSTATS']._serialized_end=1220
-  _globals['_WORKER']._serialized_start=1223
-  _globals['_WORKER']._serialized_end=1406
+  _globals['_WORKERSTART']._serialized_end=285
+  _globals['_WORKERCANCEL']._serialized_start=287
+  _globals['_WORKERCANCEL']._serialized_end=301
+  _globals['_WORKERREQUEST']._serialized_start=304
+  _globals['_WORKERREQUEST']._serialized_end=437
+  _globals['_WORKERFINAL']._serialized_start=440
+  _globals['_WORKERFINAL']._serialized_end=578
+  _globals['_WORKERRESPONSE']._serialized_start=580
+  _globals['_WORKERRESPONSE']._serialized_end=698
+  _globals['_STATSREQUEST']._serialized_start=700
+  _globals['_STATSREQUEST']._serialized_end=714
+  _globals['_WORKERSTATS']._serialized_start=717
+  _globals['_WORKERSTATS']._serialized_end=1238
+  _globals['_WORKER']._serialized_start=1241
+  _globals['_WORKER']._serialized_end=1424
 # @@protoc_insertion_point(module_scope)
