@@ -49,6 +49,7 @@ from services.models.paths import model_paths
 from services.processes import ServiceProcess, free_port
 
 LITELLM = Path(".venv-litellm/bin/litellm")
+LITELLM_KEY = "sk-meshserve-bench-0123456789abcdef"
 BASES = {"litellm": "fake_backend", "meshserve_http": "instant_worker", "meshserve_grpc": "instant_worker"}
 
 
@@ -70,7 +71,14 @@ async def _litellm(config: Path | None) -> tuple[ServiceProcess | None, str]:
     if config is None:
         return None, f"{LITELLM} not found: run `make bench-litellm` (LiteLLM in its own virtualenv)"
     port = free_port()
-    env = {**os.environ, "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False", "NO_PROXY": "127.0.0.1"}
+    env = {
+        **os.environ,
+        "LITELLM_LOG": "ERROR",
+        "LITELLM_TELEMETRY": "False",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",  # else it fetches a price list from the internet at start
+        "LITELLM_MASTER_KEY": LITELLM_KEY,  # the proxy refuses to start without one
+        "NO_PROXY": "127.0.0.1",
+    }
     argv = [str(LITELLM), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
     proc = ServiceProcess("litellm", argv, env, lambda _n, _l: None)
     await proc.spawn()
@@ -120,7 +128,7 @@ async def run(requests: int, concurrency: int, max_tokens: int) -> dict[str, Any
                 "meshserve_http": http_sender(session, door.base_url.removesuffix("/v1"), api_key=DEV_API_KEY),
             }
             if litellm is not None:
-                senders["litellm"] = http_sender(session, litellm_url, model="fake", api_key="unused")
+                senders["litellm"] = http_sender(session, litellm_url, model="fake", api_key=LITELLM_KEY)
             workload = Workload(short=0, chat=1, max_tokens=max_tokens, chat_turns=1)
             results: dict[str, list[Result]] = {name: [] for name in senders}
             walls: dict[str, float] = dict.fromkeys(senders, 0.0)
