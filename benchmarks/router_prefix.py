@@ -14,7 +14,8 @@ OpenAI-style client sends it. ``--concurrency`` conversations run at once. Greed
 bypassed.
 
 Prefix hit rate is what the workers report, not what the router believes: 1 - (prefill tokens run)
-/ (prompt tokens), from the ``Worker.Stats`` counters. TTFT is measured by the client (router +
+/ (prompt tokens), from the ``Worker.Stats`` counters. Cloud workers get the shared Redis KV prefix
+cache exactly when `meshserve up` gives it to them; the report says which. TTFT is measured by the client (router +
 worker). The router's own replica decisions come from its metrics endpoint.
 
 Run: ``.venv/bin/python -m benchmarks.router_prefix`` (minutes on CPU). Writes
@@ -149,6 +150,7 @@ async def _run_policy(policy: str, cfg: Workload, tokenizer: Tokenizer) -> dict[
                 "prefill_tokens": s.prefill_tokens_total,
             }
         decisions = _replica_decisions(mesh.processes["router"].metrics_port)
+        redis_kv = any(p.env.get("MESHSERVE_GPU_WORKER_REDIS_URL") for p in mesh.workers(cfg.tier))
     prompt = sum(w["prompt_tokens"] for w in per_worker.values())
     prefill = sum(w["prefill_tokens"] for w in per_worker.values())
     ttft = [t * 1000 for _, t in samples]
@@ -164,6 +166,7 @@ async def _run_policy(policy: str, cfg: Workload, tokenizer: Tokenizer) -> dict[
         "later_turns_ttft_ms_p50": percentile(later, 50),
         "per_worker": per_worker,
         "router_replica_decisions": decisions,
+        "redis_kv_prefix_cache": redis_kv,
     }
 
 
@@ -194,6 +197,7 @@ def _replica_decisions(port: int | None) -> dict[str, float]:
 
 def _markdown(report: dict[str, Any]) -> str:
     cfg = report["workload"]
+    redis = "yes" if report["rounds"][0]["round_robin"].get("redis_kv_prefix_cache") else "no"
     lines = [
         "# Router prefix-cache benchmark (real workers)",
         "",
@@ -203,9 +207,11 @@ def _markdown(report: dict[str, Any]) -> str:
         f"{cfg['conversations']} conversations x {cfg['turns']} turns under {cfg['system_prompts']} shared "
         f"system prompts (~{cfg['system_words']} words each), {cfg['concurrency']} at once, "
         f"{cfg['max_tokens']} greedy tokens per turn; every turn resends the whole conversation; "
-        f"{cfg['kv_budget_mb']} MiB KV budget per cloud worker (live sequences + prefix LRU, no Redis). "
-        "Hit rate = prompt tokens the workers served from KV they already held (their own counters); "
-        "prefill = prompt tokens they had to compute. Policies alternate, one fresh mesh per run; "
+        f"{cfg['kv_budget_mb']} MiB KV budget per cloud worker (live sequences + local prefix LRU); "
+        f"shared Redis KV prefix cache (as `meshserve up` configures cloud workers): {redis}. "
+        "Hit rate = prompt tokens the workers did not have to prefill (KV held locally, or imported "
+        "from Redis where shared), from their own counters; prefill = prompt tokens they computed. "
+        "Policies alternate, one fresh mesh per run; "
         "load = the machine's 1-minute load average when the run ended.",
         "",
         "| round | policy | prefix hit rate | prefill tokens | TTFT mean (ms) | p50 | p99 | requests per worker "
