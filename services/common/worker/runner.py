@@ -124,7 +124,9 @@ def run_sequence(
         failed = False
     finally:
         _local.request = None
-        if session is None or failed:
+        # Only engines that can extend a held sequence (``start_chat``) keep it between turns; the
+        # others (the cloud engine reuses prefixes through its own cache) free its KV now.
+        if session is None or failed or getattr(engine, "start_chat", None) is None:
             seq.close()
         else:  # the last token's KV is computed by the next step, so it is not held yet
             session.keep(seq, HeldPrefix(context + tuple(generated[:-1]), request.tenant, request.shareable))
