@@ -189,14 +189,19 @@ class SpeculativeDecoder:
         self.draft: Draft | None = None
         self.out: deque[int] = deque()
         self.generated = 0
-        self.done = False
+        self.finished = False  # every token is produced (EOS or max_tokens); some may still be in ``out``
         self.drafted = 0
         self.accepted = 0
         self.rounds = 0
 
+    @property
+    def done(self) -> bool:
+        """Every token has been produced and returned by :meth:`next`."""
+        return self.finished and not self.out
+
     def next(self) -> int:
         while not self.out:
-            if self.done:
+            if self.finished:
                 raise RuntimeError("sequence is finished")
             self._round()
         return self.out.popleft()
@@ -206,7 +211,7 @@ class SpeculativeDecoder:
             self.out.append(t)
             self.generated += 1
             if t in self.eos or self.generated >= self.max_tokens:
-                self.done = True
+                self.finished = True
                 return
 
     def _round(self) -> None:
@@ -215,7 +220,7 @@ class SpeculativeDecoder:
             first = int(torch.argmax(logits[-1]).item())
             self.tokens.append(first)
             self._emit([first])
-            if not self.done:
+            if not self.finished:
                 self.draft = self.make_draft(list(self.tokens))
             return
         assert self.draft is not None
@@ -236,7 +241,7 @@ class SpeculativeDecoder:
             SMOOTHED.add(k, accepted)
             SPEC_K.set(k)
             self.k.update(k, accepted)
-        if not self.done:
+        if not self.finished:
             self.draft.commit(accepted, token)
 
     def close(self) -> None:

@@ -1,4 +1,8 @@
-"""Tensor parallelism with real processes: 3 gloo ranks on 127.0.0.1 give TP=1's greedy tokens."""
+"""Tensor parallelism with real processes: 3 gloo ranks on 127.0.0.1 give TP=1's greedy tokens.
+
+Two levels: the model (``tp_rank.py`` ranks driving ``LeaderModel``/``follow`` directly) and the
+worker as deployed (``torchrun ... -m services.gpu_worker``: rank 0 serves gRPC, the others follow).
+"""
 
 from __future__ import annotations
 
@@ -7,22 +11,43 @@ import os
 import subprocess
 import sys
 
+import grpc
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from services.common.errors import ConfigError
+from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
 from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.tp import RankEnv, check_degree, load_model, model_config
 from services.models.paths import model_paths
+from services.processes import ServiceProcess
 from tests.helpers import free_port
 from tests.integration.gpu_worker.greedy import greedy
+from tests.worker_helpers import generate, wait_serving
 
+pytestmark = pytest.mark.integration
 MODEL = str(model_paths().hf_dir)
-PROMPTS = [
-    [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3437, 28, 7018, 411, 407, 19712, 8182, 2, 198],
-    [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198],
-]
-MAX_TOKENS = 12
+QUESTIONS = ["Name three colours.", "What is the capital of France?"]
+MAX_TOKENS = 8
+EOS = 2  # SmolLM2's <|im_end|>
+
+
+def _prompts() -> list[list[int]]:
+    tokenizer = Tokenizer.from_file(str(model_paths().hf_dir / "tokenizer.json"))
+    chat = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+    return [list(tokenizer.encode(chat.format(q)).ids) for q in QUESTIONS]
+
+
+PROMPTS = _prompts()
+
+
+@pytest.fixture(scope="module")
+def single() -> list[list[int]]:
+    """TP=1 greedy tokens of PROMPTS: the reference."""
+    torch.set_num_threads(1)
+    model = LlamaModel.load(MODEL, device=torch.device("cpu"), dtype=torch.float32)
+    return [greedy(model, p, MAX_TOKENS) for p in PROMPTS]
 
 
 def _run_group(world: int, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -55,12 +80,40 @@ def _run_group(world: int, prompts: list[list[int]], max_tokens: int) -> list[li
     return json.loads(line)["tokens"]
 
 
-def test_tp3_greedy_equals_tp1() -> None:
-    torch.set_num_threads(1)
-    model = LlamaModel.load(MODEL, device=torch.device("cpu"), dtype=torch.float32)
-    single = [greedy(model, p, MAX_TOKENS) for p in PROMPTS]
+def test_tp3_greedy_equals_tp1(single: list[list[int]]) -> None:
     assert _run_group(3, PROMPTS, MAX_TOKENS) == single
     assert all(len(s) == MAX_TOKENS for s in single)
+
+
+async def test_tp3_worker_under_torchrun_serves_tp1_greedy_over_grpc(single: list[list[int]]) -> None:
+    lines: list[str] = []
+    env = dict(
+        os.environ,
+        MESHSERVE_GPU_WORKER_HOST="127.0.0.1",
+        MESHSERVE_GPU_WORKER_PORT="0",
+        MESHSERVE_GPU_WORKER_THREADS="1",
+        MESHSERVE_GPU_WORKER_DEVICE="cpu",
+        MESHSERVE_GPU_WORKER_KV_DTYPE="float32",  # the reference keeps float32 KV
+        MESHSERVE_GPU_WORKER_KV_BUDGET_BYTES=str(32 << 20),
+        MESHSERVE_GPU_WORKER_WORKER_ID="cloud-tp3",
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=3"]
+    proc = ServiceProcess("cloud-tp3", [*argv, "-m", "services.gpu_worker"], env, lambda _n, line: lines.append(line))
+    await proc.spawn()
+    try:
+        await proc.wait_started(240)
+        async with grpc.aio.insecure_channel(proc.address) as channel:
+            await wait_serving(channel, "meshserve.internal.v1.Worker", timeout_s=120)
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            for prompt, expected in zip(PROMPTS, single, strict=True):
+                result = await generate(stub, prompt, max_tokens=MAX_TOKENS)
+                expected = expected[: expected.index(EOS)] if EOS in expected else expected  # not streamed
+                assert result.token_ids == expected, "\n".join(lines[-20:])
+    finally:
+        await proc.stop(60)
+    assert proc.proc is not None and proc.proc.returncode is not None
+    assert any('"tp_follower_stopped"' in line for line in lines)  # followers left on rank 0's stop
 
 
 def test_tp2_is_refused_naming_the_head_counts() -> None:

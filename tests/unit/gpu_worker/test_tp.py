@@ -1,0 +1,98 @@
+"""Tensor-parallel plumbing with fakes: torchrun env, degree check, the follower loop, the mesh launcher."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.run as torchrun
+
+from services.common.errors import ConfigError
+from services.gpu_worker.model import LlamaConfig
+from services.gpu_worker.plan import Segment
+from services.gpu_worker.tp import RankEnv, check_degree, follow
+from services.mesh import torchrun_launcher, tp_env
+
+
+def config(heads: int = 9, kv: int = 3, mlp: int = 1536) -> LlamaConfig:
+    return LlamaConfig(576, 30, heads, kv, 64, mlp, 49152, 1e-5, 2048, True, (1.0,))
+
+
+def test_rank_env_reads_torchrun_variables() -> None:
+    assert RankEnv.from_env({}) == RankEnv(0, 1, 0)
+    env = RankEnv.from_env({"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "1"})
+    assert (env.rank, env.world, env.local_rank, env.leader) == (2, 3, 1, False)
+
+
+def test_degree_must_divide_heads_kv_heads_and_mlp() -> None:
+    check_degree(config(), 1)
+    check_degree(config(), 3)
+    with pytest.raises(ConfigError, match=r"9 attention heads and 3 KV heads.*one of \[1, 3\]"):
+        check_degree(config(), 2)
+    with pytest.raises(ConfigError, match="MLP width 1537"):
+        check_degree(config(mlp=1537), 3)
+    with pytest.raises(ConfigError, match="tensor-parallel degree 4"):
+        check_degree(config(heads=8, kv=2, mlp=1024), 4)
+
+
+class FakeGroup:
+    def __init__(self, messages: Sequence[tuple[Any, ...]]) -> None:
+        self.messages = list(messages)
+
+    def receive(self) -> tuple[Any, ...]:
+        return self.messages.pop(0)
+
+
+class FakeModel:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def new_cache(self, num_blocks: int, block_tokens: int, dtype: torch.dtype) -> str:
+        self.calls.append(("new_cache", (num_blocks, block_tokens, dtype)))
+        return f"cache{len(self.calls)}"
+
+    def forward(self, segments: Sequence[Segment], cache: str) -> list[torch.Tensor]:
+        self.calls.append(("forward", ([(list(s.token_ids), s.start, s.all_logits) for s in segments], cache)))
+        if segments[0].start < 0:
+            raise ValueError("bad plan")
+        return []
+
+
+def test_follower_mirrors_the_leaders_calls_in_order_until_stop() -> None:
+    model = FakeModel()
+    group = FakeGroup(
+        [
+            ("new_cache", 0, 8, 16, "float16"),
+            ("ping",),
+            ("forward", 0, [([1, 2, 3], 0, [0], False)]),
+            ("forward", 0, [([4], -1, [0], False)]),  # fails on the leader too: skipped
+            ("forward", 0, [([5, 6], 3, [0], True), ([7], 0, [1], False)]),
+            ("free_cache", 0),
+            ("stop",),
+            ("forward", 0, []),  # never read
+        ]
+    )
+    follow(model, group)  # type: ignore[arg-type]
+    assert model.calls == [
+        ("new_cache", (8, 16, torch.float16)),
+        ("forward", ([([1, 2, 3], 0, False)], "cache1")),
+        ("forward", ([([4], -1, False)], "cache1")),
+        ("forward", ([([5, 6], 3, True), ([7], 0, False)], "cache1")),
+    ]
+    assert group.messages == [("forward", 0, [])]
+
+
+def test_follower_fails_on_an_unknown_call() -> None:
+    with pytest.raises(RuntimeError, match="unknown tensor-parallel call"):
+        follow(FakeModel(), FakeGroup([("teleport",)]))  # type: ignore[arg-type]
+
+
+def test_mesh_launches_tp_groups_with_deploys_torchrun_flags() -> None:
+    assert torchrun_launcher(1) == [] and tp_env(1) == {}
+    argv = torchrun_launcher(3)
+    assert argv[0] == "torch.distributed.run"
+    args = torchrun.get_args_parser().parse_args([*argv[1:], "services.gpu_worker"])
+    assert (args.standalone, args.nnodes, args.nproc_per_node, args.module) == (True, "1", "3", True)
+    assert args.training_script == "services.gpu_worker"
