@@ -115,7 +115,12 @@ async def targets(args: argparse.Namespace) -> AsyncIterator[dict[str, Sender]]:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     mix = parse_mix(args.mix)
     workload = Workload(
-        **mix, cache_hit_ratio=args.cache_hit_ratio, max_tokens=args.max_tokens, long_repeats=args.long_repeats
+        mix["short"],
+        mix["long"],
+        mix["chat"],
+        cache_hit_ratio=args.cache_hit_ratio,
+        max_tokens=args.max_tokens,
+        long_repeats=args.long_repeats,
     )
     loads = args.rates if args.mode == "open" else [int(c) for c in args.concurrency]
     report: dict[str, Any] = {

@@ -8,7 +8,9 @@
    ``--interval`` seconds.
 4. **Verdict**: per process and measure, the median of a *baseline window* right after the warm-up
    (not the cold start) against the median of the *final window*; growth above ``--max-growth``
-   (5 %) on any of them fails the run (exit 1). Errors by status are reported too.
+   (5 %) on any of them fails the run (exit 1). Errors by status are reported too, and the growth
+   over the second half alone (window at mid-run vs final window), which tells a steady leak (still
+   growing) from a high-water mark reached once (flat late).
 
 Writes docs/benchmarks/soak.json and docs/soak.md.
 """
@@ -78,13 +80,15 @@ def growth(series: list[tuple[float, float]], warmup_s: float, window_s: float) 
 def verdict(samples: Samples, warmup_s: float, window_s: float, max_growth_pct: float) -> dict[str, Any]:
     """Growth of every series and the series that grew more than allowed."""
     rows = {key: growth(series, warmup_s, window_s) for key, series in sorted(samples.items())}
+    for key, series in samples.items():  # a leak keeps growing; a high-water mark levels off
+        rows[key]["second_half_growth_pct"] = growth(series, series[-1][0] / 2, window_s)["growth_pct"]
     failed = [key for key, row in rows.items() if row["growth_pct"] > max_growth_pct]
     return {"max_growth_pct": max_growth_pct, "series": rows, "grew": failed, "pass": not failed}
 
 
 async def capacity(send: Any, workload: Workload, levels: Sequence[int], seconds: float) -> dict[str, Any]:
     """Closed-loop ramp; capacity = best requests/s of an error-free step."""
-    steps = []
+    steps: list[dict[str, Any]] = []
     for level in levels:
         items = make_items(workload, 10_000, random.Random(level), tag=f"ramp{level}-{time.time_ns()}-")
         results, wall = await closed_loop(send, items, level, seconds)
@@ -95,7 +99,10 @@ async def capacity(send: Any, workload: Workload, levels: Sequence[int], seconds
 
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
-    workload = Workload(**parse_mix(args.mix), cache_hit_ratio=args.cache_hit_ratio, max_tokens=args.max_tokens)
+    mix = parse_mix(args.mix)
+    workload = Workload(
+        mix["short"], mix["long"], mix["chat"], cache_hit_ratio=args.cache_hit_ratio, max_tokens=args.max_tokens
+    )
     config = MeshConfig(edge_workers=args.edge_workers, cloud_workers=args.cloud_workers)
     config.extra_env.update(UNLIMITED)
     print("soak: starting the mesh...", file=sys.stderr, flush=True)

@@ -43,11 +43,15 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "## Resources per service process",
         "",
-        "| process / measure | baseline | final | growth % | |",
-        "|---|---:|---:|---:|---|",
+        "| process / measure | baseline | final | growth % | second-half growth % | |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for key, row in v["series"].items():
         mark = "grew" if key in v["grew"] else "ok"
-        lines.append(f"| {key} | {row['baseline']:.1f} | {row['final']:.1f} | {row['growth_pct']:+.2f} | {mark} |")
+        late = row.get("second_half_growth_pct")
+        late_text = "" if late is None else f"{late:+.2f}"
+        lines.append(
+            f"| {key} | {row['baseline']:.1f} | {row['final']:.1f} | {row['growth_pct']:+.2f} | {late_text} | {mark} |"
+        )
     lines += ["", f"Raw samples: `docs/benchmarks/soak.json`. Reproduce: `{report['command']}` (or `make soak`)."]
     return "\n".join(lines) + "\n"

@@ -23,6 +23,14 @@ def test_cold_start_growth_is_not_counted() -> None:
     assert row == {"baseline": 220.0, "final": 220.0, "growth_pct": 0.0}
 
 
+def test_second_half_growth_tells_a_leak_from_a_high_water_mark() -> None:
+    leak = _series([200.0 + 0.2 * i for i in range(120)])
+    step = _series([200.0] * 40 + [220.0] * 80)  # one jump in the first half, flat afterwards
+    rows = verdict({"leak": leak, "step": step}, 60.0, 60.0, 5.0)["series"]
+    assert rows["step"]["growth_pct"] == 10.0 and rows["step"]["second_half_growth_pct"] == 0.0
+    assert rows["leak"]["second_half_growth_pct"] > 2.0
+
+
 def test_steady_leak_is_caught() -> None:
     values = [200.0 + 0.2 * i for i in range(120)]  # +0.2 MB every 5 s for 10 minutes
     row = growth(_series(values), warmup_s=120.0, window_s=60.0)
@@ -70,4 +78,7 @@ def test_soak_markdown_states_the_verdict() -> None:
         "verdict": verdict({"gateway/rss_mb": _series([100.0] * 4 + [120.0] * 8)}, 0.0, 15.0, 5.0),
     }
     text = markdown(report)
-    assert "**FAIL** (grew: gateway/rss_mb)" in text and "| gateway/rss_mb | 100.0 | 120.0 | +20.00 | grew |" in text
+    assert (
+        "**FAIL** (grew: gateway/rss_mb)" in text
+        and "| gateway/rss_mb | 100.0 | 120.0 | +20.00 | +0.00 | grew |" in text
+    )
