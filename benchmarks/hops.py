@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
 import platform
 import shutil
@@ -44,6 +43,7 @@ from typing import Any
 import grpc
 import redis.asyncio as aioredis
 
+from benchmarks.hops_report import markdown, write_report
 from benchmarks.stats import percentile
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
@@ -56,6 +56,7 @@ from services.models.paths import model_paths
 from services.processes import ServiceProcess, free_port, wait_redis
 
 PROMPT = "Write a short poem about the sea and the ships that sail on it."
+__all__ = ["markdown", "run", "start_stack", "write_report"]
 INTERNAL = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN), ("x-meshserve-tenant", "bench"))
 Probe = Callable[[], Awaitable[tuple[float, float, int]]]
 """One request: (TTFT s, total s, frames with tokens)."""
@@ -331,100 +332,6 @@ async def run(
         "cache_hit": {name: _summary(s, None) for name, s in hits.items()},
         "cache_hit_cpu_ms_per_request": hit_cpu,
     }
-
-
-def markdown(report: dict[str, Any]) -> str:
-    lines = [
-        "# Hop overhead: gateway + router over a direct worker call, model compute removed",
-        "",
-        f"{report['date']} · {report['machine']['cpus']} CPUs (shared with other work), "
-        f"Python {report['machine']['python']} · `{report['command']}`",
-        "",
-        "Real redis-server, real worker runtime (synthetic engine: tokens at once), real router and gateway",
-        f"(API key check, rate-limit admission + stream lease in Redis), separate processes. Greedy requests of "
-        f"{report['max_tokens']} tokens, response cache bypassed, the paths interleaved request by request.",
-        "",
-        "## Latency (ms); added = path minus direct worker",
-        "",
-        "| path | TTFT p50 | TTFT p99 | total p50 | total p99 | added TTFT p50 | added TTFT p99 | added total p50 "
-        "| added total p99 | relay µs/frame |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, r in report["latency"].items():
-        added = (
-            f"{r['added_ttft_p50_ms']:+.2f} | {r['added_ttft_p99_ms']:+.2f} | {r['added_total_p50_ms']:+.2f} | "
-            f"{r['added_total_p99_ms']:+.2f} | {r['relay_us_per_frame']:.0f}"
-            if "added_ttft_p50_ms" in r
-            else " | | | | "
-        )
-        lines.append(
-            f"| {name} | {r['ttft_p50_ms']:.2f} | {r['ttft_p99_ms']:.2f} | {r['total_p50_ms']:.2f} | "
-            f"{r['total_p99_ms']:.2f} | {added} |"
-        )
-    lines += _cpu_table(report["cpu_ms_per_request"], "CPU ms per request, by process (cache bypassed)")
-    lines += [
-        "",
-        "## Exact cache hit (greedy, response cache on): time to the first token, ms",
-        "",
-        "| path | TTFT p50 | TTFT p99 | total p50 | total p99 |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for name, r in report["cache_hit"].items():
-        lines.append(
-            f"| {name} | {r['ttft_p50_ms']:.2f} | {r['ttft_p99_ms']:.2f} | {r['total_p50_ms']:.2f} | "
-            f"{r['total_p99_ms']:.2f} |"
-        )
-    lines += _cpu_table(report["cache_hit_cpu_ms_per_request"], "CPU ms per cache-hit request, by process")
-    if report.get("before"):
-        lines += _comparison(report)
-    return "\n".join(lines) + "\n"
-
-
-def _comparison(report: dict[str, Any]) -> list[str]:
-    """Before/after rows of one interleaved run (paths named "... (before)" ran the earlier code)."""
-    lines = [
-        "",
-        f"## Before / after, same run (before = the code in {report['before']}, interleaved with the current code)",
-        "",
-        "| measure | before | after | change |",
-        "|---|---:|---:|---:|",
-    ]
-    rows: list[tuple[str, float, float]] = []
-    for path in ("router", "gateway_static_key", "gateway_stored_key"):
-        b, a = report["latency"][f"{path} (before)"], report["latency"][path]
-        for key in ("added_ttft_p50_ms", "added_ttft_p99_ms", "added_total_p50_ms", "relay_us_per_frame"):
-            rows.append((f"{path}: {key}", b[key], a[key]))
-    for path in ("router", "gateway_static_key", "gateway_stored_key"):
-        b, a = report["cache_hit"][f"{path} (before)"], report["cache_hit"][path]
-        for key in ("ttft_p50_ms", "ttft_p99_ms"):
-            rows.append((f"cache hit, {path}: {key}", b[key], a[key]))
-    for section, label in (
-        ("cpu_ms_per_request", "CPU ms per request"),
-        ("cache_hit_cpu_ms_per_request", "CPU ms per hit"),
-    ):
-        cpu = report[section]
-        for path, procs in (("router", ("router",)), ("gateway_stored_key", ("gateway", "router"))):
-            for proc in procs:
-                rows.append((f"{label}, {path}: {proc}", cpu[f"{path} (before)"][f"{proc}_before"], cpu[path][proc]))
-    for name, b, a in rows:
-        change = f"{(a / b - 1) * 100:+.0f} %" if b else ""
-        lines.append(f"| {name} | {b:.2f} | {a:.2f} | {change} |")
-    return lines
-
-
-def _cpu_table(cpu: dict[str, dict[str, float]], title: str) -> list[str]:
-    names = ["client", "gateway", "router", "gateway_before", "router_before", "relay0", "relay1", "worker", "redis"]
-    names = [n for n in names if any(n in row for row in cpu.values())]
-    lines = ["", f"## {title}", "", "| path | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
-    for path, row in cpu.items():
-        lines.append(f"| {path} | " + " | ".join(f"{row.get(n, 0.0):.2f}" for n in names) + " |")
-    return lines
-
-
-def write_report(report: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "hops.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "hops.md").write_text(markdown(report))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
