@@ -111,9 +111,9 @@ TABLES: dict[str, list[Row]] = {
     "Speculative decoding (issue 7)": [
         Row("speed-up (CPU per token)", "cloud_spec.json", "≥ 1.5x",
             lambda d: _dig(d, "speculative", "speedup_cpu"), "x", lambda v: v >= 1.5,
-            "python -m benchmarks.cloud_spec"),
+            "meshserve bench spec"),
         Row("acceptance rate", "cloud_spec.json", "(reported)",
-            lambda d: 100 * _dig(d, "speculative", "acceptance"), "%", None, "python -m benchmarks.cloud_spec"),
+            lambda d: 100 * _dig(d, "speculative", "acceptance"), "%", None, "meshserve bench spec"),
     ],
     "Cancel latency (issue 7: within one decode step)": [
         Row("decode steps after cancel, p99", "cancel.json", "≤ 1 step", lambda d: d["steps_after_cancel_p99"],
