@@ -19,6 +19,14 @@ COLUMNS = (
 )
 
 
+TARGETS = {
+    "mesh_grpc": "gRPC `Generate` / one-turn `Chat` through gateway (API key, Redis rate limits) → router → workers",
+    "mesh_http": "streaming OpenAI HTTP through Envoy → HTTP adapter → gateway → router → workers",
+    "direct_worker": "edge worker 0 over its internal gRPC API: no gateway, router or cache (a chat as joined text)",
+    "naive_transformers": "benchmarks/naive_server.py: aiohttp + fp32 transformers `generate` in a thread per request",
+}
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return "n/a" if math.isnan(value) else f"{value:.2f}"
@@ -49,6 +57,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Workload: short {w['short']:g} / long {w['long']:g} / chat {w['chat']:g}, cache-hit ratio "
         f"{w['cache_hit_ratio']:g}, {w['max_tokens']} tokens per request, at most {report['max_requests']} requests "
         f"and {report['duration_s']:g} s per step. Latencies in ms over successful requests.",
+        "",
+        *(f"- `{t}`: {TARGETS[t]}" for t in report["targets"] if t in TARGETS),
         "",
         f"![e2e latency]({report['name']}_e2e.png) ![TTFT]({report['name']}_ttft.png) "
         f"![throughput]({report['name']}_throughput.png)",
