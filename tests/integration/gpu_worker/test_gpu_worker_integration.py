@@ -20,7 +20,7 @@ from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.servicer import start_gpu_worker
 from tests.integration.worker_cases import WorkerCases
-from tests.worker_helpers import wait_serving
+from tests.worker_helpers import CANCEL, Session, generate, start_frame, stats, wait_idle, wait_serving
 
 pytestmark = pytest.mark.integration
 CHAT = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
@@ -85,3 +85,28 @@ class TestGpuWorker(WorkerCases):
             return tokens[:-1] if tokens and tokens[-1] in engine.info.eos_token_ids else tokens
 
         return greedy
+
+    async def test_cancel_returns_the_kv_to_the_budget(
+        self, stub: worker_pb2_grpc.WorkerStub, prompt: list[int]
+    ) -> None:
+        session = Session(stub)
+        await session.call.write(start_frame(prompt, max_tokens=400))
+        await session.read()
+        running = await stats(stub)
+        assert running.kv_used_bytes > 0 and 0 < running.kv_budget_bytes <= 64 << 20  # whole blocks
+        await session.call.write(CANCEL)
+        while not (await session.read()).HasField("final"):
+            pass
+        await session.call.done_writing()
+        settled = await wait_idle(stub)
+        assert settled.kv_used_bytes == 0
+
+    async def test_repeated_prompt_prefills_only_what_is_not_cached(
+        self, stub: worker_pb2_grpc.WorkerStub, tokenizer: object
+    ) -> None:
+        ids = list(tokenizer.encode("Tell me about rivers. " * 12).ids)  # type: ignore[attr-defined]
+        first = await generate(stub, ids, max_tokens=3)
+        second = await generate(stub, ids, max_tokens=3)
+        assert second.token_ids == first.token_ids
+        assert first.final is not None and first.final.prefill_tokens == len(ids)
+        assert second.final is not None and second.final.prefill_tokens == len(ids) - (len(ids) - 1) // 16 * 16
