@@ -23,10 +23,13 @@ def latency_chart(report: dict[str, Any], path: Path, metric: str = "e2e_ms") ->
     """One line per target and percentile (p50 solid, p95 dashed, p99 dotted) of ``metric``."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for target, steps in report["targets"].items():
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (target, steps) in enumerate(report["targets"].items()):
         xs = [s["load"] for s in steps]
+        color = colors[i % len(colors)]  # one colour per target, one line style per percentile
         for q, style in (("p50", "-"), ("p95", "--"), ("p99", ":")):
-            ax.plot(xs, [s["summary"][f"{metric}_{q}"] for s in steps], style, marker="o", label=f"{target} {q}")
+            ys = [s["summary"][f"{metric}_{q}"] for s in steps]
+            ax.plot(xs, ys, style, color=color, marker="o", label=f"{target} {q}")
     ax.set_xlabel(_x_label(report))
     ax.set_ylabel(metric.replace("_ms", "").upper() + " latency (ms)")
     ax.set_yscale("log")

@@ -22,7 +22,7 @@ COLUMNS = (
 TARGETS = {
     "mesh_grpc": "gRPC `Generate` / one-turn `Chat` through gateway (API key, Redis rate limits) → router → workers",
     "mesh_http": "streaming OpenAI HTTP through Envoy → HTTP adapter → gateway → router → workers",
-    "direct_worker": "edge worker 0 over its internal gRPC API: no gateway, router or cache (a chat as joined text)",
+    "direct_worker": "one edge worker over its internal API, every kind (long prompts too): no gateway, router, cache",
     "naive_transformers": "benchmarks/naive_server.py: aiohttp + fp32 transformers `generate` in a thread per request",
 }
 
