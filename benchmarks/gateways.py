@@ -49,6 +49,16 @@ from services.models.paths import model_paths
 from services.processes import ServiceProcess, free_port
 
 LITELLM = Path(".venv-litellm/bin/litellm")
+PATHS = {
+    "fake_backend": "benchmarks/fake_openai.py, aiohttp, streams `max_tokens` SSE chunks at once (no model)",
+    "litellm": "LiteLLM proxy (one uvicorn worker, master key auth) → fake_backend: parse, route, "
+    "httpx/openai call upstream, SSE re-encode",
+    "instant_worker": "a real worker process (admission, runner thread, detokenizer) over a synthetic engine "
+    "emitting tokens at once, called on its internal gRPC API",
+    "meshserve_grpc": "gateway (API key, Redis rate-limit admission + stream lease) → router (tokenize, "
+    "route) → instant_worker, gRPC `Chat`",
+    "meshserve_http": "Envoy → OpenAI HTTP adapter → the same gateway → router → instant_worker",
+}
 LITELLM_KEY = "sk-meshserve-bench-0123456789abcdef"
 BASES = {"litellm": "fake_backend", "meshserve_http": "instant_worker", "meshserve_grpc": "instant_worker"}
 
@@ -200,6 +210,17 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {name} | {s['ok']}/{s['requests']} | {s['ttft_ms_p50']:.2f} | {s['e2e_ms_p50']:.2f} | "
             f"{s['e2e_ms_p95']:.2f} | {s['e2e_ms_p99']:.2f} | {extra} |"
         )
+    lines += [
+        "",
+        "meshserve's gateway relays only to its router and workers, not to an OpenAI backend, so each gateway",
+        "sits in front of the fastest backend it can have and is compared with that backend called directly:",
+        "",
+        *(f"- `{name}`: {text}" for name, text in PATHS.items()),
+        "",
+        "Added p99 is a difference of two p99s, not a p99 of differences: under a loaded machine the backend's own",
+        "tail can exceed the path's (negative values). LiteLLM runs from `.venv-litellm` (`make bench-litellm`):",
+        "it pins openai<3 and huggingface_hub<2, which clash with this project's transformers and dev tools.",
+    ]
     lines += [f"\n{note}" for note in report["notes"]]
     return "\n".join(lines) + "\n"
 
