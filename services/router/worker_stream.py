@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import grpc
 
@@ -77,12 +78,20 @@ def domain_error(exc: grpc.aio.AioRpcError) -> errors.MeshError:
     return errors.Unavailable("the worker serving this request failed; retry the request")
 
 
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 async def read_or_cancel(stream: WorkerStream, cancel: asyncio.Event) -> tuple[worker_pb2.WorkerResponse, bool]:
     """The next frame; if ``cancel`` fires first, send WorkerCancel and keep reading."""
     if cancel.is_set():
         await stream.cancel_turn()
         return await stream.read(), True
     read = asyncio.ensure_future(stream.read())
+    # If our caller is cancelled (or cancel_turn fails) after ``read`` failed, nobody awaits it:
+    # retrieve its exception here so asyncio does not log it as "never retrieved".
+    read.add_done_callback(_retrieve)
     waiter = asyncio.ensure_future(cancel.wait())
     try:
         await asyncio.wait({read, waiter}, return_when=asyncio.FIRST_COMPLETED)
