@@ -259,8 +259,8 @@ def _markdown(report: dict[str, Any]) -> str:
         "- Speculation pays when the draft agrees often and a verify pass of k+1 tokens costs about one",
         "  decode step. Here the INT4 draft agrees on the acceptance rate above, and the cost model shows a",
         "  verify pass costing 2-2.5 decode steps on CPU (GEMM at a few rows vs GEMV at one row), so the",
-        "  speed-up stays near 1x. On a GPU (memory-bound decode) a verify pass should cost about one step
-  (not measured: no GPU in this session).",
+        "  speed-up stays near 1x. On a GPU (memory-bound decode) a verify pass should cost about one step",
+        "  (not measured: no GPU in this session).",
         "- TP on CPU: every rank still computes the replicated embeddings, norms and LM head, and each layer",
         "  pays two gloo all-reduces; with more ranks than cores the ranks also compete for the cores. A",
         "  wall tokens/s above TP=1 on a loaded machine means the 3 processes got a larger share of the",
