@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,11 @@ def _edge_round(d: dict[str, Any], streams: int) -> float:
 
 def _hops_or_frontdoor(d: dict[str, Any], q: str) -> float:
     return float(_dig(d, "latency", "gateway_static_key", f"added_total_{q}_ms"))
+
+
+def _prefix_rounds(d: dict[str, Any]) -> float:
+    changes = [100 * (r["cache_aware"]["ttft_ms_p50"] / r["round_robin"]["ttft_ms_p50"] - 1) for r in d["rounds"]]
+    return float(statistics.median(changes))
 
 
 TABLES: dict[str, list[Row]] = {
@@ -107,6 +113,9 @@ TABLES: dict[str, list[Row]] = {
             "(reference: Ray Serve -60 %)",
             lambda d: _dig(d, "workload", "generous_cache", "ttft_p50_change_pct"), "%", None,
             "python -m benchmarks.router_bench"),
+        Row("cache-aware vs round-robin routing, TTFT p50 change (real cloud workers, median of rounds)",
+            "router_prefix.json", "(reference: Ray Serve -60 %)", _prefix_rounds, "%", None,
+            "python -m benchmarks.router_prefix"),
     ],
     "Speculative decoding (issue 7)": [
         Row("speed-up (CPU per token)", "cloud_spec.json", "≥ 1.5x",
