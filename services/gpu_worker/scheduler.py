@@ -131,7 +131,7 @@ class Scheduler:
                 self.cond.wait()
             if seq.error is not None:
                 raise seq.error
-            if seq.out:
+            if seq.out and not seq.closed:
                 token = seq.out.popleft()
                 self.cond.notify_all()  # room in the lookahead window
                 return token
