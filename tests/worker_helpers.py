@@ -32,6 +32,8 @@ class TurnResult:
     text: str = ""
     sequences: list[int] = field(default_factory=list)
     final: worker_pb2.WorkerFinal | None = None
+    queued: int = 0
+    """Keepalives received while the turn waited for a slot (not part of the numbered frames)."""
 
     @property
     def reason(self) -> int:
@@ -42,6 +44,9 @@ class TurnResult:
 def fold(frames: Sequence[worker_pb2.WorkerResponse]) -> TurnResult:
     result = TurnResult()
     for frame in frames:
+        if frame.queued:
+            result.queued += 1
+            continue
         result.token_ids.extend(frame.token_ids)
         result.text += frame.text
         result.sequences.append(frame.sequence)

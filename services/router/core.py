@@ -53,7 +53,7 @@ from services.router.worker_stream import (
     WorkerStalled,
     WorkerStream,
     domain_error,
-    read_or_cancel,
+    read_frame,
     sampling_pb,
 )
 
@@ -329,19 +329,6 @@ class Router:
             ),
         )
 
-    async def _read(
-        self, stream: WorkerStream, cancel: asyncio.Event | None, cancel_sent: bool
-    ) -> tuple[worker_pb2.WorkerResponse, bool]:
-        try:
-            if cancel is not None and not cancel_sent:
-                return await asyncio.wait_for(read_or_cancel(stream, cancel), self._stall_s)
-            # asyncio.timeout, not wait_for: wait_for wraps every read in a task of its own (an extra
-            # task and loop pass per relayed frame).
-            async with asyncio.timeout(self._stall_s):
-                return await stream.read(), cancel_sent
-        except TimeoutError:
-            raise WorkerStalled(f"worker sent nothing for {self._stall_s:g} s") from None
-
     async def _relay(
         self,
         req: TurnRequest,
@@ -368,7 +355,9 @@ class Router:
         last = 0.0
         expected = 0
         while True:
-            frame, cancel_sent = await self._read(stream, cancel, cancel_sent)
+            frame, cancel_sent = await read_frame(stream, cancel, cancel_sent, self._stall_s)
+            if frame.queued:  # the turn waits for a slot on a live worker: the stall timer restarts
+                continue
             if frame.sequence != expected:
                 raise WorkerClosed(f"worker frame {frame.sequence} arrived where {expected} was due")
             expected += 1

@@ -109,6 +109,24 @@ async def read_or_cancel(stream: WorkerStream, cancel: asyncio.Event) -> tuple[w
     return await read, sent
 
 
+async def read_frame(
+    stream: WorkerStream, cancel: asyncio.Event | None, cancel_sent: bool, stall_s: float
+) -> tuple[worker_pb2.WorkerResponse, bool]:
+    """The next frame within ``stall_s`` (else WorkerStalled), sending WorkerCancel once ``cancel`` fires.
+
+    Returns the frame and whether the cancel has been sent.
+    """
+    try:
+        if cancel is not None and not cancel_sent:
+            return await asyncio.wait_for(read_or_cancel(stream, cancel), stall_s)
+        # asyncio.timeout, not wait_for: wait_for wraps every read in a task of its own (an extra
+        # task and loop pass per relayed frame).
+        async with asyncio.timeout(stall_s):
+            return await stream.read(), cancel_sent
+    except TimeoutError:
+        raise WorkerStalled(f"worker sent nothing for {stall_s:g} s") from None
+
+
 def sampling_pb(s: SamplingSpec) -> inference_pb2.SamplingParams:
     msg = inference_pb2.SamplingParams(
         max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=list(s.stop)

@@ -35,9 +35,8 @@ from tests.helpers import RedisServer, redis_server
 FULL = os.environ.get("MESHSERVE_FAULT_FULL") == "1"
 STREAMS = 4
 """One worker's slots (``max_active_sequences`` = 4): after a fault the survivor can run every stream at
-once. With more, resumed streams wait in its queue, send nothing, and the router's stall timer (which
-counts that wait) ejects the last worker too, failing them all with UNAVAILABLE (a finding, see
-docs/testing.md)."""
+once, which keeps the CI run short. (Streams beyond its slots wait in its queue; its queued keepalives
+keep the router's stall timer from ejecting it, see docs/testing.md.)"""
 MAX_TOKENS = 64 if FULL else 32
 STALL_TIMEOUT_S = 10.0
 """Shorter than the default 30 s so the stall test is quick, but longer than a loaded 2-core

@@ -30,10 +30,16 @@ class Admission:
                 retry_after_ms=500,
             )
 
-    async def acquire(self, cancelled: asyncio.Event) -> bool:
-        """Wait for a slot. False if ``cancelled`` was set first; ResourceExhausted if the queue is full."""
+    def try_acquire(self) -> bool:
+        """Take a free slot now if one is free and nobody waits for it."""
         if self.active < self.max_active and not self.queued:
             self.active += 1
+            return True
+        return False
+
+    async def acquire(self, cancelled: asyncio.Event) -> bool:
+        """Wait for a slot. False if ``cancelled`` was set first; ResourceExhausted if the queue is full."""
+        if self.try_acquire():
             return True
         self.ensure_room()
         slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -80,6 +80,7 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
         name=type(settings).service,
         max_open_chats=settings.max_open_chats,
         chat_idle_timeout_s=settings.chat_idle_timeout_s,
+        keepalive_s=settings.queued_keepalive_s,
     )
     hasher = PrefixHasher(settings.model_id, settings.resolved_model_version(), settings.prefix_block_tokens)
     servicer = WorkerServicer(

@@ -23,11 +23,13 @@ from services.common.worker.sessions import ChatSession, ChatSessions, HeldPrefi
 from services.common.worker.stats import WorkerCounters
 from services.common.worker.stops import StopStringMatcher
 from services.common.worker.types import (
+    QUEUED,
     Engine,
     EngineSequence,
     FinalEvent,
     FinishReason,
     GenerationRequest,
+    QueuedEvent,
     SamplingConfig,
     TokenEvent,
 )
@@ -160,8 +162,10 @@ class Turn:
         self._stop.set()
         self._cancelled.set()
 
-    async def events(self) -> AsyncGenerator[TokenEvent | FinalEvent, None]:
+    async def events(self) -> AsyncGenerator[TokenEvent | FinalEvent | QueuedEvent, None]:
         """Token events as they are produced, then exactly one FinalEvent.
+
+        While the turn waits for a slot, a QueuedEvent comes every ``keepalive_s`` seconds.
 
         Raises ResourceExhausted if the queue is full. Closing the iterator early cancels the turn.
         """
@@ -170,7 +174,16 @@ class Turn:
             runner.admission.ensure_room()
             runner.counters.sequence_started()
             with tracing.span("worker.queue_wait"):
-                admitted = await runner.admission.acquire(self._cancelled)
+                admitted = runner.admission.try_acquire()
+                if not admitted:
+                    acquire = asyncio.ensure_future(runner.admission.acquire(self._cancelled))
+                    try:
+                        while not (await asyncio.wait({acquire}, timeout=runner.keepalive_s))[0]:
+                            yield QUEUED
+                    finally:
+                        if not acquire.done():
+                            acquire.cancel()  # acquire() gives the slot up (or passes it on)
+                    admitted = acquire.result()
             if not admitted:
                 runner.counters.sequence_cancelled()
                 n = len(self.request.prompt_ids) + len(self.request.resume_ids)
@@ -229,8 +242,10 @@ class Runner:
         name: str = "worker",
         max_open_chats: int = 16,
         chat_idle_timeout_s: float = 120.0,
+        keepalive_s: float = 1.0,
     ) -> None:
         self.engine = engine
+        self.keepalive_s = keepalive_s
         self.sessions = ChatSessions(max_open_chats, chat_idle_timeout_s)
         self.admission = Admission(max_active, max_queue)
         self.counters = WorkerCounters()

@@ -24,7 +24,7 @@ from services.common.worker.report import LoadReport, LoadReporter, PrefixHasher
 from services.common.worker.runner import Runner, Turn
 from services.common.worker.sampling import resolve_sampling, validate_prompt
 from services.common.worker.sessions import ChatSession
-from services.common.worker.types import FinalEvent, FinishReason, GenerationRequest
+from services.common.worker.types import FinalEvent, FinishReason, GenerationRequest, QueuedEvent
 
 _FINISH = {
     FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
@@ -169,6 +169,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             async with aclosing(turn.events()) as events:
                 async for event in events:
+                    if isinstance(event, QueuedEvent):
+                        yield _QUEUED
+                        continue
                     now = time.perf_counter()
                     if isinstance(event, FinalEvent):
                         status = "CANCELLED" if event.reason is FinishReason.CANCELLED else "OK"
@@ -192,6 +195,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             stream.turn = None
             metrics.REQUEST_DURATION.labels(**labels, status=status).observe(time.perf_counter() - began)
+
+
+_QUEUED = worker_pb2.WorkerResponse(queued=True)
 
 
 def _final(event: FinalEvent) -> worker_pb2.WorkerFinal:

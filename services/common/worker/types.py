@@ -102,6 +102,15 @@ class KVUsage:
 
 
 @dataclass(frozen=True)
+class QueuedEvent:
+    """The turn still waits for a generation slot (sent as a keepalive, so callers can tell a queued
+    turn from a stalled worker)."""
+
+
+QUEUED = QueuedEvent()
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What the runtime needs to know about a loaded model."""
 

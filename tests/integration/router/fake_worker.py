@@ -34,6 +34,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     fail_next: grpc.StatusCode | None = None
     die_after_tokens: int | None = None  # next stream: abort with UNAVAILABLE after this many tokens
     stall_after_tokens: int | None = None  # next stream: go silent (until cancelled) after this many
+    queued_for_s: float = 0.0  # each turn first "waits for a slot" this long, sending queued keepalives
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     server: RunningServer | None = None
     kv_used_bytes: int = 0  # reported in Stats (the load report)
@@ -85,6 +86,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 produced = 0
                 die_after, self.die_after_tokens = self.die_after_tokens, None
                 stall_after, self.stall_after_tokens = self.stall_after_tokens, None
+                waited = 0.0
+                while waited < self.queued_for_s:  # like the worker runtime while its slots are busy
+                    await asyncio.sleep(0.1)
+                    waited += 0.1
+                    yield worker_pb2.WorkerResponse(queued=True)
                 for seq, tok in enumerate(self.tokens(start)):
                     if die_after is not None and seq == die_after:
                         await context.abort(grpc.StatusCode.UNAVAILABLE, "fake crash mid-stream")

@@ -75,6 +75,18 @@ async def test_stalled_worker_is_ejected_and_the_stream_resumed(mesh: Mesh) -> N
     assert any(r.ejections for r in mesh.router.registry.replicas if r.tier.value == "edge")
 
 
+async def test_a_worker_queueing_longer_than_the_stall_timeout_is_not_a_stall(mesh: Mesh) -> None:
+    """Queued keepalives restart the stall timer: no ejection, no failover, the stream is whole."""
+    bypass = pb.RoutingOptions(cache_policy=pb.CACHE_POLICY_BYPASS)
+    undisturbed = tokens(await generate(mesh, request("Queue here", 8, routing=bypass)))
+    for e in mesh.edges:
+        e.queued_for_s = 2.5  # the harness's stall timeout is 1 s
+    frames = await generate(mesh, request("Queue here", 8, routing=bypass))
+    assert tokens(frames) == undisturbed and final(frames).route.reason != "failover"
+    assert [f.sequence for f in frames] == list(range(len(frames)))
+    assert not any(r.ejections for r in mesh.router.registry.replicas)
+
+
 async def test_self_registered_worker_joins_by_heartbeat_and_leaves(mesh: Mesh) -> None:
     from services.common.pb.meshserve.internal.v1 import registry_pb2, registry_pb2_grpc, worker_pb2
 

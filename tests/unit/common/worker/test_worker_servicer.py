@@ -194,6 +194,25 @@ async def test_queue_then_resource_exhausted(harness: Any) -> None:
     assert (await wait_idle(stub)).sequences_started_total >= 2
 
 
+@pytest.mark.parametrize(
+    "harness", [{"max_active_sequences": 1, "max_queue": 2, "queued_keepalive_s": 0.05}], indirect=True
+)
+async def test_a_queued_turn_sends_keepalives_then_its_numbered_frames(harness: Any) -> None:
+    engine, stub = harness
+    engine.gate = threading.Semaphore(0)
+    first = asyncio.create_task(generate(stub, PROMPT, max_tokens=2))
+    session = Session(stub)
+    await session.call.write(start_frame(PROMPT, max_tokens=2))
+    keepalives = [await session.read() for _ in range(3)]  # the slot is held: only keepalives come
+    assert all(f.queued and not f.token_ids and not f.text and not f.HasField("final") for f in keepalives)
+    for _ in range(4):
+        engine.gate.release()
+    second = await session.turn_rest()
+    await session.call.done_writing()
+    assert (await first).reason == second.reason == pb.FINISH_REASON_LENGTH
+    assert second.sequences == [0, 1, 2] and second.token_ids == (await first).token_ids
+
+
 async def test_stats_fields(harness: Any) -> None:
     _, stub = harness
     await generate(stub, PROMPT, max_tokens=3)

@@ -172,10 +172,16 @@ class WorkerResponse(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
+    QUEUED_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """Position of this frame in the turn, starting at 0."""
     text: _builtins.str
     """Text produced since the previous frame."""
+    queued: _builtins.bool
+    """A keepalive while the turn waits for a generation slot: no tokens, no text, no final, and it
+    takes no sequence number (sequence is 0). It tells the router the worker is alive, so time
+    spent queued is not mistaken for a stall.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids produced since the previous frame."""
@@ -191,10 +197,11 @@ class WorkerResponse(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         text: _builtins.str = ...,
         final: Global___WorkerFinal | None = ...,
+        queued: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["final", b"final"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "queued", b"queued", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
