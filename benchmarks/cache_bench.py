@@ -1,7 +1,6 @@
 """Cache benchmark: services/cache against raw redis-py on the same transfers, and exact-hit TTFT.
 
-1. Library vs raw redis-py, one local redis-server (started here), interleaved A/B so machine noise
-   hits both sides alike:
+1. Library vs raw redis-py, one local redis-server (started here), interleaved A/B (noise hits both):
    * response entries: our ``ResponseCache.get`` (GET + decode + breaker + counters) vs raw ``GET``;
      our ``put`` (one EVALSHA: SET + byte ledger) vs raw ``SET EX``;
    * KV blocks (SmolLM2-135M geometry, fp16 [30, 2, 3, 16, 64] = 360 KiB per block, chains of 32):
