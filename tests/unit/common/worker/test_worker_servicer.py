@@ -201,9 +201,14 @@ async def test_a_queued_turn_sends_keepalives_then_its_numbered_frames(harness: 
     engine, stub = harness
     engine.gate = threading.Semaphore(0)
     first = asyncio.create_task(generate(stub, PROMPT, max_tokens=2))
+    deadline = time.monotonic() + 5
+    while (await stats(stub)).active_sequences < 1:  # the first turn holds the only slot
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.01)
     session = Session(stub)
     await session.call.write(start_frame(PROMPT, max_tokens=2))
-    keepalives = [await session.read() for _ in range(3)]  # the slot is held: only keepalives come
+    # The slot is held: only keepalives come.
+    keepalives = [await asyncio.wait_for(session.read(), 5) for _ in range(3)]
     assert all(f.queued and not f.token_ids and not f.text and not f.HasField("final") for f in keepalives)
     for _ in range(4):
         engine.gate.release()
