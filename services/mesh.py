@@ -51,6 +51,8 @@ class MeshConfig:
     gateway_port: int = 0
     redis_url: str = ""
     """Use this Redis instead of starting one ("" = start redis-server on a free port)."""
+    redis_maxmemory: str = "512mb"
+    """``--maxmemory`` of the Redis we start (allkeys-lru evicts above it); the soak uses a small one."""
     api_key: str = DEV_API_KEY
     edge_threads: int = 1
     cloud_threads: int = 2
@@ -155,7 +157,7 @@ class Mesh:
             "--dir",
             self._tmp.name,
             "--maxmemory",
-            "512mb",
+            self.config.redis_maxmemory,
             "--maxmemory-policy",
             "allkeys-lru",
         ]
