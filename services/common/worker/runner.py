@@ -148,6 +148,24 @@ def run_sequence(
     )
 
 
+def _coalesce(first: TokenEvent, queue: asyncio.Queue[TokenEvent | None]) -> TokenEvent:
+    """``first`` merged with the token events already waiting in ``queue`` (token ids and texts
+    concatenated in order), so a writer that fell behind the engine sends them as one frame.
+
+    Never waits: it merges only what was already produced. The end marker (None) stays queued, so
+    the final frame remains a frame of its own.
+    """
+    ids = list(first.token_ids)
+    texts = [first.text]
+    waiting = queue._queue  # type: ignore[attr-defined]  # a peek; asyncio.Queue has no public one
+    while waiting and waiting[0] is not None:
+        event = queue.get_nowait()
+        assert event is not None
+        ids.extend(event.token_ids)
+        texts.append(event.text)
+    return TokenEvent(tuple(ids), "".join(texts))
+
+
 class Turn:
     """One generation in flight. Iterate ``events()`` once; ``cancel()`` may be called any time."""
 
@@ -165,7 +183,9 @@ class Turn:
     async def events(self) -> AsyncGenerator[TokenEvent | FinalEvent | QueuedEvent, None]:
         """Token events as they are produced, then exactly one FinalEvent.
 
-        While the turn waits for a slot, a QueuedEvent comes every ``keepalive_s`` seconds.
+        While the turn waits for a slot, and then until its first token (the prefill of a long or
+        resumed context), a QueuedEvent comes every ``keepalive_s`` seconds: the caller can tell a
+        working worker from a stalled one.
 
         Raises ResourceExhausted if the queue is full. Closing the iterator early cancels the turn.
         """
@@ -212,7 +232,22 @@ class Turn:
             future.add_done_callback(runner.sequence_done)
             try:
                 sent = 0
-                while (event := await queue.get()) is not None:
+                while True:
+                    if sent == 0:  # prefill (long, or prompt + replay of a resumed stream) sends nothing
+                        first = asyncio.ensure_future(queue.get())
+                        try:
+                            while not (await asyncio.wait({first}, timeout=runner.keepalive_s))[0]:
+                                yield QUEUED
+                        finally:
+                            if not first.done():
+                                first.cancel()
+                        event = first.result()
+                    else:
+                        event = await queue.get()
+                    if event is None:
+                        break
+                    if not queue.empty():  # tokens that came while the last frame was written: one frame
+                        event = _coalesce(event, queue)
                     if sent == 0:
                         phase.end()
                         phase = tracing.start_span("worker.first_token")

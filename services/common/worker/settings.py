@@ -35,8 +35,9 @@ class WorkerSettings(ServiceSettings):
     chat_idle_timeout_s: float = Field(default=120.0, gt=0)
     """A chat's KV kept between turns is freed after this many idle seconds."""
     queued_keepalive_s: float = Field(default=1.0, gt=0)
-    """While a turn waits for a slot, a keepalive frame goes to the router this often, so queueing is
-    not taken for a stall (keep it well under the router's stall_timeout_s)."""
+    """While a turn waits for a slot or for its first token (prefill), a keepalive frame goes to the
+    router this often, so queueing or a long prefill is not taken for a stall (keep it well under the
+    router's stall_timeout_s)."""
     warmup: bool = True
     """Run a tiny generation before health reports SERVING (keeps the first request fast)."""
     model_version: str = ""

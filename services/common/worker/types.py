@@ -103,8 +103,8 @@ class KVUsage:
 
 @dataclass(frozen=True)
 class QueuedEvent:
-    """The turn still waits for a generation slot (sent as a keepalive, so callers can tell a queued
-    turn from a stalled worker)."""
+    """The turn still waits for a generation slot or for its first token (sent as a keepalive, so
+    callers can tell a queued or prefilling turn from a stalled worker)."""
 
 
 QUEUED = QueuedEvent()

@@ -178,9 +178,10 @@ class WorkerResponse(_message.Message):
     text: _builtins.str
     """Text produced since the previous frame."""
     queued: _builtins.bool
-    """A keepalive while the turn waits for a generation slot: no tokens, no text, no final, and it
-    takes no sequence number (sequence is 0). It tells the router the worker is alive, so time
-    spent queued is not mistaken for a stall.
+    """A keepalive while the turn waits for a generation slot, or for its first token (the prefill of a
+    long or resumed context): no tokens, no text, no final, and it takes no sequence number
+    (sequence is 0). It tells the router the worker is alive, so time spent queued or prefilling is
+    not mistaken for a stall.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
