@@ -45,7 +45,8 @@ async def test_streams_tokens_then_length_final(harness: Any) -> None:
     result = await generate(stub, PROMPT, max_tokens=3)
     assert result.token_ids == TOKENIZER.encode("hello worldhello")
     assert result.text == "hello worldhello"
-    assert result.sequences == [0, 1, 2, 3]
+    # Numbered without gaps; tokens produced while a frame was written may share the next frame.
+    assert _numbered(result.sequences, at_most=4)
     assert result.reason == pb.FINISH_REASON_LENGTH
     assert (result.final.prompt_tokens, result.final.completion_tokens, result.final.prefill_tokens) == (2, 3, 2)
     assert engine.started[-1][0] == PROMPT
@@ -125,7 +126,7 @@ async def test_two_turns_on_one_stream(harness: Any) -> None:
     second = await session.turn(context, max_tokens=1)
     await session.call.done_writing()
     assert await session.call.read() is grpc.aio.EOF
-    assert first.sequences == [0, 1, 2] and second.sequences == [0, 1]
+    assert _numbered(first.sequences, at_most=3) and _numbered(second.sequences, at_most=2)
     assert engine.started[-1][0] == context
     assert second.final.prompt_tokens == len(context)
 
@@ -215,7 +216,7 @@ async def test_a_queued_turn_sends_keepalives_then_its_numbered_frames(harness: 
     second = await session.turn_rest()
     await session.call.done_writing()
     assert (await first).reason == second.reason == pb.FINISH_REASON_LENGTH
-    assert second.sequences == [0, 1, 2] and second.token_ids == (await first).token_ids
+    assert _numbered(second.sequences, at_most=3) and second.token_ids == (await first).token_ids
 
 
 async def test_stats_fields(harness: Any) -> None:
@@ -311,3 +312,8 @@ async def test_stop_after_grace_cancels_generation() -> None:
     await asyncio.sleep(0.1)  # observing that nothing more happens
     assert engine.steps == steps < 60
     assert worker.runner.counters.snapshot().sequences_cancelled_total == 1
+
+
+def _numbered(sequences: list[int], at_most: int) -> bool:
+    """Frames numbered 0, 1, ... without gaps: at least a token frame and the final, at most one per token."""
+    return 2 <= len(sequences) <= at_most and sequences == list(range(len(sequences)))
