@@ -1,12 +1,19 @@
 """``meshserve bench soak --minutes N``: N minutes at 80 % of measured capacity; fail on resource growth.
 
 1. Starts the local mesh (launcher of ``meshserve up``; rate limits set out of the way).
+   Redis is started with ``--redis-maxmemory`` (32 MB; ``meshserve up`` uses 512 MB) so that the
+   response and KV prefix caches reach their bound, and evict, during the warm-up.
 2. **Capacity**: a short closed-loop ramp (``--ramp`` concurrencies, ``--ramp-seconds`` each) of the
    workload; capacity = the highest requests/s of a step without errors.
-3. **Soak**: Poisson arrivals at ``--load`` (0.8) times capacity for N minutes, in 30-s chunks, while a
-   sampler reads every service process's RSS and open file descriptors (psutil) every
-   ``--interval`` seconds.
-4. **Verdict**: per process and measure, the median of a *baseline window* right after the warm-up
+3. **Fill**: ``--fill`` distinct one-token prompts, and ``--fill-chat`` chat turns (the cloud tier),
+   at ``--fill-concurrency``, so that the bounded caches which fill only with distinct prompts (the
+   router's tokenizer LRU of 2,048 prompts) are full before the baseline, and every connection pool
+   (redis-py pools grow to the peak concurrency they see and keep their connections) has seen more
+   concurrency than the soak brings.
+4. **Soak**: Poisson arrivals at ``--load`` (0.8) times capacity for N minutes, in 30-s chunks, while a
+   sampler reads every service process's RSS and open file descriptors (psutil), its fds by kind
+   and Redis's INFO (used_memory, maxmemory, evicted_keys, clients) every ``--interval`` seconds.
+5. **Verdict**: per process and measure, the median of a *baseline window* right after the warm-up
    (not the cold start) against the median of the *final window*; growth above ``--max-growth``
    (5 %) on any of them fails the run (exit 1). Errors by status are reported too, and the growth
    over the second half alone (window at mid-run vs final window), which tells a steady leak (still
@@ -32,9 +39,10 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import redis.asyncio as aioredis
 
-from benchmarks import soak_report
-from benchmarks.load import Result, Workload, closed_loop, make_items, open_loop, poisson_schedule, summarize
+from benchmarks import soak_probe, soak_report
+from benchmarks.load import Result, WorkItem, Workload, closed_loop, make_items, open_loop, poisson_schedule, summarize
 from benchmarks.loadbench import UNLIMITED, parse_mix
 from benchmarks.senders import grpc_sender
 from services.client import MeshClient
@@ -42,6 +50,9 @@ from services.mesh import DEV_API_KEY, Mesh, MeshConfig
 
 Samples = dict[str, list[tuple[float, float]]]
 """``"<process>/<rss_mb|fds>"`` → (seconds since the soak started, value)."""
+
+FILL_PROMPTS = 2500
+"""Default ``--fill``: more distinct prompts than the router's tokenizer LRU holds (2,048)."""
 
 
 def service_processes(named: dict[int, str]) -> dict[str, psutil.Process]:
@@ -98,12 +109,39 @@ async def capacity(send: Any, workload: Workload, levels: Sequence[int], seconds
     return {"steps": steps, "requests_per_s": max(clean or [0.0])}
 
 
+def fill_items(n: int, chats: int, rng: random.Random, tag: str) -> list[WorkItem]:
+    """``n`` distinct short prompts and ``chats`` distinct chat turns, one token each, shuffled."""
+    items = make_items(Workload(1.0, 0.0, 0.0, max_tokens=1), n, rng, tag=tag)
+    items += make_items(Workload(0.0, 0.0, 1.0, max_tokens=1), chats, rng, tag=f"{tag}chat-")
+    rng.shuffle(items)
+    return items
+
+
+async def fill(send: Any, n: int, chats: int, concurrency: int, timeout_s: float) -> dict[str, Any]:
+    """:func:`fill_items` in a closed loop: fills the prompt-keyed bounded caches, peaks the pools."""
+    if n + chats <= 0:
+        return {"requests": 0}
+    items = fill_items(n, chats, random.Random(n), tag=f"fill-{time.time_ns()}-")
+    results, wall = await closed_loop(send, items, concurrency, float("inf"), timeout_s=timeout_s)
+    summary = summarize(results, wall)
+    print(f"soak fill: {len(items)} requests in {wall:.0f} s, errors {summary['errors'] or 'none'}", file=sys.stderr)
+    return {
+        "requests": len(items),
+        "chat": chats,
+        "concurrency": concurrency,
+        "wall_s": round(wall, 1),
+        "errors": summary["errors"],
+    }
+
+
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     mix = parse_mix(args.mix)
     workload = Workload(
         mix["short"], mix["long"], mix["chat"], cache_hit_ratio=args.cache_hit_ratio, max_tokens=args.max_tokens
     )
-    config = MeshConfig(edge_workers=args.edge_workers, cloud_workers=args.cloud_workers)
+    config = MeshConfig(
+        edge_workers=args.edge_workers, cloud_workers=args.cloud_workers, redis_maxmemory=args.redis_maxmemory
+    )
     config.extra_env.update(UNLIMITED)
     print("soak: starting the mesh...", file=sys.stderr, flush=True)
     async with Mesh(config, sink=lambda _n, _l: None) as mesh, MeshClient(mesh.gateway_address, DEV_API_KEY) as client:
@@ -113,8 +151,13 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         if cap["requests_per_s"] <= 0:
             raise SystemExit("soak: no ramp step finished without errors; the mesh cannot be soaked")
         rate = args.load * cap["requests_per_s"]
+        filled = await fill(send, args.fill, args.fill_chat, args.fill_concurrency, args.timeout)
         procs = service_processes({p.proc.pid: n for n, p in mesh.processes.items() if p.proc is not None})
+        redis = aioredis.Redis.from_url(mesh.redis_url)
         samples: Samples = {}
+        redis_samples: Samples = {}
+        kinds: dict[str, list[tuple[float, dict[str, int]]]] = {}
+        clients: list[tuple[float, dict[str, int]]] = []  # Redis connections by owner, at start/baseline/end
         results: list[Result] = []
         t0 = time.perf_counter()
         total_s = args.minutes * 60
@@ -122,6 +165,13 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         async def sampler() -> None:
             while (t := time.perf_counter() - t0) < total_s + args.interval:
                 sample(procs, t, samples)
+                ports = soak_probe.port_owners(procs)
+                for name, proc in procs.items():
+                    kinds.setdefault(name, []).append((round(t, 1), soak_probe.fd_kinds(proc, ports)))
+                for key, value in (await soak_probe.redis_stats(redis)).items():
+                    redis_samples.setdefault(key, []).append((t, value))
+                if not clients or t >= args.warmup_minutes * 60 > clients[-1][0]:  # start and baseline
+                    clients.append((round(t, 1), soak_probe.redis_client_owners(await redis.client_list(), ports)))
                 await asyncio.sleep(args.interval)
 
         task = asyncio.create_task(sampler())
@@ -142,6 +192,11 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
             )
         wall = time.perf_counter() - t0
         await task
+        ports = soak_probe.port_owners(procs)
+        clients.append(
+            (round(time.perf_counter() - t0, 1), soak_probe.redis_client_owners(await redis.client_list(), ports))
+        )
+        await redis.aclose()
     warmup_s = args.warmup_minutes * 60
     window_s = args.window_minutes * 60
     return {
@@ -152,6 +207,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "minutes": args.minutes,
         "workload": workload.__dict__,
         "capacity": cap,
+        "fill": filled,
+        "redis_maxmemory": args.redis_maxmemory,
         "load_fraction": args.load,
         "rate_requests_per_s": round(rate, 3),
         "warmup_s": warmup_s,
@@ -159,8 +216,51 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "interval_s": args.interval,
         "summary": summarize(results, wall),
         "verdict": verdict(samples, warmup_s, window_s, args.max_growth),
+        "redis": redis_summary(redis_samples, warmup_s),
+        "redis_clients": clients,
+        "fd_kinds": {name: fd_change(series, warmup_s) for name, series in kinds.items()},
         "samples": {k: [(round(t, 1), round(v, 2)) for t, v in s] for k, s in samples.items()},
+        "redis_samples": {k: [(round(t, 1), v) for t, v in s] for k, s in redis_samples.items()},
     }
+
+
+def redis_summary(series: Samples, warmup_s: float, full_fraction: float = 0.95) -> dict[str, Any]:
+    """Redis at the baseline (first sample from ``warmup_s``) and at the end, and when it filled.
+
+    ``full_at_s``: first sample with used_memory >= ``full_fraction`` x maxmemory (None if never):
+    before ``warmup_s``, Redis's memory in the baseline window is that of a full cache.
+    """
+    if not series.get("used_memory"):
+        return {}
+    times = [t for t, _ in series["used_memory"]]
+    base_i = next((i for i, t in enumerate(times) if t >= warmup_s), 0)
+
+    def at(i: int) -> dict[str, float]:
+        return {k: s[i][1] for k, s in series.items() if len(s) > i}
+
+    full_at = next(
+        (
+            t
+            for (t, used), (_, cap) in zip(series["used_memory"], series["maxmemory"], strict=False)
+            if cap and used >= full_fraction * cap
+        ),
+        None,
+    )
+    base, final = at(base_i), at(len(times) - 1)
+    return {
+        "baseline_t": round(times[base_i], 1),
+        "baseline": base,
+        "final": final,
+        "full_at_s": None if full_at is None else round(full_at, 1),
+        "full_before_baseline": full_at is not None and full_at <= warmup_s,
+        "evicted_during_soak": final.get("evicted_keys", 0.0) - base.get("evicted_keys", 0.0),
+    }
+
+
+def fd_change(series: list[tuple[float, dict[str, int]]], warmup_s: float) -> dict[str, Any]:
+    """fds by kind at the baseline (first sample from ``warmup_s``) and at the last sample."""
+    base = next((s for s in series if s[0] >= warmup_s), series[0])
+    return {"baseline_t": base[0], "baseline": base[1], "final_t": series[-1][0], "final": series[-1][1]}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -172,6 +272,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between samples (default 5)")
     parser.add_argument("--warmup-minutes", type=float, default=None, help="before the baseline window (N/5)")
     parser.add_argument("--window-minutes", type=float, default=None, help="baseline and final window (N/10)")
+    parser.add_argument(
+        "--redis-maxmemory", default="32mb", help="maxmemory of the Redis the soak starts (default 32mb)"
+    )
+    parser.add_argument(
+        "--fill", type=int, default=FILL_PROMPTS, help=f"distinct prompts before the soak (default {FILL_PROMPTS})"
+    )
+    parser.add_argument("--fill-chat", type=int, default=48, help="chat turns in the fill (default 48)")
+    parser.add_argument("--fill-concurrency", type=int, default=16, help="concurrency of the fill (default 16)")
     parser.add_argument("--max-growth", type=float, default=5.0, help="allowed growth in %% (default 5)")
     parser.add_argument("--mix", default="short=0.8,chat=0.2", help="request kinds (default short=0.8,chat=0.2)")
     parser.add_argument("--cache-hit-ratio", type=float, default=0.2, help="repeated greedy prompts (default 0.2)")

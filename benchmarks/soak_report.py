@@ -53,5 +53,82 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {key} | {row['baseline']:.1f} | {row['final']:.1f} | {row['growth_pct']:+.2f} | {late_text} | {mark} |"
         )
+    lines += redis_lines(report) + fd_lines(report)
     lines += ["", f"Raw samples: `docs/benchmarks/soak.json`. Reproduce: `{report['command']}` (or `make soak`)."]
     return "\n".join(lines) + "\n"
+
+
+def _mb(value: float) -> str:
+    return f"{value / 2**20:.1f}"
+
+
+def redis_lines(report: dict[str, Any]) -> list[str]:
+    """Redis's own counters: is its memory that of a full cache (at maxmemory, evicting)?"""
+    r = report.get("redis")
+    if not r:
+        return []
+    rows = []
+    for label, x in (("baseline", r["baseline"]), ("final", r["final"])):
+        rows.append(
+            f"| {label} | {_mb(x['used_memory'])} | {_mb(x['maxmemory'])} | {_mb(x['used_memory_rss'])} "
+            f"| {x['evicted_keys']:.0f} | {x['keys']:.0f} | {x['connected_clients']:.0f} |"
+        )
+    if r["full_before_baseline"]:
+        full = f"reached 95 % of maxmemory at {r['full_at_s']:g} s, before the baseline window"
+    elif r["full_at_s"] is not None:
+        full = f"reached 95 % of maxmemory only at {r['full_at_s']:g} s, after the baseline (growth partly filling)"
+    else:
+        full = "never reached 95 % of maxmemory: its growth is (partly) the cache filling"
+    fill = report.get("fill") or {}
+    fill_text = (
+        f"Before the soak, {fill['requests'] - fill.get('chat', 0)} distinct one-token prompts and "
+        f"{fill.get('chat', 0)} chat turns at concurrency {fill['concurrency']} ({fill['wall_s']:g} s, errors "
+        f"{fill['errors'] or 'none'}) filled the prompt-keyed caches and peaked the connection pools. "
+        if fill.get("requests")
+        else ""
+    )
+    return [
+        "",
+        "## Redis (maxmemory " + str(report.get("redis_maxmemory", "?")) + ", allkeys-lru)",
+        "",
+        f"{fill_text}Redis {full}; {r['evicted_during_soak']:.0f} keys evicted between the baseline and the end.",
+        "",
+        "| sample | used_memory MB | maxmemory MB | RSS MB | evicted_keys | keys | clients |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+        *rows,
+    ]
+
+
+def _kinds(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {n}" for k, n in sorted(counts.items())) or "-"
+
+
+def fd_lines(report: dict[str, Any]) -> list[str]:
+    """Open fds by kind where a process's kinds changed; Redis connections by owning process."""
+    kinds = report.get("fd_kinds") or {}
+    rows = []
+    for name, k in sorted(kinds.items()):
+        keys = sorted(set(k["baseline"]) | set(k["final"]))
+        changed = [x for x in keys if k["baseline"].get(x, 0) != k["final"].get(x, 0)]
+        if changed:
+            delta = ", ".join(f"{x} {k['baseline'].get(x, 0)} → {k['final'].get(x, 0)}" for x in changed)
+        else:
+            delta = "no change"
+        rows.append(f"| {name} | {_kinds(k['final'])} | {delta} |")
+    out = []
+    if rows:
+        out += [
+            "",
+            "## Open fds by kind (baseline sample → last sample)",
+            "",
+            "| process | fds at the end | changed since the baseline |",
+            "|---|---|---|",
+            *rows,
+        ]
+    owners = report.get("redis_clients") or []
+    if owners:
+        out += [
+            "",
+            "Redis `CLIENT LIST` by owning process: " + "; ".join(f"{t:g} s: {_kinds(o)}" for t, o in owners) + ".",
+        ]
+    return out

@@ -8,7 +8,7 @@ import sys
 
 import psutil
 
-from benchmarks.soak import Samples, growth, sample, service_processes, verdict
+from benchmarks.soak import Samples, fd_change, growth, redis_summary, sample, service_processes, verdict
 from benchmarks.soak_report import markdown
 
 
@@ -82,3 +82,48 @@ def test_soak_markdown_states_the_verdict() -> None:
         "**FAIL** (grew: gateway/rss_mb)" in text
         and "| gateway/rss_mb | 100.0 | 120.0 | +20.00 | +0.00 | grew |" in text
     )
+
+
+def test_soak_markdown_shows_redis_at_its_bound_and_which_fds_changed() -> None:
+    summary = {"requests": 10, "ok": 10, "errors": {}, "routes": {"cache": 2}, "requests_per_s": 1.0}
+    summary |= {"tokens_per_s": 16.0, "ttft_ms_p50": 5.0, "ttft_ms_p99": 9.0, "e2e_ms_p50": 50.0, "e2e_ms_p99": 90.0}
+    cap = 32.0 * 2**20
+    redis = {
+        "used_memory": [(0.0, 0.5 * cap), (60.0, 0.97 * cap), (120.0, 0.98 * cap)],
+        "maxmemory": [(t, cap) for t in (0.0, 60.0, 120.0)],
+        "used_memory_rss": [(t, 40.0 * 2**20) for t in (0.0, 60.0, 120.0)],
+        "evicted_keys": [(0.0, 0.0), (60.0, 10.0), (120.0, 70.0)],
+        "keys": [(t, 90.0) for t in (0.0, 60.0, 120.0)],
+        "connected_clients": [(t, 20.0) for t in (0.0, 60.0, 120.0)],
+    }
+    kinds = [
+        (0.0, {"pipe": 2}),
+        (60.0, {"pipe": 2, "tcp->redis-server": 3}),
+        (120.0, {"pipe": 2, "tcp->redis-server": 4}),
+    ]
+    report = {
+        "date": "2026-01-01",
+        "machine": {"cpus": 2, "load_avg_1m": 1.0},
+        "command": "meshserve bench soak --minutes 2",
+        "workload": {"short": 1, "long": 0, "chat": 0, "cache_hit_ratio": 0.2, "max_tokens": 16},
+        "capacity": {"steps": [{"concurrency": 1, "summary": summary}], "requests_per_s": 1.0},
+        "fill": {"requests": 2548, "chat": 48, "concurrency": 16, "wall_s": 100.0, "errors": {}},
+        "redis_maxmemory": "32mb",
+        "load_fraction": 0.8,
+        "rate_requests_per_s": 0.8,
+        "minutes": 2,
+        "warmup_s": 60.0,
+        "window_s": 12.0,
+        "interval_s": 5.0,
+        "summary": summary,
+        "verdict": verdict({"cloud-0/fds": _series([20.0] * 12 + [21.0] * 13)}, 60.0, 12.0, 5.0),
+        "redis": redis_summary(redis, 60.0),
+        "redis_clients": [(0.0, {"gateway": 15}), (120.0, {"gateway": 15, "cloud-0": 4})],
+        "fd_kinds": {"cloud-0": fd_change(kinds, 60.0), "router": fd_change([(0.0, {"pipe": 2})], 60.0)},
+    }
+    text = markdown(report)
+    assert "reached 95 % of maxmemory at 60 s, before the baseline window; 60 keys evicted" in text
+    assert "| final | 31.4 | 32.0 | 40.0 | 70 | 90 | 20 |" in text
+    assert "| cloud-0 | pipe 2, tcp->redis-server 4 | tcp->redis-server 3 → 4 |" in text
+    assert "| router | pipe 2 | no change |" in text
+    assert "120 s: cloud-0 4, gateway 15" in text and "2500 distinct one-token prompts and 48 chat turns" in text
