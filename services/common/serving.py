@@ -100,7 +100,7 @@ async def start_server(
     if tracing.enabled():
         from services.common.tracing_interceptor import TracingInterceptor
 
-        interceptors.append(TracingInterceptor())
+        interceptors.append(TracingInterceptor(public=not internal))  # public: sampling is decided here
     server = grpc.aio.server(interceptors=interceptors, options=grpc_options())
     register(server)
     health_servicer = health.aio.HealthServicer()

@@ -5,8 +5,8 @@ imported, :func:`span` returns one shared no-op context manager and :func:`injec
 the disabled cost per request is a few attribute lookups (measured in ``benchmarks/tracing_bench.py``).
 
 On: an SDK ``TracerProvider`` whose resource names the service (``service.name``), a
-``ParentBased(TraceIdRatioBased(sample_ratio))`` sampler (a traced caller's decision is followed)
-and one exporter:
+``ParentBased(TraceIdRatioBased(sample_ratio))`` sampler (an internal hop follows its caller's
+decision) and one exporter:
 
 - ``otlp``: OTLP/gRPC to ``otlp_endpoint`` through a batching processor. The exporter package is
   optional (``pip install 'meshserve[otlp]'``) and imported only when chosen.
@@ -22,7 +22,13 @@ Context crosses hops as W3C ``traceparent``/``tracestate`` gRPC metadata: the cl
 RPC's SERVER span from it (:func:`start_server_span`, called by
 :class:`services.common.tracing_interceptor.TracingInterceptor`). Domain code creates spans with
 :func:`span` / :func:`start_span` only (no grpc here); those are phases of a traced call and record
-nothing outside one. We keep our own tracer instead of replacing
+nothing outside one.
+
+At the public edge (the gateway's server, ``start_server_span(..., public=True)``) a caller's
+``traceparent`` gives the trace id and parent span (its trace is joined), but not the sampling
+decision: that is drawn at random with ``sample_ratio`` here (not from the trace id, which a caller
+picks), so a caller cannot make every request recorded; ``trust_caller_sampling`` restores following
+it. We keep our own tracer instead of replacing
 OpenTelemetry's global provider, which may be set once per process and so would pin in-process
 tests to the first setup.
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -40,7 +47,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import structlog
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import INVALID_SPAN, Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import (
+    INVALID_SPAN,
+    NonRecordingSpan,
+    Span,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+)
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
@@ -60,6 +76,8 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 _CORRELATION = {md.REQUEST_ID: "meshserve.request_id", md.TENANT: "meshserve.tenant"}
 _SERVER_KEYS = frozenset((*TRACE_HEADERS, *_CORRELATION))
 _NOOP_SCOPE = contextlib.nullcontext(INVALID_SPAN)
+MAX_TRACE_HEADER_CHARS = 512
+"""Longest ``tracestate`` forwarded from a public caller (W3C: 32 list members, 512 chars suffice)."""
 AttributeValue = str | bool | int | float
 
 
@@ -78,7 +96,11 @@ class TracingSettings(BaseSettings):
     dir: str = ""
     """Directory for exporter=file: each process writes ``<service>-<pid>.jsonl`` there."""
     sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
-    """Fraction of new traces recorded (a caller's sampled flag always wins)."""
+    """Fraction of requests recorded. Internal hops follow their caller's decision; the public edge
+    (gateway) draws its own with this ratio, keeping a caller's trace id (see trust_caller_sampling)."""
+    trust_caller_sampling: bool = False
+    """Let the public edge follow a caller's sampled flag (only when every caller is trusted, e.g. a
+    proxy of yours that samples): otherwise any caller could have every request traced."""
 
     @model_validator(mode="after")
     def _file_needs_dir(self) -> TracingSettings:
@@ -104,6 +126,8 @@ class _State:
     enabled = False
     tracer: trace.Tracer = trace.NoOpTracer()
     provider: TracerProvider | None = None
+    sample_ratio = 1.0
+    trust_caller_sampling = False
 
 
 def enabled() -> bool:
@@ -137,6 +161,7 @@ def setup_tracing(
     reset_tracing()
     _State.provider = provider
     _State.tracer = provider.get_tracer("meshserve")
+    _State.sample_ratio, _State.trust_caller_sampling = settings.sample_ratio, settings.trust_caller_sampling
     _State.enabled = True
     structlog.get_logger(__name__).info("tracing_enabled", exporter=settings.exporter if exporter is None else "test")
     return provider
@@ -245,14 +270,47 @@ def inject(carrier: dict[str, str]) -> None:
         _PROPAGATOR.inject(carrier)
 
 
-def start_server_span(name: str, metadata: Iterable[tuple[str, str | bytes]]) -> Span:
+def caller_trace_headers(headers: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    """A public caller's ``traceparent``/``tracestate`` fit to forward as gRPC metadata (HTTP adapter).
+
+    A malformed ``traceparent`` is dropped (never an error), and ``tracestate`` goes only with a valid
+    one; both must be short printable ASCII (anything else would fail the gRPC call).
+    """
+    parent = headers.get("traceparent", "").strip()
+    if not parent or len(parent) > MAX_TRACE_HEADER_CHARS or not (parent.isascii() and parent.isprintable()):
+        return ()
+    if not trace.get_current_span(_PROPAGATOR.extract({"traceparent": parent})).get_span_context().is_valid:
+        return ()
+    forwarded = [("traceparent", parent)]
+    state = headers.get("tracestate", "").strip()
+    if state and len(state) <= MAX_TRACE_HEADER_CHARS and state.isascii() and state.isprintable():
+        forwarded.append(("tracestate", state))
+    return tuple(forwarded)
+
+
+def _edge_decision(parent: otel_context.Context) -> otel_context.Context:
+    """The caller's remote parent with our own sampling decision in place of its flag."""
+    remote = trace.get_current_span(parent).get_span_context()
+    if not remote.is_valid or _State.trust_caller_sampling:
+        return parent
+    sampled = random.random() < _State.sample_ratio  # sampling, not security
+    flags = TraceFlags(TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
+    ours = SpanContext(remote.trace_id, remote.span_id, True, flags, remote.trace_state)
+    return trace.set_span_in_context(NonRecordingSpan(ours), parent)
+
+
+def start_server_span(name: str, metadata: Iterable[tuple[str, str | bytes]], *, public: bool = False) -> Span:
     """Start the SERVER span of an incoming call (parent from its metadata) and make it current.
 
-    The context stays attached for the rest of the calling task: gRPC runs every call in a task of
-    its own, so it ends with the call (the same reason structlog's contextvars need no unbind).
+    ``public`` (the edge callers reach): the caller's trace id and parent are kept, the sampling
+    decision is ours (module docstring). The context stays attached for the rest of the calling task:
+    gRPC runs every call in a task of its own, so it ends with the call (the same reason structlog's
+    contextvars need no unbind).
     """
     carrier = {k: v for k, v in metadata if k in _SERVER_KEYS and isinstance(v, str)}
     parent = _PROPAGATOR.extract(carrier)
+    if public:
+        parent = _edge_decision(parent)
     attributes = {"rpc.system": "grpc"}
     for key, attribute in _CORRELATION.items():
         if carrier.get(key):

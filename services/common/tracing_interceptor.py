@@ -2,7 +2,9 @@
 
 Installed by :func:`services.common.serving.start_server` only when tracing is on, innermost (after
 the error mapper), so the span covers the handler and sees domain errors before they become status
-codes. Health checks, reflection, load reports and heartbeats are not traced.
+codes. Health checks, reflection, load reports and heartbeats are not traced. On a public server
+(the gateway: no internal credential) a caller's sampling flag is not followed
+(:func:`services.common.tracing.start_server_span` with ``public``).
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ def _code(exc: BaseException) -> str:
     return "INTERNAL"
 
 
-def _traced(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+def _traced(handler: grpc.RpcMethodHandler, method: str, public: bool) -> grpc.RpcMethodHandler:
     def begin(context: grpc.aio.ServicerContext) -> Any:
-        return tracing.start_server_span(method, context.invocation_metadata() or ())
+        return tracing.start_server_span(method, context.invocation_metadata() or (), public=public)
 
     def unary(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -84,7 +86,13 @@ def _traced(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandle
 
 
 class TracingInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every traced method's handler in a SERVER span named after the method."""
+    """Wraps every traced method's handler in a SERVER span named after the method.
+
+    ``public``: callers are outside the mesh, so the sampling decision is ours, not theirs.
+    """
+
+    def __init__(self, *, public: bool = False) -> None:
+        self._public = public
 
     async def intercept_service(
         self,
@@ -94,4 +102,4 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(_EXEMPT_PREFIXES):
             return handler
-        return _traced(handler, details.method.lstrip("/"))
+        return _traced(handler, details.method.lstrip("/"), self._public)

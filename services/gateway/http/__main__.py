@@ -41,9 +41,10 @@ async def serve(settings: HttpAdapterSettings) -> tuple[web.AppRunner, int, grpc
         access_log=None,
         max_line_size=MAX_HEADER_BYTES,
         max_field_size=MAX_HEADER_BYTES,
+        shutdown_timeout=settings.shutdown_grace_s,  # on the runner: TCPSite's is deprecated (a warning)
     )
     await runner.setup()
-    site = web.TCPSite(runner, settings.host, settings.port, shutdown_timeout=settings.shutdown_grace_s)
+    site = web.TCPSite(runner, settings.host, settings.port)
     await site.start()
     server = site._server
     sockets = getattr(server, "sockets", None) or []

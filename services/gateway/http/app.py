@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (aiohttp), relaying each request to the gateway over gRPC.
 
 A handler only translates: OpenAI JSON -> proto (:mod:`.openai_api`), one gRPC call to the gateway
-with the caller's ``Authorization`` header, proto -> JSON or server-sent events. Authentication,
+with the caller's ``Authorization`` header (and its W3C ``traceparent``/``tracestate`` when well formed),
+proto -> JSON or server-sent events. Authentication,
 validation, limits and errors are the gateway's; a gRPC status becomes OpenAI's error JSON with the
 matching HTTP status (429 carries ``Retry-After`` in seconds, rounded up, and ``retry-after-ms``).
 
@@ -23,6 +24,7 @@ import structlog
 from aiohttp import web
 
 from services.common import metadata as md
+from services.common import tracing
 from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
@@ -103,7 +105,8 @@ class OpenAIApp:
             # A non-ASCII metadata value fails inside grpc.aio, and a Chat call then never starts (hangs).
             if not (value.isascii() and value.isprintable()):
                 raise InvalidArgument(f"the {name} header must be printable ASCII; send an API key or JWT")
-        return forwarded
+        # W3C trace context joins the caller's trace (the gateway decides sampling; a bad one is dropped).
+        return forwarded + tracing.caller_trace_headers(request.headers)
 
     @staticmethod
     async def _json(request: web.Request) -> dict[str, Any]:
