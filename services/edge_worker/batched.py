@@ -37,6 +37,7 @@ import onnxruntime as ort
 from tokenizers import Tokenizer
 
 from services.common.worker.types import EngineInfo, KVUsage, SamplingConfig
+from services.edge_worker.graph import load_session
 from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.sampler import pick
 from services.edge_worker.sequence import BatchedSequence
@@ -72,9 +73,7 @@ class BatchedEngine:
         # Idle intra-op threads sleep instead of spinning: on a small shared CPU (the worker sits next
         # to the gateway and router) spinning cost ~1.6x CPU per token at 2 threads (docs/edge.md).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = ort.InferenceSession(
-            str(model_dir / decoder["filename"]), options, providers=["CPUExecutionProvider"]
-        )
+        self._session = load_session(model_dir / decoder["filename"], options)
         eos = config.get("eos_token_id", [])
         self._info = EngineInfo(
             model_id=model_id,
@@ -223,6 +222,7 @@ class BatchedEngine:
             else:
                 decode.append(seq)
         if decode:
+            decode = self._place(decode)
             logits = self._decode(decode)
             for row, seq in enumerate(decode):
                 self._after(seq, logits[row], done, carry)
@@ -282,10 +282,23 @@ class BatchedEngine:
         logits: np.ndarray = io.get_outputs()[0].numpy()
         return logits[0, -1]
 
+    def _place(self, seqs: list[BatchedSequence]) -> list[BatchedSequence]:
+        """Move ``seqs`` into the lowest slots, ordered by slot; a sequence already there stays put.
+
+        Rows of an M>=2 call do not depend on each other, so the row order is free: keeping each
+        sequence in its slot means a steady batch moves no KV at all (ordering rows by arrival instead
+        swapped KV on most steps: ~15 % of the CPU per token at 16 streams).
+        """
+        count = len(seqs)
+        holes = iter(sorted(set(range(count)) - {seq.slot for seq in seqs}))
+        for seq in seqs:
+            assert seq.slot is not None
+            if seq.slot >= count:
+                self._move(seq, next(holes))
+        return sorted(seqs, key=lambda seq: seq.slot or 0)
+
     def _decode(self, seqs: list[BatchedSequence]) -> np.ndarray:
-        """One call, row i = ``seqs[i]`` (moved to slot i); a lone sequence gets a dummy second row."""
-        for row, seq in enumerate(seqs):
-            self._move(seq, row)
+        """One call, row i = ``seqs[i]``, which sits in slot i; a lone sequence gets a dummy second row."""
         rows = max(self.min_rows, len(seqs))
         lengths = [seq.kv_len for seq in seqs]
         ids = [seq.tokens[seq.kv_len] for seq in seqs]

@@ -1,0 +1,50 @@
+"""Load the model builder's decoder with its LM head applied to the last two positions only.
+
+The builder's graph computes logits for every input position, so a prefill chunk of 512 tokens ran
+the 49152 x 576 LM head 512 times (about a fifth of the chunk's compute) and returned 96 MiB of
+logits, which were copied into Python (holding the GIL) to read one row. The engine only ever reads
+the last position. Two positions, not one: MatMulNBits computes one row (M=1) differently from
+several (its int8-activation kernels), and rows of an M>=2 call do not depend on each other, so the
+last row is the same as in the full graph (and a decode row, length 1, is unchanged).
+
+The edit is a ``Slice`` in front of the LM head, made in memory at load time: the prepared model on
+disk (and onnxruntime-genai's use of it) is unchanged; the weights are read from the model directory.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+LAST_POSITIONS = 2
+
+
+def _last_positions(model: onnx.ModelProto) -> None:
+    graph = model.graph
+    head = next((node for node in graph.node if "logits" in node.output), None)
+    if head is None:
+        raise ValueError("the decoder graph has no node producing 'logits'")
+    hidden = head.input[0]
+    sliced = f"{hidden}/last_positions"
+    names = ("last_positions_starts", "last_positions_ends", "last_positions_axes")
+    values = (-LAST_POSITIONS, np.iinfo(np.int64).max, 1)
+    for name, value in zip(names, values, strict=True):
+        graph.initializer.append(numpy_helper.from_array(np.array([value], dtype=np.int64), name))
+    index = list(graph.node).index(head)
+    graph.node.insert(index, helper.make_node("Slice", [hidden, *names], [sliced], name="/lm_head/LastPositions"))
+    head.input[0] = sliced
+    for output in graph.output:
+        if output.name == "logits":
+            output.type.tensor_type.shape.dim[1].dim_param = "last_positions"
+
+
+def load_session(model_path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
+    """An onnxruntime session of ``model_path`` whose ``logits`` are ``[batch, min(2, seq), vocab]``."""
+    model = onnx.load(str(model_path), load_external_data=False)
+    _last_positions(model)
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
