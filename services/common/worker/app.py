@@ -122,6 +122,7 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
             internal_token=settings.internal_token,
             interval_s=settings.heartbeat_interval_s,
             timeout_s=settings.heartbeat_timeout_s,
+            resolve=settings.router_resolve,
         )
         heartbeater.start()
         server.on_stop.append(heartbeater.close)

@@ -1,7 +1,11 @@
 """Self-registration: the worker heartbeats its address, tier and load report to each router.
 
 One task per router (``WorkerRegistry.Heartbeat``, internal credential from
-``services.common.interceptors.outbound_metadata``). Contract:
+``services.common.interceptors.outbound_metadata``). With ``resolve``, each ``host:port`` is a DNS
+name re-resolved every ``interval_s`` (e.g. a Kubernetes headless Service, which lists every router
+replica): the worker heartbeats to every address it resolves to, starts on addresses that appear and
+stops on ones that are gone, so every router replica knows every worker. A failed or empty
+resolution keeps the last known set. Contract:
 
 * heartbeats never block serving: they run in their own tasks, each call bounded by
   ``timeout_s``; the report is built off the event loop (:class:`LoadReporter`);
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
@@ -44,8 +50,15 @@ class Heartbeater:
         interval_s: float = 1.0,
         timeout_s: float = 1.0,
         max_backoff_s: float = 10.0,
+        resolve: bool = False,
+        resolver: Callable[[str], Awaitable[list[str]]] | None = None,
     ) -> None:
-        self.routers = list(routers)
+        self.names = list(routers)
+        """Configured router addresses (``host:port``); with ``resolve``, DNS names to re-resolve."""
+        self.resolve = resolve
+        self._resolver = resolver or dns_addresses
+        self.routers: list[str] = [] if resolve else list(routers)
+        """Addresses heartbeated to now (the resolved ones with ``resolve``)."""
         self.address = address
         self.tier = tier
         self._stats = stats
@@ -54,16 +67,66 @@ class Heartbeater:
         self.timeout_s = timeout_s
         self.max_backoff_s = max_backoff_s
         self._channels = {r: grpc.aio.insecure_channel(r, options=grpc_options()) for r in self.routers}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._discovery: asyncio.Task[None] | None = None
+        self._retired: set[asyncio.Task[None]] = set()
         self.registered: dict[str, bool] = {}
         """Per router: did the last heartbeat succeed (for tests and health pages)."""
         self.beats: dict[str, int] = dict.fromkeys(self.routers, 0)
         """Per router: heartbeats answered."""
         self._changed = asyncio.Event()
+        self._resolve_failing = False
 
     def start(self) -> None:
+        if self.resolve:
+            self._discovery = asyncio.create_task(self._discover(), name="heartbeat-discovery")
+            return
         for router in self.routers:
-            self._tasks.append(asyncio.create_task(self._loop(router), name=f"heartbeat-{router}"))
+            self._add(router)
+
+    def _add(self, router: str) -> None:
+        if router not in self._channels:
+            self._channels[router] = grpc.aio.insecure_channel(router, options=grpc_options())
+        self.beats.setdefault(router, 0)
+        self._tasks[router] = asyncio.create_task(self._loop(router), name=f"heartbeat-{router}")
+
+    async def _discover(self) -> None:
+        """Re-resolve the router names every ``interval_s`` and heartbeat to exactly what they list."""
+        while True:
+            found = await self.resolve_routers()
+            if found:
+                for gone in [r for r in self.routers if r not in found]:
+                    log.info("router_address_gone", router=gone, address=self.address)
+                    task = self._tasks.pop(gone)
+                    task.cancel()
+                    self._retired.add(task)
+                    task.add_done_callback(self._retired.discard)
+                    self.registered.pop(gone, None)
+                    await self._channels.pop(gone).close()
+                for new in [r for r in found if r not in self.routers]:
+                    log.info("router_address_found", router=new, address=self.address)
+                    self._add(new)
+                self.routers = found
+                self._changed.set()
+            await asyncio.sleep(self.interval_s)
+
+    async def resolve_routers(self) -> list[str]:
+        """Every ``ip:port`` the configured names resolve to now (sorted); empty when none resolve."""
+        found: set[str] = set()
+        failures = []
+        for name in self.names:
+            try:
+                found.update(await self._resolver(name))
+            except Exception as exc:  # NXDOMAIN, resolver down, a malformed answer: keep what we know
+                failures.append(f"{name}: {exc}")
+        failing = bool(failures) and not found
+        if failing != self._resolve_failing:  # logged once per change, not every round
+            self._resolve_failing = failing
+            if failing:
+                log.warning("router_names_not_resolved", names=self.names, errors=failures)
+            else:
+                log.info("router_names_resolved", names=self.names, routers=sorted(found))
+        return sorted(found)
 
     async def _beat(self, router: str, *, leaving: bool = False) -> float:
         """One heartbeat; returns the router's TTL in seconds (0 when it sent none)."""
@@ -110,20 +173,29 @@ class Heartbeater:
         else:
             log.warning("worker_heartbeat_failing", router=router, address=self.address, **kw)
 
+    async def wait_routers(self, count: int) -> None:
+        """Until at least ``count`` routers answered a heartbeat (with ``resolve``: resolved ones)."""
+        while sum(self.registered.get(r, False) for r in self.routers) < count:
+            self._changed.clear()
+            await self._changed.wait()
+
     async def stop(self) -> None:
         """Stop heartbeating without a goodbye (routers forget this worker after their TTL)."""
-        for task in self._tasks:
+        tasks = [*self._tasks.values(), *self._retired, *([self._discovery] if self._discovery else [])]
+        for task in tasks:
             task.cancel()
-        for task in self._tasks:
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        self._discovery = None
 
     async def leave(self) -> None:
         """Stop heartbeating and tell every router this worker is leaving (best effort, bounded)."""
         await self.stop()
-        results = await asyncio.gather(*(self._beat(r, leaving=True) for r in self.routers), return_exceptions=True)
-        for router, result in zip(self.routers, results, strict=True):
+        routers = [r for r in self.routers if r in self._channels]
+        results = await asyncio.gather(*(self._beat(r, leaving=True) for r in routers), return_exceptions=True)
+        for router, result in zip(routers, results, strict=True):
             if isinstance(result, BaseException):
                 log.warning("worker_leave_not_delivered", router=router, error=_describe(result))
             else:
@@ -132,6 +204,19 @@ class Heartbeater:
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
+
+
+async def dns_addresses(name: str) -> list[str]:
+    """The ``ip:port`` addresses ``host:port`` resolves to (off the event loop; OSError when none)."""
+    host, _, port = name.rpartition(":")
+    infos = await asyncio.get_running_loop().getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+    found = []
+    for info in infos:
+        ip = str(info[4][0])
+        address = f"[{ip}]:{port}" if ipaddress.ip_address(ip).version == 6 else f"{ip}:{port}"
+        if address not in found:
+            found.append(address)
+    return found
 
 
 def _describe(exc: BaseException) -> str:

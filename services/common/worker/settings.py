@@ -46,6 +46,10 @@ class WorkerSettings(ServiceSettings):
     router_address: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """Routers to register with (comma-separated host:port); empty = no self-registration (the router
     then needs this worker in its static list)."""
+    router_resolve: bool = False
+    """Re-resolve each router_address host name by DNS every heartbeat interval and heartbeat to every
+    address it lists (a Kubernetes headless Service names all router replicas: every replica learns
+    every worker). Off: each address is one gRPC target (a normal Service reaches one replica)."""
     advertise_address: str = ""
     """host:port routers should call this worker on; empty = `<host>:<bound port>` (the hostname when
     listening on 0.0.0.0)."""

@@ -140,3 +140,84 @@ async def test_an_unreachable_router_is_retried_with_backoff_until_it_comes_up()
 
 async def _stats() -> worker_pb2.WorkerStats:
     return worker_pb2.WorkerStats(worker_id="w")
+
+
+async def test_resolved_routers_are_all_heartbeated_and_followed_as_they_change() -> None:
+    """With ``resolve`` the worker beats to every address the name lists now (a headless Service)."""
+    recorders = [Recorder(), Recorder(), Recorder()]
+    servers = [await start_registry(r) for r in recorders]
+    addresses = [f"127.0.0.1:{s.port}" for s in servers]
+    listed = {"routers.test:1": addresses[:2]}
+
+    async def resolver(name: str) -> list[str]:
+        return listed[name]
+
+    hb = Heartbeater(
+        ["routers.test:1"],
+        address="127.0.0.1:1",
+        tier=pb.TIER_EDGE,
+        stats=_stats,
+        internal_token=TOKEN,
+        interval_s=0.02,
+        resolve=True,
+        resolver=resolver,
+    )
+    hb.start()
+    try:
+        await asyncio.wait_for(hb.wait_routers(2), 10)
+        assert hb.routers == sorted(addresses[:2]) and recorders[0].beats and recorders[1].beats
+        listed["routers.test:1"] = addresses[1:]  # one replica gone, another scaled up
+        await asyncio.wait_for(hb.wait_state(addresses[2], True), 10)
+        assert hb.routers == sorted(addresses[1:])
+        seen_by_gone = len(recorders[0].beats)
+        await recorders[2].wait_for(len(recorders[2].beats) + 3)  # several rounds later...
+        assert len(recorders[0].beats) == seen_by_gone  # ...the vanished address gets nothing more
+    finally:
+        await hb.leave()
+        await hb.close()
+        for server in servers:
+            await server.stop()
+    assert recorders[1].beats[-1].leaving and recorders[2].beats[-1].leaving and not recorders[0].beats[-1].leaving
+
+
+async def test_a_failed_resolution_keeps_the_last_known_routers() -> None:
+    recorder = Recorder()
+    server = await start_registry(recorder)
+    answers: list[list[str] | None] = [[f"127.0.0.1:{server.port}"]]
+
+    async def resolver(name: str) -> list[str]:
+        if answers[-1] is None:
+            raise OSError("Name or service not known")
+        return answers[-1]
+
+    hb = Heartbeater(
+        ["routers.test:1"], address="127.0.0.1:1", tier=pb.TIER_EDGE, stats=_stats, internal_token=TOKEN,
+        interval_s=0.02, resolve=True, resolver=resolver,
+    )  # fmt: skip
+    hb.start()
+    try:
+        await asyncio.wait_for(hb.wait_routers(1), 10)
+        answers.append(None)  # DNS hiccup: keep beating to what we know
+        await recorder.wait_for(len(recorder.beats) + 3)
+        assert hb.routers == [f"127.0.0.1:{server.port}"] and hb.registered[f"127.0.0.1:{server.port}"]
+    finally:
+        await hb.leave()
+        await hb.close()
+        await server.stop()
+
+
+async def test_real_dns_resolution_of_a_router_name(registry: tuple[Recorder, RunningServer]) -> None:
+    """The default resolver goes through getaddrinfo: ``localhost`` names the recorder on 127.0.0.1."""
+    recorder, server = registry
+    hb = Heartbeater(
+        [f"localhost:{server.port}"], address="127.0.0.1:1", tier=pb.TIER_EDGE, stats=_stats,
+        internal_token=TOKEN, interval_s=0.02, resolve=True,
+    )  # fmt: skip
+    hb.start()
+    try:
+        await asyncio.wait_for(hb.wait_state(f"127.0.0.1:{server.port}", True), 10)
+        assert f"127.0.0.1:{server.port}" in hb.routers
+    finally:
+        await hb.stop()
+        await hb.close()
+    assert recorder.beats and recorder.beats[0].address == "127.0.0.1:1"
