@@ -273,6 +273,25 @@ def test_workers_reach_the_router_before_it_is_ready(built: list[dict[str, Any]]
     assert not service_of(address)["spec"].get("publishNotReadyAddresses")
 
 
+def test_every_worker_registers_with_every_router_replica(built: list[dict[str, Any]]) -> None:
+    """Several routers: workers resolve the headless registry Service (all router pods, by DNS) each
+    heartbeat round and heartbeat every address, so no router sees only part of the workers."""
+    assert _find(built, "Deployment", "router")["spec"]["replicas"] >= 2
+    for workload in ("edge-worker", "gpu-worker"):
+        kind = "StatefulSet" if workload == "gpu-worker" else "Deployment"
+        (container,) = _find(built, kind, workload)["spec"]["template"]["spec"]["containers"]
+        env = _container_env(built, container)
+        (resolve,) = [v for k, v in env.items() if k.endswith("_WORKER_ROUTER_RESOLVE")]
+        assert resolve == "true"
+        (address,) = [v for k, v in env.items() if k.endswith("_WORKER_ROUTER_ADDRESS")]
+        host, _, port = address.rpartition(":")
+        service = _find(built, "Service", host)
+        assert service["spec"]["clusterIP"] == "None"  # headless: DNS answers with every router pod
+        # A headless Service does not map ports: the DNS answer is a pod IP, called on this port.
+        (mapped,) = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
+        assert mapped["targetPort"] == int(port)
+
+
 K8S_OF_COMPOSE = {
     "gateway": "gateway",
     "router": "router",
