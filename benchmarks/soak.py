@@ -5,11 +5,11 @@
    response and KV prefix caches reach their bound, and evict, during the warm-up.
 2. **Capacity**: a short closed-loop ramp (``--ramp`` concurrencies, ``--ramp-seconds`` each) of the
    workload; capacity = the highest requests/s of a step without errors.
-3. **Fill**: ``--fill`` distinct one-token prompts, and ``--fill-chat`` chat turns (the cloud tier),
-   at ``--fill-concurrency``, so that the bounded caches which fill only with distinct prompts (the
-   router's tokenizer LRU of 2,048 prompts) are full before the baseline, and every connection pool
-   (redis-py pools grow to the peak concurrency they see and keep their connections) has seen more
-   concurrency than the soak brings.
+3. **Fill**: up to ``--fill`` distinct one-token prompts, with ``--fill-chat`` chat turns (the cloud
+   tier) among them, at ``--fill-concurrency`` for at most ``--fill-seconds``: every connection pool
+   (redis-py pools grow to the peak concurrency they have seen and keep their connections) sees more
+   concurrency than the soak brings, and the caches that fill only with distinct prompts (the router's
+   tokenizer LRU of 2,048 prompts, ~1.4 MB) get as full as the time allows (the report says how many).
 4. **Soak**: Poisson arrivals at ``--load`` (0.8) times capacity for N minutes, in 30-s chunks, while a
    sampler reads every service process's RSS and open file descriptors (psutil), its fds by kind
    and Redis's INFO (used_memory, maxmemory, evicted_keys, clients) every ``--interval`` seconds.
@@ -52,7 +52,7 @@ Samples = dict[str, list[tuple[float, float]]]
 """``"<process>/<rss_mb|fds>"`` → (seconds since the soak started, value)."""
 
 FILL_PROMPTS = 2500
-"""Default ``--fill``: more distinct prompts than the router's tokenizer LRU holds (2,048)."""
+"""Default ``--fill``: more distinct prompts than the router's tokenizer LRU holds (2,048), if time allows."""
 
 
 def service_processes(named: dict[int, str]) -> dict[str, psutil.Process]:
@@ -110,24 +110,25 @@ async def capacity(send: Any, workload: Workload, levels: Sequence[int], seconds
 
 
 def fill_items(n: int, chats: int, rng: random.Random, tag: str) -> list[WorkItem]:
-    """``n`` distinct short prompts and ``chats`` distinct chat turns, one token each, shuffled."""
-    items = make_items(Workload(1.0, 0.0, 0.0, max_tokens=1), n, rng, tag=tag)
-    items += make_items(Workload(0.0, 0.0, 1.0, max_tokens=1), chats, rng, tag=f"{tag}chat-")
-    rng.shuffle(items)
-    return items
+    """``n`` distinct short prompts and ``chats`` distinct chat turns, one token each; the chat turns come
+    first, shuffled with as many short ones (both tiers at their peak at once, even in a short fill)."""
+    short = make_items(Workload(1.0, 0.0, 0.0, max_tokens=1), n, rng, tag=tag)
+    head = short[:chats] + make_items(Workload(0.0, 0.0, 1.0, max_tokens=1), chats, rng, tag=f"{tag}chat-")
+    rng.shuffle(head)
+    return head + short[chats:]
 
 
-async def fill(send: Any, n: int, chats: int, concurrency: int, timeout_s: float) -> dict[str, Any]:
-    """:func:`fill_items` in a closed loop: fills the prompt-keyed bounded caches, peaks the pools."""
-    if n + chats <= 0:
+async def fill(send: Any, n: int, chats: int, concurrency: int, seconds: float, timeout_s: float) -> dict[str, Any]:
+    """:func:`fill_items` in a closed loop for at most ``seconds``: peaks the pools, fills prompt-keyed caches."""
+    if n + chats <= 0 or seconds <= 0:
         return {"requests": 0}
     items = fill_items(n, chats, random.Random(n), tag=f"fill-{time.time_ns()}-")
-    results, wall = await closed_loop(send, items, concurrency, float("inf"), timeout_s=timeout_s)
+    results, wall = await closed_loop(send, items, concurrency, seconds, timeout_s=timeout_s)
     summary = summarize(results, wall)
-    print(f"soak fill: {len(items)} requests in {wall:.0f} s, errors {summary['errors'] or 'none'}", file=sys.stderr)
+    print(f"soak fill: {len(results)} requests in {wall:.0f} s, errors {summary['errors'] or 'none'}", file=sys.stderr)
     return {
-        "requests": len(items),
-        "chat": chats,
+        "requests": len(results),
+        "chat": sum(r.kind == "chat" for r in results),
         "concurrency": concurrency,
         "wall_s": round(wall, 1),
         "errors": summary["errors"],
@@ -144,14 +145,17 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     )
     config.extra_env.update(UNLIMITED)
     print("soak: starting the mesh...", file=sys.stderr, flush=True)
-    async with Mesh(config, sink=lambda _n, _l: None) as mesh, MeshClient(mesh.gateway_address, DEV_API_KEY) as client:
+    logs = soak_probe.LogCounter()
+    async with Mesh(config, sink=logs) as mesh, MeshClient(mesh.gateway_address, DEV_API_KEY) as client:
         await client.wait_ready()
         send = grpc_sender(client, args.timeout)
+        logs.phase = "ramp"
         cap = await capacity(send, workload, args.ramp, args.ramp_seconds)
         if cap["requests_per_s"] <= 0:
             raise SystemExit("soak: no ramp step finished without errors; the mesh cannot be soaked")
         rate = args.load * cap["requests_per_s"]
-        filled = await fill(send, args.fill, args.fill_chat, args.fill_concurrency, args.timeout)
+        logs.phase = "fill"
+        filled = await fill(send, args.fill, args.fill_chat, args.fill_concurrency, args.fill_seconds, args.timeout)
         procs = service_processes({p.proc.pid: n for n, p in mesh.processes.items() if p.proc is not None})
         redis = aioredis.Redis.from_url(mesh.redis_url)
         samples: Samples = {}
@@ -159,6 +163,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         kinds: dict[str, list[tuple[float, dict[str, int]]]] = {}
         clients: list[tuple[float, dict[str, int]]] = []  # Redis connections by owner, at start/baseline/end
         results: list[Result] = []
+        logs.phase = "soak"
         t0 = time.perf_counter()
         total_s = args.minutes * 60
 
@@ -191,6 +196,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 flush=True,
             )
         wall = time.perf_counter() - t0
+        logs.phase = "stop"
         await task
         ports = soak_probe.port_owners(procs)
         clients.append(
@@ -218,6 +224,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "verdict": verdict(samples, warmup_s, window_s, args.max_growth),
         "redis": redis_summary(redis_samples, warmup_s),
         "redis_clients": clients,
+        "log_events": logs.summary(),
         "fd_kinds": {name: fd_change(series, warmup_s) for name, series in kinds.items()},
         "samples": {k: [(round(t, 1), round(v, 2)) for t, v in s] for k, s in samples.items()},
         "redis_samples": {k: [(round(t, 1), v) for t, v in s] for k, s in redis_samples.items()},
@@ -279,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--fill", type=int, default=FILL_PROMPTS, help=f"distinct prompts before the soak (default {FILL_PROMPTS})"
     )
     parser.add_argument("--fill-chat", type=int, default=48, help="chat turns in the fill (default 48)")
+    parser.add_argument("--fill-seconds", type=float, default=120.0, help="longest fill (default 120 s)")
     parser.add_argument("--fill-concurrency", type=int, default=16, help="concurrency of the fill (default 16)")
     parser.add_argument("--max-growth", type=float, default=5.0, help="allowed growth in %% (default 5)")
     parser.add_argument("--mix", default="short=0.8,chat=0.2", help="request kinds (default short=0.8,chat=0.2)")

@@ -125,6 +125,16 @@ def fd_lines(report: dict[str, Any]) -> list[str]:
             "|---|---|---|",
             *rows,
         ]
+    events = [e for e in report.get("log_events") or [] if e["phase"] != "stop"]
+    if events:
+        out += [
+            "",
+            "## Warnings and errors the services logged",
+            "",
+            "| phase | service | level | event | count |",
+            "|---|---|---|---|---:|",
+            *(f"| {e['phase']} | {e['service']} | {e['level']} | {e['event']} | {e['count']} |" for e in events[:20]),
+        ]
     owners = report.get("redis_clients") or []
     if owners:
         out += [

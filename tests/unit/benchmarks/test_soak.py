@@ -120,10 +120,15 @@ def test_soak_markdown_shows_redis_at_its_bound_and_which_fds_changed() -> None:
         "redis": redis_summary(redis, 60.0),
         "redis_clients": [(0.0, {"gateway": 15}), (120.0, {"gateway": 15, "cloud-0": 4})],
         "fd_kinds": {"cloud-0": fd_change(kinds, 60.0), "router": fd_change([(0.0, {"pipe": 2})], 60.0)},
+        "log_events": [
+            {"phase": "fill", "service": "router", "level": "warning", "event": "worker_ejected", "count": 3},
+            {"phase": "stop", "service": "router", "level": "warning", "event": "shutdown_slow", "count": 1},
+        ],
     }
     text = markdown(report)
     assert "reached 95 % of maxmemory at 60 s, before the baseline window; 60 keys evicted" in text
     assert "| final | 31.4 | 32.0 | 40.0 | 70 | 90 | 20 |" in text
     assert "| cloud-0 | pipe 2, tcp->redis-server 4 | tcp->redis-server 3 → 4 |" in text
     assert "| router | pipe 2 | no change |" in text
+    assert "| fill | router | warning | worker_ejected | 3 |" in text and "shutdown_slow" not in text
     assert "120 s: cloud-0 4, gateway 15" in text and "2500 distinct one-token prompts and 48 chat turns" in text

@@ -9,7 +9,7 @@ import psutil
 import redis.asyncio as aioredis
 
 from benchmarks.soak import FILL_PROMPTS, fd_change, fill_items, redis_summary
-from benchmarks.soak_probe import fd_kinds, port_owners, redis_client_owners, redis_stats
+from benchmarks.soak_probe import LogCounter, fd_kinds, port_owners, redis_client_owners, redis_stats
 from services.router.servicer import _ENCODED_PROMPTS
 from tests.helpers import RedisServer
 
@@ -30,7 +30,7 @@ async def test_redis_stats_and_owners_name_the_process_holding_each_connection(
         assert fd_kinds(procs["me"], ports).get("tcp->redis-server", 0) >= 1
         server_side = fd_kinds(procs["redis-server"], ports)
         assert server_side.get("listen", 0) >= 1 and server_side.get("tcp<-me", 0) >= 1
-        assert redis_client_owners([{"addr": "127.0.0.1:1"}], ports) == {
+        assert redis_client_owners([{"addr": "127.0.0.1:1", "laddr": "127.0.0.1:2"}], ports) == {
             "other (not a mesh process: this benchmark, redis-cli)": 1
         }
     finally:
@@ -82,6 +82,20 @@ def test_default_fill_outnumbers_the_router_tokenizer_lru() -> None:
 
 def test_fill_items_are_distinct_one_token_prompts_of_both_kinds() -> None:
     items = fill_items(300, 20, random.Random(1), tag="t-")
-    assert len(items) == 320 and sum(i.kind == "chat" for i in items) == 20
+    assert len(items) == 320 and sum(i.kind == "chat" for i in items[:40]) == 20
     assert all(i.max_tokens == 1 and not i.cacheable for i in items)
     assert len({i.messages for i in items}) == 320
+
+
+def test_log_counter_counts_warnings_and_errors_by_phase_service_and_event() -> None:
+    logs = LogCounter()
+    logs("router", '{"event": "request_done", "level": "info"}')
+    logs.phase = "fill"
+    for _ in range(2):
+        logs("router", '{"event": "worker_ejected", "level": "warning", "worker": "edge-0"}')
+    logs("gateway", '{"event": "redis_down", "level": "error"}')
+    logs("gateway", "Traceback (most recent call last): not JSON, no level")
+    assert logs.summary() == [
+        {"phase": "fill", "service": "router", "level": "warning", "event": "worker_ejected", "count": 2},
+        {"phase": "fill", "service": "gateway", "level": "error", "event": "redis_down", "count": 1},
+    ]
