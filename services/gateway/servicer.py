@@ -14,12 +14,15 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing
+from typing import TypeVar
 
 import grpc
 import structlog
 
 from services.common import metadata as md
 from services.common import tracing
+from services.common.coalesce import coalesced
 from services.common.errors import DeadlineExceeded, MeshError
 from services.common.interceptors import outbound_metadata
 from services.common.metrics import INTER_TOKEN, REQUEST_DURATION, TOKENS, TTFT
@@ -35,12 +38,22 @@ from services.gateway.validation import Limits, validate_chat_request, validate_
 SERVICE = "gateway"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _END = object()
+_Frame = TypeVar("_Frame", pb.GenerateResponse, pb.ChatResponse)
 
 
 def _tier_label(tier: int) -> str:
     return (
         pb.Tier.Name(pb.Tier.ValueType(tier)).removeprefix("TIER_").lower() if tier in pb.Tier.values() else "unknown"
     )
+
+
+def _merge(first: _Frame, then: _Frame) -> _Frame | None:
+    """Two token frames that waited for the writer, as one (a final frame stays a frame of its own)."""
+    if first.HasField("final") or then.HasField("final") or getattr(first, "turn", 0) != getattr(then, "turn", 0):
+        return None
+    first.token_ids.extend(then.token_ids)
+    first.text += then.text
+    return first
 
 
 class _Observed:
@@ -183,11 +196,15 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             try:
                 call = self._router.Generate(request, metadata=self._metadata(), timeout=timeout)
                 try:
-                    async for frame in call:
-                        final = frame.final if frame.HasField("final") else None
-                        observed.frame(len(frame.token_ids), final, ticket)
-                        frame.request_id = request_id
-                        yield frame
+                    sequence = 0
+                    async with aclosing(coalesced(call, _merge)) as frames:
+                        async for frame in frames:
+                            final = frame.final if frame.HasField("final") else None
+                            observed.frame(len(frame.token_ids), final, ticket)
+                            frame.request_id = request_id
+                            frame.sequence = sequence
+                            sequence += 1
+                            yield frame
                 except grpc.aio.AioRpcError as exc:
                     raise from_router_error(exc) from None
                 finally:
@@ -274,16 +291,23 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                     await events.put(from_router_error(exc))
 
             tasks = [asyncio.create_task(pump()), asyncio.create_task(read())]
+            waiting = events._queue  # type: ignore[attr-defined]  # a peek; asyncio.Queue has no public one
+            sequence = 0
             try:
                 while (event := await events.get()) is not _END:
                     if isinstance(event, MeshError):
                         raise event
                     assert isinstance(event, pb.ChatResponse)
+                    # Frames that came while the last one was written go out as one.
+                    while waiting and isinstance(waiting[0], pb.ChatResponse) and _merge(event, waiting[0]):
+                        events.get_nowait()
                     final = event.final if event.HasField("final") else None
                     observed.frame(len(event.token_ids), final, turns[0] if turns else None)
                     if final is not None and turns:
                         self._gate.settle_soon(turns.popleft())
                     event.request_id = request_id
+                    event.sequence = sequence
+                    sequence = 0 if final is not None else sequence + 1
                     yield event
             finally:
                 call.cancel()

@@ -16,6 +16,7 @@ import structlog
 
 from services.cache.keys import SamplingSpec
 from services.common import tracing
+from services.common.coalesce import coalesced
 from services.common.errors import InvalidArgument, MeshError, NotFound
 from services.common.metrics import REQUEST_DURATION, TOKENS
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
@@ -129,7 +130,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         request_id = str(structlog.contextvars.get_contextvars().get("request_id", ""))
         with _observe() as obs:
             seq = 0
-            async with aclosing(self._generate_events(request, context)) as events:
+            async with aclosing(coalesced(self._generate_events(request, context), _merge)) as events:
                 async for event in events:
                     obs.record(event)
                     if isinstance(event, Chunk):
@@ -201,7 +202,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                     current_cancel[:] = [cancel]
                     seq = 0
                     reply: list[str] = []
-                    async with aclosing(self._router.run_turn(req, session, cancel)) as events:
+                    async with aclosing(coalesced(self._router.run_turn(req, session, cancel), _merge)) as events:
                         async for event in events:
                             obs.record(event)
                             if isinstance(event, Chunk):
@@ -239,6 +240,13 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                 inference_pb2.ModelInfo(id=self._router.model_id, tiers=pb_tiers, context_length=self._context_length)
             ]
         )
+
+
+def _merge(first: Chunk | Done, then: Chunk | Done) -> Chunk | None:
+    """Two chunks that waited for the writer as one (a Done stays a frame of its own)."""
+    if isinstance(first, Chunk) and isinstance(then, Chunk):
+        return Chunk([*first.token_ids, *then.token_ids], first.text + then.text)
+    return None
 
 
 def _final(done: Done) -> inference_pb2.Final:

@@ -175,7 +175,8 @@ async def test_chat_two_turns_and_cancel_on_one_stream(mesh: Mesh, tokenizer: To
 
     outbox.put_nowait(turn("Hi, who are you?", 3))
     first = await turn_frames()
-    assert {f.turn for f in first} == {0} and [f.sequence for f in first] == [0, 1, 2, 3]
+    assert {f.turn for f in first} == {0} and [f.sequence for f in first] == list(range(len(first)))
+    assert sum(len(f.token_ids) for f in first) == 3 and 2 <= len(first) <= 4  # token frames may be merged
     fin = first[-1].final
     assert fin.finish_reason == pb.FINISH_REASON_LENGTH and fin.route.tier == pb.TIER_EDGE
     worker = next(w for w in mesh.edges if w.starts)
