@@ -8,6 +8,11 @@ first token keeps its latency). ``merge(first, then)`` returns the one frame sta
 may be ``first`` changed in place), or None, changing nothing, when the two must stay apart: a
 final, usage, route or error frame, or a frame of another turn.
 
+The first ``inline`` frames are read in the writer's own task, one after the other, and the
+reading task starts only after them: a short stream (a cache hit, a few frames an upstream already
+merged) costs no task and no extra wake-ups, which measurably cost more CPU than they save there
+(docs/benchmarks/hops.md).
+
 Errors of ``source`` reach the writer after the frames read before them; closing the generator
 (the caller went away) cancels the reading task and waits for it, so ``source``'s own cleanup
 (cancelling the upstream call, settling) runs before this returns.
@@ -24,8 +29,21 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-async def coalesced(source: AsyncIterator[T], merge: Callable[[T, T], T | None]) -> AsyncGenerator[T, None]:
+async def coalesced(
+    source: AsyncIterator[T], merge: Callable[[T, T], T | None], *, inline: int = 3
+) -> AsyncGenerator[T, None]:
     """The frames of ``source``, those that waited for the writer merged by ``merge`` (see module doc)."""
+    frames = aiter(source)
+    try:
+        for _ in range(inline):
+            try:
+                first = await anext(frames)
+            except StopAsyncIteration:
+                return
+            yield first
+    except BaseException:
+        await _close(source)
+        raise
     loop = asyncio.get_running_loop()
     waiting: deque[T] = deque()
     wake: list[asyncio.Future[None]] = []  # the writer's wake-up while it waits for a frame
@@ -38,7 +56,7 @@ async def coalesced(source: AsyncIterator[T], merge: Callable[[T, T], T | None])
     async def pump() -> None:
         error: BaseException | None = None
         try:
-            async for frame in source:
+            async for frame in frames:
                 waiting.append(frame)
                 notify()
         except BaseException as exc:  # handed to the writer, raised there after the frames before it
@@ -69,7 +87,11 @@ async def coalesced(source: AsyncIterator[T], merge: Callable[[T, T], T | None])
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await reader
-        aclose = getattr(source, "aclose", None)
-        if aclose is not None:
-            with contextlib.suppress(Exception):
-                await aclose()
+        await _close(source)
+
+
+async def _close(source: AsyncIterator[T]) -> None:
+    aclose = getattr(source, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()

@@ -102,6 +102,12 @@ def _metadata(context: grpc.aio.ServicerContext) -> dict[str, str]:
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Binds request context and maps domain errors to gRPC status for every method."""
 
+    def __init__(self) -> None:
+        # method -> (the handler it had, that handler wrapped): a call reuses the wrapping instead
+        # of building handler objects and closures per call. Replaced, never grown, when a method's
+        # handler changes (a traced handler is new on every call).
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -111,6 +117,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(_EXEMPT_PREFIXES):
             return handler
         method = details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
 
         def bind(_request: Any, context: grpc.aio.ServicerContext) -> None:
             meta = _metadata(context)
@@ -120,7 +129,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 rpc=method,
             )
 
-        return _wrap_handler(handler, bind)
+        wrapped = _wrap_handler(handler, bind)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
 
 class InternalAuthInterceptor(grpc.aio.ServerInterceptor):

@@ -42,13 +42,18 @@ _FRAMES = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(frames=_FRAMES, gaps=st.lists(st.integers(0, 3), min_size=1), pauses=st.lists(st.integers(0, 6), min_size=1))
+@given(
+    frames=_FRAMES,
+    gaps=st.lists(st.integers(0, 3), min_size=1),
+    pauses=st.lists(st.integers(0, 6), min_size=1),
+    inline=st.integers(0, 4),
+)
 def test_merged_stream_carries_the_same_tokens_and_text_and_keeps_finals_apart(
-    frames: list[Frame], gaps: list[int], pauses: list[int]
+    frames: list[Frame], gaps: list[int], pauses: list[int], inline: int
 ) -> None:
     async def main() -> list[Frame]:
         out: list[Frame] = []
-        async with aclosing(coalesced(source(frames, gaps), merge)) as merged:
+        async with aclosing(coalesced(source(frames, gaps), merge, inline=inline)) as merged:
             async for frame in merged:
                 out.append(frame)
                 for _ in range(pauses[len(out) % len(pauses)]):  # the write in flight
@@ -77,14 +82,14 @@ def _token_runs(frames: list[Frame]) -> list[list[Frame]]:
     return runs
 
 
+async def _queued(upstream: asyncio.Queue[Frame | None]) -> AsyncIterator[Frame]:
+    while (frame := await upstream.get()) is not None:
+        yield frame
+
+
 async def test_a_frame_that_is_alone_goes_out_at_once_and_waiting_ones_are_merged() -> None:
     upstream: asyncio.Queue[Frame | None] = asyncio.Queue()
-
-    async def frames() -> AsyncIterator[Frame]:
-        while (frame := await upstream.get()) is not None:
-            yield frame
-
-    async with aclosing(coalesced(frames(), merge)) as merged:
+    async with aclosing(coalesced(_queued(upstream), merge, inline=0)) as merged:
         upstream.put_nowait(Frame([1], "a"))
         assert await asyncio.wait_for(anext(merged), 5) == Frame([1], "a")  # nothing waited: not held back
         for i, text in ((2, "b"), (3, "c"), (4, "d")):  # arrive while the writer is busy with frame 1
@@ -97,6 +102,16 @@ async def test_a_frame_that_is_alone_goes_out_at_once_and_waiting_ones_are_merge
         assert [f async for f in merged] == [Frame([], "", final=True)]
 
 
+async def test_the_first_inline_frames_are_read_one_by_one_then_waiting_ones_are_merged() -> None:
+    upstream: asyncio.Queue[Frame | None] = asyncio.Queue()
+    for i in range(6):
+        upstream.put_nowait(Frame([i], str(i)))
+    upstream.put_nowait(None)
+    async with aclosing(coalesced(_queued(upstream), merge, inline=2)) as merged:
+        out = [f async for f in merged]
+    assert out == [Frame([0], "0"), Frame([1], "1"), Frame([2, 3, 4, 5], "2345")]
+
+
 async def test_an_upstream_error_comes_after_the_frames_before_it() -> None:
     async def failing() -> AsyncIterator[Frame]:
         yield Frame([1], "a")
@@ -105,13 +120,14 @@ async def test_an_upstream_error_comes_after_the_frames_before_it() -> None:
 
     seen: list[Frame] = []
     with pytest.raises(RuntimeError, match="upstream broke"):
-        async with aclosing(coalesced(failing(), merge)) as merged:
+        async with aclosing(coalesced(failing(), merge, inline=1)) as merged:
             async for frame in merged:
                 seen.append(frame)
     assert [t for f in seen for t in f.ids] == [1, 2]
 
 
-async def test_closing_early_stops_the_reader_and_runs_the_sources_cleanup() -> None:
+@pytest.mark.parametrize("inline", [0, 3])
+async def test_closing_early_stops_the_reader_and_runs_the_sources_cleanup(inline: int) -> None:
     cleaned = asyncio.Event()
     blocked = asyncio.Event()
 
@@ -124,13 +140,15 @@ async def test_closing_early_stops_the_reader_and_runs_the_sources_cleanup() -> 
         finally:
             cleaned.set()
 
-    async with aclosing(coalesced(endless(), merge)) as merged:
+    async with aclosing(coalesced(endless(), merge, inline=inline)) as merged:
         assert (await anext(merged)).ids == [1]
-        await asyncio.wait_for(blocked.wait(), 5)
+        if not inline:  # the reading task is already waiting upstream
+            await asyncio.wait_for(blocked.wait(), 5)
     assert cleaned.is_set()
 
 
-async def test_a_cancelled_writer_cancels_the_reader() -> None:
+@pytest.mark.parametrize("inline", [0, 3])
+async def test_a_cancelled_writer_cancels_the_reader(inline: int) -> None:
     cleaned = asyncio.Event()
     first = asyncio.Event()
 
@@ -143,7 +161,7 @@ async def test_a_cancelled_writer_cancels_the_reader() -> None:
             cleaned.set()
 
     async def write() -> None:
-        async with aclosing(coalesced(endless(), merge)) as merged:
+        async with aclosing(coalesced(endless(), merge, inline=inline)) as merged:
             async for _ in merged:
                 first.set()
 
