@@ -14,15 +14,14 @@ readers count it and treat it as a miss, never trust it.
 from __future__ import annotations
 
 import struct
-import sys
-from array import array
 from dataclasses import dataclass
 from enum import IntEnum
+from functools import lru_cache
 
 MAGIC = b"MSRC"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sBBBBIIII")
-_LITTLE = sys.byteorder == "little"
+_HEAD = _HEADER.size
 
 
 class Finish(IntEnum):
@@ -51,14 +50,34 @@ class CachedResponse:
     completion_tokens: int
 
 
+@lru_cache(maxsize=1024)
+def _tokens(n: int, width: int) -> struct.Struct:
+    """Struct of ``n`` little-endian uint16/uint32: packs and unpacks tuples in C, no array copy."""
+    return struct.Struct(f"<{n}{'H' if width == 2 else 'I'}")
+
+
+def _response(
+    token_ids: tuple[int, ...], text: str, finish: Finish, prompt_tokens: int, completion_tokens: int
+) -> CachedResponse:
+    # A frozen dataclass's __init__ sets each field through object.__setattr__, which cost a third
+    # of a decode; the values here were already checked, so fill the instance dict in one go.
+    obj = object.__new__(CachedResponse)
+    obj.__dict__.update(
+        token_ids=token_ids, text=text, finish=finish, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens
+    )
+    return obj
+
+
 def encode_response(resp: CachedResponse) -> bytes:
     ids = resp.token_ids
-    width = 2 if not ids or (min(ids) >= 0 and max(ids) < 1 << 16) else 4  # min/max in C, not a genexpr
-    tokens = array("H" if width == 2 else "I", ids)
-    if tokens.itemsize != width:  # platforms where "I" is not 4 bytes
-        raise ValueError("unsupported platform integer size")
-    if not _LITTLE:
-        tokens.byteswap()
+    n = len(ids)
+    try:
+        width, tokens = 2, _tokens(n, 2).pack(*ids)
+    except struct.error:  # an id >= 2**16 (or negative: then the uint32 pack says so)
+        try:
+            width, tokens = 4, _tokens(n, 4).pack(*ids)
+        except struct.error as exc:
+            raise ValueError(f"token ids must be in 0..2**32-1: {exc}") from None
     text = resp.text.encode()
     header = _HEADER.pack(
         MAGIC,
@@ -66,24 +85,24 @@ def encode_response(resp: CachedResponse) -> bytes:
         int(resp.finish),
         width,
         0,
-        len(tokens),
+        n,
         resp.prompt_tokens,
         resp.completion_tokens,
         len(text),
     )
-    return header + tokens.tobytes() + text
+    return b"".join((header, tokens, text))
 
 
 def decode_response(data: bytes) -> CachedResponse:
     """Parse a value written by :func:`encode_response`; raises :class:`CorruptEntry`."""
-    if len(data) < _HEADER.size:
+    if len(data) < _HEAD:
         raise CorruptEntry("value shorter than the header")
     magic, version, finish, width, _r, n, prompt, completion, text_len = _HEADER.unpack_from(data)
     if magic != MAGIC or version != FORMAT_VERSION:
         raise CorruptEntry(f"unknown format {magic!r} v{version}")
-    if width not in (2, 4):
+    if width != 2 and width != 4:
         raise CorruptEntry(f"bad token width {width}")
-    end_tokens = _HEADER.size + n * width
+    end_tokens = _HEAD + n * width
     if len(data) != end_tokens + text_len:
         raise CorruptEntry("length does not match the header")
     reason = _FINISH.get(finish)
@@ -93,8 +112,4 @@ def decode_response(data: bytes) -> CachedResponse:
         text = data[end_tokens:].decode()
     except UnicodeDecodeError as exc:
         raise CorruptEntry(str(exc)) from None
-    tokens = array("H" if width == 2 else "I")
-    tokens.frombytes(data[_HEADER.size : end_tokens])
-    if not _LITTLE:
-        tokens.byteswap()
-    return CachedResponse(tuple(tokens), text, reason, prompt, completion)
+    return _response(_tokens(n, width).unpack_from(data, _HEAD), text, reason, prompt, completion)

@@ -8,8 +8,8 @@
 
 One try per call (no redis-py retries): a retry would only double the latency of a miss; the
 circuit breaker handles outages. Connecting has ``timeout_s``; reads have ``read_timeout_s`` when
-given. Either the client's read timeout or the caller's ``asyncio.timeout`` bounds a call, never
-both (guard.py): each is one timer per call, about the cost of parsing a small GET's reply.
+given, else no socket timeout: guard.py's watchdog bounds every call instead (redis-py's socket
+timeout arms a Task and two timers per command, which cost as much as parsing a small GET's reply).
 """
 
 from __future__ import annotations

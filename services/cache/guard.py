@@ -2,24 +2,34 @@
 
 ``await guard.run(op, factory)`` returns the call's result, :data:`FAILED` when Redis is down or
 slow (over ``timeout_s``), or :data:`SKIPPED` when the breaker is open (or no Redis is configured).
-The timeout is the client's own socket timeout when the client was built with ``timeout_s`` as its
-read timeout (``client_timeout=True``: no timer of ours per call, which costs as much as a small GET's
-parsing); calls that pass their own ``timeout_s`` (large KV transfers) get an ``asyncio.timeout``.
-Nothing here raises on a Redis problem. Counters of lookups/stores by kind and result go to
-Prometheus and, every ``stats_flush_s``, to the Redis hash keys.STATS_KEY in the background, so
-`meshserve cache stats` sees every process's hit ratio without a write on the request path.
+Nothing here raises on a Redis problem.
+
+Timeouts: a timer per call (``asyncio.timeout``, or redis-py's socket timeout, which arms a Task and
+two timers per command) costs about as much CPU as all of our own work on a small GET
+(docs/benchmarks/cache.md). So calls register a deadline in a dict and one watchdog task per guard,
+awake only while calls are in flight, cancels those past their deadline every ``timeout_s / 4``: a
+call is abandoned between ``timeout_s`` and ``1.25 x timeout_s`` (an abandoned redis-py command closes
+its connection). A client built with its own read timeout can say so (``client_timeout=True``) and
+is then not watched.
+
+Counters of lookups/stores by kind and result are plain dict increments on the request path: they
+reach Prometheus through a collector that reads them at scrape time, and, every ``stats_flush_s``,
+the Redis hash keys.STATS_KEY in the background, so `meshserve cache stats` sees every process's hit
+ratio without a write on the request path.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
+import weakref
 from collections import Counter as Tally
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Final, TypeVar
 
 import structlog
-from prometheus_client import Counter
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from services.cache.breaker import CircuitBreaker, State
@@ -28,17 +38,7 @@ from services.cache.keys import STATS_KEY
 
 log = structlog.get_logger(__name__)
 T = TypeVar("T")
-
-CACHE_LOOKUPS = Counter(
-    "meshserve_cache_lookups_total",
-    "Cache lookups by cache kind and result (hit, miss, error, corrupt, skipped).",
-    ["service", "kind", "result"],
-)
-CACHE_STORES = Counter(
-    "meshserve_cache_stores_total",
-    "Cache writes by cache kind and result (stored, too_large, over_budget, error, skipped).",
-    ["service", "kind", "result"],
-)
+_current_task = asyncio.current_task
 
 
 class Failed:
@@ -53,6 +53,47 @@ FAILED: Final = Failed()
 SKIPPED: Final = Failed()
 """Redis was not called: no client, or the circuit breaker is open."""
 REDIS_ERRORS = (RedisError, OSError, TimeoutError)
+
+
+class _Counts(Collector):
+    """meshserve_cache_{lookups,stores}_total from the tallies of every Guard of the process."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, tuple[str, Tally[str]]] = {}
+        self.retired: Tally[tuple[str, str]] = Tally()
+
+    def add(self, guard: Guard) -> None:
+        self.live[id(guard)] = (guard.service, guard.tally)
+        weakref.finalize(guard, self._retire, id(guard))
+
+    def _retire(self, ident: int) -> None:
+        service, tally = self.live.pop(ident)
+        self.retired.update({(service, name): n for name, n in tally.items()})
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        totals = Tally(self.retired)
+        for service, tally in list(self.live.values()):
+            totals.update({(service, name): n for name, n in tally.items()})
+        families = {
+            "lookup": CounterMetricFamily(
+                "meshserve_cache_lookups",
+                "Cache lookups by cache kind and result (hit, miss, error, corrupt, skipped).",
+                labels=["service", "kind", "result"],
+            ),
+            "store": CounterMetricFamily(
+                "meshserve_cache_stores",
+                "Cache writes by cache kind and result (stored, too_large, over_budget, error, skipped).",
+                labels=["service", "kind", "result"],
+            ),
+        }
+        for (service, name), n in sorted(totals.items()):
+            kind, op, result = name.split(":", 2)
+            families[op].add_metric([service, kind, result], n)
+        yield from families.values()
+
+
+COUNTS: Final = _Counts()
+REGISTRY.register(COUNTS)
 
 
 class Guard:
@@ -76,10 +117,15 @@ class Guard:
         self.service = service
         self.stats_flush_s = stats_flush_s
         self.tally: Tally[str] = Tally()
-        self._pending: Tally[str] = Tally()
-        self._last_flush = time.monotonic()
+        """Counts since start by ``<kind>:<lookup|store>:<result>``."""
+        self._flushed: Tally[str] = Tally()
+        self._names: dict[tuple[str, str, bool], str] = {}
+        self._flush_timer: asyncio.TimerHandle | None = None
         self._flush_task: asyncio.Task[None] | None = None
-        self._children: dict[tuple[str, str, bool], tuple[str, Counter]] = {}
+        self._inflight: dict[asyncio.Task[object], list[float]] = {}
+        """Task -> [deadline, cancelling() at entry, 1.0 once the watchdog cancelled it]."""
+        self._watchdog: asyncio.Task[None] | None = None
+        COUNTS.add(self)
 
     @property
     def enabled(self) -> bool:
@@ -89,45 +135,83 @@ class Guard:
         self, op: str, factory: Callable[[AnyRedis], Awaitable[T]], timeout_s: float | None = None
     ) -> T | Failed:
         """Run ``factory(client)`` under the timeout and breaker; FAILED/SKIPPED, never a Redis error."""
+        client = self.client
         breaker = self.breaker
-        if self.client is None or not breaker.allow():
+        if client is None or not breaker.allow():
             return SKIPPED
-        try:
-            if timeout_s is None and self.client_timeout:
-                result = await factory(self.client)
+        if self.client_timeout and timeout_s is None:
+            try:
+                result = await factory(client)
+            except REDIS_ERRORS as exc:
+                return self._failed(op, exc)
+        else:
+            task = _current_task()
+            if task is None:  # not in a task (a bare coroutine driven by hand): a timer of its own
+                try:
+                    async with asyncio.timeout(timeout_s or self.timeout_s):
+                        result = await factory(client)
+                except REDIS_ERRORS as exc:
+                    return self._failed(op, exc)
             else:
-                async with asyncio.timeout(timeout_s or self.timeout_s):
-                    result = await factory(self.client)
-        except REDIS_ERRORS as exc:
-            was = breaker.state
-            breaker.failure()
-            if breaker.state != was:
-                log.warning("cache_breaker_open", op=op, error=type(exc).__name__, state=breaker.state.value)
-            return FAILED
+                loop = task.get_loop()
+                watch = [loop.time() + (timeout_s or self.timeout_s), task.cancelling(), 0.0]
+                self._inflight[task] = watch  # type: ignore[index]
+                dog = self._watchdog
+                if dog is None or dog.done() or dog.get_loop() is not loop:
+                    self._watchdog = loop.create_task(self._watch(), name="cache-guard-watchdog")
+                try:
+                    result = await factory(client)
+                except REDIS_ERRORS as exc:
+                    return self._failed(op, exc)
+                except asyncio.CancelledError:
+                    if watch[2] and task.uncancel() <= watch[1]:
+                        return self._failed(op, TimeoutError())
+                    raise
+                finally:
+                    del self._inflight[task]  # type: ignore[arg-type]
         if breaker.failures or breaker.state is not State.CLOSED:
             log.info("cache_breaker_closed", op=op)
             breaker.success()
         return result
 
+    def _failed(self, op: str, exc: BaseException) -> Failed:
+        breaker = self.breaker
+        was = breaker.state
+        breaker.failure()
+        if breaker.state != was:
+            log.warning("cache_breaker_open", op=op, error=type(exc).__name__, state=breaker.state.value)
+        return FAILED
+
+    async def _watch(self) -> None:
+        """Cancel calls past their deadline; ends once no call is in flight."""
+        inflight = self._inflight
+        loop = asyncio.get_running_loop()
+        while inflight:
+            await asyncio.sleep(max(0.001, self.timeout_s / 4))
+            now = loop.time()
+            for task, watch in list(inflight.items()):
+                if not watch[2] and now >= watch[0]:
+                    watch[2] = 1.0
+                    task.cancel()
+
     def count(self, kind: str, result: str, n: int = 1, *, store: bool = False) -> None:
         """Count ``n`` lookups (or stores) of ``kind`` with ``result``."""
-        cached = self._children.get((kind, result, store))
-        if cached is None:
-            child = (CACHE_STORES if store else CACHE_LOOKUPS).labels(self.service, kind, result)
-            cached = (f"{kind}:{'store' if store else 'lookup'}:{result}", child)
-            self._children[(kind, result, store)] = cached
-        name, child = cached
-        child.inc(n)
+        name = self._names.get((kind, result, store))
+        if name is None:
+            name = self._names[(kind, result, store)] = f"{kind}:{'store' if store else 'lookup'}:{result}"
         self.tally[name] += n
-        self._pending[name] += n
-        now = time.monotonic()
-        if now - self._last_flush >= self.stats_flush_s and self._flush_task is None and self.client is not None:
-            self._last_flush = now
-            self._flush_task = asyncio.get_running_loop().create_task(self.flush_stats())
+        if self._flush_timer is None and self._flush_task is None and self.client is not None:
+            loop = asyncio.get_running_loop()
+            self._flush_timer = loop.call_later(self.stats_flush_s, self._start_flush, loop)
+
+    def _start_flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._flush_timer = None
+        if self._flush_task is None:
+            self._flush_task = loop.create_task(self.flush_stats())
 
     async def flush_stats(self) -> None:
         """Add the counts since the last flush to the shared stats hash (kept on failure)."""
-        pending, self._pending = self._pending, Tally()
+        pending = self.tally - self._flushed
         try:
             if pending:
 
@@ -137,14 +221,19 @@ class Guard:
                         pipe.hincrby(STATS_KEY, name, n)
                     await pipe.execute()
 
-                if isinstance(await self.run("stats", write), Failed):
-                    self._pending.update(pending)
+                if not isinstance(await self.run("stats", write), Failed):
+                    self._flushed.update(pending)
         finally:
             self._flush_task = None
 
     async def close(self) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
         if self._flush_task is not None:
             await self._flush_task
+        dog = self._watchdog
+        if dog is not None and not dog.done() and dog.get_loop() is asyncio.get_running_loop():
+            dog.cancel()
         if self.client is not None:
             await self.flush_stats()
             await self.client.aclose()

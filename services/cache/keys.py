@@ -252,7 +252,8 @@ def kv_block_keys(
         block_tokens=block_tokens,
         shareable=shareable,
     )
-    return [scope.entry(d.hex()) for d in digests]
+    prefix = f"{scope.prefix}:e:"  # the tag costs two SHA-256: once per chain, not per block
+    return [prefix + d.hex() for d in digests]
 
 
 def scan_pattern(

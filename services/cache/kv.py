@@ -9,7 +9,7 @@ see ledger.py) or one script (longest-prefix length) even on Redis Cluster.
 Values are kv_codec blocks (fp16/bf16 + versioned header + CRC). A missing, corrupt or foreign
 block ends the usable chain there; it is counted, never trusted. Like the response cache this store
 fails open: Redis down or slow gives an empty match and a store of 0 blocks, never an exception.
-Encoding/decoding of large transfers runs in a thread so the event loop keeps serving.
+Encoding and copying decodes of large transfers run in a thread so the event loop keeps serving.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import structlog
 from services.cache.codec import CorruptEntry
 from services.cache.guard import Failed, Guard
 from services.cache.keys import kv_block_keys
-from services.cache.kv_codec import Tensor, decode_block, encode_block_view
+from services.cache.kv_codec import FP16, Tensor, decode_block, encode_block_view
 from services.cache.ledger import prefix_len_script, put_entries
 
 log = structlog.get_logger(__name__)
@@ -162,6 +162,9 @@ class KVBlockStore:
                     return out, True
             return out, False
 
-        if sum(len(v) for v in values) > _THREAD_BYTES:
+        # numpy fp16 blocks decode to views of the values (no copy: cheaper than a thread hop);
+        # torch and bf16 blocks are copied, which for a large transfer moves off the event loop.
+        copies = as_ == "torch" or any(len(v) > 5 and v[5] != FP16 for v in values)
+        if copies and sum(len(v) for v in values) > _THREAD_BYTES:
             return await asyncio.to_thread(run)
         return run()

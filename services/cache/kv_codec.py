@@ -21,6 +21,7 @@ router does not pay its import time.
 
 from __future__ import annotations
 
+import math
 import struct
 import sys
 from typing import TYPE_CHECKING, Any, Literal
@@ -101,7 +102,7 @@ def decode_block(data: bytes, as_: Literal["numpy", "torch"] = "numpy") -> Tenso
     if len(data) < off:
         raise CorruptEntry("value shorter than its shape")
     shape = struct.unpack_from(f"<{ndim}I", data, _HEADER.size)
-    if len(data) - off != _ITEM * int(np.prod(shape, dtype=np.int64)):
+    if len(data) - off != _ITEM * math.prod(shape):
         raise CorruptEntry("payload length does not match the shape")
     raw = np.frombuffer(data, dtype="<f2" if code == FP16 else "<u2", offset=off).reshape(shape)
     if as_ == "torch":

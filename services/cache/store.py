@@ -66,10 +66,10 @@ class ResponseCache:
         ``retry_after_s`` is how long the circuit breaker stays open after Redis failed; each failed
         probe doubles it, up to 4 x ``retry_after_s``.
         """
-        # The socket read timeout bounds every call (guard.py), so no per-call timer is armed.
-        client = redis_from_url(url, timeout_s, read_timeout_s=timeout_s) if url else None
+        # No socket read timeout: the guard's watchdog bounds every call without a timer per call.
+        client = redis_from_url(url, timeout_s) if url else None
         breaker = CircuitBreaker(failure_threshold=1, reset_s=retry_after_s, max_reset_s=4 * retry_after_s)
-        guard = Guard(client, timeout_s=timeout_s, breaker=breaker, service=service, client_timeout=True)
+        guard = Guard(client, timeout_s=timeout_s, breaker=breaker, service=service)
         return cls(guard, **kwargs)  # type: ignore[arg-type]
 
     @property
