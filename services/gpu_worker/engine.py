@@ -38,6 +38,7 @@ from services.gpu_worker.model import AllReduce, LlamaModel, Shard
 from services.gpu_worker.prefix import RedisPrefixCache, chain_keys, key_digest
 from services.gpu_worker.sampler import Sampler
 from services.gpu_worker.scheduler import Forward, Scheduler, SeqState
+from services.gpu_worker.tp_kv import KVBlockIO, LocalBlocks
 
 PREFIX_TOKENS = Counter(
     "meshserve_prefix_tokens_total",
@@ -141,6 +142,7 @@ class CloudEngine:
         shard: Shard | None = None,
         all_reduce: AllReduce | None = None,
         wrap_forward: Callable[[Forward], Forward] | None = None,
+        kv_io: KVBlockIO | None = None,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)  # process-wide: one worker per process
@@ -165,11 +167,19 @@ class CloudEngine:
         self.model_id = model_id
         self.model_version = model_version or model_id
         self.prefix_cache = prefix_cache
-        self.redis = redis if shard.world == 1 else None  # TP ranks hold a slice of the heads each
+        # Redis blocks hold every KV head; a TP rank holds a slice, so TP needs the group's gather/scatter.
+        self.redis = redis if shard.world == 1 or kv_io is not None else None
+        self._kv_io: KVBlockIO = kv_io or LocalBlocks()
         forward: Forward = lambda segments: self.model.forward(segments, self.cache)  # noqa: E731
         if wrap_forward is not None:
             forward = wrap_forward(forward)
-        self.scheduler = Scheduler(forward, self.cache, self.blocks, max_step_tokens=max_step_tokens)
+        self.scheduler = Scheduler(
+            forward,
+            self.cache,
+            self.blocks,
+            max_step_tokens=max_step_tokens,
+            write_blocks=lambda ids, data: self._kv_io.write_blocks(self.cache, ids, data),
+        )
         self._tokenizer = _load_tokenizer(model, allow_download)
         self._info = EngineInfo(
             model_id=model_id,
@@ -227,9 +237,9 @@ class CloudEngine:
         return state
 
     def _checked(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Blocks of our layout only (another model or TP layout is a miss), in the cache dtype."""
+        """Blocks of our layout only (every KV head, whatever the TP degree), in the cache dtype."""
         cfg = self.model.config
-        shape = (cfg.layers, 2, self.model.local_kv_heads, self.block_tokens, cfg.head_dim)
+        shape = (cfg.layers, 2, cfg.kv_heads, self.block_tokens, cfg.head_dim)
         out: list[torch.Tensor] = []
         for block in blocks:
             if tuple(block.shape) != shape:
@@ -276,7 +286,7 @@ class CloudEngine:
             if not ids:
                 return
             self.blocks.mark_exported(ids)
-        data = [self.cache.read_block(b).cpu() for b in ids]
+        data = self._kv_io.read_blocks(self.cache, ids)  # every head, gathered from the TP ranks
         self.redis.store_async(ctx, state.tokens[: (first + len(data)) * self.block_tokens], data, first)
 
     # -- load reports ---------------------------------------------------------------------------

@@ -93,9 +93,12 @@ class Scheduler:
         max_step_tokens: int = 512,
         lookahead: int = 2,
         on_step: Callable[[int, int], None] | None = None,
+        write_blocks: Callable[[Sequence[int], Sequence[Tensor]], None] | None = None,
     ) -> None:
         self.forward = forward
         self.cache = cache
+        # Writes imported (Redis) blocks into the cache; under TP it scatters head slices to every rank.
+        self.write_blocks = write_blocks or self._write_local
         self.blocks = blocks
         self.block_tokens = blocks.block_tokens
         self.max_step_tokens = max_step_tokens
@@ -109,6 +112,10 @@ class Scheduler:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="gpu-scheduler", daemon=True)
         self._thread.start()
+
+    def _write_local(self, ids: Sequence[int], data: Sequence[Tensor]) -> None:
+        for block, block_data in zip(ids, data, strict=True):
+            self.cache.write_block(block, block_data)
 
     # -- called from sequence threads ---------------------------------------------------------
 
@@ -206,8 +213,9 @@ class Scheduler:
                 self.blocks.release(local)
                 return
             self.waiting.pop(0)
-            for i, data in enumerate(imported):
-                self.cache.write_block(fresh[i], data)
+            if imported:
+                self.write_blocks(fresh[: len(imported)], imported)
+            for i in range(len(imported)):
                 self.blocks.register(fresh[i], seq.keys[len(local) + i], exported=True)
             seq.imported = []
             seq.blocks = local + fresh

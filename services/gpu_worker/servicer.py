@@ -32,7 +32,12 @@ def build_engine(settings: GpuWorkerSettings) -> CloudEngine:
     leader = start_leader(settings)  # rank 0 of a torchrun group of > 1 ranks (tp.py); else None
     tp_hooks: dict[str, Any] = {}
     if leader is not None:
-        tp_hooks = {"shard": leader.shard, "all_reduce": leader.all_reduce, "wrap_forward": leader.wrap_forward}
+        tp_hooks = {
+            "shard": leader.shard,
+            "all_reduce": leader.all_reduce,
+            "wrap_forward": leader.wrap_forward,
+            "kv_io": leader,  # Redis prefix blocks: gathered / scattered over the group (tp_kv.py)
+        }
     engine = CloudEngine(
         settings.check_model(),
         model_id=settings.model_id,

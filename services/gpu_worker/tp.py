@@ -12,6 +12,9 @@ model calls go through a :class:`Leader`, which, before each call that touches t
 Followers run :func:`follow`: receive a call, make the same call on their shard, repeat
 until told to stop. Tensor results meet in the model's ``all_reduce`` (sum after o_proj and
 down_proj), so every rank computes identical logits; only rank 0 looks at them.
+Prefix KV for Redis crosses the group the same way: ``gather_kv`` (export: the ranks' head slices
+of full blocks meet on rank 0) and ``scatter_kv`` (import: rank 0 hands each rank its slice); the
+blocks in Redis always hold every head, as a TP=1 worker writes them (``tp_kv.py``).
 
 Transport: the model's all-reduce runs on the default process group (NCCL with CUDA tensors on
 ``cuda:LOCAL_RANK``, gloo on CPU); call messages (token ids, starts, block tables: small Python
@@ -58,6 +61,7 @@ from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import resolve_device, resolve_dtype
 from services.gpu_worker.model import KVCache, LlamaConfig, LlamaModel, Shard
 from services.gpu_worker.plan import Segment
+from services.gpu_worker.tp_kv import gather_blocks, scatter_blocks
 
 Forward = Callable[[Sequence[Segment]], list[Tensor]]
 
@@ -150,6 +154,16 @@ class Group:
         dist.broadcast_object_list(box, src=0, group=self._control)
         return tuple(box[0])
 
+    def gather(self, t: Tensor) -> list[Tensor] | None:
+        """Every rank sends ``t`` (CPU, same shape everywhere); rank 0 gets them in rank order."""
+        parts = [torch.empty_like(t) for _ in range(self.env.world)] if self.env.leader else None
+        dist.gather(t, parts, dst=0, group=self._control)
+        return parts
+
+    def scatter(self, out: Tensor, parts: list[Tensor] | None) -> None:
+        """Rank r receives ``parts[r]`` (given on rank 0 only) into ``out`` (CPU)."""
+        dist.scatter(out, parts, src=0, group=self._control)
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -208,6 +222,20 @@ class Leader:
         with self.lock:
             self._send("forward", cache.tp_id, _segments_message(segments))  # type: ignore[attr-defined]
             return model.forward(segments, cache)
+
+    def read_blocks(self, cache: KVCache, ids: Sequence[int]) -> list[Tensor]:
+        """Full-head copies of blocks ``ids`` of a shared cache, gathered from every rank (tp_kv.py)."""
+        with self.lock:
+            self._send("gather_kv", cache.tp_id, list(ids))  # type: ignore[attr-defined]
+            blocks = gather_blocks(self.group, cache, ids)
+        assert blocks is not None
+        return blocks
+
+    def write_blocks(self, cache: KVCache, ids: Sequence[int], blocks: Sequence[Tensor]) -> None:
+        """Write full-head ``blocks`` into blocks ``ids``: each rank gets its head slice (tp_kv.py)."""
+        with self.lock:
+            self._send("scatter_kv", cache.tp_id, list(ids))  # type: ignore[attr-defined]
+            scatter_blocks(self.group, cache, ids, blocks, self.group.env.world)
 
     def wrap_forward(self, forward: Forward) -> Forward:
         """For ``CloudEngine(wrap_forward=...)``: its step function over its cache (the first one
@@ -293,6 +321,10 @@ def follow(model: LlamaModel, group: Group) -> None:
                 model.forward(segments, caches[cid])
             except ValueError as exc:  # a bad plan fails before any collective, on the leader too
                 log.warning("tp_step_rejected", error=str(exc))
+        elif kind == "gather_kv":
+            gather_blocks(group, caches[message[1]], message[2])
+        elif kind == "scatter_kv":
+            scatter_blocks(group, caches[message[1]], message[2], None, group.env.world)
         else:
             raise RuntimeError(f"unknown tensor-parallel call {kind!r}")
 

@@ -1,28 +1,39 @@
 """Tensor parallelism with real processes: 3 gloo ranks on 127.0.0.1 give TP=1's greedy tokens.
 
 Two levels: the model (``tp_rank.py`` ranks driving ``LeaderModel``/``follow`` directly) and the
-worker as deployed (``torchrun ... -m services.gpu_worker``: rank 0 serves gRPC, the others follow).
+worker as deployed (``torchrun ... -m services.gpu_worker``: rank 0 serves gRPC, the others follow),
+one TP=3 worker for the module, with the session's real Redis as its prefix KV store: prefixes cross
+between it and a TP=1 engine both ways.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+import redis.asyncio as aioredis
 import torch
 from tokenizers import Tokenizer
 
+from services.cache.kv import KVContext
 from services.common.errors import ConfigError
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
+from services.common.worker.types import SamplingConfig
+from services.gpu_worker.config import GpuWorkerSettings
+from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.model import LlamaModel
+from services.gpu_worker.prefix import RedisPrefixCache, chain_keys
 from services.gpu_worker.tp import RankEnv, check_degree, load_model, model_config
 from services.models.paths import model_paths
 from services.processes import ServiceProcess
-from tests.helpers import free_port
+from tests.helpers import RedisServer, free_port
 from tests.integration.gpu_worker.greedy import greedy
 from tests.worker_helpers import generate, wait_serving
 
@@ -31,6 +42,8 @@ MODEL = str(model_paths().hf_dir)
 QUESTIONS = ["Name three colours.", "What is the capital of France?"]
 MAX_TOKENS = 8
 EOS = 2  # SmolLM2's <|im_end|>
+VERSION = "tp-prefix"  # the TP=3 worker's and the TP=1 engine's model version: one key scope
+BT = 16
 
 
 def _prompts() -> list[list[int]]:
@@ -85,7 +98,9 @@ def test_tp3_greedy_equals_tp1(single: list[list[int]]) -> None:
     assert all(len(s) == MAX_TOKENS for s in single)
 
 
-async def test_tp3_worker_under_torchrun_serves_tp1_greedy_over_grpc(single: list[list[int]]) -> None:
+@pytest.fixture(scope="module")
+async def tp3(redis_srv: RedisServer) -> AsyncIterator[tuple[ServiceProcess, list[str]]]:
+    """The worker as deployed: torchrun, 3 ranks, rank 0 on gRPC, Redis prefix cache on; its log lines."""
     lines: list[str] = []
     env = dict(
         os.environ,
@@ -96,6 +111,8 @@ async def test_tp3_worker_under_torchrun_serves_tp1_greedy_over_grpc(single: lis
         MESHSERVE_GPU_WORKER_KV_DTYPE="float32",  # the reference keeps float32 KV
         MESHSERVE_GPU_WORKER_KV_BUDGET_BYTES=str(32 << 20),
         MESHSERVE_GPU_WORKER_WORKER_ID="cloud-tp3",
+        MESHSERVE_GPU_WORKER_REDIS_URL=redis_srv.url,
+        MESHSERVE_GPU_WORKER_MODEL_VERSION=VERSION,
         GLOO_SOCKET_IFNAME="lo",
     )
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=3"]
@@ -105,13 +122,105 @@ async def test_tp3_worker_under_torchrun_serves_tp1_greedy_over_grpc(single: lis
         await proc.wait_started(240)
         async with grpc.aio.insecure_channel(proc.address) as channel:
             await wait_serving(channel, "meshserve.internal.v1.Worker", timeout_s=120)
-            stub = worker_pb2_grpc.WorkerStub(channel)
-            for prompt, expected in zip(PROMPTS, single, strict=True):
-                result = await generate(stub, prompt, max_tokens=MAX_TOKENS)
-                expected = expected[: expected.index(EOS)] if EOS in expected else expected  # not streamed
-                assert result.token_ids == expected, "\n".join(lines[-20:])
+        yield proc, lines
     finally:
         await proc.stop(60)
+
+
+async def test_tp3_worker_under_torchrun_serves_tp1_greedy_over_grpc(
+    single: list[list[int]], tp3: tuple[ServiceProcess, list[str]]
+) -> None:
+    proc, lines = tp3
+    async with grpc.aio.insecure_channel(proc.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        for prompt, expected in zip(PROMPTS, single, strict=True):
+            result = await generate(stub, prompt, max_tokens=MAX_TOKENS)
+            expected = expected[: expected.index(EOS)] if EOS in expected else expected  # not streamed
+            assert result.token_ids == expected, "\n".join(lines[-20:])
+
+
+def _tp1_engine(redis_url: str) -> CloudEngine:
+    settings = GpuWorkerSettings()
+    redis = RedisPrefixCache(
+        redis_url, block_tokens=BT, budget_bytes=64 << 20, ttl_s=60, timeout_s=2.0, max_block_bytes=8 << 20
+    )
+    return CloudEngine(
+        settings.check_model(),
+        model_id=settings.model_id,  # the worker's default, as the TP=3 worker has it
+        model_version=VERSION,
+        device="cpu",
+        kv_dtype="float32",
+        threads=1,
+        kv_budget_bytes=32 << 20,
+        redis=redis,
+    )
+
+
+def _engine_greedy(engine: CloudEngine, ids: list[int]) -> list[int]:
+    seq = engine.start(ids, SamplingConfig(max_tokens=MAX_TOKENS))
+    out: list[int] = []
+    try:
+        while len(out) < MAX_TOKENS and EOS not in out:
+            out.append(seq.step())
+    finally:
+        seq.close()
+    return out[: out.index(EOS)] if EOS in out else out  # as the worker streams it
+
+
+async def _wait_stored(redis_url: str, engine: CloudEngine, ids: list[int]) -> None:
+    """Bounded wait until the worker's background export of ``ids``' reusable blocks reached Redis."""
+    ctx = KVContext(engine.model_id, VERSION, "", False)  # the worker's scope for requests without a tenant
+    last = chain_keys(ctx, BT, ids)[(len(ids) - 1) // BT - 1]
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        deadline = time.monotonic() + 60
+        while not await client.exists(last):
+            assert time.monotonic() < deadline, "the TP=3 worker never exported its prefix blocks"
+            await asyncio.sleep(0.05)
+    finally:
+        await client.aclose()
+
+
+async def test_prefix_blocks_cross_between_tp3_worker_and_tp1_engine_through_redis(
+    redis_srv: RedisServer, tp3: tuple[ServiceProcess, list[str]]
+) -> None:
+    proc, lines = tp3
+    engine = await asyncio.to_thread(_tp1_engine, redis_srv.url)
+    tokenizer = engine.tokenizer
+    story = "The history of the river valley and the towns along it is long and full of change. "
+    to_tp3 = list(tokenizer.encode("Summarize: " + story * 6).ids)  # ~100 tokens: 6 reusable blocks
+    to_tp1 = list(tokenizer.encode("Translate: " + story * 6).ids)
+    try:
+        async with grpc.aio.insecure_channel(proc.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            # TP=1 exports (full-head blocks), the TP=3 worker imports: each rank gets its head slice.
+            cold_tp1 = await asyncio.to_thread(_engine_greedy, engine, to_tp3)
+            assert engine.prefix_counters() == {"computed": len(to_tp3), "local": 0, "redis": 0}
+            assert engine.redis is not None
+            await asyncio.to_thread(engine.redis.flush)
+            warm = await generate(stub, to_tp3, max_tokens=MAX_TOKENS)
+            reusable = (len(to_tp3) - 1) // BT * BT
+            assert reusable >= 5 * BT
+            assert warm.final is not None and warm.final.prefill_tokens == len(to_tp3) - reusable
+            assert warm.token_ids == cold_tp1, "\n".join(lines[-20:])
+
+            # The TP=3 worker exports (slices gathered on rank 0), TP=1 imports: same keys, same layout.
+            cold_tp3 = await generate(stub, to_tp1, max_tokens=MAX_TOKENS)
+            assert cold_tp3.final is not None and cold_tp3.final.prefill_tokens == len(to_tp1)
+            await _wait_stored(redis_srv.url, engine, to_tp1)
+            before = engine.prefix_counters()
+            assert await asyncio.to_thread(_engine_greedy, engine, to_tp1) == cold_tp3.token_ids
+            after = engine.prefix_counters()
+            reusable = (len(to_tp1) - 1) // BT * BT
+            assert after["redis"] - before["redis"] == reusable
+            assert after["computed"] - before["computed"] == len(to_tp1) - reusable
+    finally:
+        await asyncio.to_thread(engine.close)
+
+
+async def test_tp3_worker_stops_with_its_followers_on_sigterm(tp3: tuple[ServiceProcess, list[str]]) -> None:
+    proc, lines = tp3
+    await proc.stop(60)
     assert proc.proc is not None and proc.proc.returncode is not None
     assert any('"tp_follower_stopped"' in line for line in lines)  # followers left on rank 0's stop
 
