@@ -7,9 +7,9 @@ Nothing here raises on a Redis problem.
 Timeouts: a timer per call (``asyncio.timeout``, or redis-py's socket timeout, which arms a Task and
 two timers per command) costs about as much CPU as all of our own work on a small GET
 (docs/benchmarks/cache.md). So calls register a deadline in a dict and one watchdog task per guard,
-awake only while calls are in flight, cancels those past their deadline every ``timeout_s / 4``: a
-call is abandoned between ``timeout_s`` and ``1.25 x timeout_s`` (an abandoned redis-py command closes
-its connection). A client built with its own read timeout can say so (``client_timeout=True``) and
+awake only while calls are in flight, cancels those past their deadline every quarter of the
+shortest timeout: a call is abandoned between its timeout and 1.25 x it (an abandoned redis-py
+command closes its connection). A client built with its own read timeout can say so (``client_timeout=True``) and
 is then not watched.
 
 Counters of lookups/stores by kind and result are plain dict increments on the request path: they
@@ -125,6 +125,8 @@ class Guard:
         self._inflight: dict[asyncio.Task[object], list[float]] = {}
         """Task -> [deadline, cancelling() at entry, 1.0 once the watchdog cancelled it]."""
         self._watchdog: asyncio.Task[None] | None = None
+        self._shortest = timeout_s
+        """The shortest timeout of any call so far: the watchdog wakes every quarter of it."""
         COUNTS.add(self)
 
     @property
@@ -154,11 +156,12 @@ class Guard:
                     return self._failed(op, exc)
             else:
                 loop = task.get_loop()
-                watch = [loop.time() + (timeout_s or self.timeout_s), task.cancelling(), 0.0]
+                limit = timeout_s or self.timeout_s
+                watch = [loop.time() + limit, task.cancelling(), 0.0]
                 self._inflight[task] = watch  # type: ignore[index]
                 dog = self._watchdog
-                if dog is None or dog.done() or dog.get_loop() is not loop:
-                    self._watchdog = loop.create_task(self._watch(), name="cache-guard-watchdog")
+                if dog is None or dog.done() or dog.get_loop() is not loop or limit < self._shortest:
+                    self._restart_watchdog(loop, limit)
                 try:
                     result = await factory(client)
                 except REDIS_ERRORS as exc:
@@ -182,12 +185,20 @@ class Guard:
             log.warning("cache_breaker_open", op=op, error=type(exc).__name__, state=breaker.state.value)
         return FAILED
 
+    def _restart_watchdog(self, loop: asyncio.AbstractEventLoop, limit: float) -> None:
+        dog = self._watchdog
+        if limit < self._shortest:  # a shorter per-call timeout than any so far: wake up more often
+            self._shortest = limit
+            if dog is not None and not dog.done() and dog.get_loop() is loop:
+                dog.cancel()
+        self._watchdog = loop.create_task(self._watch(), name="cache-guard-watchdog")
+
     async def _watch(self) -> None:
         """Cancel calls past their deadline; ends once no call is in flight."""
         inflight = self._inflight
         loop = asyncio.get_running_loop()
         while inflight:
-            await asyncio.sleep(max(0.001, self.timeout_s / 4))
+            await asyncio.sleep(max(0.001, self._shortest / 4))
             now = loop.time()
             for task, watch in list(inflight.items()):
                 if not watch[2] and now >= watch[0]:
@@ -231,9 +242,10 @@ class Guard:
             self._flush_timer.cancel()
         if self._flush_task is not None:
             await self._flush_task
-        dog = self._watchdog
+        if self.client is not None:
+            await self.flush_stats()
+        dog = self._watchdog  # after the last guarded call: a cancelled watchdog watches nothing
         if dog is not None and not dog.done() and dog.get_loop() is asyncio.get_running_loop():
             dog.cancel()
         if self.client is not None:
-            await self.flush_stats()
             await self.client.aclose()
