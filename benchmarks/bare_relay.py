@@ -6,6 +6,11 @@ the same call upstream and copies messages both ways. Two of these chained in fr
 cost what two Python gRPC hops cost at the least, on this machine; :mod:`benchmarks.hops` reports
 it next to the real gateway + router. Listens on 127.0.0.1 and logs ``service_started`` like the
 services do, so the launcher finds its port.
+
+``MESHSERVE_BARE_RELAY_SYNC=1`` serves the same relay with grpc's synchronous API instead (a thread
+per call, blocking reads and writes, no event loop): the experiment of whether Python gRPC hops
+can get under the grpc.aio floor (``MESHSERVE_BARE_RELAY_SYNC=1 python -m benchmarks.hops`` starts
+both relays that way; docs/benchmarks/hops.md has the result).
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -69,7 +76,41 @@ async def _main() -> None:
     await channel.close()
 
 
+class SyncRelay(worker_pb2_grpc.WorkerServicer):
+    """The same relay on grpc's synchronous API: the handler thread reads upstream, a thread pumps up."""
+
+    def __init__(self, upstream: worker_pb2_grpc.WorkerStub) -> None:
+        self._upstream = upstream
+
+    def Generate(
+        self, request_iterator: Iterator[worker_pb2.WorkerRequest], context: grpc.ServicerContext
+    ) -> Iterator[worker_pb2.WorkerResponse]:  # type: ignore[override]
+        call = self._upstream.Generate(request_iterator, metadata=_META)  # grpc pumps requests in its own thread
+        context.add_callback(call.cancel)
+        yield from call
+
+
+def _sync_main() -> None:
+    upstream = os.environ["MESHSERVE_BARE_RELAY_UPSTREAM"]
+    options = [tuple(o) for o in json.loads(os.environ.get("MESHSERVE_BARE_RELAY_OPTIONS", "[]"))]
+    channel = grpc.insecure_channel(upstream, options=options)
+    server = grpc.server(ThreadPoolExecutor(max_workers=64), options=options)
+    worker_pb2_grpc.add_WorkerServicer_to_server(SyncRelay(worker_pb2_grpc.WorkerStub(channel)), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    print(json.dumps({"event": "service_started", "port": port}), flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.stop(0)
+    channel.close()
+
+
 if __name__ == "__main__":
+    if os.environ.get("MESHSERVE_BARE_RELAY_SYNC"):
+        _sync_main()
+        sys.exit(0)
     if os.environ.get("MESHSERVE_BARE_RELAY_UVLOOP"):
         import uvloop
 

@@ -9,7 +9,9 @@ router and the real gateway (API keys, rate limits in Redis, stream leases all o
    by request, (a) straight to the worker over its internal API, (b) to the router, (c) to the
    gateway with the static dev key, (d) to the gateway with a key from the Redis key store. TTFT
    and total time, p50/p99 per path; *added* = path minus direct (p50 - p50, p99 - p99). The
-   per-frame relay cost is (added total - added TTFT) / (frames - 1), from the medians.
+   per-frame relay cost is (added total - added TTFT) / (frames - 1), from the medians. Two chains
+   of two bare relays (:mod:`benchmarks.bare_relay`) give the floor of two Python gRPC hops, one on
+   grpc.aio (what the services use) and one on grpc's synchronous API (threads).
 2. **CPU per request.** The same paths again, in blocks of 10 requests per path taken in turn,
    reading every process's CPU time (all threads, ns, /proc schedstat) around each block: ms of CPU
    per request in the client, the gateway, the router, the worker and Redis. CPU time is stretched
@@ -69,6 +71,8 @@ class Stack:
     router: ServiceProcess
     gateway: ServiceProcess
     relays: list[ServiceProcess]
+    sync_relays: list[ServiceProcess]
+    """The same two bare relays on grpc's synchronous API (``bare_relay.py``'s sync mode)."""
     redis_url: str
     tmp: tempfile.TemporaryDirectory[str]
     before: dict[str, ServiceProcess]
@@ -76,10 +80,12 @@ class Stack:
 
     def processes(self) -> dict[str, ServiceProcess]:
         procs = {"gateway": self.gateway, "router": self.router, "worker": self.worker, "redis": self.redis}
-        return procs | self.before | {f"relay{i}": r for i, r in enumerate(self.relays)}
+        relays = {f"relay{i}": r for i, r in enumerate(self.relays)}
+        return procs | self.before | relays | {f"relay_sync{i}": r for i, r in enumerate(self.sync_relays)}
 
     async def stop(self) -> None:
-        for proc in (self.gateway, self.router, *self.before.values(), *self.relays, self.worker, self.redis):
+        relays = (*self.relays, *self.sync_relays)
+        for proc in (self.gateway, self.router, *self.before.values(), *relays, self.worker, self.redis):
             await proc.stop()
         self.tmp.cleanup()
 
@@ -147,15 +153,17 @@ async def start_stack(profile_dir: Path | None = None, before: Path | None = Non
                 sink,
             )
         )
-    relays: list[ServiceProcess] = []
-    upstream = worker.address
-    for i in range(2):  # two bare relays chained: the floor of two Python gRPC hops
-        relay_env = env | {"MESHSERVE_BARE_RELAY_UPSTREAM": upstream}
-        relay = ServiceProcess(f"relay{i}", [sys.executable, "-m", "benchmarks.bare_relay"], relay_env, sink)
-        relays.append(await _start(relay, health=False))
-        upstream = relay.address
+    chains: dict[str, list[ServiceProcess]] = {"relay": [], "relay_sync": []}
+    for name, chain in chains.items():  # two bare relays chained: the floor of two Python gRPC hops
+        upstream = worker.address
+        mode = {"MESHSERVE_BARE_RELAY_SYNC": "1"} if name == "relay_sync" else {}
+        for i in range(2):
+            relay_env = env | mode | {"MESHSERVE_BARE_RELAY_UPSTREAM": upstream}
+            relay = ServiceProcess(f"{name}{i}", [sys.executable, "-m", "benchmarks.bare_relay"], relay_env, sink)
+            chain.append(await _start(relay, health=False))
+            upstream = relay.address
     router, gateway = services.pop("router"), services.pop("gateway")
-    return Stack(redis_proc, worker, router, gateway, relays, redis_url, tmp, services)
+    return Stack(redis_proc, worker, router, gateway, chains["relay"], chains["relay_sync"], redis_url, tmp, services)
 
 
 async def _stream(call: AsyncIterator[Any]) -> tuple[float, float, int]:
@@ -209,6 +217,7 @@ def _probes(
     if not cached:
         probes["direct_worker"] = lambda: worker_call(stubs["worker"])
         probes["bare_relay_x2 (floor)"] = lambda: worker_call(stubs["relay"])
+        probes["bare_relay_x2_sync_api"] = lambda: worker_call(stubs["relay_sync"])
     static = (("authorization", f"Bearer {DEV_API_KEY}"),)
     stored = (("authorization", f"Bearer {keystore_key}"),)
     for suffix in ("", "_before"):
@@ -301,11 +310,19 @@ async def run(
             keystore_key, _record = await KeyStore(client).create("bench", name="hops benchmark")
         finally:
             await client.aclose()
-        targets = {"worker": stack.worker, "relay": stack.relays[-1], "router": stack.router, "gateway": stack.gateway}
+        targets = {
+            "worker": stack.worker,
+            "relay": stack.relays[-1],
+            "relay_sync": stack.sync_relays[-1],
+            "router": stack.router,
+            "gateway": stack.gateway,
+        }
         stubs: dict[str, Any] = {}
         for name, proc in (targets | stack.before).items():
             channels.append(grpc.aio.insecure_channel(proc.address))
-            kind = worker_pb2_grpc.WorkerStub if name in ("worker", "relay") else inference_pb2_grpc.InferenceStub
+            kind = (
+                worker_pb2_grpc.WorkerStub if name.startswith(("worker", "relay")) else inference_pb2_grpc.InferenceStub
+            )
             stubs[name] = kind(channels[-1])
         ids = Tokenizer(model_paths().hf_dir).encode(PROMPT)
         probes = _probes(stubs, ids, keystore_key, max_tokens, cached=False)
