@@ -28,6 +28,15 @@ SENTINEL_SCHEME = "redis+sentinel"
 CLUSTER_SCHEME = "redis+cluster"
 
 
+class _SentinelMaster(aioredis.Redis):
+    """The master's client; closing it also closes the connections to the Sentinels."""
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        for sentinel in self.connection_pool.sentinel_manager.sentinels:  # type: ignore[attr-defined]
+            await sentinel.aclose()
+
+
 def _hosts(netloc: str, default_port: int) -> tuple[str | None, list[tuple[str, int]]]:
     password = None
     if "@" in netloc:
@@ -74,7 +83,7 @@ def redis_from_url(
             raise ValueError("a Sentinel URL must name the master: redis+sentinel://host:26379/mymaster[/db]")
         db = int(path[1]) if len(path) > 1 else 0
         sentinel = Sentinel(hosts, sentinel_kwargs={"socket_timeout": timeout_s}, **common)
-        return sentinel.master_for(path[0], db=db, password=password)
+        return sentinel.master_for(path[0], redis_class=_SentinelMaster, db=db, password=password)
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(
             f"unsupported Redis URL scheme {parts.scheme!r}; use redis://, rediss://, unix://, "

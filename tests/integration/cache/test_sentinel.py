@@ -1,0 +1,144 @@
+"""redis+sentinel:// URLs against a real Sentinel (redis-server --sentinel) monitoring a real master."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from services.cache.connection import redis_from_url
+from services.cache.guard import Guard
+from services.cache.kv import KVBlockStore, KVContext
+from services.cache.store import CachedResponse, Finish, ResponseCache
+from tests.helpers import RedisServer, free_port
+
+pytestmark = pytest.mark.integration
+MASTER = "mymaster"
+KEY = "meshserve:v1:{r|m|0|0}:e:sentinel"
+RESP = CachedResponse((1, 2, 3), "via sentinel", Finish.STOP, 4, 3)
+
+
+@dataclass
+class SentinelSetup:
+    master: RedisServer
+    sentinel_port: int
+    replica_port: int
+
+    @property
+    def url(self) -> str:
+        return f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{MASTER}"
+
+
+def _wait_for_master(port: int, expect: tuple[str, int], timeout_s: float = 10.0) -> None:
+    """Poll the just-started Sentinel until it reports ``expect`` as the master (it has no health API)."""
+    client = redis.Redis(port=port, socket_connect_timeout=0.2, socket_timeout=0.5, decode_responses=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                addr = client.sentinel_get_master_addr_by_name(MASTER)
+                if isinstance(addr, tuple) and (addr[0], int(addr[1])) == expect:
+                    return
+            except redis.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sentinel on port {port} never reported master {expect}")
+            time.sleep(0.02)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def sentinel(tmp_path: Path) -> Iterator[SentinelSetup]:
+    exe = shutil.which("redis-server")
+    assert exe is not None, "redis-server is not installed; run `make setup`"
+    (tmp_path / "master").mkdir()
+    master = RedisServer(port=free_port(), dir=str(tmp_path / "master"))
+    master.start()
+    replica_port = free_port()
+    argv = [exe, "--port", str(replica_port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    replica = subprocess.Popen(
+        [*argv, "--dir", str(tmp_path), "--replicaof", "127.0.0.1", str(master.port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    port = free_port()
+    conf = tmp_path / "sentinel.conf"  # Sentinel rewrites its config file: it must be writable
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
+        f"sentinel monitor {MASTER} 127.0.0.1 {master.port} 1\n"
+        f"sentinel down-after-milliseconds {MASTER} 500\n"
+    )
+    proc = subprocess.Popen([exe, str(conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_master(port, ("127.0.0.1", master.port))
+        yield SentinelSetup(master, port, replica_port)
+    finally:
+        for p in (proc, replica):
+            p.terminate()
+            p.wait(timeout=10)
+        master.stop()
+
+
+async def test_response_round_trip_through_sentinel(sentinel: SentinelSetup) -> None:
+    cache = ResponseCache.from_url(sentinel.url, timeout_s=1.0)
+    try:
+        assert await cache.put(KEY, RESP)
+        assert await cache.get(KEY) == RESP
+        direct = redis.Redis(port=sentinel.master.port)  # it really went to the master Sentinel named
+        try:
+            assert direct.exists(KEY) == 1
+        finally:
+            direct.close()
+        assert cache.stats.errors == 0
+    finally:
+        await cache.close()
+
+
+async def test_kv_round_trip_through_sentinel(sentinel: SentinelSetup) -> None:
+    guard = Guard(redis_from_url(sentinel.url, 1.0), timeout_s=1.0)
+    store = KVBlockStore(guard, block_tokens=4)
+    ctx = KVContext("m", "v", "tenant")
+    blocks = [np.full((2, 4, 8), i, dtype=np.float16) for i in range(3)]
+    prompt = list(range(14))  # three full blocks and a partial one
+    try:
+        assert await store.put(ctx, prompt, blocks) == 3
+        assert await store.match(ctx, prompt) == 3
+        loaded = await store.load(ctx, prompt)
+        assert len(loaded) == 3 and all(np.array_equal(a, b) for a, b in zip(loaded, blocks, strict=True))
+        assert await store.match(KVContext("m", "v", "other"), prompt) == 0  # tenants stay apart
+    finally:
+        await guard.close()
+
+
+async def test_master_crash_fails_over_and_the_cache_follows(sentinel: SentinelSetup) -> None:
+    cache = ResponseCache.from_url(sentinel.url, timeout_s=1.0, retry_after_s=0)
+    old_master = redis.Redis(port=sentinel.master.port, socket_timeout=5)
+    new_master = redis.Redis(port=sentinel.replica_port, socket_timeout=2)
+    try:
+        assert await cache.put(KEY, RESP)
+        assert old_master.execute_command("WAIT", 1, 5000) == 1  # the replica has it
+        old_master.close()
+        sentinel.master.stop()  # the master dies; Sentinel promotes the replica
+        await asyncio.to_thread(_wait_for_master, sentinel.sentinel_port, ("127.0.0.1", sentinel.replica_port), 30)
+        # A call on the dead master's pooled connection may fail (a miss, never an exception); the
+        # client then asks Sentinel again and lands on the promoted replica. Bounded attempts.
+        after = KEY + "-after"
+        for _ in range(50):
+            if await cache.put(after, RESP):
+                break
+        assert new_master.exists(after) == 1
+        assert await cache.get(after) == RESP
+        assert await cache.get(KEY) == RESP  # written before the crash, replicated: still a hit
+    finally:
+        old_master.close()
+        new_master.close()
+        await cache.close()
