@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from services.gpu_worker.packed import Linear, can_prepack
 from services.gpu_worker.plan import Segment, StepPlan
 
 AllReduce = Callable[[Tensor], None]
@@ -165,11 +166,11 @@ class KVCache:
 @dataclass
 class _Layer:
     ln1: Tensor
-    wqkv: Tensor
-    wo: Tensor
+    wqkv: Linear
+    wo: Linear
     ln2: Tensor
-    w_gate_up: Tensor
-    w_down: Tensor
+    w_gate_up: Linear
+    w_down: Linear
 
 
 class LlamaModel:
@@ -184,8 +185,11 @@ class LlamaModel:
         dtype: torch.dtype,
         shard: Shard = Shard(),
         all_reduce: AllReduce | None = None,
+        prepack: bool | None = None,
     ) -> None:
         shard.check(config)
+        # None: prepack where it helps (CPU float32, packed.py); it keeps a second copy of the weights.
+        pack = can_prepack(device, dtype) if prepack is None else prepack and can_prepack(device, dtype)
         self.config = config
         self.shard = shard
         self.device = device
@@ -209,16 +213,17 @@ class LlamaModel:
             self.layers.append(
                 _Layer(
                     ln1=get(p + "input_layernorm.weight"),
-                    wqkv=torch.cat((q[heads], k[kv], v[kv])).contiguous(),
-                    wo=get(p + "self_attn.o_proj.weight")[:, heads].contiguous(),
+                    wqkv=Linear(torch.cat((q[heads], k[kv], v[kv])).contiguous(), prepack=pack),
+                    wo=Linear(get(p + "self_attn.o_proj.weight")[:, heads].contiguous(), prepack=pack),
                     ln2=get(p + "post_attention_layernorm.weight"),
-                    w_gate_up=torch.cat((gate[mlp], up[mlp])).contiguous(),
-                    w_down=get(p + "mlp.down_proj.weight")[:, mlp].contiguous(),
+                    w_gate_up=Linear(torch.cat((gate[mlp], up[mlp])).contiguous(), prepack=pack),
+                    w_down=Linear(get(p + "mlp.down_proj.weight")[:, mlp].contiguous(), prepack=pack),
                 )
             )
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
-        self.lm_head = self.embed if config.tied or "lm_head.weight" not in weights else get("lm_head.weight")
+        head = self.embed if config.tied or "lm_head.weight" not in weights else get("lm_head.weight")
+        self.lm_head = Linear(head, prepack=pack, single_row_packed=True)
         positions = torch.arange(config.max_positions, dtype=torch.float32)
         freqs = positions[:, None] * torch.tensor(config.inv_freq, dtype=torch.float32)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -237,6 +242,7 @@ class LlamaModel:
         shard: Shard = Shard(),
         all_reduce: AllReduce | None = None,
         allow_download: bool = False,
+        prepack: bool | None = None,
     ) -> LlamaModel:
         """Load from an HF directory (safetensors) or a hub id (cached, or downloaded if allowed)."""
         from transformers import AutoConfig
@@ -251,7 +257,7 @@ class LlamaModel:
 
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=not allow_download)
             weights = dict(hf.state_dict())
-        return cls(config, weights, device=device, dtype=dtype, shard=shard, all_reduce=all_reduce)
+        return cls(config, weights, device=device, dtype=dtype, shard=shard, all_reduce=all_reduce, prepack=prepack)
 
     def new_cache(self, num_blocks: int, block_tokens: int, dtype: torch.dtype) -> KVCache:
         shape = (num_blocks * block_tokens, self.local_kv_heads, self.config.head_dim)
@@ -284,7 +290,7 @@ class LlamaModel:
         n = x.shape[0]
         for li, layer in enumerate(self.layers):
             h = self._rms(x, layer.ln1)
-            qkv = F.linear(h, layer.wqkv)
+            qkv = layer.wqkv(h)
             q = self._rope(qkv[:, : self._q_size].view(n, self.local_heads, d), cos, sin)
             k_end = self._q_size + self._kv_size
             k = self._rope(qkv[:, self._q_size : k_end].view(n, self.local_kv_heads, d), cos, sin)
@@ -306,17 +312,17 @@ class LlamaModel:
                 qs = qg[row : row + count].permute(1, 2, 0, 3).reshape(self.local_kv_heads, g * count, d)
                 out = F.scaled_dot_product_attention(qs, keys, vals, attn_mask=mask)
                 attn[row : row + count] = out.view(self.local_kv_heads, g, count, d).permute(2, 0, 1, 3)
-            o = F.linear(attn.view(n, self._q_size), layer.wo)
+            o = layer.wo(attn.view(n, self._q_size))
             self.all_reduce(o)
             x = x + o
             h = self._rms(x, layer.ln2)
-            gu = F.linear(h, layer.w_gate_up)
+            gu = layer.w_gate_up(h)
             half = gu.shape[-1] // 2
-            down = F.linear(F.silu(gu[:, :half]) * gu[:, half:], layer.w_down)
+            down = layer.w_down(F.silu(gu[:, :half]) * gu[:, half:])
             self.all_reduce(down)
             x = x + down
         h = self._rms(x[plan.logit_rows], self.norm)
-        logits = F.linear(h, self.lm_head).float()
+        logits = self.lm_head(h).float()
         return list(torch.split(logits, plan.logit_counts))
 
 
