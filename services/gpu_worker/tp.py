@@ -61,7 +61,7 @@ from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import resolve_device, resolve_dtype
 from services.gpu_worker.model import KVCache, LlamaConfig, LlamaModel, Shard
 from services.gpu_worker.plan import Segment
-from services.gpu_worker.tp_kv import gather_blocks, scatter_blocks
+from services.gpu_worker.tp_kv import gather_blocks, head_slices, scatter_blocks
 
 Forward = Callable[[Sequence[Segment]], list[Tensor]]
 
@@ -233,9 +233,10 @@ class Leader:
 
     def write_blocks(self, cache: KVCache, ids: Sequence[int], blocks: Sequence[Tensor]) -> None:
         """Write full-head ``blocks`` into blocks ``ids``: each rank gets its head slice (tp_kv.py)."""
+        parts = head_slices(blocks, cache.k[0].dtype, self.group.env.world)  # a bad block fails before the call
         with self.lock:
             self._send("scatter_kv", cache.tp_id, list(ids))  # type: ignore[attr-defined]
-            scatter_blocks(self.group, cache, ids, blocks, self.group.env.world)
+            scatter_blocks(self.group, cache, ids, parts)
 
     def wrap_forward(self, forward: Forward) -> Forward:
         """For ``CloudEngine(wrap_forward=...)``: its step function over its cache (the first one
@@ -324,7 +325,7 @@ def follow(model: LlamaModel, group: Group) -> None:
         elif kind == "gather_kv":
             gather_blocks(group, caches[message[1]], message[2])
         elif kind == "scatter_kv":
-            scatter_blocks(group, caches[message[1]], message[2], None, group.env.world)
+            scatter_blocks(group, caches[message[1]], message[2], None)
         else:
             raise RuntimeError(f"unknown tensor-parallel call {kind!r}")
 

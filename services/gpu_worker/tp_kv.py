@@ -47,19 +47,19 @@ def gather_blocks(group: BlockGroup, cache: KVCache, ids: Sequence[int]) -> list
     return list(full.unbind(0))
 
 
-def scatter_blocks(
-    group: BlockGroup, cache: KVCache, ids: Sequence[int], blocks: Sequence[Tensor] | None, world: int
-) -> None:
-    """Every rank: write this rank's head slice of full-head ``blocks`` (given on rank 0 only) into ``ids``."""
+def head_slices(blocks: Sequence[Tensor], dtype: torch.dtype, world: int) -> list[Tensor]:
+    """Rank 0, before it announces a scatter: full-head ``blocks`` as ``world`` byte parts, rank r's heads in part r."""
+    full = torch.stack([b.to(dtype) for b in blocks]).cpu()  # [n, layers, 2, kv_heads, bt, d]
+    if full.shape[3] % world:
+        raise ValueError(f"a KV block with {full.shape[3]} heads does not split over {world} ranks")
+    return [c.contiguous().view(torch.uint8) for c in full.chunk(world, dim=3)]
+
+
+def scatter_blocks(group: BlockGroup, cache: KVCache, ids: Sequence[int], parts: list[Tensor] | None) -> None:
+    """Every rank: write this rank's part (``head_slices``, given on rank 0 only) into blocks ``ids``."""
     dtype = cache.k[0].dtype
     layers, (_, local_kv, head_dim) = len(cache.k), cache.k[0].shape
     out = torch.empty((len(ids), layers, 2, local_kv, cache.block_tokens, head_dim), dtype=dtype)
-    parts = None
-    if blocks is not None:
-        full = torch.stack([b.to(dtype) for b in blocks]).cpu()
-        if full.shape[3] != local_kv * world:
-            raise ValueError(f"a KV block with {full.shape[3]} heads does not split over {world} ranks")
-        parts = [c.contiguous().view(torch.uint8) for c in full.chunk(world, dim=3)]
     group.scatter(out.view(torch.uint8), parts)
     for block, data in zip(ids, out.unbind(0), strict=True):
         cache.write_block(block, data)
