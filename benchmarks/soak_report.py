@@ -126,6 +126,8 @@ def fd_lines(report: dict[str, Any]) -> list[str]:
             *rows,
         ]
     events = [e for e in report.get("log_events") or [] if e["phase"] != "stop"]
+    if "log_events" in report and not events:
+        out += ["", "The services logged no warning or error during the ramp, the fill and the soak."]
     if events:
         out += [
             "",
