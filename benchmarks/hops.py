@@ -339,7 +339,12 @@ async def run(
     return {
         "benchmark": "hops",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "load_avg_1m": os.getloadavg()[0],
+        },
         "command": f"python -m benchmarks.hops --requests {requests} --cpu-requests {cpu_requests} "
         f"--max-tokens {max_tokens}" + (f" --before {before}" if before else ""),
         "before": str(before) if before else None,

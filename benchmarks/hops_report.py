@@ -11,7 +11,13 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Hop overhead: gateway + router over a direct worker call, model compute removed",
         "",
-        f"{report['date']} · {report['machine']['cpus']} CPUs (shared with other work), "
+        f"{report['date']} · {report['machine']['cpus']} CPUs (shared with other work"
+        + (
+            f"; 1-min load average {report['machine']['load_avg_1m']:.1f} at the end"
+            if "load_avg_1m" in report["machine"]
+            else ""
+        )
+        + "), "
         f"Python {report['machine']['python']} · `{report['command']}`",
         "",
         "Real redis-server, real worker runtime (synthetic engine: tokens at once), real router and gateway",
