@@ -1,6 +1,6 @@
 """``meshserve bench [SUBCOMMAND]``: the benchmark suites.
 
-``meshserve bench load|soak|gateways|relay|cancel|report|spec ...`` run the harness of issue 9 and the
+``meshserve bench load|soak|gateways|relay|cancel|report|spec|tp-prefix ...`` run the harness of issue 9 and the
 cloud engine's speculative/TP benchmark (each has
 ``-h``); anything else (``meshserve bench``, ``meshserve bench --only cloud``, ...) goes to
 :func:`benchmarks.run.main`, the mesh-overhead benchmark, unchanged.
@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "cancel": ("benchmarks.cancel", "decode steps a worker runs after the client cancels (edge and cloud)"),
     "report": ("benchmarks.report", "write docs/benchmarks/README.md from the benchmarks' JSON files"),
     "spec": ("benchmarks.cloud_spec", "cloud engine: speculative decoding speed-up/acceptance, TP=3 vs TP=1"),
+    "tp-prefix": ("benchmarks.cloud_tp_prefix", "TTFT with prefix KV through Redis between a TP=3 worker and TP=1"),
 }
 
 
