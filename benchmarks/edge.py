@@ -211,7 +211,18 @@ def targets(report: dict[str, Any]) -> list[str]:
     share = 100 * report["single_stream_roofline_share"]
     top = report["rounds"][-1]["streams"]
     scaling = report["scaling_top_vs_single"]
+    machine = report["machine"]
+    busy = max(machine["load_avg_1m"], machine.get("load_avg_1m_after_mesh", 0.0)) > 0.5 * (machine["cpus"] or 1)
+    warning = (
+        [
+            f"WARNING: load average {machine['load_avg_1m']:.1f} on {machine['cpus']} CPUs: other jobs share the "
+            "CPU, so the bandwidth probe, the roofline share and the wall-clock ratio are not valid; re-run quiet"
+        ]
+        if busy
+        else []
+    )
     return [
+        *warning,
         f"TARGET single-stream decode / memory-bandwidth roofline: {share:.0f} % (target >= 50 %): "
         + ("PASS" if share >= 50 else "FAIL"),
         f"TARGET aggregate tok/s at {top} streams / 1 stream: {scaling:.2f}x (target >= 4x): "
