@@ -25,6 +25,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import structlog
 import torch
 from prometheus_client import Counter
 from tokenizers import Tokenizer
@@ -39,6 +40,8 @@ from services.gpu_worker.prefix import RedisPrefixCache, chain_keys, key_digest
 from services.gpu_worker.sampler import Sampler
 from services.gpu_worker.scheduler import Forward, Scheduler, SeqState
 from services.gpu_worker.tp_kv import KVBlockIO, LocalBlocks
+
+log = structlog.get_logger(__name__)
 
 PREFIX_TOKENS = Counter(
     "meshserve_prefix_tokens_total",
@@ -286,7 +289,11 @@ class CloudEngine:
             if not ids:
                 return
             self.blocks.mark_exported(ids)
-        data = self._kv_io.read_blocks(self.cache, ids)  # every head, gathered from the TP ranks
+        try:
+            data = self._kv_io.read_blocks(self.cache, ids)  # every head, gathered from the TP ranks
+        except Exception as exc:  # a broken TP group: no export, but the sequence's KV is still freed
+            log.warning("kv_prefix_export_failed", error=str(exc))
+            return
         self.redis.store_async(ctx, state.tokens[: (first + len(data)) * self.block_tokens], data, first)
 
     # -- load reports ---------------------------------------------------------------------------

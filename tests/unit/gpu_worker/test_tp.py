@@ -10,7 +10,7 @@ import torch
 import torch.distributed.run as torchrun
 
 from services.common.errors import ConfigError
-from services.gpu_worker.model import LlamaConfig
+from services.gpu_worker.model import KVCache, LlamaConfig
 from services.gpu_worker.plan import Segment
 from services.gpu_worker.tp import RankEnv, check_degree, follow
 from services.mesh import torchrun_launcher, tp_env
@@ -96,3 +96,48 @@ def test_mesh_launches_tp_groups_with_deploys_torchrun_flags() -> None:
     args = torchrun.get_args_parser().parse_args([*argv[1:], "services.gpu_worker"])
     assert (args.standalone, args.nnodes, args.nproc_per_node, args.module) == (True, "1", "3", True)
     assert args.training_script == "services.gpu_worker"
+
+
+class CacheModel:
+    """A follower's model whose caches are real (1 layer, 1 KV head of 2 dims, blocks of 2 tokens)."""
+
+    def new_cache(self, num_blocks: int, block_tokens: int, dtype: torch.dtype) -> KVCache:
+        shape = (num_blocks * block_tokens, 1, 2)
+        k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        return KVCache(k=[k], v=[v], block_tokens=block_tokens)
+
+
+class KVGroup(FakeGroup):
+    """Rank 1 of 3: what it gathers is recorded; what it is scattered is ``inbox``."""
+
+    env = RankEnv(rank=1, world=3)
+
+    def __init__(self, messages: Sequence[tuple[Any, ...]], inbox: torch.Tensor) -> None:
+        super().__init__(messages)
+        self.inbox = inbox
+        self.gathered: list[torch.Tensor] = []
+
+    def gather(self, t: torch.Tensor) -> None:
+        self.gathered.append(t.clone())
+
+    def scatter(self, out: torch.Tensor, parts: list[torch.Tensor] | None) -> None:
+        assert parts is None
+        out.copy_(self.inbox)
+
+
+def test_follower_writes_scattered_kv_slices_and_gathers_them_back_in_call_order() -> None:
+    block = torch.arange(8, dtype=torch.float16).view(1, 1, 2, 1, 2, 2)  # [n, layers, 2, local kv, bt, d]
+    group = KVGroup(
+        [
+            ("new_cache", 0, 4, 2, "float16"),
+            ("gather_kv", 0, [2]),  # before the write: zeros
+            ("scatter_kv", 0, [2]),
+            ("gather_kv", 0, [2, 0]),
+            ("stop",),
+        ],
+        block.view(torch.uint8),
+    )
+    follow(CacheModel(), group)  # type: ignore[arg-type]
+    first, second = (t.view(torch.float16) for t in group.gathered)
+    assert not first.any()
+    assert torch.equal(second[0], block[0]) and not second[1].any()
