@@ -1,6 +1,6 @@
 """``meshserve bench [SUBCOMMAND]``: the benchmark suites.
 
-``meshserve bench load|soak|gateways|relay|cancel|report|spec|tp-prefix ...`` run the harness of issue 9 and the
+``meshserve bench load|soak|gateways|relay|cancel|report|spec|tp-prefix|edge ...`` run the harness of issue 9 and the
 cloud engine's speculative/TP benchmark (each has
 ``-h``); anything else (``meshserve bench``, ``meshserve bench --only cloud``, ...) goes to
 :func:`benchmarks.run.main`, the mesh-overhead benchmark, unchanged.
@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "report": ("benchmarks.report", "write docs/benchmarks/README.md from the benchmarks' JSON files"),
     "spec": ("benchmarks.cloud_spec", "cloud engine: speculative decoding speed-up/acceptance, TP=3 vs TP=1"),
     "tp-prefix": ("benchmarks.cloud_tp_prefix", "TTFT with prefix KV through Redis between a TP=3 worker and TP=1"),
+    "edge": ("benchmarks.edge", "edge tier: single-stream roofline share, 16 vs 1 stream scaling, memory per stream"),
 }
 
 
