@@ -63,13 +63,13 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     return result, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def bench_speculative(max_tokens: int, k_max: int, rounds: int) -> dict[str, Any]:
+def bench_speculative(max_tokens: int, k_max: int, rounds: int, draft_dir: Path | None = None) -> dict[str, Any]:
     from services.gpu_worker.speculative import SpeculativeDecoder, draft_factory, load_draft_model
 
     torch.set_num_threads(1)
     paths = model_paths()
     model = LlamaModel.load(str(paths.hf_dir), device=torch.device("cpu"), dtype=torch.float32)
-    draft = load_draft_model(paths.edge_dir, threads=1)
+    draft = load_draft_model(draft_dir or paths.edge_dir, threads=1)
     eos = frozenset({2})
     prompts = _encode(PROMPTS)
     blocks = (max(len(p) for p in prompts) + max_tokens + k_max + 16) // 16 + 1
@@ -109,7 +109,8 @@ def bench_speculative(max_tokens: int, k_max: int, rounds: int) -> dict[str, Any
                 outs[name] = out
                 rows[name].append((len(out), wall, cpu))
             equal += outs["plain"] == outs["speculative"]
-    result: dict[str, Any] = {"prompts": len(prompts), "rounds": rounds, "max_tokens": max_tokens, "k_max": k_max}
+    result: dict[str, Any] = {"prompts": len(prompts), "rounds": rounds, "max_tokens": max_tokens, "k_max": k_max,
+                              "draft": str(draft_dir or paths.edge_dir)}  # fmt: skip
     for name, samples in rows.items():
         tokens = sum(n for n, _, _ in samples)
         result[name] = {
@@ -218,7 +219,7 @@ def _markdown(report: dict[str, Any]) -> str:
         f"Run {report['date']} on {report['machine']} (load average {report['load_before']:.1f} before, "
         f"{report['load_after']:.1f} after: shared and noisy). `meshserve bench spec`, CPU, float32.",
         "",
-        "## Speculative decoding (draft: the edge tier's INT4 model on onnxruntime-genai)",
+        f"## Speculative decoding (draft: `{Path(s['draft']).name}` on onnxruntime-genai)",
         "",
         f"{s['prompts']} chat prompts x {s['rounds']} rounds, up to {s['max_tokens']} greedy tokens, k_max "
         f"{s['k_max']}, one thread each for target and draft; plain and speculative interleaved per prompt.",
@@ -251,16 +252,21 @@ def _markdown(report: dict[str, Any]) -> str:
             f"| TP={w} | {t[f'tp{w}']['tokens_per_s']:.1f} | {t[f'tp{w}']['rank0_cpu_ms_per_token']:.1f} |",
             "",
         ]
+    costs = s["costs_cpu_ms"]
+
+    def ratio(k: int) -> float:
+        return float(costs[f"verify_k{k}"] / costs["decode_step"])
+
     lines += [
         "## Reading these numbers",
         "",
         "- The machine is shared (other test suites ran at the same time): wall numbers swing with load;",
         "  CPU ms per token is the steadier measure, and still inflated by contention.",
-        "- Speculation pays when the draft agrees often and a verify pass of k+1 tokens costs about one",
-        "  decode step. Here the INT4 draft agrees on the acceptance rate above, and the cost model shows a",
-        "  verify pass costing 2-2.5 decode steps on CPU (GEMM at a few rows vs GEMV at one row), so the",
-        "  speed-up stays near 1x. On a GPU (memory-bound decode) a verify pass should cost about one step",
-        "  (not measured: no GPU in this session).",
+        "- Speculation pays when the draft agrees often, a verify pass of k+1 tokens costs about one decode",
+        f"  step and a draft token much less. Here a verify pass of 5 tokens costs {ratio(4):.2f} decode steps",
+        f"  and of 9 tokens {ratio(8):.2f} (multi-row steps use oneDNN-prepacked weights, services/gpu_worker/",
+        f"  packed.py), and a draft token {costs['draft_token'] / costs['decode_step']:.2f} of a step. On a GPU",
+        "  (memory-bound decode) a verify pass should cost about one step (not measured: no GPU here).",
         "- TP on CPU: every rank still computes the replicated embeddings, norms and LM head, and each layer",
         "  pays two gloo all-reduces; with more ranks than cores the ranks also compete for the cores. A",
         "  wall tokens/s above TP=1 on a loaded machine means the 3 processes got a larger share of the",
@@ -282,6 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=3, help="TP degree to compare with TP=1 (default 3; 0 = skip)")
     p.add_argument("--tp-tokens", type=int, default=16, help="greedy tokens per prompt in the TP part (default 16)")
     p.add_argument("--tp-prompts", type=int, default=4, help="prompts in the TP part (default 4)")
+    p.add_argument("--draft", type=Path, default=None, help="draft model directory (default: the edge INT4 model)")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="where to write cloud_spec.json/.md")
     args = p.parse_args(argv)
     report: dict[str, Any] = {
@@ -289,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}",
         "load_before": os.getloadavg()[0],
     }
-    report["speculative"] = bench_speculative(args.max_tokens, args.k_max, args.rounds)
+    report["speculative"] = bench_speculative(args.max_tokens, args.k_max, args.rounds, args.draft)
     print(json.dumps(report["speculative"], indent=2), flush=True)
     if args.tp > 1:
         report["tp"] = bench_tp(args.tp, args.tp_tokens, args.tp_prompts)
