@@ -26,7 +26,7 @@ def test_report_reads_numbers_judges_them_and_names_the_command(tmp_path: Path) 
     rounds = [{"streams": 1, "aggregate_tokens_per_s": 100.0}, {"streams": 16, "aggregate_tokens_per_s": 350.0}]
     _write(tmp_path, "edge.json", {"date": "2026-01-01", "single_stream_roofline_share": 0.61, "rounds": rounds})
     text = generate(tmp_path)
-    relay = _row(text, "tok/s, many streams from a synthetic worker")
+    relay = _row(text, "tok/s, 32 streams paced one token per 5 ms (synthetic worker)")
     assert "6,123 tok/s" in relay and "| pass |" in relay and "2026-01-02 03:04" in relay
     assert "`meshserve bench relay --x 1`" in relay
     assert "| pass |" in _row(text, "single stream, share of memory-bandwidth roofline")
@@ -38,7 +38,7 @@ def test_report_reads_numbers_judges_them_and_names_the_command(tmp_path: Path) 
 def test_missing_files_and_numbers_are_shown_as_not_measured(tmp_path: Path) -> None:
     _write(tmp_path, "cloud.json", {"date": "2026-01-01", "throughput": {"16": {"ours": {"tokens_per_s": 5.0}}}})
     text = generate(tmp_path)
-    assert f"| {NOT_MEASURED} |" in _row(text, "tok/s, many streams from a synthetic worker")
+    assert f"| {NOT_MEASURED} |" in _row(text, "tok/s, 32 streams paced one token per 5 ms (synthetic worker)")
     missing_key = _row(text, "tok/s at 16 streams / transformers generate_batch")
     assert f"{NOT_MEASURED} (no such number in cloud.json)" in missing_key
     for title in ("Mesh overhead", "Cache-hit TTFT", "Edge tier", "Cloud tier", "Prefix reuse", "Speculative",
@@ -57,7 +57,7 @@ def test_bench_report_subcommand_writes_the_readme(tmp_path: Path) -> None:
     _write(tmp_path, "relay.json", {"gateway_router_tokens_per_s": 100.0})
     assert bench_cli.main(["report", "--dir", str(tmp_path)]) == 0
     text = (tmp_path / "README.md").read_text()
-    assert "**fail**" in _row(text, "tok/s, many streams from a synthetic worker")
+    assert "**fail**" in _row(text, "tok/s, 32 streams paced one token per 5 ms (synthetic worker)")
     assert "[relay.json](relay.json)" in text
 
 
