@@ -8,14 +8,14 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from services.common.settings import ServiceSettings, default_models_dir
+from services.common.settings import StreamingSettings, default_models_dir
 from services.models.paths import DEFAULT_MODEL_ID, model_paths
 
 WorkerList = Annotated[list[str], NoDecode]
 TenantMap = Annotated[dict[str, float], NoDecode]
 
 
-class RouterSettings(ServiceSettings):
+class RouterSettings(StreamingSettings):
     """Settings of the router service."""
 
     service: ClassVar[str] = "router"
@@ -88,7 +88,10 @@ class RouterSettings(ServiceSettings):
     health_interval_s: float = Field(default=1.0, gt=0)
     """How often each worker's gRPC health and Stats are polled."""
     health_timeout_s: float = Field(default=0.5, gt=0)
-    """Timeout of one health/Stats probe; a worker that does not answer in time is marked down."""
+    """Timeout of one health/Stats probe."""
+    probe_timeouts_to_down: int = Field(default=3, ge=1, le=100)
+    """A healthy worker is marked down after this many probes in a row time out (1 = the first).
+    Refused connections and NOT_SERVING mark it down at once; stalled streams eject it at once."""
 
     @field_validator("edge_workers", "cloud_workers", mode="before")
     @classmethod

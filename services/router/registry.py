@@ -1,7 +1,9 @@
 """The router's live view of its workers: one channel per replica, health polled in the background.
 
 Every ``interval_s`` each replica is probed with ``grpc.health.v1.Health/Check`` and
-``Worker.Stats`` (identity and load). A replica is up when health says SERVING and Stats answers.
+``Worker.Stats`` (identity and load). A replica is up when health says SERVING and Stats answers; a
+healthy replica whose probes merely time out stays up until ``probe_timeouts_to_down`` probes in a row
+have timed out (a busy worker answers late; a dead one refuses or stalls its streams).
 Outlier ejection: a call that fails with UNAVAILABLE or stalls ejects its replica at once
 (``mark_down``) for ``eject_base_s * 2**(consecutive ejections - 1)`` (capped at ``eject_max_s``);
 probes cannot bring it back before that. Re-admission is gradual: for ``readmit_s`` after it
@@ -105,6 +107,8 @@ class Replica:
     queue_depth: int = 0
     max_active: int = 4
     failures: int = field(default=0)
+    probe_timeouts: int = 0
+    """Consecutive health/Stats probes that timed out (reset by any answer)."""
     in_flight: int = 0
     """Turns this router has running on the replica now."""
     ejections: int = 0
@@ -163,11 +167,13 @@ class Registry:
         kv_high_watermark: float = 0.95,
         drain_s: float = 30.0,
         on_report: Callable[[Replica], object] | None = None,
+        probe_timeouts_to_down: int = 3,
     ) -> None:
         self._addresses = [(a, TierName.EDGE) for a in edge] + [(a, TierName.CLOUD) for a in cloud]
         self._token = internal_token
         self._interval = interval_s
         self._timeout = timeout_s
+        self._timeouts_to_down = max(1, probe_timeouts_to_down)
         self._on_change = on_change
         self._eject_base = eject_base_s
         self._eject_max = eject_max_s
@@ -331,9 +337,16 @@ class Registry:
             if up:
                 stats = await r.stub.Stats(worker_pb2.StatsRequest(), timeout=self._timeout, metadata=meta)
                 self.apply_report(r, WorkerReport.from_pb(stats))
+            r.probe_timeouts = 0
         except grpc.aio.AioRpcError as exc:
             up = False
-            if r.healthy:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # A slow answer is not a dead worker: a busy one (a long prefill on a loaded machine)
+                # keeps its place until several probes in a row time out. Refused connections,
+                # NOT_SERVING and stalled streams still take it out at once.
+                r.probe_timeouts += 1
+                up = r.healthy and r.probe_timeouts < self._timeouts_to_down
+            if r.healthy and not up:
                 log.warning("worker_probe_failed", worker=r.name, address=r.address, code=exc.code().name)
         now = time.monotonic()
         if up and not r.healthy and now < r.ejected_until:

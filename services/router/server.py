@@ -61,6 +61,7 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
         internal_token=settings.internal_token,
         interval_s=settings.health_interval_s,
         timeout_s=settings.health_timeout_s,
+        probe_timeouts_to_down=settings.probe_timeouts_to_down,
         on_change=on_change,
         eject_base_s=settings.eject_base_s,
         eject_max_s=settings.eject_max_s,
@@ -106,7 +107,10 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
         tenant_tiers=settings.tenant_tiers,
     )
     servicer = RouterServicer(
-        router, context_length=settings.context_length, default_max_tokens=settings.default_max_tokens
+        router,
+        context_length=settings.context_length,
+        default_max_tokens=settings.default_max_tokens,
+        flush=settings.flush_window(),
     )
     registration = WorkerRegistryServicer(registry) if settings.accept_registrations else None
     admin = RouterAdminServicer(registry)  # the replica view for `meshserve status`

@@ -39,6 +39,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     server: RunningServer | None = None
     kv_used_bytes: int = 0  # reported in Stats (the load report)
     kv_budget_bytes: int = 0
+    stats_delay_s: float = 0.0  # Stats answers this late (a busy worker)
 
     @property
     def address(self) -> str:
@@ -122,6 +123,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     async def Stats(
         self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:
+        if self.stats_delay_s:
+            await asyncio.sleep(self.stats_delay_s)
         return worker_pb2.WorkerStats(
             worker_id=self.worker_id,
             tier=self.tier,  # type: ignore[arg-type]
