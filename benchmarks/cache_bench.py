@@ -2,10 +2,10 @@
 
 1. Library vs raw redis-py, one local redis-server (started here), interleaved A/B (noise hits both):
    * response entries: our ``ResponseCache.get`` (GET + decode + breaker + counters) vs raw ``GET``;
-     our ``put`` (one EVALSHA: SET + byte ledger) vs raw ``SET EX``;
+     our ``put`` vs raw ``SET EX``; with a byte budget, both SET + the ledger script in one pipeline;
    * KV blocks (SmolLM2-135M geometry, fp16 [30, 2, 3, 16, 64] = 360 KiB per block, chains of 32):
-     our ``KVBlockStore.put`` / ``load`` (encode/decode + ledger + MGET) vs raw pipelined SETs /
-     MGET + ``np.frombuffer`` of the same bytes. Latency p50/p99 and MB/s.
+     our ``KVBlockStore.put`` / ``load`` / ``match`` (encode/decode + ledger + MGET) vs raw pipelined
+     SETs / MGET + ``np.frombuffer`` / EXISTS on SHA-256 chain keys of its own. Latency and MB/s.
 2. Exact-hit TTFT through the whole mesh (``services.mesh.Mesh``, gRPC): one greedy request
    fills the cache, then repeats are timed through the gateway and straight to the router.
 
@@ -28,13 +28,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import redis
 import redis.asyncio as aioredis
 
+from benchmarks.cache_ab import ab_latency, ab_throughput
 from benchmarks.stats import percentile
 from services.cache.connection import redis_from_url
 from services.cache.guard import Guard
@@ -45,7 +46,6 @@ from services.cache.store import CachedResponse, Finish, ResponseCache
 
 BLOCK_SHAPE = (30, 2, 3, 16, 64)  # SmolLM2-135M: 30 layers, K/V, 3 KV heads, 16 tokens, head_dim 64
 CHAIN = 32
-Op = Callable[[], Awaitable[object]]
 
 
 def _free_port() -> int:
@@ -76,73 +76,6 @@ def start_redis(tmp: str) -> tuple[subprocess.Popen[bytes], str]:
             time.sleep(0.02)  # a just-spawned process without a health API
     client.close()
     return proc, f"redis://127.0.0.1:{port}/0"
-
-
-async def ab_latency(ours: Op, raw: Op, n: int) -> dict[str, float]:
-    """Alternate the two ops ``n`` times each; p50/p99 in ms, and this process's CPU per op in µs.
-
-    CPU time (``time.process_time``: every thread of the client, none of Redis) is what a layer over
-    redis-py can add; unlike wall time it is not inflated by other load on a shared machine.
-    """
-    a: list[float] = []
-    b: list[float] = []
-    cpu = {"ours": 0.0, "raw": 0.0}
-    for i in range(n):
-        pair = ((ours, a, "ours"), (raw, b, "raw"))
-        for op, out, name in pair if i % 2 == 0 else pair[::-1]:
-            c0 = time.process_time()
-            t0 = time.perf_counter()
-            await op()
-            out.append((time.perf_counter() - t0) * 1000)
-            cpu[name] += time.process_time() - c0
-    return {
-        "ours_p50_ms": percentile(a, 50),
-        "ours_p99_ms": percentile(a, 99),
-        "raw_p50_ms": percentile(b, 50),
-        "raw_p99_ms": percentile(b, 99),
-        "p50_overhead_pct": (percentile(a, 50) / percentile(b, 50) - 1) * 100,
-        "ours_cpu_us": cpu["ours"] / n * 1e6,
-        "raw_cpu_us": cpu["raw"] / n * 1e6,
-        "cpu_overhead_pct": (cpu["ours"] / cpu["raw"] - 1) * 100 if cpu["raw"] else float("nan"),
-    }
-
-
-async def ab_throughput(ours: Op, raw: Op, ops: int, concurrency: int, rounds: int = 9) -> dict[str, float]:
-    """Ops/s with ``concurrency`` tasks doing ``ops`` ops in all; median of rounds that alternate
-    which side goes first; plus this process's CPU per op (µs)."""
-
-    async def run(op: Op) -> tuple[float, float]:
-        per_task = ops // concurrency
-
-        async def task() -> None:
-            for _ in range(per_task):
-                await op()
-
-        c0 = time.process_time()
-        t0 = time.perf_counter()
-        await asyncio.gather(*(task() for _ in range(concurrency)))
-        done = per_task * concurrency
-        return done / (time.perf_counter() - t0), (time.process_time() - c0) / done * 1e6
-
-    a: list[tuple[float, float]] = []
-    b: list[tuple[float, float]] = []
-    for i in range(rounds):
-        if i % 2 == 0:
-            a.append(await run(ours))
-            b.append(await run(raw))
-        else:
-            b.append(await run(raw))
-            a.append(await run(ours))
-    ours_ops, raw_ops = float(np.median([x[0] for x in a])), float(np.median([x[0] for x in b]))
-    ours_cpu, raw_cpu = float(np.median([x[1] for x in a])), float(np.median([x[1] for x in b]))
-    return {
-        "ours_ops_s": ours_ops,
-        "raw_ops_s": raw_ops,
-        "throughput_ratio": ours_ops / raw_ops,
-        "ours_cpu_us": ours_cpu,
-        "raw_cpu_us": raw_cpu,
-        "cpu_overhead_pct": (ours_cpu / raw_cpu - 1) * 100,
-    }
 
 
 async def bench_responses(url: str, n: int) -> dict[str, object]:
@@ -187,9 +120,9 @@ async def bench_responses(url: str, n: int) -> dict[str, object]:
 
     await raw.script_load(account_script.source)
     out["put_with_budget"] = await ab_latency(lambda: ledgered.put(key, resp), raw_put_with_budget, n)
-    out["get_concurrent"] = await ab_throughput(lambda: cache.get(key), lambda: raw.get(raw_key), n, 16)
+    out["get_concurrent"] = await ab_throughput(lambda: cache.get(key), lambda: raw.get(raw_key), n // 2, 16)
     out["put_concurrent"] = await ab_throughput(
-        lambda: cache.put(key, resp), lambda: raw.set(raw_key, value, ex=600), n, 16
+        lambda: cache.put(key, resp), lambda: raw.set(raw_key, value, ex=600), n // 2, 16
     )
     assert cache.stats.errors == 0, "Redis errors during the benchmark; rerun on a quieter machine"
     await cache.close()
@@ -298,6 +231,10 @@ async def bench_mesh(requests: int) -> dict[str, object]:
     return out
 
 
+def _load(x: object) -> str:
+    return " / ".join(f"{v:.2f}" for v in x) if isinstance(x, list) else "not recorded"
+
+
 def _markdown(report: dict[str, object]) -> str:
     r = report["responses"]
     k = report["kv"]
@@ -306,6 +243,9 @@ def _markdown(report: dict[str, object]) -> str:
         "# Cache benchmark",
         "",
         f"{report['date']} · {report['machine']} · `{report['command']}`",
+        "",
+        f"Load average (1/5/15 min) at the start {_load(report.get('load_average_start'))}, after the library"
+        f" benchmark {_load(report.get('load_average_end'))} (2 CPUs: above 2, other work competed for them).",
         "",
         f"## Response entries ({r['entry_bytes']} B: 128 tokens + text) — ours vs raw redis-py",
         "",
@@ -369,14 +309,17 @@ def _markdown(report: dict[str, object]) -> str:
             )
     lines += [
         "",
-        "Raw redis-py does the same transfers without our layer (no header, ledger, breaker, counters); for",
-        "response entries it has the same 1 s socket read timeout that bounds our calls (`get_vs_raw_without_timeout`:",
-        "against a client with no timeout at all). Wall latencies on this shared 2-CPU machine swing with other",
-        "load; the CPU columns (client process CPU per op, Redis excluded) are what our layer costs on top of",
-        "redis-py. Each pair alternates which side goes first.",
-        "`put_with_budget` is a response put with the optional per-scope byte ledger (SET + script in one",
-        "pipeline); KV puts always use the ledger. `match` includes computing the 32 chained block keys",
-        "(SHA-256 each); raw EXISTS gets them precomputed.",
+        "Raw redis-py does the same transfers without our layer (no header, ledger, breaker, counters). Response",
+        "entries: raw has a 1 s socket read timeout (redis-py's way to bound a call; ours: the guard's watchdog);",
+        "`get_vs_raw_without_timeout`: a default client with no timeout at all; `get_vs_same_client`: the very",
+        "client our cache wraps (no socket timeout, no retries) called bare: the cost of our layer alone (decoding",
+        "the header and 128 token ids, guard, counters). `put_with_budget`: both sides send SET + the same",
+        "accounting script in one pipeline. KV: raw computes the same chain of SHA-256 block keys with hashlib;",
+        "`match` is one round trip on both sides (ours: the prefix-length script; raw: one EXISTS of the 32 keys,",
+        "a count rather than a prefix length). KV puts always use the ledger.",
+        "Wall latencies on this shared 2-CPU machine swing with other load; the CPU columns (client process CPU",
+        "per op, Redis excluded) are what our layer costs on top of redis-py. Each pair alternates which side",
+        "goes first; throughput ratios are medians of per-pair ratios.",
         "",
     ]
     return "\n".join(lines)
@@ -387,6 +330,7 @@ async def _run(args: argparse.Namespace) -> dict[str, object]:
         "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}",
         "command": "python -m benchmarks.cache_bench " + " ".join(sys.argv[1:]),
+        "load_average_start": list(os.getloadavg()),
     }
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = start_redis(tmp)
@@ -396,6 +340,7 @@ async def _run(args: argparse.Namespace) -> dict[str, object]:
         finally:
             proc.terminate()
             proc.wait(timeout=10)
+    report["load_average_end"] = list(os.getloadavg())
     if not args.skip_mesh:
         report["mesh"] = await bench_mesh(args.requests)
     return report
