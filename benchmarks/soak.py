@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import os
@@ -161,6 +162,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         samples: Samples = {}
         redis_samples: Samples = {}
         kinds: dict[str, list[tuple[float, dict[str, int]]]] = {}
+        threads: Samples = {}
         clients: list[tuple[float, dict[str, int]]] = []  # Redis connections by owner, at start/baseline/end
         results: list[Result] = []
         logs.phase = "soak"
@@ -173,6 +175,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
                 ports = soak_probe.port_owners(procs)
                 for name, proc in procs.items():
                     kinds.setdefault(name, []).append((round(t, 1), soak_probe.fd_kinds(proc, ports)))
+                    with contextlib.suppress(psutil.NoSuchProcess):  # not in the verdict: a clue for RSS
+                        threads.setdefault(name, []).append((t, float(proc.num_threads())))
                 for key, value in (await soak_probe.redis_stats(redis)).items():
                     redis_samples.setdefault(key, []).append((t, value))
                 if not clients or t >= args.warmup_minutes * 60 > clients[-1][0]:  # start and baseline
@@ -226,6 +230,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "redis_clients": clients,
         "log_events": logs.summary(),
         "fd_kinds": {name: fd_change(series, warmup_s) for name, series in kinds.items()},
+        "threads": {name: growth(series, warmup_s, window_s) for name, series in threads.items()},
         "samples": {k: [(round(t, 1), round(v, 2)) for t, v in s] for k, s in samples.items()},
         "redis_samples": {k: [(round(t, 1), v) for t, v in s] for k, s in redis_samples.items()},
     }

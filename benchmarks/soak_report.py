@@ -114,15 +114,17 @@ def fd_lines(report: dict[str, Any]) -> list[str]:
             delta = ", ".join(f"{x} {k['baseline'].get(x, 0)} → {k['final'].get(x, 0)}" for x in changed)
         else:
             delta = "no change"
-        rows.append(f"| {name} | {_kinds(k['final'])} | {delta} |")
+        th = (report.get("threads") or {}).get(name)
+        th_text = "" if th is None else f"{th['baseline']:g} → {th['final']:g}"
+        rows.append(f"| {name} | {_kinds(k['final'])} | {delta} | {th_text} |")
     out = []
     if rows:
         out += [
             "",
             "## Open fds by kind (baseline sample → last sample)",
             "",
-            "| process | fds at the end | changed since the baseline |",
-            "|---|---|---|",
+            "| process | fds at the end | changed since the baseline | threads (baseline → final window) |",
+            "|---|---|---|---|",
             *rows,
         ]
     events = [e for e in report.get("log_events") or [] if e["phase"] != "stop"]

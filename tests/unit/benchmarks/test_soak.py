@@ -120,6 +120,7 @@ def test_soak_markdown_shows_redis_at_its_bound_and_which_fds_changed() -> None:
         "redis": redis_summary(redis, 60.0),
         "redis_clients": [(0.0, {"gateway": 15}), (120.0, {"gateway": 15, "cloud-0": 4})],
         "fd_kinds": {"cloud-0": fd_change(kinds, 60.0), "router": fd_change([(0.0, {"pipe": 2})], 60.0)},
+        "threads": {"cloud-0": growth(_series([20.0] * 12 + [23.0] * 13), 50.0, 12.0)},
         "log_events": [
             {"phase": "fill", "service": "router", "level": "warning", "event": "worker_ejected", "count": 3},
             {"phase": "stop", "service": "router", "level": "warning", "event": "shutdown_slow", "count": 1},
@@ -128,8 +129,8 @@ def test_soak_markdown_shows_redis_at_its_bound_and_which_fds_changed() -> None:
     text = markdown(report)
     assert "reached 95 % of maxmemory at 60 s, before the baseline window; 60 keys evicted" in text
     assert "| final | 31.4 | 32.0 | 40.0 | 70 | 90 | 20 |" in text
-    assert "| cloud-0 | pipe 2, tcp->redis-server 4 | tcp->redis-server 3 → 4 |" in text
-    assert "| router | pipe 2 | no change |" in text
+    assert "| cloud-0 | pipe 2, tcp->redis-server 4 | tcp->redis-server 3 → 4 | 20 → 23 |" in text
+    assert "| router | pipe 2 | no change |  |" in text
     assert "| fill | router | warning | worker_ejected | 3 |" in text and "shutdown_slow" not in text
     quiet = markdown(report | {"log_events": report["log_events"][1:]})
     assert "logged no warning or error during the ramp, the fill and the soak" in quiet
