@@ -16,12 +16,21 @@ merged) costs no task and no extra wake-ups, which measurably cost more CPU than
 Errors of ``source`` reach the writer after the frames read before them; closing the generator
 (the caller went away) cancels the reading task and waits for it, so ``source``'s own cleanup
 (cancelling the upstream call, settling) runs before this returns.
+
+**Flush window** (:class:`FlushWindow`, vLLM's stream interval made adaptive): while the process is
+busy (at least ``busy_streams`` streams open through it), a stream's token frames go out at least
+``window_s`` apart; tokens that arrive meanwhile are merged into the held frame. The first frame of
+a stream is never held, nor a frame ``urgent`` says must go at once (a final, usage or error frame:
+it also flushes the held frame at once), nor anything once ``source`` has ended or failed. A lone
+stream (or any stream while the process is not busy) is never held. The worker runtime applies the
+same policy to its token queue (:mod:`services.common.worker.runner`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TypeVar
@@ -29,65 +38,150 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-async def coalesced(
-    source: AsyncIterator[T], merge: Callable[[T, T], T | None], *, inline: int = 3
+class FlushWindow:
+    """One process's flush-window policy and its count of open streams (see module doc).
+
+    ``window_s`` 0 turns it off. ``clock`` must be the event loop's clock (``time.monotonic``)
+    unless only :meth:`hold_s` is used (a fake clock in tests).
+    """
+
+    def __init__(
+        self, window_s: float = 0.0, busy_streams: int = 8, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if window_s < 0 or busy_streams < 1:
+            raise ValueError("the flush window must be >= 0 s and the busy threshold >= 1 stream")
+        self.window_s = window_s
+        self.busy_streams = busy_streams
+        self.clock = clock
+        self.active = 0  # streams open through this process (counted by coalesced() and the worker runtime)
+
+    @property
+    def enabled(self) -> bool:
+        return self.window_s > 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether frames are held now: the window is on and enough streams are open."""
+        return self.window_s > 0 and self.active >= self.busy_streams
+
+    def hold_s(self, last_sent: float | None) -> float:
+        """Seconds to hold a token frame whose stream last sent a frame at ``last_sent`` (None: none yet)."""
+        if last_sent is None or not self.busy:
+            return 0.0
+        return max(0.0, last_sent + self.window_s - self.clock())
+
+
+def coalesced(
+    source: AsyncIterator[T],
+    merge: Callable[[T, T], T | None],
+    *,
+    inline: int = 3,
+    window: FlushWindow | None = None,
+    urgent: Callable[[T], bool] | None = None,
 ) -> AsyncGenerator[T, None]:
-    """The frames of ``source``, those that waited for the writer merged by ``merge`` (see module doc)."""
-    frames = aiter(source)
+    """The frames of ``source``, those that waited for the writer merged by ``merge`` (see module doc).
+
+    With a ``window`` that is on, the stream counts as open in it and token frames are spaced by it
+    while the process is busy; ``urgent`` (required then) names the frames never held (finals, errors).
+    """
+    if window is not None and not window.enabled:
+        window = None
+    if window is not None and urgent is None:
+        raise ValueError("a flush window needs `urgent` (which frames are never held)")
+    return _coalesced(source, merge, inline, window, urgent or _never)
+
+
+def _never(_: object) -> bool:
+    return False
+
+
+async def _coalesced(
+    source: AsyncIterator[T],
+    merge: Callable[[T, T], T | None],
+    inline: int,
+    window: FlushWindow | None,
+    urgent: Callable[[T], bool],
+) -> AsyncGenerator[T, None]:
+    if window is not None:
+        window.active += 1
     try:
-        for _ in range(inline):
-            try:
-                first = await anext(frames)
-            except StopAsyncIteration:
-                return
-            yield first
-    except BaseException:
-        await _close(source)
-        raise
-    loop = asyncio.get_running_loop()
-    waiting: deque[T] = deque()
-    wake: list[asyncio.Future[None]] = []  # the writer's wake-up while it waits for a frame
-    ended: list[BaseException | None] = []  # one entry once ``source`` has ended: its error or None
-
-    def notify() -> None:
-        if wake and not wake[0].done():
-            wake[0].set_result(None)
-
-    async def pump() -> None:
-        error: BaseException | None = None
+        frames = aiter(source)
+        last_sent: float | None = None
         try:
-            async for frame in frames:
-                waiting.append(frame)
-                notify()
-        except BaseException as exc:  # handed to the writer, raised there after the frames before it
-            error = exc
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-        finally:
-            ended.append(error)
-            notify()
-
-    reader = asyncio.create_task(pump())
-    try:
-        while True:
-            if not waiting:
-                if ended:
-                    if ended[0] is not None:
-                        raise ended[0]
+            for i in range(inline):
+                if i and window is not None and window.busy:
+                    break  # frames after the first are held: the reading task merges what comes meanwhile
+                try:
+                    first = await anext(frames)
+                except StopAsyncIteration:
                     return
-                wake[:] = [loop.create_future()]
-                await wake[0]
-                continue
-            frame = waiting.popleft()
-            while waiting and (merged := merge(frame, waiting[0])) is not None:
-                frame = merged
-                waiting.popleft()
-            yield frame
+                if window is not None:
+                    last_sent = window.clock()
+                yield first
+        except BaseException:
+            await _close(source)
+            raise
+        loop = asyncio.get_running_loop()
+        waiting: deque[T] = deque()
+        wake: list[asyncio.Future[None]] = []  # the writer's wake-up while it waits for a frame
+        ended: list[BaseException | None] = []  # one entry once ``source`` has ended: its error or None
+
+        def notify() -> None:
+            if wake and not wake[0].done():
+                wake[0].set_result(None)
+
+        async def pump() -> None:
+            error: BaseException | None = None
+            try:
+                async for frame in frames:
+                    waiting.append(frame)
+                    notify()
+            except BaseException as exc:  # handed to the writer, raised there after the frames before it
+                error = exc
+                if isinstance(exc, asyncio.CancelledError):
+                    raise
+            finally:
+                ended.append(error)
+                notify()
+
+        reader = asyncio.create_task(pump())
+        try:
+            while True:
+                if not waiting:
+                    if ended:
+                        if ended[0] is not None:
+                            raise ended[0]
+                        return
+                    wake[:] = [loop.create_future()]
+                    await wake[0]
+                    continue
+                frame = waiting.popleft()
+                while waiting and (merged := merge(frame, waiting[0])) is not None:
+                    frame = merged
+                    waiting.popleft()
+                if window is not None:
+                    # Held until the window has passed since the last frame, unless something that
+                    # cannot wait (a final, an error, the end) comes first; arrivals merge meanwhile.
+                    while not (waiting or ended or urgent(frame)) and (hold := window.hold_s(last_sent)) > 0:
+                        wake[:] = [loop.create_future()]
+                        timer = loop.call_later(hold, notify)
+                        try:
+                            await wake[0]
+                        finally:
+                            timer.cancel()
+                        while waiting and (merged := merge(frame, waiting[0])) is not None:
+                            frame = merged
+                            waiting.popleft()
+                    last_sent = window.clock()
+                yield frame
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            await _close(source)
     finally:
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await reader
-        await _close(source)
+        if window is not None:
+            window.active -= 1
 
 
 async def _close(source: AsyncIterator[T]) -> None:

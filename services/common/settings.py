@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from services.common.coalesce import FlushWindow
 from services.common.errors import ConfigError
 
 CONFIG_ENV = "MESHSERVE_CONFIG"
@@ -84,6 +85,19 @@ class ServiceSettings(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         return (init_settings, env_settings, _YamlSection(settings_cls, cls.service))
+
+
+class StreamingSettings(ServiceSettings):
+    """Settings of a service that relays token streams (worker, router, gateway): the flush window."""
+
+    flush_window_ms: float = Field(default=20.0, ge=0, le=1000)
+    """While busy, a stream's token frames go out at least this far apart (tokens that come meanwhile
+    share the next frame; the first token and the final frame are never held). 0 turns it off."""
+    flush_busy_streams: int = Field(default=8, ge=1)
+    """Busy = at least this many streams open through this process; below it frames are never held."""
+
+    def flush_window(self) -> FlushWindow:
+        return FlushWindow(self.flush_window_ms / 1000.0, self.flush_busy_streams)
 
 
 S = TypeVar("S", bound=ServiceSettings)

@@ -7,12 +7,12 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.common.settings import ServiceSettings
+from services.common.settings import StreamingSettings
 from services.gateway.auth import parse_api_keys
 from services.gateway.policy import PolicyBook, TenantPolicy
 
 
-class GatewaySettings(ServiceSettings):
+class GatewaySettings(StreamingSettings):
     """Settings of the public gateway; parsed once in ``__main__``."""
 
     service: ClassVar[str] = "gateway"

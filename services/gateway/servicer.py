@@ -56,6 +56,10 @@ def _merge(first: _Frame, then: _Frame) -> _Frame | None:
     return first
 
 
+def _is_final(frame: _Frame) -> bool:
+    return frame.HasField("final")
+
+
 class _Observed:
     """Latency and token metrics of one call; the tier label is known only from the final frame."""
 
@@ -129,6 +133,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         self._settings = settings
         self._gate = gate
         self._router = router
+        self._flush = settings.flush_window()  # spaces a stream's frames while many are open
         self._limits = Limits(
             max_prompt_chars=settings.max_prompt_chars,
             max_tokens=settings.max_tokens_limit,
@@ -197,7 +202,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                 call = self._router.Generate(request, metadata=self._metadata(), timeout=timeout)
                 try:
                     sequence = 0
-                    async with aclosing(coalesced(call, _merge)) as frames:
+                    async with aclosing(coalesced(call, _merge, window=self._flush, urgent=_is_final)) as frames:
                         async for frame in frames:
                             final = frame.final if frame.HasField("final") else None
                             observed.frame(len(frame.token_ids), final, ticket)

@@ -16,7 +16,7 @@ import structlog
 
 from services.cache.keys import SamplingSpec
 from services.common import tracing
-from services.common.coalesce import coalesced
+from services.common.coalesce import FlushWindow, coalesced
 from services.common.errors import InvalidArgument, MeshError, NotFound
 from services.common.metrics import REQUEST_DURATION, TOKENS
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
@@ -54,8 +54,11 @@ class _EncodeCache:
 
 
 class RouterServicer(inference_pb2_grpc.InferenceServicer):
-    def __init__(self, router: Router, *, context_length: int, default_max_tokens: int) -> None:
+    def __init__(
+        self, router: Router, *, context_length: int, default_max_tokens: int, flush: FlushWindow | None = None
+    ) -> None:
         self._router = router
+        self._flush = flush  # spaces a stream's frames while many streams are open (None: off)
         self._context_length = context_length
         self._default_max_tokens = default_max_tokens
         self._encoded = _EncodeCache(_ENCODED_PROMPTS)
@@ -130,7 +133,8 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         request_id = str(structlog.contextvars.get_contextvars().get("request_id", ""))
         with _observe() as obs:
             seq = 0
-            async with aclosing(coalesced(self._generate_events(request, context), _merge)) as events:
+            events = coalesced(self._generate_events(request, context), _merge, window=self._flush, urgent=_is_done)
+            async with aclosing(events):
                 async for event in events:
                     obs.record(event)
                     if isinstance(event, Chunk):
@@ -202,7 +206,11 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                     current_cancel[:] = [cancel]
                     seq = 0
                     reply: list[str] = []
-                    async with aclosing(coalesced(self._router.run_turn(req, session, cancel), _merge)) as events:
+                    async with aclosing(
+                        coalesced(
+                            self._router.run_turn(req, session, cancel), _merge, window=self._flush, urgent=_is_done
+                        )
+                    ) as events:
                         async for event in events:
                             obs.record(event)
                             if isinstance(event, Chunk):
@@ -247,6 +255,10 @@ def _merge(first: Chunk | Done, then: Chunk | Done) -> Chunk | None:
     if isinstance(first, Chunk) and isinstance(then, Chunk):
         return Chunk([*first.token_ids, *then.token_ids], first.text + then.text)
     return None
+
+
+def _is_done(event: Chunk | Done) -> bool:
+    return isinstance(event, Done)
 
 
 def _final(done: Done) -> inference_pb2.Final:

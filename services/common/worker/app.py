@@ -81,6 +81,7 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
         max_open_chats=settings.max_open_chats,
         chat_idle_timeout_s=settings.chat_idle_timeout_s,
         keepalive_s=settings.queued_keepalive_s,
+        flush=settings.flush_window(),
     )
     hasher = PrefixHasher(settings.model_id, settings.resolved_model_version(), settings.prefix_block_tokens)
     servicer = WorkerServicer(

@@ -17,6 +17,7 @@ from dataclasses import replace
 import structlog
 
 from services.common import tracing
+from services.common.coalesce import FlushWindow
 from services.common.worker.admission import Admission
 from services.common.worker.detokenizer import IncrementalDetokenizer
 from services.common.worker.sessions import ChatSession, ChatSessions, HeldPrefix
@@ -230,6 +231,10 @@ class Turn:
             future = loop.run_in_executor(runner.executor, work)
             runner.running[future] = self
             future.add_done_callback(runner.sequence_done)
+            flush = runner.flush
+            last_sent: float | None = None
+            if flush is not None:
+                flush.active += 1  # an open stream of this process until its events end
             try:
                 sent = 0
                 while True:
@@ -248,6 +253,16 @@ class Turn:
                         break
                     if not queue.empty():  # tokens that came while the last frame was written: one frame
                         event = _coalesce(event, queue)
+                    if flush is not None:
+                        # The flush window (services/common/coalesce.py): while busy, a token frame
+                        # waits until the window since the last frame has passed, unless the turn
+                        # ends first (its final, a cancel, an error: the thread returns); the
+                        # tokens that come meanwhile join it.
+                        while not future.done() and (hold := flush.hold_s(last_sent)) > 0:
+                            await asyncio.wait({future}, timeout=hold)
+                        if not queue.empty():
+                            event = _coalesce(event, queue)
+                        last_sent = flush.clock()
                     if sent == 0:
                         phase.end()
                         phase = tracing.start_span("worker.first_token")
@@ -261,6 +276,8 @@ class Turn:
                 yield final
             finally:
                 phase.end()
+                if flush is not None:
+                    flush.active -= 1
         finally:
             self.cancel()
 
@@ -278,8 +295,11 @@ class Runner:
         max_open_chats: int = 16,
         chat_idle_timeout_s: float = 120.0,
         keepalive_s: float = 1.0,
+        flush: FlushWindow | None = None,
     ) -> None:
         self.engine = engine
+        # Spaces each stream's token frames while many streams are open (None or window 0: off).
+        self.flush = flush if flush is not None and flush.enabled else None
         self.keepalive_s = keepalive_s
         self.sessions = ChatSessions(max_open_chats, chat_idle_timeout_s)
         self.admission = Admission(max_active, max_queue)

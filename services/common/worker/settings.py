@@ -10,11 +10,11 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from services.common.errors import ConfigError
-from services.common.settings import ServiceSettings
+from services.common.settings import StreamingSettings
 from services.models.paths import DEFAULT_MODEL_ID, model_paths
 
 
-class WorkerSettings(ServiceSettings):
+class WorkerSettings(StreamingSettings):
     """Shared worker settings: identity, concurrency bounds, threads, warm-up."""
 
     model_id: str = DEFAULT_MODEL_ID
