@@ -49,6 +49,10 @@ class CircuitBreaker:
             return True
         return False
 
+    def abandon(self) -> None:
+        """The caller let through gave no answer (it was cancelled): the next caller may probe."""
+        self._probing = False
+
     def success(self) -> None:
         self.state = State.CLOSED
         self.failures = 0

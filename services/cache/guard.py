@@ -146,6 +146,9 @@ class Guard:
                 result = await factory(client)
             except REDIS_ERRORS as exc:
                 return self._failed(op, exc)
+            except asyncio.CancelledError:
+                breaker.abandon()
+                raise
         else:
             task = _current_task()
             if task is None:  # not in a task (a bare coroutine driven by hand): a timer of its own
@@ -169,6 +172,7 @@ class Guard:
                 except asyncio.CancelledError:
                     if watch[2] and task.uncancel() <= watch[1]:
                         return self._failed(op, TimeoutError())
+                    breaker.abandon()  # a half-open probe cancelled from outside must not block the next
                     raise
                 finally:
                     del self._inflight[task]  # type: ignore[arg-type]

@@ -53,6 +53,20 @@ async def test_cancelling_the_caller_still_cancels_it() -> None:
     assert guard.breaker.failures == 0 and not guard._inflight
 
 
+async def test_a_cancelled_probe_lets_the_next_caller_probe() -> None:
+    guard = Guard(object(), timeout_s=60)  # type: ignore[arg-type]
+    guard.breaker.failure_threshold, guard.breaker.reset_s = 1, 0.0
+    guard.breaker.failure()  # open; reset_s 0: the next caller is the half-open probe
+    probe = asyncio.create_task(guard.run("get", _hang))
+    await asyncio.sleep(0)
+    assert guard.breaker.state is State.HALF_OPEN
+    probe.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await probe
+    assert await guard.run("get", _answer) == "ok"  # not stuck behind a probe that never answers
+    assert guard.breaker.state is State.CLOSED
+
+
 async def test_an_outer_timeout_is_not_mistaken_for_ours() -> None:
     guard = Guard(object(), timeout_s=60)  # type: ignore[arg-type]
     with pytest.raises(TimeoutError):
