@@ -125,6 +125,7 @@ async def _coalesced(
         waiting: deque[T] = deque()
         wake: list[asyncio.Future[None]] = []  # the writer's wake-up while it waits for a frame
         ended: list[BaseException | None] = []  # one entry once ``source`` has ended: its error or None
+        holding: list[bool] = [False]  # the writer holds a frame: only an urgent frame or the end wakes it
 
         def notify() -> None:
             if wake and not wake[0].done():
@@ -135,7 +136,8 @@ async def _coalesced(
             try:
                 async for frame in frames:
                     waiting.append(frame)
-                    notify()
+                    if not holding[0] or urgent(frame):
+                        notify()
             except BaseException as exc:  # handed to the writer, raised there after the frames before it
                 error = exc
                 if isinstance(exc, asyncio.CancelledError):
@@ -161,17 +163,22 @@ async def _coalesced(
                     waiting.popleft()
                 if window is not None:
                     # Held until the window has passed since the last frame, unless something that
-                    # cannot wait (a final, an error, the end) comes first; arrivals merge meanwhile.
-                    while not (waiting or ended or urgent(frame)) and (hold := window.hold_s(last_sent)) > 0:
+                    # cannot wait (a final, an error, the end) comes first; arrivals merge meanwhile
+                    # (without waking the writer one by one).
+                    while not (ended or urgent(frame)) and (hold := window.hold_s(last_sent)) > 0:
+                        if any(map(urgent, waiting)):
+                            break
                         wake[:] = [loop.create_future()]
                         timer = loop.call_later(hold, notify)
+                        holding[0] = True
                         try:
                             await wake[0]
                         finally:
+                            holding[0] = False
                             timer.cancel()
-                        while waiting and (merged := merge(frame, waiting[0])) is not None:
-                            frame = merged
-                            waiting.popleft()
+                    while waiting and (merged := merge(frame, waiting[0])) is not None:
+                        frame = merged
+                        waiting.popleft()
                     last_sent = window.clock()
                 yield frame
         finally:
