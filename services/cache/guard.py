@@ -9,8 +9,8 @@ two timers per command) costs about as much CPU as all of our own work on a smal
 (docs/benchmarks/cache.md). So calls register a deadline in a dict and one watchdog task per guard,
 awake only while calls are in flight, cancels those past their deadline every quarter of the
 shortest timeout: a call is abandoned between its timeout and 1.25 x it (an abandoned redis-py
-command closes its connection). A client built with its own read timeout can say so (``client_timeout=True``) and
-is then not watched.
+command closes its connection). A client built with its own read timeout can say so
+(``client_timeout=True``) and is then not watched.
 
 Counters of lookups/stores by kind and result are plain dict increments on the request path: they
 reach Prometheus through a collector that reads them at scrape time, and, every ``stats_flush_s``,
@@ -151,31 +151,26 @@ class Guard:
                 raise
         else:
             task = _current_task()
-            if task is None:  # not in a task (a bare coroutine driven by hand): a timer of its own
-                try:
-                    async with asyncio.timeout(timeout_s or self.timeout_s):
-                        result = await factory(client)
-                except REDIS_ERRORS as exc:
-                    return self._failed(op, exc)
-            else:
-                loop = task.get_loop()
-                limit = timeout_s or self.timeout_s
-                watch = [loop.time() + limit, task.cancelling(), 0.0]
-                self._inflight[task] = watch  # type: ignore[index]
-                dog = self._watchdog
-                if dog is None or dog.done() or dog.get_loop() is not loop or limit < self._shortest:
-                    self._restart_watchdog(loop, limit)
-                try:
-                    result = await factory(client)
-                except REDIS_ERRORS as exc:
-                    return self._failed(op, exc)
-                except asyncio.CancelledError:
-                    if watch[2] and task.uncancel() <= watch[1]:
-                        return self._failed(op, TimeoutError())
-                    breaker.abandon()  # a half-open probe cancelled from outside must not block the next
-                    raise
-                finally:
-                    del self._inflight[task]  # type: ignore[arg-type]
+            if task is None:  # like asyncio.timeout: cancelling needs a task
+                raise RuntimeError("Guard.run must be awaited inside an asyncio task")
+            loop = task.get_loop()
+            limit = timeout_s or self.timeout_s
+            watch = [loop.time() + limit, task.cancelling(), 0.0]
+            self._inflight[task] = watch  # type: ignore[index]
+            dog = self._watchdog
+            if dog is None or dog.done() or dog.get_loop() is not loop or limit < self._shortest:
+                self._restart_watchdog(loop, limit)
+            try:
+                result = await factory(client)
+            except REDIS_ERRORS as exc:
+                return self._failed(op, exc)
+            except asyncio.CancelledError:
+                if watch[2] and task.uncancel() <= watch[1]:
+                    return self._failed(op, TimeoutError())
+                breaker.abandon()  # a half-open probe cancelled from outside must not block the next
+                raise
+            finally:
+                del self._inflight[task]  # type: ignore[arg-type]
         if breaker.failures or breaker.state is not State.CLOSED:
             log.info("cache_breaker_closed", op=op)
             breaker.success()
