@@ -37,6 +37,27 @@ class SentinelSetup:
         return f"redis+sentinel://127.0.0.1:{self.sentinel_port}/{MASTER}"
 
 
+def _wait_for_replica(port: int, replica_port: int, timeout_s: float = 30.0) -> None:
+    """Poll Sentinel until it knows the replica as a healthy, linked replica (else no failover)."""
+    client = redis.Redis(port=port, socket_connect_timeout=0.2, socket_timeout=0.5, decode_responses=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            replicas = client.sentinel_slaves(MASTER)
+            if any(
+                int(r.get("port", 0)) == replica_port
+                and r.get("flags") == "slave"
+                and r.get("master-link-status") == "ok"
+                for r in replicas
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sentinel never saw replica {replica_port} in sync: {replicas}")
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
 def _wait_for_master(port: int, expect: tuple[str, int], timeout_s: float = 10.0) -> None:
     """Poll the just-started Sentinel until it reports ``expect`` as the master (it has no health API)."""
     client = redis.Redis(port=port, socket_connect_timeout=0.2, socket_timeout=0.5, decode_responses=True)
@@ -75,7 +96,7 @@ def sentinel(tmp_path: Path) -> Iterator[SentinelSetup]:
     conf.write_text(
         f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
         f"sentinel monitor {MASTER} 127.0.0.1 {master.port} 1\n"
-        f"sentinel down-after-milliseconds {MASTER} 500\n"
+        f"sentinel down-after-milliseconds {MASTER} 500\nsentinel failover-timeout {MASTER} 2000\n"
     )
     proc = subprocess.Popen([exe, str(conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -126,6 +147,7 @@ async def test_master_crash_fails_over_and_the_cache_follows(sentinel: SentinelS
     try:
         assert await cache.put(KEY, RESP)
         assert old_master.execute_command("WAIT", 1, 5000) == 1  # the replica has it
+        await asyncio.to_thread(_wait_for_replica, sentinel.sentinel_port, sentinel.replica_port)
         old_master.close()
         sentinel.master.stop()  # the master dies; Sentinel promotes the replica
         await asyncio.to_thread(_wait_for_master, sentinel.sentinel_port, ("127.0.0.1", sentinel.replica_port), 30)
