@@ -312,6 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.warmup_minutes + 2 * args.window_minutes > args.minutes:
         parser.error("--warmup-minutes plus two windows must fit in --minutes")
     report = asyncio.run(soak(args))
+    report["json_path"] = str(args.out / "soak.json")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
     args.doc.write_text(soak_report.markdown(report))

@@ -54,7 +54,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {key} | {row['baseline']:.1f} | {row['final']:.1f} | {row['growth_pct']:+.2f} | {late_text} | {mark} |"
         )
     lines += redis_lines(report) + fd_lines(report)
-    lines += ["", f"Raw samples: `docs/benchmarks/soak.json`. Reproduce: `{report['command']}` (or `make soak`)."]
+    raw = report.get("json_path", "docs/benchmarks/soak.json")
+    lines += ["", f"Raw samples: `{raw}`. Reproduce: `{report['command']}` (or `make soak`)."]
     return "\n".join(lines) + "\n"
 
 

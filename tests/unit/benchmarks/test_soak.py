@@ -132,6 +132,8 @@ def test_soak_markdown_shows_redis_at_its_bound_and_which_fds_changed() -> None:
     assert "| cloud-0 | pipe 2, tcp->redis-server 4 | tcp->redis-server 3 → 4 | 20 → 23 |" in text
     assert "| router | pipe 2 | no change |  |" in text
     assert "| fill | router | warning | worker_ejected | 3 |" in text and "shutdown_slow" not in text
+    assert "Raw samples: `docs/benchmarks/soak.json`" in text
+    assert "Raw samples: `/tmp/x/soak.json`" in markdown(report | {"json_path": "/tmp/x/soak.json"})
     quiet = markdown(report | {"log_events": report["log_events"][1:]})
     assert "logged no warning or error during the ramp, the fill and the soak" in quiet
     assert "120 s: cloud-0 4, gateway 15" in text and "2500 distinct one-token prompts and 48 chat turns" in text
