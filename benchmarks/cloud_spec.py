@@ -69,7 +69,8 @@ def bench_speculative(max_tokens: int, k_max: int, rounds: int, draft_dir: Path 
     torch.set_num_threads(1)
     paths = model_paths()
     model = LlamaModel.load(str(paths.hf_dir), device=torch.device("cpu"), dtype=torch.float32)
-    draft = load_draft_model(draft_dir or paths.edge_dir, threads=1)
+    draft_dir = draft_dir or paths.default_draft()  # draft-int8 when prepared, else edge-int4 (as the worker)
+    draft = load_draft_model(draft_dir, threads=1)
     eos = frozenset({2})
     prompts = _encode(PROMPTS)
     blocks = (max(len(p) for p in prompts) + max_tokens + k_max + 16) // 16 + 1
@@ -110,7 +111,7 @@ def bench_speculative(max_tokens: int, k_max: int, rounds: int, draft_dir: Path 
                 rows[name].append((len(out), wall, cpu))
             equal += outs["plain"] == outs["speculative"]
     result: dict[str, Any] = {"prompts": len(prompts), "rounds": rounds, "max_tokens": max_tokens, "k_max": k_max,
-                              "draft": str(draft_dir or paths.edge_dir)}  # fmt: skip
+                              "draft": str(draft_dir)}  # fmt: skip
     for name, samples in rows.items():
         tokens = sum(n for n, _, _ in samples)
         result[name] = {
@@ -288,7 +289,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=3, help="TP degree to compare with TP=1 (default 3; 0 = skip)")
     p.add_argument("--tp-tokens", type=int, default=16, help="greedy tokens per prompt in the TP part (default 16)")
     p.add_argument("--tp-prompts", type=int, default=4, help="prompts in the TP part (default 4)")
-    p.add_argument("--draft", type=Path, default=None, help="draft model directory (default: the edge INT4 model)")
+    p.add_argument("--draft", type=Path, default=None, help="draft model dir (default: draft-int8, else edge-int4)")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="where to write cloud_spec.json/.md")
     args = p.parse_args(argv)
     report: dict[str, Any] = {

@@ -49,11 +49,12 @@ class GpuWorkerSettings(WorkerSettings):
     tp_timeout_s: float = Field(default=120.0, gt=0)
     """Tensor parallelism (torchrun ranks > 1): timeout of one collective; an idle rank 0 pings a third as often."""
     speculative: bool = False
-    """Speculative decoding of greedy requests: the edge tier's INT4 model drafts, this model verifies."""
+    """Speculative decoding of greedy requests: an ONNX draft (``draft_model``) proposes, this model verifies."""
     speculative_k_max: int = Field(default=8, ge=1, le=32)
     """Most draft tokens per verify pass (k adapts to the acceptance rate within 1..k_max)."""
     draft_model: str = ""
-    """onnxruntime-genai model directory of the draft; empty uses `<models_dir>/<model_id>/edge-int4`."""
+    """onnxruntime-genai model directory of the draft; empty uses `<models_dir>/<model_id>/draft-int8` (built by
+    `meshserve models prepare`), else the edge tier's `<models_dir>/<model_id>/edge-int4`."""
 
     @model_validator(mode="after")
     def _check_dtype(self) -> GpuWorkerSettings:
@@ -72,10 +73,12 @@ class GpuWorkerSettings(WorkerSettings):
 
     def resolved_draft_model(self) -> str:
         """The draft's directory, or ConfigError saying how to get one (speculative decoding only)."""
-        path = Path(self.draft_model) if self.draft_model else model_paths(self.model_id).edge_dir
+        paths = model_paths(self.model_id)
+        path = Path(self.draft_model) if self.draft_model else paths.default_draft()
         if not (path / "genai_config.json").is_file():
+            where = path if self.draft_model else f"{paths.draft_dir} or {paths.edge_dir}"
             raise ConfigError(
-                f"no onnxruntime-genai draft model at {path}; run `meshserve models prepare`, set "
+                f"no onnxruntime-genai draft model at {where}; run `meshserve models prepare`, set "
                 "MESHSERVE_GPU_WORKER_DRAFT_MODEL, or turn MESHSERVE_GPU_WORKER_SPECULATIVE off"
             )
         return str(path)

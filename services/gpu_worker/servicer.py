@@ -6,6 +6,8 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from services.common.worker.app import RunningWorker, start_worker
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
@@ -15,6 +17,7 @@ from services.gpu_worker.speculative import load_draft_model
 from services.gpu_worker.tp import start_leader
 
 TIER = "cloud"
+log = structlog.get_logger(__name__)
 
 
 def build_engine(settings: GpuWorkerSettings) -> CloudEngine:
@@ -57,7 +60,9 @@ def build_engine(settings: GpuWorkerSettings) -> CloudEngine:
     if leader is not None:
         leader.share_cache(engine.cache)  # followers allocate the same paged cache (call id 0)
     if settings.speculative:
-        draft = load_draft_model(Path(settings.resolved_draft_model()), threads=settings.threads or 1)
+        draft_dir = Path(settings.resolved_draft_model())
+        log.info("speculative draft", draft=str(draft_dir), default=not settings.draft_model)
+        draft = load_draft_model(draft_dir, threads=settings.threads or 1)
         return SpeculativeEngine(engine, draft, k_max=settings.speculative_k_max)  # type: ignore[return-value]
     return engine
 

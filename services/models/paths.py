@@ -4,6 +4,7 @@ Layout under the models directory (``$MESHSERVE_MODELS_DIR``, default ``~/.cache
 
     <models_dir>/smollm2-135m-instruct/hf/          HF checkpoint (safetensors, tokenizer, chat template)
     <models_dir>/smollm2-135m-instruct/edge-int4/   ONNX INT4 model for onnxruntime-genai
+    <models_dir>/smollm2-135m-instruct/draft-int8/  ONNX INT8 build: the cloud tier's speculative draft
     <models_dir>/smollm2-135m-instruct/manifest.json  {"version": ..., "source": ...}
 """
 
@@ -31,6 +32,14 @@ class ModelPaths:
     @property
     def edge_dir(self) -> Path:
         return self.root / "edge-int4"
+
+    @property
+    def draft_dir(self) -> Path:
+        return self.root / "draft-int8"
+
+    def default_draft(self) -> Path:
+        """Speculative decoding's default draft: ``draft-int8`` when built, else the edge tier's ``edge-int4``."""
+        return self.draft_dir if (self.draft_dir / "genai_config.json").is_file() else self.edge_dir
 
     @property
     def manifest(self) -> Path:

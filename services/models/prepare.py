@@ -9,6 +9,7 @@ Steps (each skipped when its output is already complete, so the command is cheap
    The INT4 choices (:class:`~services.models.quantize.Int4Options`) are recorded in the manifest;
    asking for other choices rebuilds the edge model (and only it).
 3. ``manifest.json``: ``version`` = short content hash of the weights, the source and the INT4 choices.
+4. speculative draft ``draft-int8/`` (CLI only, ``--no-draft`` skips it): :mod:`services.models.draft`.
 
 Every directory is built under a hidden ``.<name>.partial`` sibling and renamed into place, so an
 interrupted run never leaves a half model; a lock file keeps two runs from building at once.
@@ -175,36 +176,30 @@ def build_edge(
 ) -> None:
     """ONNX INT4 (CPU) model for onnxruntime-genai from ``hf_dir``, via its model builder."""
     int4 = int4 or Int4Options()
+    run_builder(hf_dir, dest, log_path, "int4", int4.extra_options(), "edge model", show_progress)
+    if int4.bias_correction:  # about a minute of torch on CPU (services/models/biascorrect.py)
+        biascorrect.correct(dest, hf_dir)
+
+
+def run_builder(
+    hf_dir: Path, dest: Path, log_path: Path, precision: str, extra: list[str], desc: str, show_progress: bool = True
+) -> None:
+    """Run onnxruntime-genai's model builder (``-p precision``, CPU) as a subprocess, with a progress bar."""
     layers = int(json.loads((hf_dir / "config.json").read_text()).get("num_hidden_layers", 0))
     total = (layers + 3) + (5 * layers + 1) + 2  # read layers + quantize MatMuls + save configs
     cache = dest.with_name(f".{dest.name}.builder-cache")
-    cmd = [
-        sys.executable,
-        "-m",
-        "onnxruntime_genai.models.builder",
-        "-i",
-        str(hf_dir),
-        "-o",
-        str(dest),
-        "-p",
-        "int4",
-        "-e",
-        "cpu",
-        "-c",
-        str(cache),
-        "--extra_options",
-        *int4.extra_options(),
-    ]
+    cmd = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf_dir), "-o", str(dest)]
+    cmd += ["-p", precision, "-e", "cpu", "-c", str(cache), "--extra_options", *extra]
     with (
         open(log_path, "wb") as log,
-        tqdm(total=total, desc="edge model", unit="step", disable=not show_progress) as bar,
+        tqdm(total=total, desc=desc, unit="step", disable=not show_progress) as bar,
     ):
         log.write(("$ " + " ".join(cmd) + "\n").encode())
         bar.set_postfix_str("loading weights")
         with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_builder_env()) as proc:
             assert proc.stdout is not None
             try:
-                _follow(proc.stdout.fileno(), log, bar, total)
+                _follow(proc.stdout.fileno(), log, bar, total, precision)
             except BaseException:
                 proc.kill()  # interrupted: do not leave the builder running on its own
                 raise
@@ -216,11 +211,9 @@ def build_edge(
         bar.set_postfix_str("done")
     if not edge_complete(dest):
         raise PrepareError(f"the ONNX model builder left an incomplete model; see {log_path}")
-    if int4.bias_correction:  # about a minute of torch on CPU (services/models/biascorrect.py)
-        biascorrect.correct(dest, hf_dir)
 
 
-def _follow(fd: int, log: BinaryIO, bar: tqdm, total: int) -> None:
+def _follow(fd: int, log: BinaryIO, bar: tqdm, total: int, precision: str = "int4") -> None:
     """Copy the builder's output to ``log`` and advance ``bar`` on each step line it prints."""
     pending = b""
     for chunk in iter(lambda: os.read(fd, 65536), b""):
@@ -230,12 +223,12 @@ def _follow(fd: int, log: BinaryIO, bar: tqdm, total: int) -> None:
             line = raw.decode(errors="replace").strip()
             if _BUILDER_STEP.match(line):
                 bar.update(1 if bar.n < total - 1 else 0)
-                bar.set_postfix_str(_phase(line), refresh=False)
+                bar.set_postfix_str(_phase(line, precision), refresh=False)
 
 
-def _phase(line: str) -> str:
+def _phase(line: str, precision: str) -> str:
     if "quantize" in line:
-        return "quantizing to int4"
+        return f"quantizing to {precision}"
     if line.startswith("Reading"):
         return "reading " + line.removeprefix("Reading ").lower()
     return "saving genai config"
@@ -375,6 +368,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"name of the prepared model dir (default: {DEFAULT_MODEL_ID} for the default source)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--no-draft", action="store_true", help="skip the INT8 speculative draft (draft-int8/)")
     quantize.add_arguments(parser)
 
 
@@ -389,6 +383,12 @@ def run(args: argparse.Namespace) -> int:
             show_progress=not args.quiet,
             int4=quantize.from_args(args),
         )
+        if not args.no_draft:
+            from services.models import draft
+
+            force = args.force or "hf" in result.built  # a new hf/ makes the old draft stale
+            if draft.prepare_draft(result.paths, force=force, show_progress=not args.quiet):
+                result.built.append("draft")
     except PrepareError as exc:
         print(f"meshserve models prepare: {exc}", file=sys.stderr)
         return 1

@@ -28,3 +28,21 @@ def test_missing_checkpoint_says_how_to_fix(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setenv("MESHSERVE_MODELS_DIR", str(tmp_path))
     with pytest.raises(ConfigError, match="meshserve models prepare"):
         load_settings(GpuWorkerSettings).check_model()
+
+
+def test_default_draft_is_int8_then_edge_int4(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from services.models.paths import model_paths
+
+    monkeypatch.setenv("MESHSERVE_MODELS_DIR", str(tmp_path))
+    settings = load_settings(GpuWorkerSettings)
+    paths = model_paths(settings.model_id, tmp_path)
+    with pytest.raises(ConfigError, match="meshserve models prepare"):
+        settings.resolved_draft_model()
+    for built in (paths.edge_dir, paths.draft_dir):
+        built.mkdir(parents=True)
+        (built / "genai_config.json").write_text("{}")
+        assert settings.resolved_draft_model() == str(built), "draft-int8 wins once it exists"
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "genai_config.json").write_text("{}")
+    assert load_settings(GpuWorkerSettings, draft_model=str(other)).resolved_draft_model() == str(other)
