@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     from services.models import evaluate, prepare
 
-    prepare.add_arguments(models.add_parser("prepare", help="build the cloud checkpoint, edge model and manifest"))
+    prepare.add_arguments(models.add_parser("prepare", help="build the cloud checkpoint, edge model, draft, manifest"))
     evaluate.add_arguments(
         models.add_parser("eval", help="perplexity and greedy agreement of fp32, INT4 and student models")
     )

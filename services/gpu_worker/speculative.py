@@ -22,10 +22,10 @@ continuous-batching path: a speculative-sampling acceptance rule would need the 
 probability rows, which onnxruntime-genai's generator does not expose per drafted token cheaply.
 
 Which draft: any onnxruntime-genai model with the target's tokenizer (``draft_model``). The default
-is the edge tier's INT4 model (no extra model to ship); an INT8 build of the same checkpoint agrees
-with the fp32 target far more often (95 % vs 78 % of tokens teacher-forced on chat answers) for
-about 1.25x the draft cost per token, and is the one that pays on CPU (docs/cloud.md, "Speculative
-decoding", has the numbers and the build command).
+is the INT8 build ``draft-int8`` that `meshserve models prepare` makes (services/models/draft.py),
+else the edge tier's INT4 model: INT8 agrees with the fp32 target far more often (95 % vs 78 % of
+tokens teacher-forced on chat answers) for about 1.25x the draft cost per token, and is the one that
+pays on CPU (docs/cloud.md, "Speculative decoding", has the numbers).
 
 Why +2/-1 rather than k chosen from a cost model (expected tokens ``(1-a^(k+1))/(1-a)`` per
 ``verify(k+1) + k*draft`` for a running acceptance ``a``): replayed on measured acceptance traces
