@@ -70,11 +70,13 @@ class _Counts(Collector):
         service, tally = self.live.pop(ident)
         self.retired.update({(service, name): n for name, n in tally.items()})
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        totals = Tally(self.retired)
-        for service, tally in list(self.live.values()):
-            totals.update({(service, name): n for name, n in tally.items()})
-        families = {
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        """The two families with no samples: lets the registry (and the dashboard tests) know them."""
+        yield from self._families().values()
+
+    @staticmethod
+    def _families() -> dict[str, CounterMetricFamily]:
+        return {
             "lookup": CounterMetricFamily(
                 "meshserve_cache_lookups",
                 "Cache lookups by cache kind and result (hit, miss, error, corrupt, skipped).",
@@ -86,6 +88,12 @@ class _Counts(Collector):
                 labels=["service", "kind", "result"],
             ),
         }
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        totals = Tally(self.retired)
+        for service, tally in list(self.live.values()):
+            totals.update({(service, name): n for name, n in tally.items()})
+        families = self._families()
         for (service, name), n in sorted(totals.items()):
             kind, op, result = name.split(":", 2)
             families[op].add_metric([service, kind, result], n)

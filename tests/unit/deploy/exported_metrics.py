@@ -49,7 +49,7 @@ def metric_modules() -> list[str]:
             continue
         text = path.read_text()
         if "prometheus_client import" in text and any(
-            f"{kind}(" in text for kind in ("Counter", "Gauge", "Histogram", "Summary")
+            f"{kind}(" in text for kind in ("Counter", "Gauge", "Histogram", "Summary", "MetricFamily")
         ):
             found.append(".".join(path.relative_to(ROOT).with_suffix("").parts))
     return found
@@ -67,7 +67,10 @@ def exported() -> dict[str, Metric]:
     metrics: dict[str, Metric] = {}
     collectors = {id(c): c for c in REGISTRY._collector_to_names}  # the registry's own view
     for key, collector in collectors.items():
-        if not isinstance(collector, MetricWrapperBase) or key not in owners:
+        if not isinstance(collector, MetricWrapperBase):
+            _add_custom(metrics, collector)
+            continue
+        if key not in owners:
             continue
         (family,) = collector.describe()
         name = family.name + "_total" if family.type == "counter" else family.name
@@ -75,6 +78,18 @@ def exported() -> dict[str, Metric]:
             continue
         metrics[name] = Metric(name, family.type, tuple(collector._labelnames), family.documentation, owners[key])
     return metrics
+
+
+def _add_custom(metrics: dict[str, Metric], collector: object) -> None:
+    """A custom collector of ours (``describe()`` yields its families, e.g. the cache's counters)."""
+    module = type(collector).__module__
+    describe = getattr(collector, "describe", None)
+    if not module.startswith("services.") or describe is None:
+        return
+    for family in describe():
+        name = family.name + "_total" if family.type == "counter" else family.name
+        if name.startswith("meshserve_"):
+            metrics[name] = Metric(name, family.type, tuple(family._labelnames), family.documentation, module)
 
 
 def all_series() -> set[str]:
