@@ -1,9 +1,10 @@
 """Runs turns on an engine: admission, one worker thread per generating sequence, event streaming.
 
 The event loop never runs model code: each admitted sequence runs ``run_sequence`` in a thread of a
-pool sized ``max_active`` and hands events to the loop with ``call_soon_threadsafe``. Cancellation
-sets a flag the thread checks before every decode step, so it stops within one step; the slot is
-freed when the thread returns, whether or not anyone still reads the events.
+pool sized ``max_active`` and hands events to the loop through a :class:`Feed` (a loop wake-up only
+while the stream's writer is waiting for one). Cancellation sets a flag the thread checks before
+every decode step, so it stops within one step; the slot is freed when the thread returns, whether
+or not anyone still reads the events.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from services.common import tracing
 from services.common.coalesce import FlushWindow
 from services.common.worker.admission import Admission
 from services.common.worker.detokenizer import IncrementalDetokenizer
+from services.common.worker.feed import Feed
 from services.common.worker.sessions import ChatSession, ChatSessions, HeldPrefix
 from services.common.worker.stats import WorkerCounters
 from services.common.worker.stops import StopStringMatcher
@@ -149,7 +151,7 @@ def run_sequence(
     )
 
 
-def _coalesce(first: TokenEvent, queue: asyncio.Queue[TokenEvent | None]) -> TokenEvent:
+def _coalesce(first: TokenEvent, queue: asyncio.Queue[TokenEvent | None] | Feed[TokenEvent | None]) -> TokenEvent:
     """``first`` merged with the token events already waiting in ``queue`` (token ids and texts
     concatenated in order), so a writer that fell behind the engine sends them as one frame.
 
@@ -158,7 +160,7 @@ def _coalesce(first: TokenEvent, queue: asyncio.Queue[TokenEvent | None]) -> Tok
     """
     ids = list(first.token_ids)
     texts = [first.text]
-    waiting = queue._queue  # type: ignore[attr-defined]  # a peek; asyncio.Queue has no public one
+    waiting = queue._queue  # type: ignore[union-attr]  # a peek; asyncio.Queue has no public one
     while waiting and waiting[0] is not None:
         event = queue.get_nowait()
         assert event is not None
@@ -210,12 +212,12 @@ class Turn:
                 n = len(self.request.prompt_ids) + len(self.request.resume_ids)
                 yield FinalEvent(FinishReason.CANCELLED, n, 0, 0)
                 return
-            queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()
             loop = asyncio.get_running_loop()
+            queue: Feed[TokenEvent | None] = Feed(loop)  # wakes the loop only while we wait in get()
 
             def emit(event: TokenEvent | None) -> None:
                 try:
-                    loop.call_soon_threadsafe(queue.put_nowait, event)
+                    queue.put(event)
                 except RuntimeError:  # loop closed during shutdown: stop generating
                     self._stop.set()
 
