@@ -1,18 +1,20 @@
-"""The real `meshserve models prepare` into a fresh models dir (GGUF -> safetensors -> ONNX INT4)."""
+"""The real `meshserve models prepare` into a fresh models dir (GGUF -> safetensors -> ONNX INT4, INT8 draft)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from services.models import draft
 from services.models import prepare as prep
 
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.timeout(900)  # the builder plus bias-correction calibration (~1 min of CPU) on a loaded CI box
+@pytest.mark.timeout(900)  # two builder runs plus bias-correction calibration (~1 min of CPU) on a loaded CI box
 def test_full_build_from_the_default_gguf_then_idempotent(tmp_path: Path) -> None:
     result = prep.prepare(models_dir=tmp_path, show_progress=False)
     paths = result.paths
@@ -28,9 +30,20 @@ def test_full_build_from_the_default_gguf_then_idempotent(tmp_path: Path) -> Non
     again = prep.prepare(models_dir=tmp_path, show_progress=False)
     assert again.built == [] and again.version == result.version
 
+    assert draft.prepare_draft(paths, show_progress=False), "the INT8 draft is built from hf/"
+    assert draft.draft_complete(paths) and paths.default_draft() == paths.draft_dir
+    assert "-p int8" in (paths.root / "draft-build.log").read_text()
+    assert not draft.prepare_draft(paths, show_progress=False), "and skipped once complete"
+    assert not list(paths.root.glob(".*.partial")) and not list(paths.root.glob(".*builder-cache"))
+
     import onnxruntime_genai as og
 
-    model = og.Model(str(paths.edge_dir))
+    for model_dir in (paths.edge_dir, paths.draft_dir):
+        _generate_four_tokens(og, model_dir)
+
+
+def _generate_four_tokens(og: Any, model_dir: Path) -> None:
+    model = og.Model(str(model_dir))
     tokenizer = og.Tokenizer(model)
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=16, do_sample=False)
@@ -40,4 +53,4 @@ def test_full_build_from_the_default_gguf_then_idempotent(tmp_path: Path) -> Non
     while not generator.is_done() and steps < 4:
         generator.generate_next_token()
         steps += 1
-    assert steps == 4
+    assert steps == 4, model_dir
