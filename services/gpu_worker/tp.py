@@ -40,12 +40,10 @@ all-reduces per layer, the same as Megatron-style ``tp_plan``.
 from __future__ import annotations
 
 import atexit
-import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -59,9 +57,22 @@ from services.common.logging import configure_logging
 from services.common.settings import load_settings
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import resolve_device, resolve_dtype
-from services.gpu_worker.model import KVCache, LlamaConfig, LlamaModel, Shard
+from services.gpu_worker.model import KVCache, LlamaModel, Shard
 from services.gpu_worker.plan import Segment
+from services.gpu_worker.tp_env import RankEnv, check_degree, device_for, model_config
 from services.gpu_worker.tp_kv import gather_blocks, head_slices, scatter_blocks
+
+__all__ = [
+    "Group",
+    "Leader",
+    "LeaderModel",
+    "RankEnv",
+    "check_degree",
+    "device_for",
+    "follow",
+    "load_model",
+    "model_config",
+]
 
 Forward = Callable[[Sequence[Segment]], list[Tensor]]
 
@@ -69,53 +80,6 @@ log = structlog.get_logger(__name__)
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _DTYPES = {v: k for k, v in _DTYPE_NAMES.items()}
-
-
-@dataclass(frozen=True)
-class RankEnv:
-    """This process's place in its tensor-parallel group (torchrun's environment variables)."""
-
-    rank: int = 0
-    world: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> RankEnv:
-        env = os.environ if environ is None else environ
-        world = int(env.get("WORLD_SIZE", "1"))
-        rank = int(env.get("RANK", "0"))
-        return cls(rank=rank, world=world, local_rank=int(env.get("LOCAL_RANK", str(rank))))
-
-    @property
-    def leader(self) -> bool:
-        return self.rank == 0
-
-
-def check_degree(config: LlamaConfig, world: int) -> None:
-    """ConfigError (one sentence, with the fix) unless ``world`` divides the heads, KV heads and MLP width."""
-    kv, heads = config.kv_heads, config.heads
-    if kv % world or heads % world or config.intermediate % world:
-        fits = [d for d in range(1, kv + 1) if kv % d == 0 and heads % d == 0 and config.intermediate % d == 0]
-        raise ConfigError(
-            f"tensor-parallel degree {world} must divide the model's {heads} attention heads and {kv} KV heads "
-            f"(and its MLP width {config.intermediate}); start one of {fits} ranks (torchrun --nproc-per-node)"
-        )
-
-
-def model_config(path: str, *, allow_download: bool = False) -> LlamaConfig:
-    """The model's shape, read from its ``config.json`` (no weights loaded)."""
-    from transformers import AutoConfig
-
-    return LlamaConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=not allow_download))
-
-
-def device_for(env: RankEnv, device: torch.device) -> torch.device:
-    """This rank's device: ``cuda:LOCAL_RANK`` for CUDA (one GPU per rank), else ``device`` unchanged."""
-    if device.type == "cuda":
-        index = env.local_rank if env.world > 1 else (device.index or 0)
-        torch.cuda.set_device(index)
-        return torch.device("cuda", index)
-    return device
 
 
 class Group:
