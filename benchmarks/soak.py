@@ -5,11 +5,12 @@
    response and KV prefix caches reach their bound, and evict, during the warm-up.
 2. **Capacity**: a short closed-loop ramp (``--ramp`` concurrencies, ``--ramp-seconds`` each) of the
    workload; capacity = the highest requests/s of a step without errors.
-3. **Fill**: up to ``--fill`` distinct one-token prompts, with ``--fill-chat`` chat turns (the cloud
-   tier) among them, at ``--fill-concurrency`` for at most ``--fill-seconds``: every connection pool
-   (redis-py pools grow to the peak concurrency they have seen and keep their connections) sees more
-   concurrency than the soak brings, and the caches that fill only with distinct prompts (the router's
-   tokenizer LRU of 2,048 prompts, ~1.4 MB) get as full as the time allows (the report says how many).
+3. **Fill**: up to ``--fill`` distinct one-token prompts, with ``--fill-chat`` chat turns (longer
+   prompts, with shared system-prompt prefixes) among them, at ``--fill-concurrency`` for at most
+   ``--fill-seconds``: every connection pool (redis-py pools grow to the peak concurrency they have
+   seen and keep their connections) sees more concurrency than the soak brings, and the caches that
+   fill only with distinct prompts (the router's tokenizer LRU of 2,048 prompts, ~1.4 MB) get as
+   full as the time allows (the report says how many).
 4. **Soak**: Poisson arrivals at ``--load`` (0.8) times capacity for N minutes, in 30-s chunks, while a
    sampler reads every service process's RSS and open file descriptors (psutil), its fds by kind
    and Redis's INFO (used_memory, maxmemory, evicted_keys, clients) every ``--interval`` seconds.
