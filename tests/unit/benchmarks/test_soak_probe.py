@@ -9,7 +9,7 @@ import psutil
 import redis.asyncio as aioredis
 
 from benchmarks.soak import FILL_PROMPTS, fd_change, fill_items, redis_summary
-from benchmarks.soak_probe import LogCounter, fd_kinds, port_owners, redis_client_owners, redis_stats
+from benchmarks.soak_probe import Endpoints, LogCounter, fd_kinds, port_owners, redis_client_owners, redis_stats
 from services.router.servicer import _ENCODED_PROMPTS
 from tests.helpers import RedisServer
 
@@ -41,15 +41,19 @@ def test_fd_kinds_counts_listening_unix_and_pipe_fds() -> None:
     me = psutil.Process()
     listener = socket.create_server(("127.0.0.1", 0))
     a, b = socket.socketpair()
+    client = socket.create_connection(listener.getsockname())  # a TCP connection both ways in this process
+    served, _ = listener.accept()
     try:
-        before = fd_kinds(me, {})
+        before = fd_kinds(me, Endpoints())
         extra = socket.create_server(("127.0.0.1", 0))
-        after = fd_kinds(me, {})
+        after = fd_kinds(me, Endpoints())
         extra.close()
         assert after["listen"] == before["listen"] + 1 and before["unix"] >= 2
         assert sum(after.values()) == sum(before.values()) + 1
+        # peers outside the mesh: our end that connected, and the end our listener accepted
+        assert before.get("tcp->other", 0) >= 1 and before.get("tcp<-other", 0) >= 1
     finally:
-        for s in (listener, a, b):
+        for s in (listener, a, b, client, served):
             s.close()
 
 
