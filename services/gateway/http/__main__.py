@@ -15,6 +15,7 @@ import structlog
 from aiohttp import web
 
 from services.common.errors import ConfigError
+from services.common.grpc_compat import patch_grpc_aio
 from services.common.logging import configure_logging
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import grpc_options
@@ -30,6 +31,10 @@ MAX_HEADER_BYTES = 64 * 1024
 
 async def serve(settings: HttpAdapterSettings) -> tuple[web.AppRunner, int, grpc.aio.Channel]:
     """Start the adapter; returns the runner (``cleanup()`` stops it), the bound port and the channel."""
+    # The adapter writes a Chat turn right after opening the call; when the gateway refuses the
+    # caller at once (401), an unpatched grpc.aio may replace that status by INTERNAL (grpc#36066),
+    # which came out as HTTP 500 once in 1,513 header-fuzz cases (docs/fuzz.md).
+    patch_grpc_aio()
     channel = grpc.aio.insecure_channel(settings.gateway_address, options=grpc_options())
     app = build_app(inference_pb2_grpc.InferenceStub(channel), settings.max_body_bytes)
     # handler_cancellation: a client that hangs up cancels its handler, hence the gRPC call upstream.
