@@ -44,8 +44,10 @@ async def test_a_waiting_reader_is_woken_once_per_wait_by_a_thread() -> None:
     feed: Feed[str] = Feed(counting)  # type: ignore[arg-type]
     got = asyncio.ensure_future(feed.get())
     await asyncio.sleep(0)  # the reader parks
-    threading.Thread(target=lambda: (feed.put("a"), feed.put("b"))).start()
+    producer = threading.Thread(target=lambda: (feed.put("a"), feed.put("b")))
+    producer.start()
     assert await asyncio.wait_for(got, 5) == "a"
+    await asyncio.to_thread(producer.join, 5)  # "b" may still be on its way
     assert counting.wakeups == 1, "only the put that found the reader waiting wakes the loop"
     assert feed.get_nowait() == "b"
 
