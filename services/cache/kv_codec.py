@@ -73,10 +73,8 @@ def encode_block_view(t: Tensor) -> memoryview:
     if not 1 <= len(shape) <= _MAX_DIMS:
         raise ValueError(f"a KV block must have 1 to {_MAX_DIMS} dimensions, got {len(shape)}")
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, code, len(shape), 0) + struct.pack(f"<{len(shape)}I", *shape)
-    buf = bytearray(len(head) + elements.nbytes)
-    buf[: len(head)] = head
-    np.frombuffer(buf, dtype=np.uint8, offset=len(head))[:] = elements.reshape(-1).view(np.uint8)
-    return memoryview(buf)
+    # One allocation and one copy (a bytearray would be zero-filled first, then copied into).
+    return memoryview(b"".join((head, memoryview(elements.reshape(-1).view(np.uint8)))))
 
 
 def encode_block(t: Tensor) -> bytes:
