@@ -192,7 +192,11 @@ async def bench_kv(url: str, n: int) -> dict[str, object]:
         await ours_load()
         await raw_load()
     out: dict[str, object] = {"block_bytes": blocks[0].nbytes, "chain_blocks": CHAIN, "chain_mb": mb}
-    ops = (("put", ours_put, raw_put), ("put_with_budget", ours_put, raw_put_with_budget), ("load", ours_load, raw_load))
+    ops = (
+        ("put", ours_put, raw_put),
+        ("put_with_budget", ours_put, raw_put_with_budget),
+        ("load", ours_load, raw_load),
+    )
     for name, ours, raw_op in ops:
         lat = await ab_latency(ours, raw_op, n)
         lat["ours_mb_s"] = mb / (lat["ours_p50_ms"] / 1000)

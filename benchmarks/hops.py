@@ -76,7 +76,8 @@ class Stack:
     redis_url: str
     tmp: tempfile.TemporaryDirectory[str]
     before: dict[str, ServiceProcess]
-    """``gateway_before`` / ``router_before``: the services of the ``--before`` tree, if any."""
+    """More services: ``gateway_embedded`` (router in its process), and ``gateway_before`` / ``router_before``
+    (the ``--before`` tree's), if any."""
 
     def processes(self) -> dict[str, ServiceProcess]:
         procs = {"gateway": self.gateway, "router": self.router, "worker": self.worker, "redis": self.redis}
@@ -162,6 +163,13 @@ async def start_stack(profile_dir: Path | None = None, before: Path | None = Non
             relay = ServiceProcess(f"{name}{i}", [sys.executable, "-m", "benchmarks.bare_relay"], relay_env, sink)
             chain.append(await _start(relay, health=False))
             upstream = relay.address
+    # The same gateway with the router embedded in its process (no gateway -> router gRPC hop).
+    embedded_env = gateway_env | router_env | {"MESHSERVE_GATEWAY_EMBED_ROUTER": "1", "MESHSERVE_ROUTER_PORT": "0"}
+    services["gateway_embedded"] = await _start(
+        ServiceProcess(
+            "gateway_embedded", _argv("services.gateway", profile_dir, "gateway_embedded"), embedded_env, sink
+        )
+    )
     router, gateway = services.pop("router"), services.pop("gateway")
     return Stack(redis_proc, worker, router, gateway, chains["relay"], chains["relay_sync"], redis_url, tmp, services)
 
@@ -227,6 +235,8 @@ def _probes(
         probes[f"router{label}"] = via(stubs[f"router{suffix}"], INTERNAL)
         probes[f"gateway_static_key{label}"] = via(stubs[f"gateway{suffix}"], static)
         probes[f"gateway_stored_key{label}"] = via(stubs[f"gateway{suffix}"], stored)
+    if "gateway_embedded" in stubs:
+        probes["gateway_embedded_router"] = via(stubs["gateway_embedded"], static)
     return probes
 
 

@@ -93,7 +93,7 @@ def _comparison(report: dict[str, Any]) -> list[str]:
 
 
 def _cpu_table(cpu: dict[str, dict[str, float]], title: str) -> list[str]:
-    names = ["client", "gateway", "router", "gateway_before", "router_before", "relay0", "relay1"]
+    names = ["client", "gateway", "router", "gateway_embedded", "gateway_before", "router_before", "relay0", "relay1"]
     names += ["relay_sync0", "relay_sync1", "worker", "redis"]
     names = [n for n in names if any(n in row for row in cpu.values())]
     lines = ["", f"## {title}", "", "| path | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]

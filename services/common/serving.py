@@ -84,11 +84,14 @@ async def start_server(
     *,
     internal: bool = False,
     serving: bool = True,
+    announce: bool = True,
 ) -> RunningServer:
     """Build, bind and start the server. ``internal`` adds the internal-credential check.
 
     With ``serving=False`` health stays NOT_SERVING until the caller calls ``set_serving(True)``
-    (e.g. after a warm-up).
+    (e.g. after a warm-up). ``announce=False`` logs ``internal_server_started`` instead of
+    ``service_started`` (a second server in one process: launchers take the first
+    ``service_started`` line as the process's port).
     """
     patch_grpc_aio()  # this process's own outgoing streams report the peer's status (grpc#36066)
     interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -123,5 +126,6 @@ async def start_server(
 
         running.on_stop.append(flush_spans)
     await running.set_serving(serving)
-    log.info("service_started", host=settings.host, port=port, metrics_port=running.metrics_port)
+    event = "service_started" if announce else "internal_server_started"
+    log.info(event, service=settings.service, host=settings.host, port=port, metrics_port=running.metrics_port)
     return running

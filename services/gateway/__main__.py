@@ -24,8 +24,10 @@ from services.gateway.identity import Authenticator
 from services.gateway.jwt_auth import JwtVerifier
 from services.gateway.keycache import KeyRecordCache
 from services.gateway.keystore import KeyStore
+from services.gateway.local_router import LocalRouter
 from services.gateway.ratelimit import RateLimiter
 from services.gateway.servicer import SERVICE_NAME, GatewayServicer
+from services.router.config import RouterSettings
 
 log = structlog.get_logger(__name__)
 
@@ -75,31 +77,67 @@ async def serve(settings: GatewaySettings) -> RunningServer:
     return running
 
 
-async def start_gateway(settings: GatewaySettings) -> tuple[RunningServer, Gate]:
-    """:func:`serve`, also returning the admission gate (tests wait on its settlements)."""
+async def start_gateway(
+    settings: GatewaySettings, router_settings: RouterSettings | None = None
+) -> tuple[RunningServer, Gate]:
+    """:func:`serve`, also returning the admission gate (tests wait on its settlements).
+
+    With ``settings.embed_router`` the router runs in this process (``router_settings``, else
+    MESHSERVE_ROUTER_*): its server starts after the gateway's, and the gateway reports SERVING once
+    it is up.
+    """
     gate = build_gate(settings)
-    channel = grpc.aio.insecure_channel(
-        settings.router_address,
-        options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ],
-    )
-    servicer = GatewayServicer(settings, gate, inference_pb2_grpc.InferenceStub(channel))
+    channel = None
+    router: inference_pb2_grpc.InferenceStub | LocalRouter
+    if settings.embed_router:
+        router = LocalRouter()
+    else:
+        channel = grpc.aio.insecure_channel(
+            settings.router_address,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        router = inference_pb2_grpc.InferenceStub(channel)
+    servicer = GatewayServicer(settings, gate, router)  # type: ignore[arg-type]
     try:
         running = await start_server(
             settings,
             register=lambda server: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, GuardedServer(server)),  # type: ignore[arg-type]
             service_names=[SERVICE_NAME],
+            serving=not settings.embed_router,
         )
     except BaseException:
-        await channel.close()
+        if channel is not None:
+            await channel.close()
         await gate.close()
         raise
-    running.on_stop.append(channel.close)
+    where = settings.router_address
+    if channel is not None:
+        running.on_stop.append(channel.close)
+    if isinstance(router, LocalRouter):
+        try:
+            router_server = await _start_embedded_router(router, router_settings)
+        except BaseException:
+            await running.stop()
+            await gate.close()
+            raise
+        running.on_stop.append(router_server.stop)  # after the gateway has drained its streams
+        await running.set_serving(True)
+        where = f"embedded (internal port {router_server.port})"
     running.on_stop.append(gate.close)
-    log.info("gateway_ready", router=settings.router_address, redis=bool(settings.redis_url))
+    log.info("gateway_ready", router=where, redis=bool(settings.redis_url))
     return running, gate
+
+
+async def _start_embedded_router(local: LocalRouter, settings: RouterSettings | None) -> RunningServer:
+    from services.router.server import start_router_servicer  # the router's code loads only when embedded
+
+    settings = settings or load_settings(RouterSettings)
+    server, _router, servicer = await start_router_servicer(settings, announce=False)
+    local.servicer = servicer
+    return server
 
 
 async def _main(settings: GatewaySettings) -> None:

@@ -19,7 +19,11 @@ class GatewaySettings(StreamingSettings):
     model_config = SettingsConfigDict(env_prefix="MESHSERVE_GATEWAY_", extra="ignore")
 
     router_address: str = "127.0.0.1:50052"
-    """host:port of the router's `meshserve.v1.Inference` service."""
+    """host:port of the router's `meshserve.v1.Inference` service (unused with `embed_router`)."""
+    embed_router: bool = False
+    """Run the router inside this process and call it in place, without a gRPC hop (settings from
+    MESHSERVE_ROUTER_*; it serves workers' registrations and `meshserve status` on its own port,
+    MESHSERVE_ROUTER_PORT). See services/gateway/local_router.py."""
     api_keys: str = ""
     """Accepted API keys as comma-separated `tenant:sha256hex` entries (the SHA-256 of each key, never
     the key itself); make one with `python -c "import hashlib;print(hashlib.sha256(b'KEY').hexdigest())"`."""

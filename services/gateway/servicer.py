@@ -294,6 +294,8 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                     await events.put(_END)
                 except grpc.aio.AioRpcError as exc:
                     await events.put(from_router_error(exc))
+                except MeshError as exc:  # the embedded router's own errors (services/gateway/local_router.py)
+                    await events.put(exc)
 
             tasks = [asyncio.create_task(pump()), asyncio.create_task(read())]
             waiting = events._queue  # type: ignore[attr-defined]  # a peek; asyncio.Queue has no public one

@@ -35,6 +35,16 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
     Returns the running server (``await server.stop()`` also closes the registry and the cache)
     and the :class:`Router` (its ``registry`` and ``cache`` are useful to tests and admin code).
     """
+    server, router, _servicer = await start_router_servicer(settings, tokenizer)
+    return server, router
+
+
+async def start_router_servicer(
+    settings: RouterSettings, tokenizer: Tokenizer | None = None, *, announce: bool = True
+) -> tuple[RunningServer, Router, RouterServicer]:
+    """:func:`start_router`, also returning its Inference servicer (the gateway's embedded router calls
+    it in-process). ``announce=False``: the server is the process's second one (see start_server).
+    """
     tokenizer = tokenizer or Tokenizer(settings.hf_dir)
     cache = ResponseCache.from_url(
         settings.redis_url,
@@ -125,6 +135,7 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
         [SERVICE_NAME, ADMIN_SERVICE_NAME, *([REGISTRY_SERVICE_NAME] if registration else [])],
         internal=True,
         serving=bool(registry.healthy_tiers()),
+        announce=announce,
     )
     holder.append(server)
 
@@ -134,7 +145,7 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
         await cache.close()
 
     server.on_stop.append(close)
-    return server, router
+    return server, router, servicer
 
 
 def _register(server: grpc.aio.Server, inference: RouterServicer, registry: WorkerRegistryServicer | None) -> None:

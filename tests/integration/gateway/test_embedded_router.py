@@ -1,0 +1,196 @@
+"""The gateway with the router embedded in its process, as real processes: gateway(+router) → worker, Redis.
+
+The worker is the real worker runtime over the synthetic engine (benchmarks/instant_worker.py), paced
+to one token per 5 ms, and it finds the embedded router the way it finds a standalone one: it
+registers and heartbeats to the router's own port. Through the gateway's public port everything
+must behave as with a separate router: the same tokens as the worker's own output, unary and chat
+calls, clear errors, cancellation reaching the worker; and the router's internal port still refuses
+callers without the internal token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from services.client import MeshClient, sampling_params
+from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.settings import DEFAULT_INTERNAL_TOKEN
+from services.common.tokenizer import Tokenizer
+from services.mesh import DEV_API_KEY, api_key_hash
+from services.models.paths import model_paths
+from services.processes import ServiceProcess, free_port
+from tests.helpers import redis_server
+
+INTERNAL = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),)
+
+
+async def _start(proc: ServiceProcess) -> ServiceProcess:
+    await proc.spawn()
+    await proc.wait_started(120)
+    return proc
+
+
+@pytest.fixture(scope="module")
+async def mesh() -> AsyncIterator[dict[str, ServiceProcess | int]]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    sink = lambda _name, _line: None  # noqa: E731
+    router_port = free_port()
+    with redis_server() as redis, tempfile.TemporaryDirectory(prefix="meshserve-embedded-"):
+        gateway_env = env | {
+            "MESHSERVE_GATEWAY_EMBED_ROUTER": "1",
+            "MESHSERVE_GATEWAY_API_KEYS": f"dev:{api_key_hash(DEV_API_KEY)}",
+            "MESHSERVE_GATEWAY_REDIS_URL": redis.url,
+            "MESHSERVE_ROUTER_PORT": str(router_port),
+            "MESHSERVE_ROUTER_REDIS_URL": redis.url,
+        }
+        gateway = await _start(ServiceProcess("gateway", [sys.executable, "-m", "services.gateway"], gateway_env, sink))
+        worker_env = env | {
+            "MESHSERVE_INSTANT_WORKER_WORKER_ID": "instant",
+            "MESHSERVE_INSTANT_WORKER_TOKEN_INTERVAL_MS": "5",
+            "MESHSERVE_INSTANT_WORKER_ROUTER_ADDRESS": f"127.0.0.1:{router_port}",
+            "MESHSERVE_INSTANT_WORKER_HEARTBEAT_INTERVAL_S": "0.2",
+        }
+        worker = await _start(
+            ServiceProcess("worker", [sys.executable, "-m", "benchmarks.instant_worker"], worker_env, sink)
+        )
+        try:
+            async with MeshClient(gateway.address, DEV_API_KEY) as client:
+                await _wait_for_edge(client)
+            yield {"gateway": gateway, "worker": worker, "router_port": router_port}
+        finally:
+            await worker.stop()
+            await gateway.stop()
+
+
+async def _wait_for_edge(client: MeshClient) -> None:
+    """Until the worker's registration has reached the embedded router (ListModels shows the edge tier)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        reply = await client.stub.ListModels(pb.ListModelsRequest(), metadata=client.metadata, timeout=5)
+        if reply.models and pb.TIER_EDGE in reply.models[0].tiers:
+            return
+        await asyncio.sleep(0.1)
+    raise TimeoutError("the worker never registered with the embedded router")
+
+
+def _request(prompt: str, max_tokens: int = 24, model: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt=prompt,
+        model=model,
+        sampling=sampling_params(max_tokens=max_tokens, temperature=0.0),
+        routing=pb.RoutingOptions(cache_policy=pb.CACHE_POLICY_BYPASS),
+    )
+
+
+async def _worker_output(address: str, ids: list[int], max_tokens: int) -> list[int]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = worker_pb2_grpc.WorkerStub(channel).Generate(metadata=INTERNAL, timeout=30)
+        sampling = sampling_params(max_tokens=max_tokens, temperature=0.0)
+        start = worker_pb2.WorkerStart(prompt_token_ids=ids, sampling=sampling)
+        await call.write(worker_pb2.WorkerRequest(start=start))
+        tokens: list[int] = []
+        try:
+            while not (frame := await call.read()).HasField("final"):
+                tokens.extend(frame.token_ids)
+        finally:
+            call.cancel()
+        return tokens
+
+
+async def _worker_stats(address: str) -> worker_pb2.WorkerStats:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), metadata=INTERNAL, timeout=5)
+
+
+async def test_stream_complete_and_chat_go_through_the_embedded_router(mesh) -> None:
+    prompt = "The embedded router answers this prompt."
+    expected = await _worker_output(mesh["worker"].address, Tokenizer(model_paths().hf_dir).encode(prompt), 24)
+    assert len(expected) == 24
+    async with MeshClient(mesh["gateway"].address, DEV_API_KEY) as client:
+        frames = [f async for f in client.stub.Generate(_request(prompt), metadata=client.metadata, timeout=30)]
+        assert [t for f in frames for t in f.token_ids] == expected
+        assert [f.sequence for f in frames] == list(range(len(frames)))
+        final = frames[-1].final
+        assert final.route.tier == pb.TIER_EDGE and final.route.worker_id == "instant"
+        assert final.usage.completion_tokens == 24
+        assert len({f.request_id for f in frames}) == 1 and frames[0].request_id
+        unary = await client.stub.Complete(_request(prompt), metadata=client.metadata, timeout=30)
+        assert list(unary.token_ids) == expected
+
+        call = client.stub.Chat(metadata=client.metadata, timeout=30)
+        turns: list[list[pb.ChatResponse]] = []
+        for text in ("Hello there.", "And a second turn."):
+            turn = pb.ChatTurn(
+                messages=[pb.ChatMessage(role="user", content=text)],
+                sampling=sampling_params(max_tokens=8, temperature=0.0),
+            )
+            await call.write(pb.ChatRequest(turn=turn))
+            frames_of_turn: list[pb.ChatResponse] = []
+            while not (frame := await call.read()).HasField("final"):
+                frames_of_turn.append(frame)
+            frames_of_turn.append(frame)
+            turns.append(frames_of_turn)
+        await call.done_writing()
+        assert [f.turn for f in turns[0]] == [0] * len(turns[0]) and [f.turn for f in turns[1]] == [1] * len(turns[1])
+        assert all(t[-1].final.usage.completion_tokens == 8 for t in turns)
+        # Turn 2's prompt is the whole conversation: more prompt tokens than turn 1's.
+        assert turns[1][-1].final.usage.prompt_tokens > turns[0][-1].final.usage.prompt_tokens
+
+
+async def test_errors_are_the_callers_errors(mesh) -> None:
+    async with MeshClient(mesh["gateway"].address, "not-a-key") as bad:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await bad.stub.Complete(_request("hi"), metadata=bad.metadata, timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    async with MeshClient(mesh["gateway"].address, DEV_API_KEY) as client:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await client.stub.Complete(_request("hi", model="no-such-model"), metadata=client.metadata, timeout=10)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "no-such-model" in (err.value.details() or "")
+        long_prompt = "word " * 5000  # within the gateway's character limit, past the model's context with max_tokens
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # the router's own check
+            await client.stub.Complete(_request(long_prompt, max_tokens=4096), metadata=client.metadata, timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "Traceback" not in (err.value.details() or "")
+
+
+async def test_caller_cancel_reaches_the_worker(mesh) -> None:
+    worker = mesh["worker"].address
+    before = await _worker_stats(worker)
+    async with MeshClient(mesh["gateway"].address, DEV_API_KEY) as client:
+        call = client.stub.Generate(_request("A long answer, please.", max_tokens=1000), metadata=client.metadata)
+        got = 0
+        async for frame in call:
+            got += len(frame.token_ids)
+            if got >= 2:
+                break
+        call.cancel()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        stats = await _worker_stats(worker)
+        if stats.active_sequences == 0 and stats.sequences_cancelled_total > before.sequences_cancelled_total:
+            break
+        await asyncio.sleep(0.05)
+    assert stats.active_sequences == 0
+    assert stats.sequences_cancelled_total == before.sequences_cancelled_total + 1
+    assert stats.tokens_generated_total - before.tokens_generated_total < 1000  # stopped early, not run out
+
+
+async def test_the_routers_internal_port_still_needs_the_internal_token(mesh) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{mesh['router_port']}") as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Complete(_request("hi"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED  # what every internal service answers
+        reply = await stub.ListModels(pb.ListModelsRequest(), metadata=INTERNAL, timeout=10)  # with it: served
+        assert reply.models
