@@ -9,6 +9,8 @@ cancelled call still gives its unused tokens back.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -16,11 +18,13 @@ import structlog
 from prometheus_client import Counter
 
 from services.common import tracing
+from services.common.errors import ResourceExhausted
 from services.gateway.identity import Authenticator, Identity
 from services.gateway.policy import PolicyBook, TenantPolicy, check_request, estimate_prompt_tokens
 from services.gateway.ratelimit import RateLimiter, Reservation
 
 log = structlog.get_logger(__name__)
+_REFUSED_TENANTS = 10_000  # tenants remembered as recently refused (least recent forgotten first)
 
 ADMITTED = Counter(
     "meshserve_gateway_admitted_total",
@@ -48,10 +52,19 @@ class Ticket:
 class Gate:
     """Identity, policy and the limiter behind one small API for the servicer."""
 
-    def __init__(self, authenticator: Authenticator, policies: PolicyBook, limiter: RateLimiter | None) -> None:
+    def __init__(
+        self,
+        authenticator: Authenticator,
+        policies: PolicyBook,
+        limiter: RateLimiter | None,
+        *,
+        refused_serial_s: float = 10.0,
+    ) -> None:
         self._auth = authenticator
         self._policies = policies
         self._limiter = limiter
+        self._refused_serial_s = refused_serial_s
+        self._refused: OrderedDict[str, float] = OrderedDict()  # tenant -> monotonic time of its last refusal
         self._settling: set[asyncio.Task[None]] = set()
         self._changed = asyncio.Condition()
         self.settled = 0
@@ -60,6 +73,18 @@ class Gate:
     async def identify(self, metadata: Iterable[tuple[str, str | bytes]]) -> Identity:
         with tracing.span("gateway.auth"):
             return await self._auth.authenticate(metadata)
+
+    def recently_refused(self, tenant: str) -> bool:
+        """Whether ``tenant`` hit a rate limit in the last ``refused_serial_s`` (its requests are then
+        admitted before any routing work starts: an over-limit flood costs the workers nothing)."""
+        at = self._refused.get(tenant)
+        return at is not None and time.monotonic() - at < self._refused_serial_s
+
+    def _note_refused(self, tenant: str) -> None:
+        self._refused[tenant] = time.monotonic()
+        self._refused.move_to_end(tenant)
+        if len(self._refused) > _REFUSED_TENANTS:
+            self._refused.popitem(last=False)
 
     def policy(self, identity: Identity) -> TenantPolicy:
         return self._policies.for_tenant(identity.tenant, identity.limits)
@@ -85,13 +110,17 @@ class Gate:
         ticket = Ticket(policy, prompt_tokens if count_request else 0)
         if self._limiter is not None:
             with tracing.span("gateway.rate_limit"):
-                ticket.reservation = await self._limiter.admit(
-                    identity.tenant,
-                    policy,
-                    tokens=prompt_tokens + budget if count_request else 0,
-                    count_request=count_request,
-                    stream_ttl_s=stream_ttl_s,
-                )
+                try:
+                    ticket.reservation = await self._limiter.admit(
+                        identity.tenant,
+                        policy,
+                        tokens=prompt_tokens + budget if count_request else 0,
+                        count_request=count_request,
+                        stream_ttl_s=stream_ttl_s,
+                    )
+                except ResourceExhausted:
+                    self._note_refused(identity.tenant)
+                    raise
         if count_request:
             ADMITTED.labels("gateway", identity.tenant, identity.source).inc()
         return ticket

@@ -24,6 +24,12 @@ class GatewaySettings(StreamingSettings):
     """Run the router inside this process and call it in place, without a gRPC hop (settings from
     MESHSERVE_ROUTER_*; it serves workers' registrations and `meshserve status` on its own port,
     MESHSERVE_ROUTER_PORT). See services/gateway/local_router.py."""
+    overlap_admission: bool = True
+    """With `embed_router`: the router prepares a request (tokenize, cache lookup, replica choice, worker
+    call) while its rate-limit reservation is in flight; the worker gets work, and the caller an answer,
+    only once it is admitted. A tenant refused in the last `refused_serial_s` is admitted first."""
+    refused_serial_s: float = Field(default=10.0, ge=0)
+    """How long after a tenant's last rate-limit refusal its requests are admitted before routing."""
     api_keys: str = ""
     """Accepted API keys as comma-separated `tenant:sha256hex` entries (the SHA-256 of each key, never
     the key itself); make one with `python -c "import hashlib;print(hashlib.sha256(b'KEY').hexdigest())"`."""

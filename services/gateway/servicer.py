@@ -28,11 +28,13 @@ from services.common.interceptors import outbound_metadata
 from services.common.metrics import INTER_TOKEN, REQUEST_DURATION, TOKENS, TTFT
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.pending_admission import PENDING_ADMISSION
 from services.gateway import scopes
 from services.gateway.admission import Gate, Ticket
 from services.gateway.config import GatewaySettings
 from services.gateway.errors import from_router_error
 from services.gateway.identity import Identity
+from services.gateway.local_router import LocalRouter
 from services.gateway.validation import Limits, validate_chat_request, validate_generate
 
 SERVICE = "gateway"
@@ -133,6 +135,8 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         self._settings = settings
         self._gate = gate
         self._router = router
+        # Start routing while the reservation runs: only in place (a remote router cannot be held back).
+        self._overlap_admission = isinstance(router, LocalRouter) and settings.overlap_admission
         self._flush = settings.flush_window()  # spaces a stream's frames while many are open
         self._limits = Limits(
             max_prompt_chars=settings.max_prompt_chars,
@@ -168,15 +172,41 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             await context.send_initial_metadata(((md.REQUEST_ID, request_id),))
         return request_id, identity
 
-    async def _reserve(self, identity: Identity, request: pb.GenerateRequest, stream_ttl_s: float | None) -> Ticket:
-        """Validation, policy checks and rate-limit reservation of a Generate/Complete request."""
+    async def _reservation(
+        self, identity: Identity, request: pb.GenerateRequest, stream_ttl_s: float | None
+    ) -> asyncio.Future[Ticket]:
+        """Validation, policy checks and the rate-limit reservation of a Generate/Complete request.
+
+        Validation errors raise here. The reservation is awaited here too, unless the router is
+        embedded (and the tenant was not refused lately): then it runs on while the router prepares
+        the request (:mod:`services.common.pending_admission`: the router sends a worker nothing and
+        the caller gets nothing until it succeeds). Either way the returned future holds the ticket,
+        and :meth:`_settle_once_admitted` must be called with it when the request ends.
+        """
         validate_generate(request, self._limits)
         policy = self._gate.policy(identity)
-        ticket = await self._gate.admit(
-            identity, policy, [request.prompt], request.sampling.max_tokens, stream_ttl_s=stream_ttl_s
-        )
         request.routing.priority = min(request.routing.priority, policy.priority)
-        return ticket
+        prompts, max_tokens = [request.prompt], request.sampling.max_tokens
+        admit = self._gate.admit(identity, policy, prompts, max_tokens, stream_ttl_s=stream_ttl_s)
+        if not self._overlap_admission or self._gate.recently_refused(identity.tenant):
+            done: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
+            done.set_result(await admit)
+            return done
+        pending = asyncio.ensure_future(admit)
+        PENDING_ADMISSION.set(pending)  # this call's task (and the tasks it starts) only
+        return pending
+
+    def _settle_once_admitted(self, admission: asyncio.Future[Ticket]) -> None:
+        """Settle the request's ticket now, or once a reservation still running has succeeded."""
+
+        def settle(done: asyncio.Future[Ticket]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._gate.settle_soon(done.result())
+
+        if admission.done():
+            settle(admission)
+        else:
+            admission.add_done_callback(settle)
 
     def _timeout(self, context: grpc.aio.ServicerContext, default_s: float) -> float:
         """Seconds left for the router call: the caller's deadline (capped) or ``default_s``."""
@@ -197,13 +227,16 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         with _observe() as observed:
             request_id, identity = await self._admit(context, "Generate")
             timeout = self._timeout(context, self._settings.default_deadline_s)
-            ticket = await self._reserve(identity, request, stream_ttl_s=timeout)
+            admission = await self._reservation(identity, request, stream_ttl_s=timeout)
+            ticket: Ticket | None = None
             try:
                 call = self._router.Generate(request, metadata=self._metadata(), timeout=timeout)
                 try:
                     sequence = 0
                     async with aclosing(coalesced(call, _merge, window=self._flush, urgent=_is_final)) as frames:
                         async for frame in frames:
+                            if ticket is None:
+                                ticket = await admission  # nothing reaches the caller before admission
                             final = frame.final if frame.HasField("final") else None
                             observed.frame(len(frame.token_ids), final, ticket)
                             frame.request_id = request_id
@@ -215,13 +248,13 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                 finally:
                     call.cancel()
             finally:
-                self._gate.settle_soon(ticket)
+                self._settle_once_admitted(admission)
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         with _observe() as observed:
             request_id, identity = await self._admit(context, "Complete")
             timeout = self._timeout(context, self._settings.default_deadline_s)
-            ticket = await self._reserve(identity, request, stream_ttl_s=None)
+            admission = await self._reservation(identity, request, stream_ttl_s=None)
             try:
                 call = self._router.Complete(request, metadata=self._metadata(), timeout=timeout)
                 try:
@@ -230,9 +263,10 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                     raise from_router_error(exc) from None
                 finally:
                     call.cancel()
+                ticket = await admission  # (already settled: the router waited for it before any work)
                 observed.frame(len(reply.token_ids), reply.final if reply.HasField("final") else None, ticket)
             finally:
-                self._gate.settle_soon(ticket)
+                self._settle_once_admitted(admission)
             reply.request_id = request_id
             return reply
 

@@ -31,6 +31,7 @@ from services.common.interceptors import outbound_metadata
 from services.common.metrics import INTER_TOKEN, TTFT
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.pb.meshserve.v1 import inference_pb2
+from services.common.pending_admission import wait_admitted
 from services.common.tokenizer import Tokenizer
 from services.router.admission import Admission, Ticket
 from services.router.collapse import Collapser
@@ -190,6 +191,9 @@ class Router:
                 async for event in events:
                     yield event
             return
+        # A shared computation must not start (nor be joined) on an admission that may yet be refused:
+        # its error would end every waiter's stream.
+        await wait_admitted()
         counted = False
         async with aclosing(self.collapser.run(ckey, lambda: self._serve_alone(req, key, started))) as shared:
             async for event, joined in shared:
@@ -338,6 +342,7 @@ class Router:
         progress: _Progress,
         started: float,
     ) -> AsyncGenerator[Chunk | Done, None]:
+        await wait_admitted()  # the embedded gateway's rate-limit reservation, if still running
         await stream.start(
             worker_pb2.WorkerStart(
                 request_id=req.request_id,

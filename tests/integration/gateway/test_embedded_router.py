@@ -19,13 +19,16 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+import redis.asyncio as aioredis
 
+from services.cache.gateway_keys import rate_limit_keys
 from services.client import MeshClient, sampling_params
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.common.tokenizer import Tokenizer
+from services.gateway.keystore import KeyStore
 from services.mesh import DEV_API_KEY, api_key_hash
 from services.models.paths import model_paths
 from services.processes import ServiceProcess, free_port
@@ -66,7 +69,7 @@ async def mesh() -> AsyncIterator[dict[str, ServiceProcess | int]]:
         try:
             async with MeshClient(gateway.address, DEV_API_KEY) as client:
                 await _wait_for_edge(client)
-            yield {"gateway": gateway, "worker": worker, "router_port": router_port}
+            yield {"gateway": gateway, "worker": worker, "router_port": router_port, "redis_url": redis.url}
         finally:
             await worker.stop()
             await gateway.stop()
@@ -194,3 +197,53 @@ async def test_the_routers_internal_port_still_needs_the_internal_token(mesh) ->
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED  # what every internal service answers
         reply = await stub.ListModels(pb.ListModelsRequest(), metadata=INTERNAL, timeout=10)  # with it: served
         assert reply.models
+
+
+async def test_refused_requests_never_reach_the_worker(mesh) -> None:
+    """Routing starts while the reservation runs (overlap_admission), but a worker gets work only once
+    admitted: of 8 concurrent requests from a tenant allowed 3, exactly 3 reach the worker."""
+    client = aioredis.Redis.from_url(mesh["redis_url"])
+    try:
+        key, _record = await KeyStore(client).create("tight", limits={"requests_per_minute": 3})
+    finally:
+        await client.aclose()
+    worker = mesh["worker"].address
+    before = await _worker_stats(worker)
+    async with MeshClient(mesh["gateway"].address, key) as tight:
+
+        async def one(i: int) -> grpc.StatusCode:
+            try:
+                await tight.stub.Complete(_request(f"Request {i} of the tight tenant."), metadata=tight.metadata)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    trailers = dict(exc.trailing_metadata() or ())
+                    assert int(trailers["retry-after-ms"]) > 0
+                return exc.code()
+            return grpc.StatusCode.OK
+
+        codes = await asyncio.gather(*(one(i) for i in range(8)))
+    assert codes.count(grpc.StatusCode.OK) == 3
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 5
+    await asyncio.sleep(0.5)  # a refused request's opened worker call is cancelled, never started
+    after = await _worker_stats(worker)
+    assert after.sequences_started_total - before.sequences_started_total == 3
+
+
+async def test_stream_leases_are_given_back_with_overlapped_admission(mesh) -> None:
+    """More sequential streams than the tenant's max_concurrent_streams (16): each one's lease is
+    released when it ends (settled once its overlapped reservation is known), so none is refused."""
+    async with MeshClient(mesh["gateway"].address, DEV_API_KEY) as client:
+        for i in range(20):
+            req = _request(f"Lease check {i}.", max_tokens=4)
+            frames = [f async for f in client.stub.Generate(req, metadata=client.metadata, timeout=30)]
+            assert frames[-1].final.usage.completion_tokens == 4
+    client_redis = aioredis.Redis.from_url(mesh["redis_url"])
+    try:
+        held = -1
+        for _ in range(200):  # settlements run in tasks of their own: up to 10 s
+            if (held := await client_redis.zcard(rate_limit_keys("dev").streams)) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert held == 0
+    finally:
+        await client_redis.aclose()
