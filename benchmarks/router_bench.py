@@ -37,6 +37,7 @@ from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import start_server
 from services.common.settings import ServiceSettings, load_settings
 from services.common.tokenizer import Tokenizer
+from services.common.worker.mux import serve_mux
 from services.models.paths import model_paths
 from services.router.config import RouterSettings
 from services.router.policy import Candidate, ReplicaSelector, RoundRobin, TierName, block_hashes, choose_tier
@@ -93,6 +94,11 @@ def decision_cost(n: int = 20000, rounds: int = 20) -> dict[str, float]:
 class _InstantWorker(worker_pb2_grpc.WorkerServicer):
     """Streams ``max_tokens`` tokens as fast as gRPC allows (isolates the router's own cost)."""
 
+    async def GenerateMux(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        """Generate's streams on one call, as the real worker serves them (services/common/worker/mux.py)."""
+        async for message in serve_mux(self.Generate, request_iterator):
+            yield message
+
     async def Generate(
         self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.WorkerResponse]:
@@ -109,7 +115,9 @@ class _InstantWorker(worker_pb2_grpc.WorkerServicer):
     async def Stats(
         self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:
-        return worker_pb2.WorkerStats(worker_id="instant", tier=pb.TIER_EDGE, max_active_sequences=64)
+        return worker_pb2.WorkerStats(
+            worker_id="instant", tier=pb.TIER_EDGE, max_active_sequences=64, generate_mux=True
+        )
 
 
 async def _timed(stream: AsyncIterator[object]) -> tuple[float, float]:

@@ -74,7 +74,7 @@ def encode_block_view(t: Tensor) -> memoryview:
         raise ValueError(f"a KV block must have 1 to {_MAX_DIMS} dimensions, got {len(shape)}")
     head = _HEADER.pack(MAGIC, FORMAT_VERSION, code, len(shape), 0) + struct.pack(f"<{len(shape)}I", *shape)
     # One allocation and one copy (a bytearray would be zero-filled first, then copied into).
-    return memoryview(b"".join((head, memoryview(elements.reshape(-1).view(np.uint8)))))
+    return memoryview(b"".join((head, elements.reshape(-1).view(np.uint8).data)))
 
 
 def encode_block(t: Tensor) -> bytes:

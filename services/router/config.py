@@ -63,6 +63,9 @@ class RouterSettings(StreamingSettings):
     """Initial estimate of how long a turn holds its slot (refined from observed turns)."""
     collapse_requests: bool = True
     """Serve identical concurrent deterministic requests with one computation."""
+    worker_mux: bool = True
+    """Send each request to its worker as a stream of one long-lived GenerateMux call per worker
+    (services/router/mux.py) rather than as a Generate call of its own (false)."""
     eject_base_s: float = Field(default=1.0, gt=0)
     """First ejection of a failing replica lasts this long; each further one doubles it."""
     eject_max_s: float = Field(default=30.0, gt=0)

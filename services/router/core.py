@@ -86,8 +86,10 @@ class Router:
         stall_timeout_s: float = 30.0,
         collapse: bool = True,
         tenant_tiers: Mapping[str, Collection[str]] | None = None,
+        worker_mux: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
+        self._mux = worker_mux
         self.cache = cache
         self.registry = registry
         self.model_id = model_id
@@ -238,7 +240,7 @@ class Router:
                             ticket = await self._admit(req, picked.tier)
                         replica = self.select(req, picked.tier, exclude)
                         decision.set_attributes({"meshserve.tier": picked.tier.value, "meshserve.worker": replica.name})
-                    session.stream = WorkerStream(replica, outbound_metadata(self._token), req.timeout)
+                    session.stream = WorkerStream(replica, outbound_metadata(self._token), req.timeout, mux=self._mux)
                     structlog.contextvars.bind_contextvars(worker=replica.name, tier=picked.tier.value)
                 elif ticket is None:
                     assert session.choice is not None

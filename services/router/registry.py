@@ -44,6 +44,7 @@ from services.common import metadata as md
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.serving import grpc_options
 from services.router.metrics import EJECTIONS
+from services.router.mux import MuxChannel
 from services.router.policy import TierName
 
 log = structlog.get_logger(__name__)
@@ -67,6 +68,8 @@ class WorkerReport:
     model_version: str = ""
     prompt_tokens_total: int = 0
     prefill_tokens_total: int = 0
+    mux: bool = False
+    """The worker serves GenerateMux."""
 
     @classmethod
     def from_pb(cls, s: worker_pb2.WorkerStats) -> WorkerReport:
@@ -85,6 +88,7 @@ class WorkerReport:
             model_version=s.model_version,
             prompt_tokens_total=s.prompt_tokens_total,
             prefill_tokens_total=s.prefill_tokens_total,
+            mux=s.generate_mux,
         )
 
     @property
@@ -123,6 +127,8 @@ class Replica:
     hot_blocks: frozenset[bytes] = frozenset()
     """Prefix block hashes the worker reports holding KV for (empty when its hashes cannot match ours)."""
     kv_high_watermark: float = 1.0
+    mux: MuxChannel | None = None
+    """The replica's GenerateMux call, opened by the first stream that uses it (services/router/mux.py)."""
 
     @property
     def kv_full(self) -> bool:
@@ -267,6 +273,8 @@ class Registry:
         log.info("worker_deregistered", address=replica.address, worker=replica.name, reason=reason)
         self.replicas.remove(replica)
         replica.healthy = False
+        if replica.mux is not None:
+            replica.mux.retire()  # the multiplexed call ends with its last stream
         # Streams still running on a draining worker finish; a dead worker's fail on their own.
         task = asyncio.ensure_future(replica.channel.close(grace=self._drain_s))
         self._draining[task] = replica.channel
@@ -283,6 +291,8 @@ class Registry:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for r in self.replicas:
+            if r.mux is not None:
+                await r.mux.close()
             await r.channel.close()
         for channel in list(self._draining.values()):  # the router stops: no more grace
             await channel.close()

@@ -115,6 +115,7 @@ async def start_router_servicer(
         stall_timeout_s=settings.stall_timeout_s,
         collapse=settings.collapse_requests,
         tenant_tiers=settings.tenant_tiers,
+        worker_mux=settings.worker_mux,
     )
     servicer = RouterServicer(
         router,

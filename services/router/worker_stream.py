@@ -10,8 +10,10 @@ import grpc
 
 from services.cache.keys import SamplingSpec
 from services.common import errors
+from services.common import metadata as md
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.pb.meshserve.v1 import inference_pb2
+from services.router.mux import MuxChannel, MuxStream
 from services.router.registry import Replica
 
 # Failures before the first token that another replica may not have: retried elsewhere.
@@ -29,11 +31,21 @@ class WorkerStalled(WorkerClosed):
 
 
 class WorkerStream:
-    """A Worker.Generate call: write starts/cancels, read frames. Lives for one request or chat."""
+    """A Worker.Generate call, or a stream of the replica's GenerateMux call (``mux``): write
+    starts/cancels, read frames. Lives for one request or chat."""
 
-    def __init__(self, replica: Replica, metadata: tuple[tuple[str, str], ...], timeout: float | None) -> None:
+    def __init__(
+        self, replica: Replica, metadata: tuple[tuple[str, str], ...], timeout: float | None, *, mux: bool = True
+    ) -> None:
         self.replica = replica
-        self.call = replica.stub.Generate(metadata=metadata, timeout=timeout)
+        self.call: grpc.aio.StreamStreamCall | MuxStream
+        if mux and replica.report.mux and not (replica.mux is not None and replica.mux.unsupported):
+            # a stream on the replica's long-lived GenerateMux call (services/router/mux.py)
+            if replica.mux is None:
+                replica.mux = MuxChannel(replica.stub, dict(metadata).get(md.INTERNAL_TOKEN, ""))
+            self.call = replica.mux.open(metadata, timeout)
+        else:
+            self.call = replica.stub.Generate(metadata=metadata, timeout=timeout)
 
     async def start(self, start: worker_pb2.WorkerStart) -> None:
         await self.call.write(worker_pb2.WorkerRequest(start=start))

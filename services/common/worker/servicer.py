@@ -20,6 +20,7 @@ from services.common import metrics
 from services.common.errors import MeshError
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
+from services.common.worker.mux import serve_mux
 from services.common.worker.report import LoadReport, LoadReporter, PrefixHasher
 from services.common.worker.runner import Runner, Turn
 from services.common.worker.sampling import resolve_sampling, validate_prompt
@@ -101,6 +102,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             hot_prefix_blocks=r.hot_prefix_blocks,
             model_version=r.model_version,
             prompt_tokens_total=snap.prompt_tokens_total,
+            generate_mux=True,
         )
 
     async def Generate(
@@ -118,6 +120,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 stream.turn.cancel()
             if stream.session is not None:
                 stream.session.close()
+
+    async def GenerateMux(
+        self, request_iterator: AsyncIterator[worker_pb2.MuxRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.MuxResponse]:
+        """Many Generate streams on one call (services/common/worker/mux.py)."""
+        async for message in serve_mux(self.Generate, request_iterator):  # type: ignore[arg-type]
+            yield message
 
     async def _read(self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], stream: _Stream) -> None:
         try:

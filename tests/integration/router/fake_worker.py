@@ -17,6 +17,7 @@ from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.serving import RunningServer, start_server
 from services.common.settings import ServiceSettings
+from services.common.worker.mux import serve_mux
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
@@ -29,6 +30,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     starts: list[worker_pb2.WorkerStart] = field(default_factory=list)
     start_calls: list[int] = field(default_factory=list)  # which call (stream) each start came on
     calls: int = 0
+    mux_calls: int = 0  # GenerateMux calls (the router keeps one open per worker)
     cancels: int = 0  # WorkerCancel messages received
     aborted: int = 0  # calls cancelled by the router while open
     fail_next: grpc.StatusCode | None = None
@@ -55,6 +57,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             base = sum(start.prompt_token_ids) * 31 + (s.seed if s.HasField("seed") else 0)
             return [3 + (base + 7 * i) % 1000 for i in range(done, done + n)]
         return [random.randrange(3, 1003) for _ in range(n)]
+
+    async def GenerateMux(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        """Generate's streams on one call, as the real worker serves them (services/common/worker/mux.py)."""
+        self.mux_calls += 1
+        async for message in serve_mux(self.Generate, request_iterator):
+            yield message
 
     async def Generate(
         self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], context: grpc.aio.ServicerContext
@@ -132,11 +140,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             sequences_cancelled_total=self.cancels + self.aborted,
             kv_used_bytes=self.kv_used_bytes,
             kv_budget_bytes=self.kv_budget_bytes,
+            generate_mux=type(self).GenerateMux is not worker_pb2_grpc.WorkerServicer.GenerateMux,
         )
 
 
-async def start_fake(worker_id: str, tier: int, token: str, **kwargs: object) -> FakeWorker:
-    fake = FakeWorker(worker_id, tier, **kwargs)  # type: ignore[arg-type]
+async def start_fake(
+    worker_id: str, tier: int, token: str, cls: type[FakeWorker] | None = None, **kwargs: object
+) -> FakeWorker:
+    fake = (cls or FakeWorker)(worker_id, tier, **kwargs)  # type: ignore[arg-type]
     fake.server = await start_server(
         ServiceSettings(port=0, internal_token=token, shutdown_grace_s=0),
         lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(fake, s),

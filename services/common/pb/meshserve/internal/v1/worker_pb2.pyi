@@ -250,6 +250,7 @@ class WorkerStats(_message.Message):
     HOT_PREFIX_BLOCKS_FIELD_NUMBER: _builtins.int
     MODEL_VERSION_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
+    GENERATE_MUX_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker replica id."""
     tier: _inference_pb2.Tier.ValueType
@@ -288,6 +289,8 @@ class WorkerStats(_message.Message):
     """Prompt tokens (including resumed ones) of the turns run since the worker started; minus
     prefill_tokens_total, the prompt tokens served from KV already held.
     """
+    generate_mux: _builtins.bool
+    """The worker serves GenerateMux (the router then sends it streams on one call, not a call each)."""
     @_builtins.property
     def hot_prefix_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """KV block hashes (services.cache.keys.kv_block_hashes: the SHA-256 chain over model id and
@@ -317,11 +320,202 @@ class WorkerStats(_message.Message):
         hot_prefix_blocks: _abc.Iterable[_builtins.bytes] | None = ...,
         model_version: _builtins.str = ...,
         prompt_tokens_total: _builtins.int = ...,
+        generate_mux: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sequences", b"active_sequences", "held_sequences", b"held_sequences", "hot_prefix_blocks", b"hot_prefix_blocks", "kv_budget_bytes", b"kv_budget_bytes", "kv_tokens", b"kv_tokens", "kv_used_bytes", b"kv_used_bytes", "max_active_sequences", b"max_active_sequences", "model", b"model", "model_version", b"model_version", "prefill_tokens_total", b"prefill_tokens_total", "prefix_block_tokens", b"prefix_block_tokens", "prompt_tokens_total", b"prompt_tokens_total", "queue_depth", b"queue_depth", "recent_tokens_per_second", b"recent_tokens_per_second", "sequences_cancelled_total", b"sequences_cancelled_total", "sequences_started_total", b"sequences_started_total", "tier", b"tier", "tokens_generated_total", b"tokens_generated_total", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sequences", b"active_sequences", "generate_mux", b"generate_mux", "held_sequences", b"held_sequences", "hot_prefix_blocks", b"hot_prefix_blocks", "kv_budget_bytes", b"kv_budget_bytes", "kv_tokens", b"kv_tokens", "kv_used_bytes", b"kv_used_bytes", "max_active_sequences", b"max_active_sequences", "model", b"model", "model_version", b"model_version", "prefill_tokens_total", b"prefill_tokens_total", "prefix_block_tokens", b"prefix_block_tokens", "prompt_tokens_total", b"prompt_tokens_total", "queue_depth", b"queue_depth", "recent_tokens_per_second", b"recent_tokens_per_second", "sequences_cancelled_total", b"sequences_cancelled_total", "sequences_started_total", b"sequences_started_total", "tier", b"tier", "tokens_generated_total", b"tokens_generated_total", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerStats: _TypeAlias = WorkerStats  # noqa: Y015
+
+@_typing.final
+class MuxOpen(_message.Message):
+    """Inference worker service (edge and cloud workers both implement it).
+    Opens one stream of a GenerateMux call: what Generate's call metadata and deadline carry.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Request id (x-request-id), for logs."""
+    tenant: _builtins.str
+    """Tenant (x-meshserve-tenant), for logs."""
+    traceparent: _builtins.str
+    """W3C traceparent of the router's span ("" = not traced)."""
+    timeout_ms: _builtins.int
+    """The stream's deadline, milliseconds from now (0 = none)."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        traceparent: _builtins.str = ...,
+        timeout_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "tenant", b"tenant", "timeout_ms", b"timeout_ms", "traceparent", b"traceparent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MuxOpen: _TypeAlias = MuxOpen  # noqa: Y015
+
+@_typing.final
+class MuxUp(_message.Message):
+    """A router frame for one stream of a GenerateMux call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    OPEN_FIELD_NUMBER: _builtins.int
+    HALF_CLOSE_FIELD_NUMBER: _builtins.int
+    ABORT_FIELD_NUMBER: _builtins.int
+    REQUEST_FIELD_NUMBER: _builtins.int
+    stream: _builtins.int
+    """The stream, numbered by the router (unique within the call)."""
+    half_close: _builtins.bool
+    """Done writing: like half-closing a Generate call (the turns already sent still run)."""
+    abort: _builtins.bool
+    """Cancel the stream: like cancelling a Generate call (the turn in progress stops at once)."""
+    @_builtins.property
+    def open(self) -> Global___MuxOpen:
+        """Opens the stream (its first frame; `request` may come with it)."""
+
+    @_builtins.property
+    def request(self) -> Global___WorkerRequest:
+        """A Generate request frame (start or cancel) of the stream."""
+
+    def __init__(
+        self,
+        *,
+        stream: _builtins.int = ...,
+        open: Global___MuxOpen | None = ...,
+        half_close: _builtins.bool = ...,
+        abort: _builtins.bool = ...,
+        request: Global___WorkerRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "half_close", b"half_close", "kind", b"kind", "open", b"open", "request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "half_close", b"half_close", "kind", b"kind", "open", b"open", "request", b"request", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["open", "half_close", "abort"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___MuxUp: _TypeAlias = MuxUp  # noqa: Y015
+
+@_typing.final
+class MuxRequest(_message.Message):
+    """Router frames of a GenerateMux call: whatever was ready to send, several streams at once."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FRAMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def frames(self) -> _containers.RepeatedCompositeFieldContainer[Global___MuxUp]: ...
+    def __init__(
+        self,
+        *,
+        frames: _abc.Iterable[Global___MuxUp] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frames", b"frames"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MuxRequest: _TypeAlias = MuxRequest  # noqa: Y015
+
+@_typing.final
+class MuxEnd(_message.Message):
+    """How a stream of a GenerateMux call ended: the status its Generate call would have ended with."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_MS_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """gRPC status code (0 = OK)."""
+    message: _builtins.str
+    """One-line status message."""
+    retry_after_ms: _builtins.int
+    """retry-after-ms trailer of a RESOURCE_EXHAUSTED status (0 = none)."""
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        retry_after_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "retry_after_ms", b"retry_after_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MuxEnd: _TypeAlias = MuxEnd  # noqa: Y015
+
+@_typing.final
+class MuxDown(_message.Message):
+    """A worker frame for one stream of a GenerateMux call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    stream: _builtins.int
+    """The stream, as the router numbered it."""
+    @_builtins.property
+    def response(self) -> Global___WorkerResponse:
+        """A Generate response frame of the stream."""
+
+    @_builtins.property
+    def end(self) -> Global___MuxEnd:
+        """The stream ended (always the stream's last frame)."""
+
+    def __init__(
+        self,
+        *,
+        stream: _builtins.int = ...,
+        response: Global___WorkerResponse | None = ...,
+        end: Global___MuxEnd | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "kind", b"kind", "response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "kind", b"kind", "response", b"response", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["response", "end"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___MuxDown: _TypeAlias = MuxDown  # noqa: Y015
+
+@_typing.final
+class MuxResponse(_message.Message):
+    """Worker frames of a GenerateMux call: whatever was ready to send, several streams at once."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FRAMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def frames(self) -> _containers.RepeatedCompositeFieldContainer[Global___MuxDown]: ...
+    def __init__(
+        self,
+        *,
+        frames: _abc.Iterable[Global___MuxDown] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["frames", b"frames"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MuxResponse: _TypeAlias = MuxResponse  # noqa: Y015

@@ -1,0 +1,196 @@
+"""Worker side of ``Worker.GenerateMux``: many Generate streams on one long-lived call.
+
+A gRPC call costs both ends far more than a message does (the router's call setup and the worker's
+handler setup are most of a hop's time to the first token: docs/benchmarks/hops.md), so the router
+keeps one GenerateMux call per worker and opens each request's stream as a message on it. Each
+stream runs the servicer's own ``Generate`` (same turns, cancels, chat sessions, frames) in a task
+of its own, with what a call would carry (request id and tenant for logs, trace parent, deadline)
+taken from its ``MuxOpen``; its end is sent as a ``MuxEnd`` carrying the status its call would have
+ended with. Frames ready at the same time, of any streams, leave as one message.
+
+Bounds: at most ``max_streams`` streams per call (more are refused with RESOURCE_EXHAUSTED); a
+stream's frames are bounded by its turns' ``max_tokens``. The call's end (router gone, or cancelled)
+cancels every stream, as cancelled Generate calls would be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from services.common import metadata as md
+from services.common import tracing
+from services.common.errors import MeshError, ResourceExhausted
+from services.common.interceptors import status_for
+from services.common.pb.meshserve.internal.v1 import worker_pb2
+
+log = structlog.get_logger(__name__)
+
+Generate = Callable[[AsyncIterator[worker_pb2.WorkerRequest], Any], AsyncIterator[worker_pb2.WorkerResponse]]
+METHOD = "/meshserve.internal.v1.Worker/Generate"
+_CLOSE = None
+_STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+
+
+@dataclass(eq=False)
+class _Stream:
+    inbox: asyncio.Queue[worker_pb2.WorkerRequest | None] = field(default_factory=asyncio.Queue)
+    task: asyncio.Task[None] | None = None
+
+
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class StreamContext:
+    """The part of a call's context a Generate handler may use on a mux stream."""
+
+    def __init__(self, opened: worker_pb2.MuxOpen) -> None:
+        self._opened = opened
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.time() + opened.timeout_ms / 1000 if opened.timeout_ms else None
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        """End the stream with ``code`` (as ``ServicerContext.abort`` ends a call)."""
+        raise _Aborted(code, details)
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(0.0, self._deadline - asyncio.get_running_loop().time())
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ((md.REQUEST_ID, self._opened.request_id), (md.TENANT, self._opened.tenant))
+
+
+def _end(code: grpc.StatusCode, message: str, retry_after_ms: int = 0) -> worker_pb2.MuxEnd:
+    return worker_pb2.MuxEnd(code=code.value[0], message=message, retry_after_ms=retry_after_ms)
+
+
+class _Call:
+    """One GenerateMux call: its streams and its outgoing frames."""
+
+    def __init__(self, generate: Generate, max_streams: int) -> None:
+        self._generate = generate
+        self._max_streams = max_streams
+        self.streams: dict[int, _Stream] = {}
+        self.out: deque[worker_pb2.MuxDown] = deque()
+        self.wake = asyncio.Event()
+        self.reading = True
+
+    def push(self, frame: worker_pb2.MuxDown) -> None:
+        self.out.append(frame)
+        self.wake.set()
+
+    async def read(self, request_iterator: AsyncIterator[worker_pb2.MuxRequest]) -> None:
+        try:
+            async for message in request_iterator:
+                for up in message.frames:
+                    self._dispatch(up)
+        except Exception as exc:  # the call ended under us (cancelled, reset): as if the router closed it
+            log.debug("worker_mux_read_ended", error=type(exc).__name__)
+        finally:
+            self.reading = False
+            self.wake.set()
+
+    def _dispatch(self, up: worker_pb2.MuxUp) -> None:
+        kind = up.WhichOneof("kind")
+        if kind == "open":
+            if up.stream in self.streams:
+                in_use = _end(grpc.StatusCode.INVALID_ARGUMENT, "stream id in use")
+                self.push(worker_pb2.MuxDown(stream=up.stream, end=in_use))
+                return
+            if len(self.streams) >= self._max_streams:
+                busy = _end(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many streams on this call", 100)
+                self.push(worker_pb2.MuxDown(stream=up.stream, end=busy))
+                return
+            stream = _Stream()
+            self.streams[up.stream] = stream
+            stream.task = asyncio.get_running_loop().create_task(self._run(up.stream, stream, up.open))
+        stream_or_none = self.streams.get(up.stream)
+        if stream_or_none is None:
+            return  # a frame for a stream that has ended: nothing to do
+        if up.HasField("request"):
+            stream_or_none.inbox.put_nowait(up.request)
+        if kind == "half_close":
+            stream_or_none.inbox.put_nowait(_CLOSE)
+        elif kind == "abort" and stream_or_none.task is not None:
+            stream_or_none.task.cancel()
+
+    async def _requests(self, stream: _Stream) -> AsyncIterator[worker_pb2.WorkerRequest]:
+        while (request := await stream.inbox.get()) is not _CLOSE:
+            yield request
+
+    async def _run(self, sid: int, stream: _Stream, opened: worker_pb2.MuxOpen) -> None:
+        # This task's context only: the stream's request id, tenant and trace, like a call's.
+        structlog.contextvars.bind_contextvars(request_id=opened.request_id, tenant=opened.tenant, rpc=METHOD)
+        span = None
+        if tracing.enabled():
+            carrier = {md.REQUEST_ID: opened.request_id, md.TENANT: opened.tenant, "traceparent": opened.traceparent}
+            span = tracing.start_server_span(METHOD.lstrip("/"), carrier.items())  # named like the call's span
+        end: worker_pb2.MuxEnd | None = worker_pb2.MuxEnd()
+        try:
+            async with asyncio.timeout(opened.timeout_ms / 1000 if opened.timeout_ms else None):
+                frames_of = self._generate(self._requests(stream), StreamContext(opened))
+                async with aclosing(frames_of) as frames:  # type: ignore[type-var]
+                    async for frame in frames:
+                        self.push(worker_pb2.MuxDown(stream=sid, response=frame))
+        except asyncio.CancelledError:
+            end = None  # aborted by the router, or the call ended: nobody waits for an end frame
+        except TimeoutError:
+            end = _end(grpc.StatusCode.DEADLINE_EXCEEDED, "the stream's deadline passed")
+        except _Aborted as exc:
+            end = _end(exc.code, exc.details)
+        except MeshError as exc:
+            retry = exc.retry_after_ms if isinstance(exc, ResourceExhausted) else 0
+            end = _end(status_for(exc), exc.message, retry)
+        except Exception as exc:
+            log.error("internal_error", exc_info=exc)
+            end = _end(grpc.StatusCode.INTERNAL, "internal error; the server log has the details")
+        finally:
+            if span is not None:
+                if end is not None and end.code:
+                    tracing.record_error(span, RuntimeError(end.message), _STATUS_NAMES.get(end.code, "UNKNOWN"))
+                span.end()
+            self.streams.pop(sid, None)
+            if end is not None:
+                self.push(worker_pb2.MuxDown(stream=sid, end=end))
+
+    async def close(self) -> None:
+        tasks = [s.task for s in self.streams.values() if s.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def serve_mux(
+    generate: Generate, request_iterator: AsyncIterator[worker_pb2.MuxRequest], *, max_streams: int = 4096
+) -> AsyncIterator[worker_pb2.MuxResponse]:
+    """The frames of one GenerateMux call (see the module docstring)."""
+    call = _Call(generate, max_streams)
+    reader = asyncio.create_task(call.read(request_iterator))
+    try:
+        while True:
+            if not call.out:
+                if not call.reading and not call.streams:
+                    return  # the router is done writing and every stream has ended
+                call.wake.clear()
+                await call.wake.wait()
+                continue
+            frames = list(call.out)
+            call.out.clear()
+            yield worker_pb2.MuxResponse(frames=frames)
+    finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        await call.close()
