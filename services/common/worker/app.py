@@ -56,6 +56,7 @@ class RunningWorker:
         """Graceful: tell routers we leave, NOT_SERVING, let streams finish for the grace period, cancel the rest."""
         if self.heartbeater is not None:  # before the drain, so routers stop sending new work at once
             await self.heartbeater.leave()
+        self.servicer.mux_calls.drain()  # new multiplexed streams are refused, like new calls
         await self.server.stop()
 
     async def serve_until_signal(self) -> None:

@@ -79,9 +79,10 @@ def _end(code: grpc.StatusCode, message: str, retry_after_ms: int = 0) -> worker
 class _Call:
     """One GenerateMux call: its streams and its outgoing frames."""
 
-    def __init__(self, generate: Generate, max_streams: int) -> None:
+    def __init__(self, generate: Generate, max_streams: int, draining: Callable[[], bool]) -> None:
         self._generate = generate
         self._max_streams = max_streams
+        self.draining = draining
         self.streams: dict[int, _Stream] = {}
         self.out: deque[worker_pb2.MuxDown] = deque()
         self.wake = asyncio.Event()
@@ -108,6 +109,10 @@ class _Call:
             if up.stream in self.streams:
                 in_use = _end(grpc.StatusCode.INVALID_ARGUMENT, "stream id in use")
                 self.push(worker_pb2.MuxDown(stream=up.stream, end=in_use))
+                return
+            if self.draining():  # as a stopping server refuses new calls: the router retries elsewhere
+                leaving = _end(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down; retry on another worker")
+                self.push(worker_pb2.MuxDown(stream=up.stream, end=leaving))
                 return
             if len(self.streams) >= self._max_streams:
                 busy = _end(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many streams on this call", 100)
@@ -164,6 +169,7 @@ class _Call:
             self.streams.pop(sid, None)
             if end is not None:
                 self.push(worker_pb2.MuxDown(stream=sid, end=end))
+            self.wake.set()  # the call may be over now (see serve_mux)
 
     async def close(self) -> None:
         tasks = [s.task for s in self.streams.values() if s.task is not None]
@@ -172,17 +178,42 @@ class _Call:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class MuxCalls:
+    """The GenerateMux calls a worker serves, so a drain reaches them all (see :func:`serve_mux`)."""
+
+    def __init__(self) -> None:
+        self.draining = False
+        self._calls: set[_Call] = set()
+
+    def drain(self) -> None:
+        """New streams are refused from now on; each call ends once its running streams have ended."""
+        self.draining = True
+        for call in self._calls:
+            call.wake.set()
+
+
 async def serve_mux(
-    generate: Generate, request_iterator: AsyncIterator[worker_pb2.MuxRequest], *, max_streams: int = 4096
+    generate: Generate,
+    request_iterator: AsyncIterator[worker_pb2.MuxRequest],
+    *,
+    max_streams: int = 4096,
+    calls: MuxCalls | None = None,
 ) -> AsyncIterator[worker_pb2.MuxResponse]:
-    """The frames of one GenerateMux call (see the module docstring)."""
-    call = _Call(generate, max_streams)
+    """The frames of one GenerateMux call (see the module docstring).
+
+    With ``calls``, a drain (``calls.drain()``, when the worker stops) refuses new streams with
+    UNAVAILABLE and ends the call as soon as its streams have ended, so a stopping server is not
+    held for its whole grace period by a call that never ends by itself.
+    """
+    calls = calls or MuxCalls()
+    call = _Call(generate, max_streams, lambda: calls.draining)
+    calls._calls.add(call)
     reader = asyncio.create_task(call.read(request_iterator))
     try:
         while True:
             if not call.out:
-                if not call.reading and not call.streams:
-                    return  # the router is done writing and every stream has ended
+                if (not call.reading or calls.draining) and not call.streams:
+                    return  # the router is done writing (or the worker drains) and every stream has ended
                 call.wake.clear()
                 await call.wake.wait()
                 continue
@@ -190,6 +221,7 @@ async def serve_mux(
             call.out.clear()
             yield worker_pb2.MuxResponse(frames=frames)
     finally:
+        calls._calls.discard(call)
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader

@@ -20,7 +20,7 @@ from services.common import metrics
 from services.common.errors import MeshError
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
-from services.common.worker.mux import serve_mux
+from services.common.worker.mux import MuxCalls, serve_mux
 from services.common.worker.report import LoadReport, LoadReporter, PrefixHasher
 from services.common.worker.runner import Runner, Turn
 from services.common.worker.sampling import resolve_sampling, validate_prompt
@@ -66,6 +66,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.tier = tier
         self.worker_id = worker_id
         self.default_max_tokens = default_max_tokens
+        self.mux_calls = MuxCalls()
+        """The GenerateMux calls being served (drained when the worker stops)."""
         self.reporter = reporter or LoadReporter(runner, PrefixHasher(runner.engine.info.model_id, "", 16))
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -125,7 +127,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request_iterator: AsyncIterator[worker_pb2.MuxRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.MuxResponse]:
         """Many Generate streams on one call (services/common/worker/mux.py)."""
-        async for message in serve_mux(self.Generate, request_iterator):  # type: ignore[arg-type]
+        async for message in serve_mux(self.Generate, request_iterator, calls=self.mux_calls):  # type: ignore[arg-type]
             yield message
 
     async def _read(self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], stream: _Stream) -> None:

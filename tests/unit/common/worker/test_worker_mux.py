@@ -9,7 +9,7 @@ import grpc
 
 from services.common.errors import InvalidArgument, ResourceExhausted
 from services.common.pb.meshserve.internal.v1 import worker_pb2
-from services.common.worker.mux import serve_mux
+from services.common.worker.mux import MuxCalls, serve_mux
 
 OK = 0
 
@@ -51,11 +51,12 @@ class FakeGenerate:
 class Router:
     """The router's end of one call: queue MuxUp frames, collect MuxDown frames by stream."""
 
-    def __init__(self, generate: FakeGenerate, max_streams: int = 4096) -> None:
+    def __init__(self, generate: FakeGenerate, max_streams: int = 4096, calls: MuxCalls | None = None) -> None:
         self.up: asyncio.Queue[worker_pb2.MuxRequest | None] = asyncio.Queue()
         self.frames: dict[int, list[worker_pb2.MuxDown]] = {}
         self.messages = 0
-        self._task = asyncio.create_task(self._collect(serve_mux(generate, self._requests(), max_streams=max_streams)))
+        served = serve_mux(generate, self._requests(), max_streams=max_streams, calls=calls)
+        self._task = asyncio.create_task(self._collect(served))
 
     async def _requests(self) -> AsyncIterator[worker_pb2.MuxRequest]:
         while (msg := await self.up.get()) is not None:
@@ -175,3 +176,18 @@ async def test_the_calls_end_cancels_every_stream() -> None:
             break
         await asyncio.sleep(0.01)
     assert sorted(gen.closed) == ["req-1", "req-2"]
+
+
+async def test_a_drain_refuses_new_streams_and_ends_the_call_after_the_running_ones() -> None:
+    calls = MuxCalls()
+    gen = FakeGenerate()
+    router = Router(gen, calls=calls)
+    router.open(1, _start(103))  # runs until aborted
+    await asyncio.wait_for(gen.started.wait(), 5)
+    calls.drain()
+    router.open(2, _start(1))
+    refused = await router.ended(2)
+    assert refused.code == grpc.StatusCode.UNAVAILABLE.value[0] and "shutting down" in refused.message
+    assert not router._task.done()  # stream 1 still runs: the call stays
+    router.send(worker_pb2.MuxUp(stream=1, abort=True))
+    await asyncio.wait_for(router._task, 5)  # its last stream ended: the call ends without the router closing it
