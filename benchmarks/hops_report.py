@@ -41,6 +41,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {name} | {r['ttft_p50_ms']:.2f} | {r['ttft_p99_ms']:.2f} | {r['total_p50_ms']:.2f} | "
             f"{r['total_p99_ms']:.2f} | {added} |"
         )
+    lines += _targets(report)
     lines += _cpu_table(report["cpu_ms_per_request"], "CPU ms per request, by process (cache bypassed)")
     lines += [
         "",
@@ -58,6 +59,43 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("before"):
         lines += _comparison(report)
     return "\n".join(lines) + "\n"
+
+
+_PATHS = [
+    ("direct_worker", "the client calls the worker's internal Generate itself (the baseline)"),
+    ("bare_relay_x2 (floor)", "two relays that only copy messages (grpc.aio), in front of the worker"),
+    ("router", "the router process; its worker streams ride one GenerateMux call per worker"),
+    ("router_call_per_request", "the same router with `worker_mux` off: a Worker.Generate call per request"),
+    ("gateway_static_key", "gateway process -> router process -> worker (API key from settings)"),
+    ("gateway_stored_key", "the same with an API key from the Redis key store"),
+    ("gateway_embedded_router", "the gateway with the router in its process (`embed_router`) -> worker"),
+]
+
+
+def _targets(report: dict[str, Any]) -> list[str]:
+    """Issue 3's target for each gateway layout, and what the paths are."""
+    lines = ["", "Paths: " + "; ".join(f"`{name}`: {what}" for name, what in _PATHS if name in report["latency"]) + "."]
+    lines += [
+        "",
+        "Target (issue 3): gateway + router add <= 1.5 ms TTFT p50 and <= 5 ms p99 over a direct worker call.",
+        "",
+    ]
+    for name in ("gateway_embedded_router", "gateway_static_key", "gateway_stored_key"):
+        r = report["latency"].get(name)
+        if r is None:
+            continue
+        ok = r["added_ttft_p50_ms"] <= 1.5 and r["added_ttft_p99_ms"] <= 5.0
+        lines.append(
+            f"- `{name}`: {r['added_ttft_p50_ms']:+.2f} ms p50, {r['added_ttft_p99_ms']:+.2f} ms p99: "
+            f"**{'PASS' if ok else 'FAIL'}**"
+        )
+    hit = report["cache_hit"]
+    best = min((hit[n]["ttft_p50_ms"], n) for n in hit if n.startswith("gateway"))
+    lines.append(
+        f"- exact-hit TTFT through the gateway (issue 4: p50 <= 3 ms over gRPC): best {best[0]:.2f} ms (`{best[1]}`), "
+        + ", ".join(f"`{n}` {hit[n]['ttft_p50_ms']:.2f}" for n in hit if n.startswith("gateway"))
+    )
+    return lines
 
 
 def _comparison(report: dict[str, Any]) -> list[str]:
@@ -93,7 +131,8 @@ def _comparison(report: dict[str, Any]) -> list[str]:
 
 
 def _cpu_table(cpu: dict[str, dict[str, float]], title: str) -> list[str]:
-    names = ["client", "gateway", "router", "gateway_embedded", "gateway_before", "router_before", "relay0", "relay1"]
+    names = ["client", "gateway", "router", "gateway_embedded", "router_calls", "gateway_before", "router_before"]
+    names += ["relay0", "relay1"]
     names += ["relay_sync0", "relay_sync1", "worker", "redis"]
     names = [n for n in names if any(n in row for row in cpu.values())]
     lines = ["", f"## {title}", "", "| path | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
