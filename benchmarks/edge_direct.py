@@ -24,9 +24,22 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
         return OgEngine(model_dir, model_id="bench", threads=threads)
     from services.edge_worker.batched import BatchedEngine
 
-    # "batched-1row": a lone sequence decodes in one row (MESHSERVE_EDGE_WORKER_BATCH_INVARIANT=false)
-    invariant = kind != "batched-1row"
-    return BatchedEngine(model_dir, model_id="bench", threads=threads, max_batch=max_batch, batch_invariant=invariant)
+    # Variants, joined with '-': "batched-1row": a lone sequence decodes in one row
+    # (MESHSERVE_EDGE_WORKER_BATCH_INVARIANT=false); "batched-int8head": LM head on the int8 GEMM
+    # (LM_HEAD=int8); "batched-spin": intra-op threads spin (INTRA_OP_SPINNING=true).
+    base, *variants = kind.split("-")
+    unknown = set(variants) - {"1row", "int8head", "spin"}
+    if base != "batched" or unknown:
+        raise ValueError(f"unknown engine kind {kind!r}")
+    return BatchedEngine(
+        model_dir,
+        model_id="bench",
+        threads=threads,
+        max_batch=max_batch,
+        batch_invariant="1row" not in variants,
+        lm_head="int8" if "int8head" in variants else "nbits",
+        spinning="spin" in variants,
+    )
 
 
 def _round(engine: Engine, prompt: list[int], streams: int, max_tokens: int) -> dict[str, float]:

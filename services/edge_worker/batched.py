@@ -50,6 +50,9 @@ class BatchedEngine:
     sequences at once. ``max_wait_s``: how long a step waits for the previous step's sequences to
     come back before running without them. ``batch_invariant=False`` lets a lone sequence decode in a
     one-row call (faster, but its greedy tokens may then differ at near-ties from a batched run).
+    ``lm_head``: ``nbits`` (as built) or ``int8`` (MLAS int8 GEMM: less CPU at many rows, slightly
+    worse perplexity; :mod:`services.edge_worker.int8head`). ``spinning``: let idle intra-op threads
+    spin between parallel sections (faster steps on an otherwise idle CPU, more CPU burnt).
     """
 
     def __init__(
@@ -63,6 +66,8 @@ class BatchedEngine:
         prefill_chunk: int = 512,
         kv_capacity: int = 256,
         batch_invariant: bool = True,
+        lm_head: str = "nbits",
+        spinning: bool = False,
     ) -> None:
         config = json.loads((model_dir / "genai_config.json").read_text())["model"]
         decoder = config["decoder"]
@@ -70,10 +75,11 @@ class BatchedEngine:
         if threads:
             options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
-        # Idle intra-op threads sleep instead of spinning: on a small shared CPU (the worker sits next
-        # to the gateway and router) spinning cost ~1.6x CPU per token at 2 threads (docs/edge.md).
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self._session = load_session(model_dir / decoder["filename"], options)
+        # By default idle intra-op threads sleep instead of spinning: on a small shared CPU (the worker
+        # sits next to the gateway and router) spinning cost ~1.6x CPU per token at 2 threads under
+        # load; on an idle CPU it makes a step faster (docs/edge.md).
+        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+        self._session = load_session(model_dir / decoder["filename"], options, lm_head=lm_head)
         eos = config.get("eos_token_id", [])
         self._info = EngineInfo(
             model_id=model_id,

@@ -9,6 +9,7 @@ last row is the same as in the full graph (and a decode row, length 1, is unchan
 
 The edit is a ``Slice`` in front of the LM head, made in memory at load time: the prepared model on
 disk (and onnxruntime-genai's use of it) is unchanged; the weights are read from the model directory.
+``lm_head="int8"`` also moves the head onto onnxruntime's int8 GEMM (:mod:`services.edge_worker.int8head`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
+
+from services.edge_worker.int8head import int8_lm_head
 
 LAST_POSITIONS = 2
 
@@ -42,9 +45,20 @@ def _last_positions(model: onnx.ModelProto) -> None:
             output.type.tensor_type.shape.dim[1].dim_param = "last_positions"
 
 
-def load_session(model_path: Path, options: ort.SessionOptions) -> ort.InferenceSession:
-    """An onnxruntime session of ``model_path`` whose ``logits`` are ``[batch, min(2, seq), vocab]``."""
+LM_HEADS = ("nbits", "int8")
+
+
+def load_session(model_path: Path, options: ort.SessionOptions, *, lm_head: str = "nbits") -> ort.InferenceSession:
+    """An onnxruntime session of ``model_path`` whose ``logits`` are ``[batch, min(2, seq), vocab]``.
+
+    ``lm_head``: ``nbits`` runs the head as built; ``int8`` on MLAS' int8 GEMM (needs the builder's
+    8-bit MatMulNBits head, ``models prepare --int4-lm-head int8``, the default).
+    """
+    if lm_head not in LM_HEADS:
+        raise ValueError(f"lm_head {lm_head!r} is not one of {LM_HEADS}")
     model = onnx.load(str(model_path), load_external_data=False)
     _last_positions(model)
+    if lm_head == "int8" and not int8_lm_head(model, model_path.parent):
+        raise ValueError(f"lm_head 'int8' needs an 8-bit MatMulNBits LM head, which {model_path} does not have")
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])

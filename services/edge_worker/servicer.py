@@ -29,6 +29,8 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
         max_wait_s=settings.batch_wait_ms / 1000,
         prefill_chunk=settings.prefill_chunk_tokens,
         batch_invariant=settings.batch_invariant,
+        lm_head=settings.lm_head,
+        spinning=settings.intra_op_spinning,
     )
 
 

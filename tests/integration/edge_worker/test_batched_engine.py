@@ -140,3 +140,14 @@ def test_a_closed_sequence_refuses_to_step_and_frees_its_kv(engine: BatchedEngin
         seq.step()
     assert generate(engine, chat(engine, PROMPTS[1]), 1)  # the engine goes on
     assert seq.slot is None and seq.parked is None
+
+
+def test_int8_lm_head_keeps_greedy_tokens_independent_of_the_batch() -> None:
+    engine = BatchedEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=4, lm_head="int8")
+    try:
+        prompts = [chat(engine, p) for p in PROMPTS]
+        alone = [generate(engine, p, 10) for p in prompts]
+        assert together([lambda p=p: generate(engine, p, 10) for p in prompts]) == alone
+        assert all(len(set(tokens)) > 1 for tokens in alone)  # it writes text, not one repeated token
+    finally:
+        engine.close()

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from benchmarks import bench_cli
 from benchmarks.edge import _median_round, markdown, targets
@@ -49,3 +52,11 @@ def test_targets_are_judged_and_a_busy_machine_is_flagged() -> None:
 
 def test_meshserve_bench_edge_is_wired() -> None:
     assert bench_cli.SUBCOMMANDS["edge"][0] == "benchmarks.edge"
+
+
+def test_unknown_in_process_engine_variants_are_refused_before_loading(tmp_path: Path) -> None:
+    from benchmarks.edge_direct import load_engine
+
+    for kind in ("batched-fast", "vllm", "batched-int8head-8bit"):
+        with pytest.raises(ValueError, match="unknown engine kind"):
+            load_engine(kind, tmp_path, threads=1, max_batch=2)
