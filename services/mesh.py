@@ -14,15 +14,13 @@ topology users get.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hashlib
 import os
 import shutil
-import signal
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -70,6 +68,9 @@ class MeshConfig:
     tls_cert: str = ""
     """PEM certificate for Envoy's listener; with ``tls_key`` the front door speaks only TLS."""
     tls_key: str = ""
+    embed_router: bool = False
+    """Run the router inside the gateway's process (MESHSERVE_GATEWAY_EMBED_ROUTER; docs/gateway.md):
+    no router process, the gateway starts first and the workers register with its router port."""
 
 
 class Mesh:
@@ -83,6 +84,7 @@ class Mesh:
         self._redis: ServiceProcess | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.front_door: FrontDoor | None = None
+        self._router_port = 0  # the embedded router's internal port (``embed_router``)
 
     @property
     def gateway_address(self) -> str:
@@ -90,6 +92,8 @@ class Mesh:
 
     @property
     def router_address(self) -> str:
+        if "router" not in self.processes:  # embedded in the gateway
+            return f"127.0.0.1:{self._router_port}"
         return self.processes["router"].address
 
     @property
@@ -130,10 +134,18 @@ class Mesh:
         env.update({k: str(v) for k, v in values.items()})
         return env
 
-    def _service(self, name: str, module: str, *, launcher: Sequence[str] = (), **env: str | int) -> ServiceProcess:
+    def _service(
+        self,
+        name: str,
+        module: str,
+        *,
+        launcher: Sequence[str] = (),
+        settings: Mapping[str, str | int] | None = None,
+        **env: str | int,
+    ) -> ServiceProcess:
         # Every service serves Prometheus /metrics on a free loopback port (logged in service_started).
         prefix = "MESHSERVE_" + module.rsplit(".", 1)[-1].upper()
-        env = {f"{prefix}_METRICS_PORT": 0, **env}
+        env = {f"{prefix}_METRICS_PORT": 0, **(settings or {}), **env}
         proc = ServiceProcess(name, [sys.executable, "-m", *launcher, module], self._env(**env), self.sink)
         self.processes[name] = proc
         return proc
@@ -172,21 +184,34 @@ class Mesh:
         try:
             if not self.redis_url:
                 await self._start_redis()
-            router = self._service(
-                "router",
-                "services.router",
-                MESHSERVE_ROUTER_REDIS_URL=self.redis_url,
-                MESHSERVE_ROUTER_EDGE_MAX_PROMPT_TOKENS=cfg.edge_max_prompt_tokens,
-            )
-            await router.spawn()  # first: the workers register with it (it serves once one has)
-            await router.wait_started(timeout)
+            router_env: dict[str, str | int] = {
+                "MESHSERVE_ROUTER_REDIS_URL": self.redis_url,
+                "MESHSERVE_ROUTER_EDGE_MAX_PROMPT_TOKENS": cfg.edge_max_prompt_tokens,
+            }
+            gateway_env: dict[str, str | int] = {
+                "MESHSERVE_GATEWAY_PORT": cfg.gateway_port,
+                "MESHSERVE_GATEWAY_API_KEYS": f"dev:{api_key_hash(cfg.api_key)}",
+                "MESHSERVE_GATEWAY_REDIS_URL": self.redis_url,  # key store (`meshserve keys`) + rate limits
+            }
+            if cfg.embed_router:  # first: the workers register with its router (on a port chosen here)
+                self._router_port = free_port()
+                router_env["MESHSERVE_ROUTER_PORT"] = self._router_port
+                settings = {**gateway_env, **router_env, "MESHSERVE_GATEWAY_EMBED_ROUTER": "true"}
+                gateway = self._service("gateway", "services.gateway", settings=settings)
+                await gateway.spawn()
+                await gateway.wait_started(timeout)
+            else:
+                router = self._service("router", "services.router", settings=router_env)
+                await router.spawn()  # first: the workers register with it (it serves once one has)
+                await router.wait_started(timeout)
+            router_address = self.router_address
             workers = [
                 self._service(
                     f"edge-{i}",
                     "services.edge_worker",
                     MESHSERVE_EDGE_WORKER_WORKER_ID=f"edge-{i}",
                     MESHSERVE_EDGE_WORKER_THREADS=cfg.edge_threads,
-                    MESHSERVE_EDGE_WORKER_ROUTER_ADDRESS=router.address,
+                    MESHSERVE_EDGE_WORKER_ROUTER_ADDRESS=router_address,
                 )
                 for i in range(cfg.edge_workers)
             ] + [
@@ -196,35 +221,33 @@ class Mesh:
                     launcher=torchrun_launcher(cfg.cloud_tp),
                     MESHSERVE_GPU_WORKER_WORKER_ID=f"cloud-{i}",
                     MESHSERVE_GPU_WORKER_THREADS=max(1, cfg.cloud_threads // cfg.cloud_tp),
-                    MESHSERVE_GPU_WORKER_ROUTER_ADDRESS=router.address,
+                    MESHSERVE_GPU_WORKER_ROUTER_ADDRESS=router_address,
                     MESHSERVE_GPU_WORKER_REDIS_URL=self.redis_url,  # shared KV prefix cache
-                    **tp_env(cfg.cloud_tp),
+                    settings=tp_env(cfg.cloud_tp),
                 )
                 for i in range(cfg.cloud_workers)
             ]
             await asyncio.gather(*(w.spawn() for w in workers))
             await asyncio.gather(*(w.wait_started(timeout) for w in workers))
             await asyncio.gather(*(w.wait_serving(timeout) for w in workers))
-            await router.wait_serving(timeout)
+            if cfg.embed_router:  # SERVING once a worker has registered
+                await wait_for_health(router_address, timeout)
+            else:
+                await router.wait_serving(timeout)
             cache = self._service(  # cache admin service (`meshserve cache stats|flush|warm`)
                 "cache",
                 "services.cache",
                 MESHSERVE_CACHE_REDIS_URL=self.redis_url,
-                MESHSERVE_CACHE_ROUTER_ADDRESS=router.address,
+                MESHSERVE_CACHE_ROUTER_ADDRESS=router_address,
             )
             await cache.spawn()
             await cache.wait_started(timeout)
             await cache.wait_serving(timeout)
-            gateway = self._service(
-                "gateway",
-                "services.gateway",
-                MESHSERVE_GATEWAY_ROUTER_ADDRESS=router.address,
-                MESHSERVE_GATEWAY_PORT=cfg.gateway_port,
-                MESHSERVE_GATEWAY_API_KEYS=f"dev:{api_key_hash(cfg.api_key)}",
-                MESHSERVE_GATEWAY_REDIS_URL=self.redis_url,  # key store (`meshserve keys`) + rate limits
-            )
-            await gateway.spawn()
-            await gateway.wait_started(timeout)
+            if not cfg.embed_router:
+                settings = {**gateway_env, "MESHSERVE_GATEWAY_ROUTER_ADDRESS": router_address}
+                gateway = self._service("gateway", "services.gateway", settings=settings)
+                await gateway.spawn()
+                await gateway.wait_started(timeout)
             await gateway.wait_serving(timeout)
             if cfg.envoy:  # last: Envoy only takes traffic once everything behind it serves
                 from services.controlplane.frontdoor import FrontDoor
@@ -294,85 +317,11 @@ def tp_env(ranks: int) -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": "lo"} if ranks > 1 and sys.platform == "linux" else {}
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="meshserve up", description="Start the local mesh as processes.")
-    p.add_argument("--edge-workers", type=int, default=2, help="edge worker replicas (default 2)")
-    p.add_argument("--cloud-workers", type=int, default=1, help="cloud worker replicas (default 1)")
-    p.add_argument("--port", type=int, default=50051, help="gateway gRPC port (default 50051; 0 = any free port)")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""), help="use this Redis (default: start one)")
-    p.add_argument("--edge-threads", type=int, default=1, help="intra-op threads per edge worker")
-    p.add_argument("--cloud-threads", type=int, default=2, help="intra-op threads per cloud worker")
-    p.add_argument(
-        "--cloud-tp", type=int, default=1, help="tensor-parallel ranks per cloud worker (torchrun; 1 or 3 for SmolLM2)"
-    )
-    p.add_argument("--http-port", type=int, default=8080, help="Envoy's HTTP/gRPC port (default 8080; 0 = any)")
-    p.add_argument("--no-envoy", action="store_true", help="do not start Envoy and the OpenAI HTTP front door")
-    p.add_argument("--tls-cert", default="", help="PEM certificate: serve TLS on Envoy's port (with --tls-key)")
-    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
-    p.add_argument("--demo", metavar="PROMPT", help="once up, stream an answer to PROMPT through the gateway")
-    p.add_argument("--exit-after-demo", action="store_true", help="stop the mesh after the demo answer")
-    return p
-
-
-async def run_up(args: argparse.Namespace) -> int:
-    api_key = os.environ.get("MESHSERVE_API_KEY", DEV_API_KEY)
-    config = MeshConfig(
-        edge_workers=args.edge_workers,
-        cloud_workers=args.cloud_workers,
-        gateway_port=args.port,
-        redis_url=args.redis_url,
-        api_key=api_key,
-        edge_threads=args.edge_threads,
-        cloud_threads=args.cloud_threads,
-        cloud_tp=args.cloud_tp,
-        envoy=not args.no_envoy,
-        http_port=args.http_port,
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-    )
-    mesh = Mesh(config)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    print("meshserve: starting the mesh (first start loads the models)...", file=sys.stderr, flush=True)
-    await mesh.start()
-    from services.status import write_state
-
-    state = write_state(mesh.describe())  # for `meshserve status`
-    try:
-        print(
-            f"\nmeshserve: mesh is up. gRPC gateway at {mesh.gateway_address} (API key: {api_key})\n"
-            f'  try: meshserve chat --address {mesh.gateway_address} "Tell me about the sea"\n'
-            f"  cache admin: meshserve cache --address {mesh.cache_address} stats\n"
-            f"  metrics: {mesh.metrics_endpoints()}\n"
-            + (
-                f"  OpenAI-compatible HTTP (and gRPC) through Envoy: {mesh.http_base_url}\n"
-                if mesh.front_door is not None
-                else ""
-            )
-            + "  live view: meshserve status\n"
-            + "  Ctrl-C stops everything.\n",
-            file=sys.stderr,
-            flush=True,
-        )
-        if args.demo:
-            from services.client import print_stream
-
-            await print_stream(mesh.gateway_address, api_key, args.demo, max_tokens=96)
-            if args.exit_after_demo:
-                return 0
-        await stop.wait()
-        print("\nmeshserve: stopping (draining in-flight streams)...", file=sys.stderr, flush=True)
-        return 0
-    finally:
-        state.unlink(missing_ok=True)
-        await mesh.stop()
-
-
 def main_up(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    return asyncio.run(run_up(args))
+    """`meshserve up` (services/up.py)."""
+    from services.up import main
+
+    return main(argv)
 
 
 __all__ = ["DEV_API_KEY", "Mesh", "MeshConfig", "ServiceProcess", "main_up", "wait_for_health"]

@@ -225,3 +225,20 @@ def test_stop_grace_outlasts_the_drain(compose: dict[str, Any]) -> None:
         launcher = commands.parse(compose_model.command(service)).torchrun
         if launcher is not None:  # torchrun SIGKILLs its ranks after --shutdown-timeout
             assert grace + 5 <= launcher.shutdown_timeout <= float(stop[:-1]) - 5, name
+
+
+async def test_embed_router_starts_no_router_and_points_the_workers_at_the_gateways_router() -> None:
+    embedded = await capture_up(["--embed-router"])
+    assert "router" not in embedded.children
+    gateway = embedded.children["gateway"].env
+    assert gateway["MESHSERVE_GATEWAY_EMBED_ROUTER"] == "true"
+    router_address = f"127.0.0.1:{gateway['MESHSERVE_ROUTER_PORT']}"
+    assert gateway["MESHSERVE_ROUTER_REDIS_URL"] == gateway["MESHSERVE_GATEWAY_REDIS_URL"]
+    for worker in ("edge-0", "edge-1"):
+        assert embedded.children[worker].env["MESHSERVE_EDGE_WORKER_ROUTER_ADDRESS"] == router_address
+    assert embedded.children["cloud-0"].env["MESHSERVE_GPU_WORKER_ROUTER_ADDRESS"] == router_address
+    assert embedded.children["cache"].env["MESHSERVE_CACHE_ROUTER_ADDRESS"] == router_address
+    # The gateway (with its router) starts first; the workers register with it; the cache admin and
+    # the front door wait until the router serves (a worker has registered).
+    assert embedded.awaited_before_spawn("gateway", "edge-0") == "started"
+    assert embedded.awaited_before_spawn(router_address, "cache") == "serving"

@@ -1,6 +1,6 @@
 """What ``meshserve up`` starts, recorded without starting anything.
 
-:func:`capture_up` runs the real launcher code path: ``services.mesh.run_up`` with ``meshserve up``'s
+:func:`capture_up` runs the real launcher code path: ``services.up.run_up`` with ``meshserve up``'s
 default arguments builds the :class:`MeshConfig`, and the real :meth:`Mesh.start` builds every child's
 argv and environment. Only the process layer is replaced: children, Redis and the front door are
 stand-ins that record what they were given and report themselves started and healthy.
@@ -18,6 +18,7 @@ from unittest import mock
 
 import services.controlplane.frontdoor as frontdoor
 import services.mesh as mesh
+import services.up as up
 
 
 @dataclass
@@ -75,8 +76,8 @@ async def capture_up(argv: list[str] | None = None) -> Captured:
 
     loop = asyncio.get_running_loop()
     try:
-        with mock.patch.object(mesh, "Mesh", ConfigProbe), mock.patch("builtins.print"):
-            await mesh.run_up(mesh._parser().parse_args(argv or []))
+        with mock.patch.object(up, "Mesh", ConfigProbe), mock.patch("builtins.print"):
+            await up.run_up(up._parser().parse_args(argv or []))
     except _Stop:
         pass
     finally:
@@ -121,7 +122,11 @@ async def capture_up(argv: list[str] | None = None) -> Captured:
     def redis_ready(url: str, timeout_s: float) -> None:
         captured.events.append(("serving", "redis"))  # wait_redis: PING answered
 
+    async def health(address: str, timeout_s: float) -> None:  # the embedded router's own port
+        captured.events.append(("serving", address))
+
     with (
+        mock.patch.object(mesh, "wait_for_health", health),
         mock.patch.object(mesh, "ServiceProcess", RecordingProcess),
         mock.patch.object(mesh, "wait_redis", mock.AsyncMock(side_effect=redis_ready)),
         mock.patch.object(frontdoor, "FrontDoor", RecordingFrontDoor),

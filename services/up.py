@@ -1,0 +1,97 @@
+"""`meshserve up`: start the local mesh (services/mesh.py), print how to use it, stop on Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from services.mesh import DEV_API_KEY, Mesh, MeshConfig
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshserve up", description="Start the local mesh as processes.")
+    p.add_argument("--edge-workers", type=int, default=2, help="edge worker replicas (default 2)")
+    p.add_argument("--cloud-workers", type=int, default=1, help="cloud worker replicas (default 1)")
+    p.add_argument("--port", type=int, default=50051, help="gateway gRPC port (default 50051; 0 = any free port)")
+    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""), help="use this Redis (default: start one)")
+    p.add_argument("--edge-threads", type=int, default=1, help="intra-op threads per edge worker")
+    p.add_argument("--cloud-threads", type=int, default=2, help="intra-op threads per cloud worker")
+    p.add_argument(
+        "--cloud-tp", type=int, default=1, help="tensor-parallel ranks per cloud worker (torchrun; 1 or 3 for SmolLM2)"
+    )
+    p.add_argument("--http-port", type=int, default=8080, help="Envoy's HTTP/gRPC port (default 8080; 0 = any)")
+    p.add_argument("--no-envoy", action="store_true", help="do not start Envoy and the OpenAI HTTP front door")
+    p.add_argument("--tls-cert", default="", help="PEM certificate: serve TLS on Envoy's port (with --tls-key)")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    p.add_argument(
+        "--embed-router", action="store_true", help="run the router inside the gateway process (docs/gateway.md)"
+    )
+    p.add_argument("--demo", metavar="PROMPT", help="once up, stream an answer to PROMPT through the gateway")
+    p.add_argument("--exit-after-demo", action="store_true", help="stop the mesh after the demo answer")
+    return p
+
+
+async def run_up(args: argparse.Namespace) -> int:
+    api_key = os.environ.get("MESHSERVE_API_KEY", DEV_API_KEY)
+    config = MeshConfig(
+        edge_workers=args.edge_workers,
+        cloud_workers=args.cloud_workers,
+        gateway_port=args.port,
+        redis_url=args.redis_url,
+        api_key=api_key,
+        edge_threads=args.edge_threads,
+        cloud_threads=args.cloud_threads,
+        cloud_tp=args.cloud_tp,
+        envoy=not args.no_envoy,
+        http_port=args.http_port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        embed_router=args.embed_router,
+    )
+    mesh = Mesh(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print("meshserve: starting the mesh (first start loads the models)...", file=sys.stderr, flush=True)
+    await mesh.start()
+    from services.status import write_state
+
+    state = write_state(mesh.describe())  # for `meshserve status`
+    try:
+        print(
+            f"\nmeshserve: mesh is up. gRPC gateway at {mesh.gateway_address} (API key: {api_key})\n"
+            f'  try: meshserve chat --address {mesh.gateway_address} "Tell me about the sea"\n'
+            f"  cache admin: meshserve cache --address {mesh.cache_address} stats\n"
+            f"  metrics: {mesh.metrics_endpoints()}\n"
+            + (
+                f"  OpenAI-compatible HTTP (and gRPC) through Envoy: {mesh.http_base_url}\n"
+                if mesh.front_door is not None
+                else ""
+            )
+            + "  live view: meshserve status\n"
+            + "  Ctrl-C stops everything.\n",
+            file=sys.stderr,
+            flush=True,
+        )
+        if args.demo:
+            from services.client import print_stream
+
+            await print_stream(mesh.gateway_address, api_key, args.demo, max_tokens=96)
+            if args.exit_after_demo:
+                return 0
+        await stop.wait()
+        print("\nmeshserve: stopping (draining in-flight streams)...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        state.unlink(missing_ok=True)
+        await mesh.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return asyncio.run(run_up(args))

@@ -1,0 +1,49 @@
+"""`meshserve up --embed-router` with real processes: the gateway carries the router, the real edge
+workers register with the router's port in the gateway process, and a prompt is answered through it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from services.common.pb.meshserve.internal.v1 import router_admin_pb2, router_admin_pb2_grpc
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.settings import DEFAULT_INTERNAL_TOKEN
+from services.mesh import Mesh, MeshConfig
+from tests.e2e.conftest import auth
+from tests.helpers import RedisServer
+
+
+def _sink(name: str, line: str) -> None:
+    if '"level": "error"' in line or "Traceback" in line:
+        sys.stderr.write(f"{name} | {line}\n")
+
+
+@pytest.fixture(scope="module")
+async def mesh(redis_srv: RedisServer) -> AsyncIterator[Mesh]:
+    config = MeshConfig(edge_workers=2, cloud_workers=0, redis_url=redis_srv.url, embed_router=True)
+    async with Mesh(config, sink=_sink) as running:
+        yield running
+
+
+async def test_the_mesh_answers_through_the_gateways_own_router(mesh: Mesh) -> None:
+    assert "router" not in mesh.processes  # no router process: it runs in the gateway's
+    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        request = pb.GenerateRequest(prompt="Tell me about the sea.", sampling=pb.SamplingParams(max_tokens=12))
+        frames = [f async for f in stub.Generate(request, metadata=auth(), timeout=60)]
+    final = frames[-1].final
+    assert final.usage.completion_tokens > 0 and "".join(f.text for f in frames).strip()
+    assert final.route.tier == pb.TIER_EDGE and final.route.worker_id in {"edge-0", "edge-1"}
+    async with grpc.aio.insecure_channel(mesh.router_address) as channel:  # the embedded router's own port
+        reply = await router_admin_pb2_grpc.RouterAdminStub(channel).ListReplicas(
+            router_admin_pb2.ListReplicasRequest(),
+            metadata=(("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),),
+            timeout=5,
+        )
+    assert {r.worker_id for r in reply.replicas} == {"edge-0", "edge-1"}  # both registered by heartbeat
