@@ -209,45 +209,59 @@ async def bench_kv(url: str, n: int) -> dict[str, object]:
 
 
 async def bench_mesh(requests: int) -> dict[str, object]:
-    import grpc
-
+    """Exact-hit TTFT through a real mesh: the router as its own process, then inside the gateway's."""
     from services.common.pb.meshserve.v1 import inference_pb2 as pb
-    from services.common.pb.meshserve.v1 import inference_pb2_grpc
-    from services.common.settings import DEFAULT_INTERNAL_TOKEN
-    from services.mesh import DEV_API_KEY, Mesh, MeshConfig
+    from services.mesh import Mesh, MeshConfig
 
     request = pb.GenerateRequest(prompt="Tell me about the sea.", sampling=pb.SamplingParams(max_tokens=32))
-    targets = {
+    out: dict[str, object] = {}
+    for embedded in (False, True):
+        config = MeshConfig(edge_workers=1, cloud_workers=1, embed_router=embedded)
+        async with Mesh(config, sink=lambda _n, _l: None) as mesh:
+            if embedded:
+                entries = [("gateway_embedded_router", "gateway", mesh.gateway_address)]
+            else:
+                entries = [("gateway", "gateway", mesh.gateway_address), ("router", "router", mesh.router_address)]
+            for name, kind, address in entries:
+                out[name] = await _exact_hits(address, kind, request, requests)
+    return out
+
+
+async def _exact_hits(address: str, kind: str, request: object, requests: int) -> dict[str, object]:
+    """The same greedy request ``requests`` + 10 times through ``address`` (gateway or router): TTFT of the hits."""
+    import grpc
+
+    from services.common.pb.meshserve.v1 import inference_pb2_grpc
+    from services.common.settings import DEFAULT_INTERNAL_TOKEN
+    from services.mesh import DEV_API_KEY
+
+    metadata = {
         "gateway": [("authorization", f"Bearer {DEV_API_KEY}")],
         "router": [("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN), ("x-meshserve-tenant", "dev")],
+    }[kind]
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        ttft: list[float] = []
+        hits = tokens = 0
+        for i in range(requests + 10):
+            t0 = time.perf_counter()
+            first = None
+            async for frame in stub.Generate(request, metadata=metadata):
+                # first frame with tokens (or the final one, should the answer be empty)
+                if first is None and (frame.token_ids or frame.HasField("final")):
+                    first = time.perf_counter() - t0
+                if frame.HasField("final"):
+                    hits += frame.final.route.cache_hit
+                    tokens = frame.final.usage.completion_tokens
+            if i >= 10:  # the first fills the cache; the rest warm the channel
+                ttft.append((first or float("nan")) * 1000)
+    return {
+        "requests": len(ttft),
+        "cache_hits": hits,
+        "completion_tokens": tokens,
+        "ttft_ms_p50": percentile(ttft, 50),
+        "ttft_ms_p99": percentile(ttft, 99),
     }
-    out: dict[str, object] = {}
-    async with Mesh(MeshConfig(edge_workers=1, cloud_workers=1), sink=lambda _n, _l: None) as mesh:
-        for name, address in (("gateway", mesh.gateway_address), ("router", mesh.router_address)):
-            async with grpc.aio.insecure_channel(address) as channel:
-                stub = inference_pb2_grpc.InferenceStub(channel)
-                ttft: list[float] = []
-                hits = tokens = 0
-                for i in range(requests + 10):
-                    t0 = time.perf_counter()
-                    first = None
-                    async for frame in stub.Generate(request, metadata=targets[name]):
-                        # first frame with tokens (or the final one, should the answer be empty)
-                        if first is None and (frame.token_ids or frame.HasField("final")):
-                            first = time.perf_counter() - t0
-                        if frame.HasField("final"):
-                            hits += frame.final.route.cache_hit
-                            tokens = frame.final.usage.completion_tokens
-                    if i >= 10:  # the first fills the cache; the rest warm the channel
-                        ttft.append((first or float("nan")) * 1000)
-                out[name] = {
-                    "requests": len(ttft),
-                    "cache_hits": hits,
-                    "completion_tokens": tokens,
-                    "ttft_ms_p50": percentile(ttft, 50),
-                    "ttft_ms_p99": percentile(ttft, 99),
-                }
-    return out
 
 
 def _load(x: object) -> str:
@@ -328,6 +342,12 @@ def _markdown(report: dict[str, object]) -> str:
             lines.append(
                 f"| {name} | {x['requests']} | {x['cache_hits']} | {x['ttft_ms_p50']:.2f} | {x['ttft_ms_p99']:.2f} |"
             )
+        lines += [
+            "",
+            "`gateway` and `router`: `meshserve up`'s default layout (the router as its own process);",
+            "`gateway_embedded_router`: `meshserve up --embed-router` (the router inside the gateway's process).",
+            "Target (issue 4): exact-hit TTFT p50 <= 3 ms over gRPC through the mesh.",
+        ]
     lines += [
         "",
         "Raw redis-py does the same transfers without our layer (no header, ledger, breaker, counters). Response",
