@@ -32,11 +32,20 @@ from services.router.config import RouterSettings
 log = structlog.get_logger(__name__)
 
 
-def redis_client(url: str, timeout_s: float) -> aioredis.Redis:
-    """A Redis client with short timeouts and no retries (an outage must cost one timeout)."""
-    return aioredis.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+def redis_client(url: str, timeout_s: float, max_connections: int = 128) -> aioredis.Redis:
+    """A Redis client with short timeouts, no retries (an outage must cost one timeout) and a bounded
+    pool: with ``max_connections`` calls in flight, the next waits for a free connection for up to
+    ``timeout_s``, then fails like an unreachable Redis (the limiter's failure mode applies)."""
+    pool = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=max_connections,
+        timeout=timeout_s,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 0),
+        client_name="meshserve-gateway",  # who is who in CLIENT LIST
     )
+    return aioredis.Redis.from_pool(pool)  # the client owns the pool: closing it closes the connections
 
 
 def build_gate(settings: GatewaySettings) -> Gate:
@@ -52,7 +61,8 @@ def build_gate(settings: GatewaySettings) -> Gate:
     )
     store, limiter = None, None
     if settings.redis_url:
-        client = redis_client(settings.redis_url, settings.redis_timeout_s)  # one pool, closed by the limiter
+        # one pool, closed by the limiter
+        client = redis_client(settings.redis_url, settings.redis_timeout_s, settings.redis_max_connections)
         store = KeyStore(client)
         limiter = RateLimiter(
             client,

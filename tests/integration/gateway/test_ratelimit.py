@@ -188,3 +188,21 @@ async def test_each_chat_turn_counts_a_request_and_the_session_holds_one_stream_
         await session.read()
     assert third.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert int(dict(third.value.trailing_metadata() or ())[md.RETRY_AFTER_MS]) > 0
+
+
+async def test_the_redis_pool_is_bounded_and_callers_wait_their_turn(start: StartFn, redis_url: str) -> None:
+    """One connection for 12 concurrent admissions: they take turns on it (each waits for the free
+    connection, well within the Redis timeout), all are admitted, and no second socket is opened."""
+    client = redis.Redis.from_url(redis_url)
+
+    def gateway_connections() -> int:
+        return sum(c.get("name") == "meshserve-gateway" for c in client.client_list())
+
+    try:
+        before = gateway_connections()  # other tests' gateways, if any still close theirs
+        gateways = await start(1, rate_limit_failure_mode="closed", redis_max_connections=1)
+        codes = await asyncio.gather(*(generate(gateways.stubs[0]) for _ in range(12)))
+        assert codes == [grpc.StatusCode.OK] * 12
+        assert gateway_connections() - before == 1
+    finally:
+        client.close()
