@@ -34,18 +34,18 @@ log = structlog.get_logger(__name__)
 
 def redis_client(url: str, timeout_s: float, max_connections: int = 128) -> aioredis.Redis:
     """A Redis client with short timeouts, no retries (an outage must cost one timeout) and a bounded
-    pool: with ``max_connections`` calls in flight, the next waits for a free connection for up to
-    ``timeout_s``, then fails like an unreachable Redis (the limiter's failure mode applies)."""
-    pool = aioredis.BlockingConnectionPool.from_url(
+    pool: a call that finds ``max_connections`` calls in flight fails at once, like an unreachable
+    Redis (the limiter's failure mode applies). Not a blocking pool: waiting for a free connection
+    costs every admission ~20 µs more (a condition and a timer per call), on the path to the first token.
+    """
+    return aioredis.Redis.from_url(
         url,
-        max_connections=max_connections,
-        timeout=timeout_s,
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0),
+        max_connections=max_connections,
         client_name="meshserve-gateway",  # who is who in CLIENT LIST
     )
-    return aioredis.Redis.from_pool(pool)  # the client owns the pool: closing it closes the connections
 
 
 def build_gate(settings: GatewaySettings) -> Gate:

@@ -57,7 +57,7 @@ class GatewaySettings(StreamingSettings):
     redis_timeout_s: float = Field(default=0.25, gt=0)
     """Timeout of one Redis call of the key store or the limiter."""
     redis_max_connections: int = Field(default=128, ge=1)
-    """Most Redis connections the gateway opens; a call beyond them waits up to `redis_timeout_s` for one."""
+    """Most Redis connections the gateway opens; a call beyond them fails like a Redis outage."""
     key_cache_ttl_s: float = Field(default=1.0, ge=0)
     """Seconds a stored API key's record is reused without asking Redis; also the longest a revoked
     key keeps working on a gateway that had just seen it (0 = ask Redis on every request)."""

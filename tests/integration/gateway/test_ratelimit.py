@@ -190,19 +190,27 @@ async def test_each_chat_turn_counts_a_request_and_the_session_holds_one_stream_
     assert int(dict(third.value.trailing_metadata() or ())[md.RETRY_AFTER_MS]) > 0
 
 
-async def test_the_redis_pool_is_bounded_and_callers_wait_their_turn(start: StartFn, redis_url: str) -> None:
-    """One connection for 12 concurrent admissions: they take turns on it (each waits for the free
-    connection, well within the Redis timeout), all are admitted, and no second socket is opened."""
+async def test_the_redis_pool_is_bounded_and_beyond_it_the_failure_mode_applies(start: StartFn, redis_url: str) -> None:
+    """A 1-connection pool and 12 concurrent admissions: the gateway never opens a second socket;
+    the calls that find the pool in use fail like an outage (closed mode: UNAVAILABLE, never
+    INTERNAL), and once the limiter's retry pause has passed, requests are admitted again."""
     client = redis.Redis.from_url(redis_url)
 
     def gateway_connections() -> int:
         return sum(c.get("name") == "meshserve-gateway" for c in client.client_list())
 
     try:
-        before = gateway_connections()  # other tests' gateways, if any still close theirs
-        gateways = await start(1, rate_limit_failure_mode="closed", redis_max_connections=1)
+        before = gateway_connections()  # other tests' gateways, if any have not closed theirs yet
+        gateways = await start(1, rate_limit_failure_mode="closed", redis_max_connections=1, rate_limit_retry_s=0.2)
         codes = await asyncio.gather(*(generate(gateways.stubs[0]) for _ in range(12)))
-        assert codes == [grpc.StatusCode.OK] * 12
+        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}
+        assert grpc.StatusCode.UNAVAILABLE in codes  # the pool was exceeded
+        assert gateway_connections() - before <= 1
+        for _ in range(50):  # bounded: the limiter tries Redis again after its pause
+            if await generate(gateways.stubs[0]) == grpc.StatusCode.OK:
+                break
+            await asyncio.sleep(0.1)
+        assert [await generate(gateways.stubs[0]) for _ in range(3)] == [grpc.StatusCode.OK] * 3
         assert gateway_connections() - before == 1
     finally:
         client.close()
