@@ -34,9 +34,11 @@ class EdgeWorkerSettings(WorkerSettings):
     it gets in any batch (the INT4 kernels round one row differently from several). Off: a lone
     sequence runs one row (~20 % less CPU per token) and greedy output can depend on the load."""
     lm_head: Literal["nbits", "int8"] = "nbits"
-    """Batched engine: `nbits` runs the LM head as built (8-bit MatMulNBits); `int8` rewrites it at
-    load time onto onnxruntime's int8 GEMM (MLAS QGEMM): ~12 % less CPU per 16-row decode step,
-    ~4 % per 2-row step, perplexity +9.0 % vs fp32 instead of +8.0 % (docs/edge.md)."""
+    """Batched engine: `nbits` runs the LM head as built (8-bit MatMulNBits). `int8` rewrites it at
+    load time onto onnxruntime's int8 GEMM (MLAS QGEMM, 16 outlier input channels in fp32): ~11 %
+    less CPU per 16-row decode call, ~8 % per 2-row call, same perplexity, ~1.5 s more to load; off
+    by default until a quiet-machine A/B settles its single-stream wall time at 2 threads
+    (docs/edge.md)."""
     intra_op_spinning: bool = False
     """Batched engine: idle intra-op threads spin instead of sleeping. Faster steps on an otherwise
     idle CPU; on a shared one it burns CPU the gateway and router need (docs/edge.md)."""

@@ -14,14 +14,17 @@ disk (and onnxruntime-genai's use of it) is unchanged; the weights are read from
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
+from tokenizers import Tokenizer
 
-from services.edge_worker.int8head import int8_lm_head
+from services.edge_worker.int8head import CALIBRATION_TOKENS, int8_lm_head, outlier_channels
+from services.models.biascorrect import CALIBRATION_TEXT
 
 LAST_POSITIONS = 2
 
@@ -51,14 +54,21 @@ LM_HEADS = ("nbits", "int8")
 def load_session(model_path: Path, options: ort.SessionOptions, *, lm_head: str = "nbits") -> ort.InferenceSession:
     """An onnxruntime session of ``model_path`` whose ``logits`` are ``[batch, min(2, seq), vocab]``.
 
-    ``lm_head``: ``nbits`` runs the head as built; ``int8`` on MLAS' int8 GEMM (needs the builder's
-    8-bit MatMulNBits head, ``models prepare --int4-lm-head int8``, the default).
+    ``lm_head``: ``nbits`` runs the head as built; ``int8`` on MLAS' int8 GEMM with its outlier
+    channels in fp32, found on the calibration text (needs the builder's 8-bit MatMulNBits head,
+    ``models prepare --int4-lm-head int8``, the default).
     """
     if lm_head not in LM_HEADS:
         raise ValueError(f"lm_head {lm_head!r} is not one of {LM_HEADS}")
     model = onnx.load(str(model_path), load_external_data=False)
-    _last_positions(model)
-    if lm_head == "int8" and not int8_lm_head(model, model_path.parent):
-        raise ValueError(f"lm_head 'int8' needs an 8-bit MatMulNBits LM head, which {model_path} does not have")
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
+    outliers = None
+    if lm_head == "int8":
+        tokenizer = Tokenizer.from_file(str(model_path.parent / "tokenizer.json"))
+        ids = tokenizer.encode(CALIBRATION_TEXT.read_text()).ids[:CALIBRATION_TOKENS]
+        decoder = json.loads((model_path.parent / "genai_config.json").read_text())["model"]["decoder"]
+        outliers = outlier_channels(model, options, list(ids), int(decoder["head_size"]))
+    _last_positions(model)
+    if lm_head == "int8" and not int8_lm_head(model, model_path.parent, outliers):
+        raise ValueError(f"lm_head 'int8' needs an 8-bit MatMulNBits LM head, which {model_path} does not have")
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])

@@ -106,3 +106,22 @@ def test_unknown_lm_head_choice_is_refused(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="lm_head 'fp8'"):
         load_session(tmp_path / "model.onnx", ort.SessionOptions(), lm_head="fp8")
+
+
+def test_outlier_channels_are_computed_in_fp32_and_rows_stay_independent(tmp_path: Path) -> None:
+    model, weight = head_model(seed=5)
+    bias = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "bias"))
+    plain = onnx.ModelProto()
+    plain.CopyFrom(model)
+    outliers = np.arange(0, K, 4)  # 16 channels, as the engine picks
+    assert int8_lm_head(model, tmp_path, outliers)
+    assert int8_lm_head(plain, tmp_path)
+    hidden = np.random.default_rng(6).standard_normal((16, 1, K)).astype(np.float32)
+    hidden[..., outliers] *= 60.0  # a few channels dwarf the rest, as in the real model
+    want = hidden @ weight.T + bias
+    err_split = np.abs(run(model, hidden) - want).max()
+    err_plain = np.abs(run(plain, hidden) - want).max()
+    assert err_split < err_plain / 4
+    together = run(model, hidden)
+    for row in range(16):
+        assert np.array_equal(run(model, hidden[row : row + 1])[0], together[row])
