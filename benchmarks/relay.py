@@ -59,8 +59,11 @@ async def _start(name: str, argv: list[str], env: dict[str, str], health: bool =
     return proc
 
 
-async def start_stack(tmp: str, slots: int, token_interval_ms: float = 0.0) -> dict[str, ServiceProcess]:
-    """redis, instant worker, router, gateway (in that order; stop in reverse)."""
+async def start_stack(
+    tmp: str, slots: int, token_interval_ms: float = 0.0, *, embedded: bool = False
+) -> dict[str, ServiceProcess]:
+    """redis, instant worker, router, gateway (in that order; stop in reverse); with ``embedded`` also
+    ``gateway_embedded``, a gateway with the router in its process (on the same worker and Redis)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     exe = shutil.which("redis-server")
     if exe is None:
@@ -90,6 +93,10 @@ async def start_stack(tmp: str, slots: int, token_interval_ms: float = 0.0) -> d
         "MESHSERVE_GATEWAY_MAX_CONCURRENT_STREAMS": "4096",
     }
     procs["gateway"] = await _start("gateway", [sys.executable, "-m", "services.gateway"], env | gateway_env)
+    if embedded:
+        embedded_env = gateway_env | router_env | {"MESHSERVE_GATEWAY_EMBED_ROUTER": "1", "MESHSERVE_ROUTER_PORT": "0"}
+        argv = [sys.executable, "-m", "services.gateway"]
+        procs["gateway_embedded"] = await _start("gateway_embedded", argv, env | embedded_env)
     return procs
 
 
@@ -113,17 +120,19 @@ async def _run_mode(
     streams: int, max_tokens: int, duration: float, rounds: int, token_interval_ms: float
 ) -> dict[str, list[dict[str, Any]]]:
     tmp = tempfile.TemporaryDirectory(prefix="meshserve-relay-")
-    procs = await start_stack(tmp.name, max(64, streams), token_interval_ms)
+    procs = await start_stack(tmp.name, max(64, streams), token_interval_ms, embedded=True)
     try:
         pids = {n: p.proc.pid for n, p in procs.items() if p.proc is not None} | {"client": os.getpid()}
         tokenizer = Tokenizer(model_paths().hf_dir)
         async with (
             MeshClient(procs["gateway"].address, DEV_API_KEY) as client,
+            MeshClient(procs["gateway_embedded"].address, DEV_API_KEY) as embedded_client,
             grpc.aio.insecure_channel(procs["worker"].address) as channel,
         ):
             paths = {
                 "direct_worker": worker_sender(worker_pb2_grpc.WorkerStub(channel), tokenizer.encode),
                 "gateway_router": grpc_sender(client),
+                "gateway_embedded_router": grpc_sender(embedded_client),
             }
             for send in paths.values():  # warm up
                 await _measure(send, streams, max_tokens, 2.0, pids)
@@ -137,7 +146,7 @@ async def _run_mode(
                         file=sys.stderr,
                     )
     finally:
-        for name in ("gateway", "router", "worker", "redis"):
+        for name in ("gateway_embedded", "gateway", "router", "worker", "redis"):
             await procs[name].stop()
         tmp.cleanup()
     return runs
@@ -196,13 +205,14 @@ def derive(report: dict[str, Any]) -> dict[str, Any]:
 def _mode_table(report: dict[str, Any], mode: dict[str, Any]) -> list[str]:
     lines = [
         "| path | tok/s (median) | frames/token | e2e p50 ms | e2e p99 ms | CPU ms / 1k tokens "
-        "(client, gateway, router, worker, redis) |",
+        "(client, gateway, router, gateway_embedded, worker, redis) |",
         "|---|---:|---:|---:|---:|---|",
     ]
     for name, rs in mode["runs"].items():
         last = rs[-1]
         cpu = last["cpu_ms_per_1k_tokens"]
-        cpu_text = ", ".join(f"{cpu.get(n, 0):.0f}" for n in ("client", "gateway", "router", "worker", "redis"))
+        names = ("client", "gateway", "router", "gateway_embedded", "worker", "redis")
+        cpu_text = ", ".join(f"{cpu.get(n, 0):.0f}" for n in names)
         lines.append(
             f"| {name} | {mode['tokens_per_s_median'][name]:,.0f} | {last['frames_per_token']:.2f} | "
             f"{last['e2e_ms_p50']:.1f} | {last['e2e_ms_p99']:.1f} | {cpu_text} |"
@@ -243,8 +253,15 @@ def markdown(report: dict[str, Any]) -> str:
     verdict = "pass" if report["pass"] else "fail"
     lines += [
         "",
+        "`gateway_router`: gateway and router as separate processes (`meshserve up`'s default);"
+        " `gateway_embedded_router`: the router inside the gateway's process (`meshserve up --embed-router`).",
+        "",
         f"Through gateway + router, paced: **{report['gateway_router_tokens_per_s']:,.0f} tok/s — {verdict}**.",
     ]
+    embedded = report["tokens_per_s_median"].get("gateway_embedded_router")
+    if embedded is not None:
+        ok = "pass" if embedded >= report["target_tokens_per_s"] else "fail"
+        lines.append(f"Through the gateway with the router embedded, paced: **{embedded:,.0f} tok/s — {ok}**.")
     if report.get("hops_cpu_ceiling_tokens_per_s"):
         lines.append(
             f"Paced, gateway + router spend {report['hops_cpu_ms_per_1k_tokens']:.0f} CPU ms per 1,000 relayed tokens "

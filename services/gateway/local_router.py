@@ -6,7 +6,8 @@ and the gateway calls that router's Inference servicer directly through :class:`
 has the surface of ``InferenceStub`` that :class:`~services.gateway.servicer.GatewayServicer` uses:
 ``Generate`` (iterate, ``cancel``), ``Complete`` and ``ListModels`` (await), ``Chat`` (``write``,
 ``done_writing``, iterate, ``cancel``). One gRPC hop, its serialization, its interceptors and a
-second coalescing reader go away (docs/benchmarks/hops.md measures both layouts).
+second coalescing reader go away (the gateway merges frames; the router's ``generate_frames``
+runs without its own merging here). docs/benchmarks/hops.md measures both layouts.
 
 What the network hop carried travels in the task's context instead: the request id, tenant and key
 id are the gateway's structlog contextvars (the router reads them there), the trace is the current
@@ -124,7 +125,11 @@ class LocalRouter:
     def Generate(
         self, request: pb.GenerateRequest, metadata: object = None, timeout: float | None = None
     ) -> _StreamCall[pb.GenerateResponse]:
-        return _StreamCall(self._router().Generate(request, _Context(timeout)))  # type: ignore[arg-type]
+        router = self._router()
+        frames = getattr(router, "generate_frames", None)  # the real router: no second coalescing reader
+        if frames is not None:
+            return _StreamCall(frames(request, _Context(timeout), coalesce=False))
+        return _StreamCall(router.Generate(request, _Context(timeout)))  # type: ignore[arg-type]
 
     def Complete(
         self, request: pb.GenerateRequest, metadata: object = None, timeout: float | None = None

@@ -130,10 +130,20 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        async for frame in self.generate_frames(request, context):
+            yield frame
+
+    async def generate_frames(
+        self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext, *, coalesce: bool = True
+    ) -> AsyncIterator[inference_pb2.GenerateResponse]:
+        """Generate's frames. ``coalesce=False``: for a caller in this process that merges frames itself
+        (the gateway with the router embedded): a second coalescing reader per stream would be wasted."""
         request_id = str(structlog.contextvars.get_contextvars().get("request_id", ""))
         with _observe() as obs:
             seq = 0
-            events = coalesced(self._generate_events(request, context), _merge, window=self._flush, urgent=_is_done)
+            events = self._generate_events(request, context)
+            if coalesce:
+                events = coalesced(events, _merge, window=self._flush, urgent=_is_done)
             async with aclosing(events):
                 async for event in events:
                     obs.record(event)
