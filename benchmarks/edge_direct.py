@@ -25,10 +25,10 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
     from services.edge_worker.batched import BatchedEngine
 
     # Variants, joined with '-': "batched-1row": a lone sequence decodes in one row
-    # (MESHSERVE_EDGE_WORKER_BATCH_INVARIANT=false); "batched-int8head": LM head on the int8 GEMM
-    # (LM_HEAD=int8); "batched-spin": intra-op threads spin (INTRA_OP_SPINNING=true).
+    # (MESHSERVE_EDGE_WORKER_BATCH_INVARIANT=false); "batched-nbitshead": the LM head as built
+    # (LM_HEAD=nbits); "batched-spin": intra-op threads spin (INTRA_OP_SPINNING=true).
     base, *variants = kind.split("-")
-    unknown = set(variants) - {"1row", "int8head", "spin"}
+    unknown = set(variants) - {"1row", "nbitshead", "spin"}
     if base != "batched" or unknown:
         raise ValueError(f"unknown engine kind {kind!r}")
     return BatchedEngine(
@@ -37,7 +37,7 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
         threads=threads,
         max_batch=max_batch,
         batch_invariant="1row" not in variants,
-        lm_head="int8" if "int8head" in variants else "nbits",
+        lm_head="nbits" if "nbitshead" in variants else "int8",
         spinning="spin" in variants,
     )
 

@@ -50,8 +50,8 @@ class BatchedEngine:
     sequences at once. ``max_wait_s``: how long a step waits for the previous step's sequences to
     come back before running without them. ``batch_invariant=False`` lets a lone sequence decode in a
     one-row call (faster, but its greedy tokens may then differ at near-ties from a batched run).
-    ``lm_head``: ``nbits`` (as built) or ``int8`` (MLAS int8 GEMM, less CPU per row, same perplexity;
-    :mod:`services.edge_worker.int8head`). ``spinning``: let idle intra-op threads
+    ``lm_head``: ``int8`` (MLAS int8 GEMM, less CPU per row, same perplexity;
+    :mod:`services.edge_worker.int8head`) or ``nbits`` (as built). ``spinning``: let idle intra-op threads
     spin between parallel sections (faster steps on an otherwise idle CPU, more CPU burnt).
     """
 
@@ -66,7 +66,7 @@ class BatchedEngine:
         prefill_chunk: int = 512,
         kv_capacity: int = 256,
         batch_invariant: bool = True,
-        lm_head: str = "nbits",
+        lm_head: str = "int8",
         spinning: bool = False,
     ) -> None:
         config = json.loads((model_dir / "genai_config.json").read_text())["model"]

@@ -33,12 +33,11 @@ class EdgeWorkerSettings(WorkerSettings):
     """Batched engine: decode a lone sequence in a two-row call (a dummy row), so its tokens equal what
     it gets in any batch (the INT4 kernels round one row differently from several). Off: a lone
     sequence runs one row (~20 % less CPU per token) and greedy output can depend on the load."""
-    lm_head: Literal["nbits", "int8"] = "nbits"
-    """Batched engine: `nbits` runs the LM head as built (8-bit MatMulNBits). `int8` rewrites it at
-    load time onto onnxruntime's int8 GEMM (MLAS QGEMM, 16 outlier input channels in fp32): ~11 %
-    less CPU per 16-row decode call, ~8 % per 2-row call, same perplexity, ~1.5 s more to load; off
-    by default until a quiet-machine A/B settles its single-stream wall time at 2 threads
-    (docs/edge.md)."""
+    lm_head: Literal["nbits", "int8"] = "int8"
+    """Batched engine: `int8` rewrites the LM head at load time onto onnxruntime's int8 GEMM (MLAS
+    QGEMM, 16 outlier input channels in fp32): ~11 % less CPU per 16-row decode call, ~8 % per 2-row
+    call, same perplexity, ~1.5 s more to load (docs/edge.md). `nbits` runs the head as built
+    (8-bit MatMulNBits)."""
     intra_op_spinning: bool = False
     """Batched engine: idle intra-op threads spin instead of sleeping. Faster steps on an otherwise
     idle CPU; on a shared one it burns CPU the gateway and router need (docs/edge.md)."""

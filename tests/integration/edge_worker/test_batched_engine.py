@@ -142,8 +142,8 @@ def test_a_closed_sequence_refuses_to_step_and_frees_its_kv(engine: BatchedEngin
     assert seq.slot is None and seq.parked is None
 
 
-def test_the_int8_lm_head_also_keeps_greedy_tokens_independent_of_the_batch() -> None:
-    engine = BatchedEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=4, lm_head="int8")
+def test_the_lm_head_as_built_also_keeps_greedy_tokens_independent_of_the_batch() -> None:
+    engine = BatchedEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=4, lm_head="nbits")
     try:
         prompts = [chat(engine, p) for p in PROMPTS]
         alone = [generate(engine, p, 10) for p in prompts]

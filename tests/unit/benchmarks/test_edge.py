@@ -57,6 +57,6 @@ def test_meshserve_bench_edge_is_wired() -> None:
 def test_unknown_in_process_engine_variants_are_refused_before_loading(tmp_path: Path) -> None:
     from benchmarks.edge_direct import load_engine
 
-    for kind in ("batched-fast", "vllm", "batched-int8head-8bit"):
+    for kind in ("batched-fast", "vllm", "batched-nbitshead-8bit"):
         with pytest.raises(ValueError, match="unknown engine kind"):
             load_engine(kind, tmp_path, threads=1, max_batch=2)

@@ -44,11 +44,11 @@ def test_engine_choice_and_batching_options(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_lm_head_and_spinning_options(monkeypatch: pytest.MonkeyPatch) -> None:
     defaults = load_settings(EdgeWorkerSettings)
-    assert (defaults.lm_head, defaults.intra_op_spinning) == ("nbits", False)
-    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_LM_HEAD", "int8")
+    assert (defaults.lm_head, defaults.intra_op_spinning) == ("int8", False)
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_LM_HEAD", "nbits")
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INTRA_OP_SPINNING", "true")
     settings = load_settings(EdgeWorkerSettings)
-    assert (settings.lm_head, settings.intra_op_spinning) == ("int8", True)
+    assert (settings.lm_head, settings.intra_op_spinning) == ("nbits", True)
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_LM_HEAD", "fp8")
     with pytest.raises(ConfigError, match="MESHSERVE_EDGE_WORKER_LM_HEAD"):
         load_settings(EdgeWorkerSettings)
