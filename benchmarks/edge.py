@@ -146,7 +146,12 @@ def _median_round(samples: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def run(
-    max_tokens: int, threads: int, stream_counts: Sequence[int], engine: str = "batched", repeats: int = 2
+    max_tokens: int,
+    threads: int,
+    stream_counts: Sequence[int],
+    engine: str = "batched",
+    repeats: int = 2,
+    embed_router: bool = False,
 ) -> dict[str, Any]:
     edge_dir = model_paths().edge_dir
     per_token, total = weight_bytes_per_token(edge_dir)
@@ -155,6 +160,7 @@ async def run(
         edge_workers=1,
         cloud_workers=0,
         edge_threads=threads,
+        embed_router=embed_router,
         extra_env={
             "MESHSERVE_EDGE_WORKER_MAX_ACTIVE_SEQUENCES": str(max(stream_counts)),
             "MESHSERVE_EDGE_WORKER_MAX_QUEUE": str(2 * max(stream_counts)),
@@ -188,8 +194,9 @@ async def run(
             "load_avg_1m_after_mesh": os.getloadavg()[0],
         },
         "command": f"python -m benchmarks.edge --max-tokens {max_tokens} --threads {threads} --engine {engine}"
-        f" --mesh-repeats {repeats}",
+        f" --mesh-repeats {repeats}" + (" --embed-router" if embed_router else ""),
         "engine": engine,
+        "embed_router": embed_router,
         "model_dir": str(edge_dir),
         "weight_bytes_total": total,
         "weight_bytes_per_token": per_token,
@@ -239,7 +246,12 @@ def markdown(report: dict[str, Any]) -> str:
         "# Edge tier through the whole mesh",
         "",
         f"Measured {report['date']} on {report['machine']} with `{report['command']}`.",
-        f"Greedy requests with the EDGE hint, response cache bypassed, one edge worker ({report['engine']} engine).",
+        f"Greedy requests with the EDGE hint, response cache bypassed, one edge worker ({report['engine']} engine)"
+        + (
+            "; the router inside the gateway's process."
+            if report.get("embed_router")
+            else "; gateway and router as processes."
+        ),
         "",
         f"- weights read per decode step: {report['weight_bytes_per_token'] / mib:.1f} MiB "
         f"(all weights {report['weight_bytes_total'] / mib:.1f} MiB; the embedding table is a gather)",
@@ -284,10 +296,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--direct-engines", default="batched,batched-1row,og", help="in-process engines (comma-separated)"
     )
+    parser.add_argument(
+        "--embed-router",
+        action="store_true",
+        help="the mesh with the router inside the gateway (meshserve up's option)",
+    )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.streams.split(",")]
-    report = asyncio.run(run(args.max_tokens, args.threads, counts, args.engine, args.mesh_repeats))
+    report = asyncio.run(
+        run(args.max_tokens, args.threads, counts, args.engine, args.mesh_repeats, embed_router=args.embed_router)
+    )
     if args.direct:
         print("engines in-process ...", file=sys.stderr, flush=True)
         from tokenizers import Tokenizer
