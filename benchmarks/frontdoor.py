@@ -152,9 +152,9 @@ async def _start_transcoder(gateway: str) -> tuple[asyncio.subprocess.Process, s
     return proc, f"http://127.0.0.1:{port}", tmp
 
 
-async def run(requests: int) -> dict[str, object]:
+async def run(requests: int, embed_router: bool = False) -> dict[str, object]:
     env = {"MESHSERVE_GATEWAY_REQUESTS_PER_MINUTE": "0", "MESHSERVE_GATEWAY_TOKENS_PER_MINUTE": "0"}
-    config = MeshConfig(edge_workers=1, cloud_workers=0, envoy=True, extra_env=env)
+    config = MeshConfig(edge_workers=1, cloud_workers=0, envoy=True, extra_env=env, embed_router=embed_router)
     async with Mesh(config, sink=lambda _name, _line: None) as mesh:
         assert mesh.front_door is not None
         base = mesh.http_base_url
@@ -261,8 +261,15 @@ def _markdown(report: dict[str, object]) -> str:
         "# Front door: Envoy + HTTP adapter + gateway overhead",
         "",
         f"{report['date']} on {report['machine']}; {report['requests_per_path']} requests per path, interleaved.",
-        "Reproduce: `.venv/bin/python -m benchmarks.frontdoor`. All latencies in ms; *added* = this path minus",
-        "the baseline row (p50 minus p50, p99 minus p99).",
+        "Reproduce: `.venv/bin/python -m benchmarks.frontdoor"
+        + (" --embed-router`" if report.get("embed_router") else "`")
+        + ". All latencies in ms; *added* = this path minus the baseline row (p50 minus p50, p99 minus p99).",
+        "Layout: "
+        + (
+            "the router inside the gateway's process (`meshserve up --embed-router`)."
+            if report.get("embed_router")
+            else "gateway and router as separate processes (`meshserve up`)."
+        ),
     ]
     titles = {
         "hop_overhead_cache_hit_complete": "Per-request latency, cache-hit unary Complete (no model runs)",
@@ -284,13 +291,20 @@ def _markdown(report: dict[str, object]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.frontdoor", description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=400, help="measured requests per path (default 400)")
+    parser.add_argument(
+        "--embed-router",
+        action="store_true",
+        help="the router inside the gateway (meshserve up --embed-router); writes frontdoor_embedded.*",
+    )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     args = parser.parse_args(argv)
-    report = asyncio.run(run(args.requests))
+    report = asyncio.run(run(args.requests, args.embed_router))
+    report["embed_router"] = args.embed_router
+    stem = "frontdoor_embedded" if args.embed_router else "frontdoor"
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "frontdoor.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = _markdown(report)
-    (args.out / "frontdoor.md").write_text(markdown)
+    (args.out / f"{stem}.md").write_text(markdown)
     print(markdown)
     return 0
 
