@@ -31,6 +31,7 @@ from services.common.pb.meshserve.v1 import inference_pb2_grpc
 
 T = TypeVar("T")
 _DONE = object()
+_closing: set[asyncio.Task[None]] = set()
 
 
 class _Context:
@@ -57,11 +58,13 @@ class _StreamCall(Generic[T]):
 
     def cancel(self) -> bool:
         # A generator that is running is being closed by whoever iterates it (coalesced() closes its
-        # source, a cancelled reader task unwinds it); one that never started or already ended needs
-        # nothing; one suspended between frames is closed here.
+        # source, a cancelled reader task unwinds it); one that has ended needs nothing; one not
+        # running (never started, or suspended between frames) is closed here.
         if getattr(self._frames, "ag_running", False) or getattr(self._frames, "ag_frame", None) is None:
             return False
-        asyncio.get_running_loop().create_task(self._frames.aclose())
+        task = asyncio.get_running_loop().create_task(self._frames.aclose())
+        _closing.add(task)  # a task nobody references may be collected before it has run
+        task.add_done_callback(_closing.discard)
         return True
 
 
