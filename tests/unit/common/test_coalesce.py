@@ -5,26 +5,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.common.coalesce import coalesced
-
-
-@dataclass
-class Frame:
-    ids: list[int]
-    text: str
-    final: bool = False
-
-
-def merge(first: Frame, then: Frame) -> Frame | None:
-    if first.final or then.final:
-        return None
-    return Frame(first.ids + then.ids, first.text + then.text)
+from tests.unit.common.frames import Frame, merge
 
 
 async def source(frames: list[Frame], gaps: list[int]) -> AsyncIterator[Frame]:

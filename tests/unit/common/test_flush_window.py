@@ -8,28 +8,15 @@ import itertools
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
 
 import pytest
 
 from services.common.coalesce import FlushWindow, coalesced
 from services.common.errors import ConfigError
 from services.common.settings import StreamingSettings, load_settings
+from tests.unit.common.frames import Frame, merge
 
 LONG = 10.0  # a window no test waits out: a frame that comes out at all was not held by it
-
-
-@dataclass
-class Frame:
-    ids: list[int]
-    text: str
-    final: bool = False
-
-
-def merge(first: Frame, then: Frame) -> Frame | None:
-    if first.final or then.final:
-        return None
-    return Frame(first.ids + then.ids, first.text + then.text)
 
 
 def is_final(frame: Frame) -> bool:
