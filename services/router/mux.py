@@ -129,10 +129,6 @@ class MuxChannel:
         self.unsupported = False
         """The worker answered UNIMPLEMENTED (it predates GenerateMux): use Generate calls instead."""
 
-    @property
-    def open_streams(self) -> int:
-        return len(self._streams)
-
     def open(self, metadata: tuple[tuple[str, str], ...], timeout: float | None) -> MuxStream:
         """A new stream; ``metadata`` is what the Generate call would carry (request id, tenant, trace)."""
         if self._call is None:
