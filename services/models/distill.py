@@ -18,6 +18,7 @@ Offline, no grpc.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import random
 import re
@@ -25,10 +26,11 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from services.models.quantize import Int4Options
 
@@ -207,19 +209,16 @@ def distill(cfg: DistillConfig) -> DistillResult:
     schedule = get_cosine_schedule_with_warmup(optimizer, min(cfg.warmup_steps, cfg.steps // 2), cfg.steps)
     checkpoints = cfg.out / "checkpoints"
     checkpoints.mkdir(parents=True, exist_ok=True)
-    start = 0
     latest = _latest_checkpoint(checkpoints) if cfg.resume else None
-    if latest is not None:
-        state = torch.load(latest, map_location=device, weights_only=False)
-        student.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        schedule.load_state_dict(state["schedule"])
-        torch.set_rng_state(state["rng"])
-        start = int(state["step"])
+    start = _resume(latest, student, optimizer, schedule) if latest is not None else 0
 
     losses: list[float] = []
     batches = _batches(blocks, cfg.batch_size, cfg.seed, start)
-    with tqdm(total=cfg.steps, initial=start, desc="distill", unit="step", disable=not cfg.show_progress) as bar:
+    clock = time.monotonic()
+    with (
+        tqdm(total=cfg.steps, initial=start, desc="distill", unit="step", disable=not cfg.show_progress) as bar,
+        _open_log(cfg.out / "distill.log", fresh=start == 0) as log,
+    ):
         for step in range(start, cfg.steps):
             batch = torch.tensor(next(batches), device=device)
             inputs, targets = batch[:, :-1], batch[:, 1:]
@@ -235,8 +234,10 @@ def distill(cfg: DistillConfig) -> DistillResult:
             if not math.isfinite(value):
                 raise FloatingPointError(f"distillation loss is {value} at step {step + 1}; lower --lr")
             losses.append(value)
+            lr = schedule.get_last_lr()[0]
             bar.update()
-            bar.set_postfix(loss=f"{value:.3f}", lr=f"{schedule.get_last_lr()[0]:.2e}")
+            bar.set_postfix(loss=f"{value:.3f}", lr=f"{lr:.2e}")
+            log.write(f"{step + 1}\t{value:.4f}\t{lr:.3e}\t{time.monotonic() - clock:.2f}\n")
             done = step + 1
             if done % cfg.checkpoint_every == 0 or done == cfg.steps:
                 _save_checkpoint(checkpoints, done, student, optimizer, schedule, cfg.keep_checkpoints)
@@ -255,6 +256,36 @@ def distill(cfg: DistillConfig) -> DistillResult:
         log_path = cfg.out / "edge-build.log"
         _build_atomically(edge_dir, lambda tmp: build_edge(student_dir, tmp, log_path, cfg.show_progress, cfg.int4))
     return DistillResult(student_dir, edge_dir, len(losses), start, losses)
+
+
+def _resume(path: Path, model: Any, optimizer: Any, schedule: Any) -> int:
+    """Load a checkpoint into the run; returns its step.
+
+    Read onto the CPU: ``load_state_dict`` moves the weights and the optimizer's moments to the
+    parameters' device, and the RNG state must stay a CPU tensor (``torch.set_rng_state`` refuses a
+    CUDA one, so ``map_location="cuda"`` made every resume on a GPU fail).
+    """
+    import torch
+
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    torch.set_rng_state(state["rng"])
+    return int(state["step"])
+
+
+@contextlib.contextmanager
+def _open_log(path: Path, fresh: bool) -> Iterator[TextIO]:
+    """``distill.log``: one line per step: step, loss, lr after the step's schedule update, seconds since
+    this run (not the first one) started.
+
+    A run from step 0 starts the file over; a resumed run appends to it.
+    """
+    with open(path, "w" if fresh or not path.exists() else "a", buffering=1) as handle:
+        if handle.tell() == 0:
+            handle.write("step\tloss\tlr\telapsed_s\n")
+        yield handle
 
 
 def _save_checkpoint(folder: Path, step: int, model: Any, optimizer: Any, schedule: Any, keep: int) -> None:

@@ -81,6 +81,8 @@ def test_distill_end_to_end_with_resume_and_int4_export(tmp_path: Path) -> None:
     assert all(loss == loss and loss >= 0 for loss in first.losses + second.losses)
     checkpoints = sorted(p.name for p in (tmp_path / "student" / "checkpoints").glob("step-*.pt"))
     assert checkpoints == ["step-2.pt", "step-4.pt"]
+    log = (tmp_path / "student" / "distill.log").read_text().splitlines()
+    assert [line.split("\t")[0] for line in log] == ["step", "1", "2", "3", "4"]  # resumed run appended
     config = json.loads((second.student_dir / "config.json").read_text())
     assert config["num_hidden_layers"] == 2 and (second.student_dir / "tokenizer.json").is_file()
 
