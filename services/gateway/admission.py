@@ -43,6 +43,8 @@ class Ticket:
     completion_seen: int = 0
     used: int | None = None
     """Real usage from the final frame (prompt + completion), once seen."""
+    settling: bool = False
+    """Set by :meth:`Gate.settle_soon`: a ticket is settled once, however many paths try."""
 
     def tokens_used(self) -> int:
         """Usage to settle with: the final frame's if it came, else estimate + tokens streamed."""
@@ -126,9 +128,13 @@ class Gate:
         return ticket
 
     def settle_soon(self, ticket: Ticket) -> None:
-        """Settle ``ticket`` with its usage in a task of its own (survives the call's cancellation)."""
-        if self._limiter is None or ticket.reservation is None:
+        """Settle ``ticket`` with its usage in a task of its own (survives the call's cancellation).
+
+        Idempotent: only the first call for a ticket settles it.
+        """
+        if self._limiter is None or ticket.reservation is None or ticket.settling:
             return
+        ticket.settling = True
         task = asyncio.create_task(self._settle(self._limiter, ticket.reservation, ticket.tokens_used()))
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)

@@ -13,9 +13,9 @@ import contextlib
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import structlog
@@ -60,6 +60,21 @@ def _merge(first: _Frame, then: _Frame) -> _Frame | None:
 
 def _is_final(frame: _Frame) -> bool:
     return frame.HasField("final")
+
+
+def _on_rpc_end(context: grpc.aio.ServicerContext, call: Any, settle: Callable[[], None]) -> None:
+    """However the RPC ends, stop the router call and settle the request's tickets (both idempotent).
+
+    The handler's own ``finally`` does both, but a handler (an async generator) that its RPC's
+    cancellation leaves suspended at a ``yield`` runs its ``finally`` only once it is garbage
+    collected, which can be much later: its stream slot would stay leased and the worker busy.
+    """
+
+    def ended(_context: object) -> None:
+        call.cancel()
+        settle()
+
+    context.add_done_callback(ended)
 
 
 class _Observed:
@@ -194,6 +209,11 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             return done
         pending = asyncio.ensure_future(admit)
         PENDING_ADMISSION.set(pending)  # this call's task (and the tasks it starts) only
+        try:
+            await asyncio.sleep(0)  # let the reservation send its Redis command before the router starts
+        except BaseException:  # cancelled here: the reservation runs on, and is settled once it is known
+            self._settle_once_admitted(pending)
+            raise
         return pending
 
     def _settle_once_admitted(self, admission: asyncio.Future[Ticket]) -> None:
@@ -231,6 +251,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             ticket: Ticket | None = None
             try:
                 call = self._router.Generate(request, metadata=self._metadata(), timeout=timeout)
+                _on_rpc_end(context, call, lambda: self._settle_once_admitted(admission))
                 try:
                     sequence = 0
                     async with aclosing(coalesced(call, _merge, window=self._flush, urgent=_is_final)) as frames:
@@ -302,6 +323,12 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             session = await self._gate.admit(identity, policy, (), 0, stream_ttl_s=timeout, count_request=False)
             turns: deque[Ticket] = deque()
             call = self._router.Chat(metadata=self._metadata(), timeout=timeout)
+
+            def settle_all() -> None:
+                for ticket in (*turns, session):
+                    self._gate.settle_soon(ticket)
+
+            _on_rpc_end(context, call, settle_all)
             events: asyncio.Queue[object] = asyncio.Queue(maxsize=64)
 
             async def pump() -> None:
@@ -354,6 +381,5 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                 call.cancel()
                 for task in tasks:
                     task.cancel()
+                settle_all()  # before the await below: a second cancellation there must not skip it
                 await asyncio.gather(*tasks, return_exceptions=True)
-                for ticket in (*turns, session):
-                    self._gate.settle_soon(ticket)

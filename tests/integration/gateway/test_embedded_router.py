@@ -247,3 +247,27 @@ async def test_stream_leases_are_given_back_with_overlapped_admission(mesh) -> N
         assert held == 0
     finally:
         await client_redis.aclose()
+
+
+async def test_chats_whose_callers_go_away_give_their_stream_slots_back(mesh) -> None:
+    """A chat session holds a stream slot until it ends; callers that leave after a turn (their
+    channel closed, the stream cancelled) must free it at once, not whenever the gateway's handler
+    is garbage collected."""
+    turn = pb.ChatTurn(messages=[pb.ChatMessage(role="user", content="Hi.")], sampling=sampling_params(max_tokens=2))
+    for _ in range(8):
+        async with MeshClient(mesh["gateway"].address, DEV_API_KEY) as client:
+            call = client.stub.Chat(metadata=client.metadata, timeout=30)
+            await call.write(pb.ChatRequest(turn=turn))
+            while not (await call.read()).HasField("final"):
+                pass
+            await call.done_writing()
+    client_redis = aioredis.Redis.from_url(mesh["redis_url"])
+    try:
+        held = -1
+        for _ in range(100):  # settlements run in tasks of their own: up to 5 s
+            if (held := await client_redis.zcard(rate_limit_keys("dev").streams)) == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert held == 0
+    finally:
+        await client_redis.aclose()

@@ -191,9 +191,10 @@ async def test_each_chat_turn_counts_a_request_and_the_session_holds_one_stream_
 
 
 async def test_the_redis_pool_is_bounded_and_beyond_it_the_failure_mode_applies(start: StartFn, redis_url: str) -> None:
-    """A 1-connection pool and 12 concurrent admissions: the gateway never opens a second socket;
-    the calls that find the pool in use fail like an outage (closed mode: UNAVAILABLE, never
-    INTERNAL), and once the limiter's retry pause has passed, requests are admitted again."""
+    """redis-py's pool (`redis_pipelined` off): a 1-connection pool and 12 concurrent admissions: the
+    gateway never opens a second socket; the calls that find the pool in use fail like an outage
+    (closed mode: UNAVAILABLE, never INTERNAL), and once the limiter's retry pause has passed,
+    requests are admitted again."""
     client = redis.Redis.from_url(redis_url)
 
     def gateway_connections() -> int:
@@ -201,7 +202,13 @@ async def test_the_redis_pool_is_bounded_and_beyond_it_the_failure_mode_applies(
 
     try:
         before = gateway_connections()  # other tests' gateways, if any have not closed theirs yet
-        gateways = await start(1, rate_limit_failure_mode="closed", redis_max_connections=1, rate_limit_retry_s=0.2)
+        gateways = await start(
+            1,
+            rate_limit_failure_mode="closed",
+            redis_max_connections=1,
+            rate_limit_retry_s=0.2,
+            redis_pipelined=False,
+        )
         codes = await asyncio.gather(*(generate(gateways.stubs[0]) for _ in range(12)))
         assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.UNAVAILABLE}
         assert grpc.StatusCode.UNAVAILABLE in codes  # the pool was exceeded
@@ -210,7 +217,36 @@ async def test_the_redis_pool_is_bounded_and_beyond_it_the_failure_mode_applies(
             if await generate(gateways.stubs[0]) == grpc.StatusCode.OK:
                 break
             await asyncio.sleep(0.1)
-        assert [await generate(gateways.stubs[0]) for _ in range(3)] == [grpc.StatusCode.OK] * 3
+        gate = gateways.gates[0]
+        for _ in range(3):  # one at a time: a settlement still in flight would hold the only connection
+            await asyncio.wait_for(gate.drain(), 10)
+            assert await generate(gateways.stubs[0]) == grpc.StatusCode.OK
         assert gateway_connections() - before == 1
+    finally:
+        client.close()
+
+
+async def test_the_pipelined_limiter_admits_any_number_of_concurrent_requests_over_one_connection(
+    start: StartFn, redis_url: str
+) -> None:
+    """The default: admit and settle scripts share one pipelined connection (services/cache/pipelined.py),
+    so 40 concurrent admissions open no more sockets, all are admitted, and every stream slot is freed."""
+    client = redis.Redis.from_url(redis_url)
+
+    def limiter_connections() -> int:
+        return sum(c.get("name") == "meshserve-gateway-limiter" for c in client.client_list())
+
+    try:
+        before = limiter_connections()
+        gateways = await start(1, rate_limit_failure_mode="closed", requests_per_minute=0, max_concurrent_streams=40)
+        codes = await asyncio.gather(*(generate(gateways.stubs[0]) for _ in range(40)))
+        assert codes == [grpc.StatusCode.OK] * 40
+        assert limiter_connections() - before == 1
+        await asyncio.wait_for(all_settled(gateways.gates, 40), 10)
+        limiter = RateLimiter(redis_client(redis_url, 1.0))
+        try:
+            assert await limiter.open_streams("acme") == 0
+        finally:
+            await limiter.close()
     finally:
         client.close()
