@@ -8,7 +8,8 @@ worker, limits off) and, interleaving the paths request by request so machine no
    (c) Envoy's gRPC route, and as ``POST /v1/completions`` to (d) Envoy's HTTP route. Added latency =
    the path's per-request latency minus the router's (p50/p99 of the latencies, and their difference).
 2. **Gateway + router over a direct worker call** — ``Generate`` with ``max_tokens=1``, cache bypassed,
-   through the gateway vs. straight to the edge worker (internal API): end-to-end latency.
+   through the gateway vs. straight to the edge worker (internal API): time to the first token (the
+   frame that carries it, also the final frame here), timed alike on both paths.
 3. **Cache-hit TTFT** — a cached greedy request streamed over HTTP (SSE, ``/v1/chat/completions``
    and ``/v1/completions``) vs. the gateway's gRPC ``Generate``: time to the first text.
 
@@ -37,7 +38,7 @@ import aiohttp
 import grpc
 
 from benchmarks.run import _direct, _encode
-from benchmarks.stats import percentile
+from benchmarks.stats import percentile, time_stream
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
@@ -202,16 +203,18 @@ async def run(requests: int, embed_router: bool = False) -> dict[str, object]:
                     routing=pb.RoutingOptions(tier=pb.TIER_EDGE, cache_policy=pb.CACHE_POLICY_BYPASS),
                 )
 
-                async def via_gateway() -> None:
-                    async for _ in gateway.Generate(one, metadata=AUTH):
-                        pass
+                # Both paths are timed the same way, to the frame carrying the token (with max_tokens=1
+                # the final frame too): the time to first token. The gateway's trailers follow it.
+                async def via_gateway() -> float:
+                    sample = await time_stream(lambda: gateway.Generate(one, metadata=AUTH))
+                    return sample.ttft * 1000
 
-                async def direct() -> None:
-                    await _direct(worker, ids, 1)
+                async def direct() -> float:
+                    return (await _direct(worker, ids, 1)).ttft * 1000
 
-                paths = {
-                    "edge_worker direct (baseline)": _timed(direct),
-                    "gateway -> router -> worker": _timed(via_gateway),
+                paths: dict[str, Probe] = {
+                    "edge_worker direct (baseline)": direct,
+                    "gateway -> router -> worker": via_gateway,
                 }
                 workers = await _interleaved(
                     paths,
@@ -273,7 +276,7 @@ def _markdown(report: dict[str, object]) -> str:
     ]
     titles = {
         "hop_overhead_cache_hit_complete": "Per-request latency, cache-hit unary Complete (no model runs)",
-        "gateway_router_over_worker_max_tokens_1": "Gateway + router over a direct edge-worker call (max_tokens=1)",
+        "gateway_router_over_worker_max_tokens_1": "Gateway + router over a direct worker call, TTFT (max_tokens=1)",
         "cache_hit_ttft": "Cache-hit TTFT (first text) over HTTP SSE vs gRPC",
     }
     for key, title in titles.items():

@@ -11,6 +11,7 @@ import structlog
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from services.cache.pipelined import PipelinedRedis, supports
 from services.common.errors import ConfigError
 from services.common.logging import configure_logging
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
@@ -64,10 +65,16 @@ def build_gate(settings: GatewaySettings) -> Gate:
         # one pool, closed by the limiter
         client = redis_client(settings.redis_url, settings.redis_timeout_s, settings.redis_max_connections)
         store = KeyStore(client)
+        pipelined = None
+        if settings.redis_pipelined and supports(settings.redis_url):
+            pipelined = PipelinedRedis(
+                settings.redis_url, timeout_s=settings.redis_timeout_s, client_name="meshserve-gateway-limiter"
+            )
         limiter = RateLimiter(
             client,
             failure_mode=settings.rate_limit_failure_mode,
             retry_after_s=settings.rate_limit_retry_s,
+            pipelined=pipelined,
         )
     cache = KeyRecordCache(settings.key_cache_ttl_s) if store is not None and settings.key_cache_ttl_s > 0 else None
     authenticator = Authenticator(ApiKeyAuthenticator(keys), store, jwt, cache)
