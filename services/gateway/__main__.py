@@ -85,7 +85,13 @@ def build_gate(settings: GatewaySettings) -> Gate:
         )
     if limiter is None:
         log.warning("rate_limits_disabled", reason="MESHSERVE_GATEWAY_REDIS_URL is not set")
-    return Gate(authenticator, settings.policy_book(), limiter, refused_serial_s=settings.refused_serial_s)
+    return Gate(
+        authenticator,
+        settings.policy_book(),
+        limiter,
+        refused_serial_s=settings.refused_serial_s,
+        speculative_starts=settings.speculative_starts,
+    )
 
 
 async def serve(settings: GatewaySettings) -> RunningServer:

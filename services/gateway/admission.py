@@ -61,11 +61,14 @@ class Gate:
         limiter: RateLimiter | None,
         *,
         refused_serial_s: float = 10.0,
+        speculative_starts: int = 1,
     ) -> None:
         self._auth = authenticator
         self._policies = policies
         self._limiter = limiter
         self._refused_serial_s = refused_serial_s
+        self._speculative_starts = speculative_starts
+        self._speculating: dict[str, int] = {}  # tenant -> its requests started before their admission
         self._refused: OrderedDict[str, float] = OrderedDict()  # tenant -> monotonic time of its last refusal
         self._settling: set[asyncio.Task[None]] = set()
         self._changed = asyncio.Condition()
@@ -81,6 +84,27 @@ class Gate:
         admitted before any routing work starts: an over-limit flood costs the workers nothing)."""
         at = self._refused.get(tenant)
         return at is not None and time.monotonic() - at < self._refused_serial_s
+
+    def speculate(self, tenant: str) -> bool:
+        """Whether a request of ``tenant`` may start on a worker before its reservation is known.
+
+        At most ``speculative_starts`` per tenant at a time on this gateway, and never for a tenant
+        refused in the last ``refused_serial_s``: a refused request costs a worker at most a
+        prefill's start, and a tenant over its limit costs nothing. Call :meth:`speculation_over`
+        once the reservation is known.
+        """
+        held = self._speculating.get(tenant, 0)
+        if held >= self._speculative_starts or self.recently_refused(tenant):
+            return False
+        self._speculating[tenant] = held + 1
+        return True
+
+    def speculation_over(self, tenant: str) -> None:
+        held = self._speculating.get(tenant, 0) - 1
+        if held > 0:
+            self._speculating[tenant] = held
+        else:
+            self._speculating.pop(tenant, None)
 
     def _note_refused(self, tenant: str) -> None:
         self._refused[tenant] = time.monotonic()

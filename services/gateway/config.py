@@ -30,6 +30,10 @@ class GatewaySettings(StreamingSettings):
     only once it is admitted. A tenant refused in the last `refused_serial_s` is admitted first."""
     refused_serial_s: float = Field(default=10.0, ge=0)
     """How long after a tenant's last rate-limit refusal its requests are admitted before routing."""
+    speculative_starts: int = Field(default=1, ge=0)
+    """With `overlap_admission`: how many requests per tenant (per gateway) may start on a worker before
+    their reservation is known, so the Redis round trip overlaps the prefill; a refusal aborts the
+    worker's turn. None for a tenant refused in the last `refused_serial_s`; 0 = never."""
     api_keys: str = ""
     """Accepted API keys as comma-separated `tenant:sha256hex` entries (the SHA-256 of each key, never
     the key itself); make one with `python -c "import hashlib;print(hashlib.sha256(b'KEY').hexdigest())"`."""

@@ -28,7 +28,7 @@ from services.common.interceptors import outbound_metadata
 from services.common.metrics import INTER_TOKEN, REQUEST_DURATION, TOKENS, TTFT
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.common.pending_admission import PENDING_ADMISSION
+from services.common.pending_admission import PENDING_ADMISSION, SPECULATIVE
 from services.gateway import scopes
 from services.gateway.admission import Gate, Ticket
 from services.gateway.config import GatewaySettings
@@ -194,8 +194,9 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
 
         Validation errors raise here. The reservation is awaited here too, unless the router is
         embedded (and the tenant was not refused lately): then it runs on while the router prepares
-        the request (:mod:`services.common.pending_admission`: the router sends a worker nothing and
-        the caller gets nothing until it succeeds). Either way the returned future holds the ticket,
+        the request (:mod:`services.common.pending_admission`: the caller gets nothing until it
+        succeeds, and a worker gets work only then, except for the few requests per tenant
+        :meth:`Gate.speculate` lets start at once). Either way the returned future holds the ticket,
         and :meth:`_settle_once_admitted` must be called with it when the request ends.
         """
         validate_generate(request, self._limits)
@@ -209,6 +210,10 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             return done
         pending = asyncio.ensure_future(admit)
         PENDING_ADMISSION.set(pending)  # this call's task (and the tasks it starts) only
+        if self._gate.speculate(identity.tenant):
+            SPECULATIVE.set(True)
+            tenant = identity.tenant
+            pending.add_done_callback(lambda _done: self._gate.speculation_over(tenant))
         try:
             await asyncio.sleep(0)  # let the reservation send its Redis command before the router starts
         except BaseException:  # cancelled here: the reservation runs on, and is settled once it is known

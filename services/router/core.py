@@ -25,13 +25,13 @@ import grpc
 import structlog
 
 from services.cache.keys import response_key
-from services.cache.store import CachedResponse, Finish, ResponseCache
+from services.cache.store import ResponseCache
 from services.common import errors, tracing
 from services.common.interceptors import outbound_metadata
 from services.common.metrics import INTER_TOKEN, TTFT
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.pb.meshserve.v1 import inference_pb2
-from services.common.pending_admission import wait_admitted
+from services.common.pending_admission import refusal, speculative_admission, wait_admitted
 from services.common.tokenizer import Tokenizer
 from services.router.admission import Admission, Ticket
 from services.router.collapse import Collapser
@@ -46,13 +46,14 @@ from services.router.policy import (
     prefix_blocks,
 )
 from services.router.registry import Registry, Replica
-from services.router.turn import Chunk, Done, Route, Session, TurnRequest, _Progress
+from services.router.turn import Chunk, Done, Route, Session, TurnRequest, _Progress, store_response
 from services.router.worker_stream import (
     RESUMABLE,
     RETRYABLE,
     WorkerClosed,
     WorkerStalled,
     WorkerStream,
+    abort_if_refused,
     domain_error,
     read_frame,
     sampling_pb,
@@ -60,7 +61,6 @@ from services.router.worker_stream import (
 
 log = structlog.get_logger(__name__)
 SERVICE = "router"
-_CACHEABLE_FINISH = {int(f) for f in Finish}
 __all__ = ["SERVICE", "Chunk", "Done", "Route", "Router", "Session", "TurnRequest"]
 
 
@@ -254,7 +254,7 @@ class Router:
                     async with aclosing(self._relay(req, stream, choice, cancel, progress, started)) as events:
                         async for event in events:
                             if isinstance(event, Done):
-                                await self._store(key, req, progress, event)
+                                await store_response(self.cache, key, req, progress, event)
                                 self.admission.release(ticket, time.perf_counter() - started)
                             yield event
                             if isinstance(event, Done):
@@ -320,21 +320,6 @@ class Router:
             uncached_tokens=len(req.prompt_ids) - cached * self._block,
         )
 
-    async def _store(self, key: str | None, req: TurnRequest, progress: _Progress, done: Done) -> None:
-        # Stored before the final frame goes out, so a repeat sent right after it hits.
-        if key is None or done.finish_reason not in _CACHEABLE_FINISH:
-            return
-        await self.cache.put(
-            key,
-            CachedResponse(
-                tuple(progress.tokens),
-                "".join(progress.text),
-                Finish(done.finish_reason),
-                len(req.prompt_ids),
-                done.completion_tokens,
-            ),
-        )
-
     async def _relay(
         self,
         req: TurnRequest,
@@ -344,7 +329,9 @@ class Router:
         progress: _Progress,
         started: float,
     ) -> AsyncGenerator[Chunk | Done, None]:
-        await wait_admitted()  # the embedded gateway's rate-limit reservation, if still running
+        pending = speculative_admission()  # else the embedded gateway's reservation is waited for
+        if pending is None:
+            await wait_admitted()
         await stream.start(
             worker_pb2.WorkerStart(
                 request_id=req.request_id,
@@ -356,13 +343,22 @@ class Router:
                 priority=req.priority,
             )
         )
+        if pending is not None:
+            abort_if_refused(pending, stream)
         tier = choice.tier.value
         inter_token = INTER_TOKEN.labels(SERVICE, tier)
         cancel_sent = False
         last = 0.0
         expected = 0
         while True:
-            frame, cancel_sent = await read_frame(stream, cancel, cancel_sent, self._stall_s)
+            try:
+                frame, cancel_sent = await read_frame(stream, cancel, cancel_sent, self._stall_s)
+            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+                # A speculative start whose reservation was refused has been aborted: the refusal.
+                refused, task = refusal(), asyncio.current_task()
+                if refused is None or (task is not None and task.cancelling()):
+                    raise
+                raise refused from None
             if frame.queued:  # the turn waits for a slot on a live worker: the stall timer restarts
                 continue
             if frame.sequence != expected:

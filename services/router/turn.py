@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from services.cache.keys import SamplingSpec
+from services.cache.store import CachedResponse, Finish, ResponseCache
 from services.router.policy import TierChoice, TierName
 from services.router.worker_stream import WorkerStream
 
@@ -73,3 +74,23 @@ class _Progress:
     resumed: int = 0  # tokens sent before the current worker took over
     failovers: int = 0
     first_token_at: float = 0.0
+
+
+_CACHEABLE_FINISH = {int(f) for f in Finish}
+
+
+async def store_response(
+    cache: ResponseCache, key: str | None, req: TurnRequest, progress: _Progress, done: Done
+) -> None:
+    """Store a finished turn's response under ``key`` (None: not cacheable). The router calls it before
+    the final frame goes out, so a repeat sent right after it hits."""
+    if key is None or done.finish_reason not in _CACHEABLE_FINISH:
+        return
+    response = CachedResponse(
+        tuple(progress.tokens),
+        "".join(progress.text),
+        Finish(done.finish_reason),
+        len(req.prompt_ids),
+        done.completion_tokens,
+    )
+    await cache.put(key, response)

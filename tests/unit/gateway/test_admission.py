@@ -59,3 +59,26 @@ async def test_the_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(ResourceExhausted):
             await _admit(gate, tenant)
     assert [gate.recently_refused(t) for t in tenants] == [False, False, True, True, True]
+
+
+async def test_speculative_starts_are_bounded_per_tenant_and_given_back() -> None:
+    gate = Gate(Authenticator(), PolicyBook(TenantPolicy()), RefusingLimiter(set()), speculative_starts=2)  # type: ignore[arg-type]
+    assert gate.speculate("a") and gate.speculate("a")
+    assert not gate.speculate("a"), "a third request of the tenant waits for its reservation"
+    assert gate.speculate("b"), "other tenants have their own allowance"
+    gate.speculation_over("a")
+    assert gate.speculate("a")
+    for _ in range(2):
+        gate.speculation_over("a")
+    gate.speculation_over("b")
+    assert gate._speculating == {}, "no memory is kept for tenants with nothing in flight"
+
+
+async def test_no_speculative_start_for_a_tenant_refused_lately_or_when_disabled() -> None:
+    gate = _gate({"flood"})
+    with pytest.raises(ResourceExhausted):
+        await _admit(gate, "flood")
+    assert not gate.speculate("flood")
+    assert gate.speculate("calm")
+    off = Gate(Authenticator(), PolicyBook(TenantPolicy()), RefusingLimiter(set()), speculative_starts=0)  # type: ignore[arg-type]
+    assert not off.speculate("calm")
