@@ -86,6 +86,20 @@ async def _wait_for_edge(client: MeshClient) -> None:
     raise TimeoutError("the worker never registered with the embedded router")
 
 
+async def _leases_held(redis_url: str, tenant: str, within_s: float) -> int:
+    """The tenant's stream leases once none is left, or after ``within_s`` (settlements run in tasks
+    of their own, so they land a little after the streams end)."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        for _ in range(int(within_s / 0.05)):  # polling Redis: there is no event for a settlement
+            if (held := int(await client.zcard(rate_limit_keys(tenant).streams))) == 0:
+                break
+            await asyncio.sleep(0.05)
+        return held
+    finally:
+        await client.aclose()
+
+
 def _request(prompt: str, max_tokens: int = 24, model: str = "") -> pb.GenerateRequest:
     return pb.GenerateRequest(
         prompt=prompt,
@@ -279,16 +293,7 @@ async def test_stream_leases_are_given_back_with_overlapped_admission(mesh) -> N
             req = _request(f"Lease check {i}.", max_tokens=4)
             frames = [f async for f in client.stub.Generate(req, metadata=client.metadata, timeout=30)]
             assert frames[-1].final.usage.completion_tokens == 4
-    client_redis = aioredis.Redis.from_url(mesh["redis_url"])
-    try:
-        held = -1
-        for _ in range(200):  # settlements run in tasks of their own: up to 10 s
-            if (held := await client_redis.zcard(rate_limit_keys("dev").streams)) == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert held == 0
-    finally:
-        await client_redis.aclose()
+    assert await _leases_held(mesh["redis_url"], "dev", within_s=10) == 0
 
 
 async def test_chats_whose_callers_go_away_give_their_stream_slots_back(mesh) -> None:
@@ -303,13 +308,4 @@ async def test_chats_whose_callers_go_away_give_their_stream_slots_back(mesh) ->
             while not (await call.read()).HasField("final"):
                 pass
             await call.done_writing()
-    client_redis = aioredis.Redis.from_url(mesh["redis_url"])
-    try:
-        held = -1
-        for _ in range(100):  # settlements run in tasks of their own: up to 5 s
-            if (held := await client_redis.zcard(rate_limit_keys("dev").streams)) == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert held == 0
-    finally:
-        await client_redis.aclose()
+    assert await _leases_held(mesh["redis_url"], "dev", within_s=5) == 0
