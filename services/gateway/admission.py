@@ -31,6 +31,11 @@ ADMITTED = Counter(
     "Requests the gateway admitted, by tenant and credential source (static, keystore, jwt).",
     ["service", "tenant", "source"],
 )
+SPECULATIVE_STARTS = Counter(
+    "meshserve_gateway_speculative_starts_total",
+    "Requests started on a worker before their rate-limit reservation was known, by how it ended.",
+    ["service", "outcome"],
+)
 
 
 @dataclass
@@ -99,7 +104,8 @@ class Gate:
         self._speculating[tenant] = held + 1
         return True
 
-    def speculation_over(self, tenant: str) -> None:
+    def speculation_over(self, tenant: str, admitted: bool) -> None:
+        SPECULATIVE_STARTS.labels("gateway", "admitted" if admitted else "refused").inc()
         held = self._speculating.get(tenant, 0) - 1
         if held > 0:
             self._speculating[tenant] = held

@@ -213,7 +213,9 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         if self._gate.speculate(identity.tenant):
             SPECULATIVE.set(True)
             tenant = identity.tenant
-            pending.add_done_callback(lambda _done: self._gate.speculation_over(tenant))
+            pending.add_done_callback(
+                lambda done: self._gate.speculation_over(tenant, not done.cancelled() and done.exception() is None)
+            )
         try:
             await asyncio.sleep(0)  # let the reservation send its Redis command before the router starts
         except BaseException:  # cancelled here: the reservation runs on, and is settled once it is known

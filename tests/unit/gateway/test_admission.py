@@ -4,6 +4,7 @@ admitted before routing starts), other tenants are not affected, and the memory 
 from __future__ import annotations
 
 import pytest
+from prometheus_client import REGISTRY
 
 from services.common.errors import ResourceExhausted
 from services.gateway import admission
@@ -61,16 +62,24 @@ async def test_the_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [gate.recently_refused(t) for t in tenants] == [False, False, True, True, True]
 
 
+def _speculative(outcome: str) -> float:
+    labels = {"service": "gateway", "outcome": outcome}
+    value = REGISTRY.get_sample_value("meshserve_gateway_speculative_starts_total", labels)
+    return value or 0.0
+
+
 async def test_speculative_starts_are_bounded_per_tenant_and_given_back() -> None:
     gate = Gate(Authenticator(), PolicyBook(TenantPolicy()), RefusingLimiter(set()), speculative_starts=2)  # type: ignore[arg-type]
     assert gate.speculate("a") and gate.speculate("a")
     assert not gate.speculate("a"), "a third request of the tenant waits for its reservation"
     assert gate.speculate("b"), "other tenants have their own allowance"
-    gate.speculation_over("a")
+    refused_before = _speculative("refused")
+    gate.speculation_over("a", admitted=False)
+    assert _speculative("refused") == refused_before + 1
     assert gate.speculate("a")
     for _ in range(2):
-        gate.speculation_over("a")
-    gate.speculation_over("b")
+        gate.speculation_over("a", admitted=True)
+    gate.speculation_over("b", admitted=True)
     assert gate._speculating == {}, "no memory is kept for tenants with nothing in flight"
 
 
