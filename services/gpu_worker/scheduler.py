@@ -75,6 +75,8 @@ class SeqState:
     prefilled: int = 0
     reused_local: int = 0
     reused_redis: int = 0
+    wake: threading.Condition | None = field(default=None, repr=False)
+    """This sequence's consumer waits here (set by ``Scheduler.submit``; shares the scheduler's lock)."""
 
     @property
     def reserve(self) -> int:
@@ -128,14 +130,21 @@ class Scheduler:
                 retry_after_ms=0,
             )
         with self.cond:
+            seq.wake = threading.Condition(self.blocks.lock)
             self.waiting.append(seq)
             self.cond.notify_all()
 
     def next_token(self, seq: SeqState) -> int | None:
-        """Block until ``seq`` has a token; None when it is finished (EOS or max tokens) or closed."""
+        """Block until ``seq`` has a token; None when it is finished (EOS or max tokens) or closed.
+
+        Each consumer waits on its own condition (``seq.wake``) and is woken only when its sequence
+        changes; ``self.cond`` wakes the scheduler thread and ``close()``. With one shared condition
+        every token taken woke every other consumer: O(sequences^2) thread wake-ups per step.
+        """
+        wake = seq.wake or self.cond
         with self.cond:
             while not seq.out and not seq.done and not seq.closed and seq.error is None:
-                self.cond.wait()
+                wake.wait()
             if seq.error is not None:
                 raise seq.error
             if seq.out and not seq.closed:
@@ -148,6 +157,8 @@ class Scheduler:
         """Stop ``seq`` (at the latest after the step in flight) and free its KV blocks now."""
         with self.cond:
             seq.closed = True
+            if seq.wake is not None:
+                seq.wake.notify_all()  # a consumer blocked in next_token() returns None
             if seq in self.waiting:
                 self.waiting.remove(seq)
             while id(seq) in self.in_flight:
@@ -195,6 +206,9 @@ class Scheduler:
                 else:
                     self._commit(plan, logits)
                 self.steps_total += 1
+                for seq, _ in plan:
+                    if seq.wake is not None:
+                        seq.wake.notify_all()
                 self.cond.notify_all()
             if self.on_step is not None:
                 self.on_step(len(plan), sum(len(seg.token_ids) for _, seg in plan))

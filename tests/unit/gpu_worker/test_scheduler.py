@@ -156,3 +156,55 @@ def test_prefix_blocks_are_shared_and_cached_after_release() -> None:
     assert b.reused_local == 8 and b.prefilled == 2  # two full blocks reused, the rest prefilled
     s.close(b)
     s.stop()
+
+
+def test_a_consumer_is_woken_only_by_its_own_sequence(monkeypatch: pytest.MonkeyPatch) -> None:
+    wakeups: dict[int, int] = {}
+    wait = threading.Condition.wait
+
+    def counting_wait(self: threading.Condition, timeout: float | None = None) -> bool:
+        woken = wait(self, timeout)
+        wakeups[threading.get_ident()] = wakeups.get(threading.get_ident(), 0) + 1
+        return woken
+
+    monkeypatch.setattr(threading.Condition, "wait", counting_wait)
+    s, forward = make(num_blocks=64, max_step_tokens=64)
+    forward.gate = threading.Semaphore(0)  # no step until every consumer is waiting
+    states = [seq([i, i + 1], 12) for i in range(8)]
+    for state in states:
+        s.submit(state)
+    results: list[list[int]] = [[] for _ in states]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, drain(s, states[i]))) for i in range(8)]
+    for t in threads:
+        t.start()
+    for _ in range(1000):
+        forward.gate.release()
+    for t in threads:
+        t.join(30)
+    assert results == [[(i + 2 + k) % VOCAB for k in range(12)] for i in range(8)]
+    # A consumer wakes for its own steps only (the prefill, then one per token, then finished); with
+    # one shared condition every token another consumer took woke it too (O(sequences^2) per step).
+    for t in threads:
+        assert wakeups.get(t.ident or 0, 0) <= 12 + 2
+    for state in states:
+        s.close(state)
+    s.stop()
+
+
+def test_close_from_another_thread_ends_a_consumer_waiting_for_admission() -> None:
+    s, _ = make(num_blocks=2)
+    first = seq([1, 2, 3, 4], 4)  # holds both blocks until it is closed
+    s.submit(first)
+    assert s.next_token(first) == 5
+    queued = seq([10, 11, 12, 13], 4)
+    s.submit(queued)
+    got: list[int | None] = []
+    consumer = threading.Thread(target=lambda: got.append(s.next_token(queued)))
+    consumer.start()
+    consumer.join(0.2)
+    assert consumer.is_alive() and not queued.admitted
+    s.close(queued)
+    consumer.join(10)
+    assert got == [None]
+    s.close(first)
+    s.stop()

@@ -1,0 +1,37 @@
+"""benchmarks/cloud_gpu.py: where two greedy runs part, and the report of a run with a failed section."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from benchmarks.cloud_gpu import first_diff, markdown
+
+REPORT = Path(__file__).parents[3] / "docs" / "benchmarks" / "cloud_gpu.json"
+
+
+def test_first_diff() -> None:
+    assert first_diff([1, 2, 3], [1, 2, 3]) is None
+    assert first_diff([1, 2, 3], [1, 5, 3]) == 1
+    assert first_diff([1, 2], [1, 2, 3]) == 2  # one stopped early (EOS): they part where it stopped
+
+
+def test_markdown_of_the_committed_h100_run() -> None:
+    text = markdown(json.loads(REPORT.read_text()))
+    assert "| 32 | 8192 |" in text and "Single-stream decode" in text
+    assert "batch_32: 24/32 equal" in text
+
+
+def test_a_failed_section_is_reported_and_the_rest_still_renders() -> None:
+    report = {
+        "device": "cuda:0 (test)",
+        "date": "today",
+        "command": "python -m benchmarks.cloud_gpu",
+        "dtype": "bfloat16",
+        "kv_dtype": "bfloat16",
+        "torch": "x",
+        "model": "m",
+        "errors": {"throughput": "Traceback ...\nRuntimeError: boom"},
+    }
+    text = markdown(report)
+    assert "**throughput failed:**" in text and "RuntimeError: boom" in text
