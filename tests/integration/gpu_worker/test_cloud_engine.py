@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from benchmarks import cloud_gpu
 from services.common.errors import ResourceExhausted
 from services.common.worker.types import SamplingConfig
 from services.gpu_worker.config import GpuWorkerSettings
@@ -44,18 +45,7 @@ def engine(redis_url: str = "", **kw: object) -> CloudEngine:
 
 
 def generate(e: CloudEngine, ids: list[int], n: int = N, started: threading.Event | None = None) -> list[int]:
-    seq = e.start(ids, SamplingConfig(max_tokens=n))
-    out: list[int] = []
-    try:
-        for _ in range(n):
-            out.append(seq.step())
-            if started is not None:
-                started.set()
-            if out[-1] in e.info.eos_token_ids:
-                break
-    finally:
-        seq.close()
-    return out
+    return cloud_gpu.generate(e, ids, n, started)  # the GPU benchmark runs these same checks on CUDA
 
 
 @pytest.fixture(scope="module")
