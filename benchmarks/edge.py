@@ -151,7 +151,7 @@ async def run(
     stream_counts: Sequence[int],
     engine: str = "batched",
     repeats: int = 2,
-    embed_router: bool = False,
+    embed_router: bool = True,
 ) -> dict[str, Any]:
     edge_dir = model_paths().edge_dir
     per_token, total = weight_bytes_per_token(edge_dir)
@@ -194,7 +194,7 @@ async def run(
             "load_avg_1m_after_mesh": os.getloadavg()[0],
         },
         "command": f"python -m benchmarks.edge --max-tokens {max_tokens} --threads {threads} --engine {engine}"
-        f" --mesh-repeats {repeats}" + (" --embed-router" if embed_router else ""),
+        f" --mesh-repeats {repeats}" + ("" if embed_router else " --split-router"),
         "engine": engine,
         "embed_router": embed_router,
         "model_dir": str(edge_dir),
@@ -248,9 +248,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"Measured {report['date']} on {report['machine']} with `{report['command']}`.",
         f"Greedy requests with the EDGE hint, response cache bypassed, one edge worker ({report['engine']} engine)"
         + (
-            "; the router inside the gateway's process."
+            "; the router inside the gateway's process (the default layout)."
             if report.get("embed_router")
-            else "; gateway and router as processes."
+            else "; gateway and router as processes (`--split-router`)."
         ),
         "",
         f"- weights read per decode step: {report['weight_bytes_per_token'] / mib:.1f} MiB "
@@ -297,15 +297,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--direct-engines", default="batched,batched-1row,og", help="in-process engines (comma-separated)"
     )
     parser.add_argument(
-        "--embed-router",
+        "--split-router",
         action="store_true",
-        help="the mesh with the router inside the gateway (meshserve up's option)",
+        help="the mesh with the router as its own process (meshserve up --split-router)",
     )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.streams.split(",")]
     report = asyncio.run(
-        run(args.max_tokens, args.threads, counts, args.engine, args.mesh_repeats, embed_router=args.embed_router)
+        run(args.max_tokens, args.threads, counts, args.engine, args.mesh_repeats, embed_router=not args.split_router)
     )
     if args.direct:
         print("engines in-process ...", file=sys.stderr, flush=True)

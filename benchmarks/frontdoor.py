@@ -153,7 +153,7 @@ async def _start_transcoder(gateway: str) -> tuple[asyncio.subprocess.Process, s
     return proc, f"http://127.0.0.1:{port}", tmp
 
 
-async def run(requests: int, embed_router: bool = False) -> dict[str, object]:
+async def run(requests: int, embed_router: bool = True) -> dict[str, object]:
     env = {"MESHSERVE_GATEWAY_REQUESTS_PER_MINUTE": "0", "MESHSERVE_GATEWAY_TOKENS_PER_MINUTE": "0"}
     config = MeshConfig(edge_workers=1, cloud_workers=0, envoy=True, extra_env=env, embed_router=embed_router)
     async with Mesh(config, sink=lambda _name, _line: None) as mesh:
@@ -265,13 +265,13 @@ def _markdown(report: dict[str, object]) -> str:
         "",
         f"{report['date']} on {report['machine']}; {report['requests_per_path']} requests per path, interleaved.",
         "Reproduce: `.venv/bin/python -m benchmarks.frontdoor"
-        + (" --embed-router`" if report.get("embed_router") else "`")
+        + ("`" if report.get("embed_router") else " --split-router`")
         + ". All latencies in ms; *added* = this path minus the baseline row (p50 minus p50, p99 minus p99).",
         "Layout: "
         + (
-            "the router inside the gateway's process (`meshserve up --embed-router`)."
+            "the router inside the gateway's process (`meshserve up`, the default)."
             if report.get("embed_router")
-            else "gateway and router as separate processes (`meshserve up`)."
+            else "gateway and router as separate processes (`meshserve up --split-router`)."
         ),
     ]
     titles = {
@@ -295,15 +295,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.frontdoor", description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=400, help="measured requests per path (default 400)")
     parser.add_argument(
-        "--embed-router",
+        "--split-router",
         action="store_true",
-        help="the router inside the gateway (meshserve up --embed-router); writes frontdoor_embedded.*",
+        help="the router as its own process (meshserve up --split-router); writes frontdoor_split.*",
     )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     args = parser.parse_args(argv)
-    report = asyncio.run(run(args.requests, args.embed_router))
-    report["embed_router"] = args.embed_router
-    stem = "frontdoor_embedded" if args.embed_router else "frontdoor"
+    report = asyncio.run(run(args.requests, embed_router=not args.split_router))
+    report["embed_router"] = not args.split_router
+    stem = "frontdoor_split" if args.split_router else "frontdoor"
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = _markdown(report)

@@ -68,9 +68,12 @@ class MeshConfig:
     tls_cert: str = ""
     """PEM certificate for Envoy's listener; with ``tls_key`` the front door speaks only TLS."""
     tls_key: str = ""
-    embed_router: bool = False
-    """Run the router inside the gateway's process (MESHSERVE_GATEWAY_EMBED_ROUTER; docs/gateway.md):
-    no router process, the gateway starts first and the workers register with its router port."""
+    embed_router: bool = True
+    """Run the router inside the gateway's process (the default; MESHSERVE_GATEWAY_EMBED_ROUTER,
+    docs/gateway.md): no router process, the gateway starts first and the workers register with its
+    router port. One gRPC hop fewer per request, and about half the CPU per request of the gateway and
+    router processes together (docs/benchmarks/hops.md). ``False`` runs the router as its own process
+    (``meshserve up --split-router``), as the compose and Kubernetes deployments do."""
 
 
 class Mesh:

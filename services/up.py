@@ -27,8 +27,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-envoy", action="store_true", help="do not start Envoy and the OpenAI HTTP front door")
     p.add_argument("--tls-cert", default="", help="PEM certificate: serve TLS on Envoy's port (with --tls-key)")
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
-    p.add_argument(
-        "--embed-router", action="store_true", help="run the router inside the gateway process (docs/gateway.md)"
+    layout = p.add_mutually_exclusive_group()
+    layout.add_argument(
+        "--split-router",
+        action="store_true",
+        help="run the router as its own process, behind the gateway (one gRPC hop more; docs/gateway.md)",
+    )
+    layout.add_argument(
+        "--embed-router", action="store_true", help="run the router inside the gateway process (the default)"
     )
     p.add_argument("--demo", metavar="PROMPT", help="once up, stream an answer to PROMPT through the gateway")
     p.add_argument("--exit-after-demo", action="store_true", help="stop the mesh after the demo answer")
@@ -50,7 +56,7 @@ async def run_up(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
-        embed_router=args.embed_router,
+        embed_router=not args.split_router,
     )
     mesh = Mesh(config)
     loop = asyncio.get_running_loop()

@@ -24,7 +24,11 @@ def _sink(name: str, line: str) -> None:
 
 @pytest.fixture(scope="session")
 async def mesh(redis_srv: RedisServer) -> AsyncIterator[Mesh]:
-    config = MeshConfig(edge_workers=2, cloud_workers=1, redis_url=redis_srv.url, edge_max_prompt_tokens=64)
+    # The split layout (`meshserve up --split-router`): these tests reach the router as a process of its
+    # own (health, metrics, status); test_embedded_mesh.py and test_router_failover.py run the default.
+    config = MeshConfig(
+        edge_workers=2, cloud_workers=1, redis_url=redis_srv.url, edge_max_prompt_tokens=64, embed_router=False
+    )
     async with Mesh(config, sink=_sink) as running:
         yield running
 

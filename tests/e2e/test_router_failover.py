@@ -42,7 +42,8 @@ ROUTER_EVENTS: list[dict[str, object]] = []
 
 
 def _sink(name: str, line: str) -> None:
-    if name == "router" and "worker_failed_resuming" in line:
+    # The router runs in the gateway's process (the default layout) or as its own.
+    if name in ("router", "gateway") and "worker_failed_resuming" in line:
         ROUTER_EVENTS.append(json.loads(line))
     if '"level": "error"' in line or "Traceback" in line:
         sys.stderr.write(f"{name} | {line}\n")

@@ -46,7 +46,8 @@ PHASES = [
 async def traced(redis_srv: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Mesh, Path]]:
     spans_dir = tmp_path_factory.mktemp("spans")
     env = {"MESHSERVE_TRACING_EXPORTER": "file", "MESHSERVE_TRACING_DIR": str(spans_dir)}
-    config = MeshConfig(edge_workers=1, cloud_workers=0, redis_url=redis_srv.url, extra_env=env)
+    # The split layout: the trace must cross the gateway -> router gRPC hop as well as router -> worker.
+    config = MeshConfig(edge_workers=1, cloud_workers=0, redis_url=redis_srv.url, extra_env=env, embed_router=False)
     async with Mesh(config, sink=_sink) as mesh:
         yield mesh, spans_dir
 

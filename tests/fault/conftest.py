@@ -71,7 +71,8 @@ async def fault_mesh(fault_redis: RedisServer) -> AsyncIterator[Mesh]:
         "MESHSERVE_ROUTER_READMIT_S": "0",
         "MESHSERVE_ROUTER_HEALTH_TIMEOUT_S": "1",
     }
-    config = MeshConfig(edge_workers=2, cloud_workers=0, redis_url=fault_redis.url, extra_env=env)
+    # The split layout: these tests kill and restart the router and the gateway one at a time.
+    config = MeshConfig(edge_workers=2, cloud_workers=0, redis_url=fault_redis.url, extra_env=env, embed_router=False)
     async with Mesh(config, sink=_sink) as running:
         yield running
 

@@ -1,4 +1,6 @@
-"""deploy/compose.yaml declares what ``meshserve up`` starts: the same services, commands and environment.
+"""deploy/compose.yaml declares what ``meshserve up --split-router`` starts: the same services, commands and
+environment. (Compose keeps the router as its own service, one router for every gateway replica; ``meshserve
+up`` runs it inside the gateway by default, tested at the end of this module.)
 
 The launcher's side is recorded from its real code (:mod:`tests.unit.deploy.up_capture`); the compose
 side is the file as docker compose reads it. Loopback ``127.0.0.1:<port>`` addresses in the
@@ -39,7 +41,7 @@ COMMON_ONLY = {"MESHSERVE_MODELS_DIR": "/models"}
 
 @pytest.fixture(scope="module")
 async def up() -> Captured:
-    return await capture_up()
+    return await capture_up(["--split-router"])
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +229,9 @@ def test_stop_grace_outlasts_the_drain(compose: dict[str, Any]) -> None:
             assert grace + 5 <= launcher.shutdown_timeout <= float(stop[:-1]) - 5, name
 
 
-async def test_embed_router_starts_no_router_and_points_the_workers_at_the_gateways_router() -> None:
-    embedded = await capture_up(["--embed-router"])
+@pytest.mark.parametrize("flags", [[], ["--embed-router"]], ids=["default", "embed-router"])
+async def test_embedded_router_starts_no_router_and_points_the_workers_at_the_gateways_router(flags: list[str]) -> None:
+    embedded = await capture_up(flags)
     assert "router" not in embedded.children
     gateway = embedded.children["gateway"].env
     assert gateway["MESHSERVE_GATEWAY_EMBED_ROUTER"] == "true"
@@ -242,3 +245,20 @@ async def test_embed_router_starts_no_router_and_points_the_workers_at_the_gatew
     # the front door wait until the router serves (a worker has registered).
     assert embedded.awaited_before_spawn("gateway", "edge-0") == "started"
     assert embedded.awaited_before_spawn(router_address, "cache") == "serving"
+
+
+async def test_split_router_starts_the_router_first_and_the_gateway_after_it() -> None:
+    split = await capture_up(["--split-router"])
+    router = split.children["router"].env
+    gateway = split.children["gateway"].env
+    assert "MESHSERVE_GATEWAY_EMBED_ROUTER" not in gateway
+    assert gateway["MESHSERVE_GATEWAY_ROUTER_ADDRESS"].startswith("127.0.0.1:")
+    assert "MESHSERVE_ROUTER_REDIS_URL" in router
+    assert split.awaited_before_spawn("router", "edge-0") == "started"
+
+
+def test_split_and_embed_router_flags_exclude_each_other() -> None:
+    from services.up import _parser
+
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--split-router", "--embed-router"])
