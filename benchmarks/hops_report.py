@@ -66,9 +66,15 @@ _PATHS = [
     ("bare_relay_x2 (floor)", "two relays that only copy messages (grpc.aio), in front of the worker"),
     ("router", "the router process; its worker streams ride one GenerateMux call per worker"),
     ("router_call_per_request", "the same router with `worker_mux` off: a Worker.Generate call per request"),
-    ("gateway_static_key", "gateway process -> router process -> worker (API key from settings)"),
+    (
+        "gateway_static_key",
+        "gateway process -> router process -> worker (`meshserve up --split-router`; API key from settings)",
+    ),
     ("gateway_stored_key", "the same with an API key from the Redis key store"),
-    ("gateway_embedded_router", "the gateway with the router in its process (`embed_router`) -> worker"),
+    (
+        "gateway_embedded_router",
+        "the gateway with the router in its process (`meshserve up`'s default layout) -> worker",
+    ),
 ]
 
 
