@@ -1,4 +1,4 @@
-"""`meshserve up --embed-router` with real processes: the gateway carries the router, the real edge
+"""`meshserve up`'s default layout with real processes: the gateway carries the router, the real edge
 workers register with the router's port in the gateway process, and a prompt is answered through it.
 """
 
