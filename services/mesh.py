@@ -271,17 +271,22 @@ class Mesh:
         return self
 
     async def stop(self) -> None:
-        """Stop in order: front door, gateway, cache, workers (in parallel; each tells the router it
-        leaves), router, redis."""
+        """Stop in order: front door, gateway, cache, workers (in parallel; each finishes its streams
+        and tells the router it leaves), router, redis. With the router in the gateway's process the
+        gateway stops after the workers instead: its router must be there to hear them leave (new
+        requests meanwhile get UNAVAILABLE: no worker left), and their streams finish first."""
         if self.front_door is not None:
             await self.front_door.stop()
             self.front_door = None
-        order = [n for n in ("gateway", "cache") if n in self.processes]
+        embedded = "router" not in self.processes
+        order = [n for n in (("cache",) if embedded else ("gateway", "cache")) if n in self.processes]
         for name in order:
             await self.processes[name].stop()
-        await asyncio.gather(*(p.stop() for n, p in self.processes.items() if n not in (*order, "router")))
-        if "router" in self.processes:
-            await self.processes["router"].stop()
+        last = ("router", "gateway") if embedded else ("router",)
+        await asyncio.gather(*(p.stop() for n, p in self.processes.items() if n not in (*order, *last)))
+        for name in last:
+            if name in self.processes:
+                await self.processes[name].stop()
         if self._redis is not None:
             await self._redis.stop()
             self._redis = None

@@ -262,3 +262,16 @@ def test_split_and_embed_router_flags_exclude_each_other() -> None:
 
     with pytest.raises(SystemExit):
         _parser().parse_args(["--split-router", "--embed-router"])
+
+
+async def test_the_router_stops_after_the_workers_so_it_hears_them_leave() -> None:
+    # Split: the gateway stops first (no new calls; its streams drain), then the workers, then the router.
+    split = (await capture_up(["--split-router"])).stop_order()
+    assert split.index("gateway") < split.index("edge-0") < split.index("router")
+    assert split.index("cloud-0") < split.index("router") and split[-1] == "redis"
+    # Embedded: the gateway carries the router, so it stops after the workers.
+    embedded = (await capture_up()).stop_order()
+    assert "router" not in embedded
+    for worker in ("edge-0", "edge-1", "cloud-0"):
+        assert embedded.index("cache") < embedded.index(worker) < embedded.index("gateway")
+    assert embedded[-1] == "redis"

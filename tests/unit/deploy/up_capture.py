@@ -45,7 +45,8 @@ class Captured:
     children: dict[str, Child] = field(default_factory=dict)
     front_door: dict[str, Any] | None = None
     events: list[tuple[str, str]] = field(default_factory=list)
-    """(event, child) in launch order: spawn, started (its service_started line), serving (gRPC health)."""
+    """(event, child) in launch order: spawn, started (its service_started line), serving (gRPC health),
+    then stop, in the order the launcher stops them."""
 
     def awaited_before_spawn(self, dependency: str, child: str) -> str | None:
         """How far the launcher let ``dependency`` get before spawning ``child``: serving, started or None."""
@@ -54,6 +55,9 @@ class Captured:
             if (state, dependency) in before:
                 return state
         return None
+
+    def stop_order(self) -> list[str]:
+        return [name for event, name in self.events if event == "stop"]
 
     @property
     def redis_port(self) -> int:
@@ -107,7 +111,7 @@ async def capture_up(argv: list[str] | None = None) -> Captured:
             captured.events.append(("serving", self.child.name))
 
         async def stop(self, timeout_s: float = 15.0) -> None:
-            pass
+            captured.events.append(("stop", self.child.name))
 
     class RecordingFrontDoor:
         def __init__(self, gateways: list[str], sink: object, **kwargs: Any) -> None:
