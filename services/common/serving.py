@@ -44,14 +44,19 @@ class RunningServer:
     grace_s: float
     metrics_port: int | None = None
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    stopping: bool = False
+    """Set by :meth:`stop`: health stays NOT_SERVING from then on, whatever asks for SERVING."""
 
     async def set_serving(self, serving: bool) -> None:
+        if serving and self.stopping:
+            return
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
     async def stop(self) -> None:
         """Graceful stop: NOT_SERVING, drain for ``grace_s``, run the stop hooks."""
+        self.stopping = True
         await self.set_serving(False)
         log.info("service_draining", grace_s=self.grace_s)
         await self.server.stop(self.grace_s)

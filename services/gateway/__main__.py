@@ -106,8 +106,10 @@ async def start_gateway(
     """:func:`serve`, also returning the admission gate (tests wait on its settlements).
 
     With ``settings.embed_router`` the router runs in this process (``router_settings``, else
-    MESHSERVE_ROUTER_*): its server starts after the gateway's, and the gateway reports SERVING once
-    it is up.
+    MESHSERVE_ROUTER_*): its server starts after the gateway's, and the gateway's health is then the
+    router's: SERVING while a worker replica is healthy (registered, or configured and answering its
+    probes), so a load balancer sends no calls to a gateway that could only refuse them (one restarted
+    before its workers' next heartbeats, say).
     """
     gate = build_gate(settings)
     channel = None
@@ -141,24 +143,25 @@ async def start_gateway(
         running.on_stop.append(channel.close)
     if isinstance(router, LocalRouter):
         try:
-            router_server = await _start_embedded_router(router, router_settings)
+            router_server = await _start_embedded_router(router, router_settings, running)
         except BaseException:
             await running.stop()
             await gate.close()
             raise
         running.on_stop.append(router_server.stop)  # after the gateway has drained its streams
-        await running.set_serving(True)
         where = f"embedded (internal port {router_server.port})"
     running.on_stop.append(gate.close)
     log.info("gateway_ready", router=where, redis=bool(settings.redis_url))
     return running, gate
 
 
-async def _start_embedded_router(local: LocalRouter, settings: RouterSettings | None) -> RunningServer:
+async def _start_embedded_router(
+    local: LocalRouter, settings: RouterSettings | None, gateway: RunningServer
+) -> RunningServer:
     from services.router.server import start_router_servicer  # the router's code loads only when embedded
 
     settings = settings or load_settings(RouterSettings)
-    server, _router, servicer = await start_router_servicer(settings, announce=False)
+    server, _router, servicer = await start_router_servicer(settings, announce=False, follow=[gateway])
     local.servicer = servicer
     return server
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from functools import partial
 
 import grpc
@@ -40,10 +41,16 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
 
 
 async def start_router_servicer(
-    settings: RouterSettings, tokenizer: Tokenizer | None = None, *, announce: bool = True
+    settings: RouterSettings,
+    tokenizer: Tokenizer | None = None,
+    *,
+    announce: bool = True,
+    follow: Sequence[RunningServer] = (),
 ) -> tuple[RunningServer, Router, RouterServicer]:
     """:func:`start_router`, also returning its Inference servicer (the gateway's embedded router calls
     it in-process). ``announce=False``: the server is the process's second one (see start_server).
+    ``follow``: other servers of this process whose health is the router's (SERVING while a worker
+    replica is healthy): the gateway that carries it.
     """
     tokenizer = tokenizer or Tokenizer(settings.hf_dir)
     cache = ResponseCache.from_url(
@@ -57,10 +64,13 @@ async def start_router_servicer(
     holder: list[RunningServer] = []
     pending: set[asyncio.Task[None]] = set()
 
+    async def apply(running: RunningServer) -> None:  # the state when it runs: a late task sets no stale one
+        await running.set_serving(bool(registry.healthy_tiers()))
+
     def on_change(any_up: bool) -> None:
         log.info("router_workers_available", available=any_up)
-        if holder:
-            task = asyncio.get_running_loop().create_task(holder[0].set_serving(any_up))
+        for running in holder:
+            task = asyncio.get_running_loop().create_task(apply(running))
             pending.add(task)
             task.add_done_callback(pending.discard)
 
@@ -139,6 +149,9 @@ async def start_router_servicer(
         announce=announce,
     )
     holder.append(server)
+    for running in follow:
+        await running.set_serving(bool(registry.healthy_tiers()))
+        holder.append(running)
 
     async def close() -> None:
         await router.collapser.aclose()

@@ -63,16 +63,21 @@ def fault_redis() -> Iterator[RedisServer]:
         yield server
 
 
+ROUTER_ENV = {
+    "MESHSERVE_ROUTER_STALL_TIMEOUT_S": str(STALL_TIMEOUT_S),
+    "MESHSERVE_ROUTER_EJECT_MAX_S": "2",
+    "MESHSERVE_ROUTER_READMIT_S": "0",
+    "MESHSERVE_ROUTER_HEALTH_TIMEOUT_S": "1",
+}
+
+
 @pytest.fixture(scope="package")
 async def fault_mesh(fault_redis: RedisServer) -> AsyncIterator[Mesh]:
-    env = {
-        "MESHSERVE_ROUTER_STALL_TIMEOUT_S": str(STALL_TIMEOUT_S),
-        "MESHSERVE_ROUTER_EJECT_MAX_S": "2",
-        "MESHSERVE_ROUTER_READMIT_S": "0",
-        "MESHSERVE_ROUTER_HEALTH_TIMEOUT_S": "1",
-    }
-    # The split layout: these tests kill and restart the router and the gateway one at a time.
-    config = MeshConfig(edge_workers=2, cloud_workers=0, redis_url=fault_redis.url, extra_env=env, embed_router=False)
+    # The split layout: these tests kill and restart the router and the gateway one at a time
+    # (test_embedded_gateway_faults.py breaks the default layout, the router inside the gateway).
+    config = MeshConfig(
+        edge_workers=2, cloud_workers=0, redis_url=fault_redis.url, extra_env=ROUTER_ENV, embed_router=False
+    )
     async with Mesh(config, sink=_sink) as running:
         yield running
 
