@@ -202,3 +202,49 @@ async def served_by(stub: inference_pb2_grpc.InferenceStub, worker_id: str, atte
 
 async def active_sequences(mesh: Mesh) -> int:
     return sum([(await stats(w)).active_sequences for w in mesh.workers("edge")])
+
+
+async def wait_idle(mesh: Mesh, bound_s: float) -> None:
+    """Until no edge worker generates (after a gateway died with streams open), at most ``bound_s``."""
+    deadline = time.monotonic() + bound_s
+    while await active_sequences(mesh):
+        assert time.monotonic() < deadline, f"workers still generating {bound_s:.0f} s after the gateway died"
+        await asyncio.sleep(0.1)  # polling worker Stats; there is no event for "idle"
+
+
+async def gateway_restart_under_load(mesh: Mesh, how: str) -> None:
+    """The gateway stopped mid-load (``kill_9`` or ``sigterm``), then restarted on its old ports.
+
+    ``kill_9``: every open stream ends at once with UNAVAILABLE, numbered without a gap so far, and
+    the workers stop generating within 30 s. ``sigterm``: in-flight streams drain whole. Either way,
+    calls while it is down fail fast with UNAVAILABLE, and after the restart the same client channel
+    gets the undisturbed output.
+    """
+    prompts = PROMPTS[:STREAMS]
+    max_tokens = MAX_TOKENS if how == "kill_9" else 24  # a graceful stop drains within its 10 s grace
+    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        expected = await reference(stub, prompts, max_tokens)
+        streams, done = await run_load(stub, prompts, max_tokens, started_after=2)
+        await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in streams)), 60)
+        gateway = mesh.processes["gateway"]
+        if how == "kill_9":
+            await gateway.kill()
+            await finish(done)
+            for stream in streams:  # each ends at once, with what it got so far numbered without gap
+                assert stream.error == grpc.StatusCode.UNAVAILABLE, (stream.error, stream.details, stream.final)
+                assert stream.sequences == list(range(len(stream.sequences)))
+            await wait_idle(mesh, 30)
+        else:
+            await gateway.stop()  # SIGTERM: NOT_SERVING, drain in-flight streams, exit
+            await finish(done)
+            assert_equal_to_reference(streams, expected)
+
+        with pytest.raises(grpc.aio.AioRpcError) as down:  # while it is down: fail fast, no hang
+            await stub.Complete(greedy("Name a colour.", 2), metadata=auth(), timeout=10)
+        assert down.value.code() == grpc.StatusCode.UNAVAILABLE
+
+        await restart(mesh, "gateway", "MESHSERVE_GATEWAY_PORT")  # its environment keeps its other ports
+        streams, done = await run_load(stub, prompts, max_tokens)  # the same channel reconnects
+        await finish(done)
+        assert_equal_to_reference(streams, expected)

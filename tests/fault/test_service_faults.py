@@ -17,7 +17,6 @@ finish whole, then the same checks.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import grpc
 import pytest
@@ -25,24 +24,8 @@ import redis.asyncio as aioredis
 
 from services.cache.gateway_keys import rate_limit_keys
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.mesh import Mesh
-from tests.fault.conftest import (
-    FULL,
-    MAX_TOKENS,
-    PROMPTS,
-    STREAM_BOUND_S,
-    STREAMS,
-    Stream,
-    active_sequences,
-    assert_equal_to_reference,
-    auth,
-    finish,
-    greedy,
-    reference,
-    restart,
-    run_load,
-)
+from tests.fault.conftest import FULL, STREAM_BOUND_S, Stream, auth, gateway_restart_under_load, greedy
 from tests.helpers import RedisServer
 
 pytestmark = pytest.mark.fault
@@ -126,40 +109,7 @@ async def test_redis_stopped_and_restarted_under_load(fault_stub, fault_mesh: Me
         await client_.aclose()
 
 
-async def _wait_idle(mesh: Mesh, bound_s: float) -> None:
-    deadline = time.monotonic() + bound_s
-    while await active_sequences(mesh):
-        assert time.monotonic() < deadline, f"workers still generating {bound_s:.0f} s after the gateway died"
-        await asyncio.sleep(0.1)  # polling worker Stats; there is no event for "idle"
-
-
 @pytest.mark.parametrize("how", ["kill_9", *(["sigterm"] if FULL else [])])
 async def test_gateway_restart_under_load(fault_mesh: Mesh, how: str) -> None:
-    prompts = PROMPTS[:STREAMS]
-    max_tokens = MAX_TOKENS if how == "kill_9" else 24  # a graceful stop drains within its 10 s grace
-    async with grpc.aio.insecure_channel(fault_mesh.gateway_address) as channel:
-        stub = inference_pb2_grpc.InferenceStub(channel)
-        expected = await reference(stub, prompts, max_tokens)
-        streams, done = await run_load(stub, prompts, max_tokens, started_after=2)
-        await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in streams)), 60)
-        gateway = fault_mesh.processes["gateway"]
-        if how == "kill_9":
-            await gateway.kill()
-            await finish(done)
-            for stream in streams:  # each ends at once, with what it got so far numbered without gap
-                assert stream.error == grpc.StatusCode.UNAVAILABLE, (stream.error, stream.details, stream.final)
-                assert stream.sequences == list(range(len(stream.sequences)))
-            await _wait_idle(fault_mesh, 30)  # the router cancelled the orphaned generations
-        else:
-            await gateway.stop()  # SIGTERM: NOT_SERVING, drain in-flight streams, exit
-            await finish(done)
-            assert_equal_to_reference(streams, expected)
-
-        with pytest.raises(grpc.aio.AioRpcError) as down:  # while it is down: fail fast, no hang
-            await stub.Complete(greedy(QUESTIONS[0], 2), metadata=auth(), timeout=10)
-        assert down.value.code() == grpc.StatusCode.UNAVAILABLE
-
-        await restart(fault_mesh, "gateway", "MESHSERVE_GATEWAY_PORT")
-        streams, done = await run_load(stub, prompts, max_tokens)  # the same channel reconnects
-        await finish(done)
-        assert_equal_to_reference(streams, expected)
+    # kill_9: the router (a process of its own) cancels the orphaned generations.
+    await gateway_restart_under_load(fault_mesh, how)
