@@ -278,7 +278,7 @@ class Mesh:
         if self.front_door is not None:
             await self.front_door.stop()
             self.front_door = None
-        embedded = "router" not in self.processes
+        embedded = self.config.embed_router
         order = [n for n in (("cache",) if embedded else ("gateway", "cache")) if n in self.processes]
         for name in order:
             await self.processes[name].stop()
