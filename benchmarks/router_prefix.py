@@ -149,7 +149,7 @@ async def _run_policy(policy: str, cfg: Workload, tokenizer: Tokenizer) -> dict[
                 "prompt_tokens": s.prompt_tokens_total,
                 "prefill_tokens": s.prefill_tokens_total,
             }
-        decisions = _replica_decisions(mesh.processes["router"].metrics_port)
+        decisions = _replica_decisions(mesh.router_process.metrics_port)
         redis_kv = any(p.env.get("MESHSERVE_GPU_WORKER_REDIS_URL") for p in mesh.workers(cfg.tier))
     prompt = sum(w["prompt_tokens"] for w in per_worker.values())
     prefill = sum(w["prefill_tokens"] for w in per_worker.values())

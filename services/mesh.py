@@ -94,6 +94,11 @@ class Mesh:
         return self.processes["gateway"].address
 
     @property
+    def router_process(self) -> ServiceProcess:
+        """The process the router runs in: its own, or the gateway's (``embed_router``)."""
+        return self.processes.get("router") or self.processes["gateway"]
+
+    @property
     def router_address(self) -> str:
         if "router" not in self.processes:  # embedded in the gateway
             return f"127.0.0.1:{self._router_port}"

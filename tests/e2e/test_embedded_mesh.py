@@ -4,7 +4,9 @@ workers register with the router's port in the gateway process, and a prompt is 
 
 from __future__ import annotations
 
+import asyncio
 import sys
+import urllib.request
 from collections.abc import AsyncIterator
 
 import grpc
@@ -47,3 +49,8 @@ async def test_the_mesh_answers_through_the_gateways_own_router(mesh: Mesh) -> N
             timeout=5,
         )
     assert {r.worker_id for r in reply.replicas} == {"edge-0", "edge-1"}  # both registered by heartbeat
+    # The router's metrics are the gateway process's (what benchmarks scrape via router_process).
+    assert mesh.router_process is mesh.processes["gateway"]
+    port = mesh.router_process.metrics_port
+    body = await asyncio.to_thread(lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read())
+    assert b"meshserve_router_replica_decisions_total{" in body
