@@ -78,17 +78,26 @@ def _wrap_handler(
 
         return call
 
-    kind = {
-        "unary_unary": (grpc.unary_unary_rpc_method_handler, unary),
-        "stream_unary": (grpc.stream_unary_rpc_method_handler, unary),
-        "unary_stream": (grpc.unary_stream_rpc_method_handler, streaming),
-        "stream_stream": (grpc.stream_stream_rpc_method_handler, streaming),
-    }
-    for attr, (factory, wrap) in kind.items():
+    return rewrap_handler(handler, unary, streaming)
+
+
+Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
+_FACTORIES = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
+    ("stream_unary", grpc.stream_unary_rpc_method_handler, False),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler, True),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
+)
+
+
+def rewrap_handler(handler: grpc.RpcMethodHandler, unary: Wrap, streaming: Wrap) -> grpc.RpcMethodHandler:
+    """``handler`` with its behaviour wrapped: by ``unary`` when it returns one response (whatever the
+    requests), by ``streaming`` when it yields responses; serializers kept."""
+    for attr, factory, streams in _FACTORIES:
         fn = getattr(handler, attr)
         if fn is not None:
             return factory(  # type: ignore[operator]
-                wrap(fn),  # type: ignore[operator]
+                (streaming if streams else unary)(fn),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )

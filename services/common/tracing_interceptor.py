@@ -17,6 +17,7 @@ import grpc
 
 from services.common import tracing
 from services.common.errors import MeshError
+from services.common.interceptors import rewrap_handler
 
 # Probes and load reports arrive every second per replica: traced, they would bury the requests.
 _EXEMPT_PREFIXES = (
@@ -71,21 +72,7 @@ def _traced(handler: grpc.RpcMethodHandler, method: str, public: bool) -> grpc.R
 
         return call
 
-    kinds = {
-        "unary_unary": (grpc.unary_unary_rpc_method_handler, unary),
-        "stream_unary": (grpc.stream_unary_rpc_method_handler, unary),
-        "unary_stream": (grpc.unary_stream_rpc_method_handler, streaming),
-        "stream_stream": (grpc.stream_stream_rpc_method_handler, streaming),
-    }
-    for attr, (factory, wrap) in kinds.items():
-        fn = getattr(handler, attr)
-        if fn is not None:
-            return factory(  # type: ignore[operator]
-                wrap(fn),  # type: ignore[operator]
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-    return handler
+    return rewrap_handler(handler, unary, streaming)
 
 
 class TracingInterceptor(grpc.aio.ServerInterceptor):
