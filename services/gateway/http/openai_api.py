@@ -3,8 +3,12 @@
 The OpenAI shapes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) differ from our
 proto (messages vs turns, ``choices``, ``stop`` as string or list), which is why Envoy's gRPC-JSON
 transcoder cannot speak them on its own; this module is the whole difference.
-Unsupported fields that change the answer (``n`` > 1, ``logprobs``, ``echo``, tools) are refused with
-400 rather than silently ignored; fields that only tune delivery are accepted.
+Unsupported fields that change the answer (``n`` > 1, ``logprobs``, ``echo``, tools, penalties,
+``logit_bias``, structured output, audio) are refused with 400 rather than silently ignored, unless
+they hold their neutral value (``presence_penalty: 0``, ``tool_choice: "none"``, ...: clients send
+defaults). Fields that only tune delivery or bookkeeping (``user``, ``metadata``, ``store``, ...) and
+unknown fields are accepted and ignored, as many OpenAI-compatible servers do (new OpenAI fields keep
+working); ``top_k`` (a vLLM extension) is honoured.
 """
 
 from __future__ import annotations
@@ -43,15 +47,34 @@ _ERROR_CODE = {
     "NOT_FOUND": "model_not_found",
     "RESOURCE_EXHAUSTED": "rate_limit_exceeded",
 }
-_REFUSED = {
-    "logprobs": "logprobs are not supported",
-    "top_logprobs": "logprobs are not supported",
-    "echo": "echo is not supported",
-    "tools": "tool calls are not supported",
-    "functions": "function calls are not supported",
-    "suffix": "suffix is not supported",
-    "best_of": "best_of is not supported",
-}
+UINT32_MAX = 2**32 - 1
+_UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = (
+    # (field, values that change nothing, why it is refused otherwise)
+    ("logprobs", (False, 0), "logprobs are not supported"),
+    ("top_logprobs", (0,), "logprobs are not supported"),
+    ("echo", (False,), "echo is not supported"),
+    ("tools", ([],), "tool calls are not supported"),
+    ("tool_choice", ("none", "auto"), "tool calls are not supported"),
+    ("functions", ([],), "function calls are not supported"),
+    ("function_call", ("none", "auto"), "function calls are not supported"),
+    ("suffix", ("",), "suffix is not supported"),
+    ("best_of", (1,), "best_of is not supported"),
+    ("frequency_penalty", (0,), "frequency_penalty is not supported"),
+    ("presence_penalty", (0,), "presence_penalty is not supported"),
+    ("repetition_penalty", (1,), "repetition_penalty is not supported"),
+    ("min_p", (0,), "min_p is not supported"),
+    ("logit_bias", ({},), "logit_bias is not supported"),
+    ("response_format", ({"type": "text"},), "structured output (json_object / json_schema) is not supported"),
+    ("modalities", (["text"],), "only text output is supported"),
+    ("audio", (), "audio output is not supported"),
+    ("web_search_options", (), "web search is not supported"),
+)
+
+
+def _show(value: object) -> str:
+    """A request value for an error message, cut short (a 4 MiB string must not come back whole)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def error_body(code: str, message: str) -> tuple[int, dict[str, Any]]:
@@ -79,19 +102,20 @@ def _number(body: dict[str, Any], name: str, default: float = 0.0) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidArgument(f"'{name}' must be a number (got {value!r})")
+        raise InvalidArgument(f"'{name}' must be a number (got {_show(value)})")
     return float(value)
 
 
-def _int(body: dict[str, Any], *names: str) -> int:
-    for name in names:
-        value = body.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise InvalidArgument(f"'{name}' must be a non-negative integer (got {value!r})")
-        return value
-    return 0
+def _int(body: dict[str, Any], name: str, low: int = 0, high: int = UINT32_MAX) -> int | None:
+    """An optional integer field in ``[low, high]`` (None when absent); anything else is a clear 400."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"'{name}' must be an integer (got {_show(value)})")
+    if not low <= value <= high:
+        raise InvalidArgument(f"'{name}' must be between {low} and {high} (got {_show(value)})")
+    return value
 
 
 def _stop(body: dict[str, Any]) -> list[str]:
@@ -105,28 +129,48 @@ def _stop(body: dict[str, Any]) -> list[str]:
     raise InvalidArgument("'stop' must be a string or a list of strings")
 
 
-def _common(body: dict[str, Any]) -> tuple[Parsed, pb.SamplingParams]:
-    for name, why in _REFUSED.items():
-        if body.get(name) not in (None, False, 0, []):
+def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
+    """``value`` is one of ``neutral`` (``true`` is not ``1``, though Python says ``True == 1``)."""
+    return any(value is n or (not isinstance(value, bool) and value == n) for n in neutral)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    for name, neutral, why in _UNSUPPORTED:
+        value = body.get(name)
+        if value is not None and not _is_neutral(value, neutral):
             raise InvalidArgument(f"'{name}': {why} by meshserve; remove it from the request")
-    if _int(body, "n") > 1:
-        raise InvalidArgument("'n' must be 1: meshserve returns one choice per request")
+    if body.get("n") not in (None, 1):
+        raise InvalidArgument(f"'n' must be 1: meshserve returns one choice per request (got {_show(body['n'])})")
+
+
+def _common(body: dict[str, Any]) -> tuple[Parsed, pb.SamplingParams]:
+    _refuse_unsupported(body)
     model = body.get("model", "")
     if not isinstance(model, str):
         raise InvalidArgument("'model' must be a string; GET /v1/models lists the served models")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidArgument("'stream' must be true or false")
-    options = body.get("stream_options") or {}
-    include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise InvalidArgument("'stream_options' must be an object such as {'include_usage': true}")
+    include_usage = bool(options and options.get("include_usage"))
+    # max_completion_tokens replaces max_tokens in newer clients; it wins when both are sent.
+    max_tokens = _int(body, "max_completion_tokens", 1)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1)
+    top_k = _int(body, "top_k", -1)  # vLLM's extension; -1 (vLLM's "off") and 0 both disable it
     sampling = pb.SamplingParams(
-        max_tokens=_int(body, "max_completion_tokens", "max_tokens"),
+        max_tokens=max_tokens or 0,  # omitted: the mesh default
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 0.0),
+        top_k=max(top_k or 0, 0),
         stop=_stop(body),
     )
-    if body.get("seed") is not None:
-        sampling.seed = _int(body, "seed")
+    # OpenAI's seed is an int64; ours a uint64: a negative seed maps to its two's complement.
+    seed = _int(body, "seed", -(2**63), 2**64 - 1)
+    if seed is not None:
+        sampling.seed = seed % 2**64
     return Parsed(model, stream, include_usage), sampling
 
 
@@ -138,8 +182,10 @@ def _content(message: dict[str, Any]) -> str:
         parts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else None
                 raise InvalidArgument(
-                    "message content parts must be {'type': 'text', 'text': ...}; images are not supported"
+                    f"message content part of type {_show(kind)} is not supported; send text parts"
+                    " {'type': 'text', 'text': ...} (images, audio and files are not supported)"
                 )
             parts.append(part["text"])
         return "".join(parts)
@@ -202,21 +248,40 @@ def chat_completion(request_id: str, model: str, text: str, final: pb.Final) -> 
 
 
 def chat_chunk(
-    request_id: str, model: str, delta: dict[str, str], finish: str | None = None, created: int = 0
+    request_id: str,
+    model: str,
+    delta: dict[str, str],
+    finish: str | None = None,
+    created: int = 0,
+    include_usage: bool = False,
 ) -> dict[str, Any]:
-    return {
+    """One streamed chunk; with ``include_usage`` it has ``"usage": null``, as OpenAI's chunks before the last."""
+    chunk: dict[str, Any] = {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
     }
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
 
 
 def completion(
-    request_id: str, model: str, text: str, final: pb.Final | None, created: int = 0, with_usage: bool = True
+    request_id: str,
+    model: str,
+    text: str,
+    final: pb.Final | None,
+    created: int = 0,
+    with_usage: bool = True,
+    null_usage: bool = False,
 ) -> dict[str, Any]:
-    """A whole completion, or (``final`` None / ``with_usage`` False) one streamed chunk of one."""
+    """A whole completion, or (``final`` None / ``with_usage`` False) one streamed chunk of one.
+
+    ``null_usage``: a chunk of a stream with ``include_usage`` carries ``"usage": null`` (the last
+    chunk, from :func:`usage_chunk`, carries the counts).
+    """
     body: dict[str, Any] = {
         "id": f"cmpl-{request_id}",
         "object": "text_completion",
@@ -228,6 +293,8 @@ def completion(
     }
     if final is not None and with_usage:
         body["usage"] = usage(final)
+    elif null_usage:
+        body["usage"] = None
     return body
 
 

@@ -101,3 +101,87 @@ def test_responses_carry_usage_and_finish_reason() -> None:
     chunk = oa.completion("rid", "m", "x", None, created=1)
     assert chunk["choices"][0]["finish_reason"] is None and "usage" not in chunk
     assert oa.usage_chunk("chat.completion.chunk", "rid", "m", final, 1)["choices"] == []
+
+
+CHAT = {"messages": [{"role": "user", "content": "x"}]}
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ({"seed": 2**64}, "'seed' must be between"),  # protobuf's range error was an HTTP 500
+        ({"max_tokens": 2**32}, "'max_tokens' must be between"),  # the same for uint32
+        ({"max_tokens": 0}, "'max_tokens' must be between 1"),  # 0 meant the 256-token default
+        ({"max_completion_tokens": 0}, "'max_completion_tokens' must be between 1"),
+        ({"n": 0}, "'n' must be 1"),
+        ({"stream_options": "yes"}, "'stream_options' must be an object"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty is not supported"),
+        ({"presence_penalty": -1}, "presence_penalty is not supported"),
+        ({"logit_bias": {"50256": -100}}, "logit_bias is not supported"),
+        ({"response_format": {"type": "json_object"}}, "structured output"),
+        ({"tool_choice": "required"}, "tool calls are not supported"),
+        ({"modalities": ["text", "audio"]}, "only text output"),
+        ({"audio": {"voice": "alloy"}}, "audio output is not supported"),
+        ({"repetition_penalty": 1.2}, "repetition_penalty is not supported"),
+        ({"logprobs": True}, "logprobs are not supported"),
+    ],
+)
+def test_fields_that_would_change_the_answer_or_do_not_fit_are_refused(extra: dict[str, object], why: str) -> None:
+    with pytest.raises(InvalidArgument, match=why):
+        oa.chat_request({**CHAT, **extra})
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "n": 1, "logprobs": False},
+        {"response_format": {"type": "text"}, "tool_choice": "none", "tools": [], "modalities": ["text"]},
+        {"user": "alice", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "some_new_field": 1},
+        {"top_logprobs": 0, "parallel_tool_calls": False, "function_call": "auto", "functions": []},
+    ],
+)
+def test_neutral_values_and_bookkeeping_fields_are_accepted(extra: dict[str, object]) -> None:
+    parsed, _ = oa.chat_request({**CHAT, **extra})
+    assert parsed.stream is False
+
+
+def test_completion_defaults_that_change_nothing_are_accepted() -> None:
+    _, request = oa.completion_request({"prompt": "p", "best_of": 1, "suffix": "", "echo": False, "logprobs": None})
+    assert request.prompt == "p"
+    with pytest.raises(InvalidArgument, match="best_of"):
+        oa.completion_request({"prompt": "p", "best_of": 2})
+    with pytest.raises(InvalidArgument, match="suffix"):
+        oa.completion_request({"prompt": "p", "suffix": "end"})
+
+
+def test_seed_is_openais_int64_and_top_k_is_honoured() -> None:
+    _, request = oa.chat_request({**CHAT, "seed": -1, "top_k": 5})
+    assert request.turn.sampling.seed == 2**64 - 1 and request.turn.sampling.top_k == 5
+    _, request = oa.chat_request({**CHAT, "seed": 2**64 - 1, "top_k": -1})  # vLLM's "top_k off"
+    assert request.turn.sampling.seed == 2**64 - 1 and request.turn.sampling.top_k == 0
+    with pytest.raises(InvalidArgument, match="'seed' must be between"):
+        oa.chat_request({**CHAT, "seed": -(2**63) - 1})
+
+
+def test_max_completion_tokens_wins_over_max_tokens() -> None:
+    _, request = oa.chat_request({**CHAT, "max_completion_tokens": 4, "max_tokens": 2})
+    assert request.turn.sampling.max_tokens == 4
+
+
+def test_error_messages_do_not_echo_huge_values() -> None:
+    with pytest.raises(InvalidArgument) as info:
+        oa.chat_request({**CHAT, "temperature": "x" * 100_000})
+    assert len(info.value.message) < 120
+
+
+def test_an_unsupported_content_part_is_named() -> None:
+    refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}
+    with pytest.raises(InvalidArgument, match="part of type 'refusal' is not supported"):
+        oa.chat_request({"messages": [{"role": "user", "content": "x"}, refusal]})
+
+
+def test_stream_chunks_carry_null_usage_when_usage_is_asked_for() -> None:
+    assert "usage" not in oa.chat_chunk("rid", "m", {"content": "a"}, None, 1)
+    assert oa.chat_chunk("rid", "m", {"content": "a"}, None, 1, include_usage=True)["usage"] is None
+    assert oa.completion("rid", "m", "a", None, 1, with_usage=False, null_usage=True)["usage"] is None
+    assert "usage" not in oa.completion("rid", "m", "a", None, 1, with_usage=False)
