@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from services.common import metadata as md
 from services.common.pb.meshserve.internal.v1 import cache_pb2, cache_pb2_grpc
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
 
@@ -85,7 +86,7 @@ async def _call(args: argparse.Namespace) -> object:
     async with grpc.aio.insecure_channel(args.address) as channel:
         stub = cache_pb2_grpc.CacheStub(channel)
         call = getattr(stub, method)
-        return await call(request, metadata=(("x-meshserve-internal-token", args.internal_token),), timeout=300)
+        return await call(request, metadata=((md.INTERNAL_TOKEN, args.internal_token),), timeout=300)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

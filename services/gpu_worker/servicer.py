@@ -61,7 +61,7 @@ def build_engine(settings: GpuWorkerSettings) -> CloudEngine:
         leader.share_cache(engine.cache)  # followers allocate the same paged cache (call id 0)
     if settings.speculative:
         draft_dir = Path(settings.resolved_draft_model())
-        log.info("speculative draft", draft=str(draft_dir), default=not settings.draft_model)
+        log.info("speculative_draft_loading", draft=str(draft_dir), default=not settings.draft_model)
         draft = load_draft_model(draft_dir, threads=settings.threads or 1)
         return SpeculativeEngine(engine, draft, k_max=settings.speculative_k_max)  # type: ignore[return-value]
     return engine

@@ -331,7 +331,7 @@ class GenerateResponse(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Request id assigned by the gateway (also in the x-request-id header)."""
+    """Request id assigned by the gateway (also in the x-request-id trailing metadata)."""
     sequence: _builtins.int
     """Position of this frame in the stream, starting at 0, without gaps."""
     text: _builtins.str

@@ -418,7 +418,9 @@ class MuxRequest(_message.Message):
 
     FRAMES_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def frames(self) -> _containers.RepeatedCompositeFieldContainer[Global___MuxUp]: ...
+    def frames(self) -> _containers.RepeatedCompositeFieldContainer[Global___MuxUp]:
+        """Frames of one or more streams; the frames of one stream come in order."""
+
     def __init__(
         self,
         *,
@@ -506,7 +508,9 @@ class MuxResponse(_message.Message):
 
     FRAMES_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def frames(self) -> _containers.RepeatedCompositeFieldContainer[Global___MuxDown]: ...
+    def frames(self) -> _containers.RepeatedCompositeFieldContainer[Global___MuxDown]:
+        """Frames of one or more streams; the frames of one stream come in order."""
+
     def __init__(
         self,
         *,

@@ -26,7 +26,8 @@ if _version_not_supported:
 
 
 class WorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Internal inference service of edge and cloud workers, called by the router; every call needs the internal credential.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -52,7 +53,8 @@ class WorkerStub:
 
 
 class WorkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Internal inference service of edge and cloud workers, called by the router; every call needs the internal credential.
+    """
 
     def Generate(self, request_iterator, context):
         """One bidirectional stream per client request or chat session: starts, cancels, tokens.
@@ -104,7 +106,8 @@ def add_WorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Worker:
-    """Missing associated documentation comment in .proto file."""
+    """Internal inference service of edge and cloud workers, called by the router; every call needs the internal credential.
+    """
 
     @staticmethod
     def Generate(request_iterator,

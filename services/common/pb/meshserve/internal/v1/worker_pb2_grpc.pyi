@@ -29,6 +29,8 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class WorkerStub:
+    """Internal inference service of edge and cloud workers, called by the router; every call needs the internal credential."""
+
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
@@ -45,6 +47,8 @@ class WorkerStub:
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
+    """Internal inference service of edge and cloud workers, called by the router; every call needs the internal credential."""
+
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.StreamStreamMultiCallable[_worker_pb2.WorkerRequest, _worker_pb2.WorkerResponse]  # type: ignore[assignment]
     """One bidirectional stream per client request or chat session: starts, cancels, tokens."""
@@ -57,6 +61,8 @@ class WorkerAsyncStub(WorkerStub):
     """Load and counters, for routing and tests."""
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
+    """Internal inference service of edge and cloud workers, called by the router; every call needs the internal credential."""
+
     @_abc_1.abstractmethod
     def Generate(
         self,
