@@ -112,6 +112,21 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
         problems = []
         for err in exc.errors():
             name = ".".join(str(p) for p in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            if not name:  # a cross-field check: its message names the fields
+                problems.append(msg)
+                continue
             var = f"{prefix}{name}".upper() if prefix else name
-            problems.append(f"{var}: {err['msg']} (got {err.get('input')!r})")
+            problems.append(f"{var}: {msg}{_shown_input(name, err.get('input'))}")
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None
+
+
+_SECRET_NAMES = ("token", "secret", "password", "api_keys")
+
+
+def _shown_input(name: str, value: Any) -> str:
+    """`` (got ...)`` for an error message, or nothing where that could print a secret: a missing
+    field's input is every setting given (internal token included), and secrets stay out of logs."""
+    if isinstance(value, dict) or any(s in name.lower() for s in _SECRET_NAMES) or "@" in str(value):
+        return ""
+    return f" (got {value!r})"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from pydantic import model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.errors import ConfigError
@@ -17,6 +18,16 @@ class DemoSettings(ServiceSettings):
 
     threads: int = 1
     """Threads."""
+    peers: int = 0
+    """Peers (at most ``threads``)."""
+    needed: str = "x"
+    """A setting some tests make required."""
+
+    @model_validator(mode="after")
+    def _check(self) -> DemoSettings:
+        if self.peers > self.threads:
+            raise ValueError("peers must not exceed threads; lower MESHSERVE_DEMO_PEERS")
+        return self
 
 
 def test_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,3 +55,29 @@ def test_unreadable_yaml_says_how_to_fix(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("MESHSERVE_CONFIG", str(tmp_path / "missing.yaml"))
     with pytest.raises(ConfigError, match="MESHSERVE_CONFIG"):
         load_settings(DemoSettings)
+
+
+def test_errors_never_print_the_internal_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Required(DemoSettings):
+        needed: str
+
+    monkeypatch.setenv("MESHSERVE_DEMO_INTERNAL_TOKEN", "s3cret-token")
+    monkeypatch.setenv("MESHSERVE_DEMO_PEERS", "4")
+    with pytest.raises(ConfigError) as missing:
+        load_settings(Required)  # a missing field's pydantic input is every setting given
+    assert "MESHSERVE_DEMO_NEEDED: Field required" in str(missing.value)
+    with pytest.raises(ConfigError) as cross:
+        load_settings(DemoSettings)  # a cross-field check's input is every setting too
+    assert str(cross.value) == "invalid settings: peers must not exceed threads; lower MESHSERVE_DEMO_PEERS"
+    for exc in (missing.value, cross.value):
+        assert "s3cret-token" not in str(exc)
+
+
+def test_a_bad_value_is_shown_unless_it_may_be_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHSERVE_DEMO_PORT", "seventy")
+    with pytest.raises(ConfigError, match=r"MESHSERVE_DEMO_PORT: .* \(got 'seventy'\)"):
+        load_settings(DemoSettings)
+    monkeypatch.setenv("MESHSERVE_DEMO_PORT", "redis://:pw@host")
+    with pytest.raises(ConfigError) as exc:
+        load_settings(DemoSettings)
+    assert "MESHSERVE_DEMO_PORT" in str(exc.value) and "pw@" not in str(exc.value)
