@@ -14,6 +14,7 @@ cancels generation on the worker.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,6 +23,7 @@ from typing import Any
 import grpc
 import structlog
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from services.common import metadata as md
 from services.common import tracing
@@ -37,6 +39,10 @@ _FORWARDED = (md.AUTHORIZATION, md.API_KEY)
 _DONE = b"data: [DONE]\n\n"
 MAX_CREDENTIAL_CHARS = 8192
 """Longest Authorization / x-api-key value forwarded to the gateway (real keys and JWTs are far shorter)."""
+CHAT_END_WAIT_S = 1.0
+"""After a chat turn's final frame, how long the adapter waits for the gateway to end the call itself."""
+MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
+ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /v1/models/{id}"
 
 
 def _grpc_error(exc: grpc.aio.AioRpcError) -> MeshError:
@@ -79,12 +85,29 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        code = "NOT_FOUND" if exc.status == 404 else "INVALID_ARGUMENT"
-        _, body = oa.error_body(code, f"{exc.reason}: {request.method} {request.path}")
-        return web.json_response(body, status=exc.status)
+        return _http_error(request, exc)
     except Exception:
         log.exception("http_internal_error", path=request.path)
         return error_response(MeshError("internal error in the HTTP adapter; the server log has the details"))
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own refusals (no route, wrong method, body too large) as OpenAI error JSON."""
+    where = f"{request.method} {request.path}"
+    headers = {}
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        headers["Allow"] = allowed
+        message = f"{where} is not allowed; this endpoint takes {allowed}"
+    elif isinstance(exc, web.HTTPRequestEntityTooLarge):
+        limit = request.app[MAX_BODY_KEY]
+        message = f"the request body is larger than {limit} bytes; send a shorter prompt"
+    elif exc.status == 404:
+        message = f"unknown endpoint {where}; this server serves {ENDPOINTS}"
+    else:
+        message = f"{exc.reason}: {where}"
+    _, body = oa.error_body("INVALID_ARGUMENT", message)
+    return web.json_response(body, status=exc.status, headers=headers)
 
 
 class OpenAIApp:
@@ -112,8 +135,10 @@ class OpenAIApp:
     async def _json(request: web.Request) -> dict[str, Any]:
         try:
             body = await request.json(loads=json.loads)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: JSON nested too deep
             raise InvalidArgument("the request body must be a JSON object") from None
+        except RequestPayloadError:  # e.g. a Content-Encoding that does not decode
+            raise InvalidArgument("the request body could not be read; check its Content-Encoding") from None
         if not isinstance(body, dict):
             raise InvalidArgument("the request body must be a JSON object")
         return body
@@ -147,15 +172,17 @@ class OpenAIApp:
             created = int(time.time())
             response = await _sse_start(request, request_id)
             role = {"role": "assistant", "content": ""}
-            await _sse(response, oa.chat_chunk(request_id, parsed.model, role, None, created))
+            usage = parsed.include_usage
+            await _sse(response, oa.chat_chunk(request_id, parsed.model, role, None, created, usage))
             try:
                 end: pb.Final | None = None
                 async for text, last in _prepend(first, frames):
                     end = last
                     if text:
-                        await _sse(response, oa.chat_chunk(request_id, parsed.model, {"content": text}, None, created))
+                        delta = {"content": text}
+                        await _sse(response, oa.chat_chunk(request_id, parsed.model, delta, None, created, usage))
                 if end is not None:
-                    chunk = oa.chat_chunk(request_id, parsed.model, {}, oa.finish_reason(end), created)
+                    chunk = oa.chat_chunk(request_id, parsed.model, {}, oa.finish_reason(end), created, usage)
                     await _sse(response, chunk)
                     if parsed.include_usage:
                         chunk = oa.usage_chunk("chat.completion.chunk", request_id, parsed.model, end, created)
@@ -183,7 +210,9 @@ class OpenAIApp:
             try:
                 async for text, final in _prepend(first, frames):
                     if text or final is not None:
-                        chunk = oa.completion(request_id, parsed.model, text, final, created, with_usage=False)
+                        chunk = oa.completion(
+                            request_id, parsed.model, text, final, created, False, parsed.include_usage
+                        )
                         await _sse(response, chunk)
                     if final is not None and parsed.include_usage:
                         usage = oa.usage_chunk("text_completion", request_id, parsed.model, final, created)
@@ -205,10 +234,23 @@ Frame = tuple[str, pb.Final | None]
 
 
 async def _chat_frames(call: Any) -> AsyncIterator[Frame]:
+    """The frames of the one turn; after its final frame, lets the call end before returning.
+
+    The adapter has half-closed the call, so the gateway ends it right after the final frame.
+    Cancelling it at once instead raced that end, and the gateway then recorded (metrics, logs)
+    about one chat in four as CANCELLED although the caller got the whole answer.
+    """
     async for frame in call:
-        yield frame.text, frame.final if frame.HasField("final") else None
-        if frame.HasField("final"):
-            return
+        final = frame.final if frame.HasField("final") else None
+        yield frame.text, final
+        if final is not None:
+            break
+    try:
+        async with asyncio.timeout(CHAT_END_WAIT_S):
+            async for _ in call:
+                pass
+    except (TimeoutError, grpc.aio.AioRpcError):
+        pass  # the answer is complete: the caller's finally cancels whatever is left
 
 
 async def _generate_frames(call: Any, request_ids: list[str]) -> AsyncIterator[Frame]:
@@ -286,9 +328,10 @@ def build_app(gateway: inference_pb2_grpc.InferenceStub, max_body_bytes: int = 4
     """The aiohttp application: routes of the OpenAI API plus ``/healthz``."""
     handlers = OpenAIApp(gateway)
     app = web.Application(client_max_size=max_body_bytes, middlewares=[errors_middleware])
+    app[MAX_BODY_KEY] = max_body_bytes
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/v1/models", handlers.models)
-    app.router.add_get("/v1/models/{model}", handlers.model)
+    app.router.add_get("/v1/models/{model:.+}", handlers.model)  # ids such as "org/name" hold a slash
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     return app

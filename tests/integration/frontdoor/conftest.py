@@ -31,6 +31,8 @@ TINY_KEY = "msk-frontdoor-tiny"
 """Key of tenant ``tiny``, whose real (Redis) rate limit admits one request per minute."""
 MODEL = "fake-model"
 WORDS = ["Hello", ",", " world"]
+LINGER_S = 0.3
+"""How long a ``linger`` router takes to end a Chat call after the final frame (a slow close, not an error)."""
 
 
 def sink(name: str, line: str) -> None:
@@ -42,7 +44,9 @@ class FakeRouter(inference_pb2_grpc.InferenceServicer):
     """Streams WORDS then a final frame; ``mode`` makes it fail the way a router or limiter would."""
 
     def __init__(self) -> None:
-        self.mode = "ok"  # ok | exhausted | unavailable | hang (one frame, then waits to be cancelled)
+        # ok | exhausted | unavailable | hang (one frame, then waits to be cancelled)
+        # | linger (Chat: ends the call LINGER_S after a turn's final frame; a cancel meanwhile sets `cancelled`)
+        self.mode = "ok"
         self.requests: list[object] = []
         self.cancelled = asyncio.Event()
 
@@ -95,6 +99,12 @@ class FakeRouter(inference_pb2_grpc.InferenceServicer):
             for i, word in enumerate(WORDS):
                 yield pb.ChatResponse(sequence=i, token_ids=[10 + i], text=word)
             yield pb.ChatResponse(sequence=len(WORDS), final=self.final())
+            if self.mode == "linger":
+                try:
+                    await asyncio.sleep(LINGER_S)
+                except asyncio.CancelledError:
+                    self.cancelled.set()
+                    raise
 
 
 @dataclass

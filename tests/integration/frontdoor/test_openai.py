@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -10,6 +11,8 @@ import grpc
 import openai
 import pytest
 import redis.asyncio as aioredis
+from openai.types.chat import ChatCompletionMessageParam
+from prometheus_client import REGISTRY
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
@@ -174,3 +177,80 @@ async def test_a_key_without_the_inference_scope_is_403_but_may_list_models(stac
         assert "inference scope" in info.value.message
         with pytest.raises(openai.PermissionDeniedError):
             await limited.completions.create(model=MODEL, prompt="hi", stream=True)
+
+
+def _gateway_requests(status: str) -> float:
+    labels = {"service": "gateway", "tier": "edge", "status": status}
+    return REGISTRY.get_sample_value("meshserve_request_duration_seconds_count", labels) or 0.0
+
+
+async def test_a_finished_chat_is_not_cancelled_on_its_way_out(client: openai.AsyncOpenAI, router: FakeRouter) -> None:
+    """After the final frame the adapter lets the gateway end the Chat call instead of cancelling it.
+
+    It cancelled at once: when the call had not ended yet (here the router ends it LINGER_S later; on
+    the real mesh about one chat in four), the gateway recorded a complete answer as CANCELLED.
+    """
+    router.mode = "linger"
+    ok, cancelled = _gateway_requests("OK"), _gateway_requests("CANCELLED")
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello"}]
+    reply = await client.chat.completions.create(model=MODEL, messages=messages)
+    assert reply.choices[0].message.content == TEXT
+    stream = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
+    assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == TEXT
+    assert not router.cancelled.is_set()
+    assert _gateway_requests("CANCELLED") == cancelled
+    assert _gateway_requests("OK") == ok + 2
+
+
+async def test_stream_chunks_carry_null_usage_until_the_usage_chunk(stack: Stack) -> None:
+    """OpenAI's framing with include_usage: every chunk has "usage" (null), the last one has the counts."""
+    body = {"model": MODEL, "messages": MESSAGES, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{stack.door.base_url}/chat/completions", json=body, headers=headers) as reply:
+            assert reply.status == 200 and reply.headers["content-type"] == "text/event-stream"
+            raw = (await reply.read()).decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(set(c) >= {"id", "object", "created", "model", "choices", "usage"} for c in chunks)
+    assert [c["usage"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] == 10
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("extra", "status"),
+    [
+        ({"seed": 2**64}, 400),  # was 500 (protobuf's range error)
+        ({"max_tokens": 2**32}, 400),  # was 500
+        ({"frequency_penalty": 1.0}, 400),  # was silently ignored
+        ({"response_format": {"type": "json_object"}}, 400),  # was silently ignored
+        ({"frequency_penalty": 0, "presence_penalty": 0, "user": "u", "seed": -3, "top_k": 4}, 200),
+    ],
+)
+async def test_sampling_fields_through_envoy(
+    stack: Stack, router: FakeRouter, extra: dict[str, object], status: int
+) -> None:
+    body = {"model": MODEL, "messages": MESSAGES, **extra}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{stack.door.base_url}/chat/completions", json=body, headers=headers) as reply:
+            assert reply.status == status
+            answer = await reply.json()
+    if status == 400:
+        assert answer["error"]["type"] == "invalid_request_error"
+        assert not router.requests  # refused by the adapter
+    else:
+        sampling = router.requests[-1].turn.sampling  # type: ignore[attr-defined]
+        assert (sampling.seed, sampling.top_k) == (2**64 - 3, 4)
+
+
+async def test_unreadable_bodies_are_400_through_envoy(stack: Stack) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as session:
+        for data, more in ((b"[" * 20_000 + b"]" * 20_000, {}), (b"not gzip", {"Content-Encoding": "gzip"})):
+            url = f"{stack.door.base_url}/chat/completions"
+            async with session.post(url, data=data, headers={**headers, **more}) as reply:
+                assert reply.status == 400  # both were 500
+                assert (await reply.json())["error"]["type"] == "invalid_request_error"
