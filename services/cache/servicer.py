@@ -10,6 +10,7 @@ import grpc
 from services.cache.admin import CacheAdmin, FlushFilter, Generate
 from services.cache.keys import Kind
 from services.common import errors
+from services.common import metadata as md
 from services.common.interceptors import outbound_metadata
 from services.common.pb.meshserve.internal.v1 import cache_pb2, cache_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
@@ -33,7 +34,7 @@ def router_generate(channel: grpc.aio.Channel, internal_token: str, timeout_s: f
             sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
             routing=inference_pb2.RoutingOptions(cache_policy=inference_pb2.CACHE_POLICY_SHAREABLE_PREFIX),
         )
-        metadata = outbound_metadata(internal_token, **{"x-meshserve-tenant": "cache-warm"})
+        metadata = outbound_metadata(internal_token, **{md.TENANT: "cache-warm"})
         async for _frame in stub.Generate(request, metadata=metadata, timeout=timeout_s):
             pass
 

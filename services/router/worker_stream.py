@@ -81,7 +81,7 @@ def domain_error(exc: grpc.aio.AioRpcError) -> errors.MeshError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         retry_ms = 1000
         for key, value in exc.trailing_metadata() or ():
-            if key == "retry-after-ms" and isinstance(value, str) and value.isdigit():
+            if key == md.RETRY_AFTER_MS and isinstance(value, str) and value.isdigit():
                 retry_ms = int(value)
         return errors.ResourceExhausted("the workers are overloaded; retry shortly", retry_ms)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
