@@ -6,14 +6,17 @@ same :class:`FrontDoor` via ``MeshConfig(envoy=True)``.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import openai
 import pytest
 
+from services.common.pb.meshserve.internal.v1 import worker_pb2
+from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.controlplane.frontdoor import FrontDoor
 from services.mesh import Mesh
-from tests.e2e.conftest import API_KEY, _sink
+from tests.e2e.conftest import API_KEY, _sink, worker_stub
 
 pytestmark = pytest.mark.e2e
 MESSAGES = [{"role": "user", "content": "Name one colour of the sky."}]
@@ -72,3 +75,54 @@ async def test_wrong_key_is_401(door: FrontDoor) -> None:
     async with openai.AsyncOpenAI(base_url=door.base_url, api_key="msk-wrong", max_retries=0) as bad:
         with pytest.raises(openai.AuthenticationError):
             await bad.chat.completions.create(model="", messages=MESSAGES)  # type: ignore[arg-type]
+
+
+async def _worker_totals(mesh: Mesh) -> tuple[int, int]:
+    """(sequences cancelled, sequences active) summed over every worker of the mesh."""
+    cancelled = active = 0
+    for worker in [*mesh.workers("edge"), *mesh.workers("cloud")]:
+        channel, stub = await worker_stub(worker.address)
+        try:
+            stats = await stub.Stats(
+                worker_pb2.StatsRequest(), metadata=(("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),)
+            )
+        finally:
+            await channel.close()
+        cancelled += stats.sequences_cancelled_total
+        active += stats.active_sequences
+    return cancelled, active
+
+
+async def test_a_client_that_hangs_up_mid_stream_cancels_the_generation_on_the_worker(
+    client: openai.AsyncOpenAI, mesh: Mesh
+) -> None:
+    """Envoy -> adapter -> gateway -> router -> worker: closing the HTTP stream stops the model.
+
+    Greedy, this prompt runs to 300 tokens (checked once), so the stream is still generating when
+    the client leaves after three chunks.
+    """
+    before, _ = await _worker_totals(mesh)
+    messages: list[dict[str, str]] = [
+        {"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}
+    ]
+    stream = await client.chat.completions.create(
+        model="",
+        messages=messages,  # type: ignore[arg-type]
+        max_tokens=400,
+        temperature=0,
+        stream=True,
+    )
+    received = 0
+    async for chunk in stream:
+        received += 1
+        assert not chunk.choices or chunk.choices[0].finish_reason is None
+        if received == 3:
+            break
+    await stream.close()
+    cancelled, active = before, 1
+    for _ in range(200):  # bounded: the worker must let go within ~10 s
+        cancelled, active = await _worker_totals(mesh)
+        if cancelled > before and active == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (cancelled, active) == (before + 1, 0)
