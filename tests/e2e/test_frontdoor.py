@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
@@ -102,12 +103,12 @@ async def test_a_client_that_hangs_up_mid_stream_cancels_the_generation_on_the_w
     the client leaves after three chunks.
     """
     before, _ = await _worker_totals(mesh)
-    messages: list[dict[str, str]] = [
+    messages: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}
     ]
     stream = await client.chat.completions.create(
         model="",
-        messages=messages,  # type: ignore[arg-type]
+        messages=messages,
         max_tokens=400,
         temperature=0,
         stream=True,
