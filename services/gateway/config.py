@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.settings import StreamingSettings
@@ -42,7 +42,9 @@ class GatewaySettings(StreamingSettings):
     default_chat_deadline_s: float = Field(default=900.0, gt=0)
     """Deadline of a whole Chat session (all its turns) whose caller set none."""
     max_deadline_s: float = Field(default=600.0, gt=0)
-    """Upper bound on any request's deadline, whatever the caller asked for."""
+    """Upper bound on a Generate/Complete/ListModels call's deadline, whatever the caller asked for."""
+    max_chat_deadline_s: float = Field(default=3600.0, gt=0)
+    """Upper bound on a whole Chat session's deadline (all its turns), whatever the caller asked for."""
     max_prompt_chars: int = Field(default=32_000, ge=1)
     """Longest accepted prompt (Generate) or total message text of one chat turn, in characters."""
     max_tokens_limit: int = Field(default=4096, ge=1)
@@ -111,6 +113,20 @@ class GatewaySettings(StreamingSettings):
             priority=self.priority_class,
         )
         return PolicyBook(default, self.tenant_policies)
+
+    @model_validator(mode="after")
+    def _check_deadlines(self) -> GatewaySettings:
+        if self.default_deadline_s > self.max_deadline_s:
+            raise ValueError(
+                f"default_deadline_s ({self.default_deadline_s:g}) is above max_deadline_s ({self.max_deadline_s:g}); "
+                "lower the default or raise the cap"
+            )
+        if self.default_chat_deadline_s > self.max_chat_deadline_s:
+            raise ValueError(
+                f"default_chat_deadline_s ({self.default_chat_deadline_s:g}) is above max_chat_deadline_s "
+                f"({self.max_chat_deadline_s:g}); lower the default or raise the cap"
+            )
+        return self
 
     @field_validator("tenant_policies")
     @classmethod

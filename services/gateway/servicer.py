@@ -1,7 +1,8 @@
 """The public `meshserve.v1.Inference` service: authenticate, validate, then relay to the router.
 
 The gateway never looks inside a response beyond metrics: it stamps its request id and relays.
-Deadlines: the caller's (capped at ``max_deadline_s``) or a default is set on the router call.
+Deadlines: the caller's (capped at ``max_deadline_s``; a Chat session at ``max_chat_deadline_s``) or a
+default is set on the router call.
 Cancellation: a caller cancel cancels the router call (``finally`` below); a router failure
 becomes the matching domain error for the caller (:mod:`services.gateway.errors`).
 """
@@ -235,14 +236,16 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         else:
             admission.add_done_callback(settle)
 
-    def _timeout(self, context: grpc.aio.ServicerContext, default_s: float) -> float:
-        """Seconds left for the router call: the caller's deadline (capped) or ``default_s``."""
+    def _timeout(self, context: grpc.aio.ServicerContext, default_s: float, cap_s: float | None = None) -> float:
+        """Seconds left for the router call: the caller's deadline or ``default_s``, capped at ``cap_s``
+        (``max_deadline_s`` unless given)."""
+        cap_s = self._settings.max_deadline_s if cap_s is None else cap_s
         remaining = context.time_remaining()
         if remaining is None:
-            return min(default_s, self._settings.max_deadline_s)
+            return min(default_s, cap_s)
         if remaining <= 0:
             raise DeadlineExceeded("the request's deadline passed before it could be forwarded; allow more time")
-        return min(remaining, self._settings.max_deadline_s)
+        return min(remaining, cap_s)
 
     def _metadata(self) -> tuple[tuple[str, str], ...]:
         key_id = str(structlog.contextvars.get_contextvars().get("key_id", ""))
@@ -325,7 +328,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         with _observe() as observed:
             request_id, identity = await self._admit(context, "Chat", send_headers=True)
             policy = self._gate.policy(identity)
-            timeout = self._timeout(context, self._settings.default_chat_deadline_s)
+            timeout = self._timeout(context, self._settings.default_chat_deadline_s, self._settings.max_chat_deadline_s)
             # The session holds one stream slot; each turn takes one request and reserves its tokens.
             session = await self._gate.admit(identity, policy, (), 0, stream_ttl_s=timeout, count_request=False)
             turns: deque[Ticket] = deque()

@@ -14,6 +14,7 @@ from services.client import MeshClient, auth_metadata
 from services.common import metadata as md
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.gateway.__main__ import serve
+from services.gateway.config import GatewaySettings
 from tests.helpers import free_port
 from tests.integration.gateway.conftest import (
     DEFAULT_DEADLINE_S,
@@ -130,6 +131,42 @@ async def test_default_deadline_applies_when_caller_sets_none(stub, router) -> N
     await drain(stub.Generate(request(), metadata=auth_metadata(KEYS["acme"])))
     remaining = router.seen[0].time_remaining
     assert remaining is not None and DEFAULT_DEADLINE_S - 3 < remaining <= DEFAULT_DEADLINE_S + 0.5
+
+
+async def test_chat_session_gets_its_own_default_deadline(client: MeshClient, router: FakeRouter) -> None:
+    """A whole Chat session without a deadline gets ``default_chat_deadline_s`` (900 s), not the
+    Generate cap (600 s): it was capped at ``max_deadline_s``, so no chat could outlive 10 minutes."""
+    default_chat, generate_cap = _default("default_chat_deadline_s"), _default("max_deadline_s")
+    async with client.chat() as session:
+        await session.turn("hi", max_tokens=2)
+    remaining = router.seen[0].time_remaining
+    assert default_chat > generate_cap
+    assert remaining is not None and default_chat - 5 < remaining <= _rounded_up(default_chat)
+
+
+async def test_chat_caller_deadline_is_capped_by_the_chat_cap(client: MeshClient, router: FakeRouter) -> None:
+    chat_cap = _default("max_chat_deadline_s")
+    async with client.chat(timeout_s=1200.0) as session:  # above the Generate cap, under the chat cap
+        await session.turn("hi", max_tokens=2)
+    remaining = router.seen[0].time_remaining
+    assert remaining is not None and 1195.0 < remaining <= _rounded_up(1200.0)
+    router.reset()
+    async with client.chat(timeout_s=chat_cap * 2) as session:
+        await session.turn("hi", max_tokens=2)
+    remaining = router.seen[0].time_remaining
+    assert remaining is not None and chat_cap - 5 < remaining <= _rounded_up(chat_cap)
+
+
+def _rounded_up(seconds: float) -> float:
+    """The most a deadline of ``seconds`` can read after the trip: gRPC's timeout header rounds long
+    timeouts up (900 s arrives as ~901 s, 3,600 s as ~3,610 s)."""
+    return seconds * 1.005 + 0.5
+
+
+def _default(name: str) -> float:
+    default = GatewaySettings.model_fields[name].default
+    assert isinstance(default, float)
+    return default
 
 
 async def test_caller_cancel_reaches_the_router(stub, router: FakeRouter) -> None:

@@ -1,0 +1,41 @@
+"""Gateway settings: deadline defaults must fit under their caps, else a config error says which."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import ConfigError
+from services.common.settings import load_settings
+from services.gateway.config import GatewaySettings
+
+
+def test_defaults_fit_under_their_caps() -> None:
+    settings = load_settings(GatewaySettings)
+    assert settings.default_deadline_s <= settings.max_deadline_s
+    assert settings.default_chat_deadline_s <= settings.max_chat_deadline_s
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ({"DEFAULT_DEADLINE_S": "700"}, ("default_deadline_s (700)", "max_deadline_s (600)")),
+        ({"MAX_CHAT_DEADLINE_S": "300"}, ("default_chat_deadline_s (900)", "max_chat_deadline_s (300)")),
+    ],
+)
+def test_a_default_above_its_cap_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], names: tuple[str, ...]
+) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(f"MESHSERVE_GATEWAY_{key}", value)
+    with pytest.raises(ConfigError) as err:
+        load_settings(GatewaySettings)
+    assert all(name in str(err.value) for name in names), str(err.value)
+    assert "lower the default or raise the cap" in str(err.value)
+
+
+def test_a_chat_cap_above_the_generate_cap_is_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHSERVE_GATEWAY_MAX_CHAT_DEADLINE_S", "7200")
+    monkeypatch.setenv("MESHSERVE_GATEWAY_DEFAULT_CHAT_DEADLINE_S", "3600")
+    settings = load_settings(GatewaySettings)
+    chat = (settings.default_chat_deadline_s, settings.max_chat_deadline_s)
+    assert chat == (3600, 7200) and settings.max_deadline_s == 600
