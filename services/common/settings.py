@@ -2,12 +2,15 @@
 
 Sources, highest priority first: environment variables ``MESHSERVE_<SERVICE>_<FIELD>``, then the
 section ``<service>:`` of the YAML file named by ``MESHSERVE_CONFIG`` (optional), then defaults.
-Invalid values raise :class:`ConfigError` with a message naming the variable and the fix.
+Invalid values, and unknown keys in a YAML section, raise :class:`ConfigError` with a message naming
+the variable and the fix.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -45,13 +48,25 @@ class _YamlSection(PydanticBaseSettingsSource):
         section_data = doc.get(section, {}) if isinstance(doc, dict) else {}
         if not isinstance(section_data, dict):
             raise ConfigError(f"section '{section}' of {path} must be a mapping of setting: value")
+        unknown = [str(key) for key in section_data if key not in settings_cls.model_fields]
+        if unknown:  # a typo would otherwise leave the default in place without a word
+            raise ConfigError(
+                f"section '{section}' of {path} has unknown settings: "
+                + ", ".join(_with_suggestion(key, settings_cls.model_fields) for key in unknown)
+                + "; correct or remove them"
+            )
         self._data = section_data
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
         return self._data.get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return {k: v for k, v in self._data.items() if k in self.settings_cls.model_fields}
+        return dict(self._data)
+
+
+def _with_suggestion(key: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(key, list(known), n=1)
+    return f"{key} (did you mean {close[0]}?)" if close else key
 
 
 class ServiceSettings(BaseSettings):

@@ -81,3 +81,15 @@ def test_a_bad_value_is_shown_unless_it_may_be_secret(monkeypatch: pytest.Monkey
     with pytest.raises(ConfigError) as exc:
         load_settings(DemoSettings)
     assert "MESHSERVE_DEMO_PORT" in str(exc.value) and "pw@" not in str(exc.value)
+
+
+def test_unknown_yaml_keys_are_an_error_with_a_suggestion(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "meshserve.yaml"
+    config.write_text("demo:\n  thread: 3\n  colour: blue\nother:\n  anything: 1\n")  # other sections: not ours
+    monkeypatch.setenv("MESHSERVE_CONFIG", str(config))
+    with pytest.raises(ConfigError) as err:
+        load_settings(DemoSettings)
+    message = str(err.value)
+    assert "section 'demo'" in message and str(config) in message
+    assert "thread (did you mean threads?)" in message and "colour" in message
+    assert "correct or remove them" in message
