@@ -131,6 +131,12 @@ async def start_server(
 
         running.on_stop.append(flush_spans)
     await running.set_serving(serving)
+    if settings.dev_token_exposed:
+        log.warning(
+            "internal_token_is_the_dev_default",
+            host=settings.host,
+            fix=f"set MESHSERVE_{settings.service.upper()}_INTERNAL_TOKEN (the same secret on every service)",
+        )
     event = "service_started" if announce else "internal_server_started"
     log.info(event, service=settings.service, host=settings.host, port=port, metrics_port=running.metrics_port)
     return running

@@ -9,6 +9,7 @@ the variable and the fix.
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -89,6 +90,17 @@ class ServiceSettings(BaseSettings):
     """Shared secret that internal hops carry; workers and the router refuse calls without it."""
     shutdown_grace_s: float = Field(default=10.0, ge=0)
     """On SIGTERM: seconds to let in-flight streams finish before they are cancelled."""
+
+    @property
+    def dev_token_exposed(self) -> bool:
+        """Whether this service listens beyond loopback with the well-known development internal
+        token: anyone who can reach the port can then call it as the mesh would."""
+        if self.internal_token != DEFAULT_INTERNAL_TOKEN or self.host == "localhost":
+            return False
+        try:
+            return not ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:  # a host name: it may resolve beyond loopback
+            return True
 
     @classmethod
     def settings_customise_sources(

@@ -93,3 +93,20 @@ def test_unknown_yaml_keys_are_an_error_with_a_suggestion(tmp_path: Path, monkey
     assert "section 'demo'" in message and str(config) in message
     assert "thread (did you mean threads?)" in message and "colour" in message
     assert "correct or remove them" in message
+
+
+@pytest.mark.parametrize(
+    ("host", "token", "exposed"),
+    [
+        ("127.0.0.1", None, False),
+        ("::1", None, False),
+        ("localhost", None, False),
+        ("0.0.0.0", None, True),
+        ("::", None, True),
+        ("gateway", None, True),  # a host name may resolve beyond loopback
+        ("0.0.0.0", "a-real-secret", False),
+    ],
+)
+def test_dev_token_exposed_beyond_loopback(host: str, token: str | None, exposed: bool) -> None:
+    settings = DemoSettings(host=host, **({"internal_token": token} if token else {}))
+    assert settings.dev_token_exposed is exposed
