@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.cache.connection import redis_from_url
 from services.common.settings import StreamingSettings
 from services.gateway.auth import parse_api_keys
 from services.gateway.policy import PolicyBook, TenantPolicy
@@ -45,6 +46,10 @@ class GatewaySettings(StreamingSettings):
     """Upper bound on a Generate/Complete/ListModels call's deadline, whatever the caller asked for."""
     max_chat_deadline_s: float = Field(default=3600.0, gt=0)
     """Upper bound on a whole Chat session's deadline (all its turns), whatever the caller asked for."""
+    access_log: bool = True
+    """One `request_done` log line per call (method, status, tier, worker, tokens, TTFT, duration)."""
+    log_prompts: bool = False
+    """Debugging only: the access log line also carries the call's prompts (each clipped to 2,000 chars)."""
     max_prompt_chars: int = Field(default=32_000, ge=1)
     """Longest accepted prompt (Generate) or total message text of one chat turn, in characters."""
     max_tokens_limit: int = Field(default=4096, ge=1)
@@ -59,7 +64,8 @@ class GatewaySettings(StreamingSettings):
     """Longest accepted model id."""
 
     redis_url: str = ""
-    """Redis of the API-key store and the rate limiter ("" = neither: static keys/JWT only, no limits)."""
+    """Redis of the API-key store and the rate limiter ("" = neither: static keys/JWT only, no limits):
+    redis://host:port/db, rediss://..., redis+sentinel://h:26379/master[/db] or redis+cluster://h:7000."""
     redis_timeout_s: float = Field(default=0.25, gt=0)
     """Timeout of one Redis call of the key store or the limiter."""
     redis_max_connections: int = Field(default=128, ge=1)
@@ -132,6 +138,13 @@ class GatewaySettings(StreamingSettings):
     @classmethod
     def _check_policies(cls, value: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
         PolicyBook(TenantPolicy(), value)  # raises ValueError naming the bad field
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str) -> str:
+        if value:
+            redis_from_url(value, 1.0)  # raises ValueError with the fix for a malformed URL (connects to nothing)
         return value
 
     @field_validator("api_keys")

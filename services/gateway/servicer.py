@@ -10,11 +10,9 @@ becomes the matching domain error for the caller (:mod:`services.gateway.errors`
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -26,7 +24,6 @@ from services.common import tracing
 from services.common.coalesce import coalesced
 from services.common.errors import DeadlineExceeded, MeshError
 from services.common.interceptors import outbound_metadata
-from services.common.metrics import INTER_TOKEN, REQUEST_DURATION, TOKENS, TTFT
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.pending_admission import PENDING_ADMISSION, SPECULATIVE
@@ -36,18 +33,12 @@ from services.gateway.config import GatewaySettings
 from services.gateway.errors import from_router_error
 from services.gateway.identity import Identity
 from services.gateway.local_router import LocalRouter
+from services.gateway.observe import observe
 from services.gateway.validation import Limits, validate_chat_request, validate_generate
 
-SERVICE = "gateway"
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _END = object()
 _Frame = TypeVar("_Frame", pb.GenerateResponse, pb.ChatResponse)
-
-
-def _tier_label(tier: int) -> str:
-    return (
-        pb.Tier.Name(pb.Tier.ValueType(tier)).removeprefix("TIER_").lower() if tier in pb.Tier.values() else "unknown"
-    )
 
 
 def _merge(first: _Frame, then: _Frame) -> _Frame | None:
@@ -76,67 +67,6 @@ def _on_rpc_end(context: grpc.aio.ServicerContext, call: Any, settle: Callable[[
         settle()
 
     context.add_done_callback(ended)
-
-
-class _Observed:
-    """Latency and token metrics of one call; the tier label is known only from the final frame."""
-
-    def __init__(self) -> None:
-        self.start = self.turn_start = time.perf_counter()
-        self.ttfts: list[float] = []
-        self.gaps: list[float] = []
-        self.last: float | None = None
-        self.tier = "unknown"
-        self.status = "OK"
-
-    def turn_started(self) -> None:
-        self.turn_start, self.last = time.perf_counter(), None
-
-    def frame(self, token_ids: int, final: pb.Final | None, ticket: Ticket | None = None) -> None:
-        now = time.perf_counter()
-        if ticket is not None:
-            ticket.completion_seen += token_ids
-            if final is not None:
-                ticket.used = final.usage.prompt_tokens + final.usage.completion_tokens
-        if token_ids:
-            if self.last is None:
-                self.ttfts.append(now - self.turn_start)
-            else:
-                self.gaps.append(now - self.last)
-            self.last = now
-        if final is not None:
-            self.tier = _tier_label(final.route.tier)
-            TOKENS.labels(SERVICE, self.tier, "input").inc(final.usage.prompt_tokens)
-            TOKENS.labels(SERVICE, self.tier, "output").inc(final.usage.completion_tokens)
-
-    def record(self) -> None:
-        if self.ttfts:
-            ttft = TTFT.labels(SERVICE, self.tier)
-            for value in self.ttfts:
-                ttft.observe(value)
-        if self.gaps:
-            inter = INTER_TOKEN.labels(SERVICE, self.tier)
-            for gap in self.gaps:
-                inter.observe(gap)
-        REQUEST_DURATION.labels(SERVICE, self.tier, self.status).observe(time.perf_counter() - self.start)
-
-
-@contextlib.contextmanager
-def _observe() -> Iterator[_Observed]:
-    observed = _Observed()
-    try:
-        yield observed
-    except MeshError as exc:
-        observed.status = exc.code
-        raise
-    except (asyncio.CancelledError, GeneratorExit):
-        observed.status = "CANCELLED"
-        raise
-    except BaseException:
-        observed.status = "INTERNAL"
-        raise
-    finally:
-        observed.record()
 
 
 class GatewayServicer(inference_pb2_grpc.InferenceServicer):
@@ -254,7 +184,8 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        with _observe() as observed:
+        with observe("Generate", self._settings) as observed:
+            observed.prompt(request.prompt)
             request_id, identity = await self._admit(context, "Generate")
             timeout = self._timeout(context, self._settings.default_deadline_s)
             admission = await self._reservation(identity, request, stream_ttl_s=timeout)
@@ -282,7 +213,8 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                 self._settle_once_admitted(admission)
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        with _observe() as observed:
+        with observe("Complete", self._settings) as observed:
+            observed.prompt(request.prompt)
             request_id, identity = await self._admit(context, "Complete")
             timeout = self._timeout(context, self._settings.default_deadline_s)
             admission = await self._reservation(identity, request, stream_ttl_s=None)
@@ -304,7 +236,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
-        with _observe():
+        with observe("ListModels", self._settings):
             await self._admit(context, "ListModels")
             call = self._router.ListModels(
                 request, metadata=self._metadata(), timeout=self._timeout(context, self._settings.default_deadline_s)
@@ -325,7 +257,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         Both feed one queue so a validation error, a router error and a router frame reach the
         caller in the order they happened; leaving this generator for any reason cancels both.
         """
-        with _observe() as observed:
+        with observe("Chat", self._settings) as observed:
             request_id, identity = await self._admit(context, "Chat", send_headers=True)
             policy = self._gate.policy(identity)
             timeout = self._timeout(context, self._settings.default_chat_deadline_s, self._settings.max_chat_deadline_s)
@@ -349,6 +281,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                             turn = frame.turn
                             texts = [m.content for m in turn.messages]
                             turns.append(await self._gate.admit(identity, policy, texts, turn.sampling.max_tokens))
+                            observed.prompt(*texts)
                             turn.routing.priority = min(turn.routing.priority, policy.priority)
                             observed.turn_started()
                         await call.write(frame)
