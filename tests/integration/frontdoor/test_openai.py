@@ -254,3 +254,32 @@ async def test_unreadable_bodies_are_400_through_envoy(stack: Stack) -> None:
             async with session.post(url, data=data, headers={**headers, **more}) as reply:
                 assert reply.status == 400  # both were 500
                 assert (await reply.json())["error"]["type"] == "invalid_request_error"
+
+
+async def _raw_http(address: str, request: bytes) -> tuple[int, dict[str, object]]:
+    """Send bytes no HTTP client library would send; returns Envoy's status and JSON body."""
+    host, port = address.rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower()
+    return int(head.split()[1]), json.loads(body)
+
+
+async def test_envoys_own_replies_are_openai_error_json(stack: Stack) -> None:
+    """Replies Envoy makes itself (before any adapter sees the request) were text/plain."""
+    big = b"x-big: " + b"a" * 70_000 + b"\r\n"  # over Envoy's 60 KiB of headers
+    status, body = await _raw_http(stack.door.address, b"GET /v1/models HTTP/1.1\r\nhost: x\r\n" + big + b"\r\n")
+    assert status == 431 and body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    conflicting = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\ncontent-length: 5\r\n\r\n"
+    status, body = await _raw_http(stack.door.address, conflicting + b"0\r\n\r\n")
+    assert status == 400 and body["error"]["message"]  # type: ignore[index]
+    status, body = await _raw_http(stack.door.address, b"GET /nothing HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+    assert status == 404 and body == {
+        "error": {"message": "no such path; the API lives under /v1/", "type": "not_found_error"}
+    }

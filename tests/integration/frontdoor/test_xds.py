@@ -71,3 +71,21 @@ async def test_a_dead_gateway_leaves_rotation_by_health_check() -> None:
     finally:
         await a.stop()
         await b.stop()
+
+
+async def test_envoys_own_reply_to_a_grpc_caller_is_a_plain_grpc_status() -> None:
+    """With no healthy gateway Envoy answers itself: gRPC callers get UNAVAILABLE with Envoy's text
+    (HTTP callers get OpenAI error JSON, see test_openai.py; that formatting must not leak into gRPC)."""
+    a = await start_named_gateway("gateway-a")
+    addr_a = f"127.0.0.1:{a.port}"
+    try:
+        async with FrontDoor([addr_a], sink) as door, grpc.aio.insecure_channel(door.address) as channel:
+            await a.stop()
+            await door.envoy.wait_until(lambda hosts: hosts.get(addr_a) is False, GRPC_CLUSTER, 15.0)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await inference_pb2_grpc.InferenceStub(channel).ListModels(pb.ListModelsRequest())
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            details = info.value.details() or ""
+            assert details and not details.startswith("{")
+    finally:
+        await a.stop()
