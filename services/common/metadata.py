@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 REQUEST_ID = "x-request-id"
 TENANT = "x-meshserve-tenant"
 INTERNAL_TOKEN = "x-meshserve-internal-token"
@@ -9,3 +11,16 @@ RETRY_AFTER_MS = "retry-after-ms"
 API_KEY = "x-api-key"
 AUTHORIZATION = "authorization"
 KEY_ID = "x-meshserve-key-id"
+
+DEFAULT_RETRY_AFTER_MS = 1000
+"""The retry delay assumed when a RESOURCE_EXHAUSTED status carries none (or an unreadable one)."""
+
+
+def retry_after_ms(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> int:
+    """The ``retry-after-ms`` delay in a call's trailing metadata (``DEFAULT_RETRY_AFTER_MS`` if absent
+    or not a whole number of milliseconds)."""
+    for key, value in trailing_metadata or ():
+        if key == RETRY_AFTER_MS:
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            return int(text) if text.isdigit() else DEFAULT_RETRY_AFTER_MS
+    return DEFAULT_RETRY_AFTER_MS

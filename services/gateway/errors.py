@@ -31,16 +31,6 @@ def _one_line(text: str | None, fallback: str) -> str:
     return line[:_MAX_DETAIL_CHARS] if line else fallback
 
 
-def _retry_after_ms(exc: grpc.aio.AioRpcError) -> int:
-    for key, value in exc.trailing_metadata() or ():
-        if key == md.RETRY_AFTER_MS:
-            try:
-                return int(value)
-            except (TypeError, ValueError):
-                break
-    return 1000
-
-
 def from_router_error(exc: grpc.aio.AioRpcError) -> MeshError:
     """The domain error for a failed router call (logged when it is not the caller's fault)."""
     code = exc.code()
@@ -51,7 +41,7 @@ def from_router_error(exc: grpc.aio.AioRpcError) -> MeshError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ResourceExhausted(
             _one_line(exc.details(), "the mesh is at capacity; retry after the retry-after-ms delay"),
-            retry_after_ms=_retry_after_ms(exc),
+            retry_after_ms=md.retry_after_ms(exc.trailing_metadata()),
         )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(

@@ -79,11 +79,9 @@ def domain_error(exc: grpc.aio.AioRpcError) -> errors.MeshError:
     """The domain error to raise to our caller for a worker status (worker text is not passed on)."""
     code = exc.code()
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        retry_ms = 1000
-        for key, value in exc.trailing_metadata() or ():
-            if key == md.RETRY_AFTER_MS and isinstance(value, str) and value.isdigit():
-                retry_ms = int(value)
-        return errors.ResourceExhausted("the workers are overloaded; retry shortly", retry_ms)
+        return errors.ResourceExhausted(
+            "the workers are overloaded; retry shortly", md.retry_after_ms(exc.trailing_metadata())
+        )
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return errors.DeadlineExceeded("the request's deadline passed before generation finished")
     if code == grpc.StatusCode.CANCELLED:
