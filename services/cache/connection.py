@@ -56,16 +56,24 @@ def _hosts(netloc: str, default_port: int) -> tuple[str | None, list[tuple[str, 
 
 
 def redis_from_url(
-    url: str, timeout_s: float, *, max_connections: int = 64, read_timeout_s: float | None = None
+    url: str,
+    timeout_s: float,
+    *,
+    max_connections: int = 64,
+    read_timeout_s: float | None = None,
+    client_name: str | None = None,
 ) -> AnyRedis:
     """A client for ``url`` (see the module docstring); raises ValueError for a malformed URL.
 
     ``read_timeout_s`` sets a socket read timeout for callers that do not bound calls themselves.
+    ``max_connections`` bounds the pool (per node on Cluster): a call beyond it fails at once.
+    ``client_name`` is set on every connection (CLIENT LIST).
     """
     common: dict[str, Any] = dict(
         socket_timeout=read_timeout_s,
         socket_connect_timeout=timeout_s,
         retry=Retry(NoBackoff(), 0),
+        client_name=client_name,
     )
     parts = urlsplit(url)
     if parts.scheme == CLUSTER_SCHEME:
@@ -83,7 +91,9 @@ def redis_from_url(
             raise ValueError("a Sentinel URL must name the master: redis+sentinel://host:26379/mymaster[/db]")
         db = int(path[1]) if len(path) > 1 else 0
         sentinel = Sentinel(hosts, sentinel_kwargs={"socket_timeout": timeout_s}, **common)
-        return sentinel.master_for(path[0], redis_class=_SentinelMaster, db=db, password=password)
+        return sentinel.master_for(
+            path[0], redis_class=_SentinelMaster, db=db, password=password, max_connections=max_connections
+        )
     if parts.scheme not in ("redis", "rediss", "unix"):
         raise ValueError(
             f"unsupported Redis URL scheme {parts.scheme!r}; use redis://, rediss://, unix://, "

@@ -6,11 +6,9 @@ import asyncio
 import sys
 
 import grpc
-import redis.asyncio as aioredis
 import structlog
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
+from services.cache.connection import AnyRedis, redis_from_url
 from services.cache.pipelined import PipelinedRedis, supports
 from services.common.errors import ConfigError
 from services.common.logging import configure_logging
@@ -33,17 +31,17 @@ from services.router.config import RouterSettings
 log = structlog.get_logger(__name__)
 
 
-def redis_client(url: str, timeout_s: float, max_connections: int = 128) -> aioredis.Redis:
-    """A Redis client with short timeouts, no retries (an outage must cost one timeout) and a bounded
-    pool: a call that finds ``max_connections`` calls in flight fails at once, like an unreachable
+def redis_client(url: str, timeout_s: float, max_connections: int = 128) -> AnyRedis:
+    """A Redis client for ``url`` (one server, ``redis+sentinel://`` or ``redis+cluster://``; see
+    services/cache/connection.py) with short timeouts, no retries (an outage must cost one timeout) and a
+    bounded pool: a call that finds ``max_connections`` calls in flight fails at once, like an unreachable
     Redis (the limiter's failure mode applies). Not a blocking pool: waiting for a free connection
     costs every admission ~20 µs more (a condition and a timer per call), on the path to the first token.
     """
-    return aioredis.Redis.from_url(
+    return redis_from_url(
         url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry=Retry(NoBackoff(), 0),
+        timeout_s,
+        read_timeout_s=timeout_s,
         max_connections=max_connections,
         client_name="meshserve-gateway",  # who is who in CLIENT LIST
     )

@@ -15,9 +15,9 @@ import sys
 import time
 from collections.abc import Sequence
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.cache.connection import redis_from_url
 from services.gateway.keystore import KeyRecord, KeyStore
 from services.gateway.policy import POLICY_FIELDS
 
@@ -77,7 +77,7 @@ def _row(record: KeyRecord) -> dict[str, object]:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    client = aioredis.Redis.from_url(args.redis_url, socket_timeout=5.0, socket_connect_timeout=5.0)
+    client = redis_from_url(args.redis_url, 5.0, read_timeout_s=5.0)  # ValueError (exit 2) for a malformed URL
     store = KeyStore(client)
     try:
         if args.keys_command == "create":

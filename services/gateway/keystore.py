@@ -19,8 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
+from services.cache.connection import AnyRedis
 from services.cache.gateway_keys import api_key_id, api_key_id_pattern, api_key_record
 from services.gateway import scopes as api_scopes
 from services.gateway.policy import TenantPolicy
@@ -96,7 +97,7 @@ def key_id_of(key: str) -> str | None:
 class KeyStore:
     """Async access to the key records; the same code serves the gateway and the CLI."""
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: AnyRedis) -> None:
         self._client = client
 
     async def create(
@@ -130,7 +131,10 @@ class KeyStore:
             expires_at=now + ttl_s if ttl_s else 0.0,
             name=name,
         )
-        async with self._client.pipeline(transaction=True) as pipe:
+        # On Cluster the two keys are in different slots, which MULTI cannot span; without it a crash
+        # midway leaves one key: a record whose plaintext nobody was shown, or an id `list` skips.
+        cluster = isinstance(self._client, RedisCluster)
+        async with self._client.pipeline(transaction=not cluster) as pipe:
             pipe.hset(api_key_record(record.digest), mapping=record.to_redis())
             pipe.set(api_key_id(key_id), record.digest)
             await pipe.execute()

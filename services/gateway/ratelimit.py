@@ -25,11 +25,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import redis.asyncio as aioredis
 import structlog
 from prometheus_client import Counter
 from redis.exceptions import RedisError
 
+from services.cache.connection import AnyRedis
 from services.cache.gateway_keys import rate_limit_keys
 from services.cache.pipelined import PipelinedRedis
 from services.common.errors import ResourceExhausted, Unavailable
@@ -142,7 +142,7 @@ class RateLimiter:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: AnyRedis,
         *,
         failure_mode: FailureMode = "open",
         retry_after_s: float = 1.0,
@@ -250,8 +250,10 @@ class RateLimiter:
             # Idle pooled connections opened before the outage are dead too; drop them so the first
             # calls after Redis returns do not fail one by one on stale sockets. Not the ones in use:
             # redis-py fails a command whose socket is closed under it with an AttributeError.
-            with contextlib.suppress(RedisError, OSError):
-                await self._client.connection_pool.disconnect(inuse_connections=False)
+            pool = getattr(self._client, "connection_pool", None)  # a Cluster client re-maps its nodes itself
+            if pool is not None:
+                with contextlib.suppress(RedisError, OSError):
+                    await pool.disconnect(inuse_connections=False)
             if self._pipelined is not None:
                 self._pipelined.disconnect()
 

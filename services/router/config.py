@@ -8,6 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from services.cache.connection import redis_from_url
 from services.common.settings import StreamingSettings, default_models_dir
 from services.models.paths import DEFAULT_MODEL_ID, model_paths
 
@@ -26,7 +27,8 @@ class RouterSettings(StreamingSettings):
     cloud_workers: WorkerList = Field(default_factory=list)
     """Cloud (GPU) worker replicas as comma-separated host:port (one entry per TP group's rank 0)."""
     redis_url: str = ""
-    """Redis for the response cache (redis://host:port/db); empty disables the cache."""
+    """Redis for the response cache (redis://host:port/db, redis+sentinel://h:26379/master[/db] or
+    redis+cluster://h:7000); empty disables the cache."""
     model_id: str = DEFAULT_MODEL_ID
     """Id of the served model (ListModels, cache keys); requests naming another model are refused."""
     models_dir: Path = Field(default_factory=default_models_dir)
@@ -95,6 +97,13 @@ class RouterSettings(StreamingSettings):
     probe_timeouts_to_down: int = Field(default=3, ge=1, le=100)
     """A healthy worker is marked down after this many probes in a row time out (1 = the first).
     Refused connections and NOT_SERVING mark it down at once; stalled streams eject it at once."""
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str) -> str:
+        if value:
+            redis_from_url(value, 1.0)  # raises ValueError with the fix for a malformed URL (connects to nothing)
+        return value
 
     @field_validator("edge_workers", "cloud_workers", mode="before")
     @classmethod

@@ -39,3 +39,34 @@ def test_a_chat_cap_above_the_generate_cap_is_accepted(monkeypatch: pytest.Monke
     settings = load_settings(GatewaySettings)
     chat = (settings.default_chat_deadline_s, settings.max_chat_deadline_s)
     assert chat == (3600, 7200) and settings.max_deadline_s == 600
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://127.0.0.1:6379/0",
+        "rediss://:pw@redis.example:6380/1",
+        "redis+sentinel://s1:26379,s2:26379/mymaster/2",
+        "redis+cluster://10.0.0.1:7000,10.0.0.2:7001",
+        "",  # no Redis: static keys / JWT only
+    ],
+)
+def test_redis_urls_of_every_kind_are_accepted(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    monkeypatch.setenv("MESHSERVE_GATEWAY_REDIS_URL", url)
+    assert load_settings(GatewaySettings).redis_url == url
+
+
+@pytest.mark.parametrize(
+    ("url", "fix"),
+    [
+        ("redis+sentinel://s1:26379", "must name the master"),
+        ("127.0.0.1:6379", "unsupported Redis URL scheme"),
+        ("http://redis:6379", "unsupported Redis URL scheme"),
+        ("redis+cluster://h:notaport", "host:port"),
+    ],
+)
+def test_a_malformed_redis_url_is_a_config_error(monkeypatch: pytest.MonkeyPatch, url: str, fix: str) -> None:
+    monkeypatch.setenv("MESHSERVE_GATEWAY_REDIS_URL", url)
+    with pytest.raises(ConfigError, match="MESHSERVE_GATEWAY_REDIS_URL") as err:
+        load_settings(GatewaySettings)
+    assert fix in str(err.value)

@@ -54,3 +54,20 @@ def test_tenant_maps_parse_and_explain_mistakes() -> None:
             assert "tenant:" in str(exc)
         else:
             raise AssertionError(f"{field}={bad!r} must be refused")
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://127.0.0.1:6379/0", "redis+sentinel://s1:26379/mymaster", "redis+cluster://10.0.0.1:7000", ""]
+)
+def test_redis_urls_of_every_kind_are_accepted(url: str) -> None:
+    assert load_settings(RouterSettings, edge_workers="127.0.0.1:1", redis_url=url).redis_url == url
+
+
+@pytest.mark.parametrize(
+    ("url", "fix"),
+    [("redis+sentinel://s1:26379", "must name the master"), ("localhost:6379", "unsupported Redis URL scheme")],
+)
+def test_a_malformed_redis_url_is_a_config_error(url: str, fix: str) -> None:
+    with pytest.raises(ConfigError, match="MESHSERVE_ROUTER_REDIS_URL") as err:
+        load_settings(RouterSettings, edge_workers="127.0.0.1:1", redis_url=url)
+    assert fix in str(err.value)
