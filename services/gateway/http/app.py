@@ -168,7 +168,8 @@ class OpenAIApp:
             request_id = await _request_id(call)
             if not parsed.stream:
                 text, final = await _collect(first, frames)
-                return web.json_response(oa.chat_completion(request_id, parsed.model, text, final))
+                body = oa.chat_completion(request_id, parsed.model, text, final)
+                return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
             response = await _sse_start(request, request_id)
             role = {"role": "assistant", "content": ""}
@@ -198,7 +199,8 @@ class OpenAIApp:
         metadata = self._metadata(request)
         if not parsed.stream:
             reply = await self._gateway.Complete(generate, metadata=metadata)
-            return web.json_response(oa.completion(reply.request_id, parsed.model, reply.text, reply.final))
+            body = oa.completion(reply.request_id, parsed.model, reply.text, reply.final)
+            return web.json_response(body, headers={md.REQUEST_ID: reply.request_id})
         call = self._gateway.Generate(generate, metadata=metadata)
         try:
             ids: list[str] = []  # the gateway sends x-request-id in every frame (and its trailers)

@@ -283,3 +283,15 @@ async def test_envoys_own_replies_are_openai_error_json(stack: Stack) -> None:
     assert status == 404 and body == {
         "error": {"message": "no such path; the API lives under /v1/", "type": "not_found_error"}
     }
+
+
+async def test_every_answer_carries_the_request_id_header(client: openai.AsyncOpenAI) -> None:
+    """The `openai` package reads x-request-id into `_request_id`; only streamed answers had it."""
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Say hello"}]
+    chat = await client.chat.completions.create(model=MODEL, messages=messages)
+    assert chat._request_id and chat.id == f"chatcmpl-{chat._request_id}"
+    completion = await client.completions.create(model=MODEL, prompt="Once upon")
+    assert completion._request_id and completion.id == f"cmpl-{completion._request_id}"
+    stream = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
+    assert stream.response.headers["x-request-id"]
+    await stream.close()
