@@ -87,6 +87,7 @@ async def bench_responses(url: str, n: int) -> dict[str, object]:
     key = response_key(
         model_id="bench",
         model_version="v",
+        tier="edge",
         tokenizer_id="t",
         sampling=SamplingSpec(max_tokens=128),
         prompt_ids=list(range(40)),

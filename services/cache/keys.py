@@ -19,8 +19,12 @@ Every cache key has the form::
 * suffix ``e:<sha256>`` an entry (response or KV block), ``ix`` / ``sz`` / ``used`` the scope's
   byte ledger (see ledger.py).
 
-Response entry hash: SHA-256 over length-prefixed fields (model id, version, tokenizer
-fingerprint, canonical sampling JSON, tenant salt, prompt ids as little-endian uint32).
+Response entry hash (layout ``RESPONSE_LAYOUT`` = 2): SHA-256 over length-prefixed fields (the
+layout marker ``response/2``, model id, version, serving tier, tokenizer fingerprint, canonical
+sampling JSON, tenant salt, prompt ids as little-endian uint32). The tier is there because the
+tiers run different weights under one model id (edge: the INT4 student; cloud: the teacher), so
+one request has one answer per tier. Layout 1 had no marker and no tier: its entries are never
+read again and expire by TTL.
 KV block hash (the vLLM chain): SHA-256(parent block hash, model id, version, tenant salt, block
 tokens); the first block's parent is 32 zero bytes.
 """
@@ -39,6 +43,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 NAMESPACE = "meshserve:v1"
+RESPONSE_LAYOUT = 2
+"""Layout of the response entry hash; bump it when its fields change (old entries then simply miss)."""
 RESPONSE_PREFIX = f"{NAMESPACE}:{{r|"
 STATS_KEY = f"{NAMESPACE}:{{stats}}:counters"
 """Hash of lookup/store counters by ``<kind>:<result>`` (flushed by every cache user)."""
@@ -165,16 +171,25 @@ def response_key(
     *,
     model_id: str,
     model_version: str,
+    tier: str,
     tokenizer_id: str,
     sampling: SamplingSpec,
     prompt_ids: Sequence[int],
     tenant: str,
     shareable: bool = False,
 ) -> str:
-    """Redis key of the cached response to exactly this request (see the module docstring)."""
+    """Redis key of the cached response to exactly this request (see the module docstring).
+
+    ``tier`` names the weights that produce the answer (``"edge"`` or ``"cloud"``): the router
+    looks up under the tier its routing decision picks and stores under the tier that served.
+    """
+    if not tier:
+        raise ValueError("tier is empty; pass the serving tier whose weights produce the answer, e.g. 'edge'")
     h = hashlib.sha256()
+    _field(h, f"response/{RESPONSE_LAYOUT}".encode())
     _field(h, model_id.encode())
     _field(h, model_version.encode())
+    _field(h, tier.encode())
     _field(h, tokenizer_id.encode())
     _field(h, json.dumps(sampling.canonical(), sort_keys=True, separators=(",", ":")).encode())
     _field(h, tenant_salt(tenant, shareable))

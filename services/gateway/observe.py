@@ -69,7 +69,8 @@ class Observed:
                 self.gaps.append(now - self.last)
             self.last = now
         if final is not None:
-            self.tier = _tier_label(final.route.tier)
+            # A hit names the tier whose answer it replays; its latency is the cache's, not that tier's.
+            self.tier = "cache" if final.route.cache_hit else _tier_label(final.route.tier)
             self.worker, self.reason = final.route.worker_id, final.route.reason
             self.prompt_tokens += final.usage.prompt_tokens
             self.completion_tokens += final.usage.completion_tokens

@@ -20,11 +20,11 @@ import time
 from collections.abc import AsyncGenerator, Collection, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import replace
+from functools import partial
 
 import grpc
 import structlog
 
-from services.cache.keys import response_key
 from services.cache.store import ResponseCache
 from services.common import errors, tracing
 from services.common.interceptors import outbound_metadata
@@ -34,6 +34,7 @@ from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.pending_admission import refusal, speculative_admission, wait_admitted
 from services.common.tokenizer import Tokenizer
 from services.router.admission import Admission, Ticket
+from services.router.answers import AnswerKeys
 from services.router.collapse import Collapser
 from services.router.metrics import COLLAPSED, FAILOVERS, REPLICA_DECISIONS, RETRIES, ROUTE_DECISIONS
 from services.router.policy import (
@@ -46,7 +47,17 @@ from services.router.policy import (
     prefix_blocks,
 )
 from services.router.registry import Registry, Replica
-from services.router.turn import Chunk, Done, Route, Session, TurnRequest, _Progress, store_response
+from services.router.turn import (
+    Chunk,
+    Done,
+    KeyFor,
+    Route,
+    Session,
+    TurnRequest,
+    _Progress,
+    cached_turn,
+    store_response,
+)
 from services.router.worker_stream import (
     RESUMABLE,
     RETRYABLE,
@@ -103,34 +114,22 @@ class Router:
         self._policy = policy
         self._block = block_tokens
         self._stall_s = stall_timeout_s
-        self._collapse = collapse
+        self.keys = AnswerKeys(model_id, model_version, tokenizer.fingerprint, cache, collapse)
         self._tenant_tiers = {t: {TierName(x) for x in tiers} for t, tiers in (tenant_tiers or {}).items()}
         self._rr = RoundRobin()
         self.collapser: Collapser[Chunk | Done] = Collapser()
 
-    def _key(self, req: TurnRequest) -> str:
-        return response_key(
-            model_id=self.model_id,
-            model_version=self.model_version,
-            tokenizer_id=self.tokenizer.fingerprint,
-            sampling=req.sampling,
-            prompt_ids=req.prompt_ids,
-            tenant=req.tenant,
-            shareable=req.shareable,
-        )
-
-    def cache_key(self, req: TurnRequest) -> str | None:
-        """The response-cache key of ``req``, or None when it must not use the cache."""
-        if not (req.use_cache and self.cache.enabled and req.sampling.deterministic):
-            return None
-        return self._key(req)
-
-    def collapse_key(self, req: TurnRequest, session: Session) -> str | None:
-        """Identical deterministic requests that may share the caches may share one computation."""
-        if not (self._collapse and req.use_cache and req.sampling.deterministic) or session.chat:
-            return None
-        hint = req.hint.value if req.hint else "auto"
-        return f"{self._key(req)}:{hint}"
+    def answer_tier(self, req: TurnRequest, session: Session) -> TierName:
+        """The tier whose weights will answer ``req``, decided before the cache lookup: a chat's current
+        worker's tier, else the routing decision (tenant tiers, hint, length, health, load). With no
+        usable worker at all, the tier the request prefers: a cached answer still serves then."""
+        if session.stream is not None and session.choice is not None:
+            return session.choice.tier
+        try:
+            return self.choose(req, ()).tier
+        except errors.Unavailable:
+            tiers = self._tenant_tiers.get(req.tenant)
+            return choose_tier(len(req.prompt_ids), req.hint, tiers or set(TierName), self._edge_max, (), tiers).tier
 
     def choose(self, req: TurnRequest, exclude: Sequence[Replica]) -> TierChoice:
         """The tier: by policy over tiers with a healthy replica not in ``exclude``."""
@@ -175,21 +174,19 @@ class Router:
     ) -> AsyncGenerator[Chunk | Done, None]:
         """Serve one generation: from the cache, by joining an identical one in flight, else a worker."""
         started = time.perf_counter()
-        key = self.cache_key(req)
-        if key is not None:
-            with tracing.span("router.cache_lookup") as lookup:
-                hit = await self.cache.get(key)
-                lookup.set_attribute("meshserve.cache.hit", hit is not None)
-            if hit is not None:
-                ROUTE_DECISIONS.labels("none", "cache_hit").inc()
-                TTFT.labels(SERVICE, "cache").observe(time.perf_counter() - started)
-                yield Chunk(hit.token_ids, hit.text)
-                route = Route(None, "", True, "cache_hit")
-                yield Done(int(hit.finish), len(req.prompt_ids), hit.completion_tokens, route)
-                return
-        ckey = self.collapse_key(req, session)
+        tier = self.answer_tier(req, session) if req.use_cache and req.sampling.deterministic else None
+        key = self.keys.cache_key(req, tier) if tier is not None else None
+        # Stored under the tier that served, which a retry or fallback may have changed.
+        key_for = partial(self.keys.key, req) if key is not None else None
+        if key is not None and tier is not None and (hit := await cached_turn(self.cache, key, tier, req)):
+            ROUTE_DECISIONS.labels(tier.value, "cache_hit").inc()
+            TTFT.labels(SERVICE, "cache").observe(time.perf_counter() - started)
+            for event in hit:
+                yield event
+            return
+        ckey = self.keys.collapse_key(req, session, tier) if tier is not None else None
         if ckey is None:
-            async with aclosing(self._serve(req, session, cancel, key, started)) as events:
+            async with aclosing(self._serve(req, session, cancel, key_for, started)) as events:
                 async for event in events:
                     yield event
             return
@@ -197,28 +194,30 @@ class Router:
         # its error would end every waiter's stream.
         await wait_admitted()
         counted = False
-        async with aclosing(self.collapser.run(ckey, lambda: self._serve_alone(req, key, started))) as shared:
+        async with aclosing(self.collapser.run(ckey, lambda: self._serve_alone(req, key_for, started))) as shared:
             async for event, joined in shared:
                 if joined and not counted:
                     counted = True
                     COLLAPSED.inc()
                 if joined and isinstance(event, Done):
-                    tier = event.route.tier.value if event.route.tier else "none"
-                    ROUTE_DECISIONS.labels(tier, "collapsed").inc()
+                    label = event.route.tier.value if event.route.tier else "none"
+                    ROUTE_DECISIONS.labels(label, "collapsed").inc()
                     event = replace(event, route=replace(event.route, reason="collapsed"))
                 yield event
 
-    async def _serve_alone(self, req: TurnRequest, key: str | None, started: float) -> AsyncGenerator[Chunk | Done]:
+    async def _serve_alone(
+        self, req: TurnRequest, key_for: KeyFor | None, started: float
+    ) -> AsyncGenerator[Chunk | Done]:
         session = Session()
         try:
-            async with aclosing(self._serve(req, session, None, key, started)) as events:
+            async with aclosing(self._serve(req, session, None, key_for, started)) as events:
                 async for event in events:
                     yield event
         finally:
             await session.close()
 
     async def _serve(
-        self, req: TurnRequest, session: Session, cancel: asyncio.Event | None, key: str | None, started: float
+        self, req: TurnRequest, session: Session, cancel: asyncio.Event | None, key_for: KeyFor | None, started: float
     ) -> AsyncGenerator[Chunk | Done, None]:
         exclude: list[Replica] = []
         failure: errors.MeshError | None = None
@@ -254,7 +253,7 @@ class Router:
                     async with aclosing(self._relay(req, stream, choice, cancel, progress, started)) as events:
                         async for event in events:
                             if isinstance(event, Done):
-                                await store_response(self.cache, key, req, progress, event)
+                                await store_response(self.cache, key_for, req, progress, event)
                                 self.admission.release(ticket, time.perf_counter() - started)
                             yield event
                             if isinstance(event, Done):
@@ -375,6 +374,7 @@ class Router:
                         inter_token.observe(gap)
                 last = now
                 progress.tokens.extend(frame.token_ids)
+                progress.tiers.add(choice.tier)
                 progress.text.append(frame.text)
                 yield Chunk(list(frame.token_ids), frame.text)
             if frame.HasField("final"):

@@ -284,7 +284,7 @@ class _Observation:
 
     def record(self, event: Any) -> None:
         if isinstance(event, Done):
-            self.tier = event.route.tier.value if event.route.tier else "cache"
+            self.tier = "cache" if event.route.cache_hit or not event.route.tier else event.route.tier.value
             TOKENS.labels(SERVICE, self.tier, "input").inc(event.prompt_tokens)
             TOKENS.labels(SERVICE, self.tier, "output").inc(event.completion_tokens)
 

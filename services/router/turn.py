@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.cache.keys import SamplingSpec
 from services.cache.store import CachedResponse, Finish, ResponseCache
+from services.common import tracing
 from services.router.policy import TierChoice, TierName
 from services.router.worker_stream import WorkerStream
 
@@ -72,20 +73,26 @@ class _Progress:
     tokens: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     resumed: int = 0  # tokens sent before the current worker took over
+    tiers: set[TierName] = field(default_factory=set)  # tiers whose workers produced tokens
     failovers: int = 0
     first_token_at: float = 0.0
 
 
 _CACHEABLE_FINISH = {int(f) for f in Finish}
+KeyFor = Callable[[TierName], str]
+"""The response-cache key of a request answered by a tier's weights."""
 
 
 async def store_response(
-    cache: ResponseCache, key: str | None, req: TurnRequest, progress: _Progress, done: Done
+    cache: ResponseCache, key_for: KeyFor | None, req: TurnRequest, progress: _Progress, done: Done
 ) -> None:
-    """Store a finished turn's response under ``key`` (None: not cacheable). The router calls it before
-    the final frame goes out, so a repeat sent right after it hits."""
-    if key is None or done.finish_reason not in _CACHEABLE_FINISH:
+    """Store a finished turn's response under the key of the tier that served it (``key_for`` None: not
+    cacheable). A turn resumed on the other tier mid-answer mixes two models' tokens: never stored.
+    The router calls it before the final frame goes out, so a repeat sent right after it hits."""
+    tier = done.route.tier
+    if key_for is None or tier is None or done.finish_reason not in _CACHEABLE_FINISH or progress.tiers - {tier}:
         return
+    key = key_for(tier)
     response = CachedResponse(
         tuple(progress.tokens),
         "".join(progress.text),
@@ -94,3 +101,14 @@ async def store_response(
         done.completion_tokens,
     )
     await cache.put(key, response)
+
+
+async def cached_turn(cache: ResponseCache, key: str, tier: TierName, req: TurnRequest) -> tuple[Chunk, Done] | None:
+    """The answer cached under ``key`` (``tier``'s weights produced it) as a turn's events; None on a miss."""
+    with tracing.span("router.cache_lookup") as lookup:
+        hit = await cache.get(key)
+        lookup.set_attribute("meshserve.cache.hit", hit is not None)
+    if hit is None:
+        return None
+    route = Route(tier, "", True, "cache_hit")
+    return Chunk(hit.token_ids, hit.text), Done(int(hit.finish), len(req.prompt_ids), hit.completion_tokens, route)

@@ -36,6 +36,7 @@ def rkey(tenant: str, version: str = "v1", shareable: bool = False, prompt: int 
     return response_key(
         model_id="m",
         model_version=version,
+        tier="edge",
         tokenizer_id="t",
         sampling=SamplingSpec(max_tokens=2),
         prompt_ids=[prompt, 1, 2],

@@ -85,6 +85,7 @@ async def test_response_put_and_get_on_cluster(guard: Guard) -> None:
     key = response_key(
         model_id="m",
         model_version="v",
+        tier="edge",
         tokenizer_id="t",
         sampling=SamplingSpec(max_tokens=2),
         prompt_ids=[1, 2],

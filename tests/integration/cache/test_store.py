@@ -18,6 +18,7 @@ RESP = CachedResponse((5, 6, 7), " a b c", Finish.STOP, prompt_tokens=4, complet
 KEY = response_key(
     model_id="m",
     model_version="v",
+    tier="edge",
     tokenizer_id="t",
     sampling=SamplingSpec(max_tokens=3),
     prompt_ids=[1, 2, 3, 4],
@@ -100,6 +101,7 @@ def _key(tenant: str, shareable: bool = False) -> str:
     return response_key(
         model_id="m",
         model_version="v",
+        tier="edge",
         tokenizer_id="t",
         sampling=SamplingSpec(max_tokens=3),
         prompt_ids=[1, 2, 3, 4],
@@ -156,6 +158,7 @@ async def test_byte_budget_holds_and_evicts_oldest(redis_url: str) -> None:
             response_key(
                 model_id="m",
                 model_version="v",
+                tier="edge",
                 tokenizer_id="t",
                 sampling=SamplingSpec(max_tokens=40),
                 prompt_ids=[i],
@@ -175,6 +178,7 @@ async def test_byte_budget_holds_and_evicts_oldest(redis_url: str) -> None:
         other_tenant = response_key(
             model_id="m",
             model_version="v",
+            tier="edge",
             tokenizer_id="t",
             sampling=SamplingSpec(max_tokens=40),
             prompt_ids=[0],

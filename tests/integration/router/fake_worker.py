@@ -42,6 +42,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     kv_used_bytes: int = 0  # reported in Stats (the load report)
     kv_budget_bytes: int = 0
     stats_delay_s: float = 0.0  # Stats answers this late (a busy worker)
+    weights: int = 0  # which model it runs: workers of other weights answer other deterministic tokens
 
     @property
     def address(self) -> str:
@@ -54,7 +55,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         done = len(start.resume_token_ids)
         n = max(0, s.max_tokens - done)
         if s.temperature == 0 or s.HasField("seed"):
-            base = sum(start.prompt_token_ids) * 31 + (s.seed if s.HasField("seed") else 0)
+            base = sum(start.prompt_token_ids) * 31 + (s.seed if s.HasField("seed") else 0) + 500 * self.weights
             return [3 + (base + 7 * i) % 1000 for i in range(done, done + n)]
         return [random.randrange(3, 1003) for _ in range(n)]
 

@@ -22,6 +22,7 @@ def key(**over: Any) -> str:
     args: dict[str, Any] = dict(
         model_id="m",
         model_version="v1",
+        tier="edge",
         tokenizer_id="tok",
         sampling=SamplingSpec(max_tokens=16),
         prompt_ids=[1, 2, 3],
@@ -86,6 +87,7 @@ def test_kv_chain_keys() -> None:
     [
         {"model_id": "other"},
         {"model_version": "v2"},
+        {"tier": "cloud"},
         {"tokenizer_id": "tok2"},
         {"prompt_ids": [1, 2, 4]},
         {"prompt_ids": [1, 2, 3, 0]},
@@ -96,6 +98,23 @@ def test_kv_chain_keys() -> None:
 )
 def test_every_input_changes_the_key(change: dict[str, Any]) -> None:
     assert key(**change) != key()
+
+
+def test_each_tier_has_its_own_entry_in_the_same_scope() -> None:
+    """Edge (INT4 student) and cloud (teacher) run different weights under one model id: one request
+    has one answer per tier, so the tier is in the entry hash; the scope (flush, ledger, slot) is shared."""
+    edge, cloud = key(tier="edge"), key(tier="cloud")
+    assert edge != cloud
+    assert edge == key(tier="edge") and cloud == key(tier="cloud")
+    assert key(tier="cloud", shareable=True) != key(tier="edge", shareable=True)
+    assert scope_of(edge) == scope_of(cloud)
+    assert edge.rsplit(":", 1)[0] == cloud.rsplit(":", 1)[0]  # same hash tag: same Cluster slot
+    assert key(model_version="v1e", tier="dge") != key(model_version="v1", tier="edge")
+
+
+def test_tier_is_required() -> None:
+    with pytest.raises(ValueError, match="tier is empty"):
+        key(tier="")
 
 
 def test_tenant_salt_unless_shareable() -> None:

@@ -1,0 +1,94 @@
+"""An answer's names include the tier whose weights produce it; a finished turn is stored under the tier
+that served it (fakes for the cache: the real router + Redis are in tests/integration/router/test_cache_tiers.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.cache.keys import SamplingSpec, scope_of
+from services.cache.store import CachedResponse, Finish
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.router.answers import AnswerKeys
+from services.router.policy import TierName
+from services.router.turn import Done, Route, Session, TurnRequest, _Progress, store_response
+
+EDGE, CLOUD = TierName.EDGE, TierName.CLOUD
+
+
+@dataclass
+class FakeCache:
+    enabled: bool = True
+    puts: list[tuple[str, CachedResponse]] = field(default_factory=list)
+
+    async def put(self, key: str, response: CachedResponse) -> None:
+        self.puts.append((key, response))
+
+
+def keys(cache: FakeCache | None = None, collapse: bool = True) -> AnswerKeys:
+    return AnswerKeys("m", "v1", "tok", cache or FakeCache(), collapse)  # type: ignore[arg-type]
+
+
+def turn(**over: Any) -> TurnRequest:
+    args: dict[str, Any] = dict(
+        prompt_ids=[5, 6, 7],
+        sampling=SamplingSpec(max_tokens=4),
+        hint=None,
+        use_cache=True,
+        shareable=False,
+        tenant="acme",
+        request_id="r",
+    )
+    args.update(over)
+    return TurnRequest(**args)
+
+
+def test_each_tier_names_its_own_answer() -> None:
+    k = keys()
+    assert k.key(turn(), EDGE) != k.key(turn(), CLOUD)
+    assert k.key(turn(), EDGE) == k.key(turn(hint=EDGE), EDGE) == keys().key(turn(), EDGE)
+    assert scope_of(k.key(turn(), EDGE)) == scope_of(k.key(turn(), CLOUD))  # one tenant scope: flush, budget
+    assert k.cache_key(turn(), CLOUD) == k.key(turn(), CLOUD)
+    assert k.collapse_key(turn(), Session(), EDGE) != k.collapse_key(turn(), Session(), CLOUD)
+    assert k.collapse_key(turn(hint=CLOUD), Session(), CLOUD) != k.collapse_key(turn(), Session(), CLOUD)
+
+
+def test_only_deterministic_requests_that_allow_it_have_names() -> None:
+    k = keys()
+    assert k.cache_key(turn(use_cache=False), EDGE) is None
+    assert k.cache_key(turn(sampling=SamplingSpec(max_tokens=4, temperature=0.7)), EDGE) is None
+    assert k.cache_key(turn(sampling=SamplingSpec(max_tokens=4, temperature=0.7, seed=1)), EDGE) is not None
+    assert keys(FakeCache(enabled=False)).cache_key(turn(), EDGE) is None
+    assert k.collapse_key(turn(), Session(chat=True), EDGE) is None
+    assert keys(collapse=False).collapse_key(turn(), Session(), EDGE) is None
+
+
+def done(tier: TierName | None, finish: int = pb.FINISH_REASON_LENGTH) -> Done:
+    return Done(finish, 3, 2, Route(tier, "w", False, "hint"))
+
+
+def progress(*tiers: TierName) -> _Progress:
+    return _Progress(tokens=[11, 12], text=["a", "b"], tiers=set(tiers))
+
+
+async def test_a_finished_turn_is_stored_under_the_tier_that_served_it() -> None:
+    cache, k, req = FakeCache(), keys(), turn(hint=CLOUD)
+    await store_response(cache, lambda t: k.key(req, t), req, progress(EDGE), done(EDGE))  # type: ignore[arg-type]
+    ((key, response),) = cache.puts
+    assert key == k.key(req, EDGE)  # a cloud hint that fell back to the edge: the edge's answer
+    assert response == CachedResponse((11, 12), "ab", Finish.LENGTH, 3, 2)
+
+
+async def test_what_is_never_stored() -> None:
+    cache, k, req = FakeCache(), keys(), turn()
+
+    def key_for(t: TierName) -> str:
+        return k.key(req, t)
+
+    await store_response(cache, None, req, progress(EDGE), done(EDGE))  # type: ignore[arg-type]
+    await store_response(cache, key_for, req, progress(EDGE, CLOUD), done(CLOUD))  # type: ignore[arg-type]
+    await store_response(cache, key_for, req, progress(EDGE), done(EDGE, pb.FINISH_REASON_CANCELLED))  # type: ignore[arg-type]
+    await store_response(cache, key_for, req, progress(), done(None))  # type: ignore[arg-type]
+    assert cache.puts == []
+    await store_response(cache, key_for, req, progress(), done(CLOUD, pb.FINISH_REASON_STOP))  # type: ignore[arg-type]
+    assert [key for key, _ in cache.puts] == [k.key(req, CLOUD)]  # an empty answer is still the cloud's
