@@ -239,7 +239,12 @@ class Mesh:
             await asyncio.gather(*(w.wait_started(timeout) for w in workers))
             await asyncio.gather(*(w.wait_serving(timeout) for w in workers))
             if cfg.embed_router:  # SERVING once a worker has registered
-                await wait_for_health(router_address, timeout)
+                try:
+                    await wait_for_health(router_address, timeout)
+                except TimeoutError:
+                    raise TimeoutError(
+                        f"no worker registered with the gateway's router within {timeout:.0f} s; see their logs"
+                    ) from None
             else:
                 await router.wait_serving(timeout)
             cache = self._service(  # cache admin service (`meshserve cache stats|flush|warm`)

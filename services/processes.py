@@ -79,11 +79,17 @@ class ServiceProcess:
                 task.cancel()
         if started not in done:
             if exited in done:
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before serving; see its log")
-            raise TimeoutError(f"{self.name} did not start within {timeout_s:.0f} s")
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.proc.returncode} before serving; "
+                    f"see its log (the lines marked {self.name})"
+                )
+            raise TimeoutError(f"{self.name} did not start within {timeout_s:.0f} s; see its log")
 
     async def wait_serving(self, timeout_s: float) -> None:
-        await wait_for_health(self.address, timeout_s)
+        try:
+            await wait_for_health(self.address, timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"{self.name} did not report SERVING within {timeout_s:.0f} s; see its log") from None
 
     def signal(self, sig: int) -> None:
         if self.proc is not None and self.proc.returncode is None:
@@ -129,7 +135,10 @@ async def wait_for_health(address: str, timeout_s: float, service: str = "") -> 
                         raise
                     await channel.channel_ready()
 
-        await asyncio.wait_for(watch(), timeout_s)
+        try:
+            await asyncio.wait_for(watch(), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f} s") from None
 
 
 def stdout_sink(stream: TextIO = sys.stdout) -> LogSink:

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
 from collections.abc import Sequence
 
+import grpc
+from redis.exceptions import RedisError
+
 from services.mesh import DEV_API_KEY, Mesh, MeshConfig
+
+START_FAILURES = (RuntimeError, TimeoutError, OSError, RedisError, grpc.RpcError)
+"""What :meth:`Mesh.start` raises when a child dies, is slow, or a tool (redis-server, Envoy) is missing."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +71,9 @@ async def run_up(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print("meshserve: starting the mesh (first start loads the models)...", file=sys.stderr, flush=True)
-    await mesh.start()
+    failed = await _start(mesh, stop)
+    if failed is not None:
+        return failed
     from services.status import write_state
 
     state = write_state(mesh.describe())  # for `meshserve status`
@@ -96,6 +105,32 @@ async def run_up(args: argparse.Namespace) -> int:
     finally:
         state.unlink(missing_ok=True)
         await mesh.stop()
+
+
+async def _start(mesh: Mesh, stop: asyncio.Event) -> int | None:
+    """Start ``mesh``, or give up when ``stop`` is set first (Ctrl-C, SIGTERM) or a service fails to
+    start; either way what was started is stopped. None once the mesh is up, else the exit code: 0 when
+    stopped (as a Ctrl-C once up), 1 when a service failed (one line on stderr, no traceback)."""
+    starting = asyncio.create_task(mesh.start())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not starting.done():
+        print("\nmeshserve: stopping what has started...", file=sys.stderr, flush=True)
+        starting.cancel()  # Mesh.start stops its children on the way out
+        with contextlib.suppress(asyncio.CancelledError, *START_FAILURES):
+            await starting
+        await mesh.stop()
+        return 0
+    try:
+        starting.result()
+    except START_FAILURES as exc:  # Mesh.start has stopped everything it started
+        reason = " ".join(str(exc).split()) or f"{type(exc).__name__} while starting"  # one line
+        print(f"meshserve up: the mesh did not start: {reason}", file=sys.stderr, flush=True)
+        return 1
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
