@@ -22,7 +22,6 @@ from contextlib import aclosing
 from dataclasses import replace
 from functools import partial
 
-import grpc
 import structlog
 
 from services.cache.store import ResponseCache
@@ -61,13 +60,16 @@ from services.router.turn import (
 from services.router.worker_stream import (
     RESUMABLE,
     RETRYABLE,
+    WORKER_FAILURES,
+    WorkerCallError,
     WorkerClosed,
     WorkerStalled,
     WorkerStream,
     abort_if_refused,
-    domain_error,
+    failure_code,
     read_frame,
     sampling_pb,
+    worker_error,
 )
 
 log = structlog.get_logger(__name__)
@@ -258,7 +260,7 @@ class Router:
                             yield event
                             if isinstance(event, Done):
                                 return
-                except (grpc.aio.AioRpcError, WorkerClosed) as exc:
+                except WORKER_FAILURES as exc:
                     await session.close()
                     failure = self._failed(exc, stream, choice, progress, exclude, failure)
                 finally:
@@ -275,7 +277,7 @@ class Router:
 
     def _failed(
         self,
-        exc: grpc.aio.AioRpcError | WorkerClosed,
+        exc: WorkerCallError | WorkerClosed,
         stream: WorkerStream,
         choice: TierChoice,
         progress: _Progress,
@@ -283,27 +285,26 @@ class Router:
         failure: errors.MeshError | None,
     ) -> errors.MeshError | None:
         """Decide what a worker failure means: retry, resume elsewhere, or raise to the caller."""
-        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNAVAILABLE
-        if code == grpc.StatusCode.UNAVAILABLE:
+        code = failure_code(exc)
+        if code == "UNAVAILABLE":
             self.registry.mark_down(stream.replica, "stalled" if isinstance(exc, WorkerStalled) else "call_failed")
             self.selector.forget(stream.replica.address)
         name = stream.replica.name
         if not progress.tokens and len(exclude) < self._retries and code in RETRYABLE:
-            log.warning("worker_failed_retrying", worker=name, code=code.name)
-            RETRIES.labels(choice.tier.value, code.name).inc()
+            log.warning("worker_failed_retrying", worker=name, code=code)
+            RETRIES.labels(choice.tier.value, code).inc()
             exclude.append(stream.replica)
-            return domain_error(exc) if isinstance(exc, grpc.aio.AioRpcError) else None
+            return worker_error(exc)
         if progress.tokens and progress.failovers < self._failovers and code in RESUMABLE:
-            log.warning("worker_failed_resuming", worker=name, code=code.name, tokens_sent=len(progress.tokens))
-            FAILOVERS.labels(choice.tier.value, code.name).inc()
+            log.warning("worker_failed_resuming", worker=name, code=code, tokens_sent=len(progress.tokens))
+            FAILOVERS.labels(choice.tier.value, code).inc()
             exclude.append(stream.replica)
             progress.failovers += 1
             progress.resumed = len(progress.tokens)
             return failure
-        log.warning("worker_failed", worker=name, code=code.name, tokens_sent=len(progress.tokens))
-        if isinstance(exc, grpc.aio.AioRpcError):
-            raise domain_error(exc) from None
-        raise errors.Unavailable("the worker serving this request failed; retry the request") from None
+        log.warning("worker_failed", worker=name, code=code, tokens_sent=len(progress.tokens))
+        gone = errors.Unavailable("the worker serving this request failed; retry the request")
+        raise worker_error(exc) or gone from None
 
     async def _admit(self, req: TurnRequest, tier: TierName) -> Ticket:
         blocks = self.blocks(req)
@@ -352,7 +353,7 @@ class Router:
         while True:
             try:
                 frame, cancel_sent = await read_frame(stream, cancel, cancel_sent, self._stall_s)
-            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+            except (WorkerCallError, asyncio.CancelledError):
                 # A speculative start whose reservation was refused has been aborted: the refusal.
                 refused, task = refusal(), asyncio.current_task()
                 if refused is None or (task is not None and task.cancelling()):

@@ -17,9 +17,9 @@ from services.router.mux import MuxChannel, MuxStream
 from services.router.registry import Replica
 
 # Failures before the first token that another replica may not have: retried elsewhere.
-RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+RETRYABLE = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
 # Failures after tokens were sent that another replica can continue from (the worker died/stalled).
-RESUMABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN})
+RESUMABLE = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN"})
 
 
 class WorkerClosed(Exception):
@@ -28,6 +28,23 @@ class WorkerClosed(Exception):
 
 class WorkerStalled(WorkerClosed):
     """The worker sent nothing for longer than the stall timeout."""
+
+
+WorkerCallError = grpc.aio.AioRpcError
+"""What a failed worker call raises (a status from the worker or its transport)."""
+WORKER_FAILURES = (WorkerCallError, WorkerClosed)
+"""Every way a worker stream can fail under the router (see :func:`failure_code`)."""
+
+
+def failure_code(exc: BaseException) -> str:
+    """The status name of a worker failure: the call's status, UNAVAILABLE for a stream that closed
+    or stalled (the worker is gone, as far as the router can tell)."""
+    return exc.code().name if isinstance(exc, WorkerCallError) else "UNAVAILABLE"
+
+
+def worker_error(exc: BaseException) -> errors.MeshError | None:
+    """The domain error for a worker failure that carried a status; None for a closed/stalled stream."""
+    return domain_error(exc) if isinstance(exc, WorkerCallError) else None
 
 
 class WorkerStream:
