@@ -115,15 +115,19 @@ class Mesh:
     def cache_address(self) -> str:
         return self.processes["cache"].address
 
+    def metrics_urls(self) -> dict[str, str]:
+        """Every service's Prometheus /metrics URL, the front door's HTTP adapters included."""
+        adapters = self.front_door.adapters if self.front_door is not None else []
+        procs = [*self.processes.items(), *((a.name, a) for a in adapters)]
+        return {n: f"http://127.0.0.1:{p.metrics_port}/metrics" for n, p in procs if p.metrics_port}
+
     def metrics_endpoints(self) -> str:
         """`name=http://host:port/metrics` for every service that serves metrics."""
-        return " ".join(
-            f"{n}=http://127.0.0.1:{p.metrics_port}/metrics" for n, p in self.processes.items() if p.metrics_port
-        )
+        return " ".join(f"{name}={url}" for name, url in self.metrics_urls().items())
 
     def describe(self) -> dict[str, object]:
         """Addresses of the running services: what `meshserve status` reads from up's state file."""
-        metrics = {n: f"http://127.0.0.1:{p.metrics_port}/metrics" for n, p in self.processes.items() if p.metrics_port}
+        metrics = self.metrics_urls()
         return {
             "gateway": self.gateway_address,
             "router": self.router_address,

@@ -56,6 +56,7 @@ class FrontDoor:
 
     def _adapter(self, index: int) -> ServiceProcess:
         env = {
+            "MESHSERVE_GATEWAY_HTTP_METRICS_PORT": "0",  # /metrics on a free port (logged), unless set
             **os.environ,
             **self._env,
             "PYTHONUNBUFFERED": "1",

@@ -1,7 +1,8 @@
 """``python -m services.gateway.http``: the OpenAI-compatible HTTP adapter behind Envoy.
 
 Settings from ``MESHSERVE_GATEWAY_HTTP_*``. Logs ``service_started`` with the bound HTTP port (port 0
-picks one), serves ``GET /healthz`` for Envoy's health checks, drains on SIGTERM.
+picks one) and the Prometheus port (``METRICS_PORT``; -1 = none), serves ``GET /healthz`` for Envoy's
+health checks, drains on SIGTERM.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from aiohttp import web
 from services.common.errors import ConfigError
 from services.common.grpc_compat import patch_grpc_aio
 from services.common.logging import configure_logging
+from services.common.metrics import start_metrics_server
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import grpc_options
 from services.common.settings import load_settings
@@ -54,7 +56,10 @@ async def serve(settings: HttpAdapterSettings) -> tuple[web.AppRunner, int, grpc
     server = site._server
     sockets = getattr(server, "sockets", None) or []
     port = int(sockets[0].getsockname()[1]) if sockets else settings.port
-    log.info("service_started", host=settings.host, port=port, gateway=settings.gateway_address)
+    metrics_port = start_metrics_server(settings.metrics_port, settings.host)
+    log.info(
+        "service_started", host=settings.host, port=port, metrics_port=metrics_port, gateway=settings.gateway_address
+    )
     return runner, port, channel
 
 

@@ -31,6 +31,7 @@ from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.gateway.http import openai_api as oa
+from services.gateway.http.metrics import metrics_middleware
 
 log = structlog.get_logger(__name__)
 
@@ -329,7 +330,7 @@ async def _sse_error(response: web.StreamResponse, exc: MeshError | grpc.aio.Aio
 def build_app(gateway: inference_pb2_grpc.InferenceStub, max_body_bytes: int = 4 * 1024 * 1024) -> web.Application:
     """The aiohttp application: routes of the OpenAI API plus ``/healthz``."""
     handlers = OpenAIApp(gateway)
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[errors_middleware])
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[metrics_middleware, errors_middleware])
     app[MAX_BODY_KEY] = max_body_bytes
     app.router.add_get("/healthz", handlers.healthz)
     app.router.add_get("/v1/models", handlers.models)
