@@ -159,8 +159,8 @@ async def test_chat_caller_deadline_is_capped_by_the_chat_cap(client: MeshClient
 
 def _rounded_up(seconds: float) -> float:
     """The most a deadline of ``seconds`` can read after the trip: gRPC's timeout header rounds long
-    timeouts up (900 s arrives as ~901 s, 3,600 s as ~3,610 s)."""
-    return seconds * 1.005 + 0.5
+    timeouts up, by up to about 1 % (900 s arrived as ~901 s, 1,200 s as ~1,210 s, 3,600 s as ~3,610 s)."""
+    return seconds * 1.02 + 1.0
 
 
 def _default(name: str) -> float:
