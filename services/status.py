@@ -72,6 +72,8 @@ def write_state(state: dict[str, object]) -> Path:
 
 @dataclass
 class ReplicaView:
+    """One worker replica as ``meshserve status`` shows it."""
+
     tier: str
     name: str
     address: str

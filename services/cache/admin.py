@@ -30,6 +30,8 @@ _UNLINK_BATCH = 500
 
 @dataclass
 class KindStats:
+    """Hit/miss/store counters of one cache kind (response or KV), as the cache service reports them."""
+
     kind: str
     hits: int = 0
     misses: int = 0
@@ -51,6 +53,8 @@ class KindStats:
 
 @dataclass
 class Stats:
+    """Every kind's counters plus Redis' memory use and eviction policy."""
+
     kinds: dict[str, KindStats] = field(default_factory=dict)
     used_memory: int = 0
     maxmemory: int = 0
@@ -80,6 +84,8 @@ Generate = Callable[[str, int], Awaitable[None]]
 
 
 class CacheAdmin:
+    """Stats, flushes and warm-up of the caches in one Redis (what the cache service's RPCs run)."""
+
     def __init__(self, client: AnyRedis, *, max_keys: int = 1_000_000) -> None:
         self.client = client
         self.max_keys = max_keys

@@ -15,6 +15,8 @@ from enum import StrEnum
 
 
 class State(StrEnum):
+    """A circuit breaker's state: CLOSED calls Redis, OPEN skips it, HALF_OPEN lets one call probe it."""
+
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
@@ -22,6 +24,8 @@ class State(StrEnum):
 
 @dataclass
 class CircuitBreaker:
+    """Skips Redis after ``failure_threshold`` failures in a row, for ``reset_s`` doubling up to ``max_reset_s``."""
+
     failure_threshold: int = 3
     reset_s: float = 0.5
     max_reset_s: float = 5.0

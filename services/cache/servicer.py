@@ -42,6 +42,8 @@ def router_generate(channel: grpc.aio.Channel, internal_token: str, timeout_s: f
 
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
+    """The internal ``Cache`` admin service: translates its RPCs to :class:`CacheAdmin` calls."""
+
     def __init__(self, admin: CacheAdmin, generate: Generate | None) -> None:
         self.admin = admin
         self.generate = generate

@@ -32,6 +32,8 @@ def looks_like_jwt(token: str) -> bool:
 
 @dataclass(frozen=True)
 class JwtClaims:
+    """What a verified JWT grants: the tenant (from the configured claim), its subject and scopes."""
+
     tenant: str
     subject: str
     scopes: tuple[str, ...]

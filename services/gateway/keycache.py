@@ -17,6 +17,8 @@ from services.gateway.keystore import KeyRecord
 
 
 class KeyRecordCache:
+    """Stored-key records kept in process for ``ttl_s`` (the bound on how late a revocation takes effect)."""
+
     def __init__(self, ttl_s: float, max_entries: int = 10_000, clock: Callable[[], float] = time.monotonic) -> None:
         self.ttl_s = ttl_s
         self.max_entries = max_entries

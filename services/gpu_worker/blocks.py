@@ -31,6 +31,8 @@ class BlockUsage(NamedTuple):
 
 @dataclass
 class BlockInfo:
+    """One KV block's bookkeeping: its prefix key (None while private), references, export state, last use."""
+
     key: str | None = None
     refs: int = 0
     exported: bool = False

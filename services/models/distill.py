@@ -79,6 +79,8 @@ class DistillConfig:
 
 @dataclass
 class DistillResult:
+    """Where a distillation run wrote the student (and its INT4 export), how many steps ran, and the losses."""
+
     student_dir: Path
     edge_dir: Path | None
     steps_run: int

@@ -46,6 +46,8 @@ class Variant:
 
 @dataclass
 class EvalResult:
+    """One model's row of the quality table: perplexity and its agreement with the fp32 teacher."""
+
     name: str
     perplexity: float
     top1_agreement: float

@@ -16,6 +16,8 @@ _TIERS = {TierName.EDGE: inference_pb2.TIER_EDGE, TierName.CLOUD: inference_pb2.
 
 
 class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
+    """The internal ``RouterAdmin`` service (``meshserve status``): lists the registry's replicas."""
+
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
 

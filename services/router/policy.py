@@ -58,6 +58,8 @@ from services.common.errors import Unavailable
 
 
 class TierName(StrEnum):
+    """A worker tier as the router's policy names it."""
+
     EDGE = "edge"
     CLOUD = "cloud"
 

@@ -14,6 +14,8 @@ _TIERS = {inference_pb2.TIER_EDGE: TierName.EDGE, inference_pb2.TIER_CLOUD: Tier
 
 
 class WorkerRegistryServicer(registry_pb2_grpc.WorkerRegistryServicer):
+    """The internal ``WorkerRegistry`` service: workers' heartbeats and leaves, translated to the registry."""
+
     def __init__(self, registry: Registry) -> None:
         self._registry = registry
 

@@ -54,6 +54,9 @@ class _EncodeCache:
 
 
 class RouterServicer(inference_pb2_grpc.InferenceServicer):
+    """The router's ``meshserve.v1.Inference`` service: tokenizes and validates, then runs the turn through
+    :class:`Router`."""
+
     def __init__(
         self, router: Router, *, context_length: int, default_max_tokens: int, flush: FlushWindow | None = None
     ) -> None:

@@ -24,12 +24,16 @@ class Route:
 
 @dataclass(frozen=True)
 class Chunk:
+    """Tokens (and their text) of a turn, as they reach the caller."""
+
     token_ids: Sequence[int]
     text: str
 
 
 @dataclass(frozen=True)
 class Done:
+    """A turn's end: finish reason, token counts and where it was served."""
+
     finish_reason: int  # meshserve.v1.FinishReason value
     prompt_tokens: int
     completion_tokens: int
