@@ -7,9 +7,6 @@ ledger script of a put, MGET of a KV chain, the prefix-length script) stays with
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import time
 from collections.abc import AsyncIterator, Iterator
 
 import numpy as np
@@ -24,43 +21,15 @@ from services.cache.guard import Guard
 from services.cache.keys import SamplingSpec, response_key, scope_of
 from services.cache.kv import KVBlockStore, KVContext
 from services.cache.store import ResponseCache
-from tests.helpers import free_port
+from tests.helpers import redis_cluster_node
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def cluster_port(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.fail("redis-server is not installed; run `make setup`")
-    port = free_port()
-    tmp = tmp_path_factory.mktemp("cluster")
-    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    argv += ["--dir", str(tmp), "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-    argv += ["--cluster-port", str(free_port())]  # the default bus port (port + 10000) may be invalid
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_connect_timeout=0.2)
-    try:
-        deadline = time.monotonic() + 10
-        while True:  # readiness of a process we just started: bounded polling, no health API
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
-        client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-        while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
-            if time.monotonic() > deadline:
-                raise TimeoutError("cluster did not reach state ok")
-            time.sleep(0.02)
+    with redis_cluster_node(str(tmp_path_factory.mktemp("cluster"))) as port:
         yield port
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 @pytest.fixture

@@ -18,10 +18,10 @@ from services.cache.connection import redis_from_url
 from services.cache.guard import Guard
 from services.cache.kv import KVBlockStore, KVContext
 from services.cache.store import CachedResponse, Finish, ResponseCache
-from tests.helpers import RedisServer, free_port
+from tests.helpers import SENTINEL_MASTER, RedisServer, free_port, wait_for_sentinel_master
 
 pytestmark = pytest.mark.integration
-MASTER = "mymaster"
+MASTER = SENTINEL_MASTER
 KEY = "meshserve:v1:{r|m|0|0}:e:sentinel"
 RESP = CachedResponse((1, 2, 3), "via sentinel", Finish.STOP, 4, 3)
 
@@ -58,25 +58,6 @@ def _wait_for_replica(port: int, replica_port: int, timeout_s: float = 30.0) -> 
         client.close()
 
 
-def _wait_for_master(port: int, expect: tuple[str, int], timeout_s: float = 10.0) -> None:
-    """Poll the just-started Sentinel until it reports ``expect`` as the master (it has no health API)."""
-    client = redis.Redis(port=port, socket_connect_timeout=0.2, socket_timeout=0.5, decode_responses=True)
-    deadline = time.monotonic() + timeout_s
-    try:
-        while True:
-            try:
-                addr = client.sentinel_get_master_addr_by_name(MASTER)
-                if isinstance(addr, tuple) and (addr[0], int(addr[1])) == expect:
-                    return
-            except redis.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"sentinel on port {port} never reported master {expect}")
-            time.sleep(0.02)
-    finally:
-        client.close()
-
-
 @pytest.fixture
 def sentinel(tmp_path: Path) -> Iterator[SentinelSetup]:
     exe = shutil.which("redis-server")
@@ -103,7 +84,7 @@ def sentinel(tmp_path: Path) -> Iterator[SentinelSetup]:
     )
     proc = subprocess.Popen([exe, str(conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_for_master(port, ("127.0.0.1", master.port))
+        wait_for_sentinel_master(port, ("127.0.0.1", master.port))
         yield SentinelSetup(master, port, replica_port)
     finally:
         for p in (proc, replica):
@@ -153,7 +134,8 @@ async def test_master_crash_fails_over_and_the_cache_follows(sentinel: SentinelS
         assert old_master.execute_command("WAIT", 1, 5000) == 1  # the replica has it
         old_master.close()
         sentinel.master.stop()  # the master dies; Sentinel promotes the replica
-        await asyncio.to_thread(_wait_for_master, sentinel.sentinel_port, ("127.0.0.1", sentinel.replica_port), 30)
+        promoted = ("127.0.0.1", sentinel.replica_port)
+        await asyncio.to_thread(wait_for_sentinel_master, sentinel.sentinel_port, promoted, 30)
         # A call on the dead master's pooled connection may fail (a miss, never an exception); the
         # client then asks Sentinel again and lands on the promoted replica. Bounded in time.
         after = KEY + "-after"
