@@ -126,12 +126,14 @@ class Mesh:
         return " ".join(f"{name}={url}" for name, url in self.metrics_urls().items())
 
     def describe(self) -> dict[str, object]:
-        """Addresses of the running services: what `meshserve status` reads from up's state file."""
+        """Addresses of the running services, which `meshserve up` records in its state file
+        (services/state.py) for `meshserve status`, `meshserve cache` and `meshserve keys`."""
         metrics = self.metrics_urls()
         return {
             "gateway": self.gateway_address,
             "router": self.router_address,
             "cache": self.cache_address,
+            "redis": self.redis_url,
             "metrics": metrics,
         }
 

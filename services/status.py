@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import json
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
 import grpc
@@ -45,6 +43,7 @@ from services.common.pb.meshserve.internal.v1 import (
 )
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
+from services.state import read_state, state_path
 
 _TIERS = {inference_pb2.TIER_EDGE: "edge", inference_pb2.TIER_CLOUD: "cloud"}
 _CACHE_KINDS = {cache_pb2.CACHE_KIND_RESPONSE: "response", cache_pb2.CACHE_KIND_KV: "kv prefix"}
@@ -55,19 +54,6 @@ _COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "retries": ("meshserve_router_retries_total", {}),
     "failovers": ("meshserve_router_failovers_total", {}),
 }
-
-
-def state_path() -> Path:
-    """Where ``meshserve up`` records the running mesh's addresses: ``$MESHSERVE_STATE_FILE`` or the cache dir."""
-    env = os.environ.get("MESHSERVE_STATE_FILE")
-    return Path(env) if env else Path.home() / ".cache" / "meshserve" / "mesh.json"
-
-
-def write_state(state: dict[str, object]) -> Path:
-    path = state_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(state, indent=2) + "\n")
-    return path
 
 
 @dataclass
@@ -270,13 +256,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _targets(args: argparse.Namespace) -> tuple[str, str, dict[str, str]]:
     state: dict[str, object] = {}
-    path = state_path()
-    if path.exists() and (not args.router or args.cache is None or args.metrics is None):
-        state = json.loads(path.read_text())
+    if not args.router or args.cache is None or args.metrics is None:
+        state = read_state()
     router = args.router or str(state.get("router", ""))
     if not router:
         raise SystemExit(
-            f"meshserve status: no router address; pass --router host:port or start `meshserve up` ({path})"
+            f"meshserve status: no router address; pass --router host:port or start `meshserve up` ({state_path()})"
         )
     cache = args.cache if args.cache is not None else str(state.get("cache", ""))
     if args.metrics is not None:

@@ -74,7 +74,7 @@ async def run_up(args: argparse.Namespace) -> int:
     failed = await _start(mesh, stop)
     if failed is not None:
         return failed
-    from services.status import write_state
+    from services.state import write_state
 
     state = write_state(mesh.describe())  # for `meshserve status`
     try:
@@ -82,6 +82,7 @@ async def run_up(args: argparse.Namespace) -> int:
             f"\nmeshserve: mesh is up. gRPC gateway at {mesh.gateway_address} (API key: {api_key})\n"
             f'  try: meshserve chat --address {mesh.gateway_address} "Tell me about the sea"\n'
             f"  cache admin: meshserve cache --address {mesh.cache_address} stats\n"
+            "  API keys: meshserve keys create --tenant NAME (kept in this mesh's Redis)\n"
             f"  metrics: {mesh.metrics_endpoints()}\n"
             + (
                 f"  OpenAI-compatible HTTP (and gRPC) through Envoy: {mesh.http_base_url}\n"

@@ -1,7 +1,8 @@
 """``meshserve cache stats|flush|warm``: a thin client of the cache admin service.
 
-The address comes from ``--address`` or ``$MESHSERVE_CACHE_ADDRESS`` (``meshserve up`` prints it);
-the internal credential from ``--internal-token`` or ``$MESHSERVE_INTERNAL_TOKEN``.
+The address comes from ``--address``, else ``$MESHSERVE_CACHE_ADDRESS``, else the mesh ``meshserve up``
+is running (its state file; it also prints the address); the internal credential from
+``--internal-token`` or ``$MESHSERVE_INTERNAL_TOKEN``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from google.protobuf.json_format import MessageToDict
 from services.common import metadata as md
 from services.common.pb.meshserve.internal.v1 import cache_pb2, cache_pb2_grpc
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
+from services.state import recorded
 
 _KINDS = {
     "all": cache_pb2.CACHE_KIND_UNSPECIFIED,
@@ -29,7 +31,11 @@ _KINDS = {
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshserve cache", description="Administer meshserve's Redis caches.")
-    p.add_argument("--address", default=os.environ.get("MESHSERVE_CACHE_ADDRESS", ""), help="cache service host:port")
+    p.add_argument(
+        "--address",
+        default="",
+        help="cache service host:port (default: $MESHSERVE_CACHE_ADDRESS, else the mesh `meshserve up` runs)",
+    )
     p.add_argument(
         "--internal-token",
         default=os.environ.get("MESHSERVE_INTERNAL_TOKEN", DEFAULT_INTERNAL_TOKEN),
@@ -91,8 +97,13 @@ async def _call(args: argparse.Namespace) -> object:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.address = args.address or os.environ.get("MESHSERVE_CACHE_ADDRESS") or recorded("cache")
     if not args.address:
-        print("meshserve cache: pass --address host:port or set MESHSERVE_CACHE_ADDRESS", file=sys.stderr)
+        print(
+            "meshserve cache: no cache service address; pass --address host:port, set MESHSERVE_CACHE_ADDRESS "
+            "or start the mesh with `meshserve up`",
+            file=sys.stderr,
+        )
         return 2
     try:
         reply = asyncio.run(_call(args))

@@ -1,7 +1,9 @@
 """``meshserve keys create|list|revoke``: manage the API keys the gateway reads from Redis.
 
 The plaintext of a new key is printed once, by ``create``; Redis only ever holds its SHA-256.
-The Redis URL comes from ``--redis-url``, else ``MESHSERVE_GATEWAY_REDIS_URL``, else the local default.
+The Redis URL comes from ``--redis-url``, else ``MESHSERVE_GATEWAY_REDIS_URL``, else the Redis of the
+mesh ``meshserve up`` is running (recorded in its state file: it picks a free port at start), else
+``redis://127.0.0.1:6379/0``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from redis.exceptions import RedisError
 from services.cache.connection import redis_from_url
 from services.gateway.keystore import KeyRecord, KeyStore
 from services.gateway.policy import POLICY_FIELDS
+from services.state import recorded
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 _DURATION = re.compile(r"^(\d+)([smhd])$")
@@ -37,8 +40,9 @@ def parse_duration(text: str) -> float:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis-url",
-        default=os.environ.get("MESHSERVE_GATEWAY_REDIS_URL") or DEFAULT_REDIS_URL,
-        help=f"Redis of the gateway (default: $MESHSERVE_GATEWAY_REDIS_URL or {DEFAULT_REDIS_URL})",
+        default=None,
+        help="Redis of the gateway (default: $MESHSERVE_GATEWAY_REDIS_URL, else the Redis of the mesh "
+        f"`meshserve up` runs, else {DEFAULT_REDIS_URL})",
     )
     actions = parser.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     create = actions.add_parser("create", help="create a key and print it (shown only this once)")
@@ -109,7 +113,14 @@ async def _run(args: argparse.Namespace) -> int:
         await client.aclose()
 
 
+def default_redis_url() -> str:
+    """The Redis to use when ``--redis-url`` is not given (see the module docstring)."""
+    return os.environ.get("MESHSERVE_GATEWAY_REDIS_URL") or recorded("redis") or DEFAULT_REDIS_URL
+
+
 def run(args: argparse.Namespace) -> int:
+    if not args.redis_url:
+        args.redis_url = default_redis_url()
     try:
         return asyncio.run(_run(args))
     except ValueError as exc:

@@ -9,7 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from rich.console import Console
 
-from services.status import MeshView, ReplicaView, _add_metrics, _parser, _targets, render, write_state
+from services.state import write_state
+from services.status import MeshView, ReplicaView, _add_metrics, _parser, _targets, render
 
 
 def frame(view: MeshView) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services.cache.cli import _parser, _request, main
@@ -20,7 +22,11 @@ def test_warm_takes_prompts() -> None:
     assert method == "Warm" and request == cache_pb2.WarmRequest(prompts=["a b", "c"], max_tokens=3)
 
 
-def test_missing_address_says_how_to_fix(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_address_says_how_to_fix(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.delenv("MESHSERVE_CACHE_ADDRESS", raising=False)
+    monkeypatch.setenv("MESHSERVE_STATE_FILE", str(tmp_path / "mesh.json"))  # no `meshserve up` running
     assert main(["stats"]) == 2
-    assert "MESHSERVE_CACHE_ADDRESS" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--address" in err and "MESHSERVE_CACHE_ADDRESS" in err and "meshserve up" in err
