@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
 
     commands.add_parser("up", help="start the whole mesh locally (see `meshserve up -h`)", add_help=False)
     commands.add_parser(
-        "bench", help="benchmarks: load, soak, gateways, relay, report (see `meshserve bench -h`)", add_help=False
+        "bench", help="benchmarks: mesh overhead, load, soak, gateways, ... (see `meshserve bench -h`)", add_help=False
     )
     commands.add_parser("cache", help="cache stats, flush and warm-up (see `meshserve cache -h`)", add_help=False)
     commands.add_parser("status", help="live view of the mesh: replicas, load, tokens/s, caches", add_help=False)

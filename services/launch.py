@@ -83,6 +83,9 @@ def health_main(argv: Sequence[str] | None = None) -> int:
         status = check_health(args.address, args.service, args.timeout)
     except grpc.RpcError as exc:
         code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
+        if code == "NOT_FOUND":  # it answered: the name is not one it reports on
+            print(f"meshserve health: {args.address} knows no health service {args.service!r}", file=sys.stderr)
+            return 1
         print(f"meshserve health: {args.address} did not answer ({code}); is the service running?", file=sys.stderr)
         return 1
     if status != "SERVING":

@@ -69,6 +69,11 @@ async def test_health_exit_code_follows_the_serving_status(capsys: pytest.Captur
 
         await servicer.set("meshserve.v1.Inference", health_pb2.HealthCheckResponse.SERVING)
         assert await asyncio.to_thread(cli.main, ["health", address, "--service", "meshserve.v1.Inference"]) == 0
+
+        capsys.readouterr()
+        assert await asyncio.to_thread(cli.main, ["health", address, "--service", "meshserve.v1.Nope"]) == 1
+        err = capsys.readouterr().err
+        assert "knows no health service 'meshserve.v1.Nope'" in err and "did not answer" not in err
     finally:
         await server.stop(None)  # type: ignore[attr-defined]
 
