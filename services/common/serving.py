@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import tracing
+from services.common.errors import ConfigError
 from services.common.grpc_compat import patch_grpc_aio
 from services.common.interceptors import ErrorInterceptor, InternalAuthInterceptor
 from services.common.metrics import start_metrics_server
@@ -31,6 +32,11 @@ from services.common.settings import ServiceSettings
 log = structlog.get_logger(__name__)
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def _env_name(settings: ServiceSettings, name: str) -> str:
+    """The environment variable that sets ``name`` of this service (e.g. MESHSERVE_GATEWAY_PORT)."""
+    return f"{settings.model_config.get('env_prefix', '')}{name}".upper()
 
 
 @dataclass
@@ -117,12 +123,26 @@ async def start_server(
         (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    address = f"{settings.host}:{settings.port}"
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind to address ..."; its log line above says why
+        port = 0
     if port == 0:
-        raise OSError(f"could not bind {settings.host}:{settings.port}; choose a free port")
+        raise ConfigError(
+            f"cannot listen on {address}: the port is in use (or the host is not this machine's); "
+            f"set {_env_name(settings, 'port')} to a free port (0 picks one)"
+        )
     await server.start()
     running = RunningServer(server, port, health_servicer, service_names, settings.shutdown_grace_s)
-    running.metrics_port = start_metrics_server(settings.metrics_port, settings.host)
+    try:
+        running.metrics_port = start_metrics_server(settings.metrics_port, settings.host)
+    except OSError as exc:
+        await server.stop(None)
+        raise ConfigError(
+            f"cannot serve /metrics on {settings.host}:{settings.metrics_port} ({exc.strerror or exc}); "
+            f"set {_env_name(settings, 'metrics_port')} to a free port (0 picks one, -1 turns it off)"
+        ) from None
     if provider is not None:
 
         async def flush_spans() -> None:

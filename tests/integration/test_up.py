@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -109,3 +110,22 @@ async def test_ctrl_c_while_starting_stops_every_child_and_exits(tmp_path: Path)
     assert "stopping what has started" in stderr
     assert _running(marker) == []
     assert not (tmp_path / "mesh.json").exists()  # it never came up: no state for `meshserve status`
+
+
+async def test_a_busy_gateway_port_is_one_line_naming_the_setting_not_a_traceback(tmp_path: Path) -> None:
+    # What a second `make run` beside a running mesh meets: port 50051 is taken.
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        async with _up(tmp_path, "--edge-workers", "0", "--cloud-workers", "0", "--port", str(port)) as (proc, marker):
+            out, err = await asyncio.wait_for(proc.communicate(), 120)
+    stderr = err.decode()
+    assert proc.returncode == 1, stderr
+    assert "meshserve up: the mesh did not start: gateway exited with code 2 before serving" in stderr
+    gateway_log = [line for line in out.decode().splitlines() if line.startswith("gateway ")]
+    assert not any("Traceback" in line for line in gateway_log), gateway_log
+    assert any(
+        f"cannot listen on 127.0.0.1:{port}" in line and "MESHSERVE_GATEWAY_PORT" in line for line in gateway_log
+    )
+    assert _running(marker) == []
