@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 
@@ -48,7 +49,31 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def busy_port(args: argparse.Namespace) -> str | None:
+    """One line naming the first fixed port of the mesh that is already taken on 127.0.0.1 (a mesh
+    already running, say), checked before anything starts; None when all are free."""
+    ports = [(args.port, "the gateway's", "--port")]
+    if not args.no_envoy:
+        ports.append((args.http_port, "Envoy's", "--http-port"))
+    for port, whose, flag in ports:
+        if port == 0:
+            continue
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no conflict
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return (
+                    f"meshserve up: port {port} ({whose}) is in use on 127.0.0.1; is a mesh already running "
+                    f"(`meshserve status`)? Stop it, or pass {flag} with a free port (0 picks one)"
+                )
+    return None
+
+
 async def run_up(args: argparse.Namespace) -> int:
+    if (busy := busy_port(args)) is not None:
+        print(busy, file=sys.stderr)
+        return 1
     api_key = os.environ.get("MESHSERVE_API_KEY", DEV_API_KEY)
     config = MeshConfig(
         edge_workers=args.edge_workers,

@@ -112,20 +112,28 @@ async def test_ctrl_c_while_starting_stops_every_child_and_exits(tmp_path: Path)
     assert not (tmp_path / "mesh.json").exists()  # it never came up: no state for `meshserve status`
 
 
-async def test_a_busy_gateway_port_is_one_line_naming_the_setting_not_a_traceback(tmp_path: Path) -> None:
-    # What a second `make run` beside a running mesh meets: port 50051 is taken.
+@pytest.mark.parametrize(("flag", "whose"), [("--port", "the gateway's"), ("--http-port", "Envoy's")])
+async def test_a_busy_port_ends_up_at_once_with_one_line_naming_the_flag(tmp_path: Path, flag: str, whose: str) -> None:
+    # What a second `make run` beside a running mesh meets: 50051 and 8080 are taken.
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        async with _up(tmp_path, "--edge-workers", "0", "--cloud-workers", "0", "--port", str(port)) as (proc, marker):
-            out, err = await asyncio.wait_for(proc.communicate(), 120)
-    stderr = err.decode()
-    assert proc.returncode == 1, stderr
-    assert "meshserve up: the mesh did not start: gateway exited with code 2 before serving" in stderr
-    gateway_log = [line for line in out.decode().splitlines() if line.startswith("gateway ")]
-    assert not any("Traceback" in line for line in gateway_log), gateway_log
-    assert any(
-        f"cannot listen on 127.0.0.1:{port}" in line and "MESHSERVE_GATEWAY_PORT" in line for line in gateway_log
+        argv = ["up", "--edge-workers", "0", "--cloud-workers", "0", "--port", "0", "--http-port", "0", flag, str(port)]
+        env = {**os.environ, "MESHSERVE_STATE_FILE": str(tmp_path / "mesh.json")}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.cli",
+            *argv,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 1, err.decode()
+    assert err.decode().strip() == (
+        f"meshserve up: port {port} ({whose}) is in use on 127.0.0.1; is a mesh already running "
+        f"(`meshserve status`)? Stop it, or pass {flag} with a free port (0 picks one)"
     )
-    assert _running(marker) == []
+    assert out.decode() == ""  # checked before anything started

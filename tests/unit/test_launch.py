@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 
@@ -36,6 +37,26 @@ def test_serve_execs_the_service_module_with_its_settings() -> None:
     assert done.returncode == 2
     assert "MESHSERVE_GATEWAY_MAX_PROMPT_CHARS" in done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_a_service_whose_port_is_taken_exits_2_with_one_line_naming_the_setting() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {
+            **os.environ,
+            "MESHSERVE_GATEWAY_PORT": str(port),
+            "MESHSERVE_GATEWAY_API_KEYS": "dev:" + "0" * 64,
+            "MESHSERVE_GATEWAY_ROUTER_ADDRESS": "127.0.0.1:1",
+        }
+        done = subprocess.run([*MESHSERVE, "serve", "gateway"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"gateway: cannot listen on 127.0.0.1:{port}: the port is in use (or the host is not this machine's); "
+        "set MESHSERVE_GATEWAY_PORT to a free port (0 picks one)"
+    )
 
 
 def test_serve_rejects_an_unknown_service(capsys: pytest.CaptureFixture[str]) -> None:
