@@ -80,7 +80,11 @@ async def capture_up(argv: list[str] | None = None) -> Captured:
 
     loop = asyncio.get_running_loop()
     try:
-        with mock.patch.object(up, "Mesh", ConfigProbe), mock.patch("builtins.print"):
+        with (
+            mock.patch.object(up, "Mesh", ConfigProbe),
+            mock.patch.object(up, "busy_port", return_value=None),  # a mesh running beside the tests is no matter
+            mock.patch("builtins.print"),
+        ):
             await up.run_up(up._parser().parse_args(argv or []))
     except _Stop:
         pass
