@@ -9,12 +9,13 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import grpc
 from redis.exceptions import RedisError
 
 from services.mesh import DEV_API_KEY, Mesh, MeshConfig
+from services.processes import LogSink, stdout_sink
 
 START_FAILURES = (RuntimeError, TimeoutError, OSError, RedisError, grpc.RpcError)
 """What :meth:`Mesh.start` raises when a child dies, is slow, or a tool (redis-server, Envoy) is missing."""
@@ -47,6 +48,38 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--demo", metavar="PROMPT", help="once up, stream an answer to PROMPT through the gateway")
     p.add_argument("--exit-after-demo", action="store_true", help="stop the mesh after the demo answer")
     return p
+
+
+class HoldingSink:
+    """The mesh's log sink, able to hold lines back while the demo answer streams, so that a service's
+    line (the gateway's ``request_done``) does not land in the middle of the answer. Held lines are
+    written, in order, when the hold ends, or once ``limit`` lines are held (the hold then ends)."""
+
+    def __init__(self, inner: LogSink, limit: int = 1000) -> None:
+        self.inner = inner
+        self.limit = limit
+        self._held: list[tuple[str, str]] | None = None
+
+    def __call__(self, name: str, line: str) -> None:
+        if self._held is None:
+            self.inner(name, line)
+            return
+        self._held.append((name, line))
+        if len(self._held) >= self.limit:
+            self._release()
+
+    def _release(self) -> None:
+        held, self._held = self._held or [], None
+        for name, line in held:
+            self.inner(name, line)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        self._held = []
+        try:
+            yield
+        finally:
+            self._release()
 
 
 def busy_port(args: argparse.Namespace) -> str | None:
@@ -90,7 +123,8 @@ async def run_up(args: argparse.Namespace) -> int:
         tls_key=args.tls_key,
         embed_router=not args.split_router,
     )
-    mesh = Mesh(config)
+    sink = HoldingSink(stdout_sink())
+    mesh = Mesh(config, sink=sink)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -122,7 +156,8 @@ async def run_up(args: argparse.Namespace) -> int:
         if args.demo:
             from services.client import print_stream
 
-            await print_stream(mesh.gateway_address, api_key, args.demo, max_tokens=96)
+            with sink.holding():
+                await print_stream(mesh.gateway_address, api_key, args.demo, max_tokens=96)
             if args.exit_after_demo:
                 return 0
         await stop.wait()
