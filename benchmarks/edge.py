@@ -283,7 +283,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.edge", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="meshserve bench edge", description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="edge worker intra-op threads")
     parser.add_argument("--streams", default="1,4,16", help="comma-separated stream counts (default 1,4,16)")
