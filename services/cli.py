@@ -117,7 +117,10 @@ def _chat(args: argparse.Namespace) -> int:
             )
         )
     except grpc.aio.AioRpcError as exc:
-        print(f"\nmeshserve chat: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        hint = ""
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and "failed to connect" in (exc.details() or ""):
+            hint = f"; nothing answers at {args.address}: start the mesh (`meshserve up`) or pass --address"
+        print(f"\nmeshserve chat: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -41,3 +41,13 @@ def test_chat_requires_a_prompt(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         cli.main(["chat"])
     assert exit_.value.code == 2
+
+
+def test_chat_with_no_mesh_up_says_how_to_start_one(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.processes import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    assert cli.main(["chat", "--address", address, "--max-tokens", "1", "Hello"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("meshserve chat: UNAVAILABLE: ") and err.count("\n") == 0
+    assert err.endswith(f"nothing answers at {address}: start the mesh (`meshserve up`) or pass --address")
