@@ -26,11 +26,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--edge-workers", type=int, default=2, help="edge worker replicas (default 2)")
     p.add_argument("--cloud-workers", type=int, default=1, help="cloud worker replicas (default 1)")
     p.add_argument("--port", type=int, default=50051, help="gateway gRPC port (default 50051; 0 = any free port)")
-    p.add_argument("--redis-url", default=os.environ.get("REDIS_URL", ""), help="use this Redis (default: start one)")
-    p.add_argument("--edge-threads", type=int, default=1, help="intra-op threads per edge worker")
-    p.add_argument("--cloud-threads", type=int, default=2, help="intra-op threads per cloud worker")
     p.add_argument(
-        "--cloud-tp", type=int, default=1, help="tensor-parallel ranks per cloud worker (torchrun; 1 or 3 for SmolLM2)"
+        "--redis-url",
+        default=os.environ.get("REDIS_URL", ""),
+        help="use this Redis (default: $REDIS_URL, else start one on a free port)",
+    )
+    p.add_argument("--edge-threads", type=int, default=1, help="intra-op threads per edge worker (default 1)")
+    p.add_argument("--cloud-threads", type=int, default=2, help="intra-op threads per cloud worker (default 2)")
+    p.add_argument(
+        "--cloud-tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per cloud worker (default 1; torchrun; 1 or 3 for SmolLM2)",
     )
     p.add_argument("--http-port", type=int, default=8080, help="Envoy's HTTP/gRPC port (default 8080; 0 = any)")
     p.add_argument("--no-envoy", action="store_true", help="do not start Envoy and the OpenAI HTTP front door")
