@@ -36,8 +36,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8080, help="Envoy's public port (HTTP/1.1 + gRPC; default 8080)")
     p.add_argument("--listen-host", default="0.0.0.0", help="address Envoy's public listener binds (default 0.0.0.0)")
     p.add_argument("--adapters", type=int, default=1, help="OpenAI HTTP adapter processes (default 1)")
-    p.add_argument("--resolve-interval", type=float, default=5.0, help="seconds between DNS re-resolutions")
-    p.add_argument("--start-timeout", type=float, default=120.0, help="seconds to wait for Envoy and the gateways")
+    p.add_argument("--resolve-interval", type=float, default=5.0, help="seconds between DNS re-resolutions (default 5)")
+    p.add_argument(
+        "--start-timeout", type=float, default=120.0, help="seconds to wait for Envoy and the gateways (default 120)"
+    )
     p.add_argument("--tls-cert", default="", help="PEM certificate: serve TLS on the public port (with --tls-key)")
     p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     return p
