@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -20,12 +21,18 @@ def state_path() -> Path:
 
 
 def write_state(state: dict[str, object]) -> Path:
-    """Record ``state``, readable by its owner only (a Redis URL given to ``meshserve up`` may hold a password)."""
+    """Record ``state``, readable by its owner only (a Redis URL given to ``meshserve up`` may hold a
+    password). Written to a temporary file then renamed: a reader never sees a partial file."""
     path = state_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)  # a fresh file, so the mode below applies
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        f.write(json.dumps(state, indent=2) + "\n")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(state, indent=2) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return path
 
 

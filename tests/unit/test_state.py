@@ -34,6 +34,7 @@ def test_the_file_is_readable_by_its_owner_only_even_when_it_existed(state_file:
     state_file.chmod(0o644)
     write_state({"redis": "redis://:secret@127.0.0.1:6379/0"})
     assert stat.S_IMODE(state_file.stat().st_mode) == 0o600
+    assert [p.name for p in state_file.parent.iterdir()] == ["mesh.json"]  # no temporary file left
 
 
 @pytest.mark.parametrize("content", ["", "not json", "[1, 2]"])
