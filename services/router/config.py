@@ -88,6 +88,9 @@ class RouterSettings(StreamingSettings):
     """Serve WorkerRegistry.Heartbeat: workers started with this router's address join the routing set."""
     heartbeat_ttl_s: float = Field(default=5.0, gt=0)
     """A self-registered worker (WorkerRegistry.Heartbeat) is forgotten after this long without a heartbeat."""
+    max_replicas: int = Field(default=1024, ge=1)
+    """Most workers (static + self-registered) the router holds; a heartbeat from a new address beyond it
+    is refused with RESOURCE_EXHAUSTED (a fleet announcing endless addresses cannot grow the router)."""
     kv_high_watermark: float = Field(default=0.95, gt=0, le=1)
     """A worker reporting this fraction of its KV budget in use gets no new turns while another has room."""
     health_interval_s: float = Field(default=1.0, gt=0)

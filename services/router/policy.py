@@ -261,6 +261,11 @@ class ReplicaSelector:
         """Replica ``name`` lost its cache (restarted or ejected)."""
         self._held.pop(name, None)
 
+    def drop(self, name: str) -> None:
+        """Replica ``name`` left the registry: nothing is kept for it (workers come and go)."""
+        self._held.pop(name, None)
+        self.picks.pop(name, None)
+
     def select(self, candidates: Sequence[Candidate], blocks: Sequence[bytes]) -> Selection:
         """Choose among ``candidates`` (non-empty) for a prompt whose block hashes are ``blocks``."""
         if not candidates:

@@ -16,6 +16,10 @@ Replicas come from static config and from self-registration (:meth:`Registry.hea
 heartbeat refreshes its load report, and a registered replica whose heartbeats stop for
 ``heartbeat_ttl_s`` (or that says it is leaving) is removed; its channel is closed with a grace
 period, so streams still running on a draining worker finish. Static replicas are never removed.
+Bounds: at most ``max_replicas`` replicas (static + registered); a heartbeat from a new address
+beyond that is refused with ResourceExhausted, so a misbehaving worker fleet announcing endless
+addresses cannot grow the router's channels and probes without limit. What the router keeps per
+address (the mismatch warning, ``on_drop``'s per-replica state elsewhere) goes with the replica.
 
 Load reports (:class:`WorkerReport`) arrive both ways, pushed by heartbeats and pulled by the
 ``Worker.Stats`` probe; the latest one wins. What the policy uses from them: ``active + queued``
@@ -23,7 +27,7 @@ Load reports (:class:`WorkerReport`) arrive both ways, pushed by heartbeats and 
 above ``kv_high_watermark`` of the worker's KV budget, the replica takes no new turns while another
 has room and gives no admission slots) and the hot prefix blocks (:attr:`Replica.hot_blocks`, only
 when the worker hashed them with the router's block size and model version; otherwise they could
-never match and a warning says why). Such a report is the truth about what the worker holds, so
+never match and a warning says why; at most :data:`MAX_REPORTED_BLOCKS` of them are kept). Such a report is the truth about what the worker holds, so
 ``on_report`` lets the router drop its own belief (what it sent there before the report).
 """
 
@@ -41,6 +45,7 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import metadata as md
+from services.common.errors import ResourceExhausted
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.serving import grpc_options
 from services.router.metrics import EJECTIONS
@@ -48,6 +53,9 @@ from services.router.mux import MuxChannel
 from services.router.policy import TierName
 
 log = structlog.get_logger(__name__)
+MAX_REPORTED_BLOCKS = 4096
+"""Hot prefix blocks kept from one report (a worker sends at most 1024 by default); the rest are
+ignored, so a peer's oversized report cannot make the router hold more than ~130 KiB per replica."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,7 @@ class WorkerReport:
             kv_tokens=s.kv_tokens,
             held_sequences=s.held_sequences,
             block_tokens=s.prefix_block_tokens,
-            hot_blocks=tuple(s.hot_prefix_blocks),
+            hot_blocks=tuple(s.hot_prefix_blocks[:MAX_REPORTED_BLOCKS]),
             model_version=s.model_version,
             prompt_tokens_total=s.prompt_tokens_total,
             prefill_tokens_total=s.prefill_tokens_total,
@@ -174,6 +182,8 @@ class Registry:
         drain_s: float = 30.0,
         on_report: Callable[[Replica], object] | None = None,
         probe_timeouts_to_down: int = 3,
+        max_replicas: int = 1024,
+        on_drop: Callable[[str], object] | None = None,
     ) -> None:
         self._addresses = [(a, TierName.EDGE) for a in edge] + [(a, TierName.CLOUD) for a in cloud]
         self._token = internal_token
@@ -191,6 +201,9 @@ class Registry:
         self._drain_s = drain_s
         self._mismatch_warned: set[str] = set()
         self._on_report = on_report
+        self.max_replicas = max_replicas
+        self._on_drop = on_drop
+        """Called with the address of a replica removed from the registry (its per-address state goes)."""
         """Called with a replica whose report lists its hot prefix blocks in our scheme (authoritative)."""
         self.replicas: list[Replica] = []
         self._task: asyncio.Task[None] | None = None
@@ -251,6 +264,12 @@ class Registry:
         if replica is None:
             if leaving:
                 return self.heartbeat_ttl_s
+            if len(self.replicas) >= self.max_replicas:
+                raise ResourceExhausted(
+                    f"the router already has {self.max_replicas} workers (MESHSERVE_ROUTER_MAX_REPLICAS); "
+                    f"{address} can register once one leaves",
+                    int(self.heartbeat_ttl_s * 1000),
+                )
             replica = self._replica(address, tier)
             replica.registered_until = now + self.heartbeat_ttl_s
             self.replicas.append(replica)
@@ -273,6 +292,9 @@ class Registry:
         log.info("worker_deregistered", address=replica.address, worker=replica.name, reason=reason)
         self.replicas.remove(replica)
         replica.healthy = False
+        self._mismatch_warned.discard(replica.address)
+        if self._on_drop is not None:
+            self._on_drop(replica.address)
         if replica.mux is not None:
             replica.mux.retire()  # the multiplexed call ends with its last stream
         # Streams still running on a draining worker finish; a dead worker's fail on their own.

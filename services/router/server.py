@@ -93,6 +93,8 @@ async def start_router_servicer(
         drain_s=settings.shutdown_grace_s,
         # A worker's report of its hot prefix blocks replaces the router's memory of what it sent.
         on_report=lambda replica: selector.forget(replica.address),
+        max_replicas=settings.max_replicas,
+        on_drop=selector.drop,
     )
     await registry.start()
 

@@ -102,6 +102,7 @@ class Heartbeater:
                     self._retired.add(task)
                     task.add_done_callback(self._retired.discard)
                     self.registered.pop(gone, None)
+                    self.beats.pop(gone, None)
                     await self._channels.pop(gone).close()
                 for new in [r for r in found if r not in self.routers]:
                     log.info("router_address_found", router=new, address=self.address)

@@ -152,3 +152,32 @@ async def test_replicas_out_of_kv_room_get_no_new_turns_and_a_full_tier_spills(m
     await registry.probe_all()
     fin = final(await generate(mesh, request("Short at last", 2, routing=bypass)))
     assert fin.route.tier == pb.TIER_EDGE
+
+
+async def test_a_heartbeat_beyond_max_replicas_is_refused_until_one_leaves(mesh: Mesh) -> None:
+    from services.common.pb.meshserve.internal.v1 import registry_pb2, registry_pb2_grpc
+
+    registry = mesh.router.registry
+    registry.max_replicas = len(registry.replicas)  # the static workers fill it
+    stub = registry_pb2_grpc.WorkerRegistryStub(mesh.channel)
+    fakes = [f"127.0.0.1:{port}" for port in (1, 2, 3)]  # addresses a misbehaving fleet announces
+    try:
+        for address in fakes:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Heartbeat(registry_pb2.WorkerHeartbeat(address=address, tier=pb.TIER_EDGE), metadata=META)
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "MESHSERVE_ROUTER_MAX_REPLICAS" in (err.value.details() or "")
+            assert dict(err.value.trailing_metadata() or ()).get("retry-after-ms")
+        assert all(r.address not in fakes for r in registry.replicas)
+        registry.max_replicas += 1  # room for one: it joins, and leaving frees its place for the next
+        await stub.Heartbeat(registry_pb2.WorkerHeartbeat(address=fakes[0], tier=pb.TIER_EDGE), metadata=META)
+        assert any(r.address == fakes[0] for r in registry.replicas)
+        with pytest.raises(grpc.aio.AioRpcError):
+            await stub.Heartbeat(registry_pb2.WorkerHeartbeat(address=fakes[1], tier=pb.TIER_EDGE), metadata=META)
+        await stub.Heartbeat(
+            registry_pb2.WorkerHeartbeat(address=fakes[0], tier=pb.TIER_EDGE, leaving=True), metadata=META
+        )
+        await stub.Heartbeat(registry_pb2.WorkerHeartbeat(address=fakes[1], tier=pb.TIER_EDGE), metadata=META)
+        assert [r.address for r in registry.replicas if r.address in fakes] == [fakes[1]]
+    finally:
+        registry.max_replicas = 1024

@@ -3,8 +3,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from services.router.policy import TierName
-from services.router.registry import Registry, Replica, WorkerReport
+import pytest
+
+from services.common.errors import ResourceExhausted
+from services.common.pb.meshserve.internal.v1 import worker_pb2
+from services.router.policy import ReplicaSelector, TierName
+from services.router.registry import MAX_REPORTED_BLOCKS, Registry, Replica, WorkerReport
 
 
 def _replica(**kw: Any) -> Replica:
@@ -110,3 +114,51 @@ def test_a_report_in_our_hash_scheme_replaces_the_routers_belief() -> None:
     reg.apply_report(r, WorkerReport(block_tokens=32, model_version="v1", hot_blocks=(b"x" * 32,)))
     reg.apply_report(r, WorkerReport())  # an old worker that reports no blocks: the router's memory stays
     assert reported == [r.address]
+
+
+async def test_registrations_stop_at_max_replicas_and_a_dropped_replica_leaves_nothing_behind() -> None:
+    selector = ReplicaSelector()
+    dropped: list[str] = []
+
+    def on_drop(address: str) -> None:
+        dropped.append(address)
+        selector.drop(address)
+
+    # Nothing listens on these ports: each new address costs one refused probe, not a timeout.
+    reg = Registry([], [], internal_token="t", timeout_s=0.2, max_replicas=3, on_drop=on_drop, model_version="v1")
+    addresses = [f"127.0.0.1:{port}" for port in range(1, 51)]
+    refused = 0
+    try:
+        for address in addresses:
+            try:
+                await reg.heartbeat(address, TierName.EDGE, WorkerReport(block_tokens=8, hot_blocks=(b"x" * 32,)))
+            except ResourceExhausted as exc:
+                refused += 1
+                assert exc.retry_after_ms == int(reg.heartbeat_ttl_s * 1000)
+            selector.record(address, [b"b" * 32])
+            selector.picks[address] = 1
+        assert len(reg.replicas) == 3 and refused == 47
+        for r in list(reg.replicas):
+            await reg.heartbeat(r.address, TierName.EDGE, leaving=True)
+        assert reg.replicas == [] and sorted(dropped) == sorted(addresses[:3])
+        assert reg._mismatch_warned == set()  # the warned-about addresses went with their replicas
+        assert all(a not in selector.picks for a in addresses[:3])
+        assert selector.cached_blocks(addresses[0], [b"b" * 32]) == 0
+        await reg.heartbeat(addresses[10], TierName.EDGE)  # room again
+        assert [r.address for r in reg.replicas] == [addresses[10]]
+    finally:
+        await reg.close()
+
+
+def test_a_report_keeps_at_most_max_reported_blocks() -> None:
+    stats = worker_pb2.WorkerStats(hot_prefix_blocks=[i.to_bytes(32, "big") for i in range(MAX_REPORTED_BLOCKS + 500)])
+    report = WorkerReport.from_pb(stats)
+    assert len(report.hot_blocks) == MAX_REPORTED_BLOCKS
+    assert report.hot_blocks[0] == (0).to_bytes(32, "big")
+
+
+def test_max_replicas_is_at_least_one() -> None:
+    from services.router.config import RouterSettings
+
+    with pytest.raises(ValueError):
+        RouterSettings(max_replicas=0, edge_workers=["127.0.0.1:1"])
