@@ -12,6 +12,12 @@ workers' FIFO queues, and are released one per freed slot in this order:
 A tenant that sends many or large requests therefore advances its own tags quickly and cannot
 starve a light tenant, whose next request is tagged near ``V`` and released within about one
 request of each other active tenant, whatever the heavy tenant has queued.
+
+Bounded memory, whatever the number of tenants that come and go: a tenant's finish tag is forgotten
+once it is at or below ``V`` (its next request would be tagged ``V`` either way, so this changes no
+order), and beyond ``max_tenants`` remembered tags the smallest are forgotten (the tenants closest to
+``V``: the least advantage lost). Withdrawn entries leave the heap when it holds twice as many dead
+entries as live ones, so waiters that give up under a queue that is never drained do not pile up.
 """
 
 from __future__ import annotations
@@ -37,8 +43,9 @@ class _Entry(Generic[T]):
 class FairQueue(Generic[T]):
     """Waiting requests ordered by priority class, then token-weighted fair share per tenant."""
 
-    def __init__(self, weights: Mapping[str, float] | None = None) -> None:
+    def __init__(self, weights: Mapping[str, float] | None = None, *, max_tenants: int = 10_000) -> None:
         self._weights = dict(weights or {})
+        self._max_tenants = max_tenants
         self._heap: list[_Entry[T]] = []
         self._finish: dict[str, float] = {}
         self._vtime = 0.0
@@ -55,7 +62,22 @@ class FairQueue(Generic[T]):
         entry = _Entry((-priority, start, next(self._seq)), item, tenant, priority)
         heapq.heappush(self._heap, entry)
         self._live += 1
+        if len(self._finish) > self._max_tenants:
+            self._forget_tenants()
         return entry
+
+    def _forget_tenants(self) -> None:
+        """Drop tags at or below ``V`` (no effect on order), then the smallest beyond the cap."""
+        self._finish = {t: f for t, f in self._finish.items() if f > self._vtime}
+        if len(self._finish) > self._max_tenants // 2:
+            keep = sorted(self._finish.items(), key=lambda tf: tf[1])[-(self._max_tenants // 2) :]
+            self._finish = dict(keep)
+
+    def _compact(self) -> None:
+        """Rebuild the heap without withdrawn entries (amortized: runs once dead ones outnumber live 2:1)."""
+        if len(self._heap) > 2 * self._live + 64:
+            self._heap = [e for e in self._heap if not e.removed]
+            heapq.heapify(self._heap)
 
     def pop(self) -> T | None:
         """The next item to release, or None when empty."""
@@ -74,6 +96,7 @@ class FairQueue(Generic[T]):
         if not entry.removed:
             entry.removed = True
             self._live -= 1
+            self._compact()
 
     def ahead_of(self, priority: int) -> int:
         """Waiting items that would be released before a new item of ``priority`` (upper bound)."""

@@ -55,3 +55,47 @@ def test_remove_withdraws_a_waiter() -> None:
     assert len(q) == 1 and q.pop() == "b" and q.pop() is None
     q.remove(a)  # idempotent
     assert len(q) == 0
+
+
+def test_tenants_that_come_and_go_leave_a_bounded_memory_and_fairness_holds() -> None:
+    q: FairQueue[str] = FairQueue(max_tenants=100)
+    for i in range(20_000):  # one request each from 20,000 tenants, queued in waves and released
+        q.push(f"t{i}", tenant=f"tenant-{i}", cost=1 + i % 500)
+        if i % 50 == 49:
+            while q.pop() is not None:
+                pass
+        assert len(q._finish) <= 101
+    while q.pop() is not None:
+        pass
+    # The queue still shares fairly once the churn is over.
+    for i in range(200):
+        q.push(f"heavy{i}", tenant="heavy", cost=1000)
+    for i in range(10):
+        q.push(f"light{i}", tenant="light", cost=100)
+    order = [q.pop() for _ in range(30)]
+    assert sum(1 for item in order if item and item.startswith("light")) == 10
+
+
+def test_a_tag_at_or_below_virtual_time_is_forgotten_first_and_that_changes_no_tag() -> None:
+    q: FairQueue[str] = FairQueue(max_tenants=4)
+    q.push("old", tenant="old", cost=10)  # S=0, F=10
+    for _ in range(3):
+        q.push("busy", tenant="busy", cost=100)  # S=0, 100, 200 (F=300)
+    while q.pop() is not None:
+        pass  # V is now 200
+    q._forget_tenants()
+    assert q._finish == {"busy": 300.0}  # old's tag (10 <= V) is gone; busy's (300 > V) is kept
+    q.push("old again", tenant="old", cost=10)
+    q.push("busy again", tenant="busy", cost=10)
+    # old's next request is tagged V=200 as it would have been with F=10 remembered; busy's 300.
+    assert sorted(e.key[1] for e in q._heap if not e.removed) == [200.0, 300.0]
+    assert q.pop() == "old again"
+
+
+def test_withdrawn_waiters_do_not_pile_up_in_the_heap() -> None:
+    q: FairQueue[int] = FairQueue()
+    entries = [q.push(i, tenant=f"t{i % 7}", cost=10) for i in range(10_000)]
+    for entry in entries[1:]:  # every waiter but the first gives up; nothing is released meanwhile
+        q.remove(entry)
+    assert len(q) == 1 and len(q._heap) <= 2 * len(q) + 64
+    assert q.pop() == 0 and q.pop() is None
