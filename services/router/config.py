@@ -88,6 +88,9 @@ class RouterSettings(StreamingSettings):
     """Serve WorkerRegistry.Heartbeat: workers started with this router's address join the routing set."""
     heartbeat_ttl_s: float = Field(default=5.0, gt=0)
     """A self-registered worker (WorkerRegistry.Heartbeat) is forgotten after this long without a heartbeat."""
+    max_queued_chat_turns: int = Field(default=8, ge=1)
+    """Turns one Chat stream may send ahead of the turn in progress; one more ends the stream with
+    RESOURCE_EXHAUSTED once that turn ends (the router stops reading the stream at once, so memory stays bounded)."""
     max_replicas: int = Field(default=1024, ge=1)
     """Most workers (static + self-registered) the router holds; a heartbeat from a new address beyond it
     is refused with RESOURCE_EXHAUSTED (a fleet announcing endless addresses cannot grow the router)."""

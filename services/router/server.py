@@ -133,6 +133,7 @@ async def start_router_servicer(
         router,
         context_length=settings.context_length,
         default_max_tokens=settings.default_max_tokens,
+        max_queued_chat_turns=settings.max_queued_chat_turns,
         flush=settings.flush_window(),
     )
     registration = WorkerRegistryServicer(registry) if settings.accept_registrations else None

@@ -17,7 +17,7 @@ import structlog
 from services.cache.keys import SamplingSpec
 from services.common import tracing
 from services.common.coalesce import FlushWindow, coalesced
-from services.common.errors import InvalidArgument, MeshError, NotFound
+from services.common.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted
 from services.common.metrics import REQUEST_DURATION, TOKENS
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
 from services.router import convert
@@ -58,13 +58,20 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
     :class:`Router`."""
 
     def __init__(
-        self, router: Router, *, context_length: int, default_max_tokens: int, flush: FlushWindow | None = None
+        self,
+        router: Router,
+        *,
+        context_length: int,
+        default_max_tokens: int,
+        flush: FlushWindow | None = None,
+        max_queued_chat_turns: int = 8,
     ) -> None:
         self._router = router
         self._flush = flush  # spaces a stream's frames while many streams are open (None: off)
         self._context_length = context_length
         self._default_max_tokens = default_max_tokens
         self._encoded = _EncodeCache(_ENCODED_PROMPTS)
+        self._max_queued_turns = max_queued_chat_turns
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -182,6 +189,8 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         request_id = str(structlog.contextvars.get_contextvars().get("request_id", ""))
         inbox: asyncio.Queue[inference_pb2.ChatTurn | None] = asyncio.Queue()
         current_cancel: list[asyncio.Event] = []  # the cancel event of the turn in progress, if any
+        overflow: list[ResourceExhausted] = []  # set when the client queued too many turns
+        most = self._max_queued_turns
 
         async def read_client() -> None:
             try:
@@ -190,6 +199,15 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                         if current_cancel:
                             current_cancel[0].set()
                     elif msg.HasField("turn"):
+                        if inbox.qsize() >= most:
+                            # Stop reading: the client's further frames wait in gRPC's flow control.
+                            overflow.append(
+                                ResourceExhausted(
+                                    f"more than {most} chat turns were sent ahead of the turn in progress; "
+                                    "send the next turn after the previous turn's final frame"
+                                )
+                            )
+                            return
                         inbox.put_nowait(msg.turn)
             finally:
                 inbox.put_nowait(None)
@@ -200,7 +218,10 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         hint: TierName | None = None
         turn_index = 0
         try:
-            while (turn := await inbox.get()) is not None:
+            while (turn := await inbox.get()) is not None or overflow:
+                if overflow:  # the queued turns are dropped with the stream
+                    raise overflow[0]
+                assert turn is not None
                 with _observe() as obs:
                     if turn_index == 0:
                         self._check_model(turn.model)

@@ -214,6 +214,39 @@ async def test_chat_two_turns_and_cancel_on_one_stream(mesh: Mesh, tokenizer: To
     assert third[-1].final.usage.prompt_tokens == len(worker.starts[2].prompt_token_ids)
 
 
+async def test_chat_turns_queued_beyond_the_limit_end_the_stream_and_are_not_read(mesh: Mesh) -> None:
+    """The router stops reading a Chat stream that sends more than max_queued_chat_turns (8) turns ahead
+    of the one in progress: the turn in progress finishes, then RESOURCE_EXHAUSTED; no queued turn runs."""
+    outbox: asyncio.Queue[pb.ChatRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[pb.ChatRequest]:
+        while (item := await outbox.get()) is not None:
+            yield item
+
+    def turn(n: int, max_tokens: int) -> pb.ChatRequest:
+        return pb.ChatRequest(
+            turn=pb.ChatTurn(
+                messages=[pb.ChatMessage(role="user", content=f"turn {n}")],
+                sampling=pb.SamplingParams(max_tokens=max_tokens),
+            )
+        )
+
+    for w in mesh.all():
+        w.token_delay_s = 0.02  # the first turn runs ~0.6 s: the others arrive while it does
+    call = mesh.stub.Chat(requests(), metadata=META)
+    outbox.put_nowait(turn(0, 30))
+    frames = [await call.read()]  # turn 0 is in progress
+    for n in range(1, 10):  # 8 queued turns are allowed; the 9th is one too many
+        outbox.put_nowait(turn(n, 2))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        while (frame := await call.read()) is not grpc.aio.EOF:
+            frames.append(frame)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "more than 8 chat turns" in (err.value.details() or "")
+    assert {f.turn for f in frames} == {0} and frames[-1].final.usage.completion_tokens == 30
+    assert sum(len(w.starts) for w in mesh.all()) == 1  # none of the queued turns ran
+
+
 @pytest.mark.parametrize(
     ("req", "code"),
     [
