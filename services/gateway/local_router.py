@@ -31,6 +31,9 @@ from services.common.pb.meshserve.v1 import inference_pb2_grpc
 
 T = TypeVar("T")
 _DONE = object()
+_CHAT_BUFFER = 16
+"""Chat frames written and not yet read by the router: a write beyond waits (as gRPC flow control
+makes a remote call's write wait), so a client pipelining frames cannot grow the gateway's memory."""
 _closing: set[asyncio.Task[None]] = set()
 
 
@@ -87,7 +90,7 @@ class _ChatCall:
     """A bidi Chat call in place: ``write`` / ``done_writing`` feed the router's request iterator."""
 
     def __init__(self, router: inference_pb2_grpc.InferenceServicer, timeout: float | None) -> None:
-        self._inbox: asyncio.Queue[object] = asyncio.Queue()
+        self._inbox: asyncio.Queue[object] = asyncio.Queue(maxsize=_CHAT_BUFFER)
         self._frames: AsyncGenerator[pb.ChatResponse, None] = router.Chat(self._requests(), _Context(timeout))  # type: ignore[arg-type,assignment]
         self._stream = _StreamCall(self._frames)
 
@@ -97,16 +100,17 @@ class _ChatCall:
             yield msg
 
     async def write(self, request: pb.ChatRequest) -> None:
-        self._inbox.put_nowait(request)  # bounded by the gateway: it writes only what it validated
+        await self._inbox.put(request)  # waits while the router has not read what came before
 
     async def done_writing(self) -> None:
-        self._inbox.put_nowait(_DONE)
+        await self._inbox.put(_DONE)
 
     def __aiter__(self) -> AsyncGenerator[pb.ChatResponse, None]:
         return self._frames
 
     def cancel(self) -> bool:
-        self._inbox.put_nowait(_DONE)
+        with contextlib.suppress(asyncio.QueueFull):  # full: the router is not reading; closing it ends it
+            self._inbox.put_nowait(_DONE)
         return self._stream.cancel()
 
 

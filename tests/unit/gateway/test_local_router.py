@@ -87,3 +87,18 @@ async def test_chat_writes_reach_the_servicer_in_order_and_done_writing_ends_it(
     await call.done_writing()
     replies = [r.text async for r in call]
     assert replies == ["one", "two"] and fake.chat_seen == ["one", "two"]
+
+
+async def test_chat_writes_wait_while_the_router_does_not_read() -> None:
+    fake = FakeServicer()
+    call = LocalRouter(fake).Chat(timeout=10)  # type: ignore[arg-type]
+    for i in range(16):  # the buffer: what a client may write ahead of the router
+        await call.write(_turn(str(i)))
+    blocked = asyncio.create_task(call.write(_turn("16")))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not blocked.done()  # nothing read: the 17th write waits instead of growing the buffer
+    frames = aiter(call)
+    assert (await anext(frames)).text == "0"  # the router reads: the write goes through
+    await asyncio.wait_for(blocked, 5)
+    assert call.cancel()
