@@ -9,7 +9,9 @@ taken from its ``MuxOpen``; its end is sent as a ``MuxEnd`` carrying the status 
 ended with. Frames ready at the same time, of any streams, leave as one message.
 
 Bounds: at most ``max_streams`` streams per call (more are refused with RESOURCE_EXHAUSTED); a
-stream's frames are bounded by its turns' ``max_tokens``. The call's end (router gone, or cancelled)
+stream's frames are bounded by its turns' ``max_tokens``; a stream with :data:`MAX_UNREAD` frames from
+the router not yet taken by its handler is ended with RESOURCE_EXHAUSTED (one call carries every
+stream, so flow control cannot hold back one stream's frames). The call's end (router gone, or cancelled)
 cancels every stream, as cancelled Generate calls would be.
 """
 
@@ -38,12 +40,16 @@ Generate = Callable[[AsyncIterator[worker_pb2.WorkerRequest], Any], AsyncIterato
 METHOD = "/meshserve.internal.v1.Worker/Generate"
 _CLOSE = None
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
+MAX_UNREAD = 64
+"""Frames of one stream the router may send ahead of its handler (it sends a start, then waits)."""
 
 
 @dataclass(eq=False)
 class _Stream:
     inbox: asyncio.Queue[worker_pb2.WorkerRequest | None] = field(default_factory=asyncio.Queue)
     task: asyncio.Task[None] | None = None
+    refused: bool = False
+    """Ended for sending more than MAX_UNREAD frames ahead; its further frames are dropped."""
 
 
 class _Aborted(Exception):
@@ -124,6 +130,12 @@ class _Call:
         stream_or_none = self.streams.get(up.stream)
         if stream_or_none is None:
             return  # a frame for a stream that has ended: nothing to do
+        if stream_or_none.refused:
+            return
+        if stream_or_none.inbox.qsize() >= MAX_UNREAD and stream_or_none.task is not None:
+            stream_or_none.refused = True
+            stream_or_none.task.cancel()
+            return
         if up.HasField("request"):
             stream_or_none.inbox.put_nowait(up.request)
         if kind == "half_close":
@@ -151,6 +163,9 @@ class _Call:
                         self.push(worker_pb2.MuxDown(stream=sid, response=frame))
         except asyncio.CancelledError:
             end = None  # aborted by the router, or the call ended: nobody waits for an end frame
+            if stream.refused:
+                ahead = f"more than {MAX_UNREAD} frames sent ahead on one stream"
+                end = _end(grpc.StatusCode.RESOURCE_EXHAUSTED, ahead)
         except TimeoutError:
             end = _end(grpc.StatusCode.DEADLINE_EXCEEDED, "the stream's deadline passed")
         except _Aborted as exc:

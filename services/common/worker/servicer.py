@@ -17,7 +17,7 @@ import grpc
 import structlog
 
 from services.common import metrics
-from services.common.errors import MeshError
+from services.common.errors import MeshError, ResourceExhausted
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.worker.mux import MuxCalls, serve_mux
@@ -35,6 +35,9 @@ _FINISH = {
 }
 log = structlog.get_logger(__name__)
 _TIERS = {"edge": inference_pb2.TIER_EDGE, "cloud": inference_pb2.TIER_CLOUD}
+MAX_QUEUED_STARTS = 8
+"""Turn starts one Generate stream may send ahead of the turn in progress (the router sends one at a
+time). One more stops reading the stream and ends it with RESOURCE_EXHAUSTED once that turn ends."""
 
 
 @dataclass
@@ -46,6 +49,8 @@ class _Stream:
     cancel_next: bool = False
     session: ChatSession | None = None
     """KV kept between this stream's turns (chat), freed when the stream ends."""
+    overflow: bool = False
+    """The peer sent more than MAX_QUEUED_STARTS starts ahead: the stream ends instead of the next turn."""
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -113,7 +118,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         stream = _Stream(session=self.runner.sessions.open())
         reader = asyncio.create_task(self._read(request_iterator, stream))
         try:
-            while (start := await stream.starts.get()) is not None:
+            while (start := await stream.starts.get()) is not None or stream.overflow:
+                if stream.overflow:
+                    raise ResourceExhausted(
+                        f"more than {MAX_QUEUED_STARTS} turns were started ahead of the turn in progress on one stream"
+                    )
+                assert start is not None
                 async for response in self._turn(start, stream):
                     yield response
         finally:
@@ -134,6 +144,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             async for request in request_iterator:
                 if request.HasField("start"):
+                    if stream.starts.qsize() >= MAX_QUEUED_STARTS:
+                        stream.overflow = True  # stop reading: the peer's frames wait in flow control
+                        return
                     stream.starts.put_nowait(request.start)
                 elif request.HasField("cancel"):
                     if stream.turn is not None:

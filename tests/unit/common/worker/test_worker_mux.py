@@ -191,3 +191,19 @@ async def test_a_drain_refuses_new_streams_and_ends_the_call_after_the_running_o
     assert not router._task.done()  # stream 1 still runs: the call stays
     router.send(worker_pb2.MuxUp(stream=1, abort=True))
     await asyncio.wait_for(router._task, 5)  # its last stream ended: the call ends without the router closing it
+
+
+async def test_a_stream_sending_too_far_ahead_is_ended_and_others_run_on() -> None:
+    from services.common.worker.mux import MAX_UNREAD
+
+    gen = FakeGenerate()
+    router = Router(gen)
+    router.open(1, _start(103))  # its handler runs and reads nothing more
+    await asyncio.wait_for(gen.started.wait(), 5)
+    router.send(*(worker_pb2.MuxUp(stream=1, request=_start(1)) for _ in range(MAX_UNREAD + 10)))
+    router.open(2, _start(2))
+    end = await router.ended(1)
+    assert end.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "frames sent ahead" in end.message
+    router.send(worker_pb2.MuxUp(stream=2, half_close=True))
+    assert (await router.ended(2)).code == OK
+    await router.close()

@@ -154,6 +154,31 @@ async def test_cancel_frame_stops_generation_and_frees_the_slot(harness: Any) ->
     session.call.cancel()
 
 
+async def test_starts_sent_too_far_ahead_end_the_stream_after_the_turn_in_progress(harness: Any) -> None:
+    from services.common.worker.servicer import MAX_QUEUED_STARTS
+
+    engine, stub = harness
+    engine.step_s = 0.01
+    session = Session(stub)
+    started = len(engine.started)  # warm-up's
+
+    def start(max_tokens: int) -> worker_pb2.WorkerRequest:
+        sampling = pb.SamplingParams(max_tokens=max_tokens)
+        return worker_pb2.WorkerRequest(start=worker_pb2.WorkerStart(prompt_token_ids=PROMPT, sampling=sampling))
+
+    await session.call.write(start(30))
+    frames = [await session.read()]  # the first turn runs (~0.3 s)
+    for _ in range(MAX_QUEUED_STARTS + 1):
+        await session.call.write(start(1))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        while True:
+            frames.append(await session.read())
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finals = [f for f in frames if f.HasField("final")]
+    assert len(finals) == 1 and finals[0].final.completion_tokens == 30
+    assert len(engine.started) == started + 1  # no queued start ran
+
+
 async def test_rpc_cancel_stops_generation(harness: Any) -> None:
     engine, stub = harness
     engine.step_s = 0.01
