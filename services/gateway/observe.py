@@ -25,6 +25,7 @@ from services.gateway.config import GatewaySettings
 log = structlog.get_logger(__name__)
 SERVICE = "gateway"
 PROMPT_CHARS = 2000
+PROMPTS_LOGGED = 16  # prompt texts kept for a call's log line (a chat may have any number of turns)
 
 
 def _tier_label(tier: int) -> str:
@@ -47,11 +48,15 @@ class Observed:
         self.status = "OK"
         self.worker = self.reason = ""
         self.prompt_tokens = self.completion_tokens = self.turns = 0
+        self.prompts_omitted = 0
+        self.first_ttft: float | None = None
 
     def prompt(self, *texts: str) -> None:
         """Keep the call's prompt text for its log line, only where prompts are logged."""
         if self.prompts is not None:
-            self.prompts.extend(text[:PROMPT_CHARS] for text in texts)
+            room = max(0, PROMPTS_LOGGED - len(self.prompts))
+            self.prompts.extend(text[:PROMPT_CHARS] for text in texts[:room])
+            self.prompts_omitted += len(texts) - min(room, len(texts))
 
     def turn_started(self) -> None:
         self.turn_start, self.last = time.perf_counter(), None
@@ -77,16 +82,24 @@ class Observed:
             self.turns += 1
             TOKENS.labels(SERVICE, self.tier, "input").inc(final.usage.prompt_tokens)
             TOKENS.labels(SERVICE, self.tier, "output").inc(final.usage.completion_tokens)
+            self._flush_latencies()  # a turn's tier is known now: a long chat holds one turn's gaps at most
 
-    def record(self, access_log: bool) -> None:
+    def _flush_latencies(self) -> None:
         if self.ttfts:
             ttft = TTFT.labels(SERVICE, self.tier)
             for value in self.ttfts:
                 ttft.observe(value)
+            if self.first_ttft is None:
+                self.first_ttft = self.ttfts[0]
+            self.ttfts.clear()
         if self.gaps:
             inter = INTER_TOKEN.labels(SERVICE, self.tier)
             for gap in self.gaps:
                 inter.observe(gap)
+            self.gaps.clear()
+
+    def record(self, access_log: bool) -> None:
+        self._flush_latencies()
         duration = time.perf_counter() - self.start
         REQUEST_DURATION.labels(SERVICE, self.tier, self.status).observe(duration)
         if access_log:
@@ -100,9 +113,10 @@ class Observed:
                 turns=self.turns,
                 prompt_tokens=self.prompt_tokens,
                 completion_tokens=self.completion_tokens,
-                ttft_ms=round(self.ttfts[0] * 1000, 2) if self.ttfts else None,
+                ttft_ms=round(self.first_ttft * 1000, 2) if self.first_ttft is not None else None,
                 duration_ms=round(duration * 1000, 2),
                 **({"prompts": self.prompts} if self.prompts is not None else {}),
+                **({"prompts_omitted": self.prompts_omitted} if self.prompts_omitted else {}),
             )
 
 
