@@ -4,8 +4,10 @@ Keys come from services.cache (``KVBlockStore.keys`` / keys.kv_block_keys): the 
 names a block in the local LRU and in Redis, so a prefix computed on one replica (or before a
 restart) is found by any other. ``services.cache.kv`` is asyncio code; the engine runs in threads,
 so :class:`RedisPrefixCache` owns a private event loop thread and its own Redis client. Loads block
-the calling sequence's thread (bounded by the store's timeout), stores are fire-and-forget. Every
-failure is a miss (the store fails open): a Redis outage never fails a request.
+the calling sequence's thread (bounded by the store's timeout), stores are fire-and-forget, at most
+``max_pending`` at a time (each holds its blocks' tensors until Redis answers): a store beyond that is
+skipped (counted in ``skipped``), so a slow Redis cannot make the worker hold KV copies without bound.
+Every failure is a miss (the store fails open): a Redis outage never fails a request.
 """
 
 from __future__ import annotations
@@ -56,12 +58,16 @@ class RedisPrefixCache:
         ttl_s: int,
         timeout_s: float,
         max_block_bytes: int,
+        max_pending: int = 64,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="gpu-kv-redis", daemon=True)
         self._thread.start()
         self.timeout_s = timeout_s
         self.pending: set[Future[int]] = set()
+        self.max_pending = max_pending
+        self.skipped = 0
+        """Stores skipped because ``max_pending`` were in flight."""
 
         async def build() -> KVBlockStore:
             guard = Guard(redis_from_url(url, timeout_s), timeout_s=timeout_s, service="gpu_worker")
@@ -88,6 +94,9 @@ class RedisPrefixCache:
 
     def store_async(self, ctx: KVContext, token_ids: Sequence[int], blocks: Sequence[Tensor], first: int) -> None:
         """Store ``blocks`` as chain positions ``first``, ``first + 1``, ... in the background."""
+        if len(self.pending) >= self.max_pending:
+            self.skipped += 1
+            return
         future = asyncio.run_coroutine_threadsafe(
             self.store.put(ctx, list(token_ids), list(blocks), first_block=first), self._loop
         )
