@@ -24,3 +24,17 @@ def test_the_least_recently_used_prompt_goes_first() -> None:
     cache.put("c", [3])
     assert cache.get("b") is None
     assert cache.get("a") == [1] and cache.get("c") == [3]
+
+
+def test_the_token_ids_held_are_bounded_too() -> None:
+    cache = _EncodeCache(2048, max_tokens=10_000)
+    for i in range(500):  # distinct long prompts: entries alone would allow all of them
+        cache.put(f"prompt {i}", list(range(i, i + 1000)))
+        assert cache.tokens <= 10_000
+    assert cache.tokens == 10_000
+    assert cache.get("prompt 499") == list(range(499, 1499))  # the most recent are kept
+    assert cache.get("prompt 489") is None
+    cache.put("prompt 499", [7])  # replacing an entry gives its ids back
+    assert cache.tokens == 9_001 and cache.get("prompt 499") == [7]
+    cache.put("huge", list(range(20_000)))  # larger than the whole budget: not kept, nothing evicted
+    assert cache.get("huge") is None and cache.tokens == 9_001
