@@ -27,8 +27,9 @@ Load reports (:class:`WorkerReport`) arrive both ways, pushed by heartbeats and 
 above ``kv_high_watermark`` of the worker's KV budget, the replica takes no new turns while another
 has room and gives no admission slots) and the hot prefix blocks (:attr:`Replica.hot_blocks`, only
 when the worker hashed them with the router's block size and model version; otherwise they could
-never match and a warning says why; at most :data:`MAX_REPORTED_BLOCKS` of them are kept). Such a report is the truth about what the worker holds, so
-``on_report`` lets the router drop its own belief (what it sent there before the report).
+never match and a warning says why; at most :data:`MAX_REPORTED_BLOCKS` of them are kept). Such a
+report is the truth about what the worker holds, so ``on_report`` lets the router drop its own belief
+(what it sent there before the report).
 """
 
 from __future__ import annotations
