@@ -16,10 +16,8 @@ Replicas come from static config and from self-registration (:meth:`Registry.hea
 heartbeat refreshes its load report, and a registered replica whose heartbeats stop for
 ``heartbeat_ttl_s`` (or that says it is leaving) is removed; its channel is closed with a grace
 period, so streams still running on a draining worker finish. Static replicas are never removed.
-Bounds: at most ``max_replicas`` replicas (static + registered); a heartbeat from a new address
-beyond that is refused with ResourceExhausted, so a misbehaving worker fleet announcing endless
-addresses cannot grow the router's channels and probes without limit. What the router keeps per
-address (the mismatch warning, ``on_drop``'s per-replica state elsewhere) goes with the replica.
+Bounds: at most ``max_replicas`` replicas (static + registered); a new address beyond that is refused
+(ResourceExhausted), and what the router keeps per address (``on_drop``) goes with its replica.
 
 Load reports (:class:`WorkerReport`) arrive both ways, pushed by heartbeats and pulled by the
 ``Worker.Stats`` probe; the latest one wins. What the policy uses from them: ``active + queued``
