@@ -1,11 +1,15 @@
-"""Gateway settings: deadline defaults must fit under their caps, else a config error says which."""
+"""Gateway settings: deadline defaults must fit under their caps (else a config error says which), and every
+setting is documented."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 
 from services.common.errors import ConfigError
-from services.common.settings import load_settings
+from services.common.settings import ServiceSettings, load_settings
 from services.gateway.config import GatewaySettings
 
 
@@ -70,3 +74,16 @@ def test_a_malformed_redis_url_is_a_config_error(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(ConfigError, match="MESHSERVE_GATEWAY_REDIS_URL") as err:
         load_settings(GatewaySettings)
     assert fix in str(err.value)
+
+
+def test_every_gateway_setting_is_in_the_settings_table_of_the_docs() -> None:
+    doc = (Path(__file__).parents[3] / "docs" / "gateway.md").read_text()
+    section = doc[doc.index("## Settings") :]
+    section = section[: section.index("\n## ", 1)]
+    documented = set(re.findall(r"`([A-Z0-9_]+)`", section))
+    own = set(GatewaySettings.model_fields) - set(ServiceSettings.model_fields)
+    missing = sorted(name.upper() for name in own if name.upper() not in documented)
+    assert missing == [], f"add these to the Settings table of docs/gateway.md: {missing}"
+    common = (Path(__file__).parents[3] / "docs" / "architecture.md").read_text()
+    missing_common = sorted(name.upper() for name in ServiceSettings.model_fields if f"`{name.upper()}`" not in common)
+    assert missing_common == [], f"add these to the common settings table of docs/architecture.md: {missing_common}"
