@@ -11,7 +11,7 @@ from typing import ClassVar
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.cache.connection import redis_from_url
+from services.cache.connection import check_redis_url
 from services.common.settings import ServiceSettings
 
 
@@ -37,5 +37,4 @@ class CacheSettings(ServiceSettings):
     def _url(cls, value: str) -> str:
         if not value:
             raise ValueError("set MESHSERVE_CACHE_REDIS_URL to the Redis the mesh uses, e.g. redis://127.0.0.1:6379/0")
-        redis_from_url(value, 1.0)  # raises ValueError with the fix for a malformed URL
-        return value
+        return check_redis_url(value)

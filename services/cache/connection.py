@@ -55,6 +55,14 @@ def _hosts(netloc: str, default_port: int) -> tuple[str | None, list[tuple[str, 
     return password, hosts
 
 
+def check_redis_url(url: str) -> str:
+    """``url`` if it is one :func:`redis_from_url` accepts ("" allowed: no Redis); else ValueError with
+    the fix, for a settings validator. Builds a client without connecting."""
+    if url:
+        redis_from_url(url, 1.0)
+    return url
+
+
 def redis_from_url(
     url: str,
     timeout_s: float,

@@ -8,7 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from services.cache.connection import redis_from_url
+from services.cache.connection import check_redis_url
 from services.common.settings import StreamingSettings, default_models_dir
 from services.models.paths import DEFAULT_MODEL_ID, model_paths
 
@@ -104,12 +104,7 @@ class RouterSettings(StreamingSettings):
     """A healthy worker is marked down after this many probes in a row time out (1 = the first).
     Refused connections and NOT_SERVING mark it down at once; stalled streams eject it at once."""
 
-    @field_validator("redis_url")
-    @classmethod
-    def _check_redis_url(cls, value: str) -> str:
-        if value:
-            redis_from_url(value, 1.0)  # raises ValueError with the fix for a malformed URL (connects to nothing)
-        return value
+    _check_redis_url = field_validator("redis_url")(check_redis_url)
 
     @field_validator("edge_workers", "cloud_workers", mode="before")
     @classmethod
