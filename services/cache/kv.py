@@ -31,6 +31,8 @@ log = structlog.get_logger(__name__)
 KIND = "kv"
 _THREAD_BYTES = 256 << 10
 """Transfers above this many bytes are encoded/decoded off the event loop."""
+LOCATE_MAX_BLOCKS = 512
+"""Most leading blocks :meth:`KVBlockStore.leading_blocks` looks for in one call (its default cap)."""
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,23 @@ class KVBlockStore:
             self.guard.count(KIND, "error")
             return 0
         return int(n)  # type: ignore[call-overload]
+
+    async def leading_blocks(
+        self, ctx: KVContext, token_ids: Sequence[int], limit: int = LOCATE_MAX_BLOCKS
+    ) -> int | None:
+        """How many leading full blocks of ``token_ids`` Redis holds for ``ctx``, looking at most at
+        ``limit``; None when that is unknown (no Redis configured, Redis down or slower than
+        ``timeout_s``, breaker open). Never raises on a Redis problem.
+
+        One round trip: a script EXISTS-es the chain keys in order and stops at the first missing one
+        (a block after a gap cannot be used). No tensor bytes move and no hit/miss is counted: this
+        answers an operator's question (``RouterAdmin.PrefixLocation``), it is not a lookup.
+        """
+        keys = self.keys(ctx, token_ids[: max(0, limit) * self.block_tokens])
+        if not keys:
+            return 0
+        n = await self.guard.run("kv_locate", lambda c: prefix_len_script(c, keys, ()), timeout_s=self.timeout_s)
+        return None if isinstance(n, Failed) else int(n)  # type: ignore[call-overload]
 
     async def load(
         self, ctx: KVContext, token_ids: Sequence[int], as_: Literal["numpy", "torch"] = "numpy"
