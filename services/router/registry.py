@@ -75,8 +75,8 @@ class WorkerReport:
     model_version: str = ""
     prompt_tokens_total: int = 0
     prefill_tokens_total: int = 0
-    mux: bool = False
-    """The worker serves GenerateMux."""
+    mux: bool = False  # the worker serves GenerateMux
+    model_id: str = ""
 
     @classmethod
     def from_pb(cls, s: worker_pb2.WorkerStats) -> WorkerReport:
@@ -92,6 +92,7 @@ class WorkerReport:
             held_sequences=s.held_sequences,
             block_tokens=s.prefix_block_tokens,
             hot_blocks=tuple(s.hot_prefix_blocks[:MAX_REPORTED_BLOCKS]),
+            model_id=s.model,
             model_version=s.model_version,
             prompt_tokens_total=s.prompt_tokens_total,
             prefill_tokens_total=s.prefill_tokens_total,
@@ -200,10 +201,9 @@ class Registry:
         self._drain_s = drain_s
         self._mismatch_warned: set[str] = set()
         self._on_report = on_report
-        self.max_replicas = max_replicas
-        self._on_drop = on_drop
-        """Called with the address of a replica removed from the registry (its per-address state goes)."""
         """Called with a replica whose report lists its hot prefix blocks in our scheme (authoritative)."""
+        self.max_replicas = max_replicas
+        self._on_drop = on_drop  # called with a removed replica's address: its per-address state goes
         self.replicas: list[Replica] = []
         self._task: asyncio.Task[None] | None = None
         self._draining: dict[asyncio.Future[None], grpc.aio.Channel] = {}

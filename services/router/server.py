@@ -20,6 +20,7 @@ from services.router.admin_servicer import RouterAdminServicer
 from services.router.admission import Admission
 from services.router.config import RouterSettings
 from services.router.core import SERVICE, Router
+from services.router.location import PrefixLocator
 from services.router.policy import ReplicaSelector, TierName
 from services.router.registry import Registry
 from services.router.registry_servicer import WorkerRegistryServicer
@@ -137,7 +138,9 @@ async def start_router_servicer(
         flush=settings.flush_window(),
     )
     registration = WorkerRegistryServicer(registry) if settings.accept_registrations else None
-    admin = RouterAdminServicer(registry)  # the replica view for `meshserve status`
+    # The replica view for `meshserve status`, prefix locations for `meshserve cache where`.
+    locator = PrefixLocator(router, block_tokens=settings.prefix_block_tokens, context_length=settings.context_length)
+    admin = RouterAdminServicer(registry, locator)
 
     def register(s: grpc.aio.Server) -> None:
         _register(s, servicer, registration)

@@ -102,8 +102,10 @@ def test_report_from_stats_keeps_every_field() -> None:
         model_version="v",
         prompt_tokens_total=11,
         prefill_tokens_total=12,
+        model="m",
     )
-    assert WorkerReport.from_pb(stats) == WorkerReport("w", 1, 2, 3, 4.5, 6, 7, 8, 9, 10, (b"h",), "v", 11, 12)
+    want = WorkerReport("w", 1, 2, 3, 4.5, 6, 7, 8, 9, 10, (b"h",), "v", 11, 12, model_id="m")
+    assert WorkerReport.from_pb(stats) == want
 
 
 def test_a_report_in_our_hash_scheme_replaces_the_routers_belief() -> None:

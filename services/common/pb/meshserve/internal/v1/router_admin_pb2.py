@@ -25,19 +25,27 @@ _sym_db = _symbol_database.Default()
 from services.common.pb.meshserve.v1 import inference_pb2 as meshserve_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(meshserve/internal/v1/router_admin.proto\x12\x15meshserve.internal.v1\x1a\x1cmeshserve/v1/inference.proto\"\x15\n\x13ListReplicasRequest\"\xc0\x03\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x18\n\x10\x61\x63tive_sequences\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x1c\n\x14max_active_sequences\x18\x07 \x01(\r\x12\x11\n\tin_flight\x18\x08 \x01(\r\x12\x0c\n\x04load\x18\t \x01(\r\x12\x11\n\tejections\x18\n \x01(\r\x12\x17\n\x0fself_registered\x18\x0b \x01(\x08\x12 \n\x18recent_tokens_per_second\x18\x0c \x01(\x02\x12\x11\n\tkv_tokens\x18\r \x01(\x04\x12\x15\n\rkv_used_bytes\x18\x0e \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x0f \x01(\x04\x12\x16\n\x0eheld_sequences\x18\x10 \x01(\r\x12\x19\n\x11hot_prefix_blocks\x18\x11 \x01(\r\x12\x0f\n\x07kv_full\x18\x12 \x01(\x08\x12\x15\n\rreport_age_ms\x18\x13 \x01(\r\"N\n\x14ListReplicasResponse\x12\x36\n\x08replicas\x18\x01 \x03(\x0b\x32$.meshserve.internal.v1.ReplicaStatus2v\n\x0bRouterAdmin\x12g\n\x0cListReplicas\x12*.meshserve.internal.v1.ListReplicasRequest\x1a+.meshserve.internal.v1.ListReplicasResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(meshserve/internal/v1/router_admin.proto\x12\x15meshserve.internal.v1\x1a\x1cmeshserve/v1/inference.proto\"\x15\n\x13ListReplicasRequest\"\xc0\x03\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x18\n\x10\x61\x63tive_sequences\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x1c\n\x14max_active_sequences\x18\x07 \x01(\r\x12\x11\n\tin_flight\x18\x08 \x01(\r\x12\x0c\n\x04load\x18\t \x01(\r\x12\x11\n\tejections\x18\n \x01(\r\x12\x17\n\x0fself_registered\x18\x0b \x01(\x08\x12 \n\x18recent_tokens_per_second\x18\x0c \x01(\x02\x12\x11\n\tkv_tokens\x18\r \x01(\x04\x12\x15\n\rkv_used_bytes\x18\x0e \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x0f \x01(\x04\x12\x16\n\x0eheld_sequences\x18\x10 \x01(\r\x12\x19\n\x11hot_prefix_blocks\x18\x11 \x01(\r\x12\x0f\n\x07kv_full\x18\x12 \x01(\x08\x12\x15\n\rreport_age_ms\x18\x13 \x01(\r\"N\n\x14ListReplicasResponse\x12\x36\n\x08replicas\x18\x01 \x03(\x0b\x32$.meshserve.internal.v1.ReplicaStatus\"\x9e\x01\n\x15PrefixLocationRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x18\n\x10shareable_prefix\x18\x04 \x01(\x08\x12 \n\x04tier\x18\x05 \x01(\x0e\x32\x12.meshserve.v1.Tier\"I\n\x0cPrefixHolder\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\"\xf6\x02\n\x16PrefixLocationResponse\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x02 \x01(\r\x12\x15\n\rprompt_blocks\x18\x03 \x01(\r\x12 \n\x04tier\x18\x04 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x13\n\x0btier_reason\x18\x05 \x01(\t\x12\x35\n\x08replicas\x18\x06 \x03(\x0b\x32#.meshserve.internal.v1.PrefixHolder\x12\x31\n\x05redis\x18\x07 \x01(\x0e\x32\".meshserve.internal.v1.RedisLookup\x12\x14\n\x0credis_blocks\x18\x08 \x01(\r\x12\x1c\n\x14redis_checked_blocks\x18\t \x01(\r\x12\x1a\n\x12redis_block_tokens\x18\n \x01(\r\x12\x10\n\x08model_id\x18\x0b \x01(\t\x12\x15\n\rmodel_version\x18\x0c \x01(\t*\x7f\n\x0bRedisLookup\x12\x1c\n\x18REDIS_LOOKUP_UNSPECIFIED\x10\x00\x12\x19\n\x15REDIS_LOOKUP_ANSWERED\x10\x01\x12\x1c\n\x18REDIS_LOOKUP_UNAVAILABLE\x10\x02\x12\x19\n\x15REDIS_LOOKUP_DISABLED\x10\x03\x32\xe5\x01\n\x0bRouterAdmin\x12g\n\x0cListReplicas\x12*.meshserve.internal.v1.ListReplicasRequest\x1a+.meshserve.internal.v1.ListReplicasResponse\x12m\n\x0ePrefixLocation\x12,.meshserve.internal.v1.PrefixLocationRequest\x1a-.meshserve.internal.v1.PrefixLocationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshserve.internal.v1.router_admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_REDISLOOKUP']._serialized_start=1264
+  _globals['_REDISLOOKUP']._serialized_end=1391
   _globals['_LISTREPLICASREQUEST']._serialized_start=97
   _globals['_LISTREPLICASREQUEST']._serialized_end=118
   _globals['_REPLICASTATUS']._serialized_start=121
   _globals['_REPLICASTATUS']._serialized_end=569
   _globals['_LISTREPLICASRESPONSE']._serialized_start=571
   _globals['_LISTREPLICASRESPONSE']._serialized_end=649
-  _globals['_ROUTERADMIN']._serialized_start=651
-  _globals['_ROUTERADMIN']._serialized_end=769
+  _globals['_PREFIXLOCATIONREQUEST']._serialized_start=652
+  _globals['_PREFIXLOCATIONREQUEST']._serialized_end=810
+  _globals['_PREFIXHOLDER']._serialized_start=812
+  _globals['_PREFIXHOLDER']._serialized_end=885
+  _globals['_PREFIXLOCATIONRESPONSE']._serialized_start=888
+  _globals['_PREFIXLOCATIONRESPONSE']._serialized_end=1262
+  _globals['_ROUTERADMIN']._serialized_start=1394
+  _globals['_ROUTERADMIN']._serialized_end=1623
 # @@protoc_insertion_point(module_scope)

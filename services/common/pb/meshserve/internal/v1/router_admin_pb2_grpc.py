@@ -40,6 +40,11 @@ class RouterAdminStub:
                 request_serializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ListReplicasRequest.SerializeToString,
                 response_deserializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ListReplicasResponse.FromString,
                 _registered_method=True)
+        self.PrefixLocation = channel.unary_unary(
+                '/meshserve.internal.v1.RouterAdmin/PrefixLocation',
+                request_serializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.PrefixLocationRequest.SerializeToString,
+                response_deserializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.PrefixLocationResponse.FromString,
+                _registered_method=True)
 
 
 class RouterAdminServicer:
@@ -53,6 +58,14 @@ class RouterAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefixLocation(self, request, context):
+        """Which replicas of a tier, and Redis, hold how many of a prompt's leading KV blocks. Reads the
+        router's routing state and asks Redis once; nothing changes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +73,11 @@ def add_RouterAdminServicer_to_server(servicer, server):
                     servicer.ListReplicas,
                     request_deserializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ListReplicasRequest.FromString,
                     response_serializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ListReplicasResponse.SerializeToString,
+            ),
+            'PrefixLocation': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefixLocation,
+                    request_deserializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.PrefixLocationRequest.FromString,
+                    response_serializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.PrefixLocationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +108,33 @@ class RouterAdmin:
             '/meshserve.internal.v1.RouterAdmin/ListReplicas',
             meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ListReplicasRequest.SerializeToString,
             meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ListReplicasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefixLocation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.internal.v1.RouterAdmin/PrefixLocation',
+            meshserve_dot_internal_dot_v1_dot_router__admin__pb2.PrefixLocationRequest.SerializeToString,
+            meshserve_dot_internal_dot_v1_dot_router__admin__pb2.PrefixLocationResponse.FromString,
             options,
             channel_credentials,
             insecure,
