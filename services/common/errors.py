@@ -40,6 +40,13 @@ class PermissionDenied(MeshError):
     code = "PERMISSION_DENIED"
 
 
+class FailedPrecondition(MeshError):
+    """The request is valid but this server is not in a state to run it (e.g. a worker without the
+    KV prefix cache asked to import KV); retrying the same call here will not help."""
+
+    code = "FAILED_PRECONDITION"
+
+
 class ResourceExhausted(MeshError):
     """A limit was hit (rate limit, full queue); the caller may retry after ``retry_after_ms``."""
 

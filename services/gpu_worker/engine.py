@@ -16,6 +16,7 @@ vs reused from local blocks vs imported from Redis (``prefix_counters``, Prometh
 
 Load reports: ``kv_usage()`` (bytes held by live sequences, the budget, cached prefix bytes) and
 ``hot_prefix_blocks()`` (chain hashes of recently used cached prompt prefixes).
+``import_kv`` / ``export_kv``: Worker.ImportKV / ExportKV (kv_transfer.py).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, GenerationConfig
 
 from services.cache.kv import KVContext
+from services.common.worker.kv_transfer import KVExport, KVImport, KVPrefix
 from services.common.worker.runner import current_request
 from services.common.worker.types import EngineInfo, KVUsage, SamplingConfig
+from services.gpu_worker import kv_transfer
 from services.gpu_worker.blocks import BlockManager
 from services.gpu_worker.model import AllReduce, LlamaModel, Shard
 from services.gpu_worker.prefix import RedisPrefixCache, chain_keys, key_digest
@@ -172,7 +175,7 @@ class CloudEngine:
         self.prefix_cache = prefix_cache
         # Redis blocks hold every KV head; a TP rank holds a slice, so TP needs the group's gather/scatter.
         self.redis = redis if shard.world == 1 or kv_io is not None else None
-        self._kv_io: KVBlockIO = kv_io or LocalBlocks()
+        self.kv_io: KVBlockIO = kv_io or LocalBlocks()
         forward: Forward = lambda segments: self.model.forward(segments, self.cache)  # noqa: E731
         if wrap_forward is not None:
             forward = wrap_forward(forward)
@@ -181,7 +184,7 @@ class CloudEngine:
             self.cache,
             self.blocks,
             max_step_tokens=max_step_tokens,
-            write_blocks=lambda ids, data: self._kv_io.write_blocks(self.cache, ids, data),
+            write_blocks=lambda ids, data: self.kv_io.write_blocks(self.cache, ids, data),
         )
         self._tokenizer = _load_tokenizer(model, allow_download)
         self._info = EngineInfo(
@@ -235,11 +238,11 @@ class CloudEngine:
             with self.blocks.lock:
                 local = self.blocks.cached_prefix(state.keys[:matchable])
             if self.redis is not None and local < matchable:
-                state.imported = self._checked(self.redis.load(ctx, token_ids[: matchable * bt]))
+                state.imported = self.checked_blocks(self.redis.load(ctx, token_ids[: matchable * bt]))
         self.scheduler.submit(state)
         return state
 
-    def _checked(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
+    def checked_blocks(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
         """Blocks of our layout only (every KV head, whatever the TP degree), in the cache dtype."""
         cfg = self.model.config
         shape = (cfg.layers, 2, cfg.kv_heads, self.block_tokens, cfg.head_dim)
@@ -290,11 +293,21 @@ class CloudEngine:
                 return
             self.blocks.mark_exported(ids)
         try:
-            data = self._kv_io.read_blocks(self.cache, ids)  # every head, gathered from the TP ranks
+            data = self.kv_io.read_blocks(self.cache, ids)  # every head, gathered from the TP ranks
         except Exception as exc:  # a broken TP group: no export, but the sequence's KV is still freed
             log.warning("kv_prefix_export_failed", error=str(exc))
             return
         self.redis.store_async(ctx, state.tokens[: (first + len(data)) * self.block_tokens], data, first)
+
+    # -- Worker.ImportKV / ExportKV (called from a thread) ----------------------------------------
+
+    def import_kv(self, prefix: KVPrefix) -> KVImport:
+        """Pre-warm the local prefix cache with the prefix's blocks from Redis (kv_transfer.py)."""
+        return kv_transfer.import_prefix(self, prefix)
+
+    def export_kv(self, prefix: KVPrefix) -> KVExport:
+        """Write the prefix's locally held blocks to Redis and wait (kv_transfer.py)."""
+        return kv_transfer.export_prefix(self, prefix)
 
     # -- load reports ---------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ so :class:`RedisPrefixCache` owns a private event loop thread and its own Redis 
 the calling sequence's thread (bounded by the store's timeout), stores are fire-and-forget, at most
 ``max_pending`` at a time (each holds its blocks' tensors until Redis answers): a store beyond that is
 skipped (counted in ``skipped``), so a slow Redis cannot make the worker hold KV copies without bound.
+``write`` (Worker.ExportKV) is the one store that waits for Redis and says when Redis is down.
 Every failure is a miss (the store fails open): a Redis outage never fails a request.
 """
 
@@ -22,11 +23,14 @@ import structlog
 from torch import Tensor
 
 from services.cache.connection import redis_from_url
-from services.cache.guard import Guard
+from services.cache.guard import Failed, Guard
 from services.cache.keys import kv_block_keys
 from services.cache.kv import KVBlockStore, KVContext
+from services.common.errors import Unavailable
 
 log = structlog.get_logger(__name__)
+_WRITE_BYTES = 4 << 20
+"""Most value bytes of one synchronous put (``write``)."""
 
 
 def chain_keys(ctx: KVContext, block_tokens: int, token_ids: Sequence[int]) -> list[str]:
@@ -91,6 +95,49 @@ class RedisPrefixCache:
             future.cancel()
             log.warning("kv_prefix_load_failed", error=type(exc).__name__)
             return []
+
+    def write(self, ctx: KVContext, token_ids: Sequence[int], blocks: Sequence[Tensor]) -> int:
+        """Store ``blocks`` as chain positions 0, 1, ... and wait for Redis (Worker.ExportKV).
+
+        Written in puts of at most ``_WRITE_BYTES`` (each bounded by the store's timeout, so a long
+        prefix is not one transfer racing one deadline). Returns the leading blocks stored; stops at
+        the first put Redis refused part of. Unavailable when Redis could not be written at all.
+        """
+        stored = 0
+        while stored < len(blocks):
+            end, size = stored, 0
+            while end < len(blocks) and (end == stored or size + blocks[end].nbytes <= _WRITE_BYTES):
+                size += blocks[end].nbytes
+                end += 1
+            chunk = list(blocks[stored:end])
+            future = asyncio.run_coroutine_threadsafe(
+                self.store.put(ctx, list(token_ids[: end * self.store.block_tokens]), chunk, first_block=stored),
+                self._loop,
+            )
+            try:
+                n = future.result(timeout=self.timeout_s * 4 + 1)
+            except (FutureTimeout, Exception) as exc:
+                future.cancel()
+                log.warning("kv_prefix_write_failed", error=type(exc).__name__)
+                n = 0
+            stored += n
+            if n < len(chunk):
+                if stored == 0 and not self.reachable():
+                    raise Unavailable(
+                        "Redis did not take the KV blocks (down, slower than the KV Redis timeout, or its "
+                        "circuit breaker is open); retry ExportKV once Redis is back"
+                    )
+                break
+        return stored
+
+    def reachable(self) -> bool:
+        """Does Redis answer a PING now (through the store's guard: timeout and circuit breaker)?"""
+        future = asyncio.run_coroutine_threadsafe(self.store.guard.run("kv_ping", lambda c: c.ping()), self._loop)
+        try:
+            return not isinstance(future.result(timeout=self.timeout_s * 4 + 1), Failed)
+        except (FutureTimeout, Exception):
+            future.cancel()
+            return False
 
     def store_async(self, ctx: KVContext, token_ids: Sequence[int], blocks: Sequence[Tensor], first: int) -> None:
         """Store ``blocks`` as chain positions ``first``, ``first + 1``, ... in the background."""

@@ -6,6 +6,8 @@ Each step (``Scheduler._step``) is planned under the lock, run without it, commi
    arrival) take their cached prefix blocks (local LRU, plus blocks their runner thread imported
    from Redis) and reserve blocks for the rest of prompt + replay + ``max_tokens``; when the KV
    budget cannot hold the next one, admission stops until blocks are freed (no preemption).
+   Blocks a Worker.ImportKV call loaded from Redis (``import_blocks``) are written just before, as
+   cached prefix blocks nobody references yet.
 2. *Decode first*: every running sequence that needs a token contributes one (so streams never
    stall behind a long prompt), then the remaining per-step token budget (``max_step_tokens``)
    goes to *chunked prefill* of admitted prompts, most urgent first.
@@ -83,6 +85,17 @@ class SeqState:
         return self.prompt_len + len(self.replay) + self.max_new
 
 
+@dataclass(eq=False)
+class ImportJob:
+    """Blocks loaded from Redis for the local prefix cache, handed to the scheduler thread."""
+
+    keys: list[str]
+    data: list[Tensor]
+    imported: int = 0
+    done: bool = False
+    error: BaseException | None = None
+
+
 class Scheduler:
     """Runs the batching loop in its own thread (see the module docstring)."""
 
@@ -110,6 +123,7 @@ class Scheduler:
         self.waiting: list[SeqState] = []
         self.running: list[SeqState] = []
         self.in_flight: set[int] = set()
+        self.imports: list[ImportJob] = []
         self.steps_total = 0
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="gpu-scheduler", daemon=True)
@@ -133,6 +147,26 @@ class Scheduler:
             seq.wake = threading.Condition(self.blocks.lock)
             self.waiting.append(seq)
             self.cond.notify_all()
+
+    def import_blocks(self, keys: Sequence[str], data: Sequence[Tensor]) -> int:
+        """Cache ``data`` (full-head blocks from Redis) under their chain ``keys`` as unreferenced,
+        evictable prefix blocks; returns how many were written. Blocking (call from a worker thread).
+
+        Like imports on admission, the blocks are written by the scheduler thread between two steps
+        (``_plan``), so no forward runs while the cache (on every TP rank) is written. Keys cached
+        already are skipped; the import stops where the KV budget (free + evictable) has no room.
+        """
+        job = ImportJob(list(keys), list(data))
+        with self.cond:
+            self.imports.append(job)
+            self.cond.notify_all()
+            while not job.done:
+                if self._stop:
+                    raise RuntimeError("the engine is shutting down")
+                self.cond.wait()
+        if job.error is not None:
+            raise job.error
+        return job.imported
 
     def next_token(self, seq: SeqState) -> int | None:
         """Block until ``seq`` has a token; None when it is finished (EOS or max tokens) or closed.
@@ -213,6 +247,33 @@ class Scheduler:
             if self.on_step is not None:
                 self.on_step(len(plan), sum(len(seg.token_ids) for _, seg in plan))
 
+    def _run_imports(self) -> None:
+        while self.imports:
+            job = self.imports.pop(0)
+            try:
+                job.imported = self._import(job.keys, job.data)
+            except Exception as exc:  # e.g. a broken TP group: the import fails, the scheduler goes on
+                log.error("kv_import_write_failed", exc_info=exc)
+                job.error = exc
+            job.done = True
+        self.cond.notify_all()
+
+    def _import(self, keys: list[str], data: list[Tensor]) -> int:
+        blocks = self.blocks
+        todo = [i for i, key in enumerate(keys) if not blocks.is_cached(key)]
+        # Pin the chain's cached blocks so allocating for the rest cannot evict them.
+        pinned = [b for i, key in enumerate(keys) if blocks.is_cached(key) for b in blocks.acquire_prefix([key])]
+        todo = todo[: blocks.available]
+        fresh = blocks.allocate(len(todo)) or []
+        try:
+            if fresh:
+                self.write_blocks(fresh, [data[i] for i in todo])
+                for block, i in zip(fresh, todo, strict=True):
+                    blocks.register(block, keys[i], exported=True)
+        finally:
+            blocks.release(pinned + fresh)  # named blocks become cached (LRU); on failure fresh ones are freed
+        return len(fresh)
+
     def _admit(self) -> None:
         self.waiting.sort(key=lambda s: (-s.priority, s.arrival))
         while self.waiting:
@@ -241,6 +302,8 @@ class Scheduler:
             self.running.append(seq)
 
     def _plan(self) -> list[tuple[SeqState, Segment]]:
+        if self.imports:
+            self._run_imports()
         self._admit()
         plan: list[tuple[SeqState, Segment]] = []
         budget = self.max_step_tokens

@@ -20,6 +20,7 @@ from services.common import metrics
 from services.common.errors import MeshError, ResourceExhausted
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
+from services.common.worker import kv_transfer
 from services.common.worker.mux import MuxCalls, serve_mux
 from services.common.worker.report import LoadReport, LoadReporter, PrefixHasher
 from services.common.worker.runner import Runner, Turn
@@ -54,7 +55,7 @@ class _Stream:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Implements Worker.Generate and Worker.Stats. ``tier`` is "edge" or "cloud"."""
+    """The Worker service: Generate, GenerateMux, Stats, ImportKV, ExportKV. ``tier`` is "edge" or "cloud"."""
 
     def __init__(
         self,
@@ -110,6 +111,48 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_version=r.model_version,
             prompt_tokens_total=snap.prompt_tokens_total,
             generate_mux=True,
+        )
+
+    async def ImportKV(
+        self, request: worker_pb2.KvPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KvImportResponse:
+        r = await self._kv("import", request)
+        assert isinstance(r, kv_transfer.KVImport)
+        return worker_pb2.KvImportResponse(
+            block_tokens=r.block_tokens,
+            prompt_tokens=r.prompt_tokens,
+            blocks=r.blocks,
+            blocks_held=r.held,
+            blocks_imported=r.imported,
+            redis_unavailable=r.redis_unavailable,
+        )
+
+    async def ExportKV(
+        self, request: worker_pb2.KvPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KvExportResponse:
+        r = await self._kv("export", request)
+        assert isinstance(r, kv_transfer.KVExport)
+        return worker_pb2.KvExportResponse(
+            block_tokens=r.block_tokens,
+            prompt_tokens=r.prompt_tokens,
+            blocks=r.blocks,
+            blocks_written=r.written,
+            blocks_not_held=r.not_held,
+        )
+
+    async def _kv(
+        self, op: kv_transfer.Op, request: worker_pb2.KvPrefixRequest
+    ) -> kv_transfer.KVImport | kv_transfer.KVExport:
+        """Redis I/O and the engine's scheduler hand-off block: the whole call runs in a thread."""
+        return await asyncio.to_thread(
+            kv_transfer.run,
+            self.runner.engine,
+            op,
+            token_ids=tuple(request.prompt_token_ids),
+            text=request.prompt_text,
+            tenant=request.tenant,
+            shareable=request.shareable_prefix,
+            tier=self.tier,
         )
 
     async def Generate(

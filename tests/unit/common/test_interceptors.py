@@ -18,6 +18,10 @@ ERRORS = {
     "notfound": (errors.NotFound("unknown model 'x'; call ListModels"), grpc.StatusCode.NOT_FOUND),
     "unauth": (errors.Unauthenticated("missing API key"), grpc.StatusCode.UNAUTHENTICATED),
     "denied": (errors.PermissionDenied("not allowed"), grpc.StatusCode.PERMISSION_DENIED),
+    "precondition": (
+        errors.FailedPrecondition("this worker keeps no shareable KV; ask a cloud worker with Redis"),
+        grpc.StatusCode.FAILED_PRECONDITION,
+    ),
     "exhausted": (errors.ResourceExhausted("queue full", retry_after_ms=250), grpc.StatusCode.RESOURCE_EXHAUSTED),
     "unavailable": (errors.Unavailable("no healthy worker"), grpc.StatusCode.UNAVAILABLE),
     "deadline": (errors.DeadlineExceeded("too slow"), grpc.StatusCode.DEADLINE_EXCEEDED),

@@ -332,9 +332,7 @@ Global___WorkerStats: _TypeAlias = WorkerStats  # noqa: Y015
 
 @_typing.final
 class MuxOpen(_message.Message):
-    """Inference worker service (edge and cloud workers both implement it).
-    Opens one stream of a GenerateMux call: what Generate's call metadata and deadline carry.
-    """
+    """Opens one stream of a GenerateMux call: what Generate's call metadata and deadline carry."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -523,3 +521,132 @@ class MuxResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___MuxResponse: _TypeAlias = MuxResponse  # noqa: Y015
+
+@_typing.final
+class KvPrefixRequest(_message.Message):
+    """A prompt prefix for Worker.ImportKV / Worker.ExportKV, and the KV scope its blocks belong to.
+    Set exactly one of prompt_token_ids and prompt_text (neither or both: INVALID_ARGUMENT).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    PROMPT_TEXT_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    SHAREABLE_PREFIX_FIELD_NUMBER: _builtins.int
+    prompt_text: _builtins.str
+    """The prefix as text, tokenized by the worker's own tokenizer as a plain prompt (no chat template)."""
+    tenant: _builtins.str
+    """Tenant whose KV blocks are meant: the salt of the block keys unless shareable_prefix is set."""
+    shareable_prefix: _builtins.bool
+    """The shared key namespace instead of the tenant's, as WorkerStart.shareable_prefix
+    (services.cache.keys.tenant_salt).
+    """
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The prefix as token ids: the same ids a WorkerStart carries (chat template already applied)."""
+
+    def __init__(
+        self,
+        *,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        prompt_text: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        shareable_prefix: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prompt_text", b"prompt_text", "prompt_token_ids", b"prompt_token_ids", "shareable_prefix", b"shareable_prefix", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvPrefixRequest: _TypeAlias = KvPrefixRequest  # noqa: Y015
+
+@_typing.final
+class KvImportResponse(_message.Message):
+    """What Worker.ImportKV did. Only full blocks have keys: a trailing partial block is never imported."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    BLOCKS_HELD_FIELD_NUMBER: _builtins.int
+    BLOCKS_IMPORTED_FIELD_NUMBER: _builtins.int
+    REDIS_UNAVAILABLE_FIELD_NUMBER: _builtins.int
+    block_tokens: _builtins.int
+    """Tokens per KV block (the worker's prefix block size)."""
+    prompt_tokens: _builtins.int
+    """Prompt tokens of the prefix (after tokenizing prompt_text)."""
+    blocks: _builtins.int
+    """Full blocks in the prefix."""
+    blocks_held: _builtins.int
+    """Leading blocks of the prefix the worker already held before the call (not read from Redis)."""
+    blocks_imported: _builtins.int
+    """Blocks read from Redis and cached by the worker now; blocks_held + blocks_imported leading
+    blocks of the prefix are now held (fewer when Redis holds fewer, or the KV budget is full of
+    live sequences).
+    """
+    redis_unavailable: _builtins.bool
+    """Redis could not be read (down, slower than its timeout, or its circuit breaker open), so nothing
+    came from it. The call still succeeds: the KV prefix cache fails open.
+    """
+    def __init__(
+        self,
+        *,
+        block_tokens: _builtins.int = ...,
+        prompt_tokens: _builtins.int = ...,
+        blocks: _builtins.int = ...,
+        blocks_held: _builtins.int = ...,
+        blocks_imported: _builtins.int = ...,
+        redis_unavailable: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_tokens", b"block_tokens", "blocks", b"blocks", "blocks_held", b"blocks_held", "blocks_imported", b"blocks_imported", "prompt_tokens", b"prompt_tokens", "redis_unavailable", b"redis_unavailable"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvImportResponse: _TypeAlias = KvImportResponse  # noqa: Y015
+
+@_typing.final
+class KvExportResponse(_message.Message):
+    """What Worker.ExportKV wrote to Redis (synchronously: the blocks are there when it answers)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    BLOCKS_WRITTEN_FIELD_NUMBER: _builtins.int
+    BLOCKS_NOT_HELD_FIELD_NUMBER: _builtins.int
+    block_tokens: _builtins.int
+    """Tokens per KV block (the worker's prefix block size)."""
+    prompt_tokens: _builtins.int
+    """Prompt tokens of the prefix (after tokenizing prompt_text)."""
+    blocks: _builtins.int
+    """Full blocks in the prefix."""
+    blocks_written: _builtins.int
+    """Leading blocks of the prefix the worker held and Redis stored; fewer than blocks -
+    blocks_not_held when Redis refused the rest (over the scope's byte budget, or too large).
+    """
+    blocks_not_held: _builtins.int
+    """Blocks of the prefix the worker did not hold: everything from the first block it lacks (a
+    chain with a gap is useless, so blocks after a missing one are not written).
+    """
+    def __init__(
+        self,
+        *,
+        block_tokens: _builtins.int = ...,
+        prompt_tokens: _builtins.int = ...,
+        blocks: _builtins.int = ...,
+        blocks_written: _builtins.int = ...,
+        blocks_not_held: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_tokens", b"block_tokens", "blocks", b"blocks", "blocks_not_held", b"blocks_not_held", "blocks_written", b"blocks_written", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvExportResponse: _TypeAlias = KvExportResponse  # noqa: Y015

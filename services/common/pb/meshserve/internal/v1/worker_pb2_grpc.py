@@ -50,6 +50,16 @@ class WorkerStub:
                 request_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.ImportKV = channel.unary_unary(
+                '/meshserve.internal.v1.Worker/ImportKV',
+                request_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.KvPrefixRequest.SerializeToString,
+                response_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.KvImportResponse.FromString,
+                _registered_method=True)
+        self.ExportKV = channel.unary_unary(
+                '/meshserve.internal.v1.Worker/ExportKV',
+                request_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.KvPrefixRequest.SerializeToString,
+                response_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.KvExportResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -79,6 +89,26 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ImportKV(self, request, context):
+        """Pre-warms this worker with a prefix from the shared Redis KV prefix cache: the longest leading
+        run of the prefix's full blocks Redis holds is loaded into the worker's local prefix cache
+        (cached, unreferenced, evictable like any cached block), so the next request with that prefix
+        reuses it locally. FAILED_PRECONDITION on a worker that keeps no Redis-shareable KV (edge
+        workers; cloud workers without Redis or with the prefix cache off).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportKV(self, request, context):
+        """Writes the leading run of the prefix's blocks this worker holds to Redis and waits for Redis
+        (e.g. before scaling the replica down). UNAVAILABLE when Redis cannot be written;
+        FAILED_PRECONDITION as for ImportKV.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +126,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.StatsRequest.FromString,
                     response_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerStats.SerializeToString,
+            ),
+            'ImportKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportKV,
+                    request_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.KvPrefixRequest.FromString,
+                    response_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.KvImportResponse.SerializeToString,
+            ),
+            'ExportKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExportKV,
+                    request_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.KvPrefixRequest.FromString,
+                    response_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.KvExportResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -180,6 +220,60 @@ class Worker:
             '/meshserve.internal.v1.Worker/Stats',
             meshserve_dot_internal_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
             meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.internal.v1.Worker/ImportKV',
+            meshserve_dot_internal_dot_v1_dot_worker__pb2.KvPrefixRequest.SerializeToString,
+            meshserve_dot_internal_dot_v1_dot_worker__pb2.KvImportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.internal.v1.Worker/ExportKV',
+            meshserve_dot_internal_dot_v1_dot_worker__pb2.KvPrefixRequest.SerializeToString,
+            meshserve_dot_internal_dot_v1_dot_worker__pb2.KvExportResponse.FromString,
             options,
             channel_credentials,
             insecure,

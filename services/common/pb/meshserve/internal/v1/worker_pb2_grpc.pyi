@@ -44,6 +44,18 @@ class WorkerStub:
     """
     Stats: _grpc.UnaryUnaryMultiCallable[_worker_pb2.StatsRequest, _worker_pb2.WorkerStats]
     """Load and counters, for routing and tests."""
+    ImportKV: _grpc.UnaryUnaryMultiCallable[_worker_pb2.KvPrefixRequest, _worker_pb2.KvImportResponse]
+    """Pre-warms this worker with a prefix from the shared Redis KV prefix cache: the longest leading
+    run of the prefix's full blocks Redis holds is loaded into the worker's local prefix cache
+    (cached, unreferenced, evictable like any cached block), so the next request with that prefix
+    reuses it locally. FAILED_PRECONDITION on a worker that keeps no Redis-shareable KV (edge
+    workers; cloud workers without Redis or with the prefix cache off).
+    """
+    ExportKV: _grpc.UnaryUnaryMultiCallable[_worker_pb2.KvPrefixRequest, _worker_pb2.KvExportResponse]
+    """Writes the leading run of the prefix's blocks this worker holds to Redis and waits for Redis
+    (e.g. before scaling the replica down). UNAVAILABLE when Redis cannot be written;
+    FAILED_PRECONDITION as for ImportKV.
+    """
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
@@ -59,6 +71,18 @@ class WorkerAsyncStub(WorkerStub):
     """
     Stats: _aio.UnaryUnaryMultiCallable[_worker_pb2.StatsRequest, _worker_pb2.WorkerStats]  # type: ignore[assignment]
     """Load and counters, for routing and tests."""
+    ImportKV: _aio.UnaryUnaryMultiCallable[_worker_pb2.KvPrefixRequest, _worker_pb2.KvImportResponse]  # type: ignore[assignment]
+    """Pre-warms this worker with a prefix from the shared Redis KV prefix cache: the longest leading
+    run of the prefix's full blocks Redis holds is loaded into the worker's local prefix cache
+    (cached, unreferenced, evictable like any cached block), so the next request with that prefix
+    reuses it locally. FAILED_PRECONDITION on a worker that keeps no Redis-shareable KV (edge
+    workers; cloud workers without Redis or with the prefix cache off).
+    """
+    ExportKV: _aio.UnaryUnaryMultiCallable[_worker_pb2.KvPrefixRequest, _worker_pb2.KvExportResponse]  # type: ignore[assignment]
+    """Writes the leading run of the prefix's blocks this worker holds to Redis and waits for Redis
+    (e.g. before scaling the replica down). UNAVAILABLE when Redis cannot be written;
+    FAILED_PRECONDITION as for ImportKV.
+    """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
     """Internal inference service of edge and cloud workers, called by the router; every call needs the internal credential."""
@@ -89,5 +113,29 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_worker_pb2.WorkerStats, _abc.Awaitable[_worker_pb2.WorkerStats]]:
         """Load and counters, for routing and tests."""
+
+    @_abc_1.abstractmethod
+    def ImportKV(
+        self,
+        request: _worker_pb2.KvPrefixRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.KvImportResponse, _abc.Awaitable[_worker_pb2.KvImportResponse]]:
+        """Pre-warms this worker with a prefix from the shared Redis KV prefix cache: the longest leading
+        run of the prefix's full blocks Redis holds is loaded into the worker's local prefix cache
+        (cached, unreferenced, evictable like any cached block), so the next request with that prefix
+        reuses it locally. FAILED_PRECONDITION on a worker that keeps no Redis-shareable KV (edge
+        workers; cloud workers without Redis or with the prefix cache off).
+        """
+
+    @_abc_1.abstractmethod
+    def ExportKV(
+        self,
+        request: _worker_pb2.KvPrefixRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.KvExportResponse, _abc.Awaitable[_worker_pb2.KvExportResponse]]:
+        """Writes the leading run of the prefix's blocks this worker holds to Redis and waits for Redis
+        (e.g. before scaling the replica down). UNAVAILABLE when Redis cannot be written;
+        FAILED_PRECONDITION as for ImportKV.
+        """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,91 @@
+"""Worker.ImportKV / Worker.ExportKV on the cloud engine: a prefix's KV blocks between Redis and the local cache.
+
+* Import: the chain keys of the prefix's full blocks; if the local prefix cache lacks some, the
+  longest stored chain is read from Redis on the calling thread (``RedisPrefixCache.load``, the read
+  admission does, bounded by the store's timeout) and handed to the scheduler thread, which writes
+  the missing blocks between two steps and caches them unreferenced (``Scheduler.import_blocks``):
+  the next request with that prefix reuses them as local blocks. A miss because Redis is down is
+  told apart from a plain miss by one PING (``redis_unavailable``); the import is then 0, not an error.
+* Export: the leading run of the prefix's blocks held locally is referenced (so nothing evicts or
+  rewrites it), read (every KV head: under tensor parallelism gathered from the ranks, as the
+  export on finish does), released, and written to Redis synchronously (``RedisPrefixCache.write``).
+
+Tensor parallelism needs nothing more: block reads and writes go through the engine's ``kv_io``
+(tp_kv.py), the same path as admission imports and exports on finish. Engines without a Redis prefix
+cache (prefix cache off, no Redis URL) refuse with FailedPrecondition.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter
+
+from services.common.errors import FailedPrecondition
+from services.common.worker.kv_transfer import KVExport, KVImport, KVPrefix
+from services.gpu_worker.prefix import RedisPrefixCache, chain_keys
+
+if TYPE_CHECKING:
+    from services.gpu_worker.engine import CloudEngine
+
+KV_TRANSFER_BLOCKS = Counter(
+    "meshserve_kv_transfer_blocks_total",
+    "KV prefix blocks moved by the Worker.ImportKV (Redis -> this worker) and Worker.ExportKV (this worker -> "
+    "Redis) calls; the automatic import on admission and export on finish are not counted here.",
+    ["direction"],
+)
+
+
+def _redis(engine: CloudEngine) -> RedisPrefixCache:
+    if not engine.prefix_cache:
+        raise FailedPrecondition(
+            "this cloud worker runs with its prefix cache off; start it with MESHSERVE_GPU_WORKER_PREFIX_CACHE=true "
+            "and MESHSERVE_GPU_WORKER_REDIS_URL set to import or export KV"
+        )
+    if engine.redis is None:
+        raise FailedPrecondition(
+            "this cloud worker has no Redis for its KV prefix cache; start it with MESHSERVE_GPU_WORKER_REDIS_URL "
+            "set to import or export KV"
+        )
+    return engine.redis
+
+
+def import_prefix(engine: CloudEngine, prefix: KVPrefix) -> KVImport:
+    """Load the prefix's blocks missing locally from Redis into the local prefix cache (blocking)."""
+    redis = _redis(engine)
+    ctx = engine.kv_context(prefix.tenant, prefix.shareable)
+    bt = engine.block_tokens
+    ids = prefix.token_ids[: len(prefix.token_ids) // bt * bt]
+    keys = chain_keys(ctx, bt, ids)
+    with engine.blocks.lock:
+        held = engine.blocks.cached_prefix(keys)
+    imported, unavailable = 0, False
+    if held < len(keys):
+        loaded = engine.checked_blocks(redis.load(ctx, ids))
+        if len(loaded) > held:
+            imported = engine.scheduler.import_blocks(keys[: len(loaded)], loaded)
+        elif not loaded:
+            unavailable = not redis.reachable()
+    KV_TRANSFER_BLOCKS.labels("import").inc(imported)
+    return KVImport(bt, len(prefix.token_ids), len(keys), held, imported, unavailable)
+
+
+def export_prefix(engine: CloudEngine, prefix: KVPrefix) -> KVExport:
+    """Write the leading run of the prefix's locally held blocks to Redis and wait (blocking)."""
+    redis = _redis(engine)
+    ctx = engine.kv_context(prefix.tenant, prefix.shareable)
+    bt = engine.block_tokens
+    ids = prefix.token_ids[: len(prefix.token_ids) // bt * bt]
+    keys = chain_keys(ctx, bt, ids)
+    cond = engine.scheduler.cond
+    with cond:
+        blocks = engine.blocks.acquire_prefix(keys)  # referenced: nothing evicts or rewrites them
+    try:
+        data = engine.kv_io.read_blocks(engine.cache, blocks) if blocks else []
+    finally:
+        with cond:
+            engine.blocks.release(blocks)
+            cond.notify_all()
+    written = redis.write(ctx, ids[: len(data) * bt], data) if data else 0
+    KV_TRANSFER_BLOCKS.labels("export").inc(written)
+    return KVExport(bt, len(prefix.token_ids), len(keys), written, len(keys) - len(blocks))
