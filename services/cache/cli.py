@@ -1,4 +1,5 @@
-"""``meshserve cache stats|flush|warm``: a thin client of the cache admin service.
+"""``meshserve cache stats|flush|warm|where``: a thin client of the cache admin service (``where``: of the
+router, see where.py).
 
 The address comes from ``--address``, else ``$MESHSERVE_CACHE_ADDRESS``, else the mesh ``meshserve up``
 is running (its state file; it also prints the address); the internal credential from
@@ -17,6 +18,7 @@ from collections.abc import Sequence
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from services.cache import where
 from services.common import metadata as md
 from services.common.pb.meshserve.internal.v1 import cache_pb2, cache_pb2_grpc
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
@@ -54,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     warm = sub.add_parser("warm", help="send shared system prompts through the router once")
     warm.add_argument("prompts", nargs="+", help="prompts to warm (quote each one)")
     warm.add_argument("--max-tokens", type=int, default=1, help="tokens to generate per prompt (default 1)")
+    where.add_parser(sub)
     return p
 
 
@@ -95,8 +98,28 @@ async def _call(args: argparse.Namespace) -> object:
         return await call(request, metadata=((md.INTERNAL_TOKEN, args.internal_token),), timeout=300)
 
 
+def _where(args: argparse.Namespace) -> int:
+    address = where.router_address(args)
+    if not address:
+        print(
+            "meshserve cache where: no router address; pass --router host:port, set MESHSERVE_ROUTER_ADDRESS "
+            "or start the mesh with `meshserve up`",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        reply = asyncio.run(where.locate(address, where.request(args), args.internal_token))
+    except grpc.aio.AioRpcError as exc:
+        print(f"meshserve cache where: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(where.render(reply, args.json))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.action == "where":
+        return _where(args)
     args.address = args.address or os.environ.get("MESHSERVE_CACHE_ADDRESS") or recorded("cache")
     if not args.address:
         print(

@@ -30,3 +30,27 @@ def test_missing_address_says_how_to_fix(
     assert main(["stats"]) == 2
     err = capsys.readouterr().err
     assert "--address" in err and "MESHSERVE_CACHE_ADDRESS" in err and "meshserve up" in err
+
+
+def test_where_maps_to_a_prefix_location_request() -> None:
+    from services.cache import where
+    from services.common.pb.meshserve.internal.v1 import router_admin_pb2
+    from services.common.pb.meshserve.v1 import inference_pb2
+
+    args = _parser().parse_args(["where", "Hello there", "--tenant", "acme", "--shareable", "--tier", "edge"])
+    assert where.request(args) == router_admin_pb2.PrefixLocationRequest(
+        text="Hello there", tenant="acme", shareable_prefix=True, tier=inference_pb2.TIER_EDGE
+    )
+    chat = where.request(_parser().parse_args(["where", "Hi", "--chat"]))
+    assert not chat.text and [(m.role, m.content) for m in chat.messages] == [("user", "Hi")]
+    assert chat.tier == inference_pb2.TIER_AUTO
+
+
+def test_where_without_a_router_says_how_to_fix(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("MESHSERVE_ROUTER_ADDRESS", raising=False)
+    monkeypatch.setenv("MESHSERVE_STATE_FILE", str(tmp_path / "mesh.json"))
+    assert main(["where", "Hello"]) == 2
+    err = capsys.readouterr().err
+    assert "--router" in err and "MESHSERVE_ROUTER_ADDRESS" in err and "meshserve up" in err
