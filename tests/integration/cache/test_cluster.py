@@ -75,7 +75,7 @@ async def test_kv_chain_operations_on_cluster(guard: Guard) -> None:
     assert len({key_slot(k.encode()) for k in (*keys, *scope_of(keys[0]))}) == 1
     data = [np.full((2, 2, 1, 4, 8), i, dtype=np.float16) for i in range(8)]
     assert await store.put(ctx, prompt, data) == 3  # the 1 KiB budget holds 3 blocks
-    assert await store.match(ctx, prompt) == 3
+    assert await store.match(ctx, prompt) == 3 and await store.leading_blocks(ctx, prompt) == 3
     assert len(await store.load(ctx, prompt)) == 3
     other = list(range(100, 112))
     assert await store.put(ctx, other, data[:3]) == 3  # evicts the first chain inside the script
