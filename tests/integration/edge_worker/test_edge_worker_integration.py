@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
+from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.settings import load_settings
 from services.common.worker.app import RunningWorker
 from services.common.worker.types import SamplingConfig
@@ -156,3 +156,15 @@ async def test_the_og_engine_still_serves_when_chosen() -> None:
         assert len(result.token_ids) == 3
     finally:
         await worker.stop()
+
+
+async def test_kv_import_and_export_are_failed_precondition(edge_stub: worker_pb2_grpc.WorkerStub) -> None:
+    """The ONNX engine keeps no KV in the shared Redis prefix cache (Worker.ImportKV / ExportKV)."""
+    from tests.worker_helpers import META
+
+    request = worker_pb2.KvPrefixRequest(prompt_text="Name three colours.")
+    for call in (edge_stub.ImportKV, edge_stub.ExportKV):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call(request, metadata=META)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "this edge worker keeps no KV in the shared Redis prefix cache" in (err.value.details() or "")

@@ -13,14 +13,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
+from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.settings import load_settings
 from services.common.worker.app import RunningWorker
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.servicer import start_gpu_worker
 from tests.integration.worker_cases import WorkerCases
-from tests.worker_helpers import CANCEL, Session, generate, start_frame, stats, wait_idle, wait_serving
+from tests.worker_helpers import CANCEL, META, Session, generate, start_frame, stats, wait_idle, wait_serving
 
 pytestmark = pytest.mark.integration
 CHAT = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
@@ -110,3 +110,13 @@ class TestGpuWorker(WorkerCases):
         assert second.token_ids == first.token_ids
         assert first.final is not None and first.final.prefill_tokens == len(ids)
         assert second.final is not None and second.final.prefill_tokens == len(ids) - (len(ids) - 1) // 16 * 16
+
+
+async def test_kv_import_and_export_need_redis(gpu_stub: worker_pb2_grpc.WorkerStub) -> None:
+    """This worker runs without a Redis URL: Worker.ImportKV / ExportKV have nothing to move KV with."""
+    request = worker_pb2.KvPrefixRequest(prompt_text="Tell me about rivers. " * 4)
+    for call in (gpu_stub.ImportKV, gpu_stub.ExportKV):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call(request, metadata=META)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "this cloud worker has no Redis for its KV prefix cache" in (err.value.details() or "")
