@@ -56,18 +56,21 @@ async def test_the_mesh_answers_through_the_gateways_own_router(mesh: Mesh) -> N
     assert b"meshserve_router_replica_decisions_total{" in body
 
 
+LIGHTHOUSE = "We are sailing along a rocky coast at night in thick fog. Where is the nearest lighthouse from here?"
+
+
 async def test_the_embedded_router_locates_prefixes(mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
     """RouterAdmin.PrefixLocation (`meshserve cache where`) is served in this layout as well."""
     from services.cache.cli import main as cache_cli
 
     async with grpc.aio.insecure_channel(mesh.router_address) as channel:
         reply = await router_admin_pb2_grpc.RouterAdminStub(channel).PrefixLocation(
-            router_admin_pb2.PrefixLocationRequest(text="Where is the nearest lighthouse from here?"),
+            router_admin_pb2.PrefixLocationRequest(text=LIGHTHOUSE),
             metadata=(("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),),
             timeout=10,
         )
     assert (reply.tier, reply.tier_reason) == (pb.TIER_EDGE, "prompt_short")  # the router's own choice
-    assert {r.worker_id for r in reply.replicas} == {"edge-0", "edge-1"} and reply.prompt_tokens > 0
+    assert {r.worker_id for r in reply.replicas} == {"edge-0", "edge-1"} and reply.prompt_blocks >= 1
     assert reply.redis == router_admin_pb2.REDIS_LOOKUP_ANSWERED and reply.redis_blocks == 0  # edge exports none
     argv = ["where", "Where is the nearest lighthouse?", "--router", mesh.router_address]
     capsys.readouterr()
