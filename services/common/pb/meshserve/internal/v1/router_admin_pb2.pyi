@@ -32,7 +32,7 @@ class _RedisLookupEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RedisLook
     REDIS_LOOKUP_UNSPECIFIED: _RedisLookup.ValueType  # 0
     """Not set."""
     REDIS_LOOKUP_ANSWERED: _RedisLookup.ValueType  # 1
-    """Redis answered: redis_blocks is the count."""
+    """Redis answered: redis_blocks is the count (also when the prompt has no full block to look for)."""
     REDIS_LOOKUP_UNAVAILABLE: _RedisLookup.ValueType  # 2
     """Redis did not answer in time (down, slow, or skipped while its breaker is open): count unknown."""
     REDIS_LOOKUP_DISABLED: _RedisLookup.ValueType  # 3
@@ -44,7 +44,7 @@ class RedisLookup(_RedisLookup, metaclass=_RedisLookupEnumTypeWrapper):
 REDIS_LOOKUP_UNSPECIFIED: RedisLookup.ValueType  # 0
 """Not set."""
 REDIS_LOOKUP_ANSWERED: RedisLookup.ValueType  # 1
-"""Redis answered: redis_blocks is the count."""
+"""Redis answered: redis_blocks is the count (also when the prompt has no full block to look for)."""
 REDIS_LOOKUP_UNAVAILABLE: RedisLookup.ValueType  # 2
 """Redis did not answer in time (down, slow, or skipped while its breaker is open): count unknown."""
 REDIS_LOOKUP_DISABLED: RedisLookup.ValueType  # 3
