@@ -269,12 +269,15 @@ class CloudEngine:
         if ctx is not None and state.named:
             prompt_blocks = min(state.named, state.prompt_len // self.block_tokens)
             if prompt_blocks:
-                chain = state.keys[:prompt_blocks]
-                with self._lock:
-                    self._recent[chain[-1]] = chain
-                    self._recent.move_to_end(chain[-1])
-                    while len(self._recent) > 256:
-                        self._recent.popitem(last=False)
+                self.remember_prefix(state.keys[:prompt_blocks])
+
+    def remember_prefix(self, chain: list[str]) -> None:
+        """List ``chain`` (block keys from the first) first in ``hot_prefix_blocks`` (load reports)."""
+        with self._lock:
+            self._recent[chain[-1]] = chain
+            self._recent.move_to_end(chain[-1])
+            while len(self._recent) > 256:
+                self._recent.popitem(last=False)
 
     def _export(self, state: SeqState, ctx: KVContext) -> None:
         assert self.redis is not None

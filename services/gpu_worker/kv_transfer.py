@@ -4,8 +4,10 @@
   longest stored chain is read from Redis on the calling thread (``RedisPrefixCache.load``, the read
   admission does, bounded by the store's timeout) and handed to the scheduler thread, which writes
   the missing blocks between two steps and caches them unreferenced (``Scheduler.import_blocks``):
-  the next request with that prefix reuses them as local blocks. A miss because Redis is down is
-  told apart from a plain miss by one PING (``redis_unavailable``); the import is then 0, not an error.
+  the next request with that prefix reuses them as local blocks, and the worker's load reports list
+  the prefix (``hot_prefix_blocks``), so prefix-aware routing prefers this replica for it. A miss
+  because Redis is down is told apart from a plain miss by one PING (``redis_unavailable``); the
+  import is then 0, not an error.
 * Export: the leading run of the prefix's blocks held locally is referenced (so nothing evicts or
   rewrites it), read (every KV head: under tensor parallelism gathered from the ranks, as the
   export on finish does), released, and written to Redis synchronously (``RedisPrefixCache.write``).
@@ -66,6 +68,8 @@ def import_prefix(engine: CloudEngine, prefix: KVPrefix) -> KVImport:
             imported = engine.scheduler.import_blocks(keys[: len(loaded)], loaded)
         elif not loaded:
             unavailable = not redis.reachable()
+    if held + imported:  # load reports list the prefix, so prefix-aware routing sends it here
+        engine.remember_prefix(keys[: held + imported])
     KV_TRANSFER_BLOCKS.labels("import").inc(imported)
     return KVImport(bt, len(prefix.token_ids), len(keys), held, imported, unavailable)
 

@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from services.cache.admin import CacheAdmin, FlushFilter
 from services.cache.connection import redis_from_url
 from services.cache.guard import Guard
-from services.cache.keys import Kind
+from services.cache.keys import Kind, kv_block_hashes
 from services.cache.kv import KVBlockStore, KVContext
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
@@ -139,6 +139,15 @@ async def test_import_prewarms_a_fresh_worker_that_then_reuses_the_blocks_locall
     assert (imported.block_tokens, imported.prompt_tokens, imported.blocks) == (BT, len(prompt), blocks)
     assert (imported.blocks_held, imported.blocks_imported, imported.redis_unavailable) == (0, blocks, False)
     assert b.engine.prefix_counters() == before  # an import is not a request
+    hashes = kv_block_hashes(
+        model_id=b.engine.model_id,
+        model_version=b.engine.model_version,
+        tenant=TENANT,
+        token_ids=prompt,
+        block_tokens=BT,
+    )
+    report = await b.stub.Stats(worker_pb2.StatsRequest(), metadata=META)
+    assert set(hashes) <= set(report.hot_prefix_blocks)  # prefix-aware routing now sees B holds it
 
     again = await b.import_kv(prompt)
     assert (again.blocks_held, again.blocks_imported) == (blocks, 0)
