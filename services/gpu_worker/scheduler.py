@@ -34,7 +34,7 @@ from itertools import count
 import structlog
 from torch import Tensor
 
-from services.common.errors import ResourceExhausted
+from services.common.errors import ResourceExhausted, Unavailable
 from services.gpu_worker.blocks import BlockManager
 from services.gpu_worker.model import KVCache
 from services.gpu_worker.plan import Segment
@@ -162,7 +162,7 @@ class Scheduler:
             self.cond.notify_all()
             while not job.done:
                 if self._stop:
-                    raise RuntimeError("the engine is shutting down")
+                    raise Unavailable("the worker is shutting down; import the prefix into another replica")
                 self.cond.wait()
         if job.error is not None:
             raise job.error

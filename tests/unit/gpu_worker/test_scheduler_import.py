@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from services.common.errors import Unavailable
 from tests.unit.gpu_worker.test_scheduler import BT, drain, make, seq
 
 
@@ -74,12 +75,12 @@ def test_a_waiting_import_fails_when_the_scheduler_stops() -> None:
     s.submit(running)
     with s.cond:
         assert s.cond.wait_for(lambda: running.admitted, timeout=30)
-    errors: list[BaseException] = []
+    errors: list[Unavailable] = []
 
     def work() -> None:
         try:
             s.import_blocks(keys_of([1, 2, 3, 4]), [block(1.0)])
-        except RuntimeError as exc:
+        except Unavailable as exc:
             errors.append(exc)
 
     t = threading.Thread(target=work)
@@ -89,7 +90,7 @@ def test_a_waiting_import_fails_when_the_scheduler_stops() -> None:
     stopper = threading.Thread(target=s.stop)  # waits for the blocked step; the import gives up at once
     stopper.start()
     t.join(30)
-    assert [str(e) for e in errors] == ["the engine is shutting down"]
+    assert [str(e) for e in errors] == ["the worker is shutting down; import the prefix into another replica"]
     forward.gate.release(100)
     stopper.join(30)
 
