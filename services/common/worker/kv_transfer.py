@@ -103,7 +103,7 @@ def run(
         prefix = KVPrefix(prefix_ids(engine, token_ids, text), tenant, shareable)
         result: KVImport | KVExport = method(prefix)
     except MeshError as exc:
-        log.info("kv_transfer_refused", op=op, code=exc.code, error=exc.message, shareable=shareable)
+        log.info("kv_transfer_refused", op=op, code=exc.code, error=exc.message, kv_tenant=tenant, shareable=shareable)
         raise
     if isinstance(result, KVImport):
         log.info(
@@ -113,6 +113,7 @@ def run(
             held=result.held,
             imported=result.imported,
             redis_unavailable=result.redis_unavailable,
+            kv_tenant=tenant,
             shareable=shareable,
         )
     else:
@@ -122,6 +123,7 @@ def run(
             blocks=result.blocks,
             written=result.written,
             not_held=result.not_held,
+            kv_tenant=tenant,
             shareable=shareable,
         )
     return result
