@@ -71,7 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "bench", help="benchmarks: mesh overhead, load, soak, gateways, ... (see `meshserve bench -h`)", add_help=False
     )
-    commands.add_parser("cache", help="cache stats, flush, warm-up, where (see `meshserve cache -h`)", add_help=False)
+    commands.add_parser(
+        "cache", help="cache stats, flush, warm-up, where, KV import/export (see `meshserve cache -h`)", add_help=False
+    )
     commands.add_parser("status", help="live view of the mesh: replicas, load, tokens/s, caches", add_help=False)
     commands.add_parser("serve", help="run one service in the foreground (container entry point)", add_help=False)
     commands.add_parser("health", help="exit 0 if a gRPC service reports SERVING (healthchecks)", add_help=False)

@@ -1,5 +1,5 @@
-"""``meshserve cache stats|flush|warm|where``: a thin client of the cache admin service (``where``: of the
-router, see where.py).
+"""``meshserve cache stats|flush|warm|where|import|export``: a thin client of the cache admin service
+(``where``: of the router, see where.py; ``import``/``export``: of a cloud worker, see kv_rpc.py).
 
 The address comes from ``--address``, else ``$MESHSERVE_CACHE_ADDRESS``, else the mesh ``meshserve up``
 is running (its state file; it also prints the address); the internal credential from
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from services.cache import where
+from services.cache import kv_rpc, where
 from services.common import metadata as md
 from services.common.pb.meshserve.internal.v1 import cache_pb2, cache_pb2_grpc
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
@@ -57,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("prompts", nargs="+", help="prompts to warm (quote each one)")
     warm.add_argument("--max-tokens", type=int, default=1, help="tokens to generate per prompt (default 1)")
     where.add_parser(sub)
+    kv_rpc.add_parsers(sub)
     return p
 
 
@@ -120,6 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.action == "where":
         return _where(args)
+    if args.action in kv_rpc.ACTIONS:
+        return kv_rpc.main(args)
     args.address = args.address or os.environ.get("MESHSERVE_CACHE_ADDRESS") or recorded("cache")
     if not args.address:
         print(
