@@ -178,7 +178,8 @@ def render(address: str, reply: Reply, as_json: bool = False) -> str:
     if as_json:
         data = MessageToDict(reply, always_print_fields_with_no_presence=True)
         return json.dumps({"worker": address, **data}, indent=2)
-    size = f"{reply.prompt_tokens} prompt tokens, {reply.blocks} full blocks of {reply.block_tokens}"
+    blocks = f"{reply.blocks} full block{'' if reply.blocks == 1 else 's'}"
+    size = f"{reply.prompt_tokens} prompt tokens, {blocks} of {reply.block_tokens}"
     if isinstance(reply, worker_pb2.KvImportResponse):
         held = reply.blocks_held + reply.blocks_imported
         line = (

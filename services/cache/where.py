@@ -74,8 +74,9 @@ def render(reply: router_admin_pb2.PrefixLocationResponse, as_json: bool = False
     if as_json:
         return json.dumps(MessageToDict(reply, always_print_fields_with_no_presence=True), indent=2)
     tier = _TIER_NAMES.get(reply.tier, "?")
+    blocks = f"{reply.prompt_blocks} full block{'' if reply.prompt_blocks == 1 else 's'}"
     lines = [
-        f"prompt: {reply.prompt_tokens} tokens, {reply.prompt_blocks} full blocks of {reply.block_tokens} tokens",
+        f"prompt: {reply.prompt_tokens} tokens, {blocks} of {reply.block_tokens} tokens",
         f"tier:   {tier} ({reply.tier_reason})",
         "",
         f"{'replica':<24} {'address':<22} {'blocks held':>11}",

@@ -87,6 +87,8 @@ def test_import_lines() -> None:
     assert kv_rpc.render("h:1", reply) == (
         "h:1: 50 prompt tokens, 3 full blocks of 16: 1 already held, 2 imported now from Redis (3 of 3 held)"
     )
+    one = worker_pb2.KvImportResponse(block_tokens=16, prompt_tokens=25, blocks=1, blocks_imported=1)
+    assert kv_rpc.render("h:1", one).startswith("h:1: 25 prompt tokens, 1 full block of 16: ")
     down = worker_pb2.KvImportResponse(block_tokens=16, prompt_tokens=50, blocks=3, redis_unavailable=True)
     assert kv_rpc.render("h:1", down).endswith("(0 of 3 held); Redis was unavailable, nothing was read from it")
 
