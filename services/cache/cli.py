@@ -114,6 +114,8 @@ def _where(args: argparse.Namespace) -> int:
         print(f"meshserve cache where: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     print(where.render(reply, args.json))
+    if hint := where.tenant_hint(args, reply):
+        print(hint)
     return 0
 
 

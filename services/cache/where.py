@@ -90,3 +90,17 @@ def render(reply: router_admin_pb2.PrefixLocationResponse, as_json: bool = False
     scope = f"{reply.model_id} version {reply.model_version[:12]}, {reply.redis_block_tokens}-token blocks"
     lines.append(f"(redis: looked at up to {reply.redis_checked_blocks} blocks of {scope})")
     return "\n".join(lines)
+
+
+def tenant_hint(args: argparse.Namespace, reply: router_admin_pb2.PrefixLocationResponse) -> str | None:
+    """A hint when no cloud replica nor Redis holds any block and no tenant was given: keys are salted
+    by tenant, so a prompt sent with an API key is found only under that key's tenant (``dev`` for the
+    local mesh). Not for the edge tier, whose workers keep no shared prefix blocks."""
+    if args.tenant or args.shareable or args.json or reply.prompt_blocks == 0 or reply.tier != inference_pb2.TIER_CLOUD:
+        return None
+    if any(r.cached_blocks for r in reply.replicas) or reply.redis_blocks:
+        return None
+    return (
+        "hint: KV blocks are kept per tenant; pass --tenant with the tenant of the API key that sent the "
+        "prompt (dev for the local mesh's development key), or --shareable for shared prefixes"
+    )

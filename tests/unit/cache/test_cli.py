@@ -54,3 +54,29 @@ def test_where_without_a_router_says_how_to_fix(
     assert main(["where", "Hello"]) == 2
     err = capsys.readouterr().err
     assert "--router" in err and "MESHSERVE_ROUTER_ADDRESS" in err and "meshserve up" in err
+
+
+def test_where_hints_at_the_tenant_when_nothing_holds_the_prompt() -> None:
+    from services.cache import where
+    from services.common.pb.meshserve.internal.v1 import router_admin_pb2
+    from services.common.pb.meshserve.v1 import inference_pb2
+
+    def reply(
+        held: int, redis: int, blocks: int = 3, tier: int = inference_pb2.TIER_CLOUD
+    ) -> router_admin_pb2.PrefixLocationResponse:
+        return router_admin_pb2.PrefixLocationResponse(
+            tier=tier,
+            prompt_blocks=blocks,
+            redis_blocks=redis,
+            replicas=[router_admin_pb2.PrefixHolder(address="h:1", worker_id="cloud-0", cached_blocks=held)],
+        )
+
+    bare = _parser().parse_args(["where", "Hello"])
+    hint = where.tenant_hint(bare, reply(0, 0))
+    assert hint is not None and "--tenant" in hint and "dev" in hint
+    assert where.tenant_hint(bare, reply(1, 0)) is None  # something holds it: no hint
+    assert where.tenant_hint(bare, reply(0, 2)) is None
+    assert where.tenant_hint(bare, reply(0, 0, blocks=0)) is None  # nothing to hold
+    assert where.tenant_hint(bare, reply(0, 0, tier=inference_pb2.TIER_EDGE)) is None  # edge keeps none
+    assert where.tenant_hint(_parser().parse_args(["where", "Hello", "--tenant", "acme"]), reply(0, 0)) is None
+    assert where.tenant_hint(_parser().parse_args(["where", "Hello", "--shareable"]), reply(0, 0)) is None
