@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
 
+from services.cache.kv import KVContext
 from services.common.errors import FailedPrecondition
 from services.common.worker.kv_transfer import KVExport, KVImport, KVPrefix
 from services.gpu_worker.prefix import RedisPrefixCache, chain_keys
@@ -52,13 +53,18 @@ def _redis(engine: CloudEngine) -> RedisPrefixCache:
     return engine.redis
 
 
-def import_prefix(engine: CloudEngine, prefix: KVPrefix) -> KVImport:
-    """Load the prefix's blocks missing locally from Redis into the local prefix cache (blocking)."""
+def _scope(engine: CloudEngine, prefix: KVPrefix) -> tuple[RedisPrefixCache, KVContext, int, list[int], list[str]]:
+    """The engine's Redis, the prefix's key context, block size, full-block token ids and chain keys."""
     redis = _redis(engine)
     ctx = engine.kv_context(prefix.tenant, prefix.shareable)
     bt = engine.block_tokens
-    ids = prefix.token_ids[: len(prefix.token_ids) // bt * bt]
-    keys = chain_keys(ctx, bt, ids)
+    ids = list(prefix.token_ids[: len(prefix.token_ids) // bt * bt])
+    return redis, ctx, bt, ids, chain_keys(ctx, bt, ids)
+
+
+def import_prefix(engine: CloudEngine, prefix: KVPrefix) -> KVImport:
+    """Load the prefix's blocks missing locally from Redis into the local prefix cache (blocking)."""
+    redis, ctx, bt, ids, keys = _scope(engine, prefix)
     with engine.blocks.lock:
         held = engine.blocks.cached_prefix(keys)
     imported, unavailable = 0, False
@@ -76,11 +82,7 @@ def import_prefix(engine: CloudEngine, prefix: KVPrefix) -> KVImport:
 
 def export_prefix(engine: CloudEngine, prefix: KVPrefix) -> KVExport:
     """Write the leading run of the prefix's locally held blocks to Redis and wait (blocking)."""
-    redis = _redis(engine)
-    ctx = engine.kv_context(prefix.tenant, prefix.shareable)
-    bt = engine.block_tokens
-    ids = prefix.token_ids[: len(prefix.token_ids) // bt * bt]
-    keys = chain_keys(ctx, bt, ids)
+    redis, ctx, bt, ids, keys = _scope(engine, prefix)
     cond = engine.scheduler.cond
     with cond:
         blocks = engine.blocks.acquire_prefix(keys)  # referenced: nothing evicts or rewrites them
