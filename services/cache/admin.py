@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -79,8 +81,27 @@ class FlushFilter:
             raise ValueError("flush either one tenant's entries or the shared ones, not both")
 
 
-Generate = Callable[[str, int], Awaitable[None]]
-"""Sends one prompt through the router as a deterministic, shareable request of ``max_tokens``."""
+@dataclass(frozen=True)
+class WarmLimits:
+    """Bounds of one Warm call: each prompt is a real generation request through the router."""
+
+    timeout_s: float = 120.0
+    max_prompts: int = 64
+    max_tokens: int = 256
+
+    def check(self, prompts: Sequence[str], max_tokens: int) -> None:
+        if not prompts:
+            raise ValueError("give at least one non-empty prompt to warm")
+        if len(prompts) > self.max_prompts:
+            given = len(prompts)
+            raise ValueError(f"give at most {self.max_prompts} prompts per warm call ({given} given); split the list")
+        if max_tokens > self.max_tokens:
+            raise ValueError(f"max_tokens of a warm call is at most {self.max_tokens} ({max_tokens} given)")
+
+
+Generate = Callable[[str, int, float], Awaitable[None]]
+"""Sends one prompt through the router as a deterministic, shareable request of ``max_tokens``, within
+``timeout_s`` seconds."""
 
 
 class CacheAdmin:
@@ -162,17 +183,29 @@ class CacheAdmin:
         return sum(int(n) for n in await pipe.execute())
 
     @staticmethod
-    async def warm(prompts: Sequence[str], max_tokens: int, generate: Generate) -> tuple[int, int]:
-        """Send each prompt once; returns (warmed, failed). A failed prompt does not stop the rest."""
-        warmed = failed = 0
+    async def warm(
+        prompts: Sequence[str], max_tokens: int, generate: Generate, limits: WarmLimits, deadline: float | None
+    ) -> tuple[int, int]:
+        """Send each prompt once; returns (warmed, failed). A failed prompt does not stop the rest.
+
+        Each request gets ``limits.timeout_s``, cut to what is left before ``deadline`` (``time.monotonic``,
+        the caller's deadline; ``None``: none); prompts still unsent when it has passed count as failed.
+        """
+        warmed = failed = unsent = 0
         for prompt in prompts:
+            left = math.inf if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                unsent += 1
+                continue
             try:
-                await generate(prompt, max_tokens)
+                await generate(prompt, max_tokens, min(limits.timeout_s, left))
                 warmed += 1
             except Exception as exc:  # reported per prompt; the rest still warm
                 failed += 1
                 log.warning("cache_warm_failed", error=type(exc).__name__)
-        return warmed, failed
+        if unsent:
+            log.warning("cache_warm_deadline_passed", warmed=warmed, failed=failed, unsent=unsent)
+        return warmed, failed + unsent
 
 
 def _text(value: bytes | str) -> str:

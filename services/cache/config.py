@@ -28,7 +28,11 @@ class CacheSettings(ServiceSettings):
     timeout_s: float = Field(default=5.0, gt=0)
     """Timeout of each Redis call of an admin operation (SCANs of a large keyspace take a while)."""
     warm_timeout_s: float = Field(default=120.0, gt=0)
-    """Deadline of one warm-up request through the router."""
+    """Deadline of one warm-up request through the router (and never past the Warm caller's deadline)."""
+    warm_max_prompts: int = Field(default=64, ge=1)
+    """Prompts one Warm call may send (more is refused: split the list)."""
+    warm_max_tokens: int = Field(default=256, ge=1)
+    """Tokens a Warm call may ask per prompt (each prompt is a real generation request)."""
     max_keys: int = Field(default=1_000_000, ge=1)
     """Stats stop counting entries after this many keys per kind (bounds the SCAN)."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from services.cache.admin import CacheAdmin
+from services.cache.admin import CacheAdmin, WarmLimits
 from services.cache.config import CacheSettings
 from services.cache.connection import redis_from_url
 from services.cache.servicer import SERVICE_NAME, CacheServicer, router_generate
@@ -18,8 +18,9 @@ async def start_cache_service(settings: CacheSettings) -> RunningServer:
         settings.redis_url, settings.timeout_s, max_connections=8, read_timeout_s=settings.timeout_s
     )
     channel = grpc.aio.insecure_channel(settings.router_address) if settings.router_address else None
-    generate = router_generate(channel, settings.internal_token, settings.warm_timeout_s) if channel else None
-    servicer = CacheServicer(CacheAdmin(client, max_keys=settings.max_keys), generate)
+    generate = router_generate(channel, settings.internal_token) if channel else None
+    limits = WarmLimits(settings.warm_timeout_s, settings.warm_max_prompts, settings.warm_max_tokens)
+    servicer = CacheServicer(CacheAdmin(client, max_keys=settings.max_keys), generate, limits)
     server = await start_server(
         settings,
         lambda s: cache_pb2_grpc.add_CacheServicer_to_server(servicer, s),

@@ -5,9 +5,11 @@ Also holds the one transport piece the domain needs: the router call Warm makes.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
-from services.cache.admin import CacheAdmin, FlushFilter, Generate
+from services.cache.admin import CacheAdmin, FlushFilter, Generate, WarmLimits
 from services.cache.keys import Kind
 from services.common import errors
 from services.common import metadata as md
@@ -24,11 +26,11 @@ _KINDS = {
 _KIND_PB = {"response": cache_pb2.CACHE_KIND_RESPONSE, "kv": cache_pb2.CACHE_KIND_KV}
 
 
-def router_generate(channel: grpc.aio.Channel, internal_token: str, timeout_s: float) -> Generate:
+def router_generate(channel: grpc.aio.Channel, internal_token: str) -> Generate:
     """Warm's call: one greedy, shareable request through the router, drained to the end."""
     stub = inference_pb2_grpc.InferenceStub(channel)
 
-    async def generate(prompt: str, max_tokens: int) -> None:
+    async def generate(prompt: str, max_tokens: int, timeout_s: float) -> None:
         request = inference_pb2.GenerateRequest(
             prompt=prompt,
             sampling=inference_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0),
@@ -44,9 +46,10 @@ def router_generate(channel: grpc.aio.Channel, internal_token: str, timeout_s: f
 class CacheServicer(cache_pb2_grpc.CacheServicer):
     """The internal ``Cache`` admin service: translates its RPCs to :class:`CacheAdmin` calls."""
 
-    def __init__(self, admin: CacheAdmin, generate: Generate | None) -> None:
+    def __init__(self, admin: CacheAdmin, generate: Generate | None, warm_limits: WarmLimits | None = None) -> None:
         self.admin = admin
         self.generate = generate
+        self.warm_limits = warm_limits or WarmLimits()
 
     async def Stats(
         self, request: cache_pb2.CacheStatsRequest, context: grpc.aio.ServicerContext
@@ -99,7 +102,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         if self.generate is None:
             raise errors.Unavailable("warm-up needs the router; set MESHSERVE_CACHE_ROUTER_ADDRESS")
         prompts = [p for p in request.prompts if p.strip()]
-        if not prompts:
-            raise errors.InvalidArgument("give at least one non-empty prompt to warm")
-        warmed, failed = await self.admin.warm(prompts, request.max_tokens or 1, self.generate)
+        max_tokens = request.max_tokens or 1
+        try:
+            self.warm_limits.check(prompts, max_tokens)
+        except ValueError as exc:
+            raise errors.InvalidArgument(str(exc)) from None
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        warmed, failed = await self.admin.warm(prompts, max_tokens, self.generate, self.warm_limits, deadline)
         return cache_pb2.WarmResponse(warmed=warmed, failed=failed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -145,6 +146,53 @@ async def test_warm_fills_the_shared_cache(redis_url: str) -> None:
         await router_channel.close()
         await channel.close()
         await server.stop()  # type: ignore[attr-defined]
+        await router.stop()
+        assert edge.server is not None
+        await edge.server.stop()
+
+
+async def test_warm_is_bounded_and_stops_at_the_callers_deadline(redis_url: str) -> None:
+    # A slow worker: 3 prompts x 40 tokens x 50 ms would take 6 s; the caller allows 1 s.
+    edge = await start_fake("edge-0", pb.TIER_EDGE, TOKEN, token_delay_s=0.05)
+    settings = load_settings(
+        RouterSettings, edge_workers=edge.address, redis_url=redis_url, internal_token=TOKEN, shutdown_grace_s=0
+    )
+    router, _ = await start_router(settings, tokenizer=Tokenizer(HF_DIR))
+    cache_settings = load_settings(
+        CacheSettings,
+        redis_url=redis_url,
+        router_address=f"127.0.0.1:{router.port}",
+        internal_token=TOKEN,
+        shutdown_grace_s=0,
+        warm_max_prompts=3,
+        warm_max_tokens=40,
+    )
+    server = await start_cache_service(cache_settings)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    stub = cache_pb2_grpc.CacheStub(channel)
+    try:
+        for request, message in (
+            (cache_pb2.WarmRequest(prompts=["a", "b", "c", "d"]), "give at most 3 prompts per warm call (4 given)"),
+            (cache_pb2.WarmRequest(prompts=["a"], max_tokens=41), "max_tokens of a warm call is at most 40"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Warm(request, metadata=META)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert message in (err.value.details() or "")
+        assert not edge.starts  # refused before anything was sent
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Warm(cache_pb2.WarmRequest(prompts=["a", "b", "c"], max_tokens=40), metadata=META, timeout=1.0)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert loop.time() - started < 2.0
+        # The prompt being generated is cancelled on the worker, and no later prompt is sent.
+        await asyncio.wait_for(edge.cancelled.wait(), 5.0)
+        await asyncio.sleep(0.5)
+        assert len(edge.starts) == 1
+    finally:
+        await channel.close()
+        await server.stop()
         await router.stop()
         assert edge.server is not None
         await edge.server.stop()
