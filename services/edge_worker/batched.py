@@ -36,7 +36,7 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from services.common.worker.types import EngineInfo, KVUsage, SamplingConfig
+from services.common.worker.types import EngineInfo, KVUsage, SamplingConfig, StepInterrupted
 from services.edge_worker.graph import load_session
 from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.sampler import pick
@@ -111,6 +111,8 @@ class BatchedEngine:
         """Decode calls run so far (a batch of any size counts once)."""
         self.rows = 0
         """Sequence rows decoded so far (rows / steps = mean batch size)."""
+        self.prefill_calls = 0
+        """Prefill chunks started so far (one model call each)."""
         self._thread = threading.Thread(target=self._loop, name="edge-batch", daemon=True)
         self._thread.start()
 
@@ -140,6 +142,11 @@ class BatchedEngine:
                 seq.finish(RuntimeError("the edge engine is stopped"))
                 return
             self._waiting.append(seq)
+            self._cv.notify()
+
+    def wake(self) -> None:
+        """Make the batch thread look at its sequences again (an interrupt)."""
+        with self._cv:
             self._cv.notify()
 
     def release(self, seq: BatchedSequence) -> None:
@@ -211,7 +218,9 @@ class BatchedEngine:
         for seq in batch:
             if seq.closed:
                 seq.finish(RuntimeError("sequence is closed"))
-        batch = [seq for seq in batch if not seq.closed]
+            elif seq.interrupted:
+                seq.finish(StepInterrupted("the turn was cancelled"))
+        batch = [seq for seq in batch if not (seq.closed or seq.interrupted)]
         now = time.monotonic()
         for seq in batch:
             seq.last_used = now
@@ -276,6 +285,7 @@ class BatchedEngine:
         if seq.prefill_end - end == 1:
             end -= 1  # never leave a single prompt token for a decode row of a different shape
         chunk = seq.tokens[seq.kv_len : end]
+        self.prefill_calls += 1
         self._grow(end)
         io = self._kv.binding(self._session, seq.slot, 1)
         ids = np.array([chunk], dtype=np.int64)

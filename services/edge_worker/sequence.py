@@ -47,6 +47,8 @@ class BatchedSequence:
         self.slot: int | None = None
         self.parked: list[np.ndarray] | None = None
         self.closed = False
+        self.interrupted = False
+        """Set by ``interrupt``: the batch thread ends the pending step before its next model call."""
         self.last_used = 0.0
         self._done = threading.Event()
         self._result: int | BaseException | None = None
@@ -88,6 +90,12 @@ class BatchedSequence:
         self.sampling = sampling
         self.prefill_tokens = len(self.tokens) - common
         return True
+
+    def interrupt(self) -> None:
+        """End the pending (or next) step with StepInterrupted once the model call in progress, at
+        most one prefill chunk, is done. Any thread; waits for no model call."""
+        self.interrupted = True
+        self._engine.wake()
 
     def close(self) -> None:
         if not self.closed:

@@ -35,7 +35,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from services.cache.kv import KVContext
 from services.common.worker.kv_transfer import KVExport, KVImport, KVPrefix
 from services.common.worker.runner import current_request
-from services.common.worker.types import EngineInfo, KVUsage, SamplingConfig
+from services.common.worker.types import EngineInfo, KVUsage, SamplingConfig, StepInterrupted
 from services.gpu_worker import kv_transfer
 from services.gpu_worker.blocks import BlockManager
 from services.gpu_worker.model import AllReduce, LlamaModel, Shard
@@ -93,11 +93,21 @@ class CloudSequence:
         self.prefill_tokens = len(self._token_ids) + len(self._replay)
         """Tokens this sequence ran through the model before its first token (known after it)."""
         self._closed = False
+        self._interrupted = False
+
+    def interrupt(self) -> None:
+        """End the pending (or next) step with StepInterrupted after the scheduler step in flight (one
+        prefill chunk at most). Any thread; takes the scheduler's lock only between model calls."""
+        self._interrupted = True
+        if self.state is not None:
+            self._engine.scheduler.interrupt(self.state)
 
     def step(self) -> int:
         engine = self._engine
         if self._closed:
             raise RuntimeError("sequence is closed")
+        if self._interrupted:
+            raise StepInterrupted("the turn was cancelled")
         if self.state is None:
             # The runtime runs this thread for one request: its tenant salts the KV block keys.
             request = current_request()
@@ -107,11 +117,15 @@ class CloudSequence:
                 self._ctx = engine.kv_context(tenant, request.shareable if request else False)
             priority = request.priority if request else 0
             self.state = engine.submit(self._token_ids, self._sampling, self._replay, self._ctx, priority)
+            if self._interrupted:  # interrupted while it was being submitted
+                engine.scheduler.interrupt(self.state)
             first = True
         else:
             first = False
         token = engine.scheduler.next_token(self.state)
         if token is None:
+            if self._interrupted:
+                raise StepInterrupted("the turn was cancelled")
             raise RuntimeError("sequence is closed or finished")
         if first:
             engine.count_prefill(self.state)

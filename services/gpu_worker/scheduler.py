@@ -187,6 +187,15 @@ class Scheduler:
                 return token
             return None
 
+    def interrupt(self, seq: SeqState) -> None:
+        """Stop planning ``seq`` and wake its consumer (``next_token`` returns None); unlike ``close``
+        it waits for no step in flight, so the event loop may call it. ``close`` frees it later."""
+        with self.cond:
+            seq.closed = True
+            if seq.wake is not None:
+                seq.wake.notify_all()
+            self.cond.notify_all()
+
     def close(self, seq: SeqState, before_release: Callable[[SeqState], None] | None = None) -> None:
         """Stop ``seq`` (at the latest after the step in flight) and free its KV blocks now."""
         with self.cond:

@@ -3,8 +3,9 @@
 The event loop never runs model code: each admitted sequence runs ``run_sequence`` in a thread of a
 pool sized ``max_active`` and hands events to the loop through a :class:`Feed` (a loop wake-up only
 while the stream's writer is waiting for one). Cancellation sets a flag the thread checks before
-every decode step, so it stops within one step; the slot is freed when the thread returns, whether
-or not anyone still reads the events.
+every decode step, so it stops within one step, and interrupts the first step (the prefill, which
+may be seconds of chunks) where the engine can (``interrupt()``); the slot is freed when the thread
+returns, whether or not anyone still reads the events.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from services.common.worker.types import (
     GenerationRequest,
     QueuedEvent,
     SamplingConfig,
+    StepInterrupted,
     TokenEvent,
 )
 
@@ -74,6 +76,36 @@ def open_sequence(
     return start_chat(context, sampling), len(context)
 
 
+class PrefillInterrupter:
+    """Lets a cancel reach a turn's first step (its prefill), which the stop flag checked between
+    steps cannot: a long context is seconds of model calls inside one ``step()``.
+
+    ``fire`` (the cancel, on the event loop) interrupts the sequence armed now, or the one armed
+    later; the worker thread arms the sequence just before its first step and disarms it after.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._target: Callable[[], None] | None = None
+        self.fired = False
+
+    def arm(self, interrupt: Callable[[], None]) -> None:
+        with self._lock:
+            self._target = interrupt
+            if self.fired:
+                interrupt()
+
+    def disarm(self) -> None:
+        with self._lock:
+            self._target = None
+
+    def fire(self) -> None:
+        with self._lock:
+            self.fired = True
+            if self._target is not None:
+                self._target()
+
+
 def run_sequence(
     engine: Engine,
     request: GenerationRequest,
@@ -81,13 +113,15 @@ def run_sequence(
     emit: Callable[[TokenEvent], None],
     counters: WorkerCounters,
     session: ChatSession | None = None,
+    interrupter: PrefillInterrupter | None = None,
 ) -> FinalEvent:
     """Generate one turn (blocking; call from a worker thread). Returns the final event.
 
     EOS ends the turn with STOP and is neither sent nor detokenized (it counts as a completion
     token). When a stop string matches, the token that completed it is still sent (its text is
     cut before the stop string), as vLLM does. ``max_tokens`` covers resumed tokens too.
-    With a ``session`` the sequence is handed back to it afterwards (KV kept for the next turn).
+    With a ``session`` the sequence is handed back to it afterwards (KV kept for the next turn),
+    unless its prefill was interrupted by a cancel (``interrupter``): then it is closed.
     """
     context = request.prompt_ids + request.resume_ids
     sampling = request.sampling
@@ -103,6 +137,8 @@ def run_sequence(
     )
     failed = True
     generated: list[int] = []
+    interrupt = getattr(seq, "interrupt", None) if interrupter is not None else None
+    interrupted = False  # the sequence may carry the interrupt: never keep it for another turn
     try:
         while True:
             if stop_flag.is_set():
@@ -111,7 +147,18 @@ def run_sequence(
             if produced >= budget:
                 reason = FinishReason.LENGTH
                 break
-            token = seq.step()
+            if produced == 0 and interrupt is not None and interrupter is not None:
+                interrupter.arm(interrupt)
+                try:
+                    token = seq.step()
+                except StepInterrupted:
+                    reason = FinishReason.CANCELLED
+                    break
+                finally:
+                    interrupter.disarm()
+                    interrupted = interrupter.fired
+            else:
+                token = seq.step()
             if produced == 0:  # engines with a prefix cache know only now how much they prefilled
                 prefill = int(getattr(seq, "prefill_tokens", prefill))
                 counters.prefilled(prefill, len(context))
@@ -131,7 +178,7 @@ def run_sequence(
         _local.request = None
         # Only engines that can extend a held sequence (``start_chat``) keep it between turns; the
         # others (the cloud engine reuses prefixes through its own cache) free its KV now.
-        if session is None or failed or getattr(engine, "start_chat", None) is None:
+        if session is None or failed or interrupted or getattr(engine, "start_chat", None) is None:
             seq.close()
         else:  # the last token's KV is computed by the next step, so it is not held yet
             session.keep(seq, HeldPrefix(context + tuple(generated[:-1]), request.tenant, request.shareable))
@@ -178,10 +225,12 @@ class Turn:
         self.session = session
         self._stop = threading.Event()
         self._cancelled = asyncio.Event()
+        self._interrupter = PrefillInterrupter()
 
     def cancel(self) -> None:
         self._stop.set()
         self._cancelled.set()
+        self._interrupter.fire()
 
     async def events(self) -> AsyncGenerator[TokenEvent | FinalEvent | QueuedEvent, None]:
         """Token events as they are produced, then exactly one FinalEvent.
@@ -223,7 +272,9 @@ class Turn:
 
             def work() -> FinalEvent:
                 try:
-                    return run_sequence(runner.engine, self.request, self._stop, emit, runner.counters, self.session)
+                    return run_sequence(
+                        runner.engine, self.request, self._stop, emit, runner.counters, self.session, self._interrupter
+                    )
                 finally:
                     emit(None)
 

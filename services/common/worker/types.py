@@ -126,8 +126,19 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
+class StepInterrupted(RuntimeError):
+    """A step ended early by ``interrupt()``: the turn was cancelled during its prefill."""
+
+
 class EngineSequence(Protocol):
-    """One generating sequence. Not thread-safe: one thread at a time calls it."""
+    """One generating sequence. Not thread-safe: one thread at a time calls it.
+
+    An engine may also give its sequences ``interrupt()``: callable from any thread (the event loop's
+    included: it must not wait for the model), it makes the step in flight, or the next one, raise
+    :class:`StepInterrupted` as soon as the model call in progress (one prefill chunk) has ended.
+    The runner uses it for the first step only, whose prefill of a long context can take seconds;
+    the sequence is closed afterwards.
+    """
 
     def step(self) -> int:
         """Run the model once (the first call prefills the context) and return the next token id."""

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
+from services.common.pb.meshserve.v1.inference_pb2 import FINISH_REASON_CANCELLED
 from services.common.settings import load_settings
 from services.common.worker.app import RunningWorker
 from services.edge_worker.config import EdgeWorkerSettings
@@ -82,3 +83,30 @@ async def test_full_queue_is_resource_exhausted_and_cancel_frees_the_slot(
         await session.call.done_writing()
     current = await wait_idle(stub)
     assert current.active_sequences == 0 and current.queue_depth == 0
+
+
+async def test_cancel_during_a_long_prefill_stops_it_after_the_chunk_in_progress(
+    worker: RunningWorker, stub: worker_pb2_grpc.WorkerStub
+) -> None:
+    engine = worker.runner.engine
+    prompt = chat_ids(worker, "sea wave ship " * 700)
+    chunks = -(-len(prompt) // engine.prefill_chunk)  # type: ignore[attr-defined]
+    assert chunks >= 4, len(prompt)
+    before = engine.prefill_calls  # type: ignore[attr-defined]
+    session = Session(stub)
+    await session.call.write(start_frame(prompt, max_tokens=5))
+    deadline = asyncio.get_running_loop().time() + 30
+    while engine.prefill_calls == before:  # type: ignore[attr-defined]
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.01)  # polling a condition, not readiness
+    await session.call.write(CANCEL)
+    final = (await session.turn_rest()).final
+    assert final is not None
+    assert final.finish_reason == FINISH_REASON_CANCELLED and final.completion_tokens == 0
+    await wait_idle(stub)
+    # Before, a cancel waited for the whole prefill (the stop flag is checked between steps only).
+    assert engine.prefill_calls - before < chunks  # type: ignore[attr-defined]
+    # The interrupted sequence is not kept for the stream's next turn, which starts afresh.
+    result = await session.turn(chat_ids(worker, PROMPTS[0]), max_tokens=3)
+    assert len(result.token_ids) == 3
+    await session.call.done_writing()

@@ -6,6 +6,7 @@ edge worker's process test runs here, to keep this set fast.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -14,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.common.pb.meshserve.v1.inference_pb2 import FINISH_REASON_CANCELLED
 from services.common.settings import load_settings
 from services.common.worker.app import RunningWorker
 from services.gpu_worker.config import GpuWorkerSettings
@@ -99,6 +101,30 @@ class TestGpuWorker(WorkerCases):
             pass
         await session.call.done_writing()
         settled = await wait_idle(stub)
+        assert settled.kv_used_bytes == 0
+
+    async def test_cancel_during_a_long_prefill_stops_it_after_the_step_in_progress(
+        self, stub: worker_pb2_grpc.WorkerStub, gpu_worker: RunningWorker, tokenizer: object
+    ) -> None:
+        engine = gpu_worker.runner.engine
+        assert isinstance(engine, CloudEngine)
+        ids = list(tokenizer.encode("river stone cloud " * 400).ids)  # type: ignore[attr-defined]
+        steps = -(-len(ids) // engine.scheduler.max_step_tokens)
+        assert steps >= 3, len(ids)
+        before = engine.scheduler.steps_total
+        session = Session(stub)
+        await session.call.write(start_frame(ids, max_tokens=5))
+        deadline = asyncio.get_running_loop().time() + 60
+        while engine.scheduler.steps_total == before:  # the first prefill chunk is done
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.01)  # polling a condition, not readiness
+        await session.call.write(CANCEL)
+        final = (await session.turn_rest()).final
+        assert final is not None
+        assert final.finish_reason == FINISH_REASON_CANCELLED and final.completion_tokens == 0
+        await session.call.done_writing()
+        settled = await wait_idle(stub)
+        assert engine.scheduler.steps_total - before < steps  # not the whole prefill
         assert settled.kv_used_bytes == 0
 
     async def test_repeated_prompt_prefills_only_what_is_not_cached(
