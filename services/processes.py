@@ -21,6 +21,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 LogSink = Callable[[str, str], None]
 """Receives (process name, log line) for every line a child prints."""
 
+LOG_LINE_LIMIT = 1 << 20
+"""Bytes of one relayed log line; a longer line is dropped (with a note) and the relay goes on. A relay
+that stopped would leave the child blocked on a full pipe the next time it logs."""
+
 
 class ServiceProcess:
     """One child process of the mesh, with its log relayed line by line."""
@@ -51,13 +55,27 @@ class ServiceProcess:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
+            limit=LOG_LINE_LIMIT,
             start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
         )
         self._relay = asyncio.create_task(self._relay_logs())
 
     async def _relay_logs(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
-        while line := await self.proc.stdout.readline():
+        stdout = self.proc.stdout
+        skip_rest = False  # the tail of a line longer than the reader's limit is still to come
+        while True:
+            try:
+                line = await stdout.readline()
+            except ValueError as exc:  # longer than LOG_LINE_LIMIT: readline dropped what it had read
+                skip_rest = "not found" in str(exc)
+                self.sink(self.name, f"(a log line of over {LOG_LINE_LIMIT} bytes was dropped)")
+                continue
+            if not line:
+                return
+            if skip_rest:
+                skip_rest = False
+                continue
             text = line.decode(errors="replace").rstrip()
             if self.port is None and '"service_started"' in text:
                 with contextlib.suppress(ValueError, KeyError, TypeError):

@@ -11,6 +11,19 @@ import sys
 
 import structlog
 
+MAX_FIELD_CHARS = 4096
+"""A log field's string value is cut to this many characters: values a caller controls (a prompt, an
+address, an error message quoting them) must not make a log line unbounded (``meshserve up`` relays
+children's lines, and a collector drops or splits huge ones)."""
+
+
+def cap_long_values(_logger: object, _method: str, event: structlog.types.EventDict) -> structlog.types.EventDict:
+    """Cut every string value longer than ``MAX_FIELD_CHARS``, saying how long it was."""
+    for key, value in event.items():
+        if isinstance(value, str) and len(value) > MAX_FIELD_CHARS:
+            event[key] = f"{value[:MAX_FIELD_CHARS]}... ({len(value)} characters, cut)"
+    return event
+
 
 def configure_logging(service: str, level: str = "INFO", json: bool = True) -> None:
     """Configure structlog for a service process: one JSON object per line on stderr."""
@@ -27,6 +40,7 @@ def configure_logging(service: str, level: str = "INFO", json: bool = True) -> N
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
+            cap_long_values,
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(log_level),
