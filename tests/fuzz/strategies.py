@@ -51,7 +51,13 @@ def ints(field: FieldDescriptor) -> st.SearchStrategy[int]:
 
 # Fields always given a value (which may still be the empty default, from the field's whole range):
 # without them almost every case is refused by the same first check.
-USUALLY_SET = frozenset({"meshserve.v1.ChatTurn.messages", "meshserve.v1.GenerateRequest.prompt"})
+USUALLY_SET = frozenset(
+    {
+        "meshserve.v1.ChatTurn.messages",
+        "meshserve.v1.GenerateRequest.prompt",
+        "meshserve.internal.v1.WorkerStart.prompt_token_ids",
+    }
+)
 
 
 def _mostly(valid: st.SearchStrategy[Any]) -> Any:
@@ -61,6 +67,7 @@ def _mostly(valid: st.SearchStrategy[Any]) -> Any:
 
 
 _short = st.text(min_size=1, max_size=12)
+_token_id = st.integers(0, 49151)  # the default model's vocabulary
 # Field full name -> (the field's default strategy -> the strategy to use).
 BIASES: dict[str, Any] = {
     "meshserve.v1.SamplingParams.max_tokens": _mostly(st.integers(0, 6)),
@@ -75,6 +82,13 @@ BIASES: dict[str, Any] = {
     "meshserve.v1.ChatTurn.model": _mostly(st.just("")),
     "meshserve.v1.GenerateRequest.prompt": _mostly(st.one_of(st.just("Say hi."), _short)),
     "meshserve.v1.ChatMessage.role": _mostly(st.sampled_from(["system", "user", "assistant"])),
+    # The internal worker stream (tests/fuzz/test_internal_fuzz.py): token ids of the default model's
+    # vocabulary, a few of them, as the router sends.
+    "meshserve.internal.v1.WorkerStart.prompt_token_ids": _mostly(st.lists(_token_id, min_size=1, max_size=8)),
+    "meshserve.internal.v1.WorkerStart.resume_token_ids": _mostly(st.lists(_token_id, max_size=3)),
+    # Cache.Warm: each prompt is a real generation request through the router.
+    "meshserve.internal.v1.WarmRequest.prompts": _mostly(st.lists(st.one_of(st.just("Say hi."), _short), max_size=2)),
+    "meshserve.internal.v1.WarmRequest.max_tokens": _mostly(st.integers(0, 4)),
     "meshserve.v1.ChatMessage.content": _mostly(st.one_of(st.just("Say hi."), _short)),
     "meshserve.v1.ChatTurn.messages": _mostly(
         st.lists(
