@@ -23,6 +23,7 @@ from services.common.coalesce import FlushWindow
 from services.common.worker.admission import Admission
 from services.common.worker.detokenizer import IncrementalDetokenizer
 from services.common.worker.feed import Feed
+from services.common.worker.interrupt import PrefillInterrupter
 from services.common.worker.sessions import ChatSession, ChatSessions, HeldPrefix
 from services.common.worker.stats import WorkerCounters
 from services.common.worker.stops import StopStringMatcher
@@ -74,36 +75,6 @@ def open_sequence(
             return previous, int(getattr(previous, "prefill_tokens", len(context)))
         previous.close()
     return start_chat(context, sampling), len(context)
-
-
-class PrefillInterrupter:
-    """Lets a cancel reach a turn's first step (its prefill), which the stop flag checked between
-    steps cannot: a long context is seconds of model calls inside one ``step()``.
-
-    ``fire`` (the cancel, on the event loop) interrupts the sequence armed now, or the one armed
-    later; the worker thread arms the sequence just before its first step and disarms it after.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._target: Callable[[], None] | None = None
-        self.fired = False
-
-    def arm(self, interrupt: Callable[[], None]) -> None:
-        with self._lock:
-            self._target = interrupt
-            if self.fired:
-                interrupt()
-
-    def disarm(self) -> None:
-        with self._lock:
-            self._target = None
-
-    def fire(self) -> None:
-        with self._lock:
-            self.fired = True
-            if self._target is not None:
-                self._target()
 
 
 def run_sequence(

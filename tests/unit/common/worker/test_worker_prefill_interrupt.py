@@ -6,7 +6,8 @@ import asyncio
 import threading
 from contextlib import aclosing
 
-from services.common.worker.runner import PrefillInterrupter, Runner
+from services.common.worker.interrupt import PrefillInterrupter
+from services.common.worker.runner import Runner
 from services.common.worker.sessions import ChatSession
 from services.common.worker.types import (
     FinalEvent,
