@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -103,6 +103,23 @@ async def wait_idle(stub: worker_pb2_grpc.WorkerStub, timeout_s: float = 10.0) -
             return current
         assert asyncio.get_running_loop().time() < deadline, f"worker still busy: {current}"
         await asyncio.sleep(0.02)  # polling a condition, not readiness
+
+
+async def cancel_during_prefill(
+    stub: worker_pb2_grpc.WorkerStub, prompt: Sequence[int], prefilling: Callable[[], bool], timeout_s: float = 60.0
+) -> tuple[Session, worker_pb2.WorkerFinal]:
+    """Start a turn over ``prompt``, cancel it once ``prefilling()`` (the engine's own counter moved),
+    and return the stream and the turn's final frame (the stream stays open for another turn)."""
+    session = Session(stub)
+    await session.call.write(start_frame(prompt, max_tokens=5))
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not prefilling():
+        assert asyncio.get_running_loop().time() < deadline, "the prefill never started"
+        await asyncio.sleep(0.01)  # polling a condition, not readiness
+    await session.call.write(CANCEL)
+    final = (await session.turn_rest()).final
+    assert final is not None
+    return session, final
 
 
 async def wait_serving(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 30.0) -> None:

@@ -14,7 +14,16 @@ from services.common.settings import load_settings
 from services.common.worker.app import RunningWorker
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.servicer import start_edge_worker
-from tests.worker_helpers import CANCEL, Session, generate, start_frame, stats, wait_idle, wait_serving
+from tests.worker_helpers import (
+    CANCEL,
+    Session,
+    cancel_during_prefill,
+    generate,
+    start_frame,
+    stats,
+    wait_idle,
+    wait_serving,
+)
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["Name three colours.", "What is the sea?", "Tell me a short story.", "Count to five."]
@@ -93,15 +102,11 @@ async def test_cancel_during_a_long_prefill_stops_it_after_the_chunk_in_progress
     chunks = -(-len(prompt) // engine.prefill_chunk)  # type: ignore[attr-defined]
     assert chunks >= 4, len(prompt)
     before = engine.prefill_calls  # type: ignore[attr-defined]
-    session = Session(stub)
-    await session.call.write(start_frame(prompt, max_tokens=5))
-    deadline = asyncio.get_running_loop().time() + 30
-    while engine.prefill_calls == before:  # type: ignore[attr-defined]
-        assert asyncio.get_running_loop().time() < deadline
-        await asyncio.sleep(0.01)  # polling a condition, not readiness
-    await session.call.write(CANCEL)
-    final = (await session.turn_rest()).final
-    assert final is not None
+    session, final = await cancel_during_prefill(
+        stub,
+        prompt,
+        lambda: engine.prefill_calls > before,  # type: ignore[attr-defined]
+    )
     assert final.finish_reason == FINISH_REASON_CANCELLED and final.completion_tokens == 0
     await wait_idle(stub)
     # Before, a cancel waited for the whole prefill (the stop flag is checked between steps only).

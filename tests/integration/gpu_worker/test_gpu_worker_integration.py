@@ -6,7 +6,6 @@ edge worker's process test runs here, to keep this set fast.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -22,7 +21,17 @@ from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.servicer import start_gpu_worker
 from tests.integration.worker_cases import WorkerCases
-from tests.worker_helpers import CANCEL, META, Session, generate, start_frame, stats, wait_idle, wait_serving
+from tests.worker_helpers import (
+    CANCEL,
+    META,
+    Session,
+    cancel_during_prefill,
+    generate,
+    start_frame,
+    stats,
+    wait_idle,
+    wait_serving,
+)
 
 pytestmark = pytest.mark.integration
 CHAT = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
@@ -112,15 +121,8 @@ class TestGpuWorker(WorkerCases):
         steps = -(-len(ids) // engine.scheduler.max_step_tokens)
         assert steps >= 3, len(ids)
         before = engine.scheduler.steps_total
-        session = Session(stub)
-        await session.call.write(start_frame(ids, max_tokens=5))
-        deadline = asyncio.get_running_loop().time() + 60
-        while engine.scheduler.steps_total == before:  # the first prefill chunk is done
-            assert asyncio.get_running_loop().time() < deadline
-            await asyncio.sleep(0.01)  # polling a condition, not readiness
-        await session.call.write(CANCEL)
-        final = (await session.turn_rest()).final
-        assert final is not None
+        # Cancelled once the first prefill chunk step is done.
+        session, final = await cancel_during_prefill(stub, ids, lambda: engine.scheduler.steps_total > before)
         assert final.finish_reason == FINISH_REASON_CANCELLED and final.completion_tokens == 0
         await session.call.done_writing()
         settled = await wait_idle(stub)
