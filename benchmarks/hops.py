@@ -33,7 +33,6 @@ import asyncio
 import datetime as dt
 import os
 import platform
-import shutil
 import sys
 import tempfile
 import time
@@ -55,7 +54,7 @@ from services.common.tokenizer import Tokenizer
 from services.gateway.keystore import KeyStore
 from services.mesh import DEV_API_KEY, api_key_hash
 from services.models.paths import model_paths
-from services.processes import ServiceProcess, free_port, wait_redis
+from services.processes import ServiceProcess, spawn_redis
 
 PROMPT = "Write a short poem about the sea and the ships that sail on it."
 __all__ = ["markdown", "run", "start_stack", "write_report"]
@@ -112,20 +111,12 @@ async def _start(proc: ServiceProcess, health: bool = True) -> ServiceProcess:
     return proc
 
 
-async def start_stack(profile_dir: Path | None = None, before: Path | None = None) -> Stack:
+async def start_stack(profile_dir: Path | None = None, before: Path | None = None, redis_batch: bool = True) -> Stack:
     """redis-server, instant worker, router, gateway (and the ``before`` tree's): separate processes."""
     sink: Callable[[str, str], None] = lambda _name, _line: None  # noqa: E731
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     tmp = tempfile.TemporaryDirectory(prefix="meshserve-hops-")
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise RuntimeError("redis-server is not installed; run `make setup`")
-    port = free_port()
-    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp.name]
-    redis_proc = ServiceProcess("redis", argv, env, sink)
-    await redis_proc.spawn()
-    redis_url = f"redis://127.0.0.1:{port}/0"
-    await wait_redis(redis_url, 30)
+    redis_proc, redis_url = await spawn_redis(tmp.name, sink, env, batch=redis_batch)  # as `meshserve up` runs it
     worker_env = {"MESHSERVE_INSTANT_WORKER_MAX_ACTIVE_SEQUENCES": "8", "MESHSERVE_INSTANT_WORKER_WORKER_ID": "instant"}
     worker = await _start(
         ServiceProcess("worker", [sys.executable, "-m", "benchmarks.instant_worker"], env | worker_env, sink)
@@ -323,8 +314,9 @@ async def run(
     max_tokens: int = 16,
     profile_dir: Path | None = None,
     before: Path | None = None,
+    redis_batch: bool = True,
 ) -> dict[str, Any]:
-    stack = await start_stack(profile_dir, before)
+    stack = await start_stack(profile_dir, before, redis_batch)
     channels: list[grpc.aio.Channel] = []
     try:
         client = aioredis.Redis.from_url(stack.redis_url)
@@ -368,7 +360,10 @@ async def run(
             "load_avg_1m": os.getloadavg()[0],
         },
         "command": f"python -m benchmarks.hops --requests {requests} --cpu-requests {cpu_requests} "
-        f"--max-tokens {max_tokens}" + (f" --before {before}" if before else ""),
+        f"--max-tokens {max_tokens}"
+        + (f" --before {before}" if before else "")
+        + ("" if redis_batch else " --redis-normal"),
+        "redis_sched_batch": redis_batch,
         "before": str(before) if before else None,
         "max_tokens": max_tokens,
         "latency": {name: _summary(s, None if name == "direct_worker" else base) for name, s in latency.items()},
@@ -386,10 +381,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", type=Path, default=None, help="write cProfile output of router and gateway here")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     parser.add_argument("--before", type=Path, default=None, help="a checkout of earlier code to compare with")
+    parser.add_argument("--redis-normal", action="store_true", help="Redis without SCHED_BATCH (for an A/B run)")
     args = parser.parse_args(argv)
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
-    report = asyncio.run(run(args.requests, args.cpu_requests, args.max_tokens, args.profile, args.before))
+    report = asyncio.run(
+        run(args.requests, args.cpu_requests, args.max_tokens, args.profile, args.before, not args.redis_normal)
+    )
     if args.profile is None:
         write_report(report, args.out)
     print(markdown(report))

@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
 from services.common.tokenizer import Tokenizer
 from services.mesh import DEV_API_KEY, api_key_hash
 from services.models.paths import model_paths
-from services.processes import ServiceProcess, free_port, wait_redis
+from services.processes import ServiceProcess, spawn_redis
 
 TARGET_TOKENS_PER_S = 5000.0
 
@@ -65,16 +64,11 @@ async def start_stack(
     """redis, instant worker, router, gateway (in that order; stop in reverse); with ``embedded`` also
     ``gateway_embedded``, a gateway with the router in its process (on the same worker and Redis)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("bench relay: redis-server is not installed; run `make setup`")
-    port = free_port()
     procs: dict[str, ServiceProcess] = {}
-    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", tmp]
-    procs["redis"] = ServiceProcess("redis", argv, env, lambda _n, _l: None)
-    await procs["redis"].spawn()
-    redis_url = f"redis://127.0.0.1:{port}/0"
-    await wait_redis(redis_url, 30)
+    try:
+        procs["redis"], redis_url = await spawn_redis(tmp, lambda _n, _l: None, env)  # as `meshserve up` runs it
+    except RuntimeError as exc:
+        raise SystemExit(f"bench relay: {exc}") from None
     worker_env = {
         "MESHSERVE_INSTANT_WORKER_MAX_ACTIVE_SEQUENCES": str(slots),
         "MESHSERVE_INSTANT_WORKER_MAX_QUEUE": str(slots),

@@ -24,7 +24,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from services.processes import LogSink, ServiceProcess, free_port, stdout_sink, wait_for_health, wait_redis
+from services.processes import (
+    LogSink,
+    ServiceProcess,
+    free_port,
+    spawn_redis,
+    stdout_sink,
+    wait_for_health,
+)
 
 DEV_API_KEY = "msk-local-dev-key"
 """API key of the local mesh's ``dev`` tenant (override with MESHSERVE_API_KEY)."""
@@ -51,6 +58,9 @@ class MeshConfig:
     """Use this Redis instead of starting one ("" = start redis-server on a free port)."""
     redis_maxmemory: str = "512mb"
     """``--maxmemory`` of the Redis we start (allkeys-lru evicts above it); the soak uses a small one."""
+    redis_batch: bool = True
+    """Run the Redis we start under SCHED_BATCH, so that a command does not make it preempt the
+    gateway that sent it (:func:`services.processes.yield_on_wakeup`)."""
     api_key: str = DEV_API_KEY
     edge_threads: int = 1
     cloud_threads: int = 2
@@ -165,32 +175,13 @@ class Mesh:
         return proc
 
     async def _start_redis(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
+        if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed; run `make setup` or pass --redis-url")
         self._tmp = tempfile.TemporaryDirectory(prefix="meshserve-redis-")
-        port = free_port()
-        argv = [
-            exe,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            self._tmp.name,
-            "--maxmemory",
-            self.config.redis_maxmemory,
-            "--maxmemory-policy",
-            "allkeys-lru",
-        ]
-        self._redis = ServiceProcess("redis", argv, self._env(), self.sink)
-        await self._redis.spawn()
-        self.redis_url = f"redis://127.0.0.1:{port}/0"
-        await wait_redis(self.redis_url, 30.0)
+        limits = ("--maxmemory", self.config.redis_maxmemory, "--maxmemory-policy", "allkeys-lru")
+        self._redis, self.redis_url = await spawn_redis(
+            self._tmp.name, self.sink, self._env(), args=limits, batch=self.config.redis_batch
+        )
 
     async def start(self) -> Mesh:
         cfg = self.config

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -174,6 +175,51 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def yield_on_wakeup(pid: int) -> bool:
+    """Put every thread of process ``pid`` under ``SCHED_BATCH``: when a request wakes it, it waits
+    for a free core instead of preempting the process that woke it. Returns whether any thread changed.
+
+    For a helper that the request path wakes in passing, on the same few cores: the gateway's
+    rate-limit command to a co-located Redis made Redis preempt the gateway inside its send (a socket
+    wake-up prefers the waker's core), so the gateway's routing waited for Redis's script to run
+    (docs/gateway.md, *Numbers*). Under ``SCHED_BATCH`` Redis runs once a core is free, usually while
+    the gateway waits on the worker; its share of the CPU stays that of a normal process (nice 0).
+    A no-op off Linux, or for a process that is gone; threads it starts later inherit the policy.
+    """
+    if not hasattr(os, "SCHED_BATCH"):
+        return False
+    try:
+        threads = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    changed = False
+    for tid in threads:
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
+            changed = True
+    return changed
+
+
+async def spawn_redis(
+    directory: str, sink: LogSink, env: dict[str, str], *, args: Sequence[str] = (), batch: bool = True
+) -> tuple[ServiceProcess, str]:
+    """Start redis-server on a free loopback port (no persistence, ``directory`` as its working
+    directory, ``args`` appended) and wait until it answers. Returns the process and its URL; with
+    ``batch`` it runs under :func:`yield_on_wakeup`. RuntimeError when redis-server is not installed."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed; run `make setup`")
+    port = free_port()
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", directory]
+    proc = ServiceProcess("redis", [*argv, *args], env, sink)
+    await proc.spawn()
+    url = f"redis://127.0.0.1:{port}/0"
+    await wait_redis(url, 30.0)  # its threads have started once it answers
+    if batch and proc.proc is not None:
+        yield_on_wakeup(proc.proc.pid)
+    return proc, url
 
 
 async def wait_redis(url: str, timeout_s: float) -> None:
