@@ -12,15 +12,17 @@ same function the batch steps use, so under tensor parallelism they are mirrored
 ranks and serialized with the batch steps. They run on the sequence's own thread, next to (not
 inside) the batch: on CPU a verify pass of k+1 tokens costs about what a batch step of k+1
 sequences does, and latency for a single stream is what speculation is for. It does not use the
-prefix cache (it prefills its whole prompt).
+prefix cache (it prefills its whole prompt), in chunks of the scheduler's step budget
+(``max_step_tokens``, whole blocks), so a cancel reaches it after one chunk (``interrupt()``).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
-from services.common.worker.types import SamplingConfig
+from services.common.worker.types import SamplingConfig, StepInterrupted
 from services.gpu_worker.engine import CloudEngine, CloudSequence
 from services.gpu_worker.speculative import SpeculativeDecoder, draft_factory, greedy_only
 
@@ -36,7 +38,17 @@ class SpeculativeSequence:
         self._fallback: CloudSequence | None = None
         self._blocks: list[int] = []
         self._closed = False
+        self._interrupted = False
         self.prefill_tokens = len(self._token_ids)
+
+    def interrupt(self) -> None:
+        """End the pending (or next) step with StepInterrupted after the model call in flight (one
+        prefill chunk at most). Any thread; waits for nothing."""
+        self._interrupted = True
+        if self._decoder is not None:
+            self._decoder.interrupt()
+        if self._fallback is not None:
+            self._fallback.interrupt()
 
     def _begin(self) -> None:
         engine = self._spec.engine
@@ -57,13 +69,19 @@ class SpeculativeSequence:
             draft_factory(self._spec.draft_model, max_length),
             k_max=self._spec.k_max,
             eos=engine.info.eos_token_ids,
+            prefill_chunk=max(bt, engine.scheduler.max_step_tokens // bt * bt),
+            on_prefill_chunk=self._spec.count_prefill_chunk,
         )
 
     def step(self) -> int:
         if self._closed:
             raise RuntimeError("sequence is closed")
         if self._decoder is None and self._fallback is None:
+            if self._interrupted:
+                raise StepInterrupted("the turn was cancelled")
             self._begin()
+            if self._interrupted:  # interrupted while it was beginning: pass it on
+                self.interrupt()
         if self._fallback is not None:
             token = self._fallback.step()
             self.prefill_tokens = self._fallback.prefill_tokens
@@ -100,6 +118,13 @@ class SpeculativeEngine:
         self.engine = engine
         self.draft_model = draft_model
         self.k_max = k_max
+        self.prefill_chunks = 0
+        """Prefill forwards of speculative sequences so far (their prompts go in chunks)."""
+        self._lock = threading.Lock()
+
+    def count_prefill_chunk(self) -> None:
+        with self._lock:
+            self.prefill_chunks += 1
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["engine"], name)

@@ -46,7 +46,7 @@ import torch
 from prometheus_client import Counter, Gauge
 from torch import Tensor
 
-from services.common.worker.types import SamplingConfig
+from services.common.worker.types import SamplingConfig, StepInterrupted
 from services.gpu_worker.plan import Segment
 
 log = structlog.get_logger(__name__)
@@ -173,6 +173,10 @@ class SpeculativeDecoder:
 
     ``forward`` runs segments over the cache that ``table`` (block ids) indexes; ``table`` must hold
     ``len(prompt) + max_tokens + k_max`` tokens. ``next()`` returns one token at a time.
+
+    The prompt is prefilled in forwards of ``prefill_chunk`` tokens (0: one forward), and
+    :meth:`interrupt` (any thread) makes ``next()`` raise StepInterrupted before the next of them or
+    before the draft's own prefill, so a cancel reaches a long prompt's prefill after one chunk.
     """
 
     def __init__(
@@ -185,8 +189,13 @@ class SpeculativeDecoder:
         *,
         k_max: int = 8,
         eos: frozenset[int] = frozenset(),
+        prefill_chunk: int = 0,
+        on_prefill_chunk: Callable[[], None] | None = None,
     ) -> None:
         self.forward = forward
+        self.prefill_chunk = prefill_chunk
+        self._on_prefill_chunk = on_prefill_chunk
+        self._interrupted = False
         self.table = list(table)
         self.tokens = list(prompt)
         self.max_tokens = max_tokens
@@ -221,13 +230,36 @@ class SpeculativeDecoder:
                 self.finished = True
                 return
 
+    def interrupt(self) -> None:
+        """Stop the prefill before its next forward (see the class docstring)."""
+        self._interrupted = True
+
+    def _check_interrupt(self) -> None:
+        if self._interrupted:
+            raise StepInterrupted("the turn was cancelled")
+
+    def _prefill(self) -> Tensor:
+        """The logits of the prompt's last position, computed ``prefill_chunk`` tokens per forward."""
+        n = len(self.tokens)
+        start = 0
+        while True:
+            self._check_interrupt()
+            end = min(n, start + (self.prefill_chunk or n))
+            logits = self.forward([Segment(self.tokens[start:end], start, self.table)])[0]
+            if self._on_prefill_chunk is not None:
+                self._on_prefill_chunk()
+            if end == n:
+                return logits
+            start = end
+
     def _round(self) -> None:
         if self.generated == 0:  # prefill: the prompt's logits give the first token
-            logits = self.forward([Segment(self.tokens, 0, self.table)])[0]
+            logits = self._prefill()
             first = int(torch.argmax(logits[-1]).item())
             self.tokens.append(first)
             self._emit([first])
             if not self.finished:
+                self._check_interrupt()  # the draft's prefill of the whole prompt comes next
                 self.draft = self.make_draft(list(self.tokens))
             return
         assert self.draft is not None

@@ -1,4 +1,5 @@
-"""Speculative decoding with the real models: the INT4 edge draft + our forward equal plain greedy decoding."""
+"""Speculative decoding with the real models: the INT4 edge draft + our forward equal plain greedy decoding;
+a cancel reaches a speculative prefill."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from services.common.pb.meshserve.v1.inference_pb2 import FINISH_REASON_CANCELLED
 from services.common.settings import load_settings
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.model import LlamaModel
@@ -17,7 +19,7 @@ from services.gpu_worker.spec_engine import SpeculativeEngine
 from services.gpu_worker.speculative import OgDraft, SpeculativeDecoder, load_draft_model
 from services.models.paths import model_paths
 from tests.integration.gpu_worker.greedy import greedy
-from tests.worker_helpers import generate, wait_serving
+from tests.worker_helpers import cancel_during_prefill, generate, wait_idle, wait_serving
 
 pytestmark = pytest.mark.integration
 QUESTIONS = ["Write a short poem about the sea.", "List three tips for writing clean Python code."]
@@ -65,7 +67,10 @@ def _sample(name: str) -> float:
 
 @pytest.fixture(scope="module")
 async def workers() -> AsyncIterator[tuple[object, object]]:
-    common = dict(port=0, threads=1, device="cpu", max_active_sequences=2, kv_budget_bytes=48 << 20)
+    # Prefill chunks of 128 tokens: a long prompt's prefill is several forwards (the cancel test).
+    common = dict(
+        port=0, threads=1, device="cpu", max_active_sequences=2, kv_budget_bytes=48 << 20, max_step_tokens=128
+    )
     plain = await start_gpu_worker(load_settings(GpuWorkerSettings, worker_id="cloud-plain", **common))
     spec = await start_gpu_worker(load_settings(GpuWorkerSettings, worker_id="cloud-spec", speculative=True, **common))
     yield plain, spec
@@ -94,3 +99,27 @@ async def test_worker_with_speculation_streams_the_plain_workers_text(workers: t
     assert 0.0 <= _sample("meshserve_speculative_acceptance_ratio") <= 1.0
     usage = spec.runner.engine.kv_usage()  # type: ignore[attr-defined]
     assert usage.used_bytes == 0  # the speculative sequence gave its KV blocks back
+
+
+async def test_a_cancel_reaches_a_speculative_prefill_after_the_chunk_in_progress(
+    workers: tuple[object, object],
+) -> None:
+    from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
+
+    _plain, spec = workers
+    engine = spec.runner.engine  # type: ignore[attr-defined]
+    assert isinstance(engine, SpeculativeEngine)
+    ids = list(engine.tokenizer.encode("river stone cloud " * 200).ids)
+    chunks = -(-len(ids) // engine.scheduler.max_step_tokens)
+    assert chunks >= 4, len(ids)
+    before = engine.prefill_chunks
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{spec.port}") as channel:  # type: ignore[attr-defined]
+        await wait_serving(channel, "meshserve.internal.v1.Worker")
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        # Greedy, not resumed: a speculative sequence. Cancelled once its first prefill chunk is done.
+        session, final = await cancel_during_prefill(stub, ids, lambda: engine.prefill_chunks > before)
+        assert final.finish_reason == FINISH_REASON_CANCELLED and final.completion_tokens == 0
+        await session.call.done_writing()
+        settled = await wait_idle(stub)
+    assert engine.prefill_chunks - before < chunks  # not the whole prefill
+    assert settled.kv_used_bytes == 0

@@ -1,11 +1,14 @@
-"""Speculative decoding logic with a fake target and fake drafts: output = the target's greedy, k adapts."""
+"""Speculative decoding logic with a fake target and fake drafts: output = the target's greedy, k adapts;
+a chunked prefill gives the same tokens and stops at an interrupt."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
 import torch
 
+from services.common.worker.types import StepInterrupted
 from services.gpu_worker.plan import Segment
 from services.gpu_worker.speculative import AdaptiveK, SpeculativeDecoder
 
@@ -124,3 +127,57 @@ def test_adaptive_k_stays_in_bounds() -> None:
     assert k.k == 1
     k.update(0, 0)  # no draft: unchanged
     assert k.k == 1
+
+
+PROMPT = [(7 * i) % 40 + 1 for i in range(40)]
+
+
+def test_a_chunked_prefill_gives_the_same_tokens_in_forwards_of_the_chunk_size() -> None:
+    whole, one = _prefill_forwards(0)
+    chunked, three = _prefill_forwards(16)
+    assert [(seg.start, len(seg.token_ids)) for seg in one] == [(0, 40)]
+    assert [(seg.start, len(seg.token_ids)) for seg in three] == [(0, 16), (16, 16), (32, 8)]
+    assert whole == chunked == plain(PROMPT, 10)
+
+
+def _prefill_forwards(chunk: int) -> tuple[list[int], list[Segment]]:
+    """10 tokens of PROMPT's continuation, and the prefill's forwards, with ``prefill_chunk=chunk``."""
+    target = FakeTarget()
+    chunks: list[int] = []
+    dec = SpeculativeDecoder(
+        target.forward,
+        list(range(8)),
+        PROMPT,
+        10,
+        lambda ctx: FakeDraft(ctx, lambda p: p % 3 == 0),
+        prefill_chunk=chunk,
+        on_prefill_chunk=lambda: chunks.append(1),
+    )
+    out = [dec.next() for _ in range(10)]
+    return out, target.calls[: len(chunks)]
+
+
+@pytest.mark.parametrize("after_chunks", [0, 1, 3])
+def test_an_interrupt_stops_the_prefill_before_its_next_forward_and_before_the_draft(after_chunks: int) -> None:
+    target = FakeTarget()
+    drafts: list[FakeDraft] = []
+    done: list[int] = []
+
+    def chunk_done() -> None:
+        done.append(1)
+        if len(done) == after_chunks:
+            dec.interrupt()
+
+    def make(ctx: list[int]) -> FakeDraft:
+        drafts.append(FakeDraft(ctx, lambda p: False))
+        return drafts[-1]
+
+    dec = SpeculativeDecoder(
+        target.forward, list(range(8)), PROMPT, 10, make, prefill_chunk=16, on_prefill_chunk=chunk_done
+    )
+    if after_chunks == 0:
+        dec.interrupt()
+    with pytest.raises(StepInterrupted):
+        dec.next()
+    assert len(target.calls) == after_chunks  # no forward after the interrupt
+    assert drafts == []  # nor the draft's prefill (after the last chunk, it would come next)
