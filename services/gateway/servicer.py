@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -48,6 +48,14 @@ def _merge(first: _Frame, then: _Frame) -> _Frame | None:
     first.token_ids.extend(then.token_ids)
     first.text += then.text
     return first
+
+
+async def _after_the_worker_start(admit: Awaitable[Ticket]) -> Ticket:
+    """A speculative start's reservation, begun one event-loop turn late: the router, which runs on
+    without a pause, has queued the worker's start by then, so the start is written first and the
+    Redis command right after it (docs/gateway.md, *Numbers*: ~0.1 ms less to the first token)."""
+    await asyncio.sleep(0)
+    return await admit
 
 
 def _is_final(frame: _Frame) -> bool:
@@ -139,14 +147,16 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             done: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
             done.set_result(await admit)
             return done
-        pending = asyncio.ensure_future(admit)
+        speculate = self._gate.speculate(identity.tenant)
+        pending = asyncio.ensure_future(_after_the_worker_start(admit) if speculate else admit)
         PENDING_ADMISSION.set(pending)  # this call's task (and the tasks it starts) only
-        if self._gate.speculate(identity.tenant):
+        if speculate:
             SPECULATIVE.set(True)
             tenant = identity.tenant
             pending.add_done_callback(
                 lambda done: self._gate.speculation_over(tenant, not done.cancelled() and done.exception() is None)
             )
+            return pending
         try:
             await asyncio.sleep(0)  # let the reservation send its Redis command before the router starts
         except BaseException:  # cancelled here: the reservation runs on, and is settled once it is known
