@@ -53,6 +53,10 @@ class MeshConfig:
 
     edge_workers: int = 2
     cloud_workers: int = 1
+    gateways: int = 1
+    """Gateway replicas. The first listens on ``gateway_port``, the others on free ports; Envoy
+    (``envoy``) balances over all of them, and their rate limits are one budget (in Redis). With the
+    router embedded each has its own router and every worker heartbeats to all of them."""
     gateway_port: int = 0
     redis_url: str = ""
     """Use this Redis instead of starting one ("" = start redis-server on a free port)."""
@@ -97,11 +101,16 @@ class Mesh:
         self._redis: ServiceProcess | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.front_door: FrontDoor | None = None
-        self._router_port = 0  # the embedded router's internal port (``embed_router``)
+        self._router_ports: list[int] = []  # the embedded routers' internal ports (``embed_router``)
 
     @property
     def gateway_address(self) -> str:
         return self.processes["gateway"].address
+
+    @property
+    def gateway_addresses(self) -> list[str]:
+        """Every gateway replica's address, the first one's (``gateway_address``) first."""
+        return [p.address for n, p in self.processes.items() if n == "gateway" or n.startswith("gateway-")]
 
     @property
     def router_process(self) -> ServiceProcess:
@@ -110,9 +119,14 @@ class Mesh:
 
     @property
     def router_address(self) -> str:
-        if "router" not in self.processes:  # embedded in the gateway
-            return f"127.0.0.1:{self._router_port}"
-        return self.processes["router"].address
+        return self.router_addresses[0]
+
+    @property
+    def router_addresses(self) -> list[str]:
+        """Every router's internal address: the router process's, or each gateway's own (embedded)."""
+        if "router" not in self.processes:  # embedded in the gateways
+            return [f"127.0.0.1:{port}" for port in self._router_ports]
+        return [self.processes["router"].address]
 
     @property
     def http_base_url(self) -> str:
@@ -141,6 +155,7 @@ class Mesh:
         metrics = self.metrics_urls()
         return {
             "gateway": self.gateway_address,
+            "gateways": self.gateway_addresses,
             "router": self.router_address,
             "cache": self.cache_address,
             "redis": self.redis_url,
@@ -194,29 +209,38 @@ class Mesh:
                 "MESHSERVE_ROUTER_EDGE_MAX_PROMPT_TOKENS": cfg.edge_max_prompt_tokens,
             }
             gateway_env: dict[str, str | int] = {
-                "MESHSERVE_GATEWAY_PORT": cfg.gateway_port,
                 "MESHSERVE_GATEWAY_API_KEYS": f"dev:{api_key_hash(cfg.api_key)}",
                 "MESHSERVE_GATEWAY_REDIS_URL": self.redis_url,  # key store (`meshserve keys`) + rate limits
             }
-            if cfg.embed_router:  # first: the workers register with its router (on a port chosen here)
-                self._router_port = free_port()
-                router_env["MESHSERVE_ROUTER_PORT"] = self._router_port
-                settings = {**gateway_env, **router_env, "MESHSERVE_GATEWAY_EMBED_ROUTER": "true"}
-                gateway = self._service("gateway", "services.gateway", settings=settings)
-                await gateway.spawn()
-                await gateway.wait_started(timeout)
+            names = ["gateway", *(f"gateway-{i}" for i in range(1, cfg.gateways))]
+            ports = [cfg.gateway_port, *([0] * (cfg.gateways - 1))]
+            gateways: list[ServiceProcess] = []
+            if cfg.embed_router:  # first: the workers register with their routers (on ports chosen here)
+                for name, port in zip(names, ports, strict=True):
+                    self._router_ports.append(free_port())
+                    settings = {
+                        **gateway_env,
+                        **router_env,
+                        "MESHSERVE_GATEWAY_PORT": port,
+                        "MESHSERVE_ROUTER_PORT": self._router_ports[-1],
+                        "MESHSERVE_GATEWAY_EMBED_ROUTER": "true",
+                    }
+                    gateways.append(self._service(name, "services.gateway", settings=settings))
+                await asyncio.gather(*(g.spawn() for g in gateways))
+                await asyncio.gather(*(g.wait_started(timeout) for g in gateways))
             else:
                 router = self._service("router", "services.router", settings=router_env)
                 await router.spawn()  # first: the workers register with it (it serves once one has)
                 await router.wait_started(timeout)
             router_address = self.router_address
+            routers = ",".join(self.router_addresses)  # a worker heartbeats to every one
             workers = [
                 self._service(
                     f"edge-{i}",
                     "services.edge_worker",
                     MESHSERVE_EDGE_WORKER_WORKER_ID=f"edge-{i}",
                     MESHSERVE_EDGE_WORKER_THREADS=cfg.edge_threads,
-                    MESHSERVE_EDGE_WORKER_ROUTER_ADDRESS=router_address,
+                    MESHSERVE_EDGE_WORKER_ROUTER_ADDRESS=routers,
                 )
                 for i in range(cfg.edge_workers)
             ] + [
@@ -226,7 +250,7 @@ class Mesh:
                     launcher=torchrun_launcher(cfg.cloud_tp),
                     MESHSERVE_GPU_WORKER_WORKER_ID=f"cloud-{i}",
                     MESHSERVE_GPU_WORKER_THREADS=max(1, cfg.cloud_threads // cfg.cloud_tp),
-                    MESHSERVE_GPU_WORKER_ROUTER_ADDRESS=router_address,
+                    MESHSERVE_GPU_WORKER_ROUTER_ADDRESS=routers,
                     MESHSERVE_GPU_WORKER_REDIS_URL=self.redis_url,  # shared KV prefix cache
                     settings=tp_env(cfg.cloud_tp),
                 )
@@ -237,7 +261,7 @@ class Mesh:
             await asyncio.gather(*(w.wait_serving(timeout) for w in workers))
             if cfg.embed_router:  # SERVING once a worker has registered
                 try:
-                    await wait_for_health(router_address, timeout)
+                    await asyncio.gather(*(wait_for_health(r, timeout) for r in self.router_addresses))
                 except TimeoutError:
                     raise TimeoutError(
                         f"no worker registered with the gateway's router within {timeout:.0f} s; see their logs"
@@ -254,16 +278,21 @@ class Mesh:
             await cache.wait_started(timeout)
             await cache.wait_serving(timeout)
             if not cfg.embed_router:
-                settings = {**gateway_env, "MESHSERVE_GATEWAY_ROUTER_ADDRESS": router_address}
-                gateway = self._service("gateway", "services.gateway", settings=settings)
-                await gateway.spawn()
-                await gateway.wait_started(timeout)
-            await gateway.wait_serving(timeout)
+                for name, port in zip(names, ports, strict=True):
+                    settings = {
+                        **gateway_env,
+                        "MESHSERVE_GATEWAY_PORT": port,
+                        "MESHSERVE_GATEWAY_ROUTER_ADDRESS": router_address,
+                    }
+                    gateways.append(self._service(name, "services.gateway", settings=settings))
+                await asyncio.gather(*(g.spawn() for g in gateways))
+                await asyncio.gather(*(g.wait_started(timeout) for g in gateways))
+            await asyncio.gather(*(g.wait_serving(timeout) for g in gateways))
             if cfg.envoy:  # last: Envoy only takes traffic once everything behind it serves
                 from services.controlplane.frontdoor import FrontDoor
 
                 self.front_door = FrontDoor(
-                    [gateway.address],
+                    self.gateway_addresses,
                     self.sink,
                     http_port=cfg.http_port,
                     tls_cert=cfg.tls_cert,
@@ -278,22 +307,20 @@ class Mesh:
         return self
 
     async def stop(self) -> None:
-        """Stop in order: front door, gateway, cache, workers (in parallel; each finishes its streams
-        and tells the router it leaves), router, redis. With the router in the gateway's process the
-        gateway stops after the workers instead: its router must be there to hear them leave (new
-        requests meanwhile get UNAVAILABLE: no worker left), and their streams finish first."""
+        """Stop in order: front door, gateways, cache, workers (in parallel; each finishes its streams
+        and tells the router it leaves), router, redis. With the router in the gateways' processes
+        the gateways stop after the workers instead: their routers must be there to hear them leave
+        (new requests meanwhile get UNAVAILABLE: no worker left), and their streams finish first."""
         if self.front_door is not None:
             await self.front_door.stop()
             self.front_door = None
+        gateways = [n for n in self.processes if n == "gateway" or n.startswith("gateway-")]
         embedded = self.config.embed_router
-        order = [n for n in (("cache",) if embedded else ("gateway", "cache")) if n in self.processes]
-        for name in order:
-            await self.processes[name].stop()
-        last = ("router", "gateway") if embedded else ("router",)
-        await asyncio.gather(*(p.stop() for n, p in self.processes.items() if n not in (*order, *last)))
-        for name in last:
-            if name in self.processes:
-                await self.processes[name].stop()
+        first = ["cache"] if embedded else [*gateways, "cache"]
+        await asyncio.gather(*(self.processes[n].stop() for n in first if n in self.processes))
+        last = ["router", *gateways] if embedded else ["router"]
+        await asyncio.gather(*(p.stop() for n, p in self.processes.items() if n not in (*first, *last)))
+        await asyncio.gather(*(self.processes[n].stop() for n in last if n in self.processes))
         if self._redis is not None:
             await self._redis.stop()
             self._redis = None

@@ -21,11 +21,31 @@ START_FAILURES = (RuntimeError, TimeoutError, OSError, RedisError, grpc.RpcError
 """What :meth:`Mesh.start` raises when a child dies, is slow, or a tool (redis-server, Envoy) is missing."""
 
 
+MAX_GATEWAYS = 16
+
+
+def _gateway_replicas(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= count <= MAX_GATEWAYS:
+        raise argparse.ArgumentTypeError(f"{count} gateway replicas: give 1 to {MAX_GATEWAYS}")
+    return count
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshserve up", description="Start the local mesh as processes.")
     p.add_argument("--edge-workers", type=int, default=2, help="edge worker replicas (default 2)")
     p.add_argument("--cloud-workers", type=int, default=1, help="cloud worker replicas (default 1)")
     p.add_argument("--port", type=int, default=50051, help="gateway gRPC port (default 50051; 0 = any free port)")
+    p.add_argument(
+        "--gateways",
+        type=_gateway_replicas,
+        default=1,
+        help="gateway replicas behind Envoy (default 1; the first on --port, the others on free ports; "
+        "rate limits are shared through Redis)",
+    )
     p.add_argument(
         "--redis-url",
         default=os.environ.get("REDIS_URL", ""),
@@ -118,6 +138,7 @@ async def run_up(args: argparse.Namespace) -> int:
     config = MeshConfig(
         edge_workers=args.edge_workers,
         cloud_workers=args.cloud_workers,
+        gateways=args.gateways,
         gateway_port=args.port,
         redis_url=args.redis_url,
         api_key=api_key,
@@ -146,7 +167,12 @@ async def run_up(args: argparse.Namespace) -> int:
     try:
         print(
             f"\nmeshserve: mesh is up. gRPC gateway at {mesh.gateway_address} (API key: {api_key})\n"
-            f'  try: meshserve chat --address {mesh.gateway_address} "Tell me about the sea"\n'
+            + (
+                f"  gateway replicas: {', '.join(mesh.gateway_addresses)} (Envoy balances over them)\n"
+                if len(mesh.gateway_addresses) > 1
+                else ""
+            )
+            + f'  try: meshserve chat --address {mesh.gateway_address} "Tell me about the sea"\n'
             f"  cache admin: meshserve cache --address {mesh.cache_address} stats\n"
             "  API keys: meshserve keys create --tenant NAME (kept in this mesh's Redis)\n"
             f"  metrics: {mesh.metrics_endpoints()}\n"

@@ -1,4 +1,4 @@
-"""services/up.py: the log sink that keeps service lines out of the demo answer."""
+"""services/up.py: the log sink that keeps service lines out of the demo answer; `--gateways`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import io
 import pytest
 
 from services.processes import stdout_sink
-from services.up import HoldingSink
+from services.up import MAX_GATEWAYS, HoldingSink, _parser
 
 
 def test_lines_wait_until_the_demo_answer_is_written_then_come_in_order() -> None:
@@ -50,3 +50,17 @@ def test_lines_held_when_the_demo_fails_are_still_written() -> None:
         sink("gateway", "why it failed")
         raise RuntimeError("demo failed")
     assert lines == ["why it failed"]
+
+
+def test_gateways_defaults_to_one_and_takes_a_replica_count() -> None:
+    assert _parser().parse_args([]).gateways == 1
+    assert _parser().parse_args(["--gateways", "3"]).gateways == 3
+
+
+@pytest.mark.parametrize("value", ["0", "-1", str(MAX_GATEWAYS + 1), "two", "1.5"])
+def test_a_bad_gateway_count_exits_2_with_one_line(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        _parser().parse_args(["--gateways", value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--gateways" in err[-1] and "Traceback" not in "".join(err)

@@ -275,3 +275,29 @@ async def test_the_router_stops_after_the_workers_so_it_hears_them_leave() -> No
     for worker in ("edge-0", "edge-1", "cloud-0"):
         assert embedded.index("cache") < embedded.index(worker) < embedded.index("gateway")
     assert embedded[-1] == "redis"
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["embedded", "split"])
+async def test_gateway_replicas_share_the_workers_and_stand_behind_the_front_door(split: bool) -> None:
+    flags = ["--gateways", "3", *(["--split-router"] if split else [])]
+    mesh = await capture_up(flags)
+    names = ["gateway", "gateway-1", "gateway-2"]
+    envs = [mesh.children[n].env for n in names]
+    assert [env["MESHSERVE_GATEWAY_PORT"] for env in envs] == ["50051", "0", "0"]  # --port is the first one's
+    assert mesh.front_door is not None and mesh.front_door["gateways"] == [mesh.children[n].address for n in names]
+    worker_routers = mesh.children["edge-0"].env["MESHSERVE_EDGE_WORKER_ROUTER_ADDRESS"]
+    if split:  # one router process for every gateway
+        assert {env["MESHSERVE_GATEWAY_ROUTER_ADDRESS"] for env in envs} == {mesh.children["router"].address}
+        assert worker_routers == mesh.children["router"].address
+    else:  # a router in each gateway, each on a port of its own; every worker heartbeats to all
+        routers = [f"127.0.0.1:{env['MESHSERVE_ROUTER_PORT']}" for env in envs]
+        assert len(set(routers)) == 3 and worker_routers == ",".join(routers)
+        assert mesh.children["cloud-0"].env["MESHSERVE_GPU_WORKER_ROUTER_ADDRESS"] == worker_routers
+        for router in routers:  # the cache admin waits until every router has heard a worker
+            assert mesh.awaited_before_spawn(router, "cache") == "serving"
+    stops = mesh.stop_order()
+    for name in names:
+        if split:
+            assert stops.index(name) < stops.index("edge-0") < stops.index("router")
+        else:
+            assert stops.index("edge-0") < stops.index(name)

@@ -18,6 +18,7 @@ from unittest import mock
 
 import services.controlplane.frontdoor as frontdoor
 import services.mesh as mesh
+import services.processes as processes
 import services.up as up
 
 
@@ -99,6 +100,7 @@ async def capture_up(argv: list[str] | None = None) -> Captured:
             self.child = Child(name, list(argv), dict(env), next(ports))
             self.port: int = self.child.port
             self.metrics_port = None
+            self.proc = None  # no OS process: nothing to put under SCHED_BATCH
             captured.children[name] = self.child
 
         @property
@@ -136,7 +138,8 @@ async def capture_up(argv: list[str] | None = None) -> Captured:
     with (
         mock.patch.object(mesh, "wait_for_health", health),
         mock.patch.object(mesh, "ServiceProcess", RecordingProcess),
-        mock.patch.object(mesh, "wait_redis", mock.AsyncMock(side_effect=redis_ready)),
+        mock.patch.object(processes, "ServiceProcess", RecordingProcess),  # Redis (spawn_redis)
+        mock.patch.object(processes, "wait_redis", mock.AsyncMock(side_effect=redis_ready)),
         mock.patch.object(frontdoor, "FrontDoor", RecordingFrontDoor),
     ):
         running = real_mesh(captured.config, sink=lambda name, line: None)
