@@ -5,25 +5,23 @@
 tokens at once (:mod:`benchmarks.instant_worker`: the real worker runtime, no model time), the real
 router and the real gateway (API keys, rate limits in Redis, stream leases all on). Then:
 
-1. **Added latency.** The same greedy request (response cache bypassed) sent round-robin, request
-   by request, (a) straight to the worker over its internal API, (b) to the router, (c) to the
-   gateway with the static dev key, (d) to the gateway with a key from the Redis key store. TTFT
-   and total time, p50/p99 per path; *added* = path minus direct (p50 - p50, p99 - p99). The
+1. **Added latency.** The same greedy request (response cache bypassed) sent request by request,
+   each round in a new seeded order (no path always follows the one whose tail work overlaps it):
+   straight to the worker, to the router, to the gateway (static key, stored key, router embedded)...
+   TTFT and total time, p50/p99 per path; *added* = path minus direct (p50 - p50, p99 - p99). The
    per-frame relay cost is (added total - added TTFT) / (frames - 1), from the medians. Two chains
    of two bare relays (:mod:`benchmarks.bare_relay`) give the floor of two Python gRPC hops, one on
    grpc.aio (what the services use) and one on grpc's synchronous API (threads).
 2. **CPU per request.** The same paths again, in blocks of 10 requests per path taken in turn,
    reading every process's CPU time (all threads, ns, /proc schedstat) around each block: ms of CPU
-   per request in the client, the gateway, the router, the worker and Redis. CPU time is stretched
-   far less by other load on the machine than wall time is: the steadier number on a shared box.
+   per request in the client, the gateway, the router, the worker and Redis (steadier than wall time).
 3. **Exact cache hit.** A cached greedy request streamed through the router and through the
    gateway: TTFT (first token) p50/p99 (issue 4's target: p50 ≤ 3 ms over gRPC through the mesh).
 
 ``--before TREE`` (a checkout of earlier code, e.g. ``git worktree add /tmp/before <commit>``) also
 starts that tree's router and gateway beside the current ones, on the same worker and Redis, and
 interleaves their requests with the others: a before/after comparison under identical machine load.
-``--profile DIR`` runs the router and the gateway under cProfile and writes DIR/<service>.prof.
-Writes docs/benchmarks/hops.json and hops.md.
+``--profile DIR`` runs router and gateway under cProfile (DIR/<service>.prof). Writes hops.json/.md.
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ import asyncio
 import datetime as dt
 import os
 import platform
+import random
 import sys
 import tempfile
 import time
@@ -260,9 +259,11 @@ async def _latency(probes: dict[str, Probe], requests: int, warmup: int) -> dict
         for probe in probes.values():
             await probe()
     samples: dict[str, list[tuple[float, float, int]]] = {name: [] for name in probes}
+    order, rng = list(probes), random.Random(0)
     for _ in range(requests):
-        for name, probe in probes.items():
-            samples[name].append(await probe())
+        rng.shuffle(order)
+        for name in order:
+            samples[name].append(await probes[name]())
     return samples
 
 

@@ -22,7 +22,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "Real redis-server, real worker runtime (synthetic engine: tokens at once), real router and gateway",
         f"(API key check, rate-limit admission + stream lease in Redis), separate processes. Greedy requests of "
-        f"{report['max_tokens']} tokens, response cache bypassed, the paths interleaved request by request.",
+        f"{report['max_tokens']} tokens, response cache bypassed, the paths interleaved request by request "
+        "(each round in a new seeded order).",
         "",
         "## Latency (ms); added = path minus direct worker",
         "",
