@@ -110,7 +110,11 @@ class Mesh:
     @property
     def gateway_addresses(self) -> list[str]:
         """Every gateway replica's address, the first one's (``gateway_address``) first."""
-        return [p.address for n, p in self.processes.items() if n == "gateway" or n.startswith("gateway-")]
+        return [self.processes[n].address for n in self._gateway_names()]
+
+    def _gateway_names(self) -> list[str]:
+        """The gateway replicas' process names ("gateway", "gateway-1", ...), in start order."""
+        return [n for n in self.processes if n == "gateway" or n.startswith("gateway-")]
 
     @property
     def router_process(self) -> ServiceProcess:
@@ -314,7 +318,7 @@ class Mesh:
         if self.front_door is not None:
             await self.front_door.stop()
             self.front_door = None
-        gateways = [n for n in self.processes if n == "gateway" or n.startswith("gateway-")]
+        gateways = self._gateway_names()
         embedded = self.config.embed_router
         first = ["cache"] if embedded else [*gateways, "cache"]
         await asyncio.gather(*(self.processes[n].stop() for n in first if n in self.processes))
