@@ -46,8 +46,11 @@ def test_growth_within_the_limit_passes() -> None:
 
 
 def test_sampling_reads_rss_and_fds_of_child_processes() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    code = "import sys, time; print('up', flush=True); time.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
+        # sampled once Python runs, not mid-exec (an RSS of 0.2 MB then)
+        assert child.stdout is not None and child.stdout.readline() == "up\n"
         procs = service_processes({child.pid: "sleeper"})
         assert procs["sleeper"].pid == child.pid
         samples: Samples = {}
@@ -56,7 +59,7 @@ def test_sampling_reads_rss_and_fds_of_child_processes() -> None:
         assert samples["me/fds"][0][1] >= 3
     finally:
         child.kill()
-        child.wait()
+        child.communicate()
 
 
 def test_soak_markdown_states_the_verdict() -> None:
