@@ -12,6 +12,9 @@ router and the real gateway (API keys, rate limits in Redis, stream leases all o
    per-frame relay cost is (added total - added TTFT) / (frames - 1), from the medians. Two chains
    of two bare relays (:mod:`benchmarks.bare_relay`) give the floor of two Python gRPC hops, one on
    grpc.aio (what the services use) and one on grpc's synchronous API (threads).
+   Then **paired** (:mod:`benchmarks.hops_pairs`): each path alone against the direct call,
+   alternated request by request, so the hop's process is as warm as the worker (the round robin
+   leaves it idle seven requests in eight); issue 3's target is read from the paired numbers.
 2. **CPU per request.** The same paths again, in blocks of 10 requests per path taken in turn,
    reading every process's CPU time (all threads, ns, /proc schedstat) around each block: ms of CPU
    per request in the client, the gateway, the router, the worker and Redis (steadier than wall time).
@@ -35,7 +38,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +46,8 @@ from typing import Any
 import grpc
 import redis.asyncio as aioredis
 
+from benchmarks.hops_pairs import Probe, paired, summary
 from benchmarks.hops_report import markdown, write_report
-from benchmarks.stats import percentile
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
@@ -58,8 +61,6 @@ from services.processes import ServiceProcess, spawn_redis
 PROMPT = "Write a short poem about the sea and the ships that sail on it."
 __all__ = ["markdown", "run", "start_stack", "write_report"]
 INTERNAL = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN), ("x-meshserve-tenant", "bench"))
-Probe = Callable[[], Awaitable[tuple[float, float, int]]]
-"""One request: (TTFT s, total s, frames with tokens)."""
 
 
 @dataclass
@@ -286,29 +287,6 @@ async def _cpu(probes: dict[str, Probe], stack: Stack, requests: int, block: int
     return {path: {n: round(ns / done / 1e6, 3) for n, ns in row.items()} for path, row in spent.items()}
 
 
-def _summary(samples: list[tuple[float, float, int]], base: list[tuple[float, float, int]] | None) -> dict[str, float]:
-    ttft = [s[0] * 1000 for s in samples]
-    total = [s[1] * 1000 for s in samples]
-    row = {
-        "requests": len(samples),
-        "frames": samples[0][2] if samples else 0,
-        "ttft_p50_ms": round(percentile(ttft, 50), 3),
-        "ttft_p99_ms": round(percentile(ttft, 99), 3),
-        "total_p50_ms": round(percentile(total, 50), 3),
-        "total_p99_ms": round(percentile(total, 99), 3),
-    }
-    if base is not None:
-        b_ttft = [s[0] * 1000 for s in base]
-        b_total = [s[1] * 1000 for s in base]
-        row["added_ttft_p50_ms"] = round(row["ttft_p50_ms"] - percentile(b_ttft, 50), 3)
-        row["added_ttft_p99_ms"] = round(row["ttft_p99_ms"] - percentile(b_ttft, 99), 3)
-        row["added_total_p50_ms"] = round(row["total_p50_ms"] - percentile(b_total, 50), 3)
-        row["added_total_p99_ms"] = round(row["total_p99_ms"] - percentile(b_total, 99), 3)
-        frames = max(1, int(row["frames"]) - 1)
-        row["relay_us_per_frame"] = round((row["added_total_p50_ms"] - row["added_ttft_p50_ms"]) * 1000 / frames, 1)
-    return row
-
-
 async def run(
     requests: int = 400,
     cpu_requests: int = 300,
@@ -342,6 +320,7 @@ async def run(
         ids = Tokenizer(model_paths().hf_dir).encode(PROMPT)
         probes = _probes(stubs, ids, keystore_key, max_tokens, cached=False)
         latency = await _latency(probes, requests, warmup=30)
+        pairs = await paired(probes, "direct_worker", requests)
         cpu = await _cpu(probes, stack, cpu_requests)
         hit_probes = _probes(stubs, ids, keystore_key, max_tokens, cached=True)
         hits = await _latency(hit_probes, requests, warmup=10)
@@ -367,9 +346,10 @@ async def run(
         "redis_sched_batch": redis_batch,
         "before": str(before) if before else None,
         "max_tokens": max_tokens,
-        "latency": {name: _summary(s, None if name == "direct_worker" else base) for name, s in latency.items()},
+        "latency": {name: summary(s, None if name == "direct_worker" else base) for name, s in latency.items()},
+        "paired": pairs,
         "cpu_ms_per_request": cpu,
-        "cache_hit": {name: _summary(s, None) for name, s in hits.items()},
+        "cache_hit": {name: summary(s, None) for name, s in hits.items()},
         "cache_hit_cpu_ms_per_request": hit_cpu,
     }
 

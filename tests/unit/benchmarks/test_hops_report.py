@@ -44,3 +44,22 @@ def test_targets_pass_and_fail_by_layout() -> None:
     assert "best 1.70 ms (`gateway_embedded_router`)" in text
     report["latency"]["gateway_embedded_router"] = _row(3.2, 1.2, 2.0)
     assert "`gateway_embedded_router`: +1.20 ms p50, +2.00 ms p99: **PASS**" in markdown(report)
+
+
+def test_targets_read_the_paired_numbers_when_the_run_has_them() -> None:
+    report = {
+        "date": "2026-11-23T00:00:00+00:00",
+        "machine": {"cpus": 2, "python": "3.11"},
+        "command": "python -m benchmarks.hops",
+        "max_tokens": 16,
+        "latency": {"direct_worker": _row(1.5), "gateway_embedded_router": _row(3.1, 1.6, 2.0)},
+        "paired": {"gateway_embedded_router": _row(2.3, 0.9, 1.1) | {"base_ttft_p50_ms": 1.4}},
+        "cpu_ms_per_request": {},
+        "cache_hit": {"gateway_embedded_router": _row(1.7)},
+        "cache_hit_cpu_ms_per_request": {},
+    }
+    text = markdown(report)
+    assert "`gateway_embedded_router`: +0.90 ms p50, +1.10 ms p99 (round robin +1.60 / +2.00): **PASS**" in text
+    assert "| gateway_embedded_router | 1.40 | 2.30 | +0.90 | +1.10 | +0.90 | +1.10 |" in text
+    report["paired"]["gateway_embedded_router"]["added_ttft_p50_ms"] = 1.7
+    assert "+1.70 ms p50, +1.10 ms p99 (round robin +1.60 / +2.00): **FAIL**" in markdown(report)
