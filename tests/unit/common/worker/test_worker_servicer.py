@@ -344,8 +344,15 @@ def _numbered(sequences: list[int], at_most: int) -> bool:
     return 2 <= len(sequences) <= at_most and sequences == list(range(len(sequences)))
 
 
-async def _mux_stream(stub: worker_pb2_grpc.WorkerStub, *ups: worker_pb2.MuxUp) -> list[worker_pb2.MuxDown]:
-    """Send ``ups`` on one GenerateMux call (one message), then read stream 1's frames to its end."""
+async def _mux_stream(
+    stub: worker_pb2_grpc.WorkerStub, *requests: worker_pb2.WorkerRequest
+) -> list[worker_pb2.MuxDown]:
+    """On one GenerateMux call, in one message: stream 1 opened with ``requests[0]``, the rest behind
+    it, then its half-close. Returns stream 1's frames up to its end."""
+    opened = worker_pb2.MuxOpen(request_id="mux-1", tenant="acme")
+    ups = [worker_pb2.MuxUp(stream=1, open=opened, request=requests[0])]
+    ups += [worker_pb2.MuxUp(stream=1, request=r) for r in requests[1:]]
+    ups.append(worker_pb2.MuxUp(stream=1, half_close=True))
     call = stub.GenerateMux(metadata=META)
     await call.write(worker_pb2.MuxRequest(frames=ups))
     frames: list[worker_pb2.MuxDown] = []
@@ -359,30 +366,21 @@ async def _mux_stream(stub: worker_pb2_grpc.WorkerStub, *ups: worker_pb2.MuxUp) 
     return frames
 
 
+def _finals(frames: list[worker_pb2.MuxDown]) -> list[worker_pb2.WorkerFinal]:
+    return [f.response.final for f in frames if f.HasField("response") and f.response.HasField("final")]
+
+
 async def test_a_mux_stream_runs_its_opening_start_then_the_turns_behind_it(harness: Any) -> None:
     engine, stub = harness
-    opened = worker_pb2.MuxOpen(request_id="mux-1", tenant="acme")
-    frames = await _mux_stream(
-        stub,
-        worker_pb2.MuxUp(stream=1, open=opened, request=start_frame(PROMPT, max_tokens=3)),
-        worker_pb2.MuxUp(stream=1, request=start_frame(PROMPT, max_tokens=2)),
-        worker_pb2.MuxUp(stream=1, half_close=True),
-    )
+    frames = await _mux_stream(stub, start_frame(PROMPT, max_tokens=3), start_frame(PROMPT, max_tokens=2))
     assert frames[-1].end.code == 0
-    finals = [f.response.final for f in frames if f.HasField("response") and f.response.HasField("final")]
-    assert [f.completion_tokens for f in finals] == [3, 2]  # both turns, in order
+    assert [f.completion_tokens for f in _finals(frames)] == [3, 2]  # both turns, in order
     assert [prompt for prompt, _ in engine.started[-2:]] == [PROMPT, PROMPT]
 
 
 async def test_a_cancel_right_behind_a_mux_streams_opening_start_cancels_that_turn(harness: Any) -> None:
     _, stub = harness
-    opened = worker_pb2.MuxOpen(request_id="mux-2", tenant="acme")
-    frames = await _mux_stream(
-        stub,
-        worker_pb2.MuxUp(stream=1, open=opened, request=start_frame(PROMPT, max_tokens=60)),
-        worker_pb2.MuxUp(stream=1, request=CANCEL),
-        worker_pb2.MuxUp(stream=1, half_close=True),
-    )
-    final = next(f.response.final for f in frames if f.HasField("response") and f.response.HasField("final"))
+    frames = await _mux_stream(stub, start_frame(PROMPT, max_tokens=60), CANCEL)
+    (final,) = _finals(frames)
     assert final.finish_reason == pb.FINISH_REASON_CANCELLED
     assert final.completion_tokens < 60
