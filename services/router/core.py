@@ -100,9 +100,11 @@ class Router:
         collapse: bool = True,
         tenant_tiers: Mapping[str, Collection[str]] | None = None,
         worker_mux: bool = True,
+        worker_stream_transport: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self._mux = worker_mux
+        self._stream_transport = worker_stream_transport
         self.cache = cache
         self.registry = registry
         self.model_id = model_id
@@ -241,7 +243,13 @@ class Router:
                             ticket = await self._admit(req, picked.tier)
                         replica = self.select(req, picked.tier, exclude)
                         decision.set_attributes({"meshserve.tier": picked.tier.value, "meshserve.worker": replica.name})
-                    session.stream = WorkerStream(replica, outbound_metadata(self._token), req.timeout, mux=self._mux)
+                    session.stream = WorkerStream(
+                        replica,
+                        outbound_metadata(self._token),
+                        req.timeout,
+                        mux=self._mux,
+                        stream_transport=self._stream_transport,
+                    )
                     structlog.contextvars.bind_contextvars(worker=replica.name, tier=picked.tier.value)
                 elif ticket is None:
                     assert session.choice is not None

@@ -24,6 +24,8 @@ import structlog
 
 from services.common import metadata as md
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.common.serving import MAX_MESSAGE_BYTES
+from services.router.mux_tcp import StreamMuxCall
 
 log = structlog.get_logger(__name__)
 _STATUS = {code.value[0]: code for code in grpc.StatusCode}
@@ -118,8 +120,12 @@ class MuxChannel:
 
     def __init__(self, stub: worker_pb2_grpc.WorkerStub, internal_token: str) -> None:
         self._stub = stub
+        self._token = internal_token
         self._metadata = ((md.INTERNAL_TOKEN, internal_token),)
-        self._call: grpc.aio.StreamStreamCall | None = None
+        self._stream_address: tuple[str, int] | None = None
+        """The worker's stream transport (host, port), used instead of gRPC for the next call (mux_tcp.py)."""
+        self._refused: tuple[str, int] | None = None
+        self._call: grpc.aio.StreamStreamCall | StreamMuxCall | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._streams: dict[int, MuxStream] = {}
         self._next = 0
@@ -128,6 +134,11 @@ class MuxChannel:
         self._retiring = False
         self.unsupported = False
         """The worker answered UNIMPLEMENTED (it predates GenerateMux): use Generate calls instead."""
+
+    def offer_stream(self, address: tuple[str, int] | None) -> None:
+        """The worker's stream transport as it last announced it (None: none, or not to be used).
+        The next call goes there, unless that address has refused the router already."""
+        self._stream_address = address if address != self._refused else None
 
     def open(self, metadata: tuple[tuple[str, str], ...], timeout: float | None) -> MuxStream:
         """A new stream; ``metadata`` is what the Generate call would carry (request id, tenant, trace)."""
@@ -161,7 +172,11 @@ class MuxChannel:
             self._hang_up()
 
     def _connect(self) -> None:
-        call = self._stub.GenerateMux(metadata=self._metadata)
+        call: grpc.aio.StreamStreamCall | StreamMuxCall
+        if self._stream_address is not None:
+            call = StreamMuxCall(*self._stream_address, self._token, MAX_MESSAGE_BYTES)
+        else:
+            call = self._stub.GenerateMux(metadata=self._metadata)
         self._call = call
         self._tasks = [asyncio.ensure_future(self._write(call)), asyncio.ensure_future(self._read(call))]
 
@@ -169,7 +184,7 @@ class MuxChannel:
         if self._call is not None:
             self._call.cancel()
 
-    async def _write(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _write(self, call: grpc.aio.StreamStreamCall | StreamMuxCall) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             while True:
                 if not self._out:
@@ -179,7 +194,7 @@ class MuxChannel:
                 frames, self._out = self._out, []
                 await call.write(worker_pb2.MuxRequest(frames=frames))
 
-    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+    async def _read(self, call: grpc.aio.StreamStreamCall | StreamMuxCall) -> None:
         error = _error(grpc.StatusCode.UNAVAILABLE, "the worker ended its stream multiplex")
         try:
             async for message in call:
@@ -191,6 +206,9 @@ class MuxChannel:
                             self.forget(down.stream)
         except grpc.aio.AioRpcError as exc:
             error = exc
+            if isinstance(call, StreamMuxCall) and call.refused:  # gRPC's GenerateMux from now on
+                log.warning("worker_stream_transport_unusable", reason=exc.details())
+                self._refused, self._stream_address = call.address, None
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older worker: Generate calls from now on
                 self.unsupported = True
                 error = _error(grpc.StatusCode.UNAVAILABLE, "the worker does not serve GenerateMux; retry")

@@ -76,6 +76,7 @@ class WorkerReport:
     prompt_tokens_total: int = 0
     prefill_tokens_total: int = 0
     mux: bool = False  # the worker serves GenerateMux
+    stream_port: int = 0  # ... and its stream transport on this port (0: none)
     model_id: str = ""
 
     @classmethod
@@ -97,6 +98,7 @@ class WorkerReport:
             prompt_tokens_total=s.prompt_tokens_total,
             prefill_tokens_total=s.prefill_tokens_total,
             mux=s.generate_mux,
+            stream_port=s.stream_port,
         )
 
     @property

@@ -129,6 +129,7 @@ async def start_router_servicer(
         collapse=settings.collapse_requests,
         tenant_tiers=settings.tenant_tiers,
         worker_mux=settings.worker_mux,
+        worker_stream_transport=settings.worker_stream_transport,
     )
     servicer = RouterServicer(
         router,

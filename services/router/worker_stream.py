@@ -14,6 +14,7 @@ from services.common import metadata as md
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.router.mux import MuxChannel, MuxStream
+from services.router.mux_tcp import split_host
 from services.router.registry import Replica
 
 # Failures before the first token that another replica may not have: retried elsewhere.
@@ -52,14 +53,23 @@ class WorkerStream:
     starts/cancels, read frames. Lives for one request or chat."""
 
     def __init__(
-        self, replica: Replica, metadata: tuple[tuple[str, str], ...], timeout: float | None, *, mux: bool = True
+        self,
+        replica: Replica,
+        metadata: tuple[tuple[str, str], ...],
+        timeout: float | None,
+        *,
+        mux: bool = True,
+        stream_transport: bool = True,
     ) -> None:
         self.replica = replica
         self.call: grpc.aio.StreamStreamCall | MuxStream
         if mux and replica.report.mux and not (replica.mux is not None and replica.mux.unsupported):
             # a stream on the replica's long-lived GenerateMux call (services/router/mux.py)
+            port = replica.report.stream_port if stream_transport else 0
+            where = (split_host(replica.address), port) if port else None
             if replica.mux is None:
                 replica.mux = MuxChannel(replica.stub, dict(metadata).get(md.INTERNAL_TOKEN, ""))
+            replica.mux.offer_stream(where)  # the port last announced (a restarted worker has a new one)
             self.call = replica.mux.open(metadata, timeout)
         else:
             self.call = replica.stub.Generate(metadata=metadata, timeout=timeout)

@@ -23,9 +23,10 @@ from services.common import metrics
 from services.common.errors import ConfigError
 from services.common.logging import configure_logging
 from services.common.pb.meshserve.internal.v1 import worker_pb2
-from services.common.serving import RunningServer, start_server
+from services.common.serving import MAX_MESSAGE_BYTES, RunningServer, start_server
 from services.common.settings import load_settings
 from services.common.worker.heartbeat import Heartbeater
+from services.common.worker.mux_tcp import StreamMuxServer
 from services.common.worker.report import LoadReporter, PrefixHasher
 from services.common.worker.runner import Runner
 from services.common.worker.servicer import _TIERS, WorkerServicer
@@ -47,6 +48,8 @@ class RunningWorker:
     runner: Runner
     heartbeater: Heartbeater | None = None
     """Set when the worker registers itself with routers (``router_address``)."""
+    stream: StreamMuxServer | None = None
+    """The stream transport's listener (``stream_port`` not -1)."""
 
     @property
     def port(self) -> int:
@@ -57,6 +60,8 @@ class RunningWorker:
         if self.heartbeater is not None:  # before the drain, so routers stop sending new work at once
             await self.heartbeater.leave()
         self.servicer.mux_calls.drain()  # new multiplexed streams are refused, like new calls
+        if self.stream is not None:  # its streams drain alongside the gRPC calls (see start_worker)
+            self.stream.close(self.server.grace_s)
         await self.server.stop()
 
     async def serve_until_signal(self) -> None:
@@ -97,6 +102,22 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
     admission = runner.admission
     metrics.track_load(type(settings).service, tier, queued=lambda: admission.queued, active=lambda: admission.active)
 
+    stream = None
+    if settings.stream_port != -1:
+        stream = StreamMuxServer(servicer.Generate, servicer.mux_calls, settings.internal_token, MAX_MESSAGE_BYTES)  # type: ignore[arg-type]
+        try:
+            await stream.start(settings.host, settings.stream_port)
+        except OSError as exc:
+            await server.stop()
+            raise ConfigError(
+                f"cannot listen on {settings.host}:{settings.stream_port} for the stream transport "
+                f"({exc.strerror or exc}); set MESHSERVE_{type(settings).service.upper()}_STREAM_PORT to a free "
+                "port (0 picks one, -1 turns it off)"
+            ) from None
+        servicer.stream_port = stream.port
+        # Its streams finish within the grace the gRPC calls get (from RunningWorker.stop), then are
+        # cancelled; before the engine closes.
+        server.on_stop.append(stream.finish)
     server.on_stop.append(runner.aclose)
     sweeper = asyncio.create_task(runner.sweep_sessions_forever())
 
@@ -113,7 +134,14 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
         raise
     await server.set_serving(True)
     info = engine.info
-    log.info("worker_ready", worker_id=servicer.worker_id, tier=tier, model=info.model_id, port=server.port)
+    log.info(
+        "worker_ready",
+        worker_id=servicer.worker_id,
+        tier=tier,
+        model=info.model_id,
+        port=server.port,
+        stream_port=servicer.stream_port,
+    )
     heartbeater = None
     if settings.router_address:  # registered only once it serves: the router probes health at once
         heartbeater = Heartbeater(
@@ -128,7 +156,7 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
         )
         heartbeater.start()
         server.on_stop.append(heartbeater.close)
-    return RunningWorker(server, servicer, runner, heartbeater)
+    return RunningWorker(server, servicer, runner, heartbeater, stream)
 
 
 def run_worker_process(settings_cls: type[W], build_engine: Callable[[W], Engine], *, tier: str) -> None:

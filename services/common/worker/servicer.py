@@ -74,6 +74,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.default_max_tokens = default_max_tokens
         self.mux_calls = MuxCalls()
         """The GenerateMux calls being served (drained when the worker stops)."""
+        self.stream_port = 0
+        """Port of the worker's stream transport (services/common/worker/mux_tcp.py); 0: none."""
         self.reporter = reporter or LoadReporter(runner, PrefixHasher(runner.engine.info.model_id, "", 16))
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -111,6 +113,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_version=r.model_version,
             prompt_tokens_total=snap.prompt_tokens_total,
             generate_mux=True,
+            stream_port=self.stream_port,
         )
 
     async def ImportKV(
