@@ -174,11 +174,21 @@ class MuxChannel:
     def _connect(self) -> None:
         call: grpc.aio.StreamStreamCall | StreamMuxCall
         if self._stream_address is not None:
-            call = StreamMuxCall(*self._stream_address, self._token, MAX_MESSAGE_BYTES)
+            call = StreamMuxCall(
+                self._stream_address, self._token, MAX_MESSAGE_BYTES, self._grpc_call, self._stream_refused
+            )
         else:
-            call = self._stub.GenerateMux(metadata=self._metadata)
+            call = self._grpc_call()
         self._call = call
         self._tasks = [asyncio.ensure_future(self._write(call)), asyncio.ensure_future(self._read(call))]
+
+    def _grpc_call(self) -> grpc.aio.StreamStreamCall:
+        return self._stub.GenerateMux(metadata=self._metadata)
+
+    def _stream_refused(self, address: tuple[str, int]) -> None:
+        self._refused = address
+        if self._stream_address == address:
+            self._stream_address = None
 
     def _hang_up(self) -> None:
         if self._call is not None:
@@ -206,9 +216,6 @@ class MuxChannel:
                             self.forget(down.stream)
         except grpc.aio.AioRpcError as exc:
             error = exc
-            if isinstance(call, StreamMuxCall) and call.refused:  # gRPC's GenerateMux from now on
-                log.warning("worker_stream_transport_unusable", reason=exc.details())
-                self._refused, self._stream_address = call.address, None
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # an older worker: Generate calls from now on
                 self.unsupported = True
                 error = _error(grpc.StatusCode.UNAVAILABLE, "the worker does not serve GenerateMux; retry")

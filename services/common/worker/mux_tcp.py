@@ -36,6 +36,8 @@ class StreamMuxServer:
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.port = 0
+        self.connections = 0
+        """Connections accepted (whatever their hello) since the start."""
         self._deadline: float | None = None
 
     async def start(self, host: str, port: int) -> None:
@@ -45,6 +47,7 @@ class StreamMuxServer:
 
     def _connection(self) -> FrameProtocol:
         protocol = FrameProtocol(self._max_frame)
+        self.connections += 1
         task = asyncio.get_running_loop().create_task(self._serve(protocol))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -15,9 +15,10 @@ import grpc
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
-from services.common.serving import RunningServer, start_server
+from services.common.serving import MAX_MESSAGE_BYTES, RunningServer, start_server
 from services.common.settings import ServiceSettings
-from services.common.worker.mux import serve_mux
+from services.common.worker.mux import MuxCalls, serve_mux
+from services.common.worker.mux_tcp import StreamMuxServer
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
@@ -43,6 +44,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     kv_budget_bytes: int = 0
     stats_delay_s: float = 0.0  # Stats answers this late (a busy worker)
     weights: int = 0  # which model it runs: workers of other weights answer other deterministic tokens
+    stream: StreamMuxServer | None = None  # its stream transport (start_fake(stream=True))
+    stream_port: int = 0  # announced in Stats: the stream's port, or (tests) a port that does not serve it
 
     @property
     def address(self) -> str:
@@ -142,12 +145,19 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             kv_used_bytes=self.kv_used_bytes,
             kv_budget_bytes=self.kv_budget_bytes,
             generate_mux=type(self).GenerateMux is not worker_pb2_grpc.WorkerServicer.GenerateMux,
+            stream_port=self.stream_port,
         )
 
 
 async def start_fake(
-    worker_id: str, tier: int, token: str, cls: type[FakeWorker] | None = None, **kwargs: object
+    worker_id: str,
+    tier: int,
+    token: str,
+    cls: type[FakeWorker] | None = None,
+    stream: bool = False,
+    **kwargs: object,
 ) -> FakeWorker:
+    """A fake worker on a real gRPC server; ``stream`` also serves the stream transport, as real workers do."""
     fake = (cls or FakeWorker)(worker_id, tier, **kwargs)  # type: ignore[arg-type]
     fake.server = await start_server(
         ServiceSettings(port=0, internal_token=token, shutdown_grace_s=0),
@@ -155,4 +165,9 @@ async def start_fake(
         [WORKER_SERVICE],
         internal=True,
     )
+    if stream:
+        fake.stream = StreamMuxServer(fake.Generate, MuxCalls(), token, MAX_MESSAGE_BYTES)  # type: ignore[arg-type]
+        await fake.stream.start("127.0.0.1", 0)
+        fake.stream_port = fake.stream.port
+        fake.server.on_stop.append(fake.stream.finish)
     return fake

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -56,7 +57,17 @@ async def wait_serving(channel: grpc.aio.Channel) -> None:
 
 @pytest.fixture
 async def mesh(tokenizer: Tokenizer, redis_url: str) -> AsyncIterator[Mesh]:
-    edges = [await start_fake(f"edge-{i}", pb.TIER_EDGE, TOKEN) for i in range(2)]
+    async with open_mesh(tokenizer, redis_url) as opened:
+        yield opened
+
+
+@contextlib.asynccontextmanager
+async def open_mesh(
+    tokenizer: Tokenizer, redis_url: str, *, edge_stream: bool = False, **router_settings: object
+) -> AsyncIterator[Mesh]:
+    """A real router over two fake edge workers and one cloud; ``edge_stream``: the edges also serve
+    the stream transport (services/common/muxwire.py); ``router_settings`` override the router's."""
+    edges = [await start_fake(f"edge-{i}", pb.TIER_EDGE, TOKEN, stream=edge_stream) for i in range(2)]
     cloud = await start_fake("cloud-0", pb.TIER_CLOUD, TOKEN)
     settings = load_settings(
         RouterSettings,
@@ -70,6 +81,7 @@ async def mesh(tokenizer: Tokenizer, redis_url: str) -> AsyncIterator[Mesh]:
         eject_base_s=0.001,  # probes may re-admit a failed fake at once
         readmit_s=0,
         stall_timeout_s=1.0,
+        **router_settings,
     )
     server, router = await start_router(settings, tokenizer=tokenizer)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
