@@ -66,7 +66,11 @@ def markdown(report: dict[str, Any]) -> str:
 _PATHS = [
     ("direct_worker", "the client calls the worker's internal Generate itself (the baseline)"),
     ("bare_relay_x2 (floor)", "two relays that only copy messages (grpc.aio), in front of the worker"),
-    ("router", "the router process; its worker streams ride one GenerateMux call per worker"),
+    (
+        "router",
+        "the router process; its worker streams ride one GenerateMux call per worker, "
+        "over the worker's stream transport (plain TCP)",
+    ),
     ("router_call_per_request", "the same router with `worker_mux` off: a Worker.Generate call per request"),
     (
         "gateway_static_key",

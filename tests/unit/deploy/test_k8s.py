@@ -113,7 +113,7 @@ def test_every_setting_is_a_field_of_its_service(built: list[dict[str, Any]]) ->
 
 
 def _port(env: dict[str, str]) -> int | None:
-    ports = [int(v) for k, v in env.items() if re.fullmatch(r"MESHSERVE_[A-Z_]+(?<!METRICS)_PORT", k)]
+    ports = [int(v) for k, v in env.items() if re.fullmatch(r"MESHSERVE_[A-Z_]+(?<!METRICS)(?<!STREAM)_PORT", k)]
     return ports[0] if len(ports) == 1 else None
 
 
@@ -130,6 +130,9 @@ def test_probes_ask_grpc_health_on_the_serving_port(built: list[dict[str, Any]])
             assert env.get(next(iter(k for k in env if k.endswith("_HOST")), ""), "0.0.0.0") == "0.0.0.0"
             if parsed.subcommand == "serve" and parsed.args.service.endswith("worker"):
                 assert container["startupProbe"]["grpc"]["port"] == port  # model load before liveness
+                stream = next(int(v) for k, v in env.items() if k.endswith("_WORKER_STREAM_PORT"))
+                declared = {p["name"]: p["containerPort"] for p in container["ports"]}
+                assert declared["stream"] == stream != port  # the router's request streams (docs/router.md)
 
 
 def test_drain_fits_in_the_termination_grace_period(built: list[dict[str, Any]]) -> None:
