@@ -103,8 +103,7 @@ class Router:
         worker_stream_transport: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
-        self._mux = worker_mux
-        self._stream_transport = worker_stream_transport
+        self._transport = {"mux": worker_mux, "stream_transport": worker_stream_transport}  # WorkerStream's
         self.cache = cache
         self.registry = registry
         self.model_id = model_id
@@ -243,13 +242,8 @@ class Router:
                             ticket = await self._admit(req, picked.tier)
                         replica = self.select(req, picked.tier, exclude)
                         decision.set_attributes({"meshserve.tier": picked.tier.value, "meshserve.worker": replica.name})
-                    session.stream = WorkerStream(
-                        replica,
-                        outbound_metadata(self._token),
-                        req.timeout,
-                        mux=self._mux,
-                        stream_transport=self._stream_transport,
-                    )
+                    metadata = outbound_metadata(self._token)
+                    session.stream = WorkerStream(replica, metadata, req.timeout, **self._transport)
                     structlog.contextvars.bind_contextvars(worker=replica.name, tier=picked.tier.value)
                 elif ticket is None:
                     assert session.choice is not None

@@ -240,11 +240,9 @@ class Registry:
             replica.hot_blocks = frozenset(report.hot_blocks)
             if self._on_report is not None:
                 self._on_report(replica)
-        elif not report.hot_blocks:
-            replica.hot_blocks = frozenset()
         else:
             replica.hot_blocks = frozenset()
-            if replica.address not in self._mismatch_warned:
+            if report.hot_blocks and replica.address not in self._mismatch_warned:
                 self._mismatch_warned.add(replica.address)
                 log.warning(
                     "worker_prefix_blocks_ignored",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -92,6 +92,24 @@ async def open_mesh(
     for w in [*edges, cloud]:
         assert w.server is not None
         await w.server.stop()
+
+
+async def kill_mid_stream(
+    mesh: Mesh, kill: Callable[[FakeWorker], Awaitable[None]], routing: pb.RoutingOptions
+) -> tuple[list[pb.GenerateResponse], FakeWorker]:
+    """A 30-token request whose worker ``kill`` takes away after 3 tokens: every frame, and that worker."""
+    for worker in mesh.all():
+        worker.token_delay_s = 0.02
+    call = mesh.stub.Generate(request("resume me", max_tokens=30, routing=routing), metadata=META)
+    frames = []
+    async for frame in call:
+        frames.append(frame)
+        if len([f for f in frames if f.token_ids]) == 3:
+            break
+    serving = next(w for w in mesh.all() if w.starts)
+    await kill(serving)
+    frames += [f async for f in call]
+    return frames, serving
 
 
 def request(prompt: str = "Hello there", max_tokens: int = 4, **kw: object) -> pb.GenerateRequest:

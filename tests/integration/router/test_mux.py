@@ -15,7 +15,16 @@ from services.common.tokenizer import Tokenizer
 from services.router.config import RouterSettings
 from services.router.server import start_router
 from tests.integration.router.fake_worker import FakeWorker, start_fake
-from tests.integration.router.harness import META, TOKEN, Mesh, final, generate, request, wait_serving
+from tests.integration.router.harness import (
+    META,
+    TOKEN,
+    Mesh,
+    final,
+    generate,
+    kill_mid_stream,
+    request,
+    wait_serving,
+)
 
 EDGE = pb.RoutingOptions(tier=pb.TIER_EDGE, cache_policy=pb.CACHE_POLICY_BYPASS)
 
@@ -39,18 +48,11 @@ async def test_a_broken_call_fails_only_its_streams_and_the_next_request_reconne
 
 
 async def test_worker_death_mid_stream_resumes_elsewhere(mesh: Mesh) -> None:
-    for edge in mesh.edges:
-        edge.token_delay_s = 0.02
-    call = mesh.stub.Generate(request("resume me", max_tokens=30, routing=EDGE), metadata=META)
-    frames = []
-    async for frame in call:
-        frames.append(frame)
-        if len([f for f in frames if f.token_ids]) == 3:
-            break
-    serving = next(e for e in mesh.edges if e.starts)
-    assert serving.server is not None
-    await serving.server.server.stop(0)  # the whole worker goes away: its GenerateMux call breaks
-    frames += [f async for f in call]
+    async def kill(worker: FakeWorker) -> None:
+        assert worker.server is not None
+        await worker.server.server.stop(0)  # the whole worker goes away: its GenerateMux call breaks
+
+    frames, serving = await kill_mid_stream(mesh, kill, EDGE)
     tokens = [t for f in frames for t in f.token_ids]
     assert len(tokens) == 30
     fin = final(frames)

@@ -15,7 +15,8 @@ from services.common.tokenizer import Tokenizer
 from services.common.worker.mux import MuxCalls
 from services.common.worker.mux_tcp import StreamMuxServer
 from tests.helpers import free_port
-from tests.integration.router.harness import META, Mesh, final, generate, open_mesh, request
+from tests.integration.router.fake_worker import FakeWorker
+from tests.integration.router.harness import META, Mesh, final, generate, kill_mid_stream, open_mesh, request
 
 EDGE = pb.RoutingOptions(tier=pb.TIER_EDGE, cache_policy=pb.CACHE_POLICY_BYPASS)
 
@@ -52,20 +53,13 @@ async def test_cancelling_a_request_cancels_its_stream_on_the_worker(tcp_mesh: M
 
 
 async def test_worker_death_mid_stream_resumes_elsewhere(tcp_mesh: Mesh) -> None:
-    for edge in tcp_mesh.edges:
-        edge.token_delay_s = 0.02
-    call = tcp_mesh.stub.Generate(request("resume me", max_tokens=30, routing=EDGE), metadata=META)
-    frames = []
-    async for frame in call:
-        frames.append(frame)
-        if len([f for f in frames if f.token_ids]) == 3:
-            break
-    serving = next(e for e in tcp_mesh.edges if e.starts)
-    assert serving.server is not None and serving.stream is not None
-    await serving.server.server.stop(0)
-    serving.stream.close(0.0)
-    await serving.stream.finish()  # its connection ends mid-stream, as when the process dies
-    frames += [f async for f in call]
+    async def kill(worker: FakeWorker) -> None:
+        assert worker.server is not None and worker.stream is not None
+        await worker.server.server.stop(0)
+        worker.stream.close(0.0)
+        await worker.stream.finish()  # its connection ends mid-stream, as when the process dies
+
+    frames, serving = await kill_mid_stream(tcp_mesh, kill, EDGE)
     tokens = [t for f in frames for t in f.token_ids]
     assert len(tokens) == 30
     assert final(frames).route.worker_id != serving.worker_id  # finished by the other edge worker
