@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol, TypeVar
+
+from google.protobuf.message import DecodeError
 
 MAGIC = b"meshserve-mux/1\n"
 """Starts the client's hello frame (then the internal token, UTF-8)."""
@@ -142,6 +145,26 @@ class FrameProtocol(asyncio.Protocol):
             self.transport.close()
         elif self.transport is None:
             self.connection_lost(None)
+
+
+class _Parsed(Protocol):
+    @classmethod
+    def FromString(cls, data: bytes) -> _Parsed: ...
+
+
+M = TypeVar("M", bound=_Parsed)
+
+
+async def messages(protocol: FrameProtocol, kind: type[M]) -> AsyncIterator[M]:
+    """The frames of ``protocol`` parsed as ``kind`` until the connection ends; a frame that does not
+    parse ends the connection (:class:`WireError` in ``protocol.error``) and the iteration."""
+    while (payload := await protocol.read()) is not None:
+        try:
+            message = kind.FromString(payload)
+        except DecodeError:
+            protocol.fail(WireError(f"a frame that is not a {kind.__name__}"))
+            return
+        yield message  # type: ignore[misc]
 
 
 def _wake(future: asyncio.Future[None] | None) -> None:

@@ -16,9 +16,8 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 import structlog
-from google.protobuf.message import DecodeError
 
-from services.common.muxwire import HELLO_TIMEOUT_S, MAGIC, FrameProtocol, WireError
+from services.common.muxwire import HELLO_TIMEOUT_S, MAGIC, FrameProtocol, messages
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 
 log = structlog.get_logger(__name__)
@@ -112,12 +111,8 @@ class StreamMuxCall:
                     yield message
                 return
             raise _cancelled()
-        while (payload := await protocol.read()) is not None:
-            try:
-                yield worker_pb2.MuxResponse.FromString(payload)
-            except DecodeError:
-                protocol.fail(WireError("a frame that is not a MuxResponse"))
-                break
+        async for message in messages(protocol, worker_pb2.MuxResponse):
+            yield message
         if self._cancelled:
             raise _cancelled()
         if protocol.error is not None:

@@ -13,12 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-from collections.abc import AsyncIterator
 
 import structlog
-from google.protobuf.message import DecodeError
 
-from services.common.muxwire import HELLO_TIMEOUT_S, MAGIC, FrameProtocol, WireError
+from services.common.muxwire import HELLO_TIMEOUT_S, MAGIC, FrameProtocol, WireError, messages
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.worker.mux import Generate, MuxCalls, serve_mux
 
@@ -69,7 +67,8 @@ class StreamMuxServer:
                 protocol.write(b"missing or wrong internal credential: only mesh services may call a worker")
                 return
             protocol.write(b"")
-            async for message in serve_mux(self._generate, self._requests(protocol), calls=self._calls):
+            requests = messages(protocol, worker_pb2.MuxRequest)
+            async for message in serve_mux(self._generate, requests, calls=self._calls):
                 protocol.write(message.SerializeToString())
                 await protocol.drain()
         except TimeoutError:
@@ -80,15 +79,6 @@ class StreamMuxServer:
             protocol.close()
             if protocol.error is not None and not isinstance(protocol.error, ConnectionError):
                 log.info("stream_mux_connection_failed", error=str(protocol.error))
-
-    @staticmethod
-    async def _requests(protocol: FrameProtocol) -> AsyncIterator[worker_pb2.MuxRequest]:
-        while (payload := await protocol.read()) is not None:
-            try:
-                yield worker_pb2.MuxRequest.FromString(payload)
-            except DecodeError:
-                protocol.fail(WireError("a frame that is not a MuxRequest"))
-                return
 
     def close(self, grace_s: float = 0.0) -> None:
         """Accept no more connections; those open may run ``grace_s`` more (a drain ends each once

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from services.common.muxwire import FrameProtocol, WireError
+from services.common.muxwire import FrameProtocol, WireError, messages
+from services.common.pb.meshserve.internal.v1 import worker_pb2
 
 
 class Transport(asyncio.Transport):
@@ -93,3 +94,13 @@ async def test_drain_waits_while_paused_until_resumed() -> None:
     assert not drain.done()
     protocol.resume_writing()
     await asyncio.wait_for(drain, 1)
+
+
+async def test_messages_parse_frames_and_a_frame_that_does_not_parse_ends_the_connection() -> None:
+    protocol, transport = _connected(max_frame=1024)
+    good = worker_pb2.MuxRequest(frames=[worker_pb2.MuxUp(stream=7, half_close=True)]).SerializeToString()
+    protocol.data_received(_frame(good) + _frame(b"\xff\xff not a message"))
+    parsed = [m async for m in messages(protocol, worker_pb2.MuxRequest)]
+    assert [m.frames[0].stream for m in parsed] == [7]
+    assert transport.is_closing()
+    assert str(protocol.error) == "a frame that is not a MuxRequest"
