@@ -22,6 +22,7 @@ from tests.integration.router.harness import (
     final,
     generate,
     kill_mid_stream,
+    open_mesh,
     request,
     wait_serving,
 )
@@ -29,12 +30,15 @@ from tests.integration.router.harness import (
 EDGE = pb.RoutingOptions(tier=pb.TIER_EDGE, cache_policy=pb.CACHE_POLICY_BYPASS)
 
 
-async def test_concurrent_requests_share_one_call_per_worker(mesh: Mesh) -> None:
-    prompts = [f"Question number {i}?" for i in range(12)]
-    results = await asyncio.gather(*(generate(mesh, request(p, max_tokens=5, routing=EDGE)) for p in prompts))
-    assert all(final(frames).usage.completion_tokens == 5 for frames in results)
-    assert sum(len(e.starts) for e in mesh.edges) == 12
-    assert [e.mux_calls for e in mesh.edges] == [1, 1]  # every stream rode the worker's one call
+async def test_concurrent_requests_share_one_call_per_worker(tokenizer: Tokenizer, redis_url: str) -> None:
+    # 6 slots per edge: all 12 fit on the edges at once (the default 4 would spill the rest to the
+    # cloud whenever all 12 are in flight together, as on a slow machine)
+    async with open_mesh(tokenizer, redis_url, replica_slots=6) as mesh:
+        prompts = [f"Question number {i}?" for i in range(12)]
+        results = await asyncio.gather(*(generate(mesh, request(p, max_tokens=5, routing=EDGE)) for p in prompts))
+        assert all(final(frames).usage.completion_tokens == 5 for frames in results)
+        assert sum(len(e.starts) for e in mesh.edges) == 12
+        assert [e.mux_calls for e in mesh.edges] == [1, 1]  # every stream rode the worker's one call
 
 
 async def test_a_broken_call_fails_only_its_streams_and_the_next_request_reconnects(mesh: Mesh) -> None:

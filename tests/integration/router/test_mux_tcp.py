@@ -23,7 +23,8 @@ EDGE = pb.RoutingOptions(tier=pb.TIER_EDGE, cache_policy=pb.CACHE_POLICY_BYPASS)
 
 @pytest.fixture
 async def tcp_mesh(tokenizer: Tokenizer, redis_url: str) -> AsyncIterator[Mesh]:
-    async with open_mesh(tokenizer, redis_url, edge_stream=True) as mesh:
+    # 6 slots per edge: 12 concurrent requests fit on the edges (the default 4 spills to the cloud)
+    async with open_mesh(tokenizer, redis_url, edge_stream=True, replica_slots=6) as mesh:
         yield mesh
 
 
