@@ -44,12 +44,12 @@ def test_the_schema_catches_mistakes() -> None:
     """The validation is real: typical slips are reported."""
     doc = compose_model.load()
     broken = copy.deepcopy(doc)
-    broken["services"]["router"]["healthcheck"]["interval"] = "5 seconds"
-    broken["services"]["gateway"]["depends_on"]["router"]["condition"] = "service_ready"
+    broken["services"]["gateway"]["healthcheck"]["interval"] = "5 seconds"
+    broken["services"]["cache"]["depends_on"]["gateway"]["condition"] = "service_ready"
     broken["services"]["cache"]["enviroment"] = {"A": "1"}
     errors = _errors(broken)
-    assert any(e.startswith("services/router/healthcheck/interval") for e in errors), errors
-    assert any(e.startswith("services/gateway/depends_on") for e in errors), errors
+    assert any(e.startswith("services/gateway/healthcheck/interval") for e in errors), errors
+    assert any(e.startswith("services/cache/depends_on") for e in errors), errors
     assert any("enviroment" in e for e in errors), errors
 
 
@@ -65,7 +65,7 @@ def test_every_container_command_is_a_meshserve_entry_point() -> None:
         checked += 1
         if "healthcheck" in service:
             assert commands.parse(service["healthcheck"]["test"][1:]).subcommand == "health", name
-    assert checked >= 8
+    assert checked == 7  # models, edge-0, edge-1, cloud-0, gateway (router inside), cache, envoy
 
 
 def test_the_gpu_override_reserves_one_gpu_per_tp_rank() -> None:
@@ -99,7 +99,7 @@ def test_models_volume_is_prepared_before_any_model_reader_starts() -> None:
     assert (prepare.subcommand, prepare.args.models_command) == ("models", "prepare")
     assert "models:/models" in services["models"]["volumes"]
     assert doc["volumes"] == {"models": None}
-    for name in ("edge-0", "edge-1", "cloud-0"):
+    for name in ("edge-0", "edge-1", "cloud-0", "gateway"):  # the gateway's router reads the tokenizer
         assert services[name]["depends_on"]["models"] == {"condition": "service_completed_successfully"}
         assert "models:/models:ro" in services[name]["volumes"]
 

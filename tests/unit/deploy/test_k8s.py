@@ -84,8 +84,9 @@ def test_the_schema_validation_catches_mistakes(built: list[dict[str, Any]]) -> 
 
 
 def test_deployments_and_the_tp_statefulset(built: list[dict[str, Any]]) -> None:
-    for name in ("gateway", "router", "cache", "edge-worker", "frontdoor"):
+    for name in ("gateway", "cache", "edge-worker", "frontdoor"):
         _find(built, "Deployment", name)
+    assert not [r for r in built if r["metadata"]["name"] == "router"]  # it runs inside the gateways
     tp = _find(built, "StatefulSet", "gpu-worker")
     service = _find(built, "Service", tp["spec"]["serviceName"])
     assert service["spec"]["clusterIP"] == "None"  # headless: stable per-group DNS
@@ -102,7 +103,7 @@ def test_every_command_is_a_meshserve_entry_point(built: list[dict[str, Any]]) -
             parsed = commands.parse([_expand(a, env) for a in container["command"]])
             if parsed.subcommand == "serve":
                 served.add(parsed.args.service)
-    assert served == {"gateway", "router", "cache", "edge-worker", "gpu-worker"}
+    assert served == {"gateway", "cache", "edge-worker", "gpu-worker"}
 
 
 def test_every_setting_is_a_field_of_its_service(built: list[dict[str, Any]]) -> None:
@@ -112,8 +113,18 @@ def test_every_setting_is_a_field_of_its_service(built: list[dict[str, Any]]) ->
                 settings_check.check(key, workload["metadata"]["name"])
 
 
+def _embeds_router(env: dict[str, str]) -> bool:
+    return env.get("MESHSERVE_GATEWAY_EMBED_ROUTER") == "true"
+
+
 def _port(env: dict[str, str]) -> int | None:
-    ports = [int(v) for k, v in env.items() if re.fullmatch(r"MESHSERVE_[A-Z_]+(?<!METRICS)(?<!STREAM)_PORT", k)]
+    """The port a container serves its callers on (a gateway's, not the internal port of its router)."""
+    ports = [
+        int(v)
+        for k, v in env.items()
+        if re.fullmatch(r"MESHSERVE_[A-Z_]+(?<!METRICS)(?<!STREAM)_PORT", k)
+        and not (_embeds_router(env) and k.startswith("MESHSERVE_ROUTER_"))
+    ]
     return ports[0] if len(ports) == 1 else None
 
 
@@ -175,7 +186,7 @@ def test_selectors_match_pods(built: list[dict[str, Any]]) -> None:
         for r in built
         if r["kind"] == "PodDisruptionBudget"
     }
-    assert covered >= {"gateway", "router", "edge-worker", "gpu-worker", "frontdoor"}
+    assert covered >= {"gateway", "edge-worker", "gpu-worker", "frontdoor"}
 
 
 def test_referenced_configmaps_and_secrets_exist(built: list[dict[str, Any]]) -> None:
@@ -251,35 +262,65 @@ def test_the_builder_refuses_what_it_does_not_implement(tmp_path: Path) -> None:
         kustomize.build(tmp_path)
 
 
-def test_workers_reach_the_router_before_it_is_ready(built: list[dict[str, Any]]) -> None:
-    """The router turns ready only once a worker registered, so heartbeats go to a Service that
-    lists not-ready routers too; gateways use the one that lists only ready routers."""
-    router_pods = _find(built, "Deployment", "router")["spec"]["template"]["metadata"]["labels"]
+def _gateway_container(built: list[dict[str, Any]]) -> dict[str, Any]:
+    (gateway,) = _find(built, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"]
+    return gateway
 
-    def service_of(address: str) -> dict[str, Any]:
-        host, _, port = address.rpartition(":")
-        service = _find(built, "Service", host)
-        assert all(router_pods.get(k) == v for k, v in service["spec"]["selector"].items())
-        assert int(port) in {p["port"] for p in service["spec"]["ports"]}
-        return service
 
+def _service_of_router(built: list[dict[str, Any]], address: str) -> dict[str, Any]:
+    """The Service an address names; it must select the gateway pods and map the routers' port."""
+    gateway_pods = _find(built, "Deployment", "gateway")["spec"]["template"]["metadata"]["labels"]
+    router_port = int(_container_env(built, _gateway_container(built))["MESHSERVE_ROUTER_PORT"])
+    host, _, port = address.rpartition(":")
+    service = _find(built, "Service", host)
+    assert all(gateway_pods.get(k) == v for k, v in service["spec"]["selector"].items()), address
+    assert int(port) == router_port, address
+    (mapped,) = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
+    assert mapped["targetPort"] == router_port  # headless: the DNS answer is a pod IP, called on this port
+    return service
+
+
+def test_the_router_runs_inside_every_gateway_pod(built: list[dict[str, Any]]) -> None:
+    gateway = _gateway_container(built)
+    env = _container_env(built, gateway)
+    assert _embeds_router(env)
+    assert "MESHSERVE_GATEWAY_ROUTER_ADDRESS" not in env  # no router Deployment to call
+    declared = {p["containerPort"] for p in gateway["ports"]}
+    assert {int(env["MESHSERVE_GATEWAY_PORT"]), int(env["MESHSERVE_ROUTER_PORT"])} <= declared
+    assert "MESHSERVE_ROUTER_METRICS_PORT" not in env  # one process, one /metrics port (the gateway's)
+    # Its health follows its workers (SERVING while one is healthy): ready = can route; liveness must
+    # not restart it for their outage.
+    assert gateway["readinessProbe"]["grpc"]["port"] == _port(env)
+    assert gateway["livenessProbe"]["tcpSocket"]["port"] == _port(env)
+    # The router tokenizes: the pod prepares the models like the workers do.
+    init = _find(built, "Deployment", "gateway")["spec"]["template"]["spec"]["initContainers"]
+    prepare = commands.parse(init[0]["command"])
+    assert (prepare.subcommand, prepare.args.models_command) == ("models", "prepare")
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in gateway["volumeMounts"]
+
+
+def test_workers_reach_the_routers_before_the_gateways_are_ready(built: list[dict[str, Any]]) -> None:
+    """A gateway turns ready only once a worker registered with its router, so heartbeats go to a
+    Service that lists not-ready gateway pods too; the cache admin service (Cache.Warm) uses the one
+    that lists only ready pods."""
     for workload in ("edge-worker", "gpu-worker"):
         kind = "StatefulSet" if workload == "gpu-worker" else "Deployment"
         (container,) = _find(built, kind, workload)["spec"]["template"]["spec"]["containers"]
         env = _container_env(built, container)
         (address,) = [v for k, v in env.items() if k.endswith("_WORKER_ROUTER_ADDRESS")]
-        assert service_of(address)["spec"].get("publishNotReadyAddresses") is True
+        assert _service_of_router(built, address)["spec"].get("publishNotReadyAddresses") is True
         (advertised,) = [v for k, v in env.items() if k.endswith("_ADVERTISE_ADDRESS")]
         assert "status.podIP" in advertised and advertised.endswith(f":{_port(env)}")
-    (gateway,) = _find(built, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"]
-    address = _container_env(built, gateway)["MESHSERVE_GATEWAY_ROUTER_ADDRESS"]
-    assert not service_of(address)["spec"].get("publishNotReadyAddresses")
+    (cache,) = _find(built, "Deployment", "cache")["spec"]["template"]["spec"]["containers"]
+    address = _container_env(built, cache)["MESHSERVE_CACHE_ROUTER_ADDRESS"]
+    assert not _service_of_router(built, address)["spec"].get("publishNotReadyAddresses")
 
 
-def test_every_worker_registers_with_every_router_replica(built: list[dict[str, Any]]) -> None:
-    """Several routers: workers resolve the headless registry Service (all router pods, by DNS) each
-    heartbeat round and heartbeat every address, so no router sees only part of the workers."""
-    assert _find(built, "Deployment", "router")["spec"]["replicas"] >= 2
+def test_every_worker_registers_with_every_gateway_replica(built: list[dict[str, Any]]) -> None:
+    """Several gateways, each with its router: workers resolve the headless registry Service (all
+    gateway pods, by DNS) each heartbeat round and heartbeat every address, so no router sees only
+    part of the workers."""
+    assert _find(built, "Deployment", "gateway")["spec"]["replicas"] >= 2
     for workload in ("edge-worker", "gpu-worker"):
         kind = "StatefulSet" if workload == "gpu-worker" else "Deployment"
         (container,) = _find(built, kind, workload)["spec"]["template"]["spec"]["containers"]
@@ -287,17 +328,11 @@ def test_every_worker_registers_with_every_router_replica(built: list[dict[str, 
         (resolve,) = [v for k, v in env.items() if k.endswith("_WORKER_ROUTER_RESOLVE")]
         assert resolve == "true"
         (address,) = [v for k, v in env.items() if k.endswith("_WORKER_ROUTER_ADDRESS")]
-        host, _, port = address.rpartition(":")
-        service = _find(built, "Service", host)
-        assert service["spec"]["clusterIP"] == "None"  # headless: DNS answers with every router pod
-        # A headless Service does not map ports: the DNS answer is a pod IP, called on this port.
-        (mapped,) = [p for p in service["spec"]["ports"] if p["port"] == int(port)]
-        assert mapped["targetPort"] == int(port)
+        assert _service_of_router(built, address)["spec"]["clusterIP"] == "None"  # DNS lists every pod
 
 
 K8S_OF_COMPOSE = {
-    "gateway": "gateway",
-    "router": "router",
+    "gateway": "gateway",  # with its router (router-config)
     "cache": "cache",
     "edge-0": "edge-worker",
     "cloud-0": "gpu-worker",

@@ -1,12 +1,13 @@
-"""deploy/compose.yaml declares what ``meshserve up --split-router`` starts: the same services, commands and
-environment. (Compose keeps the router as its own service, one router for every gateway replica; ``meshserve
-up`` runs it inside the gateway by default, tested at the end of this module.)
+"""deploy/compose.yaml declares what plain ``meshserve up`` starts: the same services, commands and
+environment, the router inside the gateway's process (``--split-router``'s own router process is tested
+at the end of this module).
 
 The launcher's side is recorded from its real code (:mod:`tests.unit.deploy.up_capture`); the compose
 side is the file as docker compose reads it. Loopback ``127.0.0.1:<port>`` addresses in the
 launcher's environment are translated to ``<service>:<container port>`` before comparing, so
 ``MESHSERVE_ROUTER_EDGE_WORKERS=127.0.0.1:41001,127.0.0.1:41002`` must appear in compose as
-``edge-0:50061,edge-1:50061``. Differences that containers need are listed in ``CONTAINER_ONLY`` and
+``edge-0:50061,edge-1:50061``; the gateway's embedded router port becomes ``gateway:<its ROUTER_PORT>``.
+Differences that containers need are listed in ``CONTAINER_ONLY`` and ``REPLICATED_ROUTERS`` and
 checked too.
 """
 
@@ -35,13 +36,16 @@ CONTAINER_ONLY = {"HOST", "PORT", "INTERNAL_TOKEN"}
 """Per-service settings compose adds: listen on all interfaces, fixed ports, the internal credential
 from $MESHSERVE_INTERNAL_TOKEN (default: the same built-in token `up` uses)."""
 WORKERS = {"edge-0", "edge-1", "cloud-0"}
+REPLICATED_ROUTERS = {"ROUTER_RESOLVE": "true"}
+"""What compose adds to each worker: `up` lists every gateway's router port; in compose `gateway` is one
+DNS name for both replicas, which the worker re-resolves each heartbeat interval and heartbeats all."""
 COMMON_ONLY = {"MESHSERVE_MODELS_DIR": "/models"}
 """The models volume (``up`` uses ~/.cache/meshserve/models)."""
 
 
 @pytest.fixture(scope="module")
 async def up() -> Captured:
-    return await capture_up(["--split-router"])
+    return await capture_up()
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +59,23 @@ def _prefix(child_env: dict[str, str]) -> str:
     return key.removesuffix("METRICS_PORT")
 
 
+EMBEDDED_ROUTER = "MESHSERVE_ROUTER_"
+
+
+def _prefixes(child_env: dict[str, str]) -> list[str]:
+    """Every settings prefix a child reads: its own, and the router's when the router runs inside it."""
+    own = _prefix(child_env)
+    return [own, EMBEDDED_ROUTER] if child_env.get(own + "EMBED_ROUTER") == "true" else [own]
+
+
+def _embedded_router(child: Any) -> str | None:
+    """The loopback address of the router inside this child (a gateway under plain `up`), if any."""
+    env = child.env_delta()
+    if child.name == "redis" or len(_prefixes(env)) == 1:
+        return None
+    return f"127.0.0.1:{env[EMBEDDED_ROUTER + 'PORT']}"
+
+
 def _translator(up: Captured, compose: dict[str, Any]):  # type: ignore[no-untyped-def]
     addresses = {f"127.0.0.1:{up.redis_port}": "redis:6379"}
     for name, child in up.children.items():
@@ -62,6 +83,8 @@ def _translator(up: Captured, compose: dict[str, Any]):  # type: ignore[no-untyp
             continue
         env = compose_model.service_env(compose["services"][name])
         addresses[child.address] = f"{name}:{env[_prefix(child.env_delta()) + 'PORT']}"
+        if (router := _embedded_router(child)) is not None:
+            addresses[router] = f"{name}:{env[EMBEDDED_ROUTER + 'PORT']}"
     pattern = re.compile(r"127\.0\.0\.1:\d+")
 
     def translate(value: str) -> str:
@@ -130,10 +153,13 @@ def test_same_environment(up: Captured, compose: dict[str, Any]) -> None:
         launched = child.env_delta()
         declared = compose_model.service_env(compose["services"][name])
         prefix = _prefix(launched)
+        prefixes = _prefixes(launched)
         for key, value in launched.items():
             assert key in declared, f"{name}: compose lacks {key} (`meshserve up` sets it to {value!r})"
             if key == prefix + "METRICS_PORT":
                 assert int(declared[key]) > 0, f"{name}: a fixed metrics port for scraping"
+            elif key == EMBEDDED_ROUTER + "PORT":  # `up` picks a free one
+                assert int(declared[key]) > 0, f"{name}: a fixed port for the workers' heartbeats"
             else:
                 assert declared[key] == translate(value), f"{name}: {key}"
         for key in set(declared) - set(launched):
@@ -142,10 +168,19 @@ def test_same_environment(up: Captured, compose: dict[str, Any]) -> None:
             if key in COMMON_ONLY:
                 assert declared[key] == COMMON_ONLY[key]
                 continue
-            field = key.removeprefix(prefix)
-            assert key.startswith(prefix) and field in CONTAINER_ONLY, f"{name}: {key} is set only in compose"
-        assert declared[prefix + "HOST"] == "0.0.0.0"
-        assert declared[prefix + "INTERNAL_TOKEN"] == DEFAULT_INTERNAL_TOKEN  # ${MESHSERVE_INTERNAL_TOKEN:-...}
+            if name in WORKERS and key.removeprefix(prefix) in REPLICATED_ROUTERS:
+                assert declared[key] == REPLICATED_ROUTERS[key.removeprefix(prefix)], f"{name}: {key}"
+                continue
+            fields = [key.removeprefix(p) for p in prefixes if key.startswith(p)]
+            assert fields and fields[0] in CONTAINER_ONLY, f"{name}: {key} is set only in compose"
+        for p in prefixes:
+            assert declared[p + "HOST"] == "0.0.0.0", f"{name}: {p}HOST"
+            assert declared[p + "INTERNAL_TOKEN"] == DEFAULT_INTERNAL_TOKEN  # ${MESHSERVE_INTERNAL_TOKEN:-...}
+        assert EMBEDDED_ROUTER + "METRICS_PORT" not in declared, f"{name}: the process serves one /metrics port"
+    for worker in WORKERS:  # every worker heartbeats every gateway replica's router
+        declared = compose_model.service_env(compose["services"][worker])
+        prefix = _prefix(up.children[worker].env_delta())
+        assert declared[prefix + "ROUTER_ADDRESS"] == "gateway:50052"
 
 
 def test_redis_runs_with_the_launchers_memory_policy(up: Captured, compose: dict[str, Any]) -> None:
@@ -178,10 +213,18 @@ def test_start_order_is_the_launchers(up: Captured, compose: dict[str, Any]) -> 
 
     `up` waits for a dependency's gRPC health (service_healthy) or only for its service_started line
     (service_started) before spawning the service that is given its address.
+    A gateway's health is its embedded router's (SERVING once a worker registered), so `up` waiting for
+    that router's port to serve counts as waiting for the gateway to be healthy.
     """
     translate = _translator(up, compose)
     services = compose["services"]
     conditions = {"serving": "service_healthy", "started": "service_started"}
+
+    def awaited(dependency: str, child: str) -> str | None:
+        router = _embedded_router(up.children[dependency])
+        states = [up.awaited_before_spawn(d, child) for d in (dependency, router) if d is not None]
+        return "serving" if "serving" in states else "started" if "started" in states else None
+
     for name, child in up.children.items():
         if name == "redis":
             continue
@@ -189,12 +232,12 @@ def test_start_order_is_the_launchers(up: Captured, compose: dict[str, Any]) -> 
         needs = {other for other in up.children if re.search(rf"\b{other}:\d+", given)} - {name}
         depends = services[name].get("depends_on", {})
         for dependency in needs:
-            waited = up.awaited_before_spawn(dependency, name)
+            waited = awaited(dependency, name)
             assert waited is not None, f"`up` starts {name} before {dependency}, whose address it is given"
             assert depends.get(dependency) == {"condition": conditions[waited]}, f"{name} -> {dependency}"
         for dependency, condition in depends.items():  # and compose waits for nothing `up` does not
             if dependency not in ONE_SHOT_OR_OPTIONAL:
-                waited = up.awaited_before_spawn(dependency, name)
+                waited = awaited(dependency, name)
                 assert waited is not None and condition == {"condition": conditions[waited]}, f"{name} -> {dependency}"
     assert services[FRONT_DOOR]["depends_on"] == {"gateway": {"condition": "service_healthy"}}
 
@@ -210,7 +253,10 @@ def test_healthchecks_ask_each_service_over_grpc_health(compose: dict[str, Any])
             port = commands.parse(compose_model.command(service)).args.http_port
         else:
             env = compose_model.service_env(service)
-            (port,) = [int(v) for k, v in env.items() if re.fullmatch(r"MESHSERVE_[A-Z_]+(?<!METRICS)_PORT", k)]
+            ports = {k: v for k, v in env.items() if re.fullmatch(r"MESHSERVE_[A-Z_]+(?<!METRICS)_PORT", k)}
+            if len(ports) > 1:  # a gateway with its router inside: its public port is the one asked
+                ports = {k: v for k, v in ports.items() if not k.startswith(EMBEDDED_ROUTER)}
+            (port,) = [int(v) for v in ports.values()]
         assert check.args.address == f"127.0.0.1:{port}", name
 
 
