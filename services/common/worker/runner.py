@@ -223,6 +223,10 @@ class Turn:
                     try:
                         while not (await asyncio.wait({acquire}, timeout=runner.keepalive_s))[0]:
                             yield QUEUED
+                    except (asyncio.CancelledError, GeneratorExit):
+                        # Closed or cancelled while it waited (a caller's abort): it never ran.
+                        runner.counters.sequence_cancelled()
+                        raise
                     finally:
                         if not acquire.done():
                             acquire.cancel()  # acquire() gives the slot up (or passes it on)

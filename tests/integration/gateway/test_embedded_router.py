@@ -11,9 +11,6 @@ callers without the internal token.
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator
 
@@ -26,64 +23,23 @@ from services.client import MeshClient, sampling_params
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.common.tokenizer import Tokenizer
 from services.gateway.keystore import KeyStore
-from services.mesh import DEV_API_KEY, api_key_hash
+from services.mesh import DEV_API_KEY
 from services.models.paths import model_paths
-from services.processes import ServiceProcess, free_port
-from tests.helpers import redis_server
-
-INTERNAL = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),)
-
-
-async def _start(proc: ServiceProcess) -> ServiceProcess:
-    await proc.spawn()
-    await proc.wait_started(120)
-    return proc
+from services.processes import ServiceProcess
+from tests.integration.gateway.embedded import INTERNAL, embedded_mesh, greedy_request, worker_idle, worker_stats
 
 
 @pytest.fixture(scope="module")
-async def mesh() -> AsyncIterator[dict[str, ServiceProcess | int]]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    sink = lambda _name, _line: None  # noqa: E731
-    router_port = free_port()
-    with redis_server() as redis, tempfile.TemporaryDirectory(prefix="meshserve-embedded-"):
-        gateway_env = env | {
-            "MESHSERVE_GATEWAY_EMBED_ROUTER": "1",
-            "MESHSERVE_GATEWAY_API_KEYS": f"dev:{api_key_hash(DEV_API_KEY)}",
-            "MESHSERVE_GATEWAY_REDIS_URL": redis.url,
-            "MESHSERVE_ROUTER_PORT": str(router_port),
-            "MESHSERVE_ROUTER_REDIS_URL": redis.url,
+async def mesh() -> AsyncIterator[dict[str, ServiceProcess | int | str]]:
+    async with embedded_mesh() as opened:
+        yield {
+            "gateway": opened.gateways[0],
+            "worker": opened.worker,
+            "router_port": opened.router_ports[0],
+            "redis_url": opened.redis_url,
         }
-        gateway = await _start(ServiceProcess("gateway", [sys.executable, "-m", "services.gateway"], gateway_env, sink))
-        worker_env = env | {
-            "MESHSERVE_INSTANT_WORKER_WORKER_ID": "instant",
-            "MESHSERVE_INSTANT_WORKER_TOKEN_INTERVAL_MS": "5",
-            "MESHSERVE_INSTANT_WORKER_ROUTER_ADDRESS": f"127.0.0.1:{router_port}",
-            "MESHSERVE_INSTANT_WORKER_HEARTBEAT_INTERVAL_S": "0.2",
-        }
-        worker = await _start(
-            ServiceProcess("worker", [sys.executable, "-m", "benchmarks.instant_worker"], worker_env, sink)
-        )
-        try:
-            async with MeshClient(gateway.address, DEV_API_KEY) as client:
-                await _wait_for_edge(client)
-            yield {"gateway": gateway, "worker": worker, "router_port": router_port, "redis_url": redis.url}
-        finally:
-            await worker.stop()
-            await gateway.stop()
-
-
-async def _wait_for_edge(client: MeshClient) -> None:
-    """Until the worker's registration has reached the embedded router (ListModels shows the edge tier)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        reply = await client.stub.ListModels(pb.ListModelsRequest(), metadata=client.metadata, timeout=5)
-        if reply.models and pb.TIER_EDGE in reply.models[0].tiers:
-            return
-        await asyncio.sleep(0.1)
-    raise TimeoutError("the worker never registered with the embedded router")
 
 
 async def _leases_held(redis_url: str, tenant: str, within_s: float) -> int:
@@ -98,15 +54,6 @@ async def _leases_held(redis_url: str, tenant: str, within_s: float) -> int:
         return held
     finally:
         await client.aclose()
-
-
-def _request(prompt: str, max_tokens: int = 24, model: str = "") -> pb.GenerateRequest:
-    return pb.GenerateRequest(
-        prompt=prompt,
-        model=model,
-        sampling=sampling_params(max_tokens=max_tokens, temperature=0.0),
-        routing=pb.RoutingOptions(cache_policy=pb.CACHE_POLICY_BYPASS),
-    )
 
 
 async def _worker_output(address: str, ids: list[int], max_tokens: int) -> list[int]:
@@ -124,24 +71,19 @@ async def _worker_output(address: str, ids: list[int], max_tokens: int) -> list[
         return tokens
 
 
-async def _worker_stats(address: str) -> worker_pb2.WorkerStats:
-    async with grpc.aio.insecure_channel(address) as channel:
-        return await worker_pb2_grpc.WorkerStub(channel).Stats(worker_pb2.StatsRequest(), metadata=INTERNAL, timeout=5)
-
-
 async def test_stream_complete_and_chat_go_through_the_embedded_router(mesh) -> None:
     prompt = "The embedded router answers this prompt."
     expected = await _worker_output(mesh["worker"].address, Tokenizer(model_paths().hf_dir).encode(prompt), 24)
     assert len(expected) == 24
     async with MeshClient(mesh["gateway"].address, DEV_API_KEY) as client:
-        frames = [f async for f in client.stub.Generate(_request(prompt), metadata=client.metadata, timeout=30)]
+        frames = [f async for f in client.stub.Generate(greedy_request(prompt), metadata=client.metadata, timeout=30)]
         assert [t for f in frames for t in f.token_ids] == expected
         assert [f.sequence for f in frames] == list(range(len(frames)))
         final = frames[-1].final
         assert final.route.tier == pb.TIER_EDGE and final.route.worker_id == "instant"
         assert final.usage.completion_tokens == 24
         assert len({f.request_id for f in frames}) == 1 and frames[0].request_id
-        unary = await client.stub.Complete(_request(prompt), metadata=client.metadata, timeout=30)
+        unary = await client.stub.Complete(greedy_request(prompt), metadata=client.metadata, timeout=30)
         assert list(unary.token_ids) == expected
 
         call = client.stub.Chat(metadata=client.metadata, timeout=30)
@@ -167,25 +109,29 @@ async def test_stream_complete_and_chat_go_through_the_embedded_router(mesh) -> 
 async def test_errors_are_the_callers_errors(mesh) -> None:
     async with MeshClient(mesh["gateway"].address, "not-a-key") as bad:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await bad.stub.Complete(_request("hi"), metadata=bad.metadata, timeout=10)
+            await bad.stub.Complete(greedy_request("hi"), metadata=bad.metadata, timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     async with MeshClient(mesh["gateway"].address, DEV_API_KEY) as client:
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await client.stub.Complete(_request("hi", model="no-such-model"), metadata=client.metadata, timeout=10)
+            await client.stub.Complete(
+                greedy_request("hi", model="no-such-model"), metadata=client.metadata, timeout=10
+            )
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
         assert "no-such-model" in (err.value.details() or "")
         long_prompt = "word " * 5000  # within the gateway's character limit, past the model's context with max_tokens
         with pytest.raises(grpc.aio.AioRpcError) as err:  # the router's own check
-            await client.stub.Complete(_request(long_prompt, max_tokens=4096), metadata=client.metadata, timeout=10)
+            await client.stub.Complete(
+                greedy_request(long_prompt, max_tokens=4096), metadata=client.metadata, timeout=10
+            )
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "Traceback" not in (err.value.details() or "")
 
 
 async def test_caller_cancel_reaches_the_worker(mesh) -> None:
     worker = mesh["worker"].address
-    before = await _worker_stats(worker)
+    before = await worker_stats(worker)
     async with MeshClient(mesh["gateway"].address, DEV_API_KEY) as client:
-        call = client.stub.Generate(_request("A long answer, please.", max_tokens=1000), metadata=client.metadata)
+        call = client.stub.Generate(greedy_request("A long answer, please.", max_tokens=1000), metadata=client.metadata)
         got = 0
         async for frame in call:
             got += len(frame.token_ids)
@@ -194,7 +140,7 @@ async def test_caller_cancel_reaches_the_worker(mesh) -> None:
         call.cancel()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        stats = await _worker_stats(worker)
+        stats = await worker_stats(worker)
         if stats.active_sequences == 0 and stats.sequences_cancelled_total > before.sequences_cancelled_total:
             break
         await asyncio.sleep(0.05)
@@ -207,7 +153,7 @@ async def test_the_routers_internal_port_still_needs_the_internal_token(mesh) ->
     async with grpc.aio.insecure_channel(f"127.0.0.1:{mesh['router_port']}") as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Complete(_request("hi"), timeout=10)
+            await stub.Complete(greedy_request("hi"), timeout=10)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED  # what every internal service answers
         reply = await stub.ListModels(pb.ListModelsRequest(), metadata=INTERNAL, timeout=10)  # with it: served
         assert reply.models
@@ -223,12 +169,12 @@ async def test_refused_requests_never_run_on_the_worker(mesh) -> None:
     finally:
         await client.aclose()
     worker = mesh["worker"].address
-    before = await _worker_stats(worker)
+    before = await worker_stats(worker)
     async with MeshClient(mesh["gateway"].address, key) as tight:
 
         async def one(i: int) -> grpc.StatusCode:
             try:
-                await tight.stub.Complete(_request(f"Request {i} of the tight tenant."), metadata=tight.metadata)
+                await tight.stub.Complete(greedy_request(f"Request {i} of the tight tenant."), metadata=tight.metadata)
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     trailers = dict(exc.trailing_metadata() or ())
@@ -239,12 +185,7 @@ async def test_refused_requests_never_run_on_the_worker(mesh) -> None:
         codes = await asyncio.gather(*(one(i) for i in range(8)))
     assert codes.count(grpc.StatusCode.OK) == 3
     assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 5
-    # A refused request's speculative start is aborted on the worker: wait (bounded) until it is idle.
-    for _ in range(100):
-        after = await _worker_stats(worker)
-        if after.active_sequences == 0:
-            break
-        await asyncio.sleep(0.05)
+    after = await worker_idle(worker)  # a refused request's speculative start is aborted on the worker
     started = after.sequences_started_total - before.sequences_started_total
     cancelled = after.sequences_cancelled_total - before.sequences_cancelled_total
     assert 3 <= started <= 4, "besides the 3 admitted, at most the one speculative start"
@@ -263,26 +204,30 @@ async def test_a_refused_speculative_start_is_aborted_and_its_caller_gets_the_re
         await client.aclose()
     worker = mesh["worker"].address
     async with MeshClient(mesh["gateway"].address, key) as once:
-        first = await once.stub.Complete(_request("The one allowed request.", max_tokens=8), metadata=once.metadata)
+        first = await once.stub.Complete(
+            greedy_request("The one allowed request.", max_tokens=8), metadata=once.metadata
+        )
         assert len(first.token_ids) == 8
-        before = await _worker_stats(worker)
+        before = await worker_stats(worker)
         codes = []
         for i in range(2):  # the first of these may start speculatively; the second may not
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                call = once.stub.Generate(_request(f"Over the limit {i}.", max_tokens=400), metadata=once.metadata)
+                call = once.stub.Generate(
+                    greedy_request(f"Over the limit {i}.", max_tokens=400), metadata=once.metadata
+                )
                 async for _ in call:
                     pass
             codes.append(refused.value.code())
             assert int(dict(refused.value.trailing_metadata() or ())["retry-after-ms"]) > 0
             if i == 0:
                 for _ in range(100):  # bounded: the abort reaches the worker's turn within a few ms
-                    stats = await _worker_stats(worker)
+                    stats = await worker_stats(worker)
                     if stats.active_sequences == 0:
                         break
                     await asyncio.sleep(0.02)
                 after_first = stats
         assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
-        after = await _worker_stats(worker)
+        after = await worker_stats(worker)
     started = after_first.sequences_started_total - before.sequences_started_total
     assert started == after_first.sequences_cancelled_total - before.sequences_cancelled_total <= 1
     assert after_first.tokens_generated_total - before.tokens_generated_total < 400  # aborted, not run out
@@ -294,7 +239,7 @@ async def test_stream_leases_are_given_back_with_overlapped_admission(mesh) -> N
     released when it ends (settled once its overlapped reservation is known), so none is refused."""
     async with MeshClient(mesh["gateway"].address, DEV_API_KEY) as client:
         for i in range(20):
-            req = _request(f"Lease check {i}.", max_tokens=4)
+            req = greedy_request(f"Lease check {i}.", max_tokens=4)
             frames = [f async for f in client.stub.Generate(req, metadata=client.metadata, timeout=30)]
             assert frames[-1].final.usage.completion_tokens == 4
     assert await _leases_held(mesh["redis_url"], "dev", within_s=10) == 0
