@@ -226,6 +226,9 @@ class Turn:
                     except (asyncio.CancelledError, GeneratorExit):
                         # Closed or cancelled while it waited (a caller's abort): it never ran.
                         runner.counters.sequence_cancelled()
+                        if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
+                            if acquire.result():  # the slot came as the caller left: pass it on
+                                runner.admission.release()
                         raise
                     finally:
                         if not acquire.done():

@@ -111,3 +111,27 @@ async def test_a_turn_cancelled_while_queued_and_one_cancelled_while_running_cou
         assert (snapshot.sequences_started_total, snapshot.sequences_cancelled_total) == (2, 2)
     finally:
         await runner.aclose()
+
+
+async def test_a_slot_granted_just_as_the_queued_turn_is_closed_is_passed_on() -> None:
+    # The slot comes while the turn's caller holds its keepalive (the generator suspended at the
+    # QueuedEvent); the caller then closes it. The slot must not stay taken for good.
+    engine = FakeEngine()
+    runner = Runner(engine, max_active=1, max_queue=1, keepalive_s=0.02)
+    try:
+        holder = await _running(runner, engine)
+        events = runner.turn(_request()).events()
+        assert isinstance(await asyncio.wait_for(anext(events), 5), QueuedEvent)  # suspended at the keepalive
+        await _release(engine, holder)  # the holder ends: its slot goes to the queued turn's acquire
+        await _until(lambda: runner.admission.queued == 0, "the slot was handed to the queued turn")
+        assert runner.admission.active == 1
+        await events.aclose()
+        assert runner.admission.active == 0, "the closed turn's slot is free again"
+        snapshot = runner.counters.snapshot()
+        assert (snapshot.sequences_started_total, snapshot.sequences_cancelled_total) == (2, 1)
+        # and the worker still serves
+        async with aclosing(runner.turn(_request(max_tokens=3)).events()) as again:
+            final = [e async for e in again][-1]
+        assert isinstance(final, FinalEvent) and final.reason is FinishReason.LENGTH
+    finally:
+        await runner.aclose()
