@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 
-from services.common.worker.runner import Runner
+from services.common.worker.runner import Runner, Turn
 from services.common.worker.types import FinalEvent, FinishReason, GenerationRequest, QueuedEvent, SamplingConfig
 from tests.unit.common.worker.fakes import TOKENIZER, FakeEngine
 
@@ -41,6 +41,14 @@ async def _running(runner: Runner, engine: FakeEngine) -> asyncio.Task[list[obje
     return task
 
 
+async def _queued(runner: Runner) -> tuple[Turn, AsyncGenerator[object, None]]:
+    """A second turn and its events, suspended at its first keepalive: it waits for the slot."""
+    turn = runner.turn(_request())
+    events = turn.events()
+    assert isinstance(await asyncio.wait_for(anext(events), 5), QueuedEvent)
+    return turn, events
+
+
 async def _release(engine: FakeEngine, holder: asyncio.Task[list[object]]) -> list[object]:
     assert engine.gate is not None
     engine.gate.release(100)
@@ -54,8 +62,7 @@ async def test_a_queued_turn_whose_events_are_closed_counts_as_cancelled() -> No
     runner = Runner(engine, max_active=1, max_queue=1, keepalive_s=0.02)
     try:
         holder = await _running(runner, engine)
-        events = runner.turn(_request()).events()
-        assert isinstance(await asyncio.wait_for(anext(events), 5), QueuedEvent)  # waiting for the slot
+        _, events = await _queued(runner)
         await events.aclose()
         snapshot = runner.counters.snapshot()
         assert (snapshot.sequences_started_total, snapshot.sequences_cancelled_total) == (2, 1)
@@ -96,9 +103,7 @@ async def test_a_turn_cancelled_while_queued_and_one_cancelled_while_running_cou
     runner = Runner(engine, max_active=1, max_queue=1, keepalive_s=0.02)
     try:
         holder = await _running(runner, engine)
-        queued = runner.turn(_request())
-        events = queued.events()
-        assert isinstance(await asyncio.wait_for(anext(events), 5), QueuedEvent)
+        queued, events = await _queued(runner)
         queued.cancel()  # the cancel flag, not a close: the turn ends with its CANCELLED final
         rest = [e async for e in events]
         assert isinstance(rest[-1], FinalEvent) and rest[-1].reason is FinishReason.CANCELLED
@@ -120,8 +125,7 @@ async def test_a_slot_granted_just_as_the_queued_turn_is_closed_is_passed_on() -
     runner = Runner(engine, max_active=1, max_queue=1, keepalive_s=0.02)
     try:
         holder = await _running(runner, engine)
-        events = runner.turn(_request()).events()
-        assert isinstance(await asyncio.wait_for(anext(events), 5), QueuedEvent)  # suspended at the keepalive
+        _, events = await _queued(runner)  # suspended at the keepalive
         await _release(engine, holder)  # the holder ends: its slot goes to the queued turn's acquire
         await _until(lambda: runner.admission.queued == 0, "the slot was handed to the queued turn")
         await asyncio.sleep(0.05)  # a few loop turns: the turn's acquire() returns True meanwhile
