@@ -1,6 +1,6 @@
 """Run a module as ``__main__`` under cProfile, timing the main thread's CPU (not wall) time.
 
-``python -m benchmarks.profiled OUT.prof services.router`` — used by ``benchmarks.hops --profile``.
+``python -m benchmarks.profiled OUT.prof services.router`` — used by ``benchmarks.gateway.hops --profile``.
 CPU time of the event-loop thread (``time.thread_time``), so a profile taken on a busy machine is not
 inflated by the time the process waited for a core; grpc's own C threads are not included.
 """

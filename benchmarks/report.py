@@ -18,6 +18,9 @@ from typing import Any
 
 NOT_MEASURED = "not measured yet"
 
+_EDGE = "python -m benchmarks.edge.mesh"
+_HOPS = "python -m benchmarks.gateway.hops"
+
 
 @dataclass(frozen=True)
 class Row:
@@ -47,7 +50,7 @@ def _edge_round(d: dict[str, Any], streams: int) -> float:
 
 
 def _paired(d: dict[str, Any], path: str, key: str) -> float:
-    """A number of hops' paired phase (each path alone against the direct call: benchmarks/hops_pairs.py)."""
+    """A number of hops' paired phase (each path alone against the direct call: benchmarks/gateway/hops_pairs.py)."""
     return float(_dig(d, "paired", path, key))
 
 
@@ -60,68 +63,68 @@ TABLES: dict[str, list[Row]] = {
     "Mesh overhead: gateway + router over a direct worker call (issue 3)": [
         Row("added TTFT p50, synthetic worker (default layout: router in the gateway), paired with direct calls",
             "hops.json", "≤ 1.5 ms", lambda d: _paired(d, "gateway_embedded_router", "added_ttft_p50_ms"), "ms",
-            lambda v: v <= 1.5, "python -m benchmarks.hops"),
+            lambda v: v <= 1.5, _HOPS),
         Row("added TTFT p99, synthetic worker (default layout), paired", "hops.json", "≤ 5 ms",
             lambda d: _paired(d, "gateway_embedded_router", "added_ttft_p99_ms"), "ms",
-            lambda v: v <= 5.0, "python -m benchmarks.hops"),
+            lambda v: v <= 5.0, _HOPS),
         Row("added e2e p50, synthetic worker (default layout), paired", "hops.json", "≤ 1.5 ms",
             lambda d: _paired(d, "gateway_embedded_router", "added_total_p50_ms"), "ms",
-            lambda v: v <= 1.5, "python -m benchmarks.hops"),
+            lambda v: v <= 1.5, _HOPS),
         Row("added TTFT p50, synthetic worker (default layout), round robin of 8 paths (the gateway idle 7 "
             "requests in 8: cold)", "hops.json", "(reference)",
             lambda d: _dig(d, "latency", "gateway_embedded_router", "added_ttft_p50_ms"), "ms", None,
-            "python -m benchmarks.hops"),
+            _HOPS),
         Row("direct worker call, TTFT p50 (how fast the machine ran: 1.62 ms on 2026-11-22 22:37)", "hops.json",
             "(reference)", lambda d: _dig(d, "latency", "direct_worker", "ttft_p50_ms"), "ms", None,
-            "python -m benchmarks.hops"),
+            _HOPS),
         Row("two bare gRPC relays, added TTFT p50, paired (the floor of two Python hops, same run)", "hops.json",
             "(reference)", lambda d: _paired(d, "bare_relay_x2 (floor)", "added_ttft_p50_ms"), "ms", None,
-            "python -m benchmarks.hops"),
+            _HOPS),
         Row("added TTFT p50, real edge worker, max_tokens 1 (default layout)", "frontdoor.json", "≤ 1.5 ms",
             lambda d: _dig(d, "gateway_router_over_worker_max_tokens_1", "gateway -> router -> worker", "added_p50_ms"),
-            "ms", lambda v: v <= 1.5, "python -m benchmarks.frontdoor"),
+            "ms", lambda v: v <= 1.5, "python -m benchmarks.gateway.frontdoor"),
         Row("added TTFT p99, real edge worker, max_tokens 1 (default layout)", "frontdoor.json", "≤ 5 ms",
             lambda d: _dig(d, "gateway_router_over_worker_max_tokens_1", "gateway -> router -> worker", "added_p99_ms"),
-            "ms", lambda v: v <= 5.0, "python -m benchmarks.frontdoor"),
+            "ms", lambda v: v <= 5.0, "python -m benchmarks.gateway.frontdoor"),
         # The split layout (a router process of its own) is no deployment's default since 2026-11-26
         # (meshserve up, compose and Kubernetes embed the router): its rows are references.
         Row("split layout (--split-router: the router's own process, one gRPC hop more), synthetic worker, "
             "added TTFT p50, paired", "hops.json", "(reference)",
-            lambda d: _paired(d, "gateway_static_key", "added_ttft_p50_ms"), "ms", None, "python -m benchmarks.hops"),
+            lambda d: _paired(d, "gateway_static_key", "added_ttft_p50_ms"), "ms", None, _HOPS),
         Row("split layout, synthetic worker, added e2e p50, paired", "hops.json", "(reference)",
-            lambda d: _paired(d, "gateway_static_key", "added_total_p50_ms"), "ms", None, "python -m benchmarks.hops"),
+            lambda d: _paired(d, "gateway_static_key", "added_total_p50_ms"), "ms", None, _HOPS),
         Row("split layout, synthetic worker, added e2e p99, paired", "hops.json", "(reference)",
-            lambda d: _paired(d, "gateway_static_key", "added_total_p99_ms"), "ms", None, "python -m benchmarks.hops"),
+            lambda d: _paired(d, "gateway_static_key", "added_total_p99_ms"), "ms", None, _HOPS),
         Row("split layout, real edge worker, max_tokens 1, added TTFT p50", "frontdoor_split.json", "(reference)",
             lambda d: _dig(d, "gateway_router_over_worker_max_tokens_1", "gateway -> router -> worker", "added_p50_ms"),
-            "ms", None, "python -m benchmarks.frontdoor --split-router"),
+            "ms", None, "python -m benchmarks.gateway.frontdoor --split-router"),
     ],
     "Cache-hit TTFT over gRPC through the mesh (issue 4)": [
         Row("exact hit, gateway Generate, p50, split layout", "cache.json", "≤ 3 ms",
             lambda d: _dig(d, "mesh", "gateway", "ttft_ms_p50"), "ms", lambda v: v <= 3.0,
-            "python -m benchmarks.cache_bench"),
+            "python -m benchmarks.cache.bench"),
         Row("exact hit, gateway Generate, p50 (hops run, split layout)", "hops.json", "≤ 3 ms",
             lambda d: _dig(d, "cache_hit", "gateway_static_key", "ttft_p50_ms"), "ms", lambda v: v <= 3.0,
-            "python -m benchmarks.hops"),
+            _HOPS),
         Row("exact hit, gateway Generate, p50, router embedded (default layout)", "cache.json", "≤ 3 ms",
             lambda d: _dig(d, "mesh", "gateway_embedded_router", "ttft_ms_p50"), "ms", lambda v: v <= 3.0,
-            "python -m benchmarks.cache_bench"),
+            "python -m benchmarks.cache.bench"),
         Row("exact hit, gateway Generate, p50 (front-door run, default layout)", "frontdoor.json", "≤ 3 ms",
             lambda d: _dig(d, "cache_hit_ttft", "gateway_grpc Generate (baseline)", "p50_ms"), "ms",
-            lambda v: v <= 3.0, "python -m benchmarks.frontdoor"),
+            lambda v: v <= 3.0, "python -m benchmarks.gateway.frontdoor"),
     ],
     "Cache layer vs raw redis-py (issue 4)": [
         Row("response GET p50 overhead", "cache.json", "≤ 10 %",
             lambda d: _dig(d, "responses", "get", "p50_overhead_pct"), "%", lambda v: v <= 10.0,
-            "python -m benchmarks.cache_bench"),
+            "python -m benchmarks.cache.bench"),
         Row("KV block load p50 overhead", "cache.json", "≤ 10 %", lambda d: _dig(d, "kv", "load", "p50_overhead_pct"),
-            "%", lambda v: v <= 10.0, "python -m benchmarks.cache_bench"),
+            "%", lambda v: v <= 10.0, "python -m benchmarks.cache.bench"),
     ],
     "Edge tier: roofline and scaling (issue 6)": [
         Row("single stream, share of memory-bandwidth roofline", "edge.json", "≥ 50 %",
-            lambda d: 100 * d["single_stream_roofline_share"], "%", lambda v: v >= 50.0, "python -m benchmarks.edge"),
+            lambda d: 100 * d["single_stream_roofline_share"], "%", lambda v: v >= 50.0, _EDGE),
         Row("aggregate tok/s at 16 streams / at 1 stream", "edge.json", "≥ 4x",
-            lambda d: _edge_round(d, 16) / _edge_round(d, 1), "x", lambda v: v >= 4.0, "python -m benchmarks.edge"),
+            lambda d: _edge_round(d, 16) / _edge_round(d, 1), "x", lambda v: v >= 4.0, _EDGE),
     ],
     "Cloud tier vs transformers (issue 7)": [
         Row("tok/s at 16 streams / transformers generate_batch", "cloud.json", "≥ 2.5x",
@@ -143,10 +146,10 @@ TABLES: dict[str, list[Row]] = {
         Row("cache-aware vs round-robin routing, TTFT p50 change (simulated)", "router.json",
             "(reference: Ray Serve -60 %)",
             lambda d: _dig(d, "workload", "generous_cache", "ttft_p50_change_pct"), "%", None,
-            "python -m benchmarks.router_bench"),
+            "python -m benchmarks.router.bench"),
         Row("cache-aware vs round-robin routing, TTFT p50 change (real cloud workers, median of rounds)",
             "router_prefix.json", "(reference: Ray Serve -60 %)", _prefix_rounds, "%", None,
-            "python -m benchmarks.router_prefix"),
+            "python -m benchmarks.router.prefix"),
     ],
     "Speculative decoding (issue 7)": [
         Row("speed-up (CPU per token)", "cloud_spec.json", "≥ 1.5x",

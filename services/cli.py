@@ -1,8 +1,8 @@
 """The ``meshserve`` command: ``models prepare``, ``chat``, ``up``, ``bench``, ``keys``, ``cache``, and the
 container entry points ``serve``, ``health`` and ``frontdoor``.
 
-``up`` and ``bench`` hand their arguments to :func:`services.mesh.main_up` and
-:func:`benchmarks.bench_cli.main`, imported only when used so the other commands start fast.
+``up`` and ``bench`` hand their arguments to :func:`services.local.mesh.main_up` and
+:func:`benchmarks.cli.main`, imported only when used so the other commands start fast.
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from collections.abc import Sequence
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 _DELEGATED = {
-    "up": ("services.mesh", "main_up"),
-    "bench": ("benchmarks.bench_cli", "main"),
+    "up": ("services.local.mesh", "main_up"),
+    "bench": ("benchmarks.cli", "main"),
     "cache": ("services.cache.cli", "main"),
-    "status": ("services.status", "main"),
-    "serve": ("services.launch", "serve_main"),
-    "health": ("services.launch", "health_main"),
+    "status": ("services.local.status", "main"),
+    "serve": ("services.local.launch", "serve_main"),
+    "health": ("services.local.launch", "health_main"),
     "frontdoor": ("services.controlplane.serve", "main"),
 }
 
@@ -96,12 +96,12 @@ def _delegate(command: str, argv: Sequence[str]) -> int:
 def _chat(args: argparse.Namespace) -> int:
     import grpc
 
-    from services.client import print_stream
+    from services.local.client import print_stream
 
     api_key = args.api_key
     if api_key is None:
         try:
-            from services.mesh import DEV_API_KEY
+            from services.local.mesh import DEV_API_KEY
         except ImportError:
             print("meshserve chat: pass --api-key or set MESHSERVE_API_KEY", file=sys.stderr)
             return 2

@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from services.models.paths import model_paths
+from services.common.model_paths import model_paths
 
 EOS = 2
 
@@ -41,7 +41,7 @@ def edge_engine() -> Any:
 
 def edge_continuation(ids: list[int], max_tokens: int) -> list[int]:
     """Greedy tokens of the edge engine after ``ids`` (trailing EOS dropped)."""
-    from services.common.worker.types import SamplingConfig
+    from services.worker.types import SamplingConfig
 
     engine = edge_engine()
     seq = engine.start(ids, SamplingConfig(max_tokens=max_tokens))

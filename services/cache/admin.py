@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from services.cache.connection import AnyRedis
-from services.cache.keys import NAMESPACE, STATS_KEY, Kind, scan_pattern
+from services.store.connection import AnyRedis
+from services.store.keys import NAMESPACE, STATS_KEY, Kind, scan_pattern
 
 log = structlog.get_logger(__name__)
 KIND_NAMES = {Kind.RESPONSE: "response", Kind.KV: "kv"}

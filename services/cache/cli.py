@@ -22,7 +22,7 @@ from services.cache import kv_rpc, where
 from services.common import metadata as md
 from services.common.pb.meshserve.internal.v1 import cache_pb2, cache_pb2_grpc
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
-from services.state import recorded
+from services.local.state import recorded
 
 _KINDS = {
     "all": cache_pb2.CACHE_KIND_UNSPECIFIED,

@@ -11,8 +11,8 @@ from typing import ClassVar
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.cache.connection import check_redis_url
 from services.common.settings import ServiceSettings
+from services.store.connection import check_redis_url
 
 
 class CacheSettings(ServiceSettings):

@@ -110,8 +110,8 @@ def _seconds(text: str) -> float:
 
 
 def _chat_ids(prompt: str, tokenizer_dir: Path | None) -> list[int]:
+    from services.common.model_paths import model_paths
     from services.common.tokenizer import Tokenizer
-    from services.models.paths import model_paths
 
     try:
         return Tokenizer(tokenizer_dir or model_paths().hf_dir).apply_chat_template(

@@ -6,10 +6,10 @@ import grpc
 
 from services.cache.admin import CacheAdmin, WarmLimits
 from services.cache.config import CacheSettings
-from services.cache.connection import redis_from_url
 from services.cache.servicer import SERVICE_NAME, CacheServicer, router_generate
 from services.common.pb.meshserve.internal.v1 import cache_pb2_grpc
 from services.common.serving import RunningServer, start_server
+from services.store.connection import redis_from_url
 
 
 async def start_cache_service(settings: CacheSettings) -> RunningServer:

@@ -10,12 +10,12 @@ import time
 import grpc
 
 from services.cache.admin import CacheAdmin, FlushFilter, Generate, WarmLimits
-from services.cache.keys import Kind
 from services.common import errors
 from services.common import metadata as md
 from services.common.interceptors import outbound_metadata
 from services.common.pb.meshserve.internal.v1 import cache_pb2, cache_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
+from services.store.keys import Kind
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
 _KINDS = {

@@ -23,7 +23,7 @@ busy (at least ``busy_streams`` streams open through it), a stream's token frame
 a stream is never held, nor a frame ``urgent`` says must go at once (a final, usage or error frame:
 it also flushes the held frame at once), nor anything once ``source`` has ended or failed. A lone
 stream (or any stream while the process is not busy) is never held. The worker runtime applies the
-same policy to its token queue (:mod:`services.common.worker.runner`).
+same policy to its token queue (:mod:`services.worker.runner`).
 """
 
 from __future__ import annotations

@@ -13,12 +13,12 @@ Wire format (both directions): frames of a 4-byte big-endian length and that man
 client's first frame is the hello, ``MAGIC`` followed by the internal token; the worker answers one
 frame, empty when it accepts and a one-sentence reason when it refuses (then it closes). After that
 the client sends serialized ``MuxRequest`` messages and the worker ``MuxResponse`` messages, with
-exactly GenerateMux's meaning (services/common/worker/mux.py). Closing the connection is
+exactly GenerateMux's meaning (services/worker/mux.py). Closing the connection is
 cancelling the call: every stream on it ends. A frame longer than ``max_frame`` or a message that
 does not parse ends the connection (:class:`WireError`).
 
 This module holds only framing (:class:`FrameProtocol`) and the constants; the worker's listener is
-services/common/worker/mux_tcp.py, the router's client services/router/mux_tcp.py.
+services/worker/mux_tcp.py, the router's client services/router/mux_tcp.py.
 """
 
 from __future__ import annotations

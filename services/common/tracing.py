@@ -2,7 +2,7 @@
 
 Off by default (``MESHSERVE_TRACING_EXPORTER=none``): nothing is installed, the SDK is not even
 imported, :func:`span` returns one shared no-op context manager and :func:`inject` adds nothing, so
-the disabled cost per request is a few attribute lookups (measured in ``benchmarks/tracing_bench.py``).
+the disabled cost per request is a few attribute lookups (measured in ``benchmarks/gateway/tracing.py``).
 
 On: an SDK ``TracerProvider`` whose resource names the service (``service.name``), a
 ``ParentBased(TraceIdRatioBased(sample_ratio))`` sampler (an internal hop follows its caller's

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from services.controlplane.envoy import Envoy, EnvoyConfig
 from services.controlplane.xds import GRPC_CLUSTER, HTTP_CLUSTER, FileXds
-from services.mesh import LogSink, ServiceProcess, _free_port
+from services.local.mesh import LogSink, ServiceProcess, _free_port
 
 
 class FrontDoor:

@@ -72,7 +72,7 @@ async def _resolved(targets: Sequence[str], interval_s: float, deadline_s: float
 
 async def run(args: argparse.Namespace) -> int:
     from services.controlplane.frontdoor import FrontDoor
-    from services.processes import stdout_sink
+    from services.local.processes import stdout_sink
 
     targets = [t.strip() for t in args.gateways.split(",") if t.strip()]
     stop = asyncio.Event()

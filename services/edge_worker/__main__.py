@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.common.worker.app import run_worker_process
 from services.edge_worker.config import EdgeWorkerSettings
-from services.edge_worker.servicer import TIER, build_engine
+from services.edge_worker.startup import TIER, build_engine
+from services.worker.app import run_worker_process
 
 
 def main() -> None:

@@ -36,11 +36,11 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from services.common.worker.types import EngineInfo, KVUsage, SamplingConfig, StepInterrupted
 from services.edge_worker.graph import load_session
 from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.sampler import pick
 from services.edge_worker.sequence import BatchedSequence
+from services.worker.types import EngineInfo, KVUsage, SamplingConfig, StepInterrupted
 
 
 class BatchedEngine:

@@ -9,8 +9,8 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.errors import ConfigError
-from services.common.worker.settings import WorkerSettings
-from services.models.paths import model_paths
+from services.common.model_paths import model_paths
+from services.worker.settings import WorkerSettings
 
 
 class EdgeWorkerSettings(WorkerSettings):

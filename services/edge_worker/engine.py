@@ -22,7 +22,7 @@ from typing import Any
 import onnxruntime_genai as og
 from tokenizers import Tokenizer
 
-from services.common.worker.types import EngineInfo, SamplingConfig
+from services.worker.types import EngineInfo, SamplingConfig
 
 _SEED_MASK = 0x7FFFFFFF  # og's random_seed is a C int
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.common.worker.types import SamplingConfig
+from services.worker.types import SamplingConfig
 
 
 def rng_for(sampling: SamplingConfig) -> np.random.Generator | None:

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from services.common.worker.types import SamplingConfig
 from services.edge_worker.sampler import rng_for
+from services.worker.types import SamplingConfig
 
 if TYPE_CHECKING:
     from services.edge_worker.batched import BatchedEngine

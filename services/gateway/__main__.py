@@ -8,8 +8,6 @@ import sys
 import grpc
 import structlog
 
-from services.cache.connection import AnyRedis, redis_from_url
-from services.cache.pipelined import PipelinedRedis, supports
 from services.common.errors import ConfigError
 from services.common.logging import configure_logging
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
@@ -27,13 +25,15 @@ from services.gateway.local_router import LocalRouter
 from services.gateway.ratelimit import RateLimiter
 from services.gateway.servicer import SERVICE_NAME, GatewayServicer
 from services.router.config import RouterSettings
+from services.store.connection import AnyRedis, redis_from_url
+from services.store.pipelined import PipelinedRedis, supports
 
 log = structlog.get_logger(__name__)
 
 
 def redis_client(url: str, timeout_s: float, max_connections: int = 128) -> AnyRedis:
     """A Redis client for ``url`` (one server, ``redis+sentinel://`` or ``redis+cluster://``; see
-    services/cache/connection.py) with short timeouts, no retries (an outage must cost one timeout) and a
+    services/store/connection.py) with short timeouts, no retries (an outage must cost one timeout) and a
     bounded pool: a call that finds ``max_connections`` calls in flight fails at once, like an unreachable
     Redis (the limiter's failure mode applies). Not a blocking pool: waiting for a free connection
     costs every admission ~20 µs more (a condition and a timer per call), on the path to the first token.

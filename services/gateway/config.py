@@ -7,10 +7,10 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.cache.connection import check_redis_url
 from services.common.settings import StreamingSettings
 from services.gateway.auth import parse_api_keys
 from services.gateway.policy import PolicyBook, TenantPolicy
+from services.store.connection import check_redis_url
 
 
 class GatewaySettings(StreamingSettings):
@@ -71,7 +71,7 @@ class GatewaySettings(StreamingSettings):
     redis_max_connections: int = Field(default=128, ge=1)
     """Most Redis connections the gateway opens; a call beyond them fails like a Redis outage."""
     redis_pipelined: bool = True
-    """Run the rate limiter's admit/settle scripts over one pipelined connection (services/cache/pipelined.py,
+    """Run the rate limiter's admit/settle scripts over one pipelined connection (services/store/pipelined.py,
     ~60 instead of ~150 µs of CPU per admission) when `redis_url` is a plain `redis://` URL; false = redis-py."""
     key_cache_ttl_s: float = Field(default=1.0, ge=0)
     """Seconds a stored API key's record is reused without asking Redis; also the longest a revoked

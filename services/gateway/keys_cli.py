@@ -19,10 +19,10 @@ from collections.abc import Sequence
 
 from redis.exceptions import RedisError
 
-from services.cache.connection import redis_from_url
 from services.gateway.keystore import KeyRecord, KeyStore
 from services.gateway.policy import POLICY_FIELDS
-from services.state import recorded
+from services.local.state import recorded
+from services.store.connection import redis_from_url
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 _DURATION = re.compile(r"^(\d+)([smhd])$")

@@ -1,7 +1,7 @@
 """API keys stored in Redis: created and revoked by ``meshserve keys``, looked up by the gateway.
 
 A key looks like ``msk_<key id>_<secret>``; only its SHA-256 is stored (the plaintext is shown
-once, at creation). The record is a Redis hash at :func:`services.cache.gateway_keys.api_key_record`
+once, at creation). The record is a Redis hash at :func:`services.store.gateway_keys.api_key_record`
 holding the tenant, scopes, policy overrides, creation and expiry times and a revoked flag; a
 second key maps the public key id to the digest so ``revoke``/``list`` need no plaintext. Lookup
 is by digest, then the stored digest is compared with the presented one in constant time.
@@ -21,10 +21,10 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
-from services.cache.connection import AnyRedis
-from services.cache.gateway_keys import api_key_id, api_key_id_pattern, api_key_record
 from services.gateway import scopes as api_scopes
 from services.gateway.policy import TenantPolicy
+from services.store.connection import AnyRedis
+from services.store.gateway_keys import api_key_id, api_key_id_pattern, api_key_record
 
 KEY_PREFIX = "msk_"
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")

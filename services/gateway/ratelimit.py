@@ -29,11 +29,11 @@ import structlog
 from prometheus_client import Counter
 from redis.exceptions import RedisError
 
-from services.cache.connection import AnyRedis
-from services.cache.gateway_keys import rate_limit_keys
-from services.cache.pipelined import PipelinedRedis
 from services.common.errors import ResourceExhausted, Unavailable
 from services.gateway.policy import TenantPolicy
+from services.store.connection import AnyRedis
+from services.store.gateway_keys import rate_limit_keys
+from services.store.pipelined import PipelinedRedis
 
 log = structlog.get_logger(__name__)
 
@@ -150,7 +150,7 @@ class RateLimiter:
         pipelined: PipelinedRedis | None = None,
     ) -> None:
         """``pipelined``, if given, runs the admit and settle scripts (the hot path) over one pipelined
-        connection (services/cache/pipelined.py); ``client`` serves the rest."""
+        connection (services/store/pipelined.py); ``client`` serves the rest."""
         self._client = client
         self._pipelined = pipelined
         self._admit: Any = client.register_script(ADMIT_LUA) if pipelined is None else pipelined.script(ADMIT_LUA)

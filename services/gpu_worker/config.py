@@ -9,8 +9,8 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.errors import ConfigError
-from services.common.worker.settings import WorkerSettings
-from services.models.paths import model_paths
+from services.common.model_paths import model_paths
+from services.worker.settings import WorkerSettings
 
 
 class GpuWorkerSettings(WorkerSettings):
@@ -63,7 +63,7 @@ class GpuWorkerSettings(WorkerSettings):
                 "float16 is slow and inaccurate on CPU; set MESHSERVE_GPU_WORKER_DTYPE to float32 or auto"
             )
         if self.redis_url:
-            from services.cache.connection import redis_from_url
+            from services.store.connection import redis_from_url
 
             try:
                 redis_from_url(self.redis_url, 1.0)

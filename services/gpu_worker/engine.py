@@ -1,7 +1,7 @@
 """Cloud engine: our Llama forward (model.py) behind a continuous-batching scheduler with prefix KV reuse.
 
 The worker runtime calls ``Engine.start`` and then ``step()`` from one thread per sequence
-(services/common/worker/runner.py). Here ``step()`` hands the sequence to the :class:`Scheduler`
+(services/worker/runner.py). Here ``step()`` hands the sequence to the :class:`Scheduler`
 on its first call and then waits for the batch step that produced its next token; one scheduler
 thread runs every sequence's decode steps and prefill chunks together (scheduler.py). ``close()``
 frees the sequence's KV within one step.
@@ -32,10 +32,6 @@ from prometheus_client import Counter
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, GenerationConfig
 
-from services.cache.kv import KVContext
-from services.common.worker.kv_transfer import KVExport, KVImport, KVPrefix
-from services.common.worker.runner import current_request
-from services.common.worker.types import EngineInfo, KVUsage, SamplingConfig, StepInterrupted
 from services.gpu_worker import kv_transfer
 from services.gpu_worker.blocks import BlockManager
 from services.gpu_worker.model import AllReduce, LlamaModel, Shard
@@ -43,6 +39,10 @@ from services.gpu_worker.prefix import RedisPrefixCache, chain_keys, key_digest
 from services.gpu_worker.sampler import Sampler
 from services.gpu_worker.scheduler import Forward, Scheduler, SeqState
 from services.gpu_worker.tp_kv import KVBlockIO, LocalBlocks
+from services.store.kv_blocks import KVContext
+from services.worker.kv_transfer import KVExport, KVImport, KVPrefix
+from services.worker.runner import current_request
+from services.worker.types import EngineInfo, KVUsage, SamplingConfig, StepInterrupted
 
 log = structlog.get_logger(__name__)
 

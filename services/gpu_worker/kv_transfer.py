@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
 
-from services.cache.kv import KVContext
 from services.common.errors import FailedPrecondition
-from services.common.worker.kv_transfer import KVExport, KVImport, KVPrefix
 from services.gpu_worker.prefix import RedisPrefixCache, chain_keys
+from services.store.kv_blocks import KVContext
+from services.worker.kv_transfer import KVExport, KVImport, KVPrefix
 
 if TYPE_CHECKING:
     from services.gpu_worker.engine import CloudEngine

@@ -2,7 +2,7 @@
 
 Keys come from services.cache (``KVBlockStore.keys`` / keys.kv_block_keys): the same chain key
 names a block in the local LRU and in Redis, so a prefix computed on one replica (or before a
-restart) is found by any other. ``services.cache.kv`` is asyncio code; the engine runs in threads,
+restart) is found by any other. ``services.store.kv_blocks`` is asyncio code; the engine runs in threads,
 so :class:`RedisPrefixCache` owns a private event loop thread and its own Redis client. Loads block
 the calling sequence's thread (bounded by the store's timeout), stores are fire-and-forget, at most
 ``max_pending`` at a time (each holds its blocks' tensors until Redis answers): a store beyond that is
@@ -22,11 +22,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import structlog
 from torch import Tensor
 
-from services.cache.connection import redis_from_url
-from services.cache.guard import Failed, Guard
-from services.cache.keys import kv_block_keys
-from services.cache.kv import KVBlockStore, KVContext
 from services.common.errors import Unavailable
+from services.store.connection import redis_from_url
+from services.store.guard import Failed, Guard
+from services.store.keys import kv_block_keys
+from services.store.kv_blocks import KVBlockStore, KVContext
 
 log = structlog.get_logger(__name__)
 _WRITE_BYTES = 4 << 20
@@ -51,7 +51,7 @@ def key_digest(key: str) -> bytes:
 
 
 class RedisPrefixCache:
-    """KV blocks in Redis through services.cache.kv, callable from any thread."""
+    """KV blocks in Redis through services.store.kv_blocks, callable from any thread."""
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from services.common.worker.types import SamplingConfig
+from services.worker.types import SamplingConfig
 
 _NO_IDS = cast(torch.LongTensor, torch.zeros(1, 1, dtype=torch.long))
 

@@ -22,9 +22,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from services.common.worker.types import SamplingConfig, StepInterrupted
 from services.gpu_worker.engine import CloudEngine, CloudSequence
 from services.gpu_worker.speculative import SpeculativeDecoder, draft_factory, greedy_only
+from services.worker.types import SamplingConfig, StepInterrupted
 
 
 class SpeculativeSequence:

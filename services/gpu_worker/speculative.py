@@ -46,8 +46,8 @@ import torch
 from prometheus_client import Counter, Gauge
 from torch import Tensor
 
-from services.common.worker.types import SamplingConfig, StepInterrupted
 from services.gpu_worker.plan import Segment
+from services.worker.types import SamplingConfig, StepInterrupted
 
 log = structlog.get_logger(__name__)
 

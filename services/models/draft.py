@@ -13,8 +13,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from services.common.model_paths import ModelPaths
 from services.models import prepare as prep
-from services.models.paths import ModelPaths
 
 # The measured build (docs/cloud.md): asymmetric 8-bit blocks of 32, int8 activations, untied embeddings.
 DRAFT_OPTIONS = ["block_size=32", "is_symmetric=false", "accuracy_level=4", "shared_embeddings=false"]

@@ -221,7 +221,7 @@ def as_dicts(results: list[EvalResult]) -> list[dict[str, Any]]:
 
 def default_variants(models_dir: Path | None = None, model_id: str | None = None) -> dict[str, Path]:
     """fp32 teacher, its INT4 build, and the distilled student (fp32, INT4) where they exist."""
-    from services.models.paths import DEFAULT_MODEL_ID, model_paths
+    from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
 
     paths = model_paths(model_id or DEFAULT_MODEL_ID, models_dir)
     candidates = {

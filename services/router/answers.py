@@ -4,17 +4,17 @@ The tiers run different weights under one model id (edge: the INT4 student, clou
 teacher), so one deterministic request has one answer *per tier*: every name here includes the
 tier whose weights produce the answer. The router decides that tier before the cache lookup
 (``Router.answer_tier``) and stores a finished answer under the tier that actually served it
-(``turn.store_response``). Keys themselves come from ``services.cache.keys``.
+(``turn.store_response``). Keys themselves come from ``services.store.keys``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.cache.keys import response_key
-from services.cache.store import ResponseCache
 from services.router.policy import TierName
 from services.router.turn import Session, TurnRequest
+from services.store.keys import response_key
+from services.store.response_cache import ResponseCache
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,9 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
-from services.cache.connection import check_redis_url
+from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
 from services.common.settings import StreamingSettings, default_models_dir
-from services.models.paths import DEFAULT_MODEL_ID, model_paths
+from services.store.connection import check_redis_url
 
 WorkerList = Annotated[list[str], NoDecode]
 TenantMap = Annotated[dict[str, float], NoDecode]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 
-from services.cache.keys import SamplingSpec
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.router.core import Route
 from services.router.policy import TierName
+from services.store.keys import SamplingSpec
 
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 256

@@ -24,7 +24,6 @@ from functools import partial
 
 import structlog
 
-from services.cache.store import ResponseCache
 from services.common import errors, tracing
 from services.common.interceptors import outbound_metadata
 from services.common.metrics import INTER_TOKEN, TTFT
@@ -32,7 +31,6 @@ from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.pending_admission import refusal, speculative_admission, wait_admitted
 from services.common.tokenizer import Tokenizer
-from services.router.admission import Admission, Ticket
 from services.router.answers import AnswerKeys
 from services.router.collapse import Collapser
 from services.router.metrics import COLLAPSED, FAILOVERS, REPLICA_DECISIONS, RETRIES, ROUTE_DECISIONS
@@ -46,6 +44,7 @@ from services.router.policy import (
     prefix_blocks,
 )
 from services.router.registry import Registry, Replica
+from services.router.slo_queue import Admission, Ticket
 from services.router.turn import (
     Chunk,
     Done,
@@ -71,6 +70,7 @@ from services.router.worker_stream import (
     sampling_pb,
     worker_error,
 )
+from services.store.response_cache import ResponseCache
 
 log = structlog.get_logger(__name__)
 SERVICE = "router"

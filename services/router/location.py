@@ -27,12 +27,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from services.cache.keys import SamplingSpec
-from services.cache.kv import LOCATE_MAX_BLOCKS, KVBlockStore, KVContext
 from services.common.errors import InvalidArgument, Unavailable
 from services.router.core import Router
 from services.router.policy import TierChoice, TierName
 from services.router.turn import Session, TurnRequest
+from services.store.keys import SamplingSpec
+from services.store.kv_blocks import LOCATE_MAX_BLOCKS, KVBlockStore, KVContext
 
 MAX_PROMPT_CHARS = 1 << 20
 """Longest prompt (text, or all message contents) accepted, in characters: checked before tokenizing."""

@@ -10,7 +10,7 @@ would have raised: the status the worker sent in its ``MuxEnd``, or the whole ca
 call breaks (the worker died: every stream on it fails, and the router resumes each elsewhere).
 
 Frames of all streams queued while a write was in flight leave as one message. Per stream, frames
-arrive in order; the worker bounds the streams per call (services/common/worker/mux.py).
+arrive in order; the worker bounds the streams per call (services/worker/mux.py).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ out while another replica has room. Then:
    and no replica is ever pushed above (1 + ε) times the average (rounded up).
 2. **Longest cached prefix**: the prompt is cut into blocks of ``block_tokens`` tokens, each named
    by the hash chain of all blocks up to it (:func:`prefix_blocks`: the KV cache's own scheme,
-   ``services.cache.keys.kv_block_hashes``, so they equal the hashes workers report). A replica
+   ``services.store.keys.kv_block_hashes``, so they equal the hashes workers report). A replica
    holds a block when its last load report lists it as hot (``Candidate.hot``: KV the worker really
    holds, including what other routers sent it) or the selector remembers sending it there (LRU,
    ``prefix_capacity`` blocks; the router calls :meth:`ReplicaSelector.forget` when a report in this
@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
 
-from services.cache.keys import kv_block_hashes
 from services.common.errors import Unavailable
+from services.store.keys import kv_block_hashes
 
 
 class TierName(StrEnum):

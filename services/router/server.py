@@ -9,7 +9,6 @@ from functools import partial
 import grpc
 import structlog
 
-from services.cache.store import ResponseCache
 from services.common.metrics import track_load
 from services.common.pb.meshserve.internal.v1 import registry_pb2, registry_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
@@ -17,7 +16,6 @@ from services.common.serving import RunningServer, start_server
 from services.common.tokenizer import Tokenizer
 from services.router.admin_servicer import SERVICE_NAME as ADMIN_SERVICE_NAME
 from services.router.admin_servicer import RouterAdminServicer
-from services.router.admission import Admission
 from services.router.config import RouterSettings
 from services.router.core import SERVICE, Router
 from services.router.location import PrefixLocator
@@ -25,6 +23,8 @@ from services.router.policy import ReplicaSelector, TierName
 from services.router.registry import Registry
 from services.router.registry_servicer import WorkerRegistryServicer
 from services.router.servicer import RouterServicer
+from services.router.slo_queue import Admission
+from services.store.response_cache import ResponseCache
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name

@@ -15,7 +15,6 @@ from typing import Any
 import grpc
 import structlog
 
-from services.cache.keys import SamplingSpec
 from services.common import tracing
 from services.common.coalesce import FlushWindow, coalesced
 from services.common.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted
@@ -24,6 +23,7 @@ from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
 from services.router import convert
 from services.router.core import SERVICE, Chunk, Done, Router, Session, TurnRequest
 from services.router.policy import TierName
+from services.store.keys import SamplingSpec
 
 log = structlog.get_logger(__name__)
 

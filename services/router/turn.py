@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.cache.keys import SamplingSpec
-from services.cache.store import CachedResponse, Finish, ResponseCache
 from services.common import tracing
 from services.router.policy import TierChoice, TierName
 from services.router.worker_stream import WorkerStream
+from services.store.keys import SamplingSpec
+from services.store.response_cache import CachedResponse, Finish, ResponseCache
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ from typing import Any
 
 import grpc
 
-from services.cache.keys import SamplingSpec
 from services.common import errors
 from services.common import metadata as md
 from services.common.pb.meshserve.internal.v1 import worker_pb2
@@ -16,6 +15,7 @@ from services.common.pb.meshserve.v1 import inference_pb2
 from services.router.mux import MuxChannel, MuxStream
 from services.router.mux_tcp import split_host
 from services.router.registry import Replica
+from services.store.keys import SamplingSpec
 
 # Failures before the first token that another replica may not have: retried elsewhere.
 RETRYABLE = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})

@@ -10,7 +10,7 @@ import pytest
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.mesh import DEV_API_KEY, Mesh, MeshConfig
+from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
 from tests.helpers import RedisServer
 
 API_KEY = DEV_API_KEY

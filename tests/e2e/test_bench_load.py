@@ -7,11 +7,11 @@ import json
 import random
 from pathlib import Path
 
-from benchmarks import loadbench
-from benchmarks.load import Workload, make_items
-from benchmarks.senders import grpc_sender
-from services.client import MeshClient
-from services.mesh import DEV_API_KEY, Mesh
+from benchmarks.load import bench as loadbench
+from benchmarks.load.generator import Workload, make_items
+from benchmarks.load.senders import grpc_sender
+from services.local.client import MeshClient
+from services.local.mesh import DEV_API_KEY, Mesh
 
 
 def _args(mesh: Mesh, out: Path) -> argparse.Namespace:

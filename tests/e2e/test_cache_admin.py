@@ -12,7 +12,7 @@ import pytest
 from services.cache.cli import main as cache_cli
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.mesh import Mesh
+from services.local.mesh import Mesh
 from tests.e2e.conftest import auth
 
 pytestmark = pytest.mark.e2e

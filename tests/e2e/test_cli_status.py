@@ -17,7 +17,7 @@ import pytest
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.mesh import Mesh
+from services.local.mesh import Mesh
 from tests.e2e.conftest import auth
 from tests.helpers import RedisServer
 

@@ -16,7 +16,7 @@ from openai.types.chat import ChatCompletionMessageParam
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.controlplane.frontdoor import FrontDoor
-from services.mesh import Mesh
+from services.local.mesh import Mesh
 from tests.e2e.conftest import API_KEY, _sink, worker_stub
 
 pytestmark = pytest.mark.e2e

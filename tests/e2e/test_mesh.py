@@ -14,7 +14,7 @@ from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
-from services.mesh import Mesh
+from services.local.mesh import Mesh
 from tests.e2e.conftest import auth, worker_stub
 
 pytestmark = pytest.mark.e2e

@@ -21,7 +21,7 @@ import pytest
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.mesh import Mesh, MeshConfig
+from services.local.mesh import Mesh, MeshConfig
 from tests.e2e.conftest import _sink, auth
 from tests.helpers import RedisServer
 

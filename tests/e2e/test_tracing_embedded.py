@@ -19,7 +19,7 @@ import pytest
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.mesh import Mesh, MeshConfig
+from services.local.mesh import Mesh, MeshConfig
 from tests.e2e.conftest import _sink, auth
 from tests.e2e.test_tracing import GATEWAY_RPC, WORKER_RPC, trace_of
 from tests.helpers import RedisServer

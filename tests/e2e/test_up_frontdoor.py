@@ -5,7 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from services.mesh import DEV_API_KEY, Mesh, MeshConfig
+from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
 from tests.e2e.conftest import _sink
 from tests.helpers import RedisServer
 

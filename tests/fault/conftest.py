@@ -1,5 +1,5 @@
 """A real mesh to break: its own redis-server (stopped and restarted by the tests), 2 edge workers,
-router, cache, gateway — the launcher of ``meshserve up`` (:class:`services.mesh.Mesh`).
+router, cache, gateway — the launcher of ``meshserve up`` (:class:`services.local.mesh.Mesh`).
 
 Router settings that make faults show up in seconds rather than minutes: a worker silent for
 ``STALL_TIMEOUT_S`` is treated as failed (default 30 s), ejections last at most 2 s and a re-admitted
@@ -27,7 +27,7 @@ import pytest
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.mesh import Mesh, MeshConfig, ServiceProcess
+from services.local.mesh import Mesh, MeshConfig, ServiceProcess
 from tests.e2e.conftest import auth
 from tests.e2e.test_router_failover import STORY, greedy, stats
 from tests.helpers import RedisServer, redis_server

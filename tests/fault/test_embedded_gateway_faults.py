@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from services.mesh import Mesh, MeshConfig
+from services.local.mesh import Mesh, MeshConfig
 from tests.fault.conftest import FULL, ROUTER_ENV, _sink, gateway_restart_under_load
 from tests.helpers import RedisServer
 

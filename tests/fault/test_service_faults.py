@@ -5,7 +5,7 @@ stopping Redis in the middle of a load must fail no request at all; the response
 miss. After Redis is back (empty), the limiter writes its buckets again and repeated requests hit the
 cache again. The fail-closed mode (UNAVAILABLE while Redis is down) is
 tests/integration/gateway/test_ratelimit.py; the router's cache outage with fake workers is
-tests/integration/cache/test_outage_under_load.py.
+tests/integration/store/test_outage_under_load.py.
 
 Gateway: ``kill -9`` mid-stream ends every open stream promptly with UNAVAILABLE (no hang, no frame
 after a gap), the router cancels the orphaned generations, calls while it is down fail fast with
@@ -22,9 +22,9 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
-from services.cache.gateway_keys import rate_limit_keys
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.mesh import Mesh
+from services.local.mesh import Mesh
+from services.store.gateway_keys import rate_limit_keys
 from tests.fault.conftest import FULL, STREAM_BOUND_S, Stream, auth, gateway_restart_under_load, greedy
 from tests.helpers import RedisServer
 

@@ -15,7 +15,7 @@ import signal
 
 import pytest
 
-from services.mesh import Mesh
+from services.local.mesh import Mesh
 from tests.fault.conftest import (
     FULL,
     PROMPTS,

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.mesh import DEV_API_KEY, Mesh
+from services.local.mesh import DEV_API_KEY, Mesh
 from tests.fuzz import http_raw
 from tests.fuzz.conftest import assert_no_traceback, examples, record
 

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from services.common.pb.meshserve.internal.v1 import cache_pb2, registry_pb2, router_admin_pb2, worker_pb2
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
-from services.mesh import Mesh
+from services.local.mesh import Mesh
 from tests.fuzz.conftest import examples, record
 from tests.fuzz.strategies import message
 from tests.fuzz.test_grpc_fuzz import check_error, local_write_race

@@ -1,11 +1,11 @@
-"""benchmarks/edge_cores.py's kernel mode on the real INT4 model: it times the decode calls it says it does."""
+"""benchmarks/edge/cores.py's kernel mode on the real INT4 model: it times the decode calls it says it does."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.edge_cores import kernel_table
-from services.models.paths import model_paths
+from benchmarks.edge.cores import kernel_table
+from services.common.model_paths import model_paths
 
 pytestmark = pytest.mark.integration
 

@@ -10,20 +10,20 @@ import numpy as np
 import pytest
 
 from services.cache.config import CacheSettings
-from services.cache.connection import redis_from_url
-from services.cache.guard import Guard
-from services.cache.keys import SamplingSpec, response_key
-from services.cache.kv import KVBlockStore, KVContext
 from services.cache.server import start_cache_service
-from services.cache.store import CachedResponse, Finish, ResponseCache
+from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import cache_pb2, cache_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
-from services.models.paths import model_paths
 from services.router.config import RouterSettings
 from services.router.server import start_router
+from services.store.connection import redis_from_url
+from services.store.guard import Guard
+from services.store.keys import SamplingSpec, response_key
+from services.store.kv_blocks import KVBlockStore, KVContext
+from services.store.response_cache import CachedResponse, Finish, ResponseCache
 from tests.integration.router.fake_worker import start_fake
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services import cli
-from services.state import write_state
+from services.local.state import write_state
 from tests.integration.cache.test_admin_service import TOKEN, serve
 
 pytestmark = pytest.mark.integration

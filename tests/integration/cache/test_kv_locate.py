@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
-from services.cache.connection import redis_from_url
-from services.cache.guard import Guard
-from services.cache.kv import KVBlockStore, KVContext
+from services.store.connection import redis_from_url
+from services.store.guard import Guard
+from services.store.kv_blocks import KVBlockStore, KVContext
 from tests.helpers import RedisServer, free_port
 
 pytestmark = pytest.mark.integration

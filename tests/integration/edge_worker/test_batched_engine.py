@@ -8,10 +8,10 @@ from collections.abc import Callable, Iterator
 import onnxruntime_genai as og
 import pytest
 
-from services.common.worker.types import SamplingConfig
+from services.common.model_paths import model_paths
 from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.sequence import BatchedSequence
-from services.models.paths import model_paths
+from services.worker.types import SamplingConfig
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["Name three colours.", "What is the sea?", "Tell me a short story about a cat.", "Count to five."]

@@ -10,11 +10,11 @@ import pytest
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.settings import load_settings
-from services.common.worker.app import RunningWorker
-from services.common.worker.types import SamplingConfig
 from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.config import EdgeWorkerSettings
-from services.edge_worker.servicer import start_edge_worker
+from services.edge_worker.startup import start_edge_worker
+from services.worker.app import RunningWorker
+from services.worker.types import SamplingConfig
 from tests.integration.worker_cases import WorkerCases, run_as_process
 from tests.worker_helpers import Session, stats, wait_serving
 

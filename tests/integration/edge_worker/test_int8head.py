@@ -10,11 +10,11 @@ import onnxruntime as ort
 import pytest
 from tokenizers import Tokenizer
 
+from services.common.model_paths import model_paths
 from services.edge_worker.graph import load_session
 from services.edge_worker.int8head import OUTLIER_CHANNELS, outlier_channels
 from services.models.biascorrect import CALIBRATION_TEXT
 from services.models.evaluate import HELDOUT
-from services.models.paths import model_paths
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["Name three colours.", "What is the sea?", "Tell me a short story about a cat.", "Count to five."]

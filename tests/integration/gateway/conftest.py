@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
-from services.client import MeshClient, wait_for_health
 from services.common.errors import ResourceExhausted
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
@@ -21,6 +20,7 @@ from services.gateway.admission import Gate
 from services.gateway.auth import hash_api_key
 from services.gateway.config import GatewaySettings
 from services.gateway.servicer import SERVICE_NAME
+from services.local.client import MeshClient, wait_for_health
 
 INTERNAL_TOKEN = "test-internal-token"
 KEYS = {"acme": "key-acme-123", "globex": "key-globex-456"}

@@ -1,5 +1,5 @@
 """Gateways with the router embedded in their process, as real processes, in front of one real worker
-runtime over the synthetic engine (benchmarks/instant_worker.py) and a real redis-server: the layout
+runtime over the synthetic engine (benchmarks/gateway/instant_worker.py) and a real redis-server: the layout
 ``meshserve up``, compose and Kubernetes run. The worker registers with every gateway's router by
 heartbeat, as a deployed worker does."""
 
@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.client import MeshClient, sampling_params
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
-from services.mesh import DEV_API_KEY, api_key_hash
-from services.processes import ServiceProcess, free_port
+from services.local.client import MeshClient, sampling_params
+from services.local.mesh import DEV_API_KEY, api_key_hash
+from services.local.processes import ServiceProcess, free_port
 from tests.helpers import redis_server
 
 INTERNAL = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),)
@@ -69,7 +69,7 @@ async def embedded_mesh(gateways: int = 1, token_interval_ms: int = 5) -> AsyncI
                 "MESHSERVE_INSTANT_WORKER_ROUTER_ADDRESS": ",".join(f"127.0.0.1:{p}" for p in router_ports),
                 "MESHSERVE_INSTANT_WORKER_HEARTBEAT_INTERVAL_S": "0.2",
             }
-            command = [sys.executable, "-m", "benchmarks.instant_worker"]
+            command = [sys.executable, "-m", "benchmarks.gateway.instant_worker"]
             worker = await _start(ServiceProcess("worker", command, worker_env, sink))
             for gateway in started:
                 async with MeshClient(gateway.address, DEV_API_KEY) as client:

@@ -2,7 +2,7 @@
 while a worker replica is healthy, so a load balancer sends no calls to a gateway that could only
 refuse them (one restarted before its workers' next heartbeats); NOT_SERVING again once the last
 worker has left. Real processes: the gateway(+router), the worker runtime over the synthetic engine
-(benchmarks/instant_worker.py) registering by heartbeat, Redis."""
+(benchmarks/gateway/instant_worker.py) registering by heartbeat, Redis."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.mesh import DEV_API_KEY, api_key_hash
-from services.processes import ServiceProcess, free_port
+from services.local.mesh import DEV_API_KEY, api_key_hash
+from services.local.processes import ServiceProcess, free_port
 from tests.helpers import redis_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -63,7 +63,9 @@ async def test_the_gateways_health_is_its_routers() -> None:
                 "MESHSERVE_INSTANT_WORKER_ROUTER_ADDRESS": f"127.0.0.1:{router_port}",
                 "MESHSERVE_INSTANT_WORKER_HEARTBEAT_INTERVAL_S": "0.2",
             }
-            worker = ServiceProcess("worker", [sys.executable, "-m", "benchmarks.instant_worker"], worker_env, sink)
+            worker = ServiceProcess(
+                "worker", [sys.executable, "-m", "benchmarks.gateway.instant_worker"], worker_env, sink
+            )
             await worker.spawn()
             try:
                 await worker.wait_started(120)

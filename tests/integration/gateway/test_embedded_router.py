@@ -1,6 +1,6 @@
 """The gateway with the router embedded in its process, as real processes: gateway(+router) → worker, Redis.
 
-The worker is the real worker runtime over the synthetic engine (benchmarks/instant_worker.py), paced
+The worker is the real worker runtime over the synthetic engine (benchmarks/gateway/instant_worker.py), paced
 to one token per 5 ms, and it finds the embedded router the way it finds a standalone one: it
 registers and heartbeats to the router's own port. Through the gateway's public port everything
 must behave as with a separate router: the same tokens as the worker's own output, unary and chat
@@ -18,16 +18,16 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
-from services.cache.gateway_keys import rate_limit_keys
-from services.client import MeshClient, sampling_params
+from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.tokenizer import Tokenizer
 from services.gateway.keystore import KeyStore
-from services.mesh import DEV_API_KEY
-from services.models.paths import model_paths
-from services.processes import ServiceProcess
+from services.local.client import MeshClient, sampling_params
+from services.local.mesh import DEV_API_KEY
+from services.local.processes import ServiceProcess
+from services.store.gateway_keys import rate_limit_keys
 from tests.integration.gateway.embedded import INTERNAL, embedded_mesh, greedy_request, worker_idle, worker_stats
 
 

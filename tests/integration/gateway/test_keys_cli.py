@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from services import cli
-from services.state import write_state
+from services.local.state import write_state
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,6 @@ import grpc
 import pytest
 import redis
 
-from services.cache.gateway_keys import rate_limit_keys
 from services.common import metadata as md
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
@@ -19,6 +18,7 @@ from services.gateway.__main__ import redis_client
 from services.gateway.admission import Gate
 from services.gateway.policy import TenantPolicy
 from services.gateway.ratelimit import RateLimiter
+from services.store.gateway_keys import rate_limit_keys
 from tests.helpers import redis_server
 from tests.integration.gateway.conftest import KEYS, StartFn
 
@@ -229,7 +229,7 @@ async def test_the_redis_pool_is_bounded_and_beyond_it_the_failure_mode_applies(
 async def test_the_pipelined_limiter_admits_any_number_of_concurrent_requests_over_one_connection(
     start: StartFn, redis_url: str
 ) -> None:
-    """The default: admit and settle scripts share one pipelined connection (services/cache/pipelined.py),
+    """The default: admit and settle scripts share one pipelined connection (services/store/pipelined.py),
     so 40 concurrent admissions open no more sockets, all are admitted, and every stream slot is freed."""
     client = redis.Redis.from_url(redis_url)
 

@@ -15,15 +15,15 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from benchmarks.relay import start_stack
-from services.client import MeshClient, sampling_params
+from benchmarks.gateway.relay import start_stack
+from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.common.tokenizer import Tokenizer
-from services.mesh import DEV_API_KEY
-from services.models.paths import model_paths
-from services.processes import ServiceProcess
+from services.local.client import MeshClient, sampling_params
+from services.local.mesh import DEV_API_KEY
+from services.local.processes import ServiceProcess
 
 TOKENS = 200
 PROMPTS = [f"Stream number {i} tells a story about coalesced frames." for i in range(6)]

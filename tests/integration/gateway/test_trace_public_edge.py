@@ -13,7 +13,6 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, format_span_id, format_trace_id
 
-from services.client import wait_for_health
 from services.common import tracing
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import start_server
@@ -23,6 +22,7 @@ from services.gateway.__main__ import serve
 from services.gateway.http.__main__ import serve as serve_http
 from services.gateway.http.config import HttpAdapterSettings
 from services.gateway.servicer import SERVICE_NAME
+from services.local.client import wait_for_health
 from tests.integration.gateway.conftest import INTERNAL_TOKEN, KEYS, FakeRouter, gateway_settings
 
 pytestmark = pytest.mark.integration

@@ -9,13 +9,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks import cloud_gpu
+from benchmarks.cloud import gpu as cloud_gpu
 from services.common.errors import ResourceExhausted
-from services.common.worker.types import SamplingConfig
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.model import LlamaModel, Segment, Shard
 from services.gpu_worker.prefix import RedisPrefixCache
+from services.worker.types import SamplingConfig
 
 pytestmark = pytest.mark.integration
 N = 6

@@ -16,10 +16,10 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1.inference_pb2 import FINISH_REASON_CANCELLED
 from services.common.settings import load_settings
-from services.common.worker.app import RunningWorker
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
-from services.gpu_worker.servicer import start_gpu_worker
+from services.gpu_worker.startup import start_gpu_worker
+from services.worker.app import RunningWorker
 from tests.integration.worker_cases import WorkerCases
 from tests.worker_helpers import (
     CANCEL,

@@ -10,14 +10,14 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from services.common.model_paths import model_paths
 from services.common.pb.meshserve.v1.inference_pb2 import FINISH_REASON_CANCELLED
 from services.common.settings import load_settings
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.model import LlamaModel
-from services.gpu_worker.servicer import start_gpu_worker
 from services.gpu_worker.spec_engine import SpeculativeEngine
 from services.gpu_worker.speculative import OgDraft, SpeculativeDecoder, load_draft_model
-from services.models.paths import model_paths
+from services.gpu_worker.startup import start_gpu_worker
 from tests.integration.gpu_worker.greedy import greedy
 from tests.worker_helpers import cancel_during_prefill, generate, wait_idle, wait_serving
 

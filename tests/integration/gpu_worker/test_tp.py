@@ -23,18 +23,18 @@ import torch
 from tokenizers import Tokenizer
 
 from services.cache.admin import CacheAdmin, FlushFilter
-from services.cache.keys import Kind
-from services.cache.kv import KVContext
 from services.common.errors import ConfigError
+from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
-from services.common.worker.types import SamplingConfig
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.prefix import RedisPrefixCache, chain_keys
 from services.gpu_worker.tp import RankEnv, check_degree, load_model, model_config
-from services.models.paths import model_paths
-from services.processes import ServiceProcess
+from services.local.processes import ServiceProcess
+from services.store.keys import Kind
+from services.store.kv_blocks import KVContext
+from services.worker.types import SamplingConfig
 from tests.helpers import RedisServer, free_port
 from tests.integration.gpu_worker.greedy import greedy
 from tests.worker_helpers import META, generate, wait_serving

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from services.common.model_paths import model_paths
 from services.models import distill as dist
-from services.models.paths import model_paths
 
 pytestmark = pytest.mark.integration
 

@@ -17,8 +17,8 @@ from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.serving import MAX_MESSAGE_BYTES, RunningServer, start_server
 from services.common.settings import ServiceSettings
-from services.common.worker.mux import MuxCalls, serve_mux
-from services.common.worker.mux_tcp import StreamMuxServer
+from services.worker.mux import MuxCalls, serve_mux
+from services.worker.mux_tcp import StreamMuxServer
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
@@ -63,7 +63,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return [random.randrange(3, 1003) for _ in range(n)]
 
     async def GenerateMux(self, request_iterator, context):  # type: ignore[no-untyped-def]
-        """Generate's streams on one call, as the real worker serves them (services/common/worker/mux.py)."""
+        """Generate's streams on one call, as the real worker serves them (services/worker/mux.py)."""
         self.mux_calls += 1
         async for message in serve_mux(self.Generate, request_iterator):
             yield message

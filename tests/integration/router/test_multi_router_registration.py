@@ -20,7 +20,7 @@ from services.common.serving import RunningServer
 from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
 from services.edge_worker.config import EdgeWorkerSettings
-from services.edge_worker.servicer import start_edge_worker
+from services.edge_worker.startup import start_edge_worker
 from services.router.config import RouterSettings
 from services.router.core import Router
 from services.router.server import start_router

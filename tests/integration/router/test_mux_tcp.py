@@ -1,5 +1,5 @@
 """The router's worker streams over the stream transport (services/router/mux_tcp.py): a real router,
-fake workers serving the worker runtime's own listener (services/common/worker/mux_tcp.py) over
+fake workers serving the worker runtime's own listener (services/worker/mux_tcp.py) over
 real TCP, and the fall back to gRPC's GenerateMux where a worker cannot be reached that way."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.serving import MAX_MESSAGE_BYTES
 from services.common.tokenizer import Tokenizer
-from services.common.worker.mux import MuxCalls
-from services.common.worker.mux_tcp import StreamMuxServer
+from services.worker.mux import MuxCalls
+from services.worker.mux_tcp import StreamMuxServer
 from tests.helpers import free_port
 from tests.integration.router.fake_worker import FakeWorker
 from tests.integration.router.harness import META, Mesh, final, generate, kill_mid_stream, open_mesh, request

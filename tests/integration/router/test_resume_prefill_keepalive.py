@@ -16,18 +16,18 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import pytest
 
+from services.common.model_paths import DEFAULT_MODEL_ID
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
-from services.common.worker.app import RunningWorker, start_worker
-from services.common.worker.settings import WorkerSettings
-from services.common.worker.types import EngineInfo, SamplingConfig
-from services.models.paths import DEFAULT_MODEL_ID
 from services.router.config import RouterSettings
 from services.router.server import start_router
+from services.worker.app import RunningWorker, start_worker
+from services.worker.settings import WorkerSettings
+from services.worker.types import EngineInfo, SamplingConfig
 from tests.integration.router.harness import META, TOKEN, wait_serving
-from tests.unit.common.worker.fakes import EOS, VOCAB, ByteTokenizer, FakeEngine, FakeSequence
+from tests.unit.worker.fakes import EOS, VOCAB, ByteTokenizer, FakeEngine, FakeSequence
 
 pytestmark = pytest.mark.integration
 

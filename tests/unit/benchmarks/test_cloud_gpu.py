@@ -1,11 +1,11 @@
-"""benchmarks/cloud_gpu.py: where two greedy runs part, and the report of a run with a failed section."""
+"""benchmarks/cloud/gpu.py: where two greedy runs part, and the report of a run with a failed section."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from benchmarks.cloud_gpu import first_diff, markdown
+from benchmarks.cloud.gpu import first_diff, markdown
 
 REPORT = Path(__file__).parents[3] / "docs" / "benchmarks" / "cloud_gpu.json"
 
@@ -26,7 +26,7 @@ def test_a_failed_section_is_reported_and_the_rest_still_renders() -> None:
     report = {
         "device": "cuda:0 (test)",
         "date": "today",
-        "command": "python -m benchmarks.cloud_gpu",
+        "command": "python -m benchmarks.cloud.gpu",
         "dtype": "bfloat16",
         "kv_dtype": "bfloat16",
         "torch": "x",

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from benchmarks import bench_cli
-from benchmarks.edge import _median_round, markdown, targets
+from benchmarks import cli as bench_cli
+from benchmarks.edge.mesh import _median_round, markdown, targets
 
 
 def _report(load: float, single: float, top: float, share: float) -> dict[str, Any]:
@@ -51,11 +51,11 @@ def test_targets_are_judged_and_a_busy_machine_is_flagged() -> None:
 
 
 def test_meshserve_bench_edge_is_wired() -> None:
-    assert bench_cli.SUBCOMMANDS["edge"][0] == "benchmarks.edge"
+    assert bench_cli.SUBCOMMANDS["edge"][0] == "benchmarks.edge.mesh"
 
 
 def test_unknown_in_process_engine_variants_are_refused_before_loading(tmp_path: Path) -> None:
-    from benchmarks.edge_direct import load_engine
+    from benchmarks.edge.direct import load_engine
 
     for kind in ("batched-fast", "vllm", "batched-nbitshead-8bit"):
         with pytest.raises(ValueError, match="unknown engine kind"):

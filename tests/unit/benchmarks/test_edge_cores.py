@@ -1,11 +1,11 @@
-"""benchmarks/edge_cores.py: the decode-call timer, its medians, and the targets judged per engine kind."""
+"""benchmarks/edge/cores.py: the decode-call timer, its medians, and the targets judged per engine kind."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.edge_cores import DecodeTimer, judge, summarize_calls, summary_lines
+from benchmarks.edge.cores import DecodeTimer, judge, summarize_calls, summary_lines
 
 
 @dataclass

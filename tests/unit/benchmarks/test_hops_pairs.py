@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.hops_pairs import Sample, paired, summary
+from benchmarks.gateway.hops_pairs import Sample, paired, summary
 
 
 async def test_each_path_is_paired_with_the_base_alone_and_alternated() -> None:

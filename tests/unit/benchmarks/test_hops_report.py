@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.hops_report import markdown
+from benchmarks.gateway.hops_report import markdown
 
 
 def _row(ttft_p50: float, added_p50: float | None = None, added_p99: float | None = None) -> dict[str, float]:
@@ -27,7 +27,7 @@ def test_targets_pass_and_fail_by_layout() -> None:
     report = {
         "date": "2026-11-22T00:00:00+00:00",
         "machine": {"cpus": 2, "python": "3.11", "load_avg_1m": 0.5},
-        "command": "python -m benchmarks.hops",
+        "command": "python -m benchmarks.gateway.hops",
         "max_tokens": 16,
         "latency": {
             "direct_worker": _row(2.0),
@@ -50,7 +50,7 @@ def test_targets_read_the_paired_numbers_when_the_run_has_them() -> None:
     report = {
         "date": "2026-11-23T00:00:00+00:00",
         "machine": {"cpus": 2, "python": "3.11"},
-        "command": "python -m benchmarks.hops",
+        "command": "python -m benchmarks.gateway.hops",
         "max_tokens": 16,
         "latency": {"direct_worker": _row(1.5), "gateway_embedded_router": _row(3.1, 1.6, 2.0)},
         "paired": {"gateway_embedded_router": _row(2.3, 0.9, 1.1) | {"base_ttft_p50_ms": 1.4}},

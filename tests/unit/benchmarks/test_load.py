@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from benchmarks.load import (
+from benchmarks.load.generator import (
     SHORT_PROMPTS,
     Result,
     WorkItem,

@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 
-from benchmarks import bench_cli, charts, load_report
+from benchmarks import charts
+from benchmarks import cli as bench_cli
+from benchmarks.load import report as load_report
 from benchmarks.report import NOT_MEASURED, generate
 
 
@@ -32,7 +34,7 @@ def test_report_reads_numbers_judges_them_and_names_the_command(tmp_path: Path) 
     assert "| pass |" in _row(text, "single stream, share of memory-bandwidth roofline")
     scaling = _row(text, "aggregate tok/s at 16 streams / at 1 stream")
     assert "3.50x" in scaling and "**fail**" in scaling
-    assert "`python -m benchmarks.edge`" in scaling  # the file named no command: the default one
+    assert "`python -m benchmarks.edge.mesh`" in scaling  # the file named no command: the default one
 
 
 def test_missing_files_and_numbers_are_shown_as_not_measured(tmp_path: Path) -> None:

@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from benchmarks import fake_openai
-from benchmarks.load import Workload, make_items
-from benchmarks.senders import http_sender, route_label
+from benchmarks.gateway import fake_openai
+from benchmarks.load.generator import Workload, make_items
+from benchmarks.load.senders import http_sender, route_label
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 
 

@@ -8,8 +8,8 @@ import sys
 
 import psutil
 
-from benchmarks.soak import Samples, fd_change, growth, redis_summary, sample, service_processes, verdict
-from benchmarks.soak_report import markdown
+from benchmarks.load.soak import Samples, fd_change, growth, redis_summary, sample, service_processes, verdict
+from benchmarks.load.soak_report import markdown
 
 
 def _series(values: list[float], step: float = 5.0) -> list[tuple[float, float]]:

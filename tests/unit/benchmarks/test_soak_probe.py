@@ -8,8 +8,8 @@ import socket
 import psutil
 import redis.asyncio as aioredis
 
-from benchmarks.soak import FILL_PROMPTS, fd_change, fill_items, redis_summary
-from benchmarks.soak_probe import Endpoints, LogCounter, fd_kinds, port_owners, redis_client_owners, redis_stats
+from benchmarks.load.soak import FILL_PROMPTS, fd_change, fill_items, redis_summary
+from benchmarks.load.soak_probe import Endpoints, LogCounter, fd_kinds, port_owners, redis_client_owners, redis_stats
 from services.router.servicer import _ENCODED_PROMPTS
 from tests.helpers import RedisServer
 

@@ -11,7 +11,7 @@ import pytest
 from services.common.errors import ConfigError
 from services.common.serving import start_server
 from services.gateway.config import GatewaySettings
-from services.processes import free_port
+from services.local.processes import free_port
 from services.router.config import RouterSettings
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import InvalidArgument
+from services.common.model_paths import model_paths
 from services.common.tokenizer import Tokenizer
-from services.models.paths import model_paths
 
 HF_DIR = model_paths().hf_dir
 

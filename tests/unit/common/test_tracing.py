@@ -202,7 +202,7 @@ async def test_otlp_exporter_sends_spans_to_a_collector(collector: tuple[_Collec
 def test_bad_tracing_settings_stop_a_worker_with_exit_2_and_one_line() -> None:
     # A process of its own: the worker configures logging for the whole interpreter.
     script = (
-        "from services.common.worker.app import run_worker_process\n"
+        "from services.worker.app import run_worker_process\n"
         "from services.edge_worker.config import EdgeWorkerSettings\n"
         "run_worker_process(EdgeWorkerSettings, lambda settings: object(), tier='edge')\n"
     )

@@ -9,8 +9,9 @@ import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from services import cli, launch
+from services import cli
 from services.controlplane import serve as frontdoor
+from services.local import launch
 
 # Delegated subcommands parse their own arguments; the rest parse with the top-level parser.
 _DELEGATED_PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {

@@ -18,8 +18,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
 from services.common.settings import ServiceSettings
-from services.models.paths import DEFAULT_MODEL_ID, model_paths
 from tests.unit.deploy import commands, exported_metrics, kustomize, settings_check
 
 K8S = Path(__file__).resolve().parents[3] / "deploy" / "k8s"

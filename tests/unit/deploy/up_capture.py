@@ -1,6 +1,6 @@
 """What ``meshserve up`` starts, recorded without starting anything.
 
-:func:`capture_up` runs the real launcher code path: ``services.up.run_up`` with ``meshserve up``'s
+:func:`capture_up` runs the real launcher code path: ``services.local.up.run_up`` with ``meshserve up``'s
 default arguments builds the :class:`MeshConfig`, and the real :meth:`Mesh.start` builds every child's
 argv and environment. Only the process layer is replaced: children, Redis and the front door are
 stand-ins that record what they were given and report themselves started and healthy.
@@ -17,9 +17,9 @@ from typing import Any
 from unittest import mock
 
 import services.controlplane.frontdoor as frontdoor
-import services.mesh as mesh
-import services.processes as processes
-import services.up as up
+import services.local.mesh as mesh
+import services.local.processes as processes
+import services.local.up as up
 
 
 @dataclass

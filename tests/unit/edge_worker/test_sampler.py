@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.common.worker.types import SamplingConfig
 from services.edge_worker.sampler import pick, rng_for
+from services.worker.types import SamplingConfig
 
 LOGITS = np.array([0.5, 3.0, 2.9, -1.0, 2.0, 0.0], dtype=np.float32)
 

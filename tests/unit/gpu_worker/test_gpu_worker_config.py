@@ -31,7 +31,7 @@ def test_missing_checkpoint_says_how_to_fix(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 def test_default_draft_is_int8_then_edge_int4(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from services.models.paths import model_paths
+    from services.common.model_paths import model_paths
 
     monkeypatch.setenv("MESHSERVE_MODELS_DIR", str(tmp_path))
     settings = load_settings(GpuWorkerSettings)

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from services.common.errors import FailedPrecondition
-from services.common.worker.kv_transfer import KVPrefix
 from services.gpu_worker.kv_transfer import export_prefix, import_prefix
+from services.worker.kv_transfer import KVPrefix
 
 PREFIX = KVPrefix(tuple(range(40)), "acme")
 

@@ -6,8 +6,8 @@ import socket
 
 import torch
 
-from services.cache.kv import KVContext
 from services.gpu_worker.prefix import RedisPrefixCache
+from services.store.kv_blocks import KVContext
 
 
 def test_stores_beyond_max_pending_are_skipped_while_redis_does_not_answer() -> None:

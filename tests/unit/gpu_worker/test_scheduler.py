@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from services.common.errors import ResourceExhausted
-from services.common.worker.types import SamplingConfig
 from services.gpu_worker.blocks import BlockManager
 from services.gpu_worker.model import KVCache
 from services.gpu_worker.plan import Segment
 from services.gpu_worker.sampler import Sampler
 from services.gpu_worker.scheduler import Scheduler, SeqState
+from services.worker.types import SamplingConfig
 
 VOCAB = 64
 BT = 4

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from services.common.worker.types import StepInterrupted
 from services.gpu_worker.plan import Segment
 from services.gpu_worker.speculative import AdaptiveK, SpeculativeDecoder
+from services.worker.types import StepInterrupted
 
 VOCAB = 50
 EOS = 0

@@ -13,7 +13,7 @@ from services.common.errors import ConfigError
 from services.gpu_worker.model import KVCache, LlamaConfig
 from services.gpu_worker.plan import Segment
 from services.gpu_worker.tp import RankEnv, check_degree, follow
-from services.mesh import torchrun_launcher, tp_env
+from services.local.mesh import torchrun_launcher, tp_env
 
 
 def config(heads: int = 9, kv: int = 3, mlp: int = 1536) -> LlamaConfig:

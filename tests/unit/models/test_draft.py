@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
 from services.models import draft
 from services.models import prepare as prep
-from services.models.paths import DEFAULT_MODEL_ID, model_paths
 from services.models.quantize import Int4Options
 from services.models.sources import Source
 from tests.unit.models.test_prepare import SOURCE, write_edge, write_hf

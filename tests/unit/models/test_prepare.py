@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
 from services.models import prepare as prep
-from services.models.paths import DEFAULT_MODEL_ID, model_paths
 from services.models.quantize import Int4Options
 from services.models.sources import GGUF_FILE, PrepareError, Source, default_model_id, default_source, resolve_source
 

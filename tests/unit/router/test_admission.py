@@ -5,8 +5,8 @@ import asyncio
 import pytest
 
 from services.common.errors import ResourceExhausted
-from services.router.admission import Admission
 from services.router.policy import TierName
+from services.router.slo_queue import Admission
 
 E = TierName.EDGE
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.cache.keys import SamplingSpec, scope_of
-from services.cache.store import CachedResponse, Finish
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.router.answers import AnswerKeys
 from services.router.policy import TierName
 from services.router.turn import Done, Route, Session, TurnRequest, _Progress, store_response
+from services.store.keys import SamplingSpec, scope_of
+from services.store.response_cache import CachedResponse, Finish
 
 EDGE, CLOUD = TierName.EDGE, TierName.CLOUD
 

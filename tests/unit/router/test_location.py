@@ -7,14 +7,14 @@ from typing import Any
 
 import pytest
 
-from services.cache.store import ResponseCache
 from services.common.errors import InvalidArgument
+from services.common.model_paths import model_paths
 from services.common.tokenizer import Tokenizer
-from services.models.paths import model_paths
 from services.router.core import Router
 from services.router.location import MAX_PROMPT_CHARS, PrefixLocator, RedisAnswer
 from services.router.policy import TierName, prefix_blocks
 from services.router.registry import Registry, Replica, WorkerReport
+from services.store.response_cache import ResponseCache
 from tests.helpers import free_port
 
 BT = 4

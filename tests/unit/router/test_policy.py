@@ -211,7 +211,7 @@ def test_blocks_a_replica_reports_hot_count_as_cached() -> None:
 
 
 def test_prefix_blocks_are_the_kv_cache_block_hashes() -> None:
-    from services.cache.keys import kv_block_hashes
+    from services.store.keys import kv_block_hashes
 
     tokens = list(range(40))
     ours = prefix_blocks(tokens, 16, model_id="m", model_version="v", tenant="acme")

@@ -1,0 +1,1 @@
+"""Cache benchmarks: our Redis layer against raw redis-py, exact-hit TTFT."""

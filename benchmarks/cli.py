@@ -1,0 +1,45 @@
+"""``meshserve bench [SUBCOMMAND]``: the benchmark suites.
+
+``meshserve bench load|soak|gateways|relay|cancel|report|spec|tp-prefix|edge ...`` run the harness of issue 9 and the
+cloud engine's speculative/TP benchmark (each has
+``-h``); anything else (``meshserve bench``, ``meshserve bench --only cloud``, ...) goes to
+:func:`benchmarks.mesh.run.main`, the mesh-overhead benchmark, unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Sequence
+
+SUBCOMMANDS = {
+    "load": ("benchmarks.load.bench", "open/closed-loop load with workload mixes and baselines; JSON + PNG"),
+    "soak": ("benchmarks.load.soak", "N minutes at 80 % of measured capacity; fails on RSS / fd growth > 5 %"),
+    "gateways": ("benchmarks.gateway.vs_litellm", "gateway overhead: meshserve vs LiteLLM in front of a fake backend"),
+    "relay": ("benchmarks.gateway.relay", "tokens relayed per second through gateway + router (instant worker)"),
+    "cancel": ("benchmarks.mesh.cancel", "decode steps a worker runs after the client cancels (edge and cloud)"),
+    "report": ("benchmarks.report", "write docs/benchmarks/README.md from the benchmarks' JSON files"),
+    "spec": ("benchmarks.cloud.spec", "cloud engine: speculative decoding speed-up/acceptance, TP=3 vs TP=1"),
+    "tp-prefix": ("benchmarks.cloud.tp_prefix", "TTFT with prefix KV through Redis between a TP=3 worker and TP=1"),
+    "edge": (
+        "benchmarks.edge.mesh",
+        "edge tier: single-stream roofline share, 16 vs 1 stream scaling, memory per stream",
+    ),
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
+        return int(module.main(argv[1:]) or 0)
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: meshserve bench [SUBCOMMAND] ...\n\nsubcommands:")
+        for name, (_module, text) in SUBCOMMANDS.items():
+            print(f"  {name:9} {text}")
+        print("\nwithout a subcommand: the mesh-overhead benchmark; its options:\n")
+    return int(importlib.import_module("benchmarks.mesh.run").main(argv) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

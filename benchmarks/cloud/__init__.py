@@ -1,0 +1,1 @@
+"""Cloud tier benchmarks: the engine on CPU and GPU, speculative decoding, tensor parallelism."""

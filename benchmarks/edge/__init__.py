@@ -1,0 +1,1 @@
+"""Edge tier benchmarks: through the mesh, in-process, by core count."""

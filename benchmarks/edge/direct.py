@@ -1,0 +1,123 @@
+"""The edge engine in-process (no mesh): aggregate tokens/s and CPU time per token at N streams.
+
+One thread per stream calls ``step()`` as the worker runtime does. CPU time is this process's (model
+threads included), so it is less sensitive than wall time to other jobs on a shared machine. Rounds
+of the engines compared are interleaved, and each number is the median over ``repeats`` rounds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from services.worker.types import Engine, SamplingConfig
+
+
+def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Engine:
+    if kind == "og":
+        from services.edge_worker.engine import OgEngine
+
+        return OgEngine(model_dir, model_id="bench", threads=threads)
+    from services.edge_worker.batched import BatchedEngine
+
+    # Variants, joined with '-': "batched-1row": a lone sequence decodes in one row
+    # (MESHSERVE_EDGE_WORKER_BATCH_INVARIANT=false); "batched-nbitshead": the LM head as built
+    # (LM_HEAD=nbits); "batched-spin": intra-op threads spin (INTRA_OP_SPINNING=true).
+    base, *variants = kind.split("-")
+    unknown = set(variants) - {"1row", "nbitshead", "spin"}
+    if base != "batched" or unknown:
+        raise ValueError(f"unknown engine kind {kind!r}")
+    return BatchedEngine(
+        model_dir,
+        model_id="bench",
+        threads=threads,
+        max_batch=max_batch,
+        batch_invariant="1row" not in variants,
+        lm_head="nbits" if "nbitshead" in variants else "int8",
+        spinning="spin" in variants,
+    )
+
+
+def _round(engine: Engine, prompt: list[int], streams: int, max_tokens: int) -> dict[str, float]:
+    stamps: list[list[float]] = [[] for _ in range(streams)]
+
+    def run(i: int) -> None:
+        seq = engine.start(prompt, SamplingConfig(max_tokens=max_tokens))
+        try:
+            for _ in range(max_tokens):
+                seq.step()
+                stamps[i].append(time.perf_counter())
+        finally:
+            seq.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
+    cpu, start = time.process_time(), time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    tokens = sum(len(s) for s in stamps)
+    decode = [(len(s) - 1) / (s[-1] - s[0]) for s in stamps if len(s) > 1 and s[-1] > s[0]]
+    return {
+        "aggregate_tokens_per_s": tokens / wall,
+        "cpu_ms_per_token": 1000 * cpu / tokens,
+        "decode_tokens_per_s_per_stream": statistics.median(decode) if decode else 0.0,
+    }
+
+
+def measure(
+    kinds: Sequence[str],
+    model_dir: Path,
+    prompt: list[int],
+    *,
+    threads: int,
+    counts: Sequence[int],
+    max_tokens: int,
+    repeats: int,
+) -> dict[str, list[dict[str, Any]]]:
+    """``{kind: [{streams, aggregate_tokens_per_s, cpu_ms_per_token, ...}, ...]}`` (medians)."""
+    engines = {kind: load_engine(kind, model_dir, threads, max(counts)) for kind in kinds}
+    for engine in engines.values():
+        _round(engine, prompt, 1, 4)  # warm-up
+    samples: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for _ in range(repeats):
+        for n in counts:
+            for kind, engine in engines.items():  # interleaved: both engines see the same load
+                samples.setdefault((kind, n), []).append(_round(engine, prompt, n, max_tokens))
+    out: dict[str, list[dict[str, Any]]] = {}
+    for (kind, n), rounds in samples.items():
+        row: dict[str, Any] = {"streams": n, "repeats": len(rounds)}
+        for key in rounds[0]:
+            row[key] = statistics.median(r[key] for r in rounds)
+        out.setdefault(kind, []).append(row)
+    for engine in engines.values():
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+    return out
+
+
+def markdown(direct: dict[str, list[dict[str, Any]]], roofline: float) -> list[str]:
+    lines = [
+        "",
+        "## The engine alone (in-process, no mesh; medians of interleaved rounds)",
+        "",
+        "| engine | streams | aggregate tok/s | x its single stream | CPU ms/token | decode tok/s per stream |"
+        " single stream vs roofline |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for kind, rows in direct.items():
+        base = rows[0]["aggregate_tokens_per_s"] or float("nan")
+        for r in rows:
+            share = f"{100 * r['decode_tokens_per_s_per_stream'] / roofline:.0f} %" if r["streams"] == 1 else ""
+            lines.append(
+                f"| {kind} | {r['streams']} | {r['aggregate_tokens_per_s']:.1f} | "
+                f"{r['aggregate_tokens_per_s'] / base:.2f} | {r['cpu_ms_per_token']:.1f} | "
+                f"{r['decode_tokens_per_s_per_stream']:.1f} | {share} |"
+            )
+    return lines

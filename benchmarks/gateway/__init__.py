@@ -1,0 +1,1 @@
+"""Front-door benchmarks: what the gateway, router, Envoy and tracing add; rate limiter; LiteLLM comparison."""

@@ -1,0 +1,1 @@
+"""Load generation (open/closed loop), soak runs and their reports."""

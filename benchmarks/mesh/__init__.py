@@ -1,0 +1,1 @@
+"""Whole-mesh benchmarks: what the mesh adds over a direct worker call; cancellation."""

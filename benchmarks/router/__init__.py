@@ -1,0 +1,1 @@
+"""Router benchmarks: decision cost, prefix-aware routing (simulated and with real workers)."""

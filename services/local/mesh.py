@@ -1,0 +1,376 @@
+"""`meshserve up`: the whole mesh as local processes, health-gated, one merged log, clean stop.
+
+Topology (defaults): redis-server (unless a Redis URL is given; started with ``--maxmemory`` and
+``allkeys-lru``, see docs/cache.md), router, 2 edge workers, 1 cloud worker, cache admin, gateway.
+Every service binds port 0 on loopback; its ``service_started`` log line tells us
+the port, and we wait on its gRPC health before starting what depends on it. The router starts
+first with no static worker list: the workers are given its address and register themselves by
+heartbeat (docs/router.md), so a worker that dies is dropped from routing after the heartbeat TTL.
+Ctrl-C (SIGINT) or SIGTERM stops everything, letting in-flight streams drain.
+
+:class:`Mesh` is also what the end-to-end tests and the benchmarks start, so they run exactly the
+topology users get.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from services.local.processes import (
+    LogSink,
+    ServiceProcess,
+    free_port,
+    spawn_redis,
+    stdout_sink,
+    wait_for_health,
+)
+
+DEV_API_KEY = "msk-local-dev-key"
+"""API key of the local mesh's ``dev`` tenant (override with MESHSERVE_API_KEY)."""
+
+if TYPE_CHECKING:
+    from services.controlplane.frontdoor import FrontDoor
+
+# Re-exported: launchers (front door, tests, benchmarks) import these from here.
+_free_port = free_port
+
+
+def api_key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass
+class MeshConfig:
+    """What to start. Ports are 0 (picked by the OS) unless given."""
+
+    edge_workers: int = 2
+    cloud_workers: int = 1
+    gateways: int = 1
+    """Gateway replicas. The first listens on ``gateway_port``, the others on free ports; Envoy
+    (``envoy``) balances over all of them, and their rate limits are one budget (in Redis). With the
+    router embedded each has its own router and every worker heartbeats to all of them."""
+    gateway_port: int = 0
+    redis_url: str = ""
+    """Use this Redis instead of starting one ("" = start redis-server on a free port)."""
+    redis_maxmemory: str = "512mb"
+    """``--maxmemory`` of the Redis we start (allkeys-lru evicts above it); the soak uses a small one."""
+    redis_batch: bool = True
+    """Run the Redis we start under SCHED_BATCH, so that a command does not make it preempt the
+    gateway that sent it (:func:`services.local.processes.yield_on_wakeup`)."""
+    api_key: str = DEV_API_KEY
+    edge_threads: int = 1
+    cloud_threads: int = 2
+    cloud_tp: int = 1
+    """Ranks of each cloud worker's tensor-parallel group; above 1 the worker is started by torchrun
+    (``cloud_threads`` is split between the ranks). Must divide the model's attention and KV heads."""
+    edge_max_prompt_tokens: int = 128
+    start_timeout_s: float = 240.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every service (e.g. MESHSERVE_MODELS_DIR)."""
+    envoy: bool = False
+    """Start the front door too: Envoy + the OpenAI-compatible HTTP adapter (services/controlplane)."""
+    http_port: int = 0
+    """Envoy's public port (HTTP/1.1 OpenAI API and gRPC on one port); 0 = a free port."""
+    tls_cert: str = ""
+    """PEM certificate for Envoy's listener; with ``tls_key`` the front door speaks only TLS."""
+    tls_key: str = ""
+    embed_router: bool = True
+    """Run the router inside the gateway's process (the default; MESHSERVE_GATEWAY_EMBED_ROUTER,
+    docs/gateway.md): no router process, the gateway starts first and the workers register with its
+    router port. One gRPC hop fewer per request, and about half the CPU per request of the gateway and
+    router processes together (docs/benchmarks/hops.md). ``False`` runs the router as its own process
+    (``meshserve up --split-router``), as the compose and Kubernetes deployments do."""
+
+
+class Mesh:
+    """A running local mesh. Use ``async with Mesh(config) as mesh:`` or start()/stop()."""
+
+    def __init__(self, config: MeshConfig | None = None, sink: LogSink | None = None) -> None:
+        self.config = config or MeshConfig()
+        self.sink = sink or stdout_sink()
+        self.processes: dict[str, ServiceProcess] = {}
+        self.redis_url = self.config.redis_url
+        self._redis: ServiceProcess | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self.front_door: FrontDoor | None = None
+        self._router_ports: list[int] = []  # the embedded routers' internal ports (``embed_router``)
+
+    @property
+    def gateway_address(self) -> str:
+        return self.processes["gateway"].address
+
+    @property
+    def gateway_addresses(self) -> list[str]:
+        """Every gateway replica's address, the first one's (``gateway_address``) first."""
+        return [self.processes[n].address for n in self._gateway_names()]
+
+    def _gateway_names(self) -> list[str]:
+        """The gateway replicas' process names ("gateway", "gateway-1", ...), in start order."""
+        return [n for n in self.processes if n == "gateway" or n.startswith("gateway-")]
+
+    @property
+    def router_process(self) -> ServiceProcess:
+        """The process the router runs in: its own, or the gateway's (``embed_router``)."""
+        return self.processes.get("router") or self.processes["gateway"]
+
+    @property
+    def router_address(self) -> str:
+        return self.router_addresses[0]
+
+    @property
+    def router_addresses(self) -> list[str]:
+        """Every router's internal address: the router process's, or each gateway's own (embedded)."""
+        if "router" not in self.processes:  # embedded in the gateways
+            return [f"127.0.0.1:{port}" for port in self._router_ports]
+        return [self.processes["router"].address]
+
+    @property
+    def http_base_url(self) -> str:
+        """OpenAI base URL of the front door (``MeshConfig(envoy=True)`` only)."""
+        if self.front_door is None:
+            raise RuntimeError("the front door is not running; start the mesh with MeshConfig(envoy=True)")
+        return self.front_door.base_url
+
+    @property
+    def cache_address(self) -> str:
+        return self.processes["cache"].address
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Every service's Prometheus /metrics URL, the front door's HTTP adapters included."""
+        adapters = self.front_door.adapters if self.front_door is not None else []
+        procs = [*self.processes.items(), *((a.name, a) for a in adapters)]
+        return {n: f"http://127.0.0.1:{p.metrics_port}/metrics" for n, p in procs if p.metrics_port}
+
+    def metrics_endpoints(self) -> str:
+        """`name=http://host:port/metrics` for every service that serves metrics."""
+        return " ".join(f"{name}={url}" for name, url in self.metrics_urls().items())
+
+    def describe(self) -> dict[str, object]:
+        """Addresses of the running services, which `meshserve up` records in its state file
+        (services/local/state.py) for `meshserve status`, `meshserve cache` and `meshserve keys`."""
+        metrics = self.metrics_urls()
+        return {
+            "gateway": self.gateway_address,
+            "gateways": self.gateway_addresses,
+            "router": self.router_address,
+            "cache": self.cache_address,
+            "redis": self.redis_url,
+            "metrics": metrics,
+        }
+
+    def workers(self, tier: str) -> list[ServiceProcess]:
+        """Worker processes of a tier ("edge" or "cloud"), in start order."""
+        return [p for n, p in self.processes.items() if n.startswith(f"{tier}-")]
+
+    def _env(self, **values: str | int) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.config.extra_env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update({k: str(v) for k, v in values.items()})
+        return env
+
+    def _service(
+        self,
+        name: str,
+        module: str,
+        *,
+        launcher: Sequence[str] = (),
+        settings: Mapping[str, str | int] | None = None,
+        **env: str | int,
+    ) -> ServiceProcess:
+        # Every service serves Prometheus /metrics on a free loopback port (logged in service_started).
+        prefix = "MESHSERVE_" + module.rsplit(".", 1)[-1].upper()
+        env = {f"{prefix}_METRICS_PORT": 0, **(settings or {}), **env}
+        proc = ServiceProcess(name, [sys.executable, "-m", *launcher, module], self._env(**env), self.sink)
+        self.processes[name] = proc
+        return proc
+
+    async def _start_redis(self) -> None:
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server is not installed; run `make setup` or pass --redis-url")
+        self._tmp = tempfile.TemporaryDirectory(prefix="meshserve-redis-")
+        limits = ("--maxmemory", self.config.redis_maxmemory, "--maxmemory-policy", "allkeys-lru")
+        self._redis, self.redis_url = await spawn_redis(
+            self._tmp.name, self.sink, self._env(), args=limits, batch=self.config.redis_batch
+        )
+
+    async def start(self) -> Mesh:
+        cfg = self.config
+        timeout = cfg.start_timeout_s
+        try:
+            if not self.redis_url:
+                await self._start_redis()
+            router_env: dict[str, str | int] = {
+                "MESHSERVE_ROUTER_REDIS_URL": self.redis_url,
+                "MESHSERVE_ROUTER_EDGE_MAX_PROMPT_TOKENS": cfg.edge_max_prompt_tokens,
+            }
+            gateway_env: dict[str, str | int] = {
+                "MESHSERVE_GATEWAY_API_KEYS": f"dev:{api_key_hash(cfg.api_key)}",
+                "MESHSERVE_GATEWAY_REDIS_URL": self.redis_url,  # key store (`meshserve keys`) + rate limits
+            }
+            names = ["gateway", *(f"gateway-{i}" for i in range(1, cfg.gateways))]
+            ports = [cfg.gateway_port, *([0] * (cfg.gateways - 1))]
+            gateways: list[ServiceProcess] = []
+            if cfg.embed_router:  # first: the workers register with their routers (on ports chosen here)
+                for name, port in zip(names, ports, strict=True):
+                    self._router_ports.append(free_port())
+                    settings = {
+                        **gateway_env,
+                        **router_env,
+                        "MESHSERVE_GATEWAY_PORT": port,
+                        "MESHSERVE_ROUTER_PORT": self._router_ports[-1],
+                        "MESHSERVE_GATEWAY_EMBED_ROUTER": "true",
+                    }
+                    gateways.append(self._service(name, "services.gateway", settings=settings))
+                await asyncio.gather(*(g.spawn() for g in gateways))
+                await asyncio.gather(*(g.wait_started(timeout) for g in gateways))
+            else:
+                router = self._service("router", "services.router", settings=router_env)
+                await router.spawn()  # first: the workers register with it (it serves once one has)
+                await router.wait_started(timeout)
+            router_address = self.router_address
+            routers = ",".join(self.router_addresses)  # a worker heartbeats to every one
+            workers = [
+                self._service(
+                    f"edge-{i}",
+                    "services.edge_worker",
+                    MESHSERVE_EDGE_WORKER_WORKER_ID=f"edge-{i}",
+                    MESHSERVE_EDGE_WORKER_THREADS=cfg.edge_threads,
+                    MESHSERVE_EDGE_WORKER_ROUTER_ADDRESS=routers,
+                )
+                for i in range(cfg.edge_workers)
+            ] + [
+                self._service(
+                    f"cloud-{i}",
+                    "services.gpu_worker",
+                    launcher=torchrun_launcher(cfg.cloud_tp),
+                    MESHSERVE_GPU_WORKER_WORKER_ID=f"cloud-{i}",
+                    MESHSERVE_GPU_WORKER_THREADS=max(1, cfg.cloud_threads // cfg.cloud_tp),
+                    MESHSERVE_GPU_WORKER_ROUTER_ADDRESS=routers,
+                    MESHSERVE_GPU_WORKER_REDIS_URL=self.redis_url,  # shared KV prefix cache
+                    settings=tp_env(cfg.cloud_tp),
+                )
+                for i in range(cfg.cloud_workers)
+            ]
+            await asyncio.gather(*(w.spawn() for w in workers))
+            await asyncio.gather(*(w.wait_started(timeout) for w in workers))
+            await asyncio.gather(*(w.wait_serving(timeout) for w in workers))
+            if cfg.embed_router:  # SERVING once a worker has registered
+                try:
+                    await asyncio.gather(*(wait_for_health(r, timeout) for r in self.router_addresses))
+                except TimeoutError:
+                    raise TimeoutError(
+                        f"no worker registered with the gateway's router within {timeout:.0f} s; see their logs"
+                    ) from None
+            else:
+                await router.wait_serving(timeout)
+            cache = self._service(  # cache admin service (`meshserve cache stats|flush|warm`)
+                "cache",
+                "services.cache",
+                MESHSERVE_CACHE_REDIS_URL=self.redis_url,
+                MESHSERVE_CACHE_ROUTER_ADDRESS=router_address,
+            )
+            await cache.spawn()
+            await cache.wait_started(timeout)
+            await cache.wait_serving(timeout)
+            if not cfg.embed_router:
+                for name, port in zip(names, ports, strict=True):
+                    settings = {
+                        **gateway_env,
+                        "MESHSERVE_GATEWAY_PORT": port,
+                        "MESHSERVE_GATEWAY_ROUTER_ADDRESS": router_address,
+                    }
+                    gateways.append(self._service(name, "services.gateway", settings=settings))
+                await asyncio.gather(*(g.spawn() for g in gateways))
+                await asyncio.gather(*(g.wait_started(timeout) for g in gateways))
+            await asyncio.gather(*(g.wait_serving(timeout) for g in gateways))
+            if cfg.envoy:  # last: Envoy only takes traffic once everything behind it serves
+                from services.controlplane.frontdoor import FrontDoor
+
+                self.front_door = FrontDoor(
+                    self.gateway_addresses,
+                    self.sink,
+                    http_port=cfg.http_port,
+                    tls_cert=cfg.tls_cert,
+                    tls_key=cfg.tls_key,
+                    env=cfg.extra_env,
+                    timeout_s=timeout,
+                )
+                await self.front_door.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def stop(self) -> None:
+        """Stop in order: front door, gateways, cache, workers (in parallel; each finishes its streams
+        and tells the router it leaves), router, redis. With the router in the gateways' processes
+        the gateways stop after the workers instead: their routers must be there to hear them leave
+        (new requests meanwhile get UNAVAILABLE: no worker left), and their streams finish first."""
+        if self.front_door is not None:
+            await self.front_door.stop()
+            self.front_door = None
+        gateways = self._gateway_names()
+        embedded = self.config.embed_router
+        first = ["cache"] if embedded else [*gateways, "cache"]
+        await asyncio.gather(*(self.processes[n].stop() for n in first if n in self.processes))
+        last = ["router", *gateways] if embedded else ["router"]
+        await asyncio.gather(*(p.stop() for n, p in self.processes.items() if n not in (*first, *last)))
+        await asyncio.gather(*(self.processes[n].stop() for n in last if n in self.processes))
+        if self._redis is not None:
+            await self._redis.stop()
+            self._redis = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    async def __aenter__(self) -> Mesh:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def torchrun_launcher(ranks: int) -> list[str]:
+    """``python -m`` arguments that start a module as a TP group of ``ranks`` (none for one rank).
+
+    The same launch as deploy/'s ``torchrun --standalone --nnodes=1 --nproc-per-node=N
+    --shutdown-timeout=S --no-python meshserve serve gpu-worker`` (``serve`` execs the module);
+    the shutdown timeout lets rank 0 drain before torchrun kills the ranks.
+    """
+    if ranks <= 1:
+        return []
+    return [
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes=1",
+        f"--nproc-per-node={ranks}",
+        "--shutdown-timeout=15",
+        "-m",
+    ]
+
+
+def tp_env(ranks: int) -> dict[str, str]:
+    """Keep a local TP group's gloo traffic on loopback (Linux names it ``lo``)."""
+    return {"GLOO_SOCKET_IFNAME": "lo"} if ranks > 1 and sys.platform == "linux" else {}
+
+
+def main_up(argv: Sequence[str] | None = None) -> int:
+    """`meshserve up` (services/local/up.py)."""
+    from services.local.up import main
+
+    return main(argv)
+
+
+__all__ = ["DEV_API_KEY", "Mesh", "MeshConfig", "ServiceProcess", "main_up", "wait_for_health"]
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main_up())

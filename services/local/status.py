@@ -1,0 +1,296 @@
+"""`meshserve status`: a live terminal view of the mesh.
+
+What it shows, and where each figure comes from:
+
+- replicas per tier with health, load, in-flight turns and ejections: the router's replica view
+  (``RouterAdmin.ListReplicas``, internal credential);
+- tokens/s (last few seconds) and tokens generated per replica: each worker's ``Worker.Stats``;
+- response and KV cache hit ratios and entries: the cache service's ``Cache.Stats`` (optional);
+- requests, rate-limit rejections, load shedding and errors: the services' Prometheus ``/metrics``
+  (optional; ``--metrics name=url``).
+
+Addresses default to those ``meshserve up`` records in its state file (:func:`state_path`), so
+``meshserve status`` alone watches the local mesh. ``--once`` prints one frame and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from services.common import metadata as md
+from services.common.pb.meshserve.internal.v1 import (
+    cache_pb2,
+    cache_pb2_grpc,
+    router_admin_pb2,
+    router_admin_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from services.common.pb.meshserve.v1 import inference_pb2
+from services.common.settings import DEFAULT_INTERNAL_TOKEN
+from services.local.state import read_state, state_path
+
+_TIERS = {inference_pb2.TIER_EDGE: "edge", inference_pb2.TIER_CLOUD: "cloud"}
+_CACHE_KINDS = {cache_pb2.CACHE_KIND_RESPONSE: "response", cache_pb2.CACHE_KIND_KV: "kv prefix"}
+# Prometheus counters summed into the traffic line: label -> (metric name, label filter).
+_COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
+    "rate limited": ("meshserve_rate_limit_rejections_total", {}),
+    "shed (TTFT SLO)": ("meshserve_router_shed_requests_total", {}),
+    "retries": ("meshserve_router_retries_total", {}),
+    "failovers": ("meshserve_router_failovers_total", {}),
+}
+
+
+@dataclass
+class ReplicaView:
+    """One worker replica as ``meshserve status`` shows it."""
+
+    tier: str
+    name: str
+    address: str
+    healthy: bool
+    active: int
+    queued: int
+    max_active: int
+    in_flight: int
+    ejections: int
+    self_registered: bool
+    tokens_per_s: float | None = None
+    tokens_total: int | None = None
+
+
+@dataclass
+class MeshView:
+    """One frame: everything gathered at ``taken_at``; ``problems`` lists what could not be read."""
+
+    router: str
+    router_serving: bool = False
+    replicas: list[ReplicaView] = field(default_factory=list)
+    cache: dict[str, tuple[float, int, int, int]] = field(default_factory=dict)
+    """kind -> (hit ratio, hits, misses, entries)."""
+    requests: dict[str, int] = field(default_factory=dict)
+    """Gateway requests by final status."""
+    counters: dict[str, int] = field(default_factory=dict)
+    metrics_read: bool = False
+    """At least one metrics endpoint answered (the traffic line is shown, zeros included)."""
+    problems: list[str] = field(default_factory=list)
+    taken_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
+
+
+async def _replicas(channel: grpc.aio.Channel, meta: tuple[tuple[str, str], ...], view: MeshView) -> None:
+    health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+    view.router_serving = health.status == health_pb2.HealthCheckResponse.SERVING
+    reply = await router_admin_pb2_grpc.RouterAdminStub(channel).ListReplicas(
+        router_admin_pb2.ListReplicasRequest(), metadata=meta, timeout=2.0
+    )
+    for r in reply.replicas:
+        view.replicas.append(
+            ReplicaView(
+                tier=_TIERS.get(r.tier, "?"),
+                name=r.worker_id or r.address,
+                address=r.address,
+                healthy=r.healthy,
+                active=r.active_sequences,
+                queued=r.queue_depth,
+                max_active=r.max_active_sequences,
+                in_flight=r.in_flight,
+                ejections=r.ejections,
+                self_registered=r.self_registered,
+            )
+        )
+
+
+async def _worker_stats(replica: ReplicaView, meta: tuple[tuple[str, str], ...]) -> None:
+    try:
+        async with grpc.aio.insecure_channel(replica.address) as channel:
+            stats = await worker_pb2_grpc.WorkerStub(channel).Stats(
+                worker_pb2.StatsRequest(), metadata=meta, timeout=1.0
+            )
+    except grpc.aio.AioRpcError:
+        return  # shown as "-": the router's health column already says why
+    replica.tokens_per_s = stats.recent_tokens_per_second
+    replica.tokens_total = stats.tokens_generated_total
+
+
+async def _cache(address: str, meta: tuple[tuple[str, str], ...], view: MeshView) -> None:
+    async with grpc.aio.insecure_channel(address) as channel:
+        reply = await cache_pb2_grpc.CacheStub(channel).Stats(cache_pb2.CacheStatsRequest(), metadata=meta, timeout=5.0)
+    for k in reply.kinds:
+        view.cache[_CACHE_KINDS.get(k.kind, "?")] = (k.hit_ratio, k.hits, k.misses, k.entries)
+
+
+def _add_metrics(name: str, text: str, view: MeshView) -> None:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "meshserve_request_duration_seconds_count" and sample.labels.get("service") == "gateway":
+                status = sample.labels.get("status", "?")
+                view.requests[status] = view.requests.get(status, 0) + int(sample.value)
+            for label, (metric, where) in _COUNTERS.items():
+                if sample.name == metric and all(sample.labels.get(k) == v for k, v in where.items()):
+                    view.counters[label] = view.counters.get(label, 0) + int(sample.value)
+
+
+async def gather(
+    router: str, *, cache: str = "", metrics: dict[str, str] | None = None, token: str = DEFAULT_INTERNAL_TOKEN
+) -> MeshView:
+    """Read one frame. Never raises for an unreachable part: it is listed in ``problems`` instead."""
+    view = MeshView(router=router)
+    meta = ((md.INTERNAL_TOKEN, token),)
+    try:
+        async with grpc.aio.insecure_channel(router) as channel:
+            await _replicas(channel, meta, view)
+    except grpc.aio.AioRpcError as exc:
+        view.problems.append(f"router {router}: {exc.code().name} ({exc.details()})")
+    await asyncio.gather(*(_worker_stats(r, meta) for r in view.replicas))
+    if cache:
+        try:
+            await _cache(cache, meta, view)
+        except grpc.aio.AioRpcError as exc:
+            view.problems.append(f"cache {cache}: {exc.code().name} ({exc.details()})")
+    if metrics:
+        timeout = aiohttp.ClientTimeout(total=2.0)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            for name, url in metrics.items():
+                try:
+                    async with session.get(url) as response:
+                        _add_metrics(name, await response.text(), view)
+                    view.metrics_read = True
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    view.problems.append(f"metrics {name} {url}: {type(exc).__name__}")
+    return view
+
+
+def render(view: MeshView) -> Group:
+    """The frame as rich renderables: header, replicas by tier, caches, traffic, problems."""
+    state = Text("SERVING", style="green") if view.router_serving else Text("NOT SERVING", style="red")
+    header = Text.assemble(
+        ("meshserve status", "bold"), f"  router {view.router} ", state, f"  {view.taken_at:%H:%M:%S} UTC"
+    )
+    parts: list[object] = [header]
+    for tier in ("edge", "cloud"):
+        rows = [r for r in view.replicas if r.tier == tier]
+        if not rows:
+            parts.append(Text(f"{tier}: no replicas"))
+            continue
+        up = sum(r.healthy for r in rows)
+        rate = sum(r.tokens_per_s or 0.0 for r in rows)
+        table = Table(title=f"{tier}: {up}/{len(rows)} replicas healthy, {rate:.1f} tokens/s", title_justify="left")
+        for column in (
+            "replica",
+            "address",
+            "health",
+            "load",
+            "queued",
+            "in flight",
+            "tokens/s",
+            "tokens",
+            "ejections",
+        ):
+            table.add_column(column, justify="left" if column in ("replica", "address", "health") else "right")
+        for r in rows:
+            table.add_row(
+                r.name + (" (registered)" if r.self_registered else ""),
+                r.address,
+                Text("up", style="green") if r.healthy else Text("down", style="red"),
+                f"{r.active}/{r.max_active}",
+                str(r.queued),
+                str(r.in_flight),
+                "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}",
+                "-" if r.tokens_total is None else str(r.tokens_total),
+                str(r.ejections),
+            )
+        parts.append(table)
+    if view.cache:
+        caches = Table(title="caches", title_justify="left")
+        for column in ("cache", "hit ratio", "hits", "misses", "entries"):
+            caches.add_column(column, justify="left" if column == "cache" else "right")
+        for kind, (ratio, hits, misses, entries) in view.cache.items():
+            caches.add_row(kind, f"{ratio:.1%}", str(hits), str(misses), str(entries))
+        parts.append(caches)
+    if view.requests or view.counters or view.metrics_read:
+        total = sum(view.requests.values())
+        errors = sum(n for status, n in view.requests.items() if status != "OK")
+        figures = [f"requests {total}", f"errors {errors}"] + [f"{k} {v}" for k, v in view.counters.items()]
+        figures += [f"{status} {n}" for status, n in sorted(view.requests.items()) if status != "OK"]
+        parts.append(Text("traffic: " + " · ".join(figures)))
+    for problem in view.problems:
+        parts.append(Text(f"unreachable: {problem}", style="yellow"))
+    return Group(*parts)  # type: ignore[arg-type]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshserve status", description="Live terminal view of the mesh.")
+    p.add_argument("--router", default="", help="router host:port (default: from `meshserve up`'s state file)")
+    p.add_argument("--cache", default=None, help="cache service host:port (default: from the state file)")
+    p.add_argument(
+        "--metrics",
+        nargs="*",
+        default=None,
+        metavar="NAME=URL",
+        help="Prometheus endpoints to read traffic counters from (default: from the state file)",
+    )
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default 1)")
+    p.add_argument(
+        "--internal-token",
+        default=os.environ.get("MESHSERVE_INTERNAL_TOKEN", DEFAULT_INTERNAL_TOKEN),
+        help="the mesh's internal credential (default: $MESHSERVE_INTERNAL_TOKEN or the dev token)",
+    )
+    return p
+
+
+def _targets(args: argparse.Namespace) -> tuple[str, str, dict[str, str]]:
+    state: dict[str, object] = {}
+    if not args.router or args.cache is None or args.metrics is None:
+        state = read_state()
+    router = args.router or str(state.get("router", ""))
+    if not router:
+        raise SystemExit(
+            f"meshserve status: no router address; pass --router host:port or start `meshserve up` ({state_path()})"
+        )
+    cache = args.cache if args.cache is not None else str(state.get("cache", ""))
+    if args.metrics is not None:
+        metrics = dict(item.split("=", 1) for item in args.metrics if "=" in item)
+    else:
+        recorded = state.get("metrics", {})
+        metrics = {str(k): str(v) for k, v in recorded.items()} if isinstance(recorded, dict) else {}
+    return router, cache, metrics
+
+
+async def _run(args: argparse.Namespace) -> int:
+    router, cache, metrics = _targets(args)
+
+    async def frame() -> Group:
+        return render(await gather(router, cache=cache, metrics=metrics, token=args.internal_token))
+
+    if args.once:
+        console = Console(width=None if sys.stdout.isatty() else 140)
+        console.print(await frame())
+        return 0
+    with Live(await frame(), auto_refresh=False, screen=False) as live:
+        while True:
+            await asyncio.sleep(args.interval)
+            live.update(await frame(), refresh=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return asyncio.run(_run(args))
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,232 @@
+"""`meshserve up`: start the local mesh (services/local/mesh.py), print how to use it, stop on Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterator, Sequence
+
+import grpc
+from redis.exceptions import RedisError
+
+from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
+from services.local.processes import LogSink, stdout_sink
+
+START_FAILURES = (RuntimeError, TimeoutError, OSError, RedisError, grpc.RpcError)
+"""What :meth:`Mesh.start` raises when a child dies, is slow, or a tool (redis-server, Envoy) is missing."""
+
+
+MAX_GATEWAYS = 16
+
+
+def _gateway_replicas(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 1 <= count <= MAX_GATEWAYS:
+        raise argparse.ArgumentTypeError(f"{count} gateway replicas: give 1 to {MAX_GATEWAYS}")
+    return count
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshserve up", description="Start the local mesh as processes.")
+    p.add_argument("--edge-workers", type=int, default=2, help="edge worker replicas (default 2)")
+    p.add_argument("--cloud-workers", type=int, default=1, help="cloud worker replicas (default 1)")
+    p.add_argument("--port", type=int, default=50051, help="gateway gRPC port (default 50051; 0 = any free port)")
+    p.add_argument(
+        "--gateways",
+        type=_gateway_replicas,
+        default=1,
+        help="gateway replicas behind Envoy (default 1; the first on --port, the others on free ports; "
+        "rate limits are shared through Redis)",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=os.environ.get("REDIS_URL", ""),
+        help="use this Redis (default: $REDIS_URL, else start one on a free port)",
+    )
+    p.add_argument("--edge-threads", type=int, default=1, help="intra-op threads per edge worker (default 1)")
+    p.add_argument("--cloud-threads", type=int, default=2, help="intra-op threads per cloud worker (default 2)")
+    p.add_argument(
+        "--cloud-tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks per cloud worker (default 1; torchrun; 1 or 3 for SmolLM2)",
+    )
+    p.add_argument("--http-port", type=int, default=8080, help="Envoy's HTTP/gRPC port (default 8080; 0 = any)")
+    p.add_argument("--no-envoy", action="store_true", help="do not start Envoy and the OpenAI HTTP front door")
+    p.add_argument("--tls-cert", default="", help="PEM certificate: serve TLS on Envoy's port (with --tls-key)")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    layout = p.add_mutually_exclusive_group()
+    layout.add_argument(
+        "--split-router",
+        action="store_true",
+        help="run the router as its own process, behind the gateway (one gRPC hop more; docs/gateway.md)",
+    )
+    layout.add_argument(
+        "--embed-router", action="store_true", help="run the router inside the gateway process (the default)"
+    )
+    p.add_argument("--demo", metavar="PROMPT", help="once up, stream an answer to PROMPT through the gateway")
+    p.add_argument("--exit-after-demo", action="store_true", help="stop the mesh after the demo answer")
+    return p
+
+
+class HoldingSink:
+    """The mesh's log sink, able to hold lines back while the demo answer streams, so that a service's
+    line (the gateway's ``request_done``) does not land in the middle of the answer. Held lines are
+    written, in order, when the hold ends, or once ``limit`` lines are held (the hold then ends)."""
+
+    def __init__(self, inner: LogSink, limit: int = 1000) -> None:
+        self.inner = inner
+        self.limit = limit
+        self._held: list[tuple[str, str]] | None = None
+
+    def __call__(self, name: str, line: str) -> None:
+        if self._held is None:
+            self.inner(name, line)
+            return
+        self._held.append((name, line))
+        if len(self._held) >= self.limit:
+            self._release()
+
+    def _release(self) -> None:
+        held, self._held = self._held or [], None
+        for name, line in held:
+            self.inner(name, line)
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        self._held = []
+        try:
+            yield
+        finally:
+            self._release()
+
+
+def busy_port(args: argparse.Namespace) -> str | None:
+    """One line naming the first fixed port of the mesh that is already taken on 127.0.0.1 (a mesh
+    already running, say), checked before anything starts; None when all are free."""
+    ports = [(args.port, "the gateway's", "--port")]
+    if not args.no_envoy:
+        ports.append((args.http_port, "Envoy's", "--http-port"))
+    for port, whose, flag in ports:
+        if port == 0:
+            continue
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers do: TIME_WAIT is no conflict
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return (
+                    f"meshserve up: port {port} ({whose}) is in use on 127.0.0.1; is a mesh already running "
+                    f"(`meshserve status`)? Stop it, or pass {flag} with a free port (0 picks one)"
+                )
+    return None
+
+
+async def run_up(args: argparse.Namespace) -> int:
+    if (busy := busy_port(args)) is not None:
+        print(busy, file=sys.stderr)
+        return 1
+    api_key = os.environ.get("MESHSERVE_API_KEY", DEV_API_KEY)
+    config = MeshConfig(
+        edge_workers=args.edge_workers,
+        cloud_workers=args.cloud_workers,
+        gateways=args.gateways,
+        gateway_port=args.port,
+        redis_url=args.redis_url,
+        api_key=api_key,
+        edge_threads=args.edge_threads,
+        cloud_threads=args.cloud_threads,
+        cloud_tp=args.cloud_tp,
+        envoy=not args.no_envoy,
+        http_port=args.http_port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        embed_router=not args.split_router,
+    )
+    sink = HoldingSink(stdout_sink())
+    mesh = Mesh(config, sink=sink)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print("meshserve: starting the mesh (first start loads the models)...", file=sys.stderr, flush=True)
+    failed = await _start(mesh, stop)
+    if failed is not None:
+        return failed
+    from services.local.state import write_state
+
+    state = write_state(mesh.describe())  # for `meshserve status`
+    try:
+        print(
+            f"\nmeshserve: mesh is up. gRPC gateway at {mesh.gateway_address} (API key: {api_key})\n"
+            + (
+                f"  gateway replicas: {', '.join(mesh.gateway_addresses)} (Envoy balances over them)\n"
+                if len(mesh.gateway_addresses) > 1
+                else ""
+            )
+            + f'  try: meshserve chat --address {mesh.gateway_address} "Tell me about the sea"\n'
+            f"  cache admin: meshserve cache --address {mesh.cache_address} stats\n"
+            "  API keys: meshserve keys create --tenant NAME (kept in this mesh's Redis)\n"
+            f"  metrics: {mesh.metrics_endpoints()}\n"
+            + (
+                f"  OpenAI-compatible HTTP (and gRPC) through Envoy: {mesh.http_base_url}\n"
+                if mesh.front_door is not None
+                else ""
+            )
+            + "  live view: meshserve status\n"
+            + "  Ctrl-C stops everything.\n",
+            file=sys.stderr,
+            flush=True,
+        )
+        if args.demo:
+            from services.local.client import print_stream
+
+            with sink.holding():
+                await print_stream(mesh.gateway_address, api_key, args.demo, max_tokens=96)
+            if args.exit_after_demo:
+                return 0
+        await stop.wait()
+        print("\nmeshserve: stopping (draining in-flight streams)...", file=sys.stderr, flush=True)
+        return 0
+    finally:
+        state.unlink(missing_ok=True)
+        await mesh.stop()
+
+
+async def _start(mesh: Mesh, stop: asyncio.Event) -> int | None:
+    """Start ``mesh``, or give up when ``stop`` is set first (Ctrl-C, SIGTERM) or a service fails to
+    start; either way what was started is stopped. None once the mesh is up, else the exit code: 0 when
+    stopped (as a Ctrl-C once up), 1 when a service failed (one line on stderr, no traceback)."""
+    starting = asyncio.create_task(mesh.start())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not starting.done():
+        print("\nmeshserve: stopping what has started...", file=sys.stderr, flush=True)
+        starting.cancel()  # Mesh.start stops its children on the way out
+        with contextlib.suppress(asyncio.CancelledError, *START_FAILURES):
+            await starting
+        await mesh.stop()
+        return 0
+    try:
+        starting.result()
+    except START_FAILURES as exc:  # Mesh.start has stopped everything it started
+        reason = " ".join(str(exc).split()) or f"{type(exc).__name__} while starting"  # one line
+        print(f"meshserve up: the mesh did not start: {reason}", file=sys.stderr, flush=True)
+        return 1
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return asyncio.run(run_up(args))

@@ -1,0 +1,144 @@
+"""The worker's load report: what ``Worker.Stats`` answers and every heartbeat pushes to the router.
+
+Engine-agnostic. Load (active, queued, slots) comes from admission, lifetime counters from
+:class:`~services.worker.stats.WorkerCounters`, and the KV view from the engine where it
+offers one (``kv_usage()``, ``hot_prefix_blocks()``, see ``types.py``), else from what the runtime
+itself knows:
+
+* ``kv_tokens``: context tokens of the sequences running now plus those of chats kept between turns;
+* ``hot_prefix_blocks``: block hashes (``services.store.keys.kv_block_hashes``, the scheme of the KV
+  prefix cache, salted with each request's tenant unless shareable) of the engine's prefix cache
+  first, then of the running sequences and the kept chats, most recent first, deduplicated, and cut
+  at ``max_hot_blocks`` (1024 by default: 32 KiB a report). A chain is listed from its first
+  block, so a cut keeps leading blocks.
+
+Kept chats only serve their own next turn on engines without a cross-request prefix cache (the
+edge engine), so their blocks tell the router where a chat's context lives rather than promise reuse
+to other requests; engines with a prefix cache report that cache and it comes first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from services.store.keys import kv_block_hashes
+from services.worker.runner import Runner
+from services.worker.sessions import HeldPrefix
+from services.worker.stats import CounterSnapshot
+from services.worker.types import GenerationRequest, KVUsage
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A worker's load and KV view at one moment (transport-free; the servicer converts it)."""
+
+    active_sequences: int
+    queue_depth: int
+    max_active_sequences: int
+    counters: CounterSnapshot
+    kv_used_bytes: int
+    kv_budget_bytes: int
+    kv_tokens: int
+    held_sequences: int
+    prefix_block_tokens: int
+    hot_prefix_blocks: tuple[bytes, ...]
+    model_version: str
+
+
+@dataclass(frozen=True)
+class PrefixHasher:
+    """KV block hashes of one model version at one block size (the cache's scheme)."""
+
+    model_id: str
+    model_version: str
+    block_tokens: int
+
+    def __call__(self, token_ids: Sequence[int], tenant: str, shareable: bool, limit: int | None = None) -> list[bytes]:
+        return kv_block_hashes(
+            model_id=self.model_id,
+            model_version=self.model_version,
+            tenant=tenant,
+            token_ids=token_ids,
+            block_tokens=self.block_tokens,
+            shareable=shareable,
+            limit=limit,
+        )
+
+
+class LoadReporter:
+    """Builds :class:`LoadReport` s for a runner (engine calls and hashing run in a thread)."""
+
+    def __init__(self, runner: Runner, hasher: PrefixHasher, *, max_hot_blocks: int = 1024) -> None:
+        self.runner = runner
+        self.hasher = hasher
+        self.max_hot_blocks = max_hot_blocks
+        self._warned: set[str] = set()
+
+    async def report(self) -> LoadReport:
+        """The current report; never raises for a misbehaving engine hook (it is logged once)."""
+        running = [t.request for t in self.runner.running.values()]  # read on the loop that owns it
+        return await asyncio.to_thread(self.build, running)
+
+    def build(self, running_requests: Sequence[GenerationRequest] = ()) -> LoadReport:
+        """Blocking variant of :meth:`report` (call from a thread)."""
+        runner = self.runner
+        admission = runner.admission
+        running = [HeldPrefix(r.prompt_ids + r.resume_ids, r.tenant, r.shareable) for r in running_requests]
+        held = runner.sessions.held_prefixes()
+        usage = self._engine_kv_usage()
+        return LoadReport(
+            active_sequences=admission.active,
+            queue_depth=admission.queued,
+            max_active_sequences=admission.max_active,
+            counters=runner.counters.snapshot(),
+            kv_used_bytes=usage.used_bytes if usage else 0,
+            kv_budget_bytes=usage.budget_bytes if usage else 0,
+            kv_tokens=sum(len(p.token_ids) for p in (*running, *held)),
+            held_sequences=len(held),
+            prefix_block_tokens=self.hasher.block_tokens,
+            hot_prefix_blocks=self._hot_blocks([*reversed(running), *held]),
+            model_version=self.hasher.model_version,
+        )
+
+    def _engine_kv_usage(self) -> KVUsage | None:
+        hook = getattr(self.runner.engine, "kv_usage", None)
+        if hook is None:
+            return None
+        try:
+            usage = hook()
+        except Exception:  # a report without KV usage beats no report
+            self._warn_once("kv_usage")
+            return None
+        return usage if isinstance(usage, KVUsage) else None
+
+    def _hot_blocks(self, prefixes: Iterable[HeldPrefix]) -> tuple[bytes, ...]:
+        limit = self.max_hot_blocks
+        out: dict[bytes, None] = {}
+        hook = getattr(self.runner.engine, "hot_prefix_blocks", None)
+        if hook is not None:
+            try:
+                for block in hook(self.hasher.block_tokens):
+                    if len(out) >= limit:
+                        break
+                    out.setdefault(bytes(block), None)
+            except Exception:
+                self._warn_once("hot_prefix_blocks")
+        for p in prefixes:
+            if len(out) >= limit:
+                break
+            for block in self.hasher(p.token_ids, p.tenant, p.shareable, limit=limit):
+                out.setdefault(block, None)
+                if len(out) >= limit:
+                    break
+        return tuple(out)
+
+    def _warn_once(self, hook: str) -> None:
+        if hook not in self._warned:
+            self._warned.add(hook)
+            log.exception("engine_report_hook_failed", hook=hook)

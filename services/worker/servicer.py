@@ -1,0 +1,279 @@
+"""Generic ``meshserve.internal.v1.Worker`` servicer over a :class:`Runner` (any engine).
+
+Translation only: protobuf frames -> :class:`GenerationRequest` -> runner events -> protobuf frames.
+One task reads the router's frames (starts are queued as turns, a cancel stops the turn in flight);
+the handler streams the turns in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+
+from services.common import metrics
+from services.common.errors import MeshError, ResourceExhausted
+from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.common.pb.meshserve.v1 import inference_pb2
+from services.worker import kv_transfer
+from services.worker.mux import MuxCalls, serve_mux
+from services.worker.report import LoadReport, LoadReporter, PrefixHasher
+from services.worker.runner import Runner, Turn
+from services.worker.sampling import resolve_sampling, validate_prompt
+from services.worker.sessions import ChatSession
+from services.worker.types import FinalEvent, FinishReason, GenerationRequest, QueuedEvent
+
+_FINISH = {
+    FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: inference_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP_STRING: inference_pb2.FINISH_REASON_STOP_STRING,
+    FinishReason.CANCELLED: inference_pb2.FINISH_REASON_CANCELLED,
+}
+log = structlog.get_logger(__name__)
+_TIERS = {"edge": inference_pb2.TIER_EDGE, "cloud": inference_pb2.TIER_CLOUD}
+MAX_QUEUED_STARTS = 8
+"""Turn starts one Generate stream may send ahead of the turn in progress (the router sends one at a
+time). One more stops reading the stream and ends it with RESOURCE_EXHAUSTED once that turn ends."""
+
+
+@dataclass
+class _Stream:
+    """Per-RPC state shared by the reader task and the handler."""
+
+    starts: asyncio.Queue[worker_pb2.WorkerStart | None] = field(default_factory=asyncio.Queue)
+    turn: Turn | None = None
+    cancel_next: bool = False
+    session: ChatSession | None = None
+    """KV kept between this stream's turns (chat), freed when the stream ends."""
+    overflow: bool = False
+    """The peer sent more than MAX_QUEUED_STARTS starts ahead: the stream ends instead of the next turn."""
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """The Worker service: Generate, GenerateMux, Stats, ImportKV, ExportKV. ``tier`` is "edge" or "cloud"."""
+
+    def __init__(
+        self,
+        runner: Runner,
+        *,
+        service: str,
+        tier: str,
+        worker_id: str,
+        default_max_tokens: int = 256,
+        reporter: LoadReporter | None = None,
+    ) -> None:
+        self.runner = runner
+        self.service = service
+        self.tier = tier
+        self.worker_id = worker_id
+        self.default_max_tokens = default_max_tokens
+        self.mux_calls = MuxCalls()
+        """The GenerateMux calls being served (drained when the worker stops)."""
+        self.stream_port = 0
+        """Port of the worker's stream transport (services/worker/mux_tcp.py); 0: none."""
+        self.reporter = reporter or LoadReporter(runner, PrefixHasher(runner.engine.info.model_id, "", 16))
+
+    def register(self, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
+
+    async def Stats(
+        self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerStats:
+        return await self.stats()
+
+    async def stats(self) -> worker_pb2.WorkerStats:
+        """The current load report as ``WorkerStats`` (Stats answers it, heartbeats push it)."""
+        return self.stats_pb(await self.reporter.report())
+
+    def stats_pb(self, r: LoadReport) -> worker_pb2.WorkerStats:
+        snap = r.counters
+        return worker_pb2.WorkerStats(
+            worker_id=self.worker_id,
+            tier=_TIERS[self.tier],
+            model=self.runner.engine.info.model_id,
+            active_sequences=r.active_sequences,
+            queue_depth=r.queue_depth,
+            max_active_sequences=r.max_active_sequences,
+            sequences_started_total=snap.sequences_started_total,
+            sequences_cancelled_total=snap.sequences_cancelled_total,
+            tokens_generated_total=snap.tokens_generated_total,
+            prefill_tokens_total=snap.prefill_tokens_total,
+            recent_tokens_per_second=snap.recent_tokens_per_second,
+            kv_used_bytes=r.kv_used_bytes,
+            kv_budget_bytes=r.kv_budget_bytes,
+            kv_tokens=r.kv_tokens,
+            held_sequences=r.held_sequences,
+            prefix_block_tokens=r.prefix_block_tokens,
+            hot_prefix_blocks=r.hot_prefix_blocks,
+            model_version=r.model_version,
+            prompt_tokens_total=snap.prompt_tokens_total,
+            generate_mux=True,
+            stream_port=self.stream_port,
+        )
+
+    async def ImportKV(
+        self, request: worker_pb2.KvPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KvImportResponse:
+        r = await self._kv("import", request)
+        assert isinstance(r, kv_transfer.KVImport)
+        return worker_pb2.KvImportResponse(
+            block_tokens=r.block_tokens,
+            prompt_tokens=r.prompt_tokens,
+            blocks=r.blocks,
+            blocks_held=r.held,
+            blocks_imported=r.imported,
+            redis_unavailable=r.redis_unavailable,
+        )
+
+    async def ExportKV(
+        self, request: worker_pb2.KvPrefixRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.KvExportResponse:
+        r = await self._kv("export", request)
+        assert isinstance(r, kv_transfer.KVExport)
+        return worker_pb2.KvExportResponse(
+            block_tokens=r.block_tokens,
+            prompt_tokens=r.prompt_tokens,
+            blocks=r.blocks,
+            blocks_written=r.written,
+            blocks_not_held=r.not_held,
+        )
+
+    async def _kv(
+        self, op: kv_transfer.Op, request: worker_pb2.KvPrefixRequest
+    ) -> kv_transfer.KVImport | kv_transfer.KVExport:
+        """Redis I/O and the engine's scheduler hand-off block: the whole call runs in a thread."""
+        return await asyncio.to_thread(
+            kv_transfer.run,
+            self.runner.engine,
+            op,
+            token_ids=tuple(request.prompt_token_ids),
+            text=request.prompt_text,
+            tenant=request.tenant,
+            shareable=request.shareable_prefix,
+            tier=self.tier,
+        )
+
+    async def Generate(
+        self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.WorkerResponse]:
+        stream = _Stream(session=self.runner.sessions.open())
+        reader = asyncio.create_task(self._read(request_iterator, stream))
+        try:
+            while (start := await stream.starts.get()) is not None or stream.overflow:
+                if stream.overflow:
+                    raise ResourceExhausted(
+                        f"more than {MAX_QUEUED_STARTS} turns were started ahead of the turn in progress on one stream"
+                    )
+                assert start is not None
+                async for response in self._turn(start, stream):
+                    yield response
+        finally:
+            reader.cancel()
+            if stream.turn is not None:
+                stream.turn.cancel()
+            if stream.session is not None:
+                stream.session.close()
+
+    async def GenerateMux(
+        self, request_iterator: AsyncIterator[worker_pb2.MuxRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.MuxResponse]:
+        """Many Generate streams on one call (services/worker/mux.py)."""
+        async for message in serve_mux(self.Generate, request_iterator, calls=self.mux_calls):  # type: ignore[arg-type]
+            yield message
+
+    async def _read(self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], stream: _Stream) -> None:
+        try:
+            async for request in request_iterator:
+                if request.HasField("start"):
+                    if stream.starts.qsize() >= MAX_QUEUED_STARTS:
+                        stream.overflow = True  # stop reading: the peer's frames wait in flow control
+                        return
+                    stream.starts.put_nowait(request.start)
+                elif request.HasField("cancel"):
+                    if stream.turn is not None:
+                        stream.turn.cancel()
+                    elif not stream.starts.empty():
+                        stream.cancel_next = True
+        except Exception as exc:  # the call ended under us (cancelled, reset): treat as closed
+            log.debug("worker_stream_read_ended", error=type(exc).__name__)
+        finally:
+            stream.starts.put_nowait(None)
+
+    def to_request(self, start: worker_pb2.WorkerStart) -> GenerationRequest:
+        """Validate a start frame (InvalidArgument on bad input) and resolve its sampling."""
+        info = self.runner.engine.info
+        prompt = tuple(start.prompt_token_ids)
+        resume = tuple(start.resume_token_ids)
+        validate_prompt(prompt + resume, info)
+        s = start.sampling
+        sampling = resolve_sampling(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+            stop=tuple(s.stop),
+            prompt_tokens=len(prompt),
+            info=info,
+            default_max_tokens=self.default_max_tokens,
+        )
+        return GenerationRequest(
+            prompt, sampling, resume, start.request_id, start.tenant, start.shareable_prefix, start.priority
+        )
+
+    async def _turn(self, start: worker_pb2.WorkerStart, stream: _Stream) -> AsyncIterator[worker_pb2.WorkerResponse]:
+        began = last = time.perf_counter()
+        labels = {"service": self.service, "tier": self.tier}
+        turn = self.runner.turn(self.to_request(start), stream.session)
+        stream.turn = turn
+        if stream.cancel_next:
+            stream.cancel_next = False
+            turn.cancel()
+        status = "CANCELLED"
+        sequence = 0
+        try:
+            async with aclosing(turn.events()) as events:
+                async for event in events:
+                    if isinstance(event, QueuedEvent):
+                        yield _QUEUED
+                        continue
+                    now = time.perf_counter()
+                    if isinstance(event, FinalEvent):
+                        status = "CANCELLED" if event.reason is FinishReason.CANCELLED else "OK"
+                        metrics.TOKENS.labels(**labels, direction="input").inc(event.prompt_tokens)
+                        metrics.TOKENS.labels(**labels, direction="output").inc(event.completion_tokens)
+                        yield worker_pb2.WorkerResponse(sequence=sequence, text=event.text, final=_final(event))
+                        break
+                    if sequence == 0:
+                        metrics.TTFT.labels(**labels).observe(now - began)
+                    else:
+                        metrics.INTER_TOKEN.labels(**labels).observe(now - last)
+                    last = now
+                    yield worker_pb2.WorkerResponse(sequence=sequence, token_ids=event.token_ids, text=event.text)
+                    sequence += 1
+        except MeshError as exc:
+            status = exc.code
+            raise
+        except Exception:
+            status = "INTERNAL"
+            raise
+        finally:
+            stream.turn = None
+            metrics.REQUEST_DURATION.labels(**labels, status=status).observe(time.perf_counter() - began)
+
+
+_QUEUED = worker_pb2.WorkerResponse(queued=True)
+
+
+def _final(event: FinalEvent) -> worker_pb2.WorkerFinal:
+    return worker_pb2.WorkerFinal(
+        finish_reason=_FINISH[event.reason],
+        prompt_tokens=event.prompt_tokens,
+        completion_tokens=event.completion_tokens,
+        prefill_tokens=event.prefill_tokens,
+    )

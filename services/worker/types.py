@@ -1,0 +1,169 @@
+"""Transport-free types shared by the worker runtime and the engines (no grpc, no protobuf).
+
+An :class:`Engine` owns one loaded model. ``Engine.start`` creates an :class:`EngineSequence` that
+produces one token per ``step()``; both are called only from worker threads, never from the event
+loop. Everything else (admission, detokenization, stop strings, counters) is engine-independent.
+
+Optional engine methods, found by duck typing (like ``start_chat``), feed the load report
+(``services.worker.report``); both are called from a thread, never from the event loop, so
+they may take the engine's locks but must be quick:
+
+* ``kv_usage() -> KVUsage``: KV bytes held and the engine's budget (for the router's admission).
+* ``hot_prefix_blocks(block_tokens: int) -> Sequence[bytes]``: block hashes, in the
+  ``services.store.keys.kv_block_hashes`` scheme at ``block_tokens`` per block, of prefixes whose KV
+  the engine can reuse for a *new* request (a cross-request prefix cache); each chain from its first
+  block, most recently used first. The scope (tenant, shareable) of the request being run on the
+  calling thread is :func:`services.worker.runner.current_request`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+
+class FinishReason(StrEnum):
+    """Why a generation ended (mirrors ``meshserve.v1.FinishReason``)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    STOP_STRING = "stop_string"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Resolved sampling parameters (defaults applied, ranges checked)."""
+
+    max_tokens: int
+    """Tokens to generate at most in this turn (already clamped to the context)."""
+    temperature: float = 0.0
+    """Softmax temperature; 0 means greedy (argmax) decoding."""
+    top_p: float = 1.0
+    """Nucleus probability mass in (0, 1]; 1 disables it."""
+    top_k: int = 0
+    """Sample among the k most likely tokens; 0 disables it."""
+    seed: int | None = None
+    """Seed of this sequence's own random generator; None draws a fresh one."""
+    stop: tuple[str, ...] = ()
+    """Generation stops before the first occurrence of any of these strings."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One turn to run: the full context and how to sample its continuation."""
+
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingConfig
+    resume_ids: tuple[int, ...] = ()
+    """Tokens an earlier worker already sent; prefilled after the prompt, never re-sent."""
+    request_id: str = ""
+    tenant: str = ""
+    """Tenant of the request: the salt of its KV block hashes unless ``shareable``."""
+    shareable: bool = False
+    """The request marked its prefix shareable across tenants (KV block hashes use the shared salt)."""
+    priority: int = 0
+    """Priority class from the router, 0 (default) to 9: engines that queue serve higher classes first."""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Tokens produced since the previous event and the text they released (may be empty)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    """End of a turn. ``text`` is trailing text that was held back (stop-string prefix, partial UTF-8)."""
+
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    prefill_tokens: int
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """KV memory an engine holds now (``Engine.kv_usage()``, optional)."""
+
+    used_bytes: int
+    """Bytes of KV held by live sequences, kept chats and any prefix cache."""
+    budget_bytes: int = 0
+    """The most KV bytes the engine will hold; 0 = no fixed budget."""
+
+
+@dataclass(frozen=True)
+class QueuedEvent:
+    """The turn still waits for a generation slot or for its first token (sent as a keepalive, so
+    callers can tell a queued or prefilling turn from a stalled worker)."""
+
+
+QUEUED = QueuedEvent()
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the runtime needs to know about a loaded model."""
+
+    model_id: str
+    vocab_size: int
+    context_length: int
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+class Tokenizer(Protocol):
+    """The part of ``tokenizers.Tokenizer`` the detokenizer uses."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class StepInterrupted(RuntimeError):
+    """A step ended early by ``interrupt()``: the turn was cancelled during its prefill."""
+
+
+class EngineSequence(Protocol):
+    """One generating sequence. Not thread-safe: one thread at a time calls it.
+
+    An engine may also give its sequences ``interrupt()``: callable from any thread (the event loop's
+    included: it must not wait for the model), it makes the step in flight, or the next one, raise
+    :class:`StepInterrupted` as soon as the model call in progress (one prefill chunk) has ended.
+    The runner uses it for the first step only, whose prefill of a long context can take seconds;
+    the sequence is closed afterwards.
+    """
+
+    def step(self) -> int:
+        """Run the model once (the first call prefills the context) and return the next token id."""
+        ...
+
+    def close(self) -> None:
+        """Free the sequence's KV memory. Safe to call more than once."""
+        ...
+
+
+class Engine(Protocol):
+    """A loaded model that can run several sequences, each from its own thread."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> EngineSequence:
+        """A new sequence over ``token_ids`` (nothing runs until the first ``step``).
+
+        ``replay``: tokens another worker already generated after ``token_ids`` (a resumed stream).
+        They are fed one forward pass each, as they were when decoded, so the continuation is
+        bit-for-bit the one an undisturbed run would have produced (a single prefill pass over them
+        computes slightly different numbers, which flips greedy choices at near-ties).
+        """
+        ...

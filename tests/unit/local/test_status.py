@@ -1,0 +1,75 @@
+"""`meshserve status` pieces without a mesh: rendering a frame, reading metrics, finding the mesh."""
+
+from __future__ import annotations
+
+import argparse
+import io
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from rich.console import Console
+
+from services.local.state import write_state
+from services.local.status import MeshView, ReplicaView, _add_metrics, _parser, _targets, render
+
+
+def frame(view: MeshView) -> str:
+    out = io.StringIO()
+    Console(file=out, width=140).print(render(view))
+    return out.getvalue()
+
+
+def test_frame_groups_replicas_by_tier_with_health_load_and_tokens() -> None:
+    view = MeshView(router="127.0.0.1:7000", router_serving=True)
+    view.replicas = [
+        ReplicaView("edge", "edge-0", "127.0.0.1:7001", True, 1, 0, 4, 1, 0, False, 12.5, 340),
+        ReplicaView("edge", "edge-1", "127.0.0.1:7002", False, 0, 0, 4, 0, 2, True),
+        ReplicaView("cloud", "cloud-0", "127.0.0.1:7003", True, 0, 2, 8, 0, 0, False, 3.0, 96),
+    ]
+    view.cache = {"response": (0.25, 3, 9, 4)}
+    view.requests = {"OK": 12, "RESOURCE_EXHAUSTED": 2}
+    view.counters = {"rate limited": 2}
+    view.problems = ["cache 127.0.0.1:1: UNAVAILABLE (connection refused)"]
+    text = frame(view)
+    assert "router 127.0.0.1:7000 SERVING" in text
+    assert "edge: 1/2 replicas healthy, 12.5 tokens/s" in text and "cloud: 1/1 replicas healthy, 3.0 tokens/s" in text
+    cells = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+        for line in text.splitlines()
+        if line.startswith("│")
+    }
+    assert cells["edge-0"] == ["127.0.0.1:7001", "up", "1/4", "0", "1", "12.5", "340", "0"]
+    assert cells["edge-1 (registered)"] == ["127.0.0.1:7002", "down", "0/4", "0", "0", "-", "-", "2"]
+    assert cells["response"] == ["25.0%", "3", "9", "4"]
+    assert "traffic: requests 14 · errors 2 · rate limited 2 · RESOURCE_EXHAUSTED 2" in text
+    assert "unreachable: cache 127.0.0.1:1: UNAVAILABLE" in text
+
+
+def test_frame_of_a_router_that_does_not_answer_says_so() -> None:
+    text = frame(MeshView(router="127.0.0.1:1", problems=["router 127.0.0.1:1: UNAVAILABLE (refused)"]))
+    assert "NOT SERVING" in text and "edge: no replicas" in text and "unreachable: router" in text
+
+
+def test_traffic_counters_are_read_from_prometheus_text() -> None:
+    registry = CollectorRegistry()
+    duration = Histogram("meshserve_request_duration_seconds", "d", ["service", "tier", "status"], registry=registry)
+    rejected = Counter("meshserve_rate_limit_rejections_total", "r", ["service", "tenant", "reason"], registry=registry)
+    for status in ("OK", "OK", "RESOURCE_EXHAUSTED"):
+        duration.labels("gateway", "edge", status).observe(0.1)
+    duration.labels("router", "edge", "OK").observe(0.1)  # not the gateway: not counted twice
+    rejected.labels("gateway", "a", "requests").inc(2)
+    rejected.labels("gateway", "b", "tokens").inc()
+    view = MeshView(router="r")
+    _add_metrics("gateway", generate_latest(registry).decode(), view)
+    assert view.requests == {"OK": 2, "RESOURCE_EXHAUSTED": 1}
+    assert view.counters == {"rate limited": 3}
+
+
+def test_addresses_come_from_up_state_file_unless_given(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHSERVE_STATE_FILE", str(tmp_path / "mesh.json"))
+    with pytest.raises(SystemExit, match="no router address; pass --router"):
+        _targets(_parser().parse_args([]))
+    write_state({"router": "127.0.0.1:7000", "cache": "127.0.0.1:7100", "metrics": {"gateway": "http://x/metrics"}})
+    assert _targets(_parser().parse_args([])) == ("127.0.0.1:7000", "127.0.0.1:7100", {"gateway": "http://x/metrics"})
+    args: argparse.Namespace = _parser().parse_args(["--router", "h:1", "--cache", "", "--metrics", "r=http://y"])
+    assert _targets(args) == ("h:1", "", {"r": "http://y"})
