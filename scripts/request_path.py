@@ -62,14 +62,15 @@ INFRASTRUCTURE_NAMES = frozenset(
 
 # Runs inside each launched process (``python -c BOOTSTRAP module``) before the service's first import.
 BOOTSTRAP = r"""
-import json, os, runpy, signal, sys, threading
+import json, os, runpy, signal, sys, threading, time
 _out = os.environ["REQUEST_PATH_RECORD"]
-_codes = set()
+_codes = {}  # code object -> when it was first called in the window (CLOCK_MONOTONIC, shared by processes)
 _state = [False]
+_now = time.monotonic
 
 def _hook(frame, event, arg):
-    if _state[0] and event == "call":
-        _codes.add(frame.f_code)
+    if _state[0] and event == "call" and frame.f_code not in _codes:
+        _codes[frame.f_code] = _now()
 
 def _start(signum, frame):
     _codes.clear()
@@ -79,7 +80,7 @@ def _start(signum, frame):
 
 def _stop(signum, frame):
     _state[0] = False
-    seen = sorted({(c.co_filename, c.co_qualname) for c in _codes})
+    seen = [(c.co_filename, c.co_qualname, t) for c, t in _codes.items()]
     with open(_out + ".tmp", "w") as f:
         json.dump(seen, f)
     os.replace(_out + ".tmp", _out)
@@ -96,20 +97,27 @@ runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 @dataclass
 class Recorded:
-    """Files (relative to the tree) and the functions called in each, in one recording window."""
+    """Files (relative to the tree) and the functions called in each, in one recording window;
+    ``late``: files whose first call came after ``cutoff`` (the client had its first token by then)."""
 
     functions: dict[str, list[str]] = field(default_factory=dict)
+    late: dict[str, list[str]] = field(default_factory=dict)
 
     @classmethod
-    def from_pairs(cls, tree: Path, pairs: list[list[str]]) -> Recorded:
+    def from_rows(cls, tree: Path, rows: list[list[Any]], cutoff: float = float("inf")) -> Recorded:
+        """``rows``: [filename, qualname, first call time] per function called in the window."""
         root = str(tree.resolve() / "services") + os.sep
         functions: dict[str, set[str]] = {}
-        for filename, qualname in pairs:
+        first: dict[str, float] = {}
+        for filename, qualname, when in rows:
             path = os.path.realpath(filename)
             if path.startswith(root):
                 rel = os.path.relpath(path, tree.resolve())
                 functions.setdefault(rel, set()).add(qualname)
-        return cls({f: sorted(q) for f, q in sorted(functions.items())})
+                first[rel] = min(first.get(rel, when), when)
+        on_time = {f: sorted(q) for f, q in sorted(functions.items()) if first[f] <= cutoff}
+        late = {f: sorted(q) for f, q in sorted(functions.items()) if first[f] > cutoff}
+        return cls(on_time, late)
 
     @property
     def files(self) -> set[str]:
@@ -133,7 +141,9 @@ def by_package(files: set[str]) -> dict[str, list[str]]:
     return packages
 
 
-def summarize(tree: str, commit: str, sides: dict[str, Recorded], idle: dict[str, Recorded]) -> dict[str, Any]:
+def summarize(
+    tree: str, commit: str, sides: dict[str, Recorded], idle: dict[str, Recorded], command: str = ""
+) -> dict[str, Any]:
     """The report's content: per side and together, all files and the files less infrastructure."""
     union = set().union(*(r.files for r in sides.values()))
     noise = set().union(*(r.files for r in idle.values()))
@@ -141,6 +151,8 @@ def summarize(tree: str, commit: str, sides: dict[str, Recorded], idle: dict[str
     return {
         "tree": tree,
         "commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "command": command,
         "total_files": len(union),
         "files_excluding_infrastructure": len(core),
         "sides": {
@@ -149,12 +161,14 @@ def summarize(tree: str, commit: str, sides: dict[str, Recorded], idle: dict[str
                 "files_excluding_infrastructure": len([f for f in rec.files if not is_infrastructure(f)]),
                 "by_package": by_package(rec.files),
                 "functions": rec.functions,
+                "after_first_token": rec.late,
             }
             for name, rec in sides.items()
         },
         "all_by_package": by_package(union),
         "core_by_package": by_package(core),
         "infrastructure": sorted(union - core),
+        "after_first_token_files": sorted(set().union(*(r.late for r in sides.values())) - union),
         "idle_window_files": sorted(noise),
         "request_files_also_seen_idle": sorted(union & noise),
     }
@@ -167,6 +181,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         "Files under `services/` with a Python function called between switching recording on and the",
         "first token frame of ONE public `Generate` (greedy, max_tokens=1), gateway with the router",
         "embedded + one edge worker, real processes (`scripts/request_path.py`).",
+        f"Measured {report['date']}" + (f" with `{report['command']}`." if report["command"] else "."),
         "",
         f"- **Total files (both processes, each file once): {report['total_files']}**",
         f"- **Files excluding cross-cutting infrastructure: {report['files_excluding_infrastructure']}**"
@@ -174,9 +189,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "",
     ]
     for name, side in report["sides"].items():
-        lines.append(
-            f"## {name} process: {side['files']} files ({side['files_excluding_infrastructure']} excluding infrastructure)"
-        )
+        core = side["files_excluding_infrastructure"]
+        lines.append(f"## {name} process: {side['files']} files ({core} excluding infrastructure)")
         lines.append("")
         for package, files in side["by_package"].items():
             lines.append(f"- `{package}/`: {', '.join(files)}")
@@ -187,6 +201,12 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines.append("")
     lines.append("## Noise check")
     lines.append("")
+    if report["after_first_token_files"]:
+        lines.append(
+            "Not counted: first called only after the client had the first token frame (work after the token, "
+            "still inside the window): " + ", ".join(f"`{f}`" for f in report["after_first_token_files"]) + "."
+        )
+        lines.append("")
     lines.append(
         "An idle window of the same length with no request in flight touched: "
         + (", ".join(f"`{f}`" for f in report["idle_window_files"]) or "no file")
@@ -201,6 +221,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     for extra in report.get("notes", []):
         lines.append("")
         lines.append(extra)
+    lines.append("")
+    lines.append("## Functions called, per file")
+    for name, side in report["sides"].items():
+        lines.append("")
+        lines.append(f"### {name} process")
+        lines.append("")
+        for path, functions in side["functions"].items():
+            lines.append(f"- `{path}`: {', '.join(f'`{q}`' for q in functions)}")
     lines.append("")
     return "\n".join(lines)
 
@@ -287,14 +315,15 @@ class Recorders:
         for s in self.services:
             wait_file(Path(f"{s.record}.on"))
 
-    def off(self) -> dict[str, Recorded]:
+    def off(self, cutoff: float = float("inf")) -> dict[str, Recorded]:
+        """Recording off; files first touched after ``cutoff`` (time.monotonic()) go to ``late``."""
         for s in self.services:
             s.signal(signal.SIGUSR2)
         seen = {}
         for s in self.services:
             assert s.record is not None
             wait_file(s.record)
-            seen[s.name] = Recorded.from_pairs(self.tree, json.loads(s.record.read_text()))
+            seen[s.name] = Recorded.from_rows(self.tree, json.loads(s.record.read_text()), cutoff)
         return seen
 
 
@@ -418,14 +447,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     recorders.on()
                     call = stub.Generate(request(), metadata=metadata, timeout=60)
                     first = next(f for f in call if f.token_ids)
-                    trials.append(recorders.off())
+                    trials.append(recorders.off(cutoff=time.monotonic()))
                     list(call)  # drain the rest of the stream outside the window
                     if not first.token_ids:
                         raise RuntimeError("the measured request produced no token")
         finally:
             for s in reversed(services):
                 s.stop()
-    report = summarize(str(tree), git_commit(tree), trials[0], idle)
+    command = f"python scripts/request_path.py --tree {args.tree}"
+    report = summarize(str(tree), git_commit(tree), trials[0], idle, command)
     if not report["total_files"]:
         raise RuntimeError(f"no file under {tree}/services was recorded: did the services import from elsewhere?")
     other = [summarize(str(tree), "", t, idle) for t in trials[1:]]
