@@ -40,10 +40,11 @@ from benchmarks.cache_report import BLOCK_SHAPE, markdown
 from benchmarks.stats import percentile
 from services.cache.connection import redis_from_url
 from services.cache.guard import Guard
-from services.cache.keys import SamplingSpec, response_key
+from services.cache.keys import response_key
 from services.cache.kv import KVBlockStore, KVContext
 from services.cache.ledger import account_script
 from services.cache.store import CachedResponse, Finish, ResponseCache
+from services.common.sampling import SamplingParams
 
 CHAIN = 32
 
@@ -89,7 +90,7 @@ async def bench_responses(url: str, n: int) -> dict[str, object]:
         model_version="v",
         tier="edge",
         tokenizer_id="t",
-        sampling=SamplingSpec(max_tokens=128),
+        sampling=SamplingParams(max_tokens=128),
         prompt_ids=list(range(40)),
         tenant="bench",
     )

@@ -23,10 +23,11 @@ from typing import ClassVar
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.common.worker.app import run_worker_process
 from services.common.worker.settings import WorkerSettings
-from services.common.worker.types import EngineInfo, SamplingConfig
+from services.common.worker.types import EngineInfo
 from services.models.paths import model_paths
 
 # Ordinary word-piece ids of SmolLM2's vocabulary (ASCII words), cycled through deterministically.
@@ -81,7 +82,7 @@ class InstantEngine:
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> _Sequence:
+    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> _Sequence:
         return _Sequence(sum(token_ids) % len(_WORDS), len(replay), self._interval_s)
 
 

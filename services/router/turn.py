@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from services.cache.keys import SamplingSpec
 from services.cache.store import CachedResponse, Finish, ResponseCache
 from services.common import tracing
+from services.common.sampling import SamplingParams
 from services.router.policy import TierChoice, TierName
 from services.router.worker_stream import WorkerStream
 
@@ -45,7 +45,7 @@ class TurnRequest:
     """One generation to serve: prompt ids already validated against the context length."""
 
     prompt_ids: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     hint: TierName | None
     use_cache: bool
     shareable: bool

@@ -12,13 +12,14 @@ import pytest
 from services.cache.config import CacheSettings
 from services.cache.connection import redis_from_url
 from services.cache.guard import Guard
-from services.cache.keys import SamplingSpec, response_key
+from services.cache.keys import response_key
 from services.cache.kv import KVBlockStore, KVContext
 from services.cache.server import start_cache_service
 from services.cache.store import CachedResponse, Finish, ResponseCache
 from services.common.pb.meshserve.internal.v1 import cache_pb2, cache_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.sampling import SamplingParams
 from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
 from services.models.paths import model_paths
@@ -39,7 +40,7 @@ def rkey(tenant: str, version: str = "v1", shareable: bool = False, prompt: int 
         model_version=version,
         tier="edge",
         tokenizer_id="t",
-        sampling=SamplingSpec(max_tokens=2),
+        sampling=SamplingParams(max_tokens=2),
         prompt_ids=[prompt, 1, 2],
         tenant=tenant,
         shareable=shareable,

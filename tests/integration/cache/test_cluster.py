@@ -18,9 +18,10 @@ from redis.exceptions import ResponseError
 from services.cache.codec import CachedResponse, Finish
 from services.cache.connection import redis_from_url
 from services.cache.guard import Guard
-from services.cache.keys import SamplingSpec, response_key, scope_of
+from services.cache.keys import response_key, scope_of
 from services.cache.kv import KVBlockStore, KVContext
 from services.cache.store import ResponseCache
+from services.common.sampling import SamplingParams
 from tests.helpers import redis_cluster_node
 
 pytestmark = pytest.mark.integration
@@ -56,7 +57,7 @@ async def test_response_put_and_get_on_cluster(guard: Guard) -> None:
         model_version="v",
         tier="edge",
         tokenizer_id="t",
-        sampling=SamplingSpec(max_tokens=2),
+        sampling=SamplingParams(max_tokens=2),
         prompt_ids=[1, 2],
         tenant="acme",
     )

@@ -27,7 +27,7 @@ from services.cache.keys import Kind
 from services.cache.kv import KVContext
 from services.common.errors import ConfigError
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
-from services.common.worker.types import SamplingConfig
+from services.common.sampling import SamplingParams
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.model import LlamaModel
@@ -159,7 +159,7 @@ def _tp1_engine(redis_url: str) -> CloudEngine:
 
 
 def _engine_greedy(engine: CloudEngine, ids: list[int]) -> list[int]:
-    seq = engine.start(ids, SamplingConfig(max_tokens=MAX_TOKENS))
+    seq = engine.start(ids, SamplingParams(max_tokens=MAX_TOKENS))
     out: list[int] = []
     try:
         while len(out) < MAX_TOKENS and EOS not in out:

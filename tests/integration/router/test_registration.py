@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from services.cache.keys import SamplingSpec
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.sampling import SamplingParams
 from services.common.serving import RunningServer
 from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
@@ -138,7 +138,7 @@ async def test_workers_register_get_traffic_and_their_hot_prefix_reaches_the_pol
 
         req = TurnRequest(
             prompt_ids=[*prompt, *prompt[:20]],
-            sampling=SamplingSpec(max_tokens=4),
+            sampling=SamplingParams(max_tokens=4),
             hint=TierName.EDGE,
             use_cache=False,
             shareable=False,
