@@ -41,10 +41,10 @@ def edge_engine() -> Any:
 
 def edge_continuation(ids: list[int], max_tokens: int) -> list[int]:
     """Greedy tokens of the edge engine after ``ids`` (trailing EOS dropped)."""
-    from services.worker.types import SamplingConfig
+    from services.common.sampling import SamplingParams
 
     engine = edge_engine()
-    seq = engine.start(ids, SamplingConfig(max_tokens=max_tokens))
+    seq = engine.start(ids, SamplingParams(max_tokens=max_tokens))
     out: list[int] = []
     try:
         while len(out) < max_tokens and (not out or out[-1] != EOS):

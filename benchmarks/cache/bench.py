@@ -38,9 +38,10 @@ import redis.asyncio as aioredis
 from benchmarks.cache.ab import ab_latency, ab_throughput
 from benchmarks.cache.report import BLOCK_SHAPE, markdown
 from benchmarks.stats import percentile
+from services.common.sampling import SamplingParams
 from services.store.connection import redis_from_url
 from services.store.guard import Guard
-from services.store.keys import SamplingSpec, response_key
+from services.store.keys import response_key
 from services.store.kv_blocks import KVBlockStore, KVContext
 from services.store.ledger import account_script
 from services.store.response_cache import CachedResponse, Finish, ResponseCache
@@ -89,7 +90,7 @@ async def bench_responses(url: str, n: int) -> dict[str, object]:
         model_version="v",
         tier="edge",
         tokenizer_id="t",
-        sampling=SamplingSpec(max_tokens=128),
+        sampling=SamplingParams(max_tokens=128),
         prompt_ids=list(range(40)),
         tenant="bench",
     )

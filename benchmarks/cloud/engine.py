@@ -37,9 +37,9 @@ import torch
 
 from benchmarks.cache.bench import start_redis
 from services.common.model_paths import model_paths
+from services.common.sampling import SamplingParams
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.prefix import RedisPrefixCache
-from services.worker.types import SamplingConfig
 
 TOPICS = [
     "the water cycle", "how bread rises", "why the sky is blue", "the history of the printing press",
@@ -76,7 +76,7 @@ def ours(engine: CloudEngine, prompts: list[list[int]], n: int) -> tuple[int, Ti
     counts = [0] * len(prompts)
 
     def one(i: int) -> None:
-        seq = engine.start(prompts[i], SamplingConfig(max_tokens=n))
+        seq = engine.start(prompts[i], SamplingParams(max_tokens=n))
         try:
             for _ in range(n):
                 counts[i] += 1
@@ -144,7 +144,7 @@ def throughput(engine: CloudEngine, model: Any, prompts: list[list[int]], n: int
 
 
 def ttft(engine: CloudEngine, ids: list[int]) -> tuple[float, int]:
-    seq = engine.start(ids, SamplingConfig(max_tokens=1))
+    seq = engine.start(ids, SamplingParams(max_tokens=1))
     started = time.perf_counter()
     try:
         seq.step()

@@ -37,9 +37,9 @@ import torch
 
 from services.common.errors import ResourceExhausted
 from services.common.model_paths import model_paths
+from services.common.sampling import SamplingParams
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.plan import Segment
-from services.worker.types import SamplingConfig
 
 TOPICS = [
     "the water cycle", "how bread rises", "why the sky is blue", "the printing press", "how vaccines work",
@@ -59,7 +59,7 @@ def engine(model: str, device: str, **kw: Any) -> CloudEngine:
 
 
 def generate(e: CloudEngine, ids: list[int], n: int, started: threading.Event | None = None) -> list[int]:
-    seq = e.start(ids, SamplingConfig(max_tokens=n))
+    seq = e.start(ids, SamplingParams(max_tokens=n))
     out: list[int] = []
     try:
         while len(out) < n:
@@ -159,13 +159,13 @@ def invariance(e: CloudEngine, n: int) -> dict[str, Any]:
 
 def engine_checks(e: CloudEngine) -> dict[str, Any]:
     ids = list(e.tokenizer.encode(STORY * 8).ids)
-    seq = e.start(ids, SamplingConfig(max_tokens=200))
+    seq = e.start(ids, SamplingParams(max_tokens=200))
     seq.step()
     seq.step()
     held = e.kv_usage().used_bytes
     seq.close()
     checks: dict[str, Any] = {"cancel_kv_held_before": held, "cancel_kv_used_after": e.kv_usage().used_bytes}
-    big = e.start([1, 2, 3], SamplingConfig(max_tokens=10**7))
+    big = e.start([1, 2, 3], SamplingParams(max_tokens=10**7))
     try:
         big.step()
         checks["beyond_budget"] = "no error"
@@ -194,7 +194,7 @@ def throughput(e: CloudEngine, n: int, levels: Sequence[int], rounds: int) -> di
     out: dict[str, Any] = {}
     single: list[float] = []
     for _ in range(rounds):  # single stream: tokens after the first over the time they took
-        seq = e.start(prompts[0], SamplingConfig(max_tokens=n))
+        seq = e.start(prompts[0], SamplingParams(max_tokens=n))
         seq.step()
         t = time.perf_counter()
         for _ in range(n - 1):
@@ -232,7 +232,7 @@ def prefill(model: str, device: str, dtype: str, rounds: int) -> dict[str, Any]:
     ttfts = []
     for r in range(rounds + 1):
         t = time.perf_counter()
-        seq = e.start(ids, SamplingConfig(max_tokens=1))  # prefix cache off: a full prefill each round
+        seq = e.start(ids, SamplingParams(max_tokens=1))  # prefix cache off: a full prefill each round
         seq.step()
         if r:
             ttfts.append(time.perf_counter() - t)

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.edge``: the edge tier benchmark through the mesh (:mod:`benchmarks.edge.mesh`)."""
+"""Run the package as a module: the edge tier benchmark through the mesh (:mod:`benchmarks.edge.mesh`)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.worker.types import Engine, SamplingConfig
+from services.common.sampling import SamplingParams
+from services.worker.types import Engine
 
 
 def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Engine:
@@ -46,7 +47,7 @@ def _round(engine: Engine, prompt: list[int], streams: int, max_tokens: int) -> 
     stamps: list[list[float]] = [[] for _ in range(streams)]
 
     def run(i: int) -> None:
-        seq = engine.start(prompt, SamplingConfig(max_tokens=max_tokens))
+        seq = engine.start(prompt, SamplingParams(max_tokens=max_tokens))
         try:
             for _ in range(max_tokens):
                 seq.step()

@@ -24,10 +24,11 @@ from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from services.common.model_paths import model_paths
+from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.worker.app import run_worker_process
 from services.worker.settings import WorkerSettings
-from services.worker.types import EngineInfo, SamplingConfig
+from services.worker.types import EngineInfo
 
 # Ordinary word-piece ids of SmolLM2's vocabulary (ASCII words), cycled through deterministically.
 _WORDS = tuple(range(1000, 1256))
@@ -81,7 +82,7 @@ class InstantEngine:
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> _Sequence:
+    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> _Sequence:
         return _Sequence(sum(token_ids) % len(_WORDS), len(replay), self._interval_s)
 
 

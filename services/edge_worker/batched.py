@@ -36,11 +36,12 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from services.common.sampling import SamplingParams
 from services.edge_worker.graph import load_session
 from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.sampler import pick
 from services.edge_worker.sequence import BatchedSequence
-from services.worker.types import EngineInfo, KVUsage, SamplingConfig, StepInterrupted
+from services.worker.types import EngineInfo, KVUsage, StepInterrupted
 
 
 class BatchedEngine:
@@ -124,10 +125,10 @@ class BatchedEngine:
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> BatchedSequence:
+    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> BatchedSequence:
         return BatchedSequence(self, [*token_ids, *replay], sampling, prefill_end=len(token_ids))
 
-    def start_chat(self, token_ids: Sequence[int], sampling: SamplingConfig) -> BatchedSequence:
+    def start_chat(self, token_ids: Sequence[int], sampling: SamplingParams) -> BatchedSequence:
         """Like ``start``; the sequence's KV survives its turn for ``reuse``."""
         return self.start(token_ids, sampling)
 

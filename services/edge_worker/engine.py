@@ -22,12 +22,13 @@ from typing import Any
 import onnxruntime_genai as og
 from tokenizers import Tokenizer
 
-from services.worker.types import EngineInfo, SamplingConfig
+from services.common.sampling import SamplingParams
+from services.worker.types import EngineInfo
 
 _SEED_MASK = 0x7FFFFFFF  # og's random_seed is a C int
 
 
-def _search_options(sampling: SamplingConfig) -> dict[str, Any]:
+def _search_options(sampling: SamplingParams) -> dict[str, Any]:
     if sampling.greedy:
         return {"do_sample": False}
     seed = sampling.seed if sampling.seed is not None else random.getrandbits(31)
@@ -40,7 +41,7 @@ def _search_options(sampling: SamplingConfig) -> dict[str, Any]:
     }
 
 
-def _reusable_key(sampling: SamplingConfig) -> tuple[Any, ...] | None:
+def _reusable_key(sampling: SamplingParams) -> tuple[Any, ...] | None:
     """Turns with equal keys may share a generator; None (an explicit seed) never shares one.
 
     A seeded turn must give the tokens a fresh generator gives (the response cache relies on it), and
@@ -60,7 +61,7 @@ class OgSequence:
         self,
         model: og.Model,
         token_ids: Sequence[int],
-        sampling: SamplingConfig,
+        sampling: SamplingParams,
         *,
         max_length: int | None = None,
         replay: Sequence[int] = (),
@@ -95,7 +96,7 @@ class OgSequence:
         self._tokens.append(token)
         return token
 
-    def reuse(self, token_ids: Sequence[int], sampling: SamplingConfig) -> bool:
+    def reuse(self, token_ids: Sequence[int], sampling: SamplingParams) -> bool:
         """Prepare the next turn over ``token_ids`` on this generator; False if it cannot be reused.
 
         Reuse needs the same sampling kind, room for the turn within ``max_length``, and a non-empty
@@ -159,10 +160,10 @@ class OgEngine:
     def model(self) -> og.Model:
         return self._model
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> OgSequence:
+    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> OgSequence:
         return OgSequence(self._model, token_ids, sampling, replay=replay)
 
-    def start_chat(self, token_ids: Sequence[int], sampling: SamplingConfig) -> OgSequence:
+    def start_chat(self, token_ids: Sequence[int], sampling: SamplingParams) -> OgSequence:
         """Like ``start``, with KV room for later turns (see ``OgSequence.reuse``)."""
         wanted = len(token_ids) + sampling.max_tokens + self.chat_reserve_tokens
         return OgSequence(self._model, token_ids, sampling, max_length=min(self._info.context_length, wanted))

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.worker.types import SamplingConfig
+from services.common.sampling import SamplingParams
 
 
-def rng_for(sampling: SamplingConfig) -> np.random.Generator | None:
+def rng_for(sampling: SamplingParams) -> np.random.Generator | None:
     """The sequence's random generator (None for greedy decoding)."""
     if sampling.greedy:
         return None
     return np.random.default_rng(sampling.seed)
 
 
-def pick(logits: np.ndarray, sampling: SamplingConfig, rng: np.random.Generator | None) -> int:
+def pick(logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator | None) -> int:
     """The next token id for one row of logits ``[vocab]``."""
     if rng is None or sampling.greedy:
         return int(np.argmax(logits))

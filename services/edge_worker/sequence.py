@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from services.common.sampling import SamplingParams
 from services.edge_worker.sampler import rng_for
-from services.worker.types import SamplingConfig
 
 if TYPE_CHECKING:
     from services.edge_worker.batched import BatchedEngine
 
 
-def _reusable_key(sampling: SamplingConfig) -> tuple[Any, ...] | None:
+def _reusable_key(sampling: SamplingParams) -> tuple[Any, ...] | None:
     """Turns with equal keys may share a sequence; None (an explicit seed) never shares one."""
     if sampling.greedy:
         return ("greedy",)
@@ -33,7 +33,7 @@ class BatchedSequence:
     """One generation; ``step`` blocks until the batch thread produced its next token."""
 
     def __init__(
-        self, engine: BatchedEngine, tokens: Sequence[int], sampling: SamplingConfig, prefill_end: int
+        self, engine: BatchedEngine, tokens: Sequence[int], sampling: SamplingParams, prefill_end: int
     ) -> None:
         self._engine = engine
         self.tokens = list(tokens)
@@ -71,7 +71,7 @@ class BatchedSequence:
         self._result = result
         self._done.set()
 
-    def reuse(self, token_ids: Sequence[int], sampling: SamplingConfig) -> bool:
+    def reuse(self, token_ids: Sequence[int], sampling: SamplingParams) -> bool:
         """Prepare the next turn over ``token_ids``; False if this sequence cannot be reused."""
         key = _reusable_key(sampling)
         if self.closed or key is None or key != self._key:

@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.common.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from services.common.settings import StreamingSettings
 from services.gateway.auth import parse_api_keys
 from services.gateway.policy import PolicyBook, TenantPolicy
@@ -54,10 +55,10 @@ class GatewaySettings(StreamingSettings):
     """Longest accepted prompt (Generate) or total message text of one chat turn, in characters."""
     max_tokens_limit: int = Field(default=4096, ge=1)
     """Largest accepted `sampling.max_tokens`."""
-    max_stop_strings: int = Field(default=8, ge=0)
-    """Most stop strings per request."""
-    max_stop_chars: int = Field(default=64, ge=1)
-    """Longest accepted stop string, in characters."""
+    max_stop_strings: int = Field(default=MAX_STOP_STRINGS, ge=0, le=MAX_STOP_STRINGS)
+    """Most stop strings per request (may only tighten the mesh's limit, ``services.common.sampling``)."""
+    max_stop_chars: int = Field(default=MAX_STOP_CHARS, ge=1, le=MAX_STOP_CHARS)
+    """Longest accepted stop string, in characters (may only tighten the mesh's limit)."""
     max_chat_messages: int = Field(default=64, ge=1)
     """Most messages in one chat turn."""
     max_model_chars: int = Field(default=128, ge=1)

@@ -1,16 +1,20 @@
 """Request checks the gateway does before anything is forwarded.
 
 Each failure raises :class:`InvalidArgument` with one sentence that names the field and the fix.
-Token-level limits (prompt longer than the model's context) are the router's job: only it tokenizes.
+Sampling is checked by the mesh's one validator (:mod:`services.common.sampling`) under the operator's
+limits; token-level limits (prompt longer than the model's context) are the router's job: only it
+tokenizes.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingLimits, SamplingParams
+from services.common.sampling_pb import from_pb
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 MAX_PRIORITY = 9
@@ -22,30 +26,17 @@ class Limits:
 
     max_prompt_chars: int = 32_000
     max_tokens: int = 4096
-    max_stop_strings: int = 8
-    max_stop_chars: int = 64
+    max_stop_strings: int = MAX_STOP_STRINGS
+    max_stop_chars: int = MAX_STOP_CHARS
     max_chat_messages: int = 64
     max_model_chars: int = 128
 
-
-def validate_sampling(sampling: pb.SamplingParams, limits: Limits) -> None:
-    if sampling.max_tokens > limits.max_tokens:
-        raise InvalidArgument(
-            f"sampling.max_tokens is {sampling.max_tokens}, above the limit of {limits.max_tokens}; ask for fewer"
+    @cached_property
+    def sampling(self) -> SamplingLimits:
+        """The sampling part, for :func:`services.common.sampling.resolve_sampling`."""
+        return SamplingLimits(
+            max_tokens=self.max_tokens, max_stop_strings=self.max_stop_strings, max_stop_chars=self.max_stop_chars
         )
-    if not math.isfinite(sampling.temperature) or not 0.0 <= sampling.temperature <= 2.0:
-        raise InvalidArgument(f"sampling.temperature must be between 0 and 2 (got {sampling.temperature:g})")
-    if not math.isfinite(sampling.top_p) or not 0.0 <= sampling.top_p <= 1.0:
-        raise InvalidArgument(f"sampling.top_p must be between 0 and 1 (got {sampling.top_p:g}); 0 disables it")
-    if len(sampling.stop) > limits.max_stop_strings:
-        raise InvalidArgument(f"sampling.stop has {len(sampling.stop)} strings; send at most {limits.max_stop_strings}")
-    for stop in sampling.stop:
-        if not stop:
-            raise InvalidArgument("sampling.stop contains an empty string; remove it")
-        if len(stop) > limits.max_stop_chars:
-            raise InvalidArgument(
-                f"a stop string is {len(stop)} characters long; keep each under {limits.max_stop_chars + 1}"
-            )
 
 
 def validate_routing(routing: pb.RoutingOptions) -> None:
@@ -62,8 +53,8 @@ def _validate_model(model: str, limits: Limits) -> None:
         raise InvalidArgument(f"model id is longer than {limits.max_model_chars} characters; use an id from ListModels")
 
 
-def validate_generate(request: pb.GenerateRequest, limits: Limits) -> None:
-    """Checks of a Generate/Complete request."""
+def validate_generate(request: pb.GenerateRequest, limits: Limits) -> SamplingParams:
+    """Checks of a Generate/Complete request; returns its sampling, checked (``max_tokens`` not yet fitted)."""
     if not request.prompt.strip():
         raise InvalidArgument("prompt is empty; send the text to complete")
     if len(request.prompt) > limits.max_prompt_chars:
@@ -71,17 +62,18 @@ def validate_generate(request: pb.GenerateRequest, limits: Limits) -> None:
             f"prompt is {len(request.prompt)} characters long, above the limit of {limits.max_prompt_chars}; shorten it"
         )
     _validate_model(request.model, limits)
-    validate_sampling(request.sampling, limits)
+    sampling = from_pb(request.sampling, limits.sampling)
     validate_routing(request.routing)
+    return sampling
 
 
-def validate_chat_request(request: pb.ChatRequest, limits: Limits) -> None:
-    """Checks of one client frame of a Chat stream."""
+def validate_chat_request(request: pb.ChatRequest, limits: Limits) -> SamplingParams | None:
+    """Checks of one client frame of a Chat stream; returns a turn's sampling, checked (None for a cancel)."""
     action = request.WhichOneof("action")
     if action is None:
         raise InvalidArgument("chat frame has neither a turn nor a cancel; set one of them")
     if action == "cancel":
-        return
+        return None
     turn = request.turn
     if not turn.messages:
         raise InvalidArgument("chat turn has no messages; send at least one user message")
@@ -103,5 +95,6 @@ def validate_chat_request(request: pb.ChatRequest, limits: Limits) -> None:
             f"chat turn has {total} characters of messages, above the limit of {limits.max_prompt_chars}; shorten it"
         )
     _validate_model(turn.model, limits)
-    validate_sampling(turn.sampling, limits)
+    sampling = from_pb(turn.sampling, limits.sampling)
     validate_routing(turn.routing)
+    return sampling

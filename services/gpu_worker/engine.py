@@ -32,6 +32,7 @@ from prometheus_client import Counter
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, GenerationConfig
 
+from services.common.sampling import SamplingParams
 from services.gpu_worker import kv_transfer
 from services.gpu_worker.blocks import BlockManager
 from services.gpu_worker.model import AllReduce, LlamaModel, Shard
@@ -42,7 +43,7 @@ from services.gpu_worker.tp_kv import KVBlockIO, LocalBlocks
 from services.store.kv_blocks import KVContext
 from services.worker.kv_transfer import KVExport, KVImport, KVPrefix
 from services.worker.runner import current_request
-from services.worker.types import EngineInfo, KVUsage, SamplingConfig, StepInterrupted
+from services.worker.types import EngineInfo, KVUsage, StepInterrupted
 
 log = structlog.get_logger(__name__)
 
@@ -82,7 +83,7 @@ class CloudSequence:
     """One generation on the shared scheduler (see the module docstring)."""
 
     def __init__(
-        self, engine: CloudEngine, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int]
+        self, engine: CloudEngine, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int]
     ) -> None:
         self._engine = engine
         self._token_ids = list(token_ids)
@@ -219,7 +220,7 @@ class CloudEngine:
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> CloudSequence:
+    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> CloudSequence:
         return CloudSequence(self, token_ids, sampling, replay)
 
     def kv_context(self, tenant: str, shareable: bool = False) -> KVContext:
@@ -230,7 +231,7 @@ class CloudEngine:
     def submit(
         self,
         token_ids: list[int],
-        sampling: SamplingConfig,
+        sampling: SamplingParams,
         replay: Sequence[int],
         ctx: KVContext | None,
         priority: int,

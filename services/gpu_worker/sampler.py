@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from services.worker.types import SamplingConfig
+from services.common.sampling import SamplingParams
 
 _NO_IDS = cast(torch.LongTensor, torch.zeros(1, 1, dtype=torch.long))
 
@@ -24,7 +24,7 @@ _NO_IDS = cast(torch.LongTensor, torch.zeros(1, 1, dtype=torch.long))
 class Sampler:
     """Chooses one sequence's tokens (not thread-safe; the scheduler thread calls it)."""
 
-    def __init__(self, sampling: SamplingConfig) -> None:
+    def __init__(self, sampling: SamplingParams) -> None:
         self.greedy = sampling.greedy
         self._warpers = LogitsProcessorList()
         self._rng: torch.Generator | None = None

@@ -22,15 +22,16 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from services.common.sampling import SamplingParams
 from services.gpu_worker.engine import CloudEngine, CloudSequence
 from services.gpu_worker.speculative import SpeculativeDecoder, draft_factory, greedy_only
-from services.worker.types import SamplingConfig, StepInterrupted
+from services.worker.types import StepInterrupted
 
 
 class SpeculativeSequence:
     """One greedy generation by draft-and-verify rounds (falls back to the scheduler if KV is short)."""
 
-    def __init__(self, spec: SpeculativeEngine, token_ids: Sequence[int], sampling: SamplingConfig) -> None:
+    def __init__(self, spec: SpeculativeEngine, token_ids: Sequence[int], sampling: SamplingParams) -> None:
         self._spec = spec
         self._token_ids = list(token_ids)
         self._sampling = sampling
@@ -130,7 +131,7 @@ class SpeculativeEngine:
         return getattr(self.__dict__["engine"], name)
 
     def start(
-        self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()
+        self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()
     ) -> SpeculativeSequence | CloudSequence:
         if greedy_only(sampling) and not replay:
             return SpeculativeSequence(self, token_ids, sampling)

@@ -46,8 +46,9 @@ import torch
 from prometheus_client import Counter, Gauge
 from torch import Tensor
 
+from services.common.sampling import SamplingParams
 from services.gpu_worker.plan import Segment
-from services.worker.types import SamplingConfig, StepInterrupted
+from services.worker.types import StepInterrupted
 
 log = structlog.get_logger(__name__)
 
@@ -305,6 +306,6 @@ def draft_factory(model: Any, max_length: int) -> Callable[[list[int]], Draft]:
     return lambda context: OgDraft(model, context, max_length)
 
 
-def greedy_only(sampling: SamplingConfig) -> bool:
+def greedy_only(sampling: SamplingParams) -> bool:
     """Whether a request is speculated (greedy ones only; see the module docstring)."""
     return sampling.greedy

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
+from services.common.sampling import DEFAULT_MAX_TOKENS
 from services.common.settings import StreamingSettings, default_models_dir
 from services.store.connection import check_redis_url
 
@@ -78,8 +79,8 @@ class RouterSettings(StreamingSettings):
     """Longest ejection."""
     readmit_s: float = Field(default=10.0, ge=0)
     """A re-admitted replica ramps up to its full share of traffic over this many seconds."""
-    default_max_tokens: int = Field(default=256, ge=1)
-    """max_tokens used when a request leaves it at 0."""
+    default_max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=1)
+    """max_tokens used when a request leaves it at 0 (clamped to the room the prompt leaves in the context)."""
     cache_ttl_s: int = Field(default=3600, ge=1)
     """Lifetime of a response-cache entry in seconds."""
     cache_max_entry_bytes: int = Field(default=1 << 20, ge=64)

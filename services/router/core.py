@@ -24,7 +24,7 @@ from functools import partial
 
 import structlog
 
-from services.common import errors, tracing
+from services.common import errors, sampling_pb, tracing
 from services.common.interceptors import outbound_metadata
 from services.common.metrics import INTER_TOKEN, TTFT
 from services.common.pb.meshserve.internal.v1 import worker_pb2
@@ -67,7 +67,6 @@ from services.router.worker_stream import (
     abort_if_refused,
     failure_code,
     read_frame,
-    sampling_pb,
     worker_error,
 )
 from services.store.response_cache import ResponseCache
@@ -338,7 +337,7 @@ class Router:
             worker_pb2.WorkerStart(
                 request_id=req.request_id,
                 prompt_token_ids=req.prompt_ids,
-                sampling=sampling_pb(req.sampling),
+                sampling=sampling_pb.to_pb(req.sampling),
                 tenant=req.tenant,
                 resume_token_ids=progress.tokens,
                 shareable_prefix=req.shareable,

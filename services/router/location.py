@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from services.common.errors import InvalidArgument, Unavailable
+from services.common.sampling import SamplingParams
 from services.router.core import Router
 from services.router.policy import TierChoice, TierName
 from services.router.turn import Session, TurnRequest
-from services.store.keys import SamplingSpec
 from services.store.kv_blocks import LOCATE_MAX_BLOCKS, KVBlockStore, KVContext
 
 MAX_PROMPT_CHARS = 1 << 20
@@ -136,7 +136,7 @@ class PrefixLocator:
                 f"the prompt is {len(ids)} tokens long, more than the model's context of {self._context} tokens"
             )
         router = self._router
-        spec = SamplingSpec(max_tokens=0)
+        spec = SamplingParams(max_tokens=0)
         req = TurnRequest(ids, spec, hint=tier, use_cache=False, shareable=shareable, tenant=tenant, request_id="")
         choice = TierChoice(tier, "requested") if tier is not None else self._choose(req)
         blocks = router.blocks(req)

@@ -15,15 +15,15 @@ from typing import Any
 import grpc
 import structlog
 
-from services.common import tracing
+from services.common import sampling_pb, tracing
 from services.common.coalesce import FlushWindow, coalesced
 from services.common.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted
 from services.common.metrics import REQUEST_DURATION, TOKENS
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
+from services.common.sampling import SamplingParams
 from services.router import convert
 from services.router.core import SERVICE, Chunk, Done, Router, Session, TurnRequest
 from services.router.policy import TierName
-from services.store.keys import SamplingSpec
 
 log = structlog.get_logger(__name__)
 
@@ -110,14 +110,14 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
     def _turn_request(
         self,
         prompt_ids: list[int],
-        sampling_msg: inference_pb2.SamplingParams,
+        sampling: SamplingParams,
         routing_msg: inference_pb2.RoutingOptions,
         context: grpc.aio.ServicerContext,
-        spec: SamplingSpec | None = None,
     ) -> TurnRequest:
-        spec = spec or convert.sampling(sampling_msg, self._default_max_tokens)
         hint, use_cache, shareable = convert.routing(routing_msg)
-        convert.check_length(len(prompt_ids), spec.max_tokens, self._context_length)
+        if not prompt_ids:
+            raise InvalidArgument("the prompt is empty; send at least one character of text")
+        spec = sampling.fit(len(prompt_ids), self._context_length, self._default_max_tokens)
         ctx = structlog.contextvars.get_contextvars()
         remaining = context.time_remaining()
         return TurnRequest(
@@ -139,9 +139,9 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         if not request.prompt:
             raise InvalidArgument("the prompt is empty; send at least one character of text")
         # Parameters are checked before tokenizing: bad ones are refused without the cost.
-        spec = convert.sampling(request.sampling, self._default_max_tokens)
+        sampling = sampling_pb.from_pb(request.sampling)
         ids = await self._encode_prompt(request.prompt)
-        req = self._turn_request(ids, request.sampling, request.routing, context, spec)
+        req = self._turn_request(ids, sampling, request.routing, context)
         session = Session()
         try:
             async with aclosing(self._router.run_turn(req, session)) as events:
@@ -243,11 +243,11 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                     if not turn.messages:
                         raise InvalidArgument("a chat turn needs at least one message")
                     new = [{"role": m.role, "content": m.content} for m in turn.messages]
-                    convert.sampling(turn.sampling, self._default_max_tokens)
+                    sampling = sampling_pb.from_pb(turn.sampling)
                     conversation = messages + new
                     size = sum(len(m["content"]) for m in conversation)
                     ids = await self._encode(partial(self._router.tokenizer.apply_chat_template, conversation), size)
-                    req = self._turn_request(ids, turn.sampling, turn.routing, context)
+                    req = self._turn_request(ids, sampling, turn.routing, context)
                     if turn_index == 0:
                         hint = req.hint
                     req.hint = hint  # later turns stay where the first one went

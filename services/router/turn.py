@@ -6,9 +6,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from services.common import tracing
+from services.common.sampling import SamplingParams
 from services.router.policy import TierChoice, TierName
 from services.router.worker_stream import WorkerStream
-from services.store.keys import SamplingSpec
 from services.store.response_cache import CachedResponse, Finish, ResponseCache
 
 
@@ -45,7 +45,7 @@ class TurnRequest:
     """One generation to serve: prompt ids already validated against the context length."""
 
     prompt_ids: list[int]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     hint: TierName | None
     use_cache: bool
     shareable: bool

@@ -11,11 +11,9 @@ import grpc
 from services.common import errors
 from services.common import metadata as md
 from services.common.pb.meshserve.internal.v1 import worker_pb2
-from services.common.pb.meshserve.v1 import inference_pb2
 from services.router.mux import MuxChannel, MuxStream
 from services.router.mux_tcp import split_host
 from services.router.registry import Replica
-from services.store.keys import SamplingSpec
 
 # Failures before the first token that another replica may not have: retried elsewhere.
 RETRYABLE = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
@@ -165,15 +163,6 @@ async def read_frame(
             return await stream.read(), cancel_sent
     except TimeoutError:
         raise WorkerStalled(f"worker sent nothing for {stall_s:g} s") from None
-
-
-def sampling_pb(s: SamplingSpec) -> inference_pb2.SamplingParams:
-    msg = inference_pb2.SamplingParams(
-        max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=list(s.stop)
-    )
-    if s.seed is not None:
-        msg.seed = s.seed
-    return msg
 
 
 def abort_if_refused(pending: asyncio.Future[Any], stream: WorkerStream) -> None:

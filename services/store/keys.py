@@ -21,10 +21,10 @@ Every cache key has the form::
 
 Response entry hash (layout ``RESPONSE_LAYOUT`` = 2): SHA-256 over length-prefixed fields (the
 layout marker ``response/2``, model id, version, serving tier, tokenizer fingerprint, canonical
-sampling JSON, tenant salt, prompt ids as little-endian uint32). The tier is there because the
-tiers run different weights under one model id (edge: the INT4 student; cloud: the teacher), so
-one request has one answer per tier. Layout 1 had no marker and no tier: its entries are never
-read again and expire by TTL.
+sampling JSON (``SamplingParams.canonical()``), tenant salt, prompt ids as little-endian uint32).
+The tier is there because the tiers run different weights under one model id (edge: the INT4
+student; cloud: the teacher), so one request has one answer per tier. Layout 1 had no marker and
+no tier: its entries are never read again and expire by TTL.
 KV block hash (the vLLM chain): SHA-256(parent block hash, model id, version, tenant salt, block
 tokens); the first block's parent is 32 zero bytes.
 """
@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import struct
 import sys
@@ -41,6 +40,8 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+
+from services.common.sampling import SamplingParams
 
 NAMESPACE = "meshserve:v1"
 RESPONSE_LAYOUT = 2
@@ -57,56 +58,6 @@ class Kind(StrEnum):
 
     RESPONSE = "r"
     KV = "k"
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    """Sampling parameters after defaults were applied (``max_tokens`` resolved, top_p 0 -> 1)."""
-
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def deterministic(self) -> bool:
-        """Same prompt, same output: greedy decoding, or sampling with a fixed seed."""
-        return self.greedy or self.seed is not None
-
-    def canonical(self) -> dict[str, object]:
-        """A normal form: equal for parameter sets that must produce the same tokens.
-
-        Floats are rounded to 6 digits (proto float32 values like 0.7 arrive as 0.699999988); with
-        greedy decoding top_p/top_k/seed cannot change the output, so they are dropped; stop strings
-        are a set.
-        """
-        out: dict[str, object] = {
-            "max_tokens": int(self.max_tokens),
-            "stop": sorted(set(self.stop)),
-        }
-        if self.greedy:
-            out["temperature"] = 0
-            return out
-        top_p = 1.0 if self.top_p <= 0 or self.top_p >= 1 else self.top_p
-        out.update(
-            temperature=_round(self.temperature),
-            top_p=_round(top_p),
-            top_k=int(self.top_k),
-            seed=self.seed,
-        )
-        return out
-
-
-def _round(x: float) -> float:
-    if not math.isfinite(x):
-        raise ValueError(f"sampling parameter must be finite, got {x!r}")
-    return round(float(x), 6)
 
 
 def _field(h: hashlib._Hash, data: bytes) -> None:
@@ -173,7 +124,7 @@ def response_key(
     model_version: str,
     tier: str,
     tokenizer_id: str,
-    sampling: SamplingSpec,
+    sampling: SamplingParams,
     prompt_ids: Sequence[int],
     tenant: str,
     shareable: bool = False,

@@ -26,8 +26,7 @@ from typing import Literal
 import structlog
 
 from services.common.errors import FailedPrecondition, InvalidArgument, MeshError
-from services.worker.sampling import validate_prompt
-from services.worker.types import Engine
+from services.worker.types import Engine, validate_prompt
 
 log = structlog.get_logger(__name__)
 Op = Literal["import", "export"]

@@ -20,6 +20,7 @@ import structlog
 
 from services.common import tracing
 from services.common.coalesce import FlushWindow
+from services.common.sampling import SamplingParams
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.feed import Feed
 from services.worker.interrupt import PrefillInterrupter
@@ -35,7 +36,6 @@ from services.worker.types import (
     FinishReason,
     GenerationRequest,
     QueuedEvent,
-    SamplingConfig,
     StepInterrupted,
     TokenEvent,
 )
@@ -52,7 +52,7 @@ def current_request() -> GenerationRequest | None:
 def open_sequence(
     engine: Engine,
     context: tuple[int, ...],
-    sampling: SamplingConfig,
+    sampling: SamplingParams,
     session: ChatSession | None,
     replay: tuple[int, ...] = (),
 ) -> tuple[EngineSequence, int]:
@@ -367,7 +367,7 @@ class Runner:
         """A tiny greedy generation through the engine, so the first request does not pay for lazy init."""
 
         def work() -> None:
-            seq = self.engine.start([0], SamplingConfig(max_tokens=2))
+            seq = self.engine.start([0], SamplingParams(max_tokens=2))
             try:
                 seq.step()
                 seq.step()

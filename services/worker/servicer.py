@@ -16,17 +16,17 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from services.common import metrics
+from services.common import metrics, sampling_pb
 from services.common.errors import MeshError, ResourceExhausted
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
+from services.common.sampling import DEFAULT_MAX_TOKENS
 from services.worker import kv_transfer
 from services.worker.mux import MuxCalls, serve_mux
 from services.worker.report import LoadReport, LoadReporter, PrefixHasher
 from services.worker.runner import Runner, Turn
-from services.worker.sampling import resolve_sampling, validate_prompt
 from services.worker.sessions import ChatSession
-from services.worker.types import FinalEvent, FinishReason, GenerationRequest, QueuedEvent
+from services.worker.types import FinalEvent, FinishReason, GenerationRequest, QueuedEvent, validate_prompt
 
 _FINISH = {
     FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
@@ -64,7 +64,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         service: str,
         tier: str,
         worker_id: str,
-        default_max_tokens: int = 256,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
         reporter: LoadReporter | None = None,
     ) -> None:
         self.runner = runner
@@ -210,18 +210,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         prompt = tuple(start.prompt_token_ids)
         resume = tuple(start.resume_token_ids)
         validate_prompt(prompt + resume, info)
-        s = start.sampling
-        sampling = resolve_sampling(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            seed=s.seed if s.HasField("seed") else None,
-            stop=tuple(s.stop),
-            prompt_tokens=len(prompt),
-            info=info,
-            default_max_tokens=self.default_max_tokens,
-        )
+        sampling = sampling_pb.from_pb(start.sampling).fit(len(prompt), info.context_length, self.default_max_tokens)
         return GenerationRequest(
             prompt, sampling, resume, start.request_id, start.tenant, start.shareable_prefix, start.priority
         )

@@ -11,6 +11,7 @@ from pydantic_settings import NoDecode
 
 from services.common.errors import ConfigError
 from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
+from services.common.sampling import DEFAULT_MAX_TOKENS
 from services.common.settings import StreamingSettings
 
 
@@ -27,7 +28,7 @@ class WorkerSettings(StreamingSettings):
     """Sequences generating at once; more wait in the queue."""
     max_queue: int = Field(default=16, ge=0)
     """Sequences that may wait for a slot; beyond it requests get RESOURCE_EXHAUSTED."""
-    default_max_tokens: int = Field(default=256, ge=1)
+    default_max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=1)
     """Tokens generated when a request leaves max_tokens at 0 (clamped to the context)."""
     max_open_chats: int = Field(default=16, ge=0)
     """Chat streams whose KV is kept between turns; beyond it the least recently used is freed

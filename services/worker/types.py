@@ -1,4 +1,5 @@
-"""Transport-free types shared by the worker runtime and the engines (no grpc, no protobuf).
+"""Transport-free types shared by the worker runtime and the engines (no grpc, no protobuf), and the
+check of a prompt against the loaded model (:func:`validate_prompt`).
 
 An :class:`Engine` owns one loaded model. ``Engine.start`` creates an :class:`EngineSequence` that
 produces one token per ``step()``; both are called only from worker threads, never from the event
@@ -23,6 +24,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
+from services.common.errors import InvalidArgument
+from services.common.sampling import SamplingParams
+
 
 class FinishReason(StrEnum):
     """Why a generation ended (mirrors ``meshserve.v1.FinishReason``)."""
@@ -34,33 +38,11 @@ class FinishReason(StrEnum):
 
 
 @dataclass(frozen=True)
-class SamplingConfig:
-    """Resolved sampling parameters (defaults applied, ranges checked)."""
-
-    max_tokens: int
-    """Tokens to generate at most in this turn (already clamped to the context)."""
-    temperature: float = 0.0
-    """Softmax temperature; 0 means greedy (argmax) decoding."""
-    top_p: float = 1.0
-    """Nucleus probability mass in (0, 1]; 1 disables it."""
-    top_k: int = 0
-    """Sample among the k most likely tokens; 0 disables it."""
-    seed: int | None = None
-    """Seed of this sequence's own random generator; None draws a fresh one."""
-    stop: tuple[str, ...] = ()
-    """Generation stops before the first occurrence of any of these strings."""
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-
-@dataclass(frozen=True)
 class GenerationRequest:
     """One turn to run: the full context and how to sample its continuation."""
 
     prompt_ids: tuple[int, ...]
-    sampling: SamplingConfig
+    sampling: SamplingParams
     resume_ids: tuple[int, ...] = ()
     """Tokens an earlier worker already sent; prefilled after the prompt, never re-sent."""
     request_id: str = ""
@@ -120,6 +102,20 @@ class EngineInfo:
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
 
 
+def validate_prompt(prompt_ids: Sequence[int], info: EngineInfo) -> None:
+    """Reject an empty prompt, a token id outside the vocabulary, or a prompt that fills the context
+    (InvalidArgument, shown to the caller)."""
+    if not prompt_ids:
+        raise InvalidArgument("prompt_token_ids is empty; send at least one token id")
+    bad = max(prompt_ids)
+    if bad >= info.vocab_size:
+        raise InvalidArgument(f"token id {bad} is out of range; model {info.model_id} has {info.vocab_size} tokens")
+    if len(prompt_ids) >= info.context_length:
+        raise InvalidArgument(
+            f"the prompt has {len(prompt_ids)} tokens but the context holds {info.context_length}; shorten it"
+        )
+
+
 class Tokenizer(Protocol):
     """The part of ``tokenizers.Tokenizer`` the detokenizer uses."""
 
@@ -158,7 +154,7 @@ class Engine(Protocol):
     @property
     def tokenizer(self) -> Tokenizer: ...
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> EngineSequence:
+    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> EngineSequence:
         """A new sequence over ``token_ids`` (nothing runs until the first ``step``).
 
         ``replay``: tokens another worker already generated after ``token_ids`` (a resumed stream).

@@ -20,6 +20,7 @@ from typing import Any
 
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.sampling import MAX_SEED
 
 OWNED_BY = "meshserve"
 
@@ -168,9 +169,9 @@ def _common(body: dict[str, Any]) -> tuple[Parsed, pb.SamplingParams]:
         stop=_stop(body),
     )
     # OpenAI's seed is an int64; ours a uint64: a negative seed maps to its two's complement.
-    seed = _int(body, "seed", -(2**63), 2**64 - 1)
+    seed = _int(body, "seed", -(2**63), MAX_SEED)
     if seed is not None:
-        sampling.seed = seed % 2**64
+        sampling.seed = seed % (MAX_SEED + 1)
     return Parsed(model, stream, include_usage), sampling
 
 

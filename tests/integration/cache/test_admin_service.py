@@ -15,13 +15,14 @@ from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import cache_pb2, cache_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.sampling import SamplingParams
 from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
 from services.router.config import RouterSettings
 from services.router.server import start_router
 from services.store.connection import redis_from_url
 from services.store.guard import Guard
-from services.store.keys import SamplingSpec, response_key
+from services.store.keys import response_key
 from services.store.kv_blocks import KVBlockStore, KVContext
 from services.store.response_cache import CachedResponse, Finish, ResponseCache
 from tests.integration.router.fake_worker import start_fake
@@ -39,7 +40,7 @@ def rkey(tenant: str, version: str = "v1", shareable: bool = False, prompt: int 
         model_version=version,
         tier="edge",
         tokenizer_id="t",
-        sampling=SamplingSpec(max_tokens=2),
+        sampling=SamplingParams(max_tokens=2),
         prompt_ids=[prompt, 1, 2],
         tenant=tenant,
         shareable=shareable,

@@ -9,9 +9,9 @@ import onnxruntime_genai as og
 import pytest
 
 from services.common.model_paths import model_paths
+from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.sequence import BatchedSequence
-from services.worker.types import SamplingConfig
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["Name three colours.", "What is the sea?", "Tell me a short story about a cat.", "Count to five."]
@@ -36,8 +36,8 @@ def steps(seq: BatchedSequence, n: int) -> list[int]:
     return [seq.step() for _ in range(n)]
 
 
-def generate(engine: BatchedEngine, ids: list[int], n: int, sampling: SamplingConfig | None = None) -> list[int]:
-    seq = engine.start(ids, sampling or SamplingConfig(max_tokens=n))
+def generate(engine: BatchedEngine, ids: list[int], n: int, sampling: SamplingParams | None = None) -> list[int]:
+    seq = engine.start(ids, sampling or SamplingParams(max_tokens=n))
     try:
         return steps(seq, n)
     finally:
@@ -90,7 +90,7 @@ def test_first_token_equals_onnxruntime_genai(engine: BatchedEngine) -> None:
 def test_replayed_tokens_continue_exactly_like_the_undisturbed_run(engine: BatchedEngine) -> None:
     prompt = chat(engine, PROMPTS[2])
     undisturbed = generate(engine, prompt, 14)
-    resumed = engine.start(prompt, SamplingConfig(max_tokens=9), replay=undisturbed[:5])
+    resumed = engine.start(prompt, SamplingParams(max_tokens=9), replay=undisturbed[:5])
     assert resumed.prefill_tokens == len(prompt) + 5
     try:
         other = chat(engine, PROMPTS[0])
@@ -105,13 +105,13 @@ def test_chat_turn_reuses_its_kv_even_after_being_parked(engine: BatchedEngine) 
     follow = list(engine.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd two animals?<|im_end|>\n").ids)
 
     def two_turns(park: bool) -> tuple[list[int], int]:
-        seq = engine.start_chat(prompt, SamplingConfig(max_tokens=5))
+        seq = engine.start_chat(prompt, SamplingParams(max_tokens=5))
         try:
             first = steps(seq, 5)
             if park:  # four other sequences need every slot: the idle chat is copied out
                 together([lambda p=p: generate(engine, chat(engine, p), 3) for p in PROMPTS])
                 assert seq.parked is not None and engine.kv_usage().used_bytes > 0
-            assert seq.reuse([*prompt, *first, *follow], SamplingConfig(max_tokens=5))
+            assert seq.reuse([*prompt, *first, *follow], SamplingParams(max_tokens=5))
             new = seq.prefill_tokens
             return steps(seq, 5), new
         finally:
@@ -125,15 +125,15 @@ def test_chat_turn_reuses_its_kv_even_after_being_parked(engine: BatchedEngine) 
 
 def test_seeded_sampling_gives_the_same_tokens_alone_and_batched(engine: BatchedEngine) -> None:
     prompt = chat(engine, PROMPTS[2])
-    sampling = SamplingConfig(max_tokens=10, temperature=0.9, top_p=0.9, top_k=40, seed=7)
+    sampling = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=40, seed=7)
     alone = generate(engine, prompt, 10, sampling)
     batched = together([lambda: generate(engine, prompt, 10, sampling), lambda: generate(engine, prompt, 10)])
     assert batched[0] == alone
-    assert generate(engine, prompt, 10, SamplingConfig(max_tokens=10, temperature=0.9, seed=8)) != alone
+    assert generate(engine, prompt, 10, SamplingParams(max_tokens=10, temperature=0.9, seed=8)) != alone
 
 
 def test_a_closed_sequence_refuses_to_step_and_frees_its_kv(engine: BatchedEngine) -> None:
-    seq = engine.start(chat(engine, PROMPTS[1]), SamplingConfig(max_tokens=2))
+    seq = engine.start(chat(engine, PROMPTS[1]), SamplingParams(max_tokens=2))
     seq.step()
     seq.close()
     with pytest.raises(RuntimeError):

@@ -9,12 +9,12 @@ import grpc
 import pytest
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.common.sampling import SamplingParams
 from services.common.settings import load_settings
 from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.startup import start_edge_worker
 from services.worker.app import RunningWorker
-from services.worker.types import SamplingConfig
 from tests.integration.worker_cases import WorkerCases, run_as_process
 from tests.worker_helpers import Session, stats, wait_serving
 
@@ -44,11 +44,11 @@ def replay_chat(engine: BatchedEngine, prompt: list[int], n1: int, context: list
     KV is not bit-identical to prefilling the whole context again (docs/edge.md): the reference
     runs the same operations on the engine directly.
     """
-    seq = engine.start_chat(prompt, SamplingConfig(max_tokens=n1))
+    seq = engine.start_chat(prompt, SamplingParams(max_tokens=n1))
     try:
         for _ in range(n1):
             seq.step()
-        assert seq.reuse(context, SamplingConfig(max_tokens=n2))
+        assert seq.reuse(context, SamplingParams(max_tokens=n2))
         out: list[int] = []
         for _ in range(n2):
             out.append(seq.step())
@@ -78,7 +78,7 @@ class TestEdgeWorker(WorkerCases):
         assert isinstance(engine, BatchedEngine)
 
         def greedy(ids: list[int], n: int) -> list[int]:
-            seq = engine.start(ids, SamplingConfig(max_tokens=n))
+            seq = engine.start(ids, SamplingParams(max_tokens=n))
             try:
                 out: list[int] = []
                 while len(out) < n and (not out or out[-1] not in engine.info.eos_token_ids):

@@ -11,11 +11,11 @@ from transformers import AutoModelForCausalLM
 
 from benchmarks.cloud import gpu as cloud_gpu
 from services.common.errors import ResourceExhausted
+from services.common.sampling import SamplingParams
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.model import LlamaModel, Segment, Shard
 from services.gpu_worker.prefix import RedisPrefixCache
-from services.worker.types import SamplingConfig
 
 pytestmark = pytest.mark.integration
 N = 6
@@ -103,7 +103,7 @@ def test_batched_equals_single_stream(cloud: CloudEngine) -> None:
 
 def test_cancel_frees_kv_at_once(cloud: CloudEngine) -> None:
     ids = encode(cloud, STORY)
-    seq = cloud.start(ids, SamplingConfig(max_tokens=200))
+    seq = cloud.start(ids, SamplingParams(max_tokens=200))
     seq.step()
     seq.step()
     assert cloud.kv_usage().used_bytes > 0  # prompt + 200 tokens reserved
@@ -115,7 +115,7 @@ def test_cancel_frees_kv_at_once(cloud: CloudEngine) -> None:
 
 
 def test_request_beyond_the_kv_budget_is_resource_exhausted(cloud: CloudEngine) -> None:
-    seq = cloud.start([1, 2, 3], SamplingConfig(max_tokens=8000))
+    seq = cloud.start([1, 2, 3], SamplingParams(max_tokens=8000))
     with pytest.raises(ResourceExhausted, match="KV budget"):
         seq.step()
     seq.close()
@@ -137,7 +137,7 @@ def test_prefix_exported_by_a_is_imported_by_b(redis_url: str, cloud: CloudEngin
         assert generate(b, ids) == cold
         reusable = (len(ids) - 1) // 16 * 16
         assert b.prefix_counters() == {"computed": len(ids) - reusable, "local": 0, "redis": reusable}
-        seq = b.start(ids, SamplingConfig(max_tokens=2))  # again: now from B's own memory
+        seq = b.start(ids, SamplingParams(max_tokens=2))  # again: now from B's own memory
         seq.step()
         assert seq.prefill_tokens == len(ids) - reusable
         seq.close()

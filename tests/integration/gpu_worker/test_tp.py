@@ -26,6 +26,7 @@ from services.cache.admin import CacheAdmin, FlushFilter
 from services.common.errors import ConfigError
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.common.sampling import SamplingParams
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.model import LlamaModel
@@ -34,7 +35,6 @@ from services.gpu_worker.tp import RankEnv, check_degree, load_model, model_conf
 from services.local.processes import ServiceProcess
 from services.store.keys import Kind
 from services.store.kv_blocks import KVContext
-from services.worker.types import SamplingConfig
 from tests.helpers import RedisServer, free_port
 from tests.integration.gpu_worker.greedy import greedy
 from tests.worker_helpers import META, generate, wait_serving
@@ -159,7 +159,7 @@ def _tp1_engine(redis_url: str) -> CloudEngine:
 
 
 def _engine_greedy(engine: CloudEngine, ids: list[int]) -> list[int]:
-    seq = engine.start(ids, SamplingConfig(max_tokens=MAX_TOKENS))
+    seq = engine.start(ids, SamplingParams(max_tokens=MAX_TOKENS))
     out: list[int] = []
     try:
         while len(out) < MAX_TOKENS and EOS not in out:

@@ -18,6 +18,7 @@ import pytest
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.sampling import SamplingParams
 from services.common.serving import RunningServer
 from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
@@ -30,7 +31,6 @@ from services.router.policy import TierName
 from services.router.registry import Registry
 from services.router.server import start_router
 from services.router.turn import TurnRequest
-from services.store.keys import SamplingSpec
 from services.worker.app import RunningWorker
 from tests.integration.router.harness import META, TOKEN, wait_serving
 
@@ -138,7 +138,7 @@ async def test_workers_register_get_traffic_and_their_hot_prefix_reaches_the_pol
 
         req = TurnRequest(
             prompt_ids=[*prompt, *prompt[:20]],
-            sampling=SamplingSpec(max_tokens=4),
+            sampling=SamplingParams(max_tokens=4),
             hint=TierName.EDGE,
             use_cache=False,
             shareable=False,

@@ -19,13 +19,14 @@ import pytest
 from services.common.model_paths import DEFAULT_MODEL_ID
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.sampling import SamplingParams
 from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
 from services.router.config import RouterSettings
 from services.router.server import start_router
 from services.worker.app import RunningWorker, start_worker
 from services.worker.settings import WorkerSettings
-from services.worker.types import EngineInfo, SamplingConfig
+from services.worker.types import EngineInfo
 from tests.integration.router.harness import META, TOKEN, wait_serving
 from tests.unit.worker.fakes import EOS, VOCAB, ByteTokenizer, FakeEngine, FakeSequence
 
@@ -45,7 +46,7 @@ class _WideTokenizer(ByteTokenizer):
 
 
 class _StallingSequence(FakeSequence):
-    def __init__(self, engine: ResumeEngine, sampling: SamplingConfig, stall_after: int | None) -> None:
+    def __init__(self, engine: ResumeEngine, sampling: SamplingParams, stall_after: int | None) -> None:
         super().__init__(engine, sampling)
         self._stall_after = stall_after
         self._released = engine.released
@@ -70,7 +71,7 @@ class ResumeEngine(FakeEngine):
     def tokenizer(self) -> ByteTokenizer:
         return self._tokenizer
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> FakeSequence:
+    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> FakeSequence:
         self.started.append(([*token_ids, *replay], sampling))
         if replay:
             self.resumed += 1

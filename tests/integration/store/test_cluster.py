@@ -15,9 +15,10 @@ import redis
 from redis.crc import key_slot
 from redis.exceptions import ResponseError
 
+from services.common.sampling import SamplingParams
 from services.store.connection import redis_from_url
 from services.store.guard import Guard
-from services.store.keys import SamplingSpec, response_key, scope_of
+from services.store.keys import response_key, scope_of
 from services.store.kv_blocks import KVBlockStore, KVContext
 from services.store.response_cache import ResponseCache
 from services.store.response_codec import CachedResponse, Finish
@@ -56,7 +57,7 @@ async def test_response_put_and_get_on_cluster(guard: Guard) -> None:
         model_version="v",
         tier="edge",
         tokenizer_id="t",
-        sampling=SamplingSpec(max_tokens=2),
+        sampling=SamplingParams(max_tokens=2),
         prompt_ids=[1, 2],
         tenant="acme",
     )

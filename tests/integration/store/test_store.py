@@ -7,7 +7,8 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from services.store.keys import SamplingSpec, response_key, scope_of
+from services.common.sampling import SamplingParams
+from services.store.keys import response_key, scope_of
 from services.store.response_cache import CachedResponse, Finish, ResponseCache
 from services.store.response_codec import encode_response
 from tests.helpers import RedisServer, free_port
@@ -20,7 +21,7 @@ KEY = response_key(
     model_version="v",
     tier="edge",
     tokenizer_id="t",
-    sampling=SamplingSpec(max_tokens=3),
+    sampling=SamplingParams(max_tokens=3),
     prompt_ids=[1, 2, 3, 4],
     tenant="acme",
 )
@@ -103,7 +104,7 @@ def _key(tenant: str, shareable: bool = False) -> str:
         model_version="v",
         tier="edge",
         tokenizer_id="t",
-        sampling=SamplingSpec(max_tokens=3),
+        sampling=SamplingParams(max_tokens=3),
         prompt_ids=[1, 2, 3, 4],
         tenant=tenant,
         shareable=shareable,
@@ -160,7 +161,7 @@ async def test_byte_budget_holds_and_evicts_oldest(redis_url: str) -> None:
                 model_version="v",
                 tier="edge",
                 tokenizer_id="t",
-                sampling=SamplingSpec(max_tokens=40),
+                sampling=SamplingParams(max_tokens=40),
                 prompt_ids=[i],
                 tenant="acme",
             )
@@ -180,7 +181,7 @@ async def test_byte_budget_holds_and_evicts_oldest(redis_url: str) -> None:
             model_version="v",
             tier="edge",
             tokenizer_id="t",
-            sampling=SamplingSpec(max_tokens=40),
+            sampling=SamplingParams(max_tokens=40),
             prompt_ids=[0],
             tenant="other",
         )

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from services.common.errors import ResourceExhausted
+from services.common.sampling import SamplingParams
 from services.gpu_worker.blocks import BlockManager
 from services.gpu_worker.model import KVCache
 from services.gpu_worker.plan import Segment
 from services.gpu_worker.sampler import Sampler
 from services.gpu_worker.scheduler import Scheduler, SeqState
-from services.worker.types import SamplingConfig
 
 VOCAB = 64
 BT = 4
@@ -51,7 +51,7 @@ def seq(prompt: list[int], max_new: int, priority: int = 0) -> SeqState:
         tokens=list(prompt),
         prompt_len=len(prompt),
         replay=deque(),
-        sampler=Sampler(SamplingConfig(max_tokens=max_new)),
+        sampler=Sampler(SamplingParams(max_tokens=max_new)),
         max_new=max_new,
         eos=frozenset(),
         priority=priority,

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.sampling import SamplingParams
 from services.router.answers import AnswerKeys
 from services.router.policy import TierName
 from services.router.turn import Done, Route, Session, TurnRequest, _Progress, store_response
-from services.store.keys import SamplingSpec, scope_of
+from services.store.keys import scope_of
 from services.store.response_cache import CachedResponse, Finish
 
 EDGE, CLOUD = TierName.EDGE, TierName.CLOUD
@@ -32,7 +33,7 @@ def keys(cache: FakeCache | None = None, collapse: bool = True) -> AnswerKeys:
 def turn(**over: Any) -> TurnRequest:
     args: dict[str, Any] = dict(
         prompt_ids=[5, 6, 7],
-        sampling=SamplingSpec(max_tokens=4),
+        sampling=SamplingParams(max_tokens=4),
         hint=None,
         use_cache=True,
         shareable=False,
@@ -56,8 +57,8 @@ def test_each_tier_names_its_own_answer() -> None:
 def test_only_deterministic_requests_that_allow_it_have_names() -> None:
     k = keys()
     assert k.cache_key(turn(use_cache=False), EDGE) is None
-    assert k.cache_key(turn(sampling=SamplingSpec(max_tokens=4, temperature=0.7)), EDGE) is None
-    assert k.cache_key(turn(sampling=SamplingSpec(max_tokens=4, temperature=0.7, seed=1)), EDGE) is not None
+    assert k.cache_key(turn(sampling=SamplingParams(max_tokens=4, temperature=0.7)), EDGE) is None
+    assert k.cache_key(turn(sampling=SamplingParams(max_tokens=4, temperature=0.7, seed=1)), EDGE) is not None
     assert keys(FakeCache(enabled=False)).cache_key(turn(), EDGE) is None
     assert k.collapse_key(turn(), Session(chat=True), EDGE) is None
     assert keys(collapse=False).collapse_key(turn(), Session(), EDGE) is None

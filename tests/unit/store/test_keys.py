@@ -6,10 +6,10 @@ from typing import Any
 import pytest
 from redis.crc import key_slot
 
+from services.common.sampling import SamplingParams
 from services.store.keys import (
     RESPONSE_PREFIX,
     Kind,
-    SamplingSpec,
     kv_block_keys,
     response_key,
     response_pattern,
@@ -24,7 +24,7 @@ def key(**over: Any) -> str:
         model_version="v1",
         tier="edge",
         tokenizer_id="tok",
-        sampling=SamplingSpec(max_tokens=16),
+        sampling=SamplingParams(max_tokens=16),
         prompt_ids=[1, 2, 3],
         tenant="acme",
         shareable=False,
@@ -91,9 +91,9 @@ def test_kv_chain_keys() -> None:
         {"tokenizer_id": "tok2"},
         {"prompt_ids": [1, 2, 4]},
         {"prompt_ids": [1, 2, 3, 0]},
-        {"sampling": SamplingSpec(max_tokens=17)},
-        {"sampling": SamplingSpec(max_tokens=16, stop=("x",))},
-        {"sampling": SamplingSpec(max_tokens=16, temperature=0.5, seed=1)},
+        {"sampling": SamplingParams(max_tokens=17)},
+        {"sampling": SamplingParams(max_tokens=16, stop=("x",))},
+        {"sampling": SamplingParams(max_tokens=16, temperature=0.5, seed=1)},
     ],
 )
 def test_every_input_changes_the_key(change: dict[str, Any]) -> None:
@@ -125,27 +125,3 @@ def test_tenant_salt_unless_shareable() -> None:
 
 def test_no_field_boundary_collisions() -> None:
     assert key(model_id="ab", model_version="c") != key(model_id="a", model_version="bc")
-
-
-def test_greedy_ignores_sampling_knobs() -> None:
-    base = SamplingSpec(max_tokens=16)
-    assert base.canonical() == SamplingSpec(max_tokens=16, top_p=0.5, top_k=7, seed=3).canonical()
-
-
-def test_canonical_floats_stop_order_and_defaults() -> None:
-    import struct
-
-    f32 = struct.unpack("<f", struct.pack("<f", 0.7))[0]  # what a proto float field delivers
-    a = SamplingSpec(max_tokens=8, temperature=f32, top_p=0.0, seed=5, stop=("b", "a", "a"))
-    b = SamplingSpec(max_tokens=8, temperature=0.7, top_p=1.0, seed=5, stop=("a", "b"))
-    assert a.canonical() == b.canonical()
-    assert (
-        SamplingSpec(max_tokens=8, temperature=0.7, seed=5).canonical()
-        != SamplingSpec(max_tokens=8, temperature=0.7, seed=6).canonical()
-    )
-
-
-def test_deterministic() -> None:
-    assert SamplingSpec(max_tokens=1).deterministic
-    assert SamplingSpec(max_tokens=1, temperature=0.8, seed=0).deterministic
-    assert not SamplingSpec(max_tokens=1, temperature=0.8).deterministic

@@ -6,7 +6,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from services.worker.types import EngineInfo, SamplingConfig
+from services.common.sampling import SamplingParams
+from services.worker.types import EngineInfo
 
 EOS = 0
 
@@ -35,7 +36,7 @@ TOKENIZER = ByteTokenizer(VOCAB)
 
 
 class FakeSequence:
-    def __init__(self, engine: FakeEngine, sampling: SamplingConfig) -> None:
+    def __init__(self, engine: FakeEngine, sampling: SamplingParams) -> None:
         self._engine = engine
         self._sampling = sampling
         self._pos = 0
@@ -81,7 +82,7 @@ class FakeEngine:
         self.gate: threading.Semaphore | None = None
         self.lock = threading.Lock()
         self.steps = 0
-        self.started: list[tuple[list[int], SamplingConfig]] = []
+        self.started: list[tuple[list[int], SamplingParams]] = []
         self._info = EngineInfo("fake-model", len(VOCAB), context_length, frozenset({EOS}))
 
     @property
@@ -92,6 +93,6 @@ class FakeEngine:
     def tokenizer(self) -> ByteTokenizer:
         return TOKENIZER
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> FakeSequence:
+    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> FakeSequence:
         self.started.append(([*token_ids, *replay], sampling))
         return FakeSequence(self, sampling)

@@ -9,9 +9,10 @@ from contextlib import aclosing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from services.common.sampling import SamplingParams
 from services.worker.runner import Runner, _coalesce, run_sequence
 from services.worker.stats import WorkerCounters
-from services.worker.types import FinalEvent, GenerationRequest, SamplingConfig, TokenEvent
+from services.worker.types import FinalEvent, GenerationRequest, TokenEvent
 from tests.unit.worker.fakes import EOS, TOKENIZER, VOCAB, FakeEngine
 
 PROMPT = tuple(TOKENIZER.encode("hi"))
@@ -35,7 +36,7 @@ def test_coalesce_concatenates_waiting_token_events_in_order_and_leaves_the_end_
 def _unmerged(script: list[int], stop: tuple[str, ...], max_tokens: int) -> tuple[list[TokenEvent], FinalEvent]:
     """The events of a turn as the engine emits them, one per token (the reference)."""
     emitted: list[TokenEvent] = []
-    request = GenerationRequest(PROMPT, SamplingConfig(max_tokens=max_tokens, stop=stop))
+    request = GenerationRequest(PROMPT, SamplingParams(max_tokens=max_tokens, stop=stop))
     final = run_sequence(FakeEngine(script, loop=False), request, threading.Event(), emitted.append, WorkerCounters())
     return emitted, final
 
@@ -49,7 +50,7 @@ async def _through_runner(script: list[int], stop: tuple[str, ...], max_tokens: 
     engine = FakeEngine(script, loop=False)
     engine.gate = threading.Semaphore(1)
     runner = Runner(engine, max_active=1, max_queue=0, keepalive_s=5.0)
-    request = GenerationRequest(PROMPT, SamplingConfig(max_tokens=max_tokens, stop=stop))
+    request = GenerationRequest(PROMPT, SamplingParams(max_tokens=max_tokens, stop=stop))
     try:
         async with aclosing(runner.turn(request).events()) as events:
             seen: list[object] = [await asyncio.wait_for(anext(events), 5)]

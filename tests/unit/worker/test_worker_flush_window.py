@@ -8,9 +8,10 @@ import threading
 from contextlib import aclosing
 
 from services.common.coalesce import FlushWindow
+from services.common.sampling import SamplingParams
 from services.worker.runner import Runner, run_sequence
 from services.worker.stats import WorkerCounters
-from services.worker.types import FinalEvent, FinishReason, GenerationRequest, SamplingConfig, TokenEvent
+from services.worker.types import FinalEvent, FinishReason, GenerationRequest, TokenEvent
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine
 
 PROMPT = tuple(TOKENIZER.encode("hi"))
@@ -20,7 +21,7 @@ LONG = 10.0  # a window no test waits out: a frame that comes out at all was not
 
 def _reference(max_tokens: int) -> tuple[list[TokenEvent], FinalEvent]:
     emitted: list[TokenEvent] = []
-    request = GenerationRequest(PROMPT, SamplingConfig(max_tokens=max_tokens))
+    request = GenerationRequest(PROMPT, SamplingParams(max_tokens=max_tokens))
     final = run_sequence(FakeEngine(SCRIPT), request, threading.Event(), emitted.append, WorkerCounters())
     return emitted, final
 
@@ -36,7 +37,7 @@ async def test_busy_turn_sends_the_first_token_at_once_then_holds_the_rest_until
     reference, final = _reference(max_tokens)
     window = FlushWindow(LONG, busy_streams=1)
     runner, gate = _gated_runner(window)
-    request = GenerationRequest(PROMPT, SamplingConfig(max_tokens=max_tokens))
+    request = GenerationRequest(PROMPT, SamplingParams(max_tokens=max_tokens))
     try:
         async with aclosing(runner.turn(request).events()) as events:
             first = await asyncio.wait_for(anext(events), 5)
@@ -61,7 +62,7 @@ async def test_busy_turn_sends_the_first_token_at_once_then_holds_the_rest_until
 async def test_cancelling_a_held_turn_flushes_it_at_once() -> None:
     window = FlushWindow(LONG, busy_streams=1)
     runner, gate = _gated_runner(window)
-    turn = runner.turn(GenerationRequest(PROMPT, SamplingConfig(max_tokens=32)))
+    turn = runner.turn(GenerationRequest(PROMPT, SamplingParams(max_tokens=32)))
     try:
         async with aclosing(turn.events()) as events:
             await asyncio.wait_for(anext(events), 5)
@@ -84,7 +85,7 @@ async def test_a_lone_turn_sends_each_token_as_it_comes() -> None:
     reference, final = _reference(max_tokens)
     window = FlushWindow(LONG, busy_streams=2)
     runner, gate = _gated_runner(window)
-    request = GenerationRequest(PROMPT, SamplingConfig(max_tokens=max_tokens))
+    request = GenerationRequest(PROMPT, SamplingParams(max_tokens=max_tokens))
     seen: list[object] = []
     try:
         async with aclosing(runner.turn(request).events()) as events:

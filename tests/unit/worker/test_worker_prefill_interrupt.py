@@ -6,17 +6,11 @@ import asyncio
 import threading
 from contextlib import aclosing
 
+from services.common.sampling import SamplingParams
 from services.worker.interrupt import PrefillInterrupter
 from services.worker.runner import Runner
 from services.worker.sessions import ChatSession
-from services.worker.types import (
-    FinalEvent,
-    FinishReason,
-    GenerationRequest,
-    QueuedEvent,
-    SamplingConfig,
-    StepInterrupted,
-)
+from services.worker.types import FinalEvent, FinishReason, GenerationRequest, QueuedEvent, StepInterrupted
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine, FakeSequence
 
 PROMPT = tuple(TOKENIZER.encode("hi"))
@@ -25,7 +19,7 @@ PROMPT = tuple(TOKENIZER.encode("hi"))
 class InterruptibleSequence(FakeSequence):
     """Its first step is a prefill that runs until interrupted (or released by the test)."""
 
-    def __init__(self, engine: FakeEngine, sampling: SamplingConfig) -> None:
+    def __init__(self, engine: FakeEngine, sampling: SamplingParams) -> None:
         super().__init__(engine, sampling)
         self.prefilling = threading.Event()
         self.stop = threading.Event()
@@ -65,7 +59,7 @@ async def test_cancel_during_the_prefill_interrupts_it_and_the_turn_ends_cancell
     engine = InterruptibleEngine()
     runner = Runner(engine, max_active=1, max_queue=0, keepalive_s=0.02)
     session = ChatSession(runner.sessions)
-    turn = runner.turn(GenerationRequest(PROMPT, SamplingConfig(max_tokens=4)), session)
+    turn = runner.turn(GenerationRequest(PROMPT, SamplingParams(max_tokens=4)), session)
     try:
         async with aclosing(turn.events()) as events:
             assert isinstance(await asyncio.wait_for(anext(events), 5), QueuedEvent)  # prefilling
@@ -98,7 +92,7 @@ async def test_a_cancel_after_the_first_token_stops_between_steps_and_keeps_the_
     engine.step_s = 0.02
     runner = Runner(engine, max_active=1, max_queue=0, keepalive_s=5.0)
     session = ChatSession(runner.sessions)
-    turn = runner.turn(GenerationRequest(PROMPT, SamplingConfig(max_tokens=50)), session)
+    turn = runner.turn(GenerationRequest(PROMPT, SamplingParams(max_tokens=50)), session)
     try:
         async with aclosing(turn.events()) as events:
             first = await asyncio.wait_for(anext(events), 5)

@@ -7,8 +7,9 @@ import threading
 from collections.abc import Sequence
 from contextlib import aclosing
 
+from services.common.sampling import SamplingParams
 from services.worker.runner import Runner
-from services.worker.types import FinalEvent, FinishReason, GenerationRequest, QueuedEvent, SamplingConfig
+from services.worker.types import FinalEvent, FinishReason, GenerationRequest, QueuedEvent
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine, FakeSequence
 
 PROMPT = tuple(TOKENIZER.encode("hi"))
@@ -23,7 +24,7 @@ class SlowPrefillEngine(FakeEngine):
         self.prefilled = threading.Event()
         self.prefilling = threading.Event()
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingConfig, replay: Sequence[int] = ()) -> FakeSequence:
+    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> FakeSequence:
         self.prefilling.set()
         assert self.prefilled.wait(10), "test never released the prefill"
         return super().start(token_ids, sampling, replay)
@@ -32,7 +33,7 @@ class SlowPrefillEngine(FakeEngine):
 async def test_a_resumed_turn_sends_keepalives_while_its_replay_prefills_then_only_tokens() -> None:
     engine = SlowPrefillEngine()
     runner = Runner(engine, max_active=1, max_queue=0, keepalive_s=0.02)
-    request = GenerationRequest(PROMPT, SamplingConfig(max_tokens=4), resume_ids=RESUMED)
+    request = GenerationRequest(PROMPT, SamplingParams(max_tokens=4), resume_ids=RESUMED)
     try:
         async with aclosing(runner.turn(request).events()) as events:
             keepalives = []
@@ -57,7 +58,7 @@ async def test_a_resumed_turn_sends_keepalives_while_its_replay_prefills_then_on
 async def test_a_fast_turn_sends_no_keepalive() -> None:
     runner = Runner(FakeEngine(), max_active=1, max_queue=0, keepalive_s=5.0)
     try:
-        async with aclosing(runner.turn(GenerationRequest(PROMPT, SamplingConfig(max_tokens=3))).events()) as events:
+        async with aclosing(runner.turn(GenerationRequest(PROMPT, SamplingParams(max_tokens=3))).events()) as events:
             seen = [e async for e in events]
     finally:
         await runner.aclose()

@@ -9,13 +9,14 @@ import grpc
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.sampling import SamplingParams
 from services.common.settings import load_settings
 from services.store.keys import kv_block_hashes
 from services.worker.app import RunningWorker, start_worker
 from services.worker.report import LoadReporter, PrefixHasher
 from services.worker.runner import Runner
 from services.worker.settings import WorkerSettings
-from services.worker.types import KVUsage, SamplingConfig
+from services.worker.types import KVUsage
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine, FakeSequence
 from tests.worker_helpers import META, generate, stats
 
@@ -25,13 +26,13 @@ BLOCK = 4
 class ChatSequence(FakeSequence):
     """A fake sequence that can be extended by the next turn of its chat."""
 
-    def reuse(self, context: Sequence[int], sampling: SamplingConfig) -> bool:
+    def reuse(self, context: Sequence[int], sampling: SamplingParams) -> bool:
         self.prefill_tokens = 1
         return True
 
 
 class ChatEngine(FakeEngine):
-    def start_chat(self, token_ids: Sequence[int], sampling: SamplingConfig) -> ChatSequence:
+    def start_chat(self, token_ids: Sequence[int], sampling: SamplingParams) -> ChatSequence:
         self.started.append((list(token_ids), sampling))
         return ChatSequence(self, sampling)
 

@@ -8,15 +8,16 @@ import threading
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 
+from services.common.sampling import SamplingParams
 from services.worker.runner import Runner, Turn
-from services.worker.types import FinalEvent, FinishReason, GenerationRequest, QueuedEvent, SamplingConfig
+from services.worker.types import FinalEvent, FinishReason, GenerationRequest, QueuedEvent
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine
 
 PROMPT = tuple(TOKENIZER.encode("hi"))
 
 
 def _request(max_tokens: int = 50) -> GenerationRequest:
-    return GenerationRequest(PROMPT, SamplingConfig(max_tokens=max_tokens))
+    return GenerationRequest(PROMPT, SamplingParams(max_tokens=max_tokens))
 
 
 async def _until(condition: Callable[[], bool], what: str) -> None:

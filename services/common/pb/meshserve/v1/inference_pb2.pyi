@@ -120,7 +120,9 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
-    """Maximum number of tokens to generate; 0 means the server default (256)."""
+    """Maximum number of tokens to generate; 0 means the server default (256, or fewer where the prompt
+    leaves less room in the model's context).
+    """
     temperature: _builtins.float
     """Softmax temperature in [0, 2]; 0 means greedy decoding."""
     top_p: _builtins.float
@@ -131,7 +133,9 @@ class SamplingParams(_message.Message):
     """Seed for sampling; a request with a seed is deterministic and cacheable."""
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Generation stops before the first occurrence of any of these strings (at most 8)."""
+        """Generation stops before the first occurrence of any of these strings (at most 8, each 1 to 64
+        characters).
+        """
 
     def __init__(
         self,
