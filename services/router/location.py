@@ -30,9 +30,9 @@ from enum import StrEnum
 from services.cache.keys import SamplingSpec
 from services.cache.kv import LOCATE_MAX_BLOCKS, KVBlockStore, KVContext
 from services.common.errors import InvalidArgument, Unavailable
-from services.router.core import Router
+from services.router.core import Router, Session
 from services.router.policy import TierChoice, TierName
-from services.router.turn import Session, TurnRequest
+from services.router.types import TurnRequest
 
 MAX_PROMPT_CHARS = 1 << 20
 """Longest prompt (text, or all message contents) accepted, in characters: checked before tokenizing."""

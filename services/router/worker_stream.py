@@ -174,15 +174,3 @@ def sampling_pb(s: SamplingSpec) -> inference_pb2.SamplingParams:
     if s.seed is not None:
         msg.seed = s.seed
     return msg
-
-
-def abort_if_refused(pending: asyncio.Future[Any], stream: WorkerStream) -> None:
-    """Abort ``stream``'s turn on the worker as soon as ``pending`` (the rate-limit reservation of a
-    request started before it was known) is refused; its reader then fails, and the router raises
-    the refusal (services/common/pending_admission.py)."""
-
-    def done(future: asyncio.Future[Any]) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            stream.abort()
-
-    pending.add_done_callback(done)
