@@ -311,7 +311,8 @@ class ChatSession:
         if self._overflow is not None:
             raise self._overflow
         if isinstance(item, MeshError):
-            raise item
+            with observe():  # a turn refused at the edge is a turn that failed
+                raise item
         return item
 
 
@@ -347,3 +348,15 @@ def observe() -> Iterator[_Observation]:
         raise
     finally:
         REQUEST_DURATION.labels(SERVICE, obs.tier, status).observe(time.perf_counter() - obs.started)
+
+
+@contextlib.contextmanager
+def observe_refusal() -> Iterator[None]:
+    """For an edge's work before it calls the API (converting its request): a refusal there is recorded
+    as the router's metrics record a failed request; success records nothing (the API does)."""
+    started = time.perf_counter()
+    try:
+        yield
+    except MeshError as exc:
+        REQUEST_DURATION.labels(SERVICE, "none", exc.code).observe(time.perf_counter() - started)
+        raise

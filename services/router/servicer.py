@@ -18,7 +18,7 @@ from services.common.coalesce import FlushWindow, coalesced
 from services.common.errors import MeshError
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
 from services.router import convert
-from services.router.api import ChatSession, RouterAPI
+from services.router.api import ChatSession, RouterAPI, observe_refusal
 from services.router.types import Chunk, Done, is_done, merge, merge_turn, turn_done
 
 
@@ -41,7 +41,8 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateResponse]:
         request_id, tenant, deadline = _call_context(context)
-        generation = convert.generation(request, tenant=tenant, request_id=request_id)
+        with observe_refusal():
+            generation = convert.generation(request, tenant=tenant, request_id=request_id)
         events = coalesced(self._api.generate(generation, deadline=deadline), merge, window=self._flush, urgent=is_done)
         seq = 0
         async with aclosing(events):
@@ -60,7 +61,8 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.GenerateResponse:
         request_id, tenant, deadline = _call_context(context)
-        generation = convert.generation(request, tenant=tenant, request_id=request_id)
+        with observe_refusal():
+            generation = convert.generation(request, tenant=tenant, request_id=request_id)
         chunk, done = await self._api.complete(generation, deadline=deadline)
         return inference_pb2.GenerateResponse(
             request_id=request_id, token_ids=chunk.token_ids, text=chunk.text, final=convert.done_pb(done)

@@ -183,13 +183,6 @@ class PendingAdmission:
     speculative: bool = False
     """The worker may start before the decision is known (its output still waits for it)."""
 
-    @classmethod
-    def granted(cls) -> PendingAdmission:
-        """An admission already decided in the caller's favour (nothing to wait for)."""
-        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        done.set_result(None)
-        return cls(done)
-
     async def wait(self) -> None:
         """Return once the reservation is granted; raise the caller's error if it is refused."""
         await asyncio.shield(self.decision)  # cancelling this waiter must not cancel the reservation
