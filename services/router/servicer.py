@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
 import grpc
@@ -19,7 +19,7 @@ from services.common.errors import MeshError
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
 from services.router import convert
 from services.router.api import ChatSession, RouterAPI, observe_refusal
-from services.router.types import Chunk, Done, is_done, merge, merge_turn, turn_done
+from services.router.types import Chunk, Done, Event, TurnEvent, is_done, merge
 
 
 def _call_context(context: grpc.aio.ServicerContext) -> tuple[str, str, float | None]:
@@ -74,21 +74,26 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         request_id, tenant, deadline = _call_context(context)
         session = self._api.chat(tenant=tenant, request_id=request_id, deadline=deadline)
         reader = asyncio.create_task(_read_client(request_iterator, session), name="chat-client-reader")
-        seq = 0
         try:
-            events = coalesced(session.events(), merge_turn, window=self._flush, urgent=turn_done)
-            async with aclosing(events):
-                async for item in events:
-                    event = item.event
-                    if isinstance(event, Chunk):
-                        frame = inference_pb2.ChatResponse(
-                            turn=item.turn, sequence=seq, token_ids=event.token_ids, text=event.text
-                        )
-                    else:
-                        frame = inference_pb2.ChatResponse(turn=item.turn, sequence=seq, final=convert.done_pb(event))
-                    frame.request_id = request_id
-                    yield frame
-                    seq = 0 if isinstance(event, Done) else seq + 1
+            async with aclosing(session.events()) as chat:
+                while (first := await anext(chat, None)) is not None:
+                    # Coalesced turn by turn: a chat between turns is no open stream to the flush window.
+                    turn = first.turn
+                    events = coalesced(_one_turn(first, chat), merge, window=self._flush, urgent=is_done)
+                    seq = 0
+                    async with aclosing(events):
+                        async for event in events:
+                            if isinstance(event, Chunk):
+                                frame = inference_pb2.ChatResponse(
+                                    turn=turn, sequence=seq, token_ids=event.token_ids, text=event.text
+                                )
+                            else:
+                                frame = inference_pb2.ChatResponse(
+                                    turn=turn, sequence=seq, final=convert.done_pb(event)
+                                )
+                            frame.request_id = request_id
+                            yield frame
+                            seq += 1
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -98,6 +103,17 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> inference_pb2.ListModelsResponse:
         return convert.models_pb(await self._api.list_models())
+
+
+async def _one_turn(first: TurnEvent, chat: AsyncIterator[TurnEvent]) -> AsyncGenerator[Event, None]:
+    """The events of the turn that ``first`` starts, read from ``chat`` up to its Done."""
+    yield first.event
+    if isinstance(first.event, Done):
+        return
+    async for item in chat:
+        yield item.event
+        if isinstance(item.event, Done):
+            return
 
 
 async def _read_client(request_iterator: AsyncIterator[inference_pb2.ChatRequest], session: ChatSession) -> None:

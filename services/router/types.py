@@ -143,10 +143,6 @@ def merge_turn(first: TurnEvent, then: TurnEvent) -> TurnEvent | None:
     return TurnEvent(first.turn, merged)
 
 
-def turn_done(event: TurnEvent) -> bool:
-    return isinstance(event.event, Done)
-
-
 @dataclass(frozen=True)
 class ModelInfo:
     """A model the router serves."""
