@@ -11,7 +11,7 @@ tier when its own has none left) is tried, up to ``retries_before_first_token``.
 or stalls after tokens were sent is replaced, up to ``failovers_after_first_token`` times, by
 another replica that prefills prompt + the tokens already sent (``WorkerStart.resume_token_ids``)
 and continues; the client stream goes on without duplicate or gap because only the tokens the new
-worker generates are relayed and the chunks are numbered by the router.
+worker generates are relayed (frames are numbered where they are written, not by the workers).
 """
 
 from __future__ import annotations
