@@ -76,8 +76,8 @@ class Stack:
     tmp: tempfile.TemporaryDirectory[str]
     before: dict[str, ServiceProcess]
     """More services: ``gateway_embedded`` (router in its process), ``router_calls`` (no GenerateMux:
-    a Worker.Generate call per request), and ``gateway_before`` / ``router_before`` (the ``--before``
-    tree's), if any."""
+    a Worker.Generate call per request), and ``gateway_before`` / ``router_before`` /
+    ``gateway_embedded_before`` (the ``--before`` tree's), if any."""
 
     def processes(self) -> dict[str, ServiceProcess]:
         procs = {"gateway": self.gateway, "router": self.router, "worker": self.worker, "redis": self.redis}
@@ -173,6 +173,15 @@ async def start_stack(profile_dir: Path | None = None, before: Path | None = Non
             "gateway_embedded", _argv("services.gateway", profile_dir, "gateway_embedded"), embedded_env, sink
         )
     )
+    if before is not None:  # the default layout is the one users run: compare it too
+        services["gateway_embedded_before"] = await _start(
+            ServiceProcess(
+                "gateway_embedded_before",
+                _argv("services.gateway", profile_dir, "gateway_embedded_before", before),
+                embedded_env,
+                sink,
+            )
+        )
     router, gateway = services.pop("router"), services.pop("gateway")
     return Stack(redis_proc, worker, router, gateway, chains["relay"], chains["relay_sync"], redis_url, tmp, services)
 
@@ -242,6 +251,8 @@ def _probes(
         probes["router_call_per_request"] = via(stubs["router_calls"], INTERNAL)
     if "gateway_embedded" in stubs:
         probes["gateway_embedded_router"] = via(stubs["gateway_embedded"], static)
+    if "gateway_embedded_before" in stubs:
+        probes["gateway_embedded_router (before)"] = via(stubs["gateway_embedded_before"], static)
     return probes
 
 

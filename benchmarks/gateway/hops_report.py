@@ -151,11 +151,18 @@ def _comparison(report: dict[str, Any]) -> list[str]:
         "|---|---:|---:|---:|",
     ]
     rows: list[tuple[str, float, float]] = []
-    for path in ("router", "gateway_static_key", "gateway_stored_key"):
+    paths = [
+        p
+        for p in ("router", "gateway_static_key", "gateway_stored_key", "gateway_embedded_router")
+        if f"{p} (before)" in report["latency"]
+    ]
+    for path in paths:
         b, a = report["latency"][f"{path} (before)"], report["latency"][path]
         for key in ("added_ttft_p50_ms", "added_ttft_p99_ms", "added_total_p50_ms", "relay_us_per_frame"):
             rows.append((f"{path}: {key}", b[key], a[key]))
-    for path in ("router", "gateway_static_key", "gateway_stored_key"):
+    for path in paths:
+        if f"{path} (before)" not in report["cache_hit"]:
+            continue
         b, a = report["cache_hit"][f"{path} (before)"], report["cache_hit"][path]
         for key in ("ttft_p50_ms", "ttft_p99_ms"):
             rows.append((f"cache hit, {path}: {key}", b[key], a[key]))
@@ -164,7 +171,11 @@ def _comparison(report: dict[str, Any]) -> list[str]:
         ("cache_hit_cpu_ms_per_request", "CPU ms per hit"),
     ):
         cpu = report[section]
-        for path, procs in (("router", ("router",)), ("gateway_stored_key", ("gateway", "router"))):
+        by_path = (("router", ("router",)), ("gateway_stored_key", ("gateway", "router")))
+        by_path += (("gateway_embedded_router", ("gateway_embedded",)),)
+        for path, procs in by_path:
+            if f"{path} (before)" not in cpu:
+                continue
             for proc in procs:
                 rows.append((f"{label}, {path}: {proc}", cpu[f"{path} (before)"][f"{proc}_before"], cpu[path][proc]))
     for name, b, a in rows:
@@ -175,6 +186,7 @@ def _comparison(report: dict[str, Any]) -> list[str]:
 
 def _cpu_table(cpu: dict[str, dict[str, float]], title: str) -> list[str]:
     names = ["client", "gateway", "router", "gateway_embedded", "router_calls", "gateway_before", "router_before"]
+    names += ["gateway_embedded_before"]
     names += ["relay0", "relay1"]
     names += ["relay_sync0", "relay_sync1", "worker", "redis"]
     names = [n for n in names if any(n in row for row in cpu.values())]

@@ -21,8 +21,8 @@ from services.gateway.identity import Authenticator
 from services.gateway.jwt_auth import JwtVerifier
 from services.gateway.keycache import KeyRecordCache
 from services.gateway.keystore import KeyStore
-from services.gateway.local_router import LocalRouter
 from services.gateway.ratelimit import RateLimiter
+from services.gateway.remote_router import RemoteRouter
 from services.gateway.servicer import SERVICE_NAME, GatewayServicer
 from services.router.config import RouterSettings
 from services.store.connection import AnyRedis, redis_from_url
@@ -111,10 +111,8 @@ async def start_gateway(
     """
     gate = build_gate(settings)
     channel = None
-    router: inference_pb2_grpc.InferenceStub | LocalRouter
-    if settings.embed_router:
-        router = LocalRouter()
-    else:
+    remote: RemoteRouter | None = None
+    if not settings.embed_router:
         channel = grpc.aio.insecure_channel(
             settings.router_address,
             options=[
@@ -122,8 +120,8 @@ async def start_gateway(
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ],
         )
-        router = inference_pb2_grpc.InferenceStub(channel)
-    servicer = GatewayServicer(settings, gate, router)  # type: ignore[arg-type]
+        remote = RemoteRouter(inference_pb2_grpc.InferenceStub(channel), settings.internal_token)
+    servicer = GatewayServicer(settings, gate, remote)  # embedded: the router is set once it has started
     try:
         running = await start_server(
             settings,
@@ -139,9 +137,9 @@ async def start_gateway(
     where = settings.router_address
     if channel is not None:
         running.on_stop.append(channel.close)
-    if isinstance(router, LocalRouter):
+    if settings.embed_router:
         try:
-            router_server = await _start_embedded_router(router, router_settings, running)
+            router_server = await _start_embedded_router(servicer, router_settings, running)
         except BaseException:
             await running.stop()
             await gate.close()
@@ -154,13 +152,15 @@ async def start_gateway(
 
 
 async def _start_embedded_router(
-    local: LocalRouter, settings: RouterSettings | None, gateway: RunningServer
+    servicer: GatewayServicer, settings: RouterSettings | None, gateway: RunningServer
 ) -> RunningServer:
-    from services.router.server import start_router_servicer  # the router's code loads only when embedded
+    """Start the router in this process (its own internal server: workers register and heartbeat there,
+    ``meshserve status`` reads its replicas) and give the gateway its API, called in place."""
+    from services.router.server import start_router_api  # the router's code loads only when embedded
 
     settings = settings or load_settings(RouterSettings)
-    server, _router, servicer = await start_router_servicer(settings, announce=False, follow=[gateway])
-    local.servicer = servicer
+    server, api = await start_router_api(settings, announce=False, follow=[gateway])
+    servicer.router = api
     return server
 
 

@@ -25,7 +25,7 @@ class GatewaySettings(StreamingSettings):
     embed_router: bool = False
     """Run the router inside this process and call it in place, without a gRPC hop (settings from
     MESHSERVE_ROUTER_*; it serves workers' registrations and `meshserve status` on its own port,
-    MESHSERVE_ROUTER_PORT). See services/gateway/local_router.py."""
+    MESHSERVE_ROUTER_PORT). See services/router/api.py."""
     overlap_admission: bool = True
     """With `embed_router`: the router prepares a request (tokenize, cache lookup, replica choice, worker
     call) while its rate-limit reservation is in flight; the worker gets work, and the caller an answer,

@@ -1,20 +1,24 @@
-"""The public `meshserve.v1.Inference` service: authenticate, validate, then relay to the router.
+"""The public `meshserve.v1.Inference` service: authenticate, validate, then call the router.
 
-The gateway never looks inside a response beyond metrics: it stamps its request id and relays.
-Deadlines: the caller's (capped at ``max_deadline_s``; a Chat session at ``max_chat_deadline_s``) or a
-default is set on the router call.
-Cancellation: a caller cancel cancels the router call (``finally`` below); a router failure
-becomes the matching domain error for the caller (:mod:`services.gateway.errors`).
+The router is an :class:`~services.router.types.InferenceRouter`: the router's own API in this process
+(the embedded layout, :class:`~services.router.api.RouterAPI`) or a client of one in another
+(:class:`~services.gateway.remote_router.RemoteRouter`); this servicer has one path for both. It turns
+the public protos into the router's domain requests, and the router's events into frames, which it
+numbers and stamps with its request id (nothing else does). Deadlines: the caller's (capped at
+``max_deadline_s``; a Chat session at ``max_chat_deadline_s``) or a default is passed to the router.
+Cancellation: leaving a handler closes the router's event stream, which stops the worker. Errors are
+the router's domain errors, written for callers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import structlog
@@ -22,32 +26,30 @@ import structlog
 from services.common import metadata as md
 from services.common import tracing
 from services.common.coalesce import coalesced
-from services.common.errors import DeadlineExceeded, MeshError
-from services.common.interceptors import outbound_metadata
+from services.common.errors import DeadlineExceeded, MeshError, Unavailable
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.common.pending_admission import PENDING_ADMISSION, SPECULATIVE
 from services.gateway import scopes
 from services.gateway.admission import Gate, Ticket
 from services.gateway.config import GatewaySettings
-from services.gateway.errors import from_router_error
 from services.gateway.identity import Identity
-from services.gateway.local_router import LocalRouter
 from services.gateway.observe import observe
 from services.gateway.validation import Limits, validate_chat_request, validate_generate
+from services.router import convert
+from services.router.types import (
+    Chunk,
+    Generation,
+    InferenceRouter,
+    PendingAdmission,
+    TurnEvent,
+    is_done,
+    merge,
+    merge_turn,
+)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _END = object()
-_Frame = TypeVar("_Frame", pb.GenerateResponse, pb.ChatResponse)
-
-
-def _merge(first: _Frame, then: _Frame) -> _Frame | None:
-    """Two token frames that waited for the writer, as one (a final frame stays a frame of its own)."""
-    if first.HasField("final") or then.HasField("final") or getattr(first, "turn", 0) != getattr(then, "turn", 0):
-        return None
-    first.token_ids.extend(then.token_ids)
-    first.text += then.text
-    return first
+_closing: set[asyncio.Task[None]] = set()
 
 
 async def _after_the_worker_start(admit: Awaitable[Ticket]) -> Ticket:
@@ -58,12 +60,18 @@ async def _after_the_worker_start(admit: Awaitable[Ticket]) -> Ticket:
     return await admit
 
 
-def _is_final(frame: _Frame) -> bool:
-    return frame.HasField("final")
+def _close_soon(stream: AsyncGenerator[Any, None]) -> None:
+    """Close ``stream`` unless it is running (then whoever runs it is being cancelled and closes it)
+    or has ended."""
+    if getattr(stream, "ag_running", False) or getattr(stream, "ag_frame", None) is None:
+        return
+    task = asyncio.get_running_loop().create_task(stream.aclose())
+    _closing.add(task)  # a task nobody references may be collected before it has run
+    task.add_done_callback(_closing.discard)
 
 
-def _on_rpc_end(context: grpc.aio.ServicerContext, call: Any, settle: Callable[[], None]) -> None:
-    """However the RPC ends, stop the router call and settle the request's tickets (both idempotent).
+def _on_rpc_end(context: grpc.aio.ServicerContext, stop: Callable[[], None], settle: Callable[[], None]) -> None:
+    """However the RPC ends, stop the router's work and settle the request's tickets (both idempotent).
 
     The handler's own ``finally`` does both, but a handler (an async generator) that its RPC's
     cancellation leaves suspended at a ``yield`` runs its ``finally`` only once it is garbage
@@ -71,26 +79,24 @@ def _on_rpc_end(context: grpc.aio.ServicerContext, call: Any, settle: Callable[[
     """
 
     def ended(_context: object) -> None:
-        call.cancel()
+        stop()
         settle()
 
     context.add_done_callback(ended)
 
 
 class GatewayServicer(inference_pb2_grpc.InferenceServicer):
-    """Relays the public API to the router after authentication and validation."""
+    """The public API over the router, after authentication and validation.
 
-    def __init__(
-        self,
-        settings: GatewaySettings,
-        gate: Gate,
-        router: inference_pb2_grpc.InferenceStub,
-    ) -> None:
+    ``router`` may be set after construction (with the router embedded, the gateway's server starts
+    first, so the process's tracing and its announced port are the gateway's); until then calls
+    fail with UNAVAILABLE.
+    """
+
+    def __init__(self, settings: GatewaySettings, gate: Gate, router: InferenceRouter | None) -> None:
         self._settings = settings
         self._gate = gate
-        self._router = router
-        # Start routing while the reservation runs: only in place (a remote router cannot be held back).
-        self._overlap_admission = isinstance(router, LocalRouter) and settings.overlap_admission
+        self.router = router
         self._flush = settings.flush_window()  # spaces a stream's frames while many are open
         self._limits = Limits(
             max_prompt_chars=settings.max_prompt_chars,
@@ -100,6 +106,11 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             max_chat_messages=settings.max_chat_messages,
             max_model_chars=settings.max_model_chars,
         )
+
+    def _router(self) -> InferenceRouter:
+        if self.router is None:
+            raise Unavailable("the gateway's router is still starting; retry in a moment")
+        return self.router
 
     async def _admit(
         self, context: grpc.aio.ServicerContext, method: str, *, send_headers: bool = False
@@ -127,42 +138,43 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         return request_id, identity
 
     async def _reservation(
-        self, identity: Identity, request: pb.GenerateRequest, stream_ttl_s: float | None
-    ) -> asyncio.Future[Ticket]:
+        self, identity: Identity, request: pb.GenerateRequest, request_id: str, stream_ttl_s: float | None
+    ) -> tuple[Generation, PendingAdmission]:
         """Validation, policy checks and the rate-limit reservation of a Generate/Complete request.
 
-        Validation errors raise here. The reservation is awaited here too, unless the router is
-        embedded (and the tenant was not refused lately): then it runs on while the router prepares
-        the request (:mod:`services.common.pending_admission`: the caller gets nothing until it
-        succeeds, and a worker gets work only then, except for the few requests per tenant
-        :meth:`Gate.speculate` lets start at once). Either way the returned future holds the ticket,
-        and :meth:`_settle_once_admitted` must be called with it when the request ends.
+        Validation errors raise here. The reservation is awaited here too, unless the router runs in
+        this process (and the tenant was not refused lately): then it runs on while the router
+        prepares the request (:class:`~services.router.types.PendingAdmission`: the caller gets
+        nothing until it succeeds, and a worker gets work only then, except for the few requests per
+        tenant :meth:`Gate.speculate` lets start at once). Either way the admission's decision holds
+        the ticket, and :meth:`_settle_once_admitted` must be called with it when the request ends.
         """
-        validate_generate(request, self._limits)
+        sampling = validate_generate(request, self._limits)
         policy = self._gate.policy(identity)
         request.routing.priority = min(request.routing.priority, policy.priority)
+        generation = convert.generation(request, tenant=identity.tenant, request_id=request_id, sampling=sampling)
         prompts, max_tokens = [request.prompt], request.sampling.max_tokens
         admit = self._gate.admit(identity, policy, prompts, max_tokens, stream_ttl_s=stream_ttl_s)
-        if not self._overlap_admission or self._gate.recently_refused(identity.tenant):
+        router = self.router
+        overlap = router is not None and router.overlaps_admission and self._settings.overlap_admission
+        if not overlap or self._gate.recently_refused(identity.tenant):
             done: asyncio.Future[Ticket] = asyncio.get_running_loop().create_future()
             done.set_result(await admit)
-            return done
+            return generation, PendingAdmission(done)
         speculate = self._gate.speculate(identity.tenant)
         pending = asyncio.ensure_future(_after_the_worker_start(admit) if speculate else admit)
-        PENDING_ADMISSION.set(pending)  # this call's task (and the tasks it starts) only
         if speculate:
-            SPECULATIVE.set(True)
             tenant = identity.tenant
             pending.add_done_callback(
                 lambda done: self._gate.speculation_over(tenant, not done.cancelled() and done.exception() is None)
             )
-            return pending
+            return generation, PendingAdmission(pending, speculative=True)
         try:
             await asyncio.sleep(0)  # let the reservation send its Redis command before the router starts
         except BaseException:  # cancelled here: the reservation runs on, and is settled once it is known
             self._settle_once_admitted(pending)
             raise
-        return pending
+        return generation, PendingAdmission(pending)
 
     def _settle_once_admitted(self, admission: asyncio.Future[Ticket]) -> None:
         """Settle the request's ticket now, or once a reservation still running has succeeded."""
@@ -177,7 +189,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             admission.add_done_callback(settle)
 
     def _timeout(self, context: grpc.aio.ServicerContext, default_s: float, cap_s: float | None = None) -> float:
-        """Seconds left for the router call: the caller's deadline or ``default_s``, capped at ``cap_s``
+        """Seconds left for the router: the caller's deadline or ``default_s``, capped at ``cap_s``
         (``max_deadline_s`` unless given)."""
         cap_s = self._settings.max_deadline_s if cap_s is None else cap_s
         remaining = context.time_remaining()
@@ -187,10 +199,6 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             raise DeadlineExceeded("the request's deadline passed before it could be forwarded; allow more time")
         return min(remaining, cap_s)
 
-    def _metadata(self) -> tuple[tuple[str, str], ...]:
-        key_id = str(structlog.contextvars.get_contextvars().get("key_id", ""))
-        return outbound_metadata(self._settings.internal_token, **({md.KEY_ID: key_id} if key_id else {}))
-
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
@@ -198,141 +206,145 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             observed.prompt(request.prompt)
             request_id, identity = await self._admit(context, "Generate")
             timeout = self._timeout(context, self._settings.default_deadline_s)
-            admission = await self._reservation(identity, request, stream_ttl_s=timeout)
+            deadline = time.monotonic() + timeout
+            generation, admission = await self._reservation(identity, request, request_id, stream_ttl_s=timeout)
             ticket: Ticket | None = None
             try:
-                call = self._router.Generate(request, metadata=self._metadata(), timeout=timeout)
-                _on_rpc_end(context, call, lambda: self._settle_once_admitted(admission))
-                try:
-                    sequence = 0
-                    async with aclosing(coalesced(call, _merge, window=self._flush, urgent=_is_final)) as frames:
-                        async for frame in frames:
-                            if ticket is None:
-                                ticket = await admission  # nothing reaches the caller before admission
-                            final = frame.final if frame.HasField("final") else None
-                            observed.frame(len(frame.token_ids), final, ticket)
-                            frame.request_id = request_id
-                            frame.sequence = sequence
-                            sequence += 1
-                            yield frame
-                except grpc.aio.AioRpcError as exc:
-                    raise from_router_error(exc) from None
-                finally:
-                    call.cancel()
+                events = self._router().generate(generation, admission, deadline=deadline)
+                frames = coalesced(events, merge, window=self._flush, urgent=is_done)
+                _on_rpc_end(
+                    context, lambda: _close_soon(frames), lambda: self._settle_once_admitted(admission.decision)
+                )
+                sequence = 0
+                async with aclosing(frames):
+                    async for event in frames:
+                        if ticket is None:
+                            ticket = await admission.decision  # nothing reaches the caller before admission
+                        if isinstance(event, Chunk):
+                            observed.frame(len(event.token_ids), None, ticket)
+                            frame = pb.GenerateResponse(
+                                request_id=request_id, sequence=sequence, token_ids=event.token_ids, text=event.text
+                            )
+                        else:
+                            final = convert.done_pb(event)
+                            observed.frame(0, final, ticket)
+                            frame = pb.GenerateResponse(request_id=request_id, sequence=sequence, final=final)
+                        sequence += 1
+                        yield frame
             finally:
-                self._settle_once_admitted(admission)
+                self._settle_once_admitted(admission.decision)
 
     async def Complete(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         with observe("Complete", self._settings) as observed:
             observed.prompt(request.prompt)
             request_id, identity = await self._admit(context, "Complete")
-            timeout = self._timeout(context, self._settings.default_deadline_s)
-            admission = await self._reservation(identity, request, stream_ttl_s=None)
+            deadline = time.monotonic() + self._timeout(context, self._settings.default_deadline_s)
+            generation, admission = await self._reservation(identity, request, request_id, stream_ttl_s=None)
             try:
-                call = self._router.Complete(request, metadata=self._metadata(), timeout=timeout)
-                try:
-                    reply: pb.GenerateResponse = await call
-                except grpc.aio.AioRpcError as exc:
-                    raise from_router_error(exc) from None
-                finally:
-                    call.cancel()
-                ticket = await admission  # (already settled: the router waited for it before any work)
-                observed.frame(len(reply.token_ids), reply.final if reply.HasField("final") else None, ticket)
+                chunk, done = await self._router().complete(generation, admission, deadline=deadline)
+                ticket = await admission.decision  # (already settled: the router waited for it before any work)
+                final = convert.done_pb(done)
+                observed.frame(len(chunk.token_ids), final, ticket)
             finally:
-                self._settle_once_admitted(admission)
-            reply.request_id = request_id
-            return reply
+                self._settle_once_admitted(admission.decision)
+            return pb.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids, text=chunk.text, final=final)
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         with observe("ListModels", self._settings):
             await self._admit(context, "ListModels")
-            call = self._router.ListModels(
-                request, metadata=self._metadata(), timeout=self._timeout(context, self._settings.default_deadline_s)
-            )
-            try:
-                reply: pb.ListModelsResponse = await call
-            except grpc.aio.AioRpcError as exc:
-                raise from_router_error(exc) from None
-            finally:
-                call.cancel()
-            return reply
+            deadline = time.monotonic() + self._timeout(context, self._settings.default_deadline_s)
+            return convert.models_pb(await self._router().list_models(deadline=deadline))
 
     async def Chat(
         self, request_iterator: AsyncIterator[pb.ChatRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ChatResponse]:
-        """Bidirectional relay: one task pumps validated client frames up, one reads router frames.
+        """Bidirectional relay: one task pumps validated client frames to the router, one reads its events.
 
-        Both feed one queue so a validation error, a router error and a router frame reach the
+        Both feed one queue so a validation error, a router error and a router event reach the
         caller in the order they happened; leaving this generator for any reason cancels both.
         """
         with observe("Chat", self._settings) as observed:
             request_id, identity = await self._admit(context, "Chat", send_headers=True)
             policy = self._gate.policy(identity)
             timeout = self._timeout(context, self._settings.default_chat_deadline_s, self._settings.max_chat_deadline_s)
+            deadline = time.monotonic() + timeout
             # The session holds one stream slot; each turn takes one request and reserves its tokens.
             session = await self._gate.admit(identity, policy, (), 0, stream_ttl_s=timeout, count_request=False)
             turns: deque[Ticket] = deque()
-            call = self._router.Chat(metadata=self._metadata(), timeout=timeout)
 
             def settle_all() -> None:
                 for ticket in (*turns, session):
                     self._gate.settle_soon(ticket)
 
-            _on_rpc_end(context, call, settle_all)
+            try:
+                chat = self._router().chat(tenant=identity.tenant, request_id=request_id, deadline=deadline)
+            except BaseException:
+                settle_all()
+                raise
             events: asyncio.Queue[object] = asyncio.Queue(maxsize=64)
 
             async def pump() -> None:
                 try:
                     async for frame in request_iterator:
-                        validate_chat_request(frame, self._limits)
+                        turn_sampling = validate_chat_request(frame, self._limits)
                         if frame.WhichOneof("action") == "turn":
                             turn = frame.turn
+                            turn.routing.priority = min(turn.routing.priority, policy.priority)
+                            domain_turn = convert.chat_turn(turn, turn_sampling)
                             texts = [m.content for m in turn.messages]
                             turns.append(await self._gate.admit(identity, policy, texts, turn.sampling.max_tokens))
                             observed.prompt(*texts)
-                            turn.routing.priority = min(turn.routing.priority, policy.priority)
                             observed.turn_started()
-                        await call.write(frame)
-                    await call.done_writing()
+                            await chat.send(domain_turn)
+                        else:
+                            await chat.cancel_turn()
+                    await chat.end()
                 except MeshError as exc:
                     await events.put(exc)
-                except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                    pass  # the router call ended; read() reports how
 
             async def read() -> None:
                 try:
-                    async for frame in call:
-                        await events.put(frame)
+                    async with aclosing(chat.events()) as stream:
+                        async for event in stream:
+                            await events.put(event)
                     await events.put(_END)
-                except grpc.aio.AioRpcError as exc:
-                    await events.put(from_router_error(exc))
-                except MeshError as exc:  # the embedded router's own errors (services/gateway/local_router.py)
+                except MeshError as exc:
                     await events.put(exc)
 
             tasks = [asyncio.create_task(pump()), asyncio.create_task(read())]
+
+            def stop() -> None:
+                for task in tasks:
+                    task.cancel()
+
+            _on_rpc_end(context, stop, settle_all)
             waiting = events._queue  # type: ignore[attr-defined]  # a peek; asyncio.Queue has no public one
             sequence = 0
             try:
                 while (event := await events.get()) is not _END:
                     if isinstance(event, MeshError):
                         raise event
-                    assert isinstance(event, pb.ChatResponse)
-                    # Frames that came while the last one was written go out as one.
-                    while waiting and isinstance(waiting[0], pb.ChatResponse) and _merge(event, waiting[0]):
+                    assert isinstance(event, TurnEvent)
+                    # Events that came while the last one was written go out as one frame.
+                    while waiting and isinstance(waiting[0], TurnEvent) and (merged := merge_turn(event, waiting[0])):
+                        event = merged
                         events.get_nowait()
-                    final = event.final if event.HasField("final") else None
-                    observed.frame(len(event.token_ids), final, turns[0] if turns else None)
-                    if final is not None and turns:
-                        self._gate.settle_soon(turns.popleft())
-                    event.request_id = request_id
-                    event.sequence = sequence
-                    sequence = 0 if final is not None else sequence + 1
-                    yield event
+                    if isinstance(event.event, Chunk):
+                        observed.frame(len(event.event.token_ids), None, turns[0] if turns else None)
+                        frame = pb.ChatResponse(turn=event.turn, token_ids=event.event.token_ids, text=event.event.text)
+                    else:
+                        final = convert.done_pb(event.event)
+                        observed.frame(0, final, turns[0] if turns else None)
+                        if turns:
+                            self._gate.settle_soon(turns.popleft())
+                        frame = pb.ChatResponse(turn=event.turn, final=final)
+                    frame.request_id = request_id
+                    frame.sequence = sequence
+                    sequence = 0 if frame.HasField("final") else sequence + 1
+                    yield frame
             finally:
-                call.cancel()
-                for task in tasks:
-                    task.cancel()
+                stop()
                 settle_all()  # before the await below: a second cancellation there must not skip it
                 await asyncio.gather(*tasks, return_exceptions=True)

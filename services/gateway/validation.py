@@ -15,9 +15,9 @@ from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingLimits, SamplingParams
 from services.common.sampling_pb import from_pb
+from services.router.types import MAX_PRIORITY
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
-MAX_PRIORITY = 9
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,16 @@
 
 :meth:`Router.run_turn` serves one generation (a Generate request or one chat turn) as a stream of
 :class:`Chunk` events ending with one :class:`Done`: response cache, request collapsing, tier
-choice, admission (SLO shedding, fair queuing), replica choice, relay, retries and failover. The
-servicer only translates protos and numbers the chunks it passes on.
+choice, admission (SLO shedding, fair queuing), replica choice, relay, retries and failover. Its
+caller is :class:`~services.router.api.RouterAPI` (tokenizing, validation, chat sessions), which the
+gateway calls in its own process and the router's gRPC servicer wraps.
 
 Failures: a worker that fails before the first token is excluded and another replica (of the other
 tier when its own has none left) is tried, up to ``retries_before_first_token``. A worker that dies
 or stalls after tokens were sent is replaced, up to ``failovers_after_first_token`` times, by
 another replica that prefills prompt + the tokens already sent (``WorkerStart.resume_token_ids``)
 and continues; the client stream goes on without duplicate or gap because only the tokens the new
-worker generates are relayed and the chunks are numbered by the router.
+worker generates are relayed (frames are numbered where they are written, not by the workers).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Collection, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import structlog
@@ -27,11 +28,9 @@ import structlog
 from services.common import errors, sampling_pb, tracing
 from services.common.interceptors import outbound_metadata
 from services.common.metrics import INTER_TOKEN, TTFT
-from services.common.pb.meshserve.internal.v1 import worker_pb2
-from services.common.pb.meshserve.v1 import inference_pb2
-from services.common.pending_admission import refusal, speculative_admission, wait_admitted
+from services.common.pb.meshserve.internal.v1 import worker_pb2  # the worker start; see _relay
 from services.common.tokenizer import Tokenizer
-from services.router.answers import AnswerKeys
+from services.router.answers import AnswerKeys, KeyFor, Progress, cached_turn, store_response
 from services.router.collapse import Collapser
 from services.router.metrics import COLLAPSED, FAILOVERS, REPLICA_DECISIONS, RETRIES, ROUTE_DECISIONS
 from services.router.policy import (
@@ -45,17 +44,7 @@ from services.router.policy import (
 )
 from services.router.registry import Registry, Replica
 from services.router.slo_queue import Admission, Ticket
-from services.router.turn import (
-    Chunk,
-    Done,
-    KeyFor,
-    Route,
-    Session,
-    TurnRequest,
-    _Progress,
-    cached_turn,
-    store_response,
-)
+from services.router.types import Chunk, Done, FinishReason, PendingAdmission, Route, TurnRequest, admitted
 from services.router.worker_stream import (
     RESUMABLE,
     RETRYABLE,
@@ -64,7 +53,6 @@ from services.router.worker_stream import (
     WorkerClosed,
     WorkerStalled,
     WorkerStream,
-    abort_if_refused,
     failure_code,
     read_frame,
     worker_error,
@@ -73,7 +61,22 @@ from services.store.response_cache import ResponseCache
 
 log = structlog.get_logger(__name__)
 SERVICE = "router"
-__all__ = ["SERVICE", "Chunk", "Done", "Route", "Router", "Session", "TurnRequest"]
+__all__ = ["SERVICE", "Router", "Session"]
+
+
+@dataclass
+class Session:
+    """Worker-side state that outlives one turn: the open stream of a chat (None for Generate)."""
+
+    stream: WorkerStream | None = None
+    choice: TierChoice | None = None
+    chat: bool = False
+    """A chat session keeps its worker stream across turns (and is never collapsed)."""
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            await self.stream.close()
+            self.stream = None
 
 
 class Router:
@@ -172,9 +175,18 @@ class Router:
         return choice, self.select(req, choice.tier, exclude)
 
     async def run_turn(
-        self, req: TurnRequest, session: Session, cancel: asyncio.Event | None = None
+        self,
+        req: TurnRequest,
+        session: Session,
+        cancel: asyncio.Event | None = None,
+        admission: PendingAdmission | None = None,
     ) -> AsyncGenerator[Chunk | Done, None]:
-        """Serve one generation: from the cache, by joining an identical one in flight, else a worker."""
+        """Serve one generation: from the cache, by joining an identical one in flight, else a worker.
+
+        ``cancel``: set to end the turn early (a chat's cancel; the worker sends a CANCELLED final).
+        ``admission``: the caller's reservation if still pending (services/router/types.py): no work
+        reaches a worker before it is granted, except a speculative start, aborted if it is refused.
+        """
         started = time.perf_counter()
         tier = self.answer_tier(req, session) if req.use_cache and req.sampling.deterministic else None
         key = self.keys.cache_key(req, tier) if tier is not None else None
@@ -186,15 +198,15 @@ class Router:
             for event in hit:
                 yield event
             return
-        ckey = self.keys.collapse_key(req, session, tier) if tier is not None else None
+        ckey = self.keys.collapse_key(req, tier, chat=session.chat) if tier is not None else None
         if ckey is None:
-            async with aclosing(self._serve(req, session, cancel, key_for, started)) as events:
+            async with aclosing(self._serve(req, session, cancel, admission, key_for, started)) as events:
                 async for event in events:
                     yield event
             return
         # A shared computation must not start (nor be joined) on an admission that may yet be refused:
         # its error would end every waiter's stream.
-        await wait_admitted()
+        await admitted(admission)
         counted = False
         async with aclosing(self.collapser.run(ckey, lambda: self._serve_alone(req, key_for, started))) as shared:
             async for event, joined in shared:
@@ -212,18 +224,24 @@ class Router:
     ) -> AsyncGenerator[Chunk | Done]:
         session = Session()
         try:
-            async with aclosing(self._serve(req, session, None, key_for, started)) as events:
+            async with aclosing(self._serve(req, session, None, None, key_for, started)) as events:
                 async for event in events:
                     yield event
         finally:
             await session.close()
 
     async def _serve(
-        self, req: TurnRequest, session: Session, cancel: asyncio.Event | None, key_for: KeyFor | None, started: float
+        self,
+        req: TurnRequest,
+        session: Session,
+        cancel: asyncio.Event | None,
+        admission: PendingAdmission | None,
+        key_for: KeyFor | None,
+        started: float,
     ) -> AsyncGenerator[Chunk | Done, None]:
         exclude: list[Replica] = []
         failure: errors.MeshError | None = None
-        progress = _Progress()
+        progress = Progress()
         ticket: Ticket | None = None
         running: Replica | None = None
         try:
@@ -253,7 +271,9 @@ class Router:
                 running = stream.replica
                 running.in_flight += 1
                 try:
-                    async with aclosing(self._relay(req, stream, choice, cancel, progress, started)) as events:
+                    async with aclosing(
+                        self._relay(req, stream, choice, cancel, admission, progress, started)
+                    ) as events:
                         async for event in events:
                             if isinstance(event, Done):
                                 await store_response(self.cache, key_for, req, progress, event)
@@ -281,7 +301,7 @@ class Router:
         exc: WorkerCallError | WorkerClosed,
         stream: WorkerStream,
         choice: TierChoice,
-        progress: _Progress,
+        progress: Progress,
         exclude: list[Replica],
         failure: errors.MeshError | None,
     ) -> errors.MeshError | None:
@@ -327,12 +347,15 @@ class Router:
         stream: WorkerStream,
         choice: TierChoice,
         cancel: asyncio.Event | None,
-        progress: _Progress,
+        admission: PendingAdmission | None,
+        progress: Progress,
         started: float,
     ) -> AsyncGenerator[Chunk | Done, None]:
-        pending = speculative_admission()  # else the embedded gateway's reservation is waited for
-        if pending is None:
-            await wait_admitted()
+        early = admission is not None and admission.may_start_early()
+        if not early:
+            await admitted(admission)
+        # The one worker pb type the core still builds: the worker transport (worker_stream.py) takes
+        # it as it is, until that transport takes a domain start.
         await stream.start(
             worker_pb2.WorkerStart(
                 request_id=req.request_id,
@@ -344,8 +367,9 @@ class Router:
                 priority=req.priority,
             )
         )
-        if pending is not None:
-            abort_if_refused(pending, stream)
+        if early:
+            assert admission is not None
+            admission.on_refused(stream.abort)  # its reader then fails, and the refusal is raised below
         tier = choice.tier.value
         inter_token = INTER_TOKEN.labels(SERVICE, tier)
         cancel_sent = False
@@ -356,7 +380,8 @@ class Router:
                 frame, cancel_sent = await read_frame(stream, cancel, cancel_sent, self._stall_s)
             except (WorkerCallError, asyncio.CancelledError):
                 # A speculative start whose reservation was refused has been aborted: the refusal.
-                refused, task = refusal(), asyncio.current_task()
+                refused = admission.refusal() if admission is not None else None
+                task = asyncio.current_task()
                 if refused is None or (task is not None and task.cancelling()):
                     raise
                 raise refused from None
@@ -386,7 +411,7 @@ class Router:
                 produced = final.completion_tokens or len(progress.tokens) - progress.resumed
                 reason = choice.reason if not progress.failovers else "failover"
                 yield Done(
-                    final.finish_reason or inference_pb2.FINISH_REASON_STOP,
+                    final.finish_reason or FinishReason.STOP,
                     len(req.prompt_ids),
                     progress.resumed + produced,
                     Route(choice.tier, stream.replica.name, False, reason),

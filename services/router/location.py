@@ -29,9 +29,9 @@ from enum import StrEnum
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.sampling import SamplingParams
-from services.router.core import Router
+from services.router.core import Router, Session
 from services.router.policy import TierChoice, TierName
-from services.router.turn import Session, TurnRequest
+from services.router.types import TurnRequest
 from services.store.kv_blocks import LOCATE_MAX_BLOCKS, KVBlockStore, KVContext
 
 MAX_PROMPT_CHARS = 1 << 20

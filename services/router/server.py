@@ -16,6 +16,7 @@ from services.common.serving import RunningServer, start_server
 from services.common.tokenizer import Tokenizer
 from services.router.admin_servicer import SERVICE_NAME as ADMIN_SERVICE_NAME
 from services.router.admin_servicer import RouterAdminServicer
+from services.router.api import RouterAPI
 from services.router.config import RouterSettings
 from services.router.core import SERVICE, Router
 from services.router.location import PrefixLocator
@@ -37,19 +38,20 @@ async def start_router(settings: RouterSettings, tokenizer: Tokenizer | None = N
     Returns the running server (``await server.stop()`` also closes the registry and the cache)
     and the :class:`Router` (its ``registry`` and ``cache`` are useful to tests and admin code).
     """
-    server, router, _servicer = await start_router_servicer(settings, tokenizer)
-    return server, router
+    server, api = await start_router_api(settings, tokenizer)
+    return server, api.router
 
 
-async def start_router_servicer(
+async def start_router_api(
     settings: RouterSettings,
     tokenizer: Tokenizer | None = None,
     *,
     announce: bool = True,
     follow: Sequence[RunningServer] = (),
-) -> tuple[RunningServer, Router, RouterServicer]:
-    """:func:`start_router`, also returning its Inference servicer (the gateway's embedded router calls
-    it in-process). ``announce=False``: the server is the process's second one (see start_server).
+) -> tuple[RunningServer, RouterAPI]:
+    """:func:`start_router`, returning its transport-free API (the gateway's embedded router calls it
+    in-process; its ``router`` is the Router). ``announce=False``: the server is the process's second
+    one (see start_server).
     ``follow``: other servers of this process whose health is the router's (SERVING while a worker
     replica is healthy): the gateway that carries it.
     """
@@ -131,13 +133,13 @@ async def start_router_servicer(
         worker_mux=settings.worker_mux,
         worker_stream_transport=settings.worker_stream_transport,
     )
-    servicer = RouterServicer(
+    api = RouterAPI(
         router,
         context_length=settings.context_length,
         default_max_tokens=settings.default_max_tokens,
         max_queued_chat_turns=settings.max_queued_chat_turns,
-        flush=settings.flush_window(),
     )
+    servicer = RouterServicer(api, flush=settings.flush_window())
     registration = WorkerRegistryServicer(registry) if settings.accept_registrations else None
     # The replica view for `meshserve status`, prefix locations for `meshserve cache where`.
     locator = PrefixLocator(router, block_tokens=settings.prefix_block_tokens, context_length=settings.context_length)
@@ -166,7 +168,7 @@ async def start_router_servicer(
         await cache.close()
 
     server.on_stop.append(close)
-    return server, router, servicer
+    return server, api
 
 
 def _register(server: grpc.aio.Server, inference: RouterServicer, registry: WorkerRegistryServicer | None) -> None:

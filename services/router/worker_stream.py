@@ -163,15 +163,3 @@ async def read_frame(
             return await stream.read(), cancel_sent
     except TimeoutError:
         raise WorkerStalled(f"worker sent nothing for {stall_s:g} s") from None
-
-
-def abort_if_refused(pending: asyncio.Future[Any], stream: WorkerStream) -> None:
-    """Abort ``stream``'s turn on the worker as soon as ``pending`` (the rate-limit reservation of a
-    request started before it was known) is refused; its reader then fails, and the router raises
-    the refusal (services/common/pending_admission.py)."""
-
-    def done(future: asyncio.Future[Any]) -> None:
-        if not future.cancelled() and future.exception() is not None:
-            stream.abort()
-
-    pending.add_done_callback(done)

@@ -30,7 +30,7 @@ from services.router.metrics import REPLICA_DECISIONS
 from services.router.policy import TierName
 from services.router.registry import Registry
 from services.router.server import start_router
-from services.router.turn import TurnRequest
+from services.router.types import TurnRequest
 from services.worker.app import RunningWorker
 from tests.integration.router.harness import META, TOKEN, wait_serving
 

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from benchmarks.load.soak import FILL_PROMPTS, fd_change, fill_items, redis_summary
 from benchmarks.load.soak_probe import Endpoints, LogCounter, fd_kinds, port_owners, redis_client_owners, redis_stats
-from services.router.servicer import _ENCODED_PROMPTS
+from services.router.api import ENCODED_PROMPTS
 from tests.helpers import RedisServer
 
 
@@ -81,7 +81,7 @@ def test_fd_change_compares_the_first_sample_of_the_baseline_with_the_last() -> 
 
 
 def test_default_fill_outnumbers_the_router_tokenizer_lru() -> None:
-    assert FILL_PROMPTS > _ENCODED_PROMPTS
+    assert FILL_PROMPTS > ENCODED_PROMPTS
 
 
 def test_fill_items_are_distinct_one_token_prompts_of_both_kinds() -> None:

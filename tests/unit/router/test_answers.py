@@ -8,9 +8,9 @@ from typing import Any
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import SamplingParams
-from services.router.answers import AnswerKeys
+from services.router.answers import AnswerKeys, Progress, store_response
 from services.router.policy import TierName
-from services.router.turn import Done, Route, Session, TurnRequest, _Progress, store_response
+from services.router.types import Done, Route, TurnRequest
 from services.store.keys import scope_of
 from services.store.response_cache import CachedResponse, Finish
 
@@ -50,8 +50,8 @@ def test_each_tier_names_its_own_answer() -> None:
     assert k.key(turn(), EDGE) == k.key(turn(hint=EDGE), EDGE) == keys().key(turn(), EDGE)
     assert scope_of(k.key(turn(), EDGE)) == scope_of(k.key(turn(), CLOUD))  # one tenant scope: flush, budget
     assert k.cache_key(turn(), CLOUD) == k.key(turn(), CLOUD)
-    assert k.collapse_key(turn(), Session(), EDGE) != k.collapse_key(turn(), Session(), CLOUD)
-    assert k.collapse_key(turn(hint=CLOUD), Session(), CLOUD) != k.collapse_key(turn(), Session(), CLOUD)
+    assert k.collapse_key(turn(), EDGE, chat=False) != k.collapse_key(turn(), CLOUD, chat=False)
+    assert k.collapse_key(turn(hint=CLOUD), CLOUD, chat=False) != k.collapse_key(turn(), CLOUD, chat=False)
 
 
 def test_only_deterministic_requests_that_allow_it_have_names() -> None:
@@ -60,16 +60,16 @@ def test_only_deterministic_requests_that_allow_it_have_names() -> None:
     assert k.cache_key(turn(sampling=SamplingParams(max_tokens=4, temperature=0.7)), EDGE) is None
     assert k.cache_key(turn(sampling=SamplingParams(max_tokens=4, temperature=0.7, seed=1)), EDGE) is not None
     assert keys(FakeCache(enabled=False)).cache_key(turn(), EDGE) is None
-    assert k.collapse_key(turn(), Session(chat=True), EDGE) is None
-    assert keys(collapse=False).collapse_key(turn(), Session(), EDGE) is None
+    assert k.collapse_key(turn(), EDGE, chat=True) is None
+    assert keys(collapse=False).collapse_key(turn(), EDGE, chat=False) is None
 
 
 def done(tier: TierName | None, finish: int = pb.FINISH_REASON_LENGTH) -> Done:
     return Done(finish, 3, 2, Route(tier, "w", False, "hint"))
 
 
-def progress(*tiers: TierName) -> _Progress:
-    return _Progress(tokens=[11, 12], text=["a", "b"], tiers=set(tiers))
+def progress(*tiers: TierName) -> Progress:
+    return Progress(tokens=[11, 12], text=["a", "b"], tiers=set(tiers))
 
 
 async def test_a_finished_turn_is_stored_under_the_tier_that_served_it() -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from services.router.servicer import _EncodeCache
+from services.router.api import EncodeCache
 
 
 def test_repeated_prompts_get_their_ids_and_callers_get_their_own_list() -> None:
-    cache = _EncodeCache(2)
+    cache = EncodeCache(2)
     assert cache.get("hello") is None
     cache.put("hello", [1, 2, 3])
     first = cache.get("hello")
@@ -17,7 +17,7 @@ def test_repeated_prompts_get_their_ids_and_callers_get_their_own_list() -> None
 
 
 def test_the_least_recently_used_prompt_goes_first() -> None:
-    cache = _EncodeCache(2)
+    cache = EncodeCache(2)
     cache.put("a", [1])
     cache.put("b", [2])
     assert cache.get("a") == [1]  # a is now the most recent
@@ -27,7 +27,7 @@ def test_the_least_recently_used_prompt_goes_first() -> None:
 
 
 def test_the_token_ids_held_are_bounded_too() -> None:
-    cache = _EncodeCache(2048, max_tokens=10_000)
+    cache = EncodeCache(2048, max_tokens=10_000)
     for i in range(500):  # distinct long prompts: entries alone would allow all of them
         cache.put(f"prompt {i}", list(range(i, i + 1000)))
         assert cache.tokens <= 10_000
