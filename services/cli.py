@@ -1,7 +1,7 @@
 """The ``meshserve`` command: ``models prepare``, ``chat``, ``up``, ``bench``, ``keys``, ``cache``, and the
 container entry points ``serve``, ``health`` and ``frontdoor``.
 
-``up`` and ``bench`` hand their arguments to :func:`services.mesh.main_up` and
+``up`` and ``bench`` hand their arguments to :func:`services.up.main` and
 :func:`benchmarks.bench_cli.main`, imported only when used so the other commands start fast.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 _DELEGATED = {
-    "up": ("services.mesh", "main_up"),
+    "up": ("services.up", "main"),
     "bench": ("benchmarks.bench_cli", "main"),
     "cache": ("services.cache.cli", "main"),
     "status": ("services.status", "main"),

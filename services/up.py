@@ -230,3 +230,7 @@ async def _start(mesh: Mesh, stop: asyncio.Event) -> int | None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     return asyncio.run(run_up(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
