@@ -33,9 +33,11 @@ def _parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="manage prepared models").add_subparsers(
         dest="models_command", required=True, metavar="ACTION"
     )
-    from services.models import evaluate, prepare
+    from services.models import evaluate, prepare_cli
 
-    prepare.add_arguments(models.add_parser("prepare", help="build the cloud checkpoint, edge model, draft, manifest"))
+    prepare_cli.add_arguments(
+        models.add_parser("prepare", help="build the cloud checkpoint, edge model, draft, manifest")
+    )
     evaluate.add_arguments(
         models.add_parser("eval", help="perplexity and greedy agreement of fp32, INT4 and student models")
     )
@@ -139,9 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return keys_cli.run(args)
     if args.command == "models":
-        from services.models import evaluate, prepare
+        from services.models import evaluate, prepare_cli
 
-        return evaluate.run(args) if args.models_command == "eval" else prepare.run(args)
+        return evaluate.run(args) if args.models_command == "eval" else prepare_cli.run(args)
     if args.command == "distill":
         from services.models import distill
 
