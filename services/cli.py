@@ -10,11 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 _DELEGATED = {
     "up": ("services.up", "main"),
     "bench": ("benchmarks.bench_cli", "main"),
@@ -48,16 +46,19 @@ def _parser() -> argparse.ArgumentParser:
         commands.add_parser("distill", help="distill the cloud model into a smaller student and export it to INT4")
     )
 
+    from services.common.settings import DEFAULT_ADDRESS, ClientSettings
+
+    env = ClientSettings()
     chat = commands.add_parser("chat", help="stream an answer through the gateway")
     chat.add_argument("prompt", help="what to ask")
     chat.add_argument(
         "--address",
-        default=os.environ.get("MESHSERVE_ADDRESS", DEFAULT_ADDRESS),
+        default=env.address,
         help=f"gateway host:port (default: $MESHSERVE_ADDRESS or {DEFAULT_ADDRESS})",
     )
     chat.add_argument(
         "--api-key",
-        default=os.environ.get("MESHSERVE_API_KEY"),
+        default=env.api_key,
         help="API key (default: $MESHSERVE_API_KEY, else the local mesh's dev key)",
     )
     chat.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
