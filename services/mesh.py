@@ -281,6 +281,7 @@ class Mesh:
                         **gateway_env,
                         "MESHSERVE_GATEWAY_PORT": port,
                         "MESHSERVE_GATEWAY_ROUTER_ADDRESS": router_address,
+                        "MESHSERVE_GATEWAY_EMBED_ROUTER": "false",
                     }
                     gateways.append(self._service(name, "services.gateway", settings=settings))
                 await asyncio.gather(*(g.spawn() for g in gateways))
