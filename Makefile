@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: help setup proto proto-check lint test test-fast fault fuzz run demo bench bench-load bench-litellm bench-report soak clean
+.PHONY: help setup proto proto-check lint layering test test-fast fault fuzz run demo bench bench-load bench-litellm bench-report soak clean
 
 help: ## Show this help.
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-12s %s\n", $$1, $$2}'
@@ -24,6 +24,9 @@ lint: ## ruff + mypy.
 	$(VENV)/bin/ruff check services tests benchmarks scripts
 	$(VENV)/bin/ruff format --check services tests benchmarks scripts
 	$(VENV)/bin/mypy services
+
+layering: ## Import circles, upward imports from services/common, environment reads outside settings (tests/unit/test_import_graph.py holds the known exceptions).
+	$(PY) scripts/import_graph.py --allow-upward 'services.worker.*'
 
 test: setup ## Run the whole test suite (unit, integration, e2e) with real Redis and the real model.
 	$(MAKE) --no-print-directory proto-check

@@ -1,7 +1,7 @@
 """The ``meshserve`` command: ``models prepare``, ``chat``, ``up``, ``bench``, ``keys``, ``cache``, and the
 container entry points ``serve``, ``health`` and ``frontdoor``.
 
-``up`` and ``bench`` hand their arguments to :func:`services.local.mesh.main_up` and
+``up`` and ``bench`` hand their arguments to :func:`services.local.up.main` and
 :func:`benchmarks.cli.main`, imported only when used so the other commands start fast.
 """
 
@@ -10,13 +10,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 
-DEFAULT_ADDRESS = "127.0.0.1:50051"
 _DELEGATED = {
-    "up": ("services.local.mesh", "main_up"),
+    "up": ("services.local.up", "main"),
     "bench": ("benchmarks.cli", "main"),
     "cache": ("services.cache.cli", "main"),
     "status": ("services.local.status", "main"),
@@ -33,9 +31,11 @@ def _parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="manage prepared models").add_subparsers(
         dest="models_command", required=True, metavar="ACTION"
     )
-    from services.models import evaluate, prepare
+    from services.models import evaluate, prepare_cli
 
-    prepare.add_arguments(models.add_parser("prepare", help="build the cloud checkpoint, edge model, draft, manifest"))
+    prepare_cli.add_arguments(
+        models.add_parser("prepare", help="build the cloud checkpoint, edge model, draft, manifest")
+    )
     evaluate.add_arguments(
         models.add_parser("eval", help="perplexity and greedy agreement of fp32, INT4 and student models")
     )
@@ -46,16 +46,19 @@ def _parser() -> argparse.ArgumentParser:
         commands.add_parser("distill", help="distill the cloud model into a smaller student and export it to INT4")
     )
 
+    from services.common.settings import DEFAULT_ADDRESS, ClientSettings
+
+    env = ClientSettings()
     chat = commands.add_parser("chat", help="stream an answer through the gateway")
     chat.add_argument("prompt", help="what to ask")
     chat.add_argument(
         "--address",
-        default=os.environ.get("MESHSERVE_ADDRESS", DEFAULT_ADDRESS),
+        default=env.address,
         help=f"gateway host:port (default: $MESHSERVE_ADDRESS or {DEFAULT_ADDRESS})",
     )
     chat.add_argument(
         "--api-key",
-        default=os.environ.get("MESHSERVE_API_KEY"),
+        default=env.api_key,
         help="API key (default: $MESHSERVE_API_KEY, else the local mesh's dev key)",
     )
     chat.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
@@ -139,9 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return keys_cli.run(args)
     if args.command == "models":
-        from services.models import evaluate, prepare
+        from services.models import evaluate, prepare_cli
 
-        return evaluate.run(args) if args.models_command == "eval" else prepare.run(args)
+        return evaluate.run(args) if args.models_command == "eval" else prepare_cli.run(args)
     if args.command == "distill":
         from services.models import distill
 

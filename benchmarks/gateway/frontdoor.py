@@ -44,7 +44,8 @@ from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.controlplane.envoy import envoy_binary
-from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig, _free_port
+from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
+from services.local.processes import free_port
 
 PROMPT = "The capital of France is"
 AUTH = (("authorization", f"Bearer {DEV_API_KEY}"),)
@@ -124,7 +125,7 @@ def _transcoder_bootstrap(directory: Path, gateway: str, port: int, admin_port: 
 
 async def _start_transcoder(gateway: str) -> tuple[asyncio.subprocess.Process, str, tempfile.TemporaryDirectory[str]]:
     tmp = tempfile.TemporaryDirectory(prefix="meshserve-transcoder-")
-    port, admin = _free_port(), _free_port()
+    port, admin = free_port(), free_port()
     config = _transcoder_bootstrap(Path(tmp.name), gateway, port, admin)
     proc = await asyncio.create_subprocess_exec(
         envoy_binary(),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from collections.abc import Sequence
 
@@ -21,7 +20,7 @@ from google.protobuf.json_format import MessageToDict
 from services.cache import kv_rpc, where
 from services.common import metadata as md
 from services.common.pb.meshserve.internal.v1 import cache_pb2, cache_pb2_grpc
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
+from services.common.settings import ClientSettings
 from services.local.state import recorded
 
 _KINDS = {
@@ -40,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--internal-token",
-        default=os.environ.get("MESHSERVE_INTERNAL_TOKEN", DEFAULT_INTERNAL_TOKEN),
+        default=ClientSettings().internal_token,
         help="internal credential (default: $MESHSERVE_INTERNAL_TOKEN or the local dev token)",
     )
     p.add_argument("--json", action="store_true", help="print the reply as JSON")
@@ -125,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _where(args)
     if args.action in kv_rpc.ACTIONS:
         return kv_rpc.main(args)
-    args.address = args.address or os.environ.get("MESHSERVE_CACHE_ADDRESS") or recorded("cache")
+    args.address = args.address or ClientSettings().cache_address or recorded("cache")
     if not args.address:
         print(
             "meshserve cache: no cache service address; pass --address host:port, set MESHSERVE_CACHE_ADDRESS "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -18,6 +17,7 @@ from google.protobuf.json_format import MessageToDict
 from services.common import metadata as md
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2, router_admin_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
+from services.common.settings import ClientSettings
 from services.local.state import recorded
 
 _TIERS = {"auto": inference_pb2.TIER_AUTO, "edge": inference_pb2.TIER_EDGE, "cloud": inference_pb2.TIER_CLOUD}
@@ -47,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def router_address(args: argparse.Namespace) -> str:
     """``--router``, ``$MESHSERVE_ROUTER_ADDRESS`` or the running mesh's router; "" when none."""
-    return str(args.router or os.environ.get("MESHSERVE_ROUTER_ADDRESS") or recorded("router"))
+    return str(args.router or ClientSettings().router_address or recorded("router"))
 
 
 def request(args: argparse.Namespace) -> router_admin_pb2.PrefixLocationRequest:

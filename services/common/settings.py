@@ -1,9 +1,15 @@
-"""Typed settings: one class per service, read once at start.
+"""Typed settings: one class per service, read once at start; and the command-line tools' defaults.
 
-Sources, highest priority first: environment variables ``MESHSERVE_<SERVICE>_<FIELD>``, then the
-section ``<service>:`` of the YAML file named by ``MESHSERVE_CONFIG`` (optional), then defaults.
-Invalid values, and unknown keys in a YAML section, raise :class:`ConfigError` with a message naming
-the variable and the fix.
+Services: sources, highest priority first: environment variables ``MESHSERVE_<SERVICE>_<FIELD>``,
+then the section ``<service>:`` of the YAML file named by ``MESHSERVE_CONFIG`` (optional), then
+defaults. Invalid values, and unknown keys in a YAML section, raise :class:`ConfigError` with a
+message naming the variable and the fix.
+
+The command-line tools (``meshserve chat|up|keys|cache|status``) take their defaults from
+:class:`ClientSettings`, the caller's environment only.
+
+Every named environment variable of services/ is read here (tests/unit/test_import_graph.py checks
+that no other module reads one).
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from services.common.errors import ConfigError
 
 CONFIG_ENV = "MESHSERVE_CONFIG"
 DEFAULT_INTERNAL_TOKEN = "meshserve-dev-internal-token"
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+"""The gateway's address in a local mesh (`meshserve up`'s default ``--port``)."""
 
 
 def default_models_dir() -> Path:
@@ -157,3 +165,34 @@ def _shown_input(name: str, value: Any) -> str:
     if isinstance(value, dict) or any(s in name.lower() for s in _SECRET_NAMES) or "@" in str(value):
         return ""
     return f" (got {value!r})"
+
+
+class ClientSettings(BaseSettings):
+    """Defaults of the command-line tools, from the caller's environment (no YAML, no prefix: the
+    variables keep the names users set). A flag given on the command line wins over each; an empty
+    variable counts as unset where the tool then falls back to the running mesh's state file."""
+
+    model_config = SettingsConfigDict(extra="ignore", case_sensitive=True, frozen=True)
+
+    address: str = Field(default=DEFAULT_ADDRESS, validation_alias="MESHSERVE_ADDRESS")
+    """``meshserve chat --address``: the gateway's host:port."""
+    api_key: str | None = Field(default=None, validation_alias="MESHSERVE_API_KEY")
+    """``meshserve chat --api-key``, and the dev tenant's key of the mesh ``meshserve up`` starts;
+    unset: the local mesh's development key."""
+    internal_token: str = Field(default=DEFAULT_INTERNAL_TOKEN, validation_alias="MESHSERVE_INTERNAL_TOKEN")
+    """``meshserve cache|status --internal-token``: the mesh's internal credential."""
+    cache_address: str = Field(default="", validation_alias="MESHSERVE_CACHE_ADDRESS")
+    """``meshserve cache --address``: the cache service's host:port ("" = the running mesh's)."""
+    router_address: str = Field(default="", validation_alias="MESHSERVE_ROUTER_ADDRESS")
+    """``meshserve cache where --router``: the router's host:port ("" = the running mesh's)."""
+    gateway_redis_url: str = Field(default="", validation_alias="MESHSERVE_GATEWAY_REDIS_URL")
+    """``meshserve keys --redis-url``: the Redis holding the gateway's keys ("" = the running mesh's,
+    else redis://127.0.0.1:6379/0); the gateway reads the same variable for its own setting."""
+    redis_url: str = Field(default="", validation_alias="REDIS_URL")
+    """``meshserve up --redis-url``: a Redis for the mesh to use ("" = start redis-server)."""
+    state_file: str = Field(default="", validation_alias="MESHSERVE_STATE_FILE")
+    """Where ``meshserve up`` records the running mesh's addresses ("" = ~/.cache/meshserve/mesh.json)."""
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.state_file) if self.state_file else Path.home() / ".cache" / "meshserve" / "mesh.json"

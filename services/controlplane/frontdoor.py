@@ -17,7 +17,7 @@ from pathlib import Path
 
 from services.controlplane.envoy import Envoy, EnvoyConfig
 from services.controlplane.xds import GRPC_CLUSTER, HTTP_CLUSTER, FileXds
-from services.local.mesh import LogSink, ServiceProcess, _free_port
+from services.local.processes import LogSink, ServiceProcess, free_port
 
 
 class FrontDoor:
@@ -41,9 +41,9 @@ class FrontDoor:
         self.xds.endpoints[GRPC_CLUSTER] = list(gateways)
         self.config = EnvoyConfig(
             xds_dir=Path(self._tmp.name),
-            listen_port=http_port or _free_port(),
-            admin_port=_free_port(),
-            internal_port=_free_port(),
+            listen_port=http_port or free_port(),
+            admin_port=free_port(),
+            internal_port=free_port(),
             listen_host=listen_host,
             tls_cert=tls_cert,
             tls_key=tls_key,

@@ -9,15 +9,30 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from services.common.sampling import SamplingParams
 from services.edge_worker.sampler import rng_for
+from services.worker.types import EngineInfo
 
-if TYPE_CHECKING:
-    from services.edge_worker.batched import BatchedEngine
+
+class BatchRunner(Protocol):
+    """What a sequence needs of the engine whose batch thread runs it
+    (:class:`services.edge_worker.batched.BatchedEngine`)."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    def submit(self, seq: BatchedSequence) -> None:
+        """Queue ``seq`` for the batch thread, which calls ``seq.finish`` with its next token or an error."""
+
+    def wake(self) -> None:
+        """Make the batch thread look at its sequences again (``seq.interrupted`` was set)."""
+
+    def release(self, seq: BatchedSequence) -> None:
+        """Give ``seq``'s slot back (it is closed)."""
 
 
 def _reusable_key(sampling: SamplingParams) -> tuple[Any, ...] | None:
@@ -32,9 +47,7 @@ def _reusable_key(sampling: SamplingParams) -> tuple[Any, ...] | None:
 class BatchedSequence:
     """One generation; ``step`` blocks until the batch thread produced its next token."""
 
-    def __init__(
-        self, engine: BatchedEngine, tokens: Sequence[int], sampling: SamplingParams, prefill_end: int
-    ) -> None:
+    def __init__(self, engine: BatchRunner, tokens: Sequence[int], sampling: SamplingParams, prefill_end: int) -> None:
         self._engine = engine
         self.tokens = list(tokens)
         """Every token of the sequence; KV exists for the first ``kv_len``."""

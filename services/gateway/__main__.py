@@ -158,8 +158,14 @@ async def _start_embedded_router(
     ``meshserve status`` reads its replicas) and give the gateway its API, called in place."""
     from services.router.server import start_router_api  # the router's code loads only when embedded
 
-    settings = settings or load_settings(RouterSettings)
-    server, api = await start_router_api(settings, announce=False, follow=[gateway])
+    try:
+        settings = settings or load_settings(RouterSettings)
+        server, api = await start_router_api(settings, announce=False, follow=[gateway])
+    except ConfigError as exc:  # the router is on by default: say how to call one elsewhere instead
+        raise ConfigError(
+            f"the router in the gateway's process (MESHSERVE_GATEWAY_EMBED_ROUTER, the default): {exc}; "
+            "to call a router of its own instead, set MESHSERVE_GATEWAY_ROUTER_ADDRESS"
+        ) from None
     servicer.router = api
     return server
 

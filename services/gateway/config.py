@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
@@ -21,11 +21,14 @@ class GatewaySettings(StreamingSettings):
     model_config = SettingsConfigDict(env_prefix="MESHSERVE_GATEWAY_", extra="ignore")
 
     router_address: str = "127.0.0.1:50052"
-    """host:port of the router's `meshserve.v1.Inference` service (unused with `embed_router`)."""
-    embed_router: bool = False
+    """host:port of the router's `meshserve.v1.Inference` service when the router runs as its own
+    process (`embed_router` false); giving it turns `embed_router`'s default to false."""
+    embed_router: bool = True
     """Run the router inside this process and call it in place, without a gRPC hop (settings from
     MESHSERVE_ROUTER_*; it serves workers' registrations and `meshserve status` on its own port,
-    MESHSERVE_ROUTER_PORT). See services/router/api.py."""
+    MESHSERVE_ROUTER_PORT; it reads the prepared model's tokenizer). The default, as under `meshserve
+    up`, compose and Kubernetes, unless `router_address` is given: then false, the split layout
+    (`meshserve up --split-router`). See services/router/api.py."""
     overlap_admission: bool = True
     """With `embed_router`: the router prepares a request (tokenize, cache lookup, replica choice, worker
     call) while its rate-limit reservation is in flight; the worker gets work, and the caller an answer,
@@ -120,6 +123,14 @@ class GatewaySettings(StreamingSettings):
             priority=self.priority_class,
         )
         return PolicyBook(default, self.tenant_policies)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_when_given_a_router(cls, data: Any) -> Any:
+        """A router address given (and `embed_router` not): the router runs elsewhere, call it there."""
+        if isinstance(data, dict) and "router_address" in data and "embed_router" not in data:
+            return {**data, "embed_router": False}
+        return data
 
     @model_validator(mode="after")
     def _check_deadlines(self) -> GatewaySettings:

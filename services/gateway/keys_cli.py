@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import sys
 import time
@@ -19,6 +18,7 @@ from collections.abc import Sequence
 
 from redis.exceptions import RedisError
 
+from services.common.settings import ClientSettings
 from services.gateway.keystore import KeyRecord, KeyStore
 from services.gateway.policy import POLICY_FIELDS
 from services.local.state import recorded
@@ -115,7 +115,7 @@ async def _run(args: argparse.Namespace) -> int:
 
 def default_redis_url() -> str:
     """The Redis to use when ``--redis-url`` is not given (see the module docstring)."""
-    return os.environ.get("MESHSERVE_GATEWAY_REDIS_URL") or recorded("redis") or DEFAULT_REDIS_URL
+    return ClientSettings().gateway_redis_url or recorded("redis") or DEFAULT_REDIS_URL
 
 
 def run(args: argparse.Namespace) -> int:

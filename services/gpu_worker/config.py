@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
-from pydantic_settings import SettingsConfigDict
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.errors import ConfigError
 from services.common.model_paths import model_paths
@@ -94,3 +94,18 @@ class GpuWorkerSettings(WorkerSettings):
                 "or set MESHSERVE_GPU_WORKER_MODEL to a checkpoint directory or hub id"
             )
         return self.resolved_model()
+
+
+class TorchrunSettings(BaseSettings):
+    """This process's place in its tensor-parallel group: the variables torchrun sets for each rank
+    (``meshserve up --cloud-tp N``, deploy/'s GPU overlay). None of them when the worker runs as a
+    single rank."""
+
+    model_config = SettingsConfigDict(extra="ignore", case_sensitive=True, frozen=True)
+
+    rank: int = Field(default=0, validation_alias="RANK")
+    """This rank's index in the group; rank 0 serves, the others follow its steps."""
+    world_size: int = Field(default=1, validation_alias="WORLD_SIZE")
+    """Ranks in the group (the tensor-parallel degree)."""
+    local_rank: int | None = Field(default=None, validation_alias="LOCAL_RANK")
+    """This rank's index on its machine, which picks its GPU (unset: ``rank``)."""

@@ -4,13 +4,13 @@ and the rank's device."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from services.common.errors import ConfigError
+from services.gpu_worker.config import TorchrunSettings
 from services.gpu_worker.model import LlamaConfig
 
 
@@ -24,10 +24,10 @@ class RankEnv:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> RankEnv:
-        env = os.environ if environ is None else environ
-        world = int(env.get("WORLD_SIZE", "1"))
-        rank = int(env.get("RANK", "0"))
-        return cls(rank=rank, world=world, local_rank=int(env.get("LOCAL_RANK", str(rank))))
+        """From this process's environment (:class:`TorchrunSettings`), or from ``environ`` alone."""
+        env = TorchrunSettings() if environ is None else TorchrunSettings.model_validate(dict(environ))
+        local_rank = env.rank if env.local_rank is None else env.local_rank
+        return cls(rank=env.rank, world=env.world_size, local_rank=local_rank)
 
     @property
     def leader(self) -> bool:

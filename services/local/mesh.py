@@ -22,8 +22,8 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from services.controlplane.frontdoor import FrontDoor
 from services.local.processes import (
     LogSink,
     ServiceProcess,
@@ -35,12 +35,6 @@ from services.local.processes import (
 
 DEV_API_KEY = "msk-local-dev-key"
 """API key of the local mesh's ``dev`` tenant (override with MESHSERVE_API_KEY)."""
-
-if TYPE_CHECKING:
-    from services.controlplane.frontdoor import FrontDoor
-
-# Re-exported: launchers (front door, tests, benchmarks) import these from here.
-_free_port = free_port
 
 
 def api_key_hash(key: str) -> str:
@@ -287,14 +281,13 @@ class Mesh:
                         **gateway_env,
                         "MESHSERVE_GATEWAY_PORT": port,
                         "MESHSERVE_GATEWAY_ROUTER_ADDRESS": router_address,
+                        "MESHSERVE_GATEWAY_EMBED_ROUTER": "false",
                     }
                     gateways.append(self._service(name, "services.gateway", settings=settings))
                 await asyncio.gather(*(g.spawn() for g in gateways))
                 await asyncio.gather(*(g.wait_started(timeout) for g in gateways))
             await asyncio.gather(*(g.wait_serving(timeout) for g in gateways))
             if cfg.envoy:  # last: Envoy only takes traffic once everything behind it serves
-                from services.controlplane.frontdoor import FrontDoor
-
                 self.front_door = FrontDoor(
                     self.gateway_addresses,
                     self.sink,
@@ -363,14 +356,4 @@ def tp_env(ranks: int) -> dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": "lo"} if ranks > 1 and sys.platform == "linux" else {}
 
 
-def main_up(argv: Sequence[str] | None = None) -> int:
-    """`meshserve up` (services/local/up.py)."""
-    from services.local.up import main
-
-    return main(argv)
-
-
-__all__ = ["DEV_API_KEY", "Mesh", "MeshConfig", "ServiceProcess", "main_up", "wait_for_health"]
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main_up())
+__all__ = ["DEV_API_KEY", "Mesh", "MeshConfig", "ServiceProcess", "wait_for_health"]

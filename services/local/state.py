@@ -3,7 +3,8 @@
 ``meshserve up`` writes it once the mesh is up and removes it when the mesh stops; the CLI commands
 that talk to that mesh read their defaults from it (``meshserve status``: router, cache, metrics;
 ``meshserve cache``: the cache service; ``meshserve keys``: the mesh's Redis, whose port is chosen at
-start). Kept free of grpc and other heavy imports so every command can read it cheaply.
+start). Kept free of grpc and other heavy imports so every command can read it cheaply (the settings
+module, which names the file, is imported by every command anyway).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import os
 import tempfile
 from pathlib import Path
 
+from services.common.settings import ClientSettings
+
 
 def state_path() -> Path:
     """Where ``meshserve up`` records the running mesh's addresses: ``$MESHSERVE_STATE_FILE`` or the cache dir."""
-    env = os.environ.get("MESHSERVE_STATE_FILE")
-    return Path(env) if env else Path.home() / ".cache" / "meshserve" / "mesh.json"
+    return ClientSettings().state_path
 
 
 def write_state(state: dict[str, object]) -> Path:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -42,7 +41,7 @@ from services.common.pb.meshserve.internal.v1 import (
     worker_pb2_grpc,
 )
 from services.common.pb.meshserve.v1 import inference_pb2
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
+from services.common.settings import DEFAULT_INTERNAL_TOKEN, ClientSettings
 from services.local.state import read_state, state_path
 
 _TIERS = {inference_pb2.TIER_EDGE: "edge", inference_pb2.TIER_CLOUD: "cloud"}
@@ -248,7 +247,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default 1)")
     p.add_argument(
         "--internal-token",
-        default=os.environ.get("MESHSERVE_INTERNAL_TOKEN", DEFAULT_INTERNAL_TOKEN),
+        default=ClientSettings().internal_token,
         help="the mesh's internal credential (default: $MESHSERVE_INTERNAL_TOKEN or the dev token)",
     )
     return p

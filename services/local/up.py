@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import signal
 import socket
 import sys
@@ -14,6 +13,7 @@ from collections.abc import Iterator, Sequence
 import grpc
 from redis.exceptions import RedisError
 
+from services.common.settings import ClientSettings
 from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
 from services.local.processes import LogSink, stdout_sink
 
@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--redis-url",
-        default=os.environ.get("REDIS_URL", ""),
+        default=ClientSettings().redis_url,
         help="use this Redis (default: $REDIS_URL, else start one on a free port)",
     )
     p.add_argument("--edge-threads", type=int, default=1, help="intra-op threads per edge worker (default 1)")
@@ -134,7 +134,9 @@ async def run_up(args: argparse.Namespace) -> int:
     if (busy := busy_port(args)) is not None:
         print(busy, file=sys.stderr)
         return 1
-    api_key = os.environ.get("MESHSERVE_API_KEY", DEV_API_KEY)
+    api_key = ClientSettings().api_key
+    if api_key is None:
+        api_key = DEV_API_KEY
     config = MeshConfig(
         edge_workers=args.edge_workers,
         cloud_workers=args.cloud_workers,
@@ -230,3 +232,7 @@ async def _start(mesh: Mesh, stop: asyncio.Event) -> int | None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     return asyncio.run(run_up(args))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

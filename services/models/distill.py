@@ -260,11 +260,11 @@ def distill(cfg: DistillConfig) -> DistillResult:
             shutil.copy2(cfg.teacher / extra, student_dir / extra)
     edge_dir = None
     if cfg.export:
-        from services.models.prepare import _build_atomically, build_edge
+        from services.models.prepare import build_atomically, build_edge
 
         edge_dir = cfg.out / "edge-int4"
         log_path = cfg.out / "edge-build.log"
-        _build_atomically(edge_dir, lambda tmp: build_edge(student_dir, tmp, log_path, cfg.show_progress, cfg.int4))
+        build_atomically(edge_dir, lambda tmp: build_edge(student_dir, tmp, log_path, cfg.show_progress, cfg.int4))
     return DistillResult(student_dir, edge_dir, len(losses), start, losses)
 
 

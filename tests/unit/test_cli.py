@@ -20,11 +20,11 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_up_and_bench_get_their_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[str, list[str]]] = []
-    mesh = types.ModuleType("services.local.mesh")
-    mesh.main_up = lambda argv: seen.append(("up", argv)) or 0  # type: ignore[attr-defined]
+    up = types.ModuleType("services.local.up")
+    up.main = lambda argv: seen.append(("up", argv)) or 0  # type: ignore[attr-defined]
     bench = types.ModuleType("benchmarks.mesh.run")
     bench.main = lambda argv: seen.append(("bench", argv)) or 3  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "services.local.mesh", mesh)
+    monkeypatch.setitem(sys.modules, "services.local.up", up)
     monkeypatch.setitem(sys.modules, "benchmarks.mesh.run", bench)
     assert cli.main(["up", "--port", "0", "--help"]) == 0
     assert cli.main(["bench", "--quick"]) == 3

@@ -9,7 +9,7 @@ from pydantic import model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.errors import ConfigError
-from services.common.settings import ServiceSettings, load_settings
+from services.common.settings import DEFAULT_INTERNAL_TOKEN, ClientSettings, ServiceSettings, load_settings
 
 
 class DemoSettings(ServiceSettings):
@@ -110,3 +110,46 @@ def test_unknown_yaml_keys_are_an_error_with_a_suggestion(tmp_path: Path, monkey
 def test_dev_token_exposed_beyond_loopback(host: str, token: str | None, exposed: bool) -> None:
     settings = DemoSettings(host=host, **({"internal_token": token} if token else {}))
     assert settings.dev_token_exposed is exposed
+
+
+_CLIENT_VARIABLES = {
+    "address": "MESHSERVE_ADDRESS",
+    "api_key": "MESHSERVE_API_KEY",
+    "internal_token": "MESHSERVE_INTERNAL_TOKEN",
+    "cache_address": "MESHSERVE_CACHE_ADDRESS",
+    "router_address": "MESHSERVE_ROUTER_ADDRESS",
+    "gateway_redis_url": "MESHSERVE_GATEWAY_REDIS_URL",
+    "redis_url": "REDIS_URL",
+    "state_file": "MESHSERVE_STATE_FILE",
+}
+
+
+def test_client_settings_default_to_the_local_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in _CLIENT_VARIABLES.values():
+        monkeypatch.delenv(variable, raising=False)
+    settings = ClientSettings()
+    assert settings.address == "127.0.0.1:50051"
+    assert settings.api_key is None  # the tools fall back to the local mesh's dev key
+    assert settings.internal_token == DEFAULT_INTERNAL_TOKEN
+    assert settings.cache_address == settings.router_address == settings.gateway_redis_url == ""
+    assert settings.redis_url == settings.state_file == ""
+    assert settings.state_path == Path.home() / ".cache" / "meshserve" / "mesh.json"
+
+
+def test_client_settings_read_the_variables_users_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for field, variable in _CLIENT_VARIABLES.items():
+        monkeypatch.setenv(variable, f"{field}-value")
+    settings = ClientSettings()
+    assert {field: getattr(settings, field) for field in _CLIENT_VARIABLES} == {
+        field: f"{field}-value" for field in _CLIENT_VARIABLES
+    }
+    monkeypatch.setenv("MESHSERVE_STATE_FILE", str(tmp_path / "mesh.json"))
+    assert ClientSettings().state_path == tmp_path / "mesh.json"
+    monkeypatch.setenv("MESHSERVE_API_KEY", "")  # set but empty: as os.environ.get gave it
+    assert ClientSettings().api_key == ""
+
+
+def test_client_settings_names_are_case_sensitive_as_the_environment_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MESHSERVE_ADDRESS", raising=False)
+    monkeypatch.setenv("meshserve_address", "10.0.0.1:1")
+    assert ClientSettings().address == "127.0.0.1:50051"

@@ -297,7 +297,7 @@ async def test_split_router_starts_the_router_first_and_the_gateway_after_it() -
     split = await capture_up(["--split-router"])
     router = split.children["router"].env
     gateway = split.children["gateway"].env
-    assert "MESHSERVE_GATEWAY_EMBED_ROUTER" not in gateway
+    assert gateway["MESHSERVE_GATEWAY_EMBED_ROUTER"] == "false"
     assert gateway["MESHSERVE_GATEWAY_ROUTER_ADDRESS"].startswith("127.0.0.1:")
     assert "MESHSERVE_ROUTER_REDIS_URL" in router
     assert split.awaited_before_spawn("router", "edge-0") == "started"

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
 
-import services.controlplane.frontdoor as frontdoor
 import services.local.mesh as mesh
 import services.local.processes as processes
 import services.local.up as up
@@ -140,7 +139,7 @@ async def capture_up(argv: list[str] | None = None) -> Captured:
         mock.patch.object(mesh, "ServiceProcess", RecordingProcess),
         mock.patch.object(processes, "ServiceProcess", RecordingProcess),  # Redis (spawn_redis)
         mock.patch.object(processes, "wait_redis", mock.AsyncMock(side_effect=redis_ready)),
-        mock.patch.object(frontdoor, "FrontDoor", RecordingFrontDoor),
+        mock.patch.object(mesh, "FrontDoor", RecordingFrontDoor),
     ):
         running = real_mesh(captured.config, sink=lambda name, line: None)
         await running.start()

@@ -11,6 +11,7 @@ import pytest
 from services.common.errors import ConfigError
 from services.common.settings import ServiceSettings, load_settings
 from services.gateway.config import GatewaySettings
+from services.local.mesh import MeshConfig
 
 
 def test_defaults_fit_under_their_caps() -> None:
@@ -87,3 +88,31 @@ def test_every_gateway_setting_is_in_the_settings_table_of_the_docs() -> None:
     common = (Path(__file__).parents[3] / "docs" / "architecture.md").read_text()
     missing_common = sorted(name.upper() for name in ServiceSettings.model_fields if f"`{name.upper()}`" not in common)
     assert missing_common == [], f"add these to the common settings table of docs/architecture.md: {missing_common}"
+
+
+def test_the_router_runs_in_the_gateway_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHSERVE_GATEWAY_API_KEYS", "dev:" + "a" * 64)
+    for name in ("MESHSERVE_GATEWAY_EMBED_ROUTER", "MESHSERVE_GATEWAY_ROUTER_ADDRESS", "MESHSERVE_CONFIG"):
+        monkeypatch.delenv(name, raising=False)
+    assert load_settings(GatewaySettings).embed_router is True
+    assert MeshConfig().embed_router is True  # one default for the gateway and `meshserve up`
+
+
+def test_a_router_address_means_the_split_layout_unless_embed_router_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("MESHSERVE_GATEWAY_API_KEYS", "dev:" + "a" * 64)
+    monkeypatch.delenv("MESHSERVE_GATEWAY_EMBED_ROUTER", raising=False)
+    monkeypatch.delenv("MESHSERVE_CONFIG", raising=False)
+    monkeypatch.setenv("MESHSERVE_GATEWAY_ROUTER_ADDRESS", "router:50052")
+    settings = load_settings(GatewaySettings)
+    assert (settings.embed_router, settings.router_address) == (False, "router:50052")
+    monkeypatch.setenv("MESHSERVE_GATEWAY_EMBED_ROUTER", "true")  # said explicitly: the address goes unused
+    assert load_settings(GatewaySettings).embed_router is True
+    monkeypatch.delenv("MESHSERVE_GATEWAY_EMBED_ROUTER")
+    monkeypatch.delenv("MESHSERVE_GATEWAY_ROUTER_ADDRESS")
+    config = tmp_path / "meshserve.yaml"
+    config.write_text("gateway:\n  router_address: router:50052\n")
+    monkeypatch.setenv("MESHSERVE_CONFIG", str(config))
+    assert load_settings(GatewaySettings).embed_router is False
+    assert GatewaySettings(router_address="127.0.0.1:1").embed_router is False

@@ -24,6 +24,16 @@ def test_rank_env_reads_torchrun_variables() -> None:
     assert RankEnv.from_env({}) == RankEnv(0, 1, 0)
     env = RankEnv.from_env({"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "1"})
     assert (env.rank, env.world, env.local_rank, env.leader) == (2, 3, 1, False)
+    assert RankEnv.from_env({"RANK": "2", "WORLD_SIZE": "3"}).local_rank == 2  # LOCAL_RANK unset: the rank
+
+
+def test_rank_env_reads_this_process_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert RankEnv.from_env() == RankEnv(0, 1, 0)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert RankEnv.from_env() == RankEnv(1, 3, 1)
 
 
 def test_degree_must_divide_heads_kv_heads_and_mlp() -> None:
