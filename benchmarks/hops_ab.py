@@ -33,7 +33,7 @@ import grpc
 
 from benchmarks.hops import INTERNAL, PROMPT, _cpu, _latency, _stream, _worker_call
 from benchmarks.hops_pairs import Probe, ab_paired, summary
-from benchmarks.tree_mesh import TreeMesh, describe, start_mesh
+from benchmarks.tree_mesh import TreeMesh, describe, same_services, start_mesh, tree_text
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
@@ -118,7 +118,7 @@ async def run(tree: Path, requests: int = 300, cpu_requests: int = 200, max_toke
         "command": f"python -m benchmarks.hops --ab-tree {tree} --requests {requests} --cpu-requests {cpu_requests} "
         f"--max-tokens {max_tokens}",
         "trees": trees,
-        "a_a": trees["a"] == trees["b"],
+        "a_a": same_services(trees["a"], trees["b"]),
         "max_tokens": max_tokens,
         "notes": [note for mesh in meshes.values() for note in mesh.notes],
         "paired": pairs,
@@ -145,7 +145,7 @@ def _change(a: float, b: float) -> str:
 def markdown(report: dict[str, Any]) -> str:
     trees = report["trees"]
     kind = (
-        "A/A: both sides the same code, so every difference below is the measure's noise"
+        "A/A: both sides run the same service code, so every difference below is the measure's noise"
         if report["a_a"]
         else ("A/B: two source trees")
     )
@@ -156,9 +156,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['machine']['load_avg_1m']:.1f} at the end), Python {report['machine']['python']} · "
         f"`{report['command']}`",
         "",
-        f"{kind}. Side a: `{trees['a']}`; side b: `{trees['b']}`. Each side is a whole mesh of its tree's code (its",
-        "own redis-server, instant worker, router, gateway, gateway with the router embedded:",
-        "benchmarks/tree_mesh.py).",
+        f"{kind}. Side a: {tree_text(trees['a'])}; side b: {tree_text(trees['b'])}.",
+        "Each side is a whole mesh of its tree's code (its own redis-server, instant worker, router, gateway,",
+        "gateway with the router embedded: benchmarks/tree_mesh.py).",
         f"Greedy requests of {report['max_tokens']} tokens, response cache bypassed.",
         "",
         "## Added over each tree's own direct worker call (ms): paired, both trees interleaved",

@@ -30,7 +30,7 @@ import grpc
 from benchmarks.load import Sender
 from benchmarks.relay import TARGET_TOKENS_PER_S, _measure
 from benchmarks.senders import grpc_sender, worker_sender
-from benchmarks.tree_mesh import TreeMesh, describe, start_mesh
+from benchmarks.tree_mesh import TreeMesh, describe, same_services, start_mesh, tree_text
 from services.client import MeshClient
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
 from services.common.tokenizer import Tokenizer
@@ -140,7 +140,7 @@ async def run(
         "command": f"meshserve bench relay --ab-tree {tree} --streams {streams} --max-tokens {max_tokens} "
         f"--duration {duration:g} --rounds {rounds} --token-interval-ms {token_interval_ms:g}",
         "trees": trees,
-        "a_a": trees["a"] == trees["b"],
+        "a_a": same_services(trees["a"], trees["b"]),
         "streams": streams,
         "max_tokens": max_tokens,
         "target_tokens_per_s": TARGET_TOKENS_PER_S,
@@ -152,7 +152,7 @@ async def run(
 def markdown(report: dict[str, Any]) -> str:
     trees = report["trees"]
     kind = (
-        "A/A: both sides the same code, so every difference below is the measure's noise"
+        "A/A: both sides run the same service code, so every difference below is the measure's noise"
         if report["a_a"]
         else "A/B: two source trees"
     )
@@ -162,8 +162,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['date']} · {report['machine']['cpus']} CPUs shared by the client and both meshes (1-min load "
         f"average {report['machine']['load_avg_1m']:.2f} at the end) · `{report['command']}`",
         "",
-        f"{kind}. Side a: `{trees['a']}`; side b: `{trees['b']}`. Each side is a whole mesh of its tree's code",
-        "(benchmarks/tree_mesh.py); every round runs each (tree, path) once, in a seeded-random order.",
+        f"{kind}. Side a: {tree_text(trees['a'])}; side b: {tree_text(trees['b'])}.",
+        "Each side is a whole mesh of its tree's code (benchmarks/tree_mesh.py); every round runs each (tree, path)",
+        "once, in a seeded-random order.",
         f"{report['streams']} concurrent greedy streams of {report['max_tokens']} tokens; medians of the rounds.",
         f"Target (through gateway + router, paced): >= {report['target_tokens_per_s']:,.0f} tok/s.",
     ]

@@ -61,8 +61,10 @@ def check_tree(tree: Path, what: str) -> Path:
     return root
 
 
-def describe(tree: Path | None) -> str:
-    """``<path> @ <short commit>[+changes]`` of a tree (this one for None), for the report."""
+def describe(tree: Path | None) -> dict[str, str]:
+    """A tree (this one for None) for the report: ``path``, ``commit`` (short, ``+changes`` when its
+    tracked files differ from it) and ``services``: the git tree id of its committed services/ folder,
+    with ``+changes`` likewise; two sides with the same ``services`` ran the same service code (A/A)."""
     path = Path.cwd() if tree is None else tree
 
     def git(*args: str) -> str:
@@ -71,7 +73,18 @@ def describe(tree: Path | None) -> str:
 
     commit = git("rev-parse", "--short", "HEAD") or "?"
     dirty = "+changes" if git("status", "--porcelain", "--untracked-files=no") else ""
-    return f"{path} @ {commit}{dirty}"
+    services = git("rev-parse", "--short", "HEAD:services") or "?"
+    services_dirty = "+changes" if git("status", "--porcelain", "--untracked-files=no", "--", "services") else ""
+    return {"path": str(path), "commit": commit + dirty, "services": services + services_dirty}
+
+
+def same_services(a: dict[str, str], b: dict[str, str]) -> bool:
+    """Both trees ran the same service code: same committed services/ tree, neither with changes to it."""
+    return a["services"] == b["services"] and "?" not in a["services"] and "+changes" not in a["services"]
+
+
+def tree_text(t: dict[str, str]) -> str:
+    return f"`{t['path']}` @ {t['commit']} (services/ tree {t['services']})"
 
 
 def worker_module(tree: Path) -> str | None:
