@@ -37,6 +37,10 @@ def test_target_lines_give_the_same_run_ratio_to_litellm_with_pass_or_fail() -> 
     assert "TARGET gateways_grpc_vs_litellm: 0.080 (target <= 0.1): PASS" in text.splitlines()
     assert "TARGET gateways_http_vs_litellm: 0.240 (target <= 0.2): FAIL" in text.splitlines()
     assert "the router embedded in the gateway's process" in text
+    report |= {"litellm_version": "1.2.3", "front_door_cpu_ms_per_request": {"litellm": 20.0, "meshserve_grpc": 1.0}}
+    text = markdown(report)
+    assert "LiteLLM 1.2.3." in text
+    assert "`meshserve_grpc` 1.00 ms (gateway + router + redis, 0.050x LiteLLM's)" in text
 
 
 def test_without_litellm_the_targets_fail_and_say_why() -> None:
