@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: help setup proto proto-check lint layering test test-fast fault fuzz run demo bench bench-load bench-litellm bench-report soak clean
+.PHONY: help setup proto proto-check lint layering test test-fast fault fuzz run demo bench bench-load bench-litellm bench-ab bench-report soak clean
 
 help: ## Show this help.
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-12s %s\n", $$1, $$2}'
@@ -59,6 +59,12 @@ bench-load: setup ## Closed-loop load with direct-worker and naive-transformers 
 bench-litellm: ## LiteLLM proxy in its own venv (.venv-litellm; its pins clash with ours), then `bench gateways`.
 	@test -x .venv-litellm/bin/litellm || { python3 -m venv .venv-litellm && .venv-litellm/bin/pip install -q "litellm[proxy]"; }
 	$(VENV)/bin/meshserve bench gateways
+
+AB_TREE ?= /tmp/before
+bench-ab: setup ## hops + relay of this tree and AB_TREE's side by side, one run each (`git worktree add /tmp/before <commit>`).
+	@test -d $(AB_TREE)/services || { echo "AB_TREE=$(AB_TREE) is not a meshserve checkout; e.g. git worktree add $(AB_TREE) <commit>"; exit 2; }
+	$(PY) -m benchmarks.gateway.hops --ab-tree $(AB_TREE)
+	$(VENV)/bin/meshserve bench relay --ab-tree $(AB_TREE)
 
 bench-report: ## Regenerate docs/benchmarks/README.md from the benchmarks' JSON files.
 	$(VENV)/bin/meshserve bench report

@@ -167,6 +167,12 @@ TABLES: dict[str, list[Row]] = {
             lambda d: d["gateway_router_tokens_per_s"], "tok/s", lambda v: v >= 5000.0, "meshserve bench relay"),
     ],
     "Gateway overhead vs LiteLLM, same fake OpenAI backend (issue 9)": [
+        Row("meshserve gRPC front door (default layout), added e2e p50 / LiteLLM's, same run", "gateways.json",
+            "≤ 0.1x", lambda d: d["targets"]["gateways_grpc_vs_litellm"]["ratio"], "x", lambda v: v <= 0.1,
+            "meshserve bench gateways"),
+        Row("meshserve HTTP front door (default layout), added e2e p50 / LiteLLM's, same run", "gateways.json",
+            "≤ 0.2x", lambda d: d["targets"]["gateways_http_vs_litellm"]["ratio"], "x", lambda v: v <= 0.2,
+            "meshserve bench gateways"),
         Row("meshserve HTTP front door, added p50", "gateways.json", "(LiteLLM publishes p50 2 ms)",
             lambda d: _dig(d, "added_ms", "meshserve_http", "p50"), "ms", None, "meshserve bench gateways"),
         Row("LiteLLM proxy, added p50", "gateways.json", "(LiteLLM publishes p50 2 ms)",

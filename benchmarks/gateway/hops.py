@@ -21,9 +21,9 @@ router and the real gateway (API keys, rate limits in Redis, stream leases all o
 3. **Exact cache hit.** A cached greedy request streamed through the router and through the
    gateway: TTFT (first token) p50/p99 (issue 4's target: p50 ≤ 3 ms over gRPC through the mesh).
 
-``--before TREE`` (a checkout of earlier code, e.g. ``git worktree add /tmp/before <commit>``) also
-starts that tree's router and gateway beside the current ones, on the same worker and Redis, and
-interleaves their requests with the others: a before/after comparison under identical machine load.
+``--ab-tree TREE`` (a checkout of other code, e.g. ``git worktree add /tmp/before <commit>``) runs
+:mod:`benchmarks.gateway.hops_ab` instead: two whole meshes, this tree's and TREE's, side by side in one run,
+their requests interleaved (hops_ab.json/.md).
 ``--profile DIR`` runs router and gateway under cProfile (DIR/<service>.prof). Writes hops.json/.md.
 """
 
@@ -74,29 +74,23 @@ class Stack:
     """The same two bare relays on grpc's synchronous API (``bare_relay.py``'s sync mode)."""
     redis_url: str
     tmp: tempfile.TemporaryDirectory[str]
-    before: dict[str, ServiceProcess]
-    """More services: ``gateway_embedded`` (router in its process), ``router_calls`` (no GenerateMux:
-    a Worker.Generate call per request), and ``gateway_before`` / ``router_before`` /
-    ``gateway_embedded_before`` (the ``--before`` tree's), if any."""
+    more: dict[str, ServiceProcess]
+    """More services: ``gateway_embedded`` (router in its process) and ``router_calls`` (no
+    GenerateMux: a Worker.Generate call per request)."""
 
     def processes(self) -> dict[str, ServiceProcess]:
         procs = {"gateway": self.gateway, "router": self.router, "worker": self.worker, "redis": self.redis}
         relays = {f"relay{i}": r for i, r in enumerate(self.relays)}
-        return procs | self.before | relays | {f"relay_sync{i}": r for i, r in enumerate(self.sync_relays)}
+        return procs | self.more | relays | {f"relay_sync{i}": r for i, r in enumerate(self.sync_relays)}
 
     async def stop(self) -> None:
         relays = (*self.relays, *self.sync_relays)
-        for proc in (self.gateway, self.router, *self.before.values(), *relays, self.worker, self.redis):
+        for proc in (self.gateway, self.router, *self.more.values(), *relays, self.worker, self.redis):
             await proc.stop()
         self.tmp.cleanup()
 
 
-def _argv(module: str, profile_dir: Path | None, name: str, tree: Path | None = None) -> list[str]:
-    if tree is not None:  # that tree's code first on the path
-        code = (
-            f"import runpy, sys; sys.path.insert(0, {str(tree)!r}); runpy.run_module({module!r}, run_name='__main__')"
-        )
-        return [sys.executable, "-c", code]
+def _argv(module: str, profile_dir: Path | None, name: str) -> list[str]:
     if profile_dir is None:
         return [sys.executable, "-m", module]
     return [sys.executable, "-m", "benchmarks.profiled", str(profile_dir / f"{name}.prof"), module]
@@ -111,8 +105,8 @@ async def _start(proc: ServiceProcess, health: bool = True) -> ServiceProcess:
     return proc
 
 
-async def start_stack(profile_dir: Path | None = None, before: Path | None = None, redis_batch: bool = True) -> Stack:
-    """redis-server, instant worker, router, gateway (and the ``before`` tree's): separate processes."""
+async def start_stack(profile_dir: Path | None = None, redis_batch: bool = True) -> Stack:
+    """redis-server, instant worker, router, gateway, embedded gateway, router_calls: separate processes."""
     sink: Callable[[str, str], None] = lambda _name, _line: None  # noqa: E731
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     tmp = tempfile.TemporaryDirectory(prefix="meshserve-hops-")
@@ -131,21 +125,16 @@ async def start_stack(profile_dir: Path | None = None, before: Path | None = Non
         "MESHSERVE_GATEWAY_TOKENS_PER_MINUTE": "1000000000",
     }
     services: dict[str, ServiceProcess] = {}
-    for suffix, tree in (("", None), ("_before", before)):
-        if suffix and tree is None:
-            continue
-        router = await _start(
-            ServiceProcess(f"router{suffix}", _argv("services.router", profile_dir, "router", tree), router_env, sink)
+    router = await _start(ServiceProcess("router", _argv("services.router", profile_dir, "router"), router_env, sink))
+    services["router"] = router
+    services["gateway"] = await _start(
+        ServiceProcess(
+            "gateway",
+            _argv("services.gateway", profile_dir, "gateway"),
+            gateway_env | {"MESHSERVE_GATEWAY_ROUTER_ADDRESS": router.address},
+            sink,
         )
-        services[f"router{suffix}"] = router
-        services[f"gateway{suffix}"] = await _start(
-            ServiceProcess(
-                f"gateway{suffix}",
-                _argv("services.gateway", profile_dir, "gateway", tree),
-                gateway_env | {"MESHSERVE_GATEWAY_ROUTER_ADDRESS": router.address},
-                sink,
-            )
-        )
+    )
     chains: dict[str, list[ServiceProcess]] = {"relay": [], "relay_sync": []}
     for name, chain in chains.items():  # two bare relays chained: the floor of two Python gRPC hops
         upstream = worker.address
@@ -173,15 +162,6 @@ async def start_stack(profile_dir: Path | None = None, before: Path | None = Non
             "gateway_embedded", _argv("services.gateway", profile_dir, "gateway_embedded"), embedded_env, sink
         )
     )
-    if before is not None:  # the default layout is the one users run: compare it too
-        services["gateway_embedded_before"] = await _start(
-            ServiceProcess(
-                "gateway_embedded_before",
-                _argv("services.gateway", profile_dir, "gateway_embedded_before", before),
-                embedded_env,
-                sink,
-            )
-        )
     router, gateway = services.pop("router"), services.pop("gateway")
     return Stack(redis_proc, worker, router, gateway, chains["relay"], chains["relay_sync"], redis_url, tmp, services)
 
@@ -200,6 +180,26 @@ async def _stream(call: AsyncIterator[Any]) -> tuple[float, float, int]:
     return first, time.perf_counter() - start, frames
 
 
+async def _worker_call(stub: Any, start: worker_pb2.WorkerRequest) -> tuple[float, float, int]:
+    """One request straight to a worker's internal Generate: (TTFT s, total s, frames with tokens)."""
+    t0 = time.perf_counter()
+    call = stub.Generate(metadata=INTERNAL)
+    await call.write(start)
+    first, frames = float("nan"), 0
+    try:
+        while True:
+            frame = await call.read()
+            if frame.token_ids:
+                frames += 1
+                if frames == 1:
+                    first = time.perf_counter() - t0
+            if frame.HasField("final"):
+                break
+    finally:
+        call.cancel()
+    return first, time.perf_counter() - t0, frames
+
+
 def _probes(
     stubs: dict[str, Any], ids: list[int], keystore_key: str, max_tokens: int, cached: bool
 ) -> dict[str, Probe]:
@@ -212,47 +212,23 @@ def _probes(
         start=worker_pb2.WorkerStart(request_id="bench", prompt_token_ids=ids, sampling=sampling)
     )
 
-    async def worker_call(stub: Any) -> tuple[float, float, int]:
-        t0 = time.perf_counter()
-        call = stub.Generate(metadata=INTERNAL)
-        await call.write(start)
-        first, frames = float("nan"), 0
-        try:
-            while True:
-                frame = await call.read()
-                if frame.token_ids:
-                    frames += 1
-                    if frames == 1:
-                        first = time.perf_counter() - t0
-                if frame.HasField("final"):
-                    break
-        finally:
-            call.cancel()
-        return first, time.perf_counter() - t0, frames
-
     def via(stub: Any, metadata: Sequence[tuple[str, str]]) -> Probe:
         return lambda: _stream(stub.Generate(request, metadata=metadata))
 
     probes: dict[str, Probe] = {}
     if not cached:
-        probes["direct_worker"] = lambda: worker_call(stubs["worker"])
-        probes["bare_relay_x2 (floor)"] = lambda: worker_call(stubs["relay"])
-        probes["bare_relay_x2_sync_api"] = lambda: worker_call(stubs["relay_sync"])
+        probes["direct_worker"] = lambda: _worker_call(stubs["worker"], start)
+        probes["bare_relay_x2 (floor)"] = lambda: _worker_call(stubs["relay"], start)
+        probes["bare_relay_x2_sync_api"] = lambda: _worker_call(stubs["relay_sync"], start)
     static = (("authorization", f"Bearer {DEV_API_KEY}"),)
     stored = (("authorization", f"Bearer {keystore_key}"),)
-    for suffix in ("", "_before"):
-        if f"router{suffix}" not in stubs:
-            continue
-        label = " (before)" if suffix else ""
-        probes[f"router{label}"] = via(stubs[f"router{suffix}"], INTERNAL)
-        probes[f"gateway_static_key{label}"] = via(stubs[f"gateway{suffix}"], static)
-        probes[f"gateway_stored_key{label}"] = via(stubs[f"gateway{suffix}"], stored)
+    probes["router"] = via(stubs["router"], INTERNAL)
+    probes["gateway_static_key"] = via(stubs["gateway"], static)
+    probes["gateway_stored_key"] = via(stubs["gateway"], stored)
     if "router_calls" in stubs:
         probes["router_call_per_request"] = via(stubs["router_calls"], INTERNAL)
     if "gateway_embedded" in stubs:
         probes["gateway_embedded_router"] = via(stubs["gateway_embedded"], static)
-    if "gateway_embedded_before" in stubs:
-        probes["gateway_embedded_router (before)"] = via(stubs["gateway_embedded_before"], static)
     return probes
 
 
@@ -281,10 +257,16 @@ async def _latency(probes: dict[str, Probe], requests: int, warmup: int) -> dict
     return samples
 
 
-async def _cpu(probes: dict[str, Probe], stack: Stack, requests: int, block: int = 10) -> dict[str, dict[str, float]]:
-    """CPU ms per request of every process, per path: blocks of ``block`` requests of each path in
-    turn (interleaved like the latency run, so every path sees the same machine load)."""
-    pids = {name: p.proc.pid for name, p in stack.processes().items() if p.proc is not None} | {"client": os.getpid()}
+def _pids(procs: dict[str, ServiceProcess]) -> dict[str, int]:
+    """Every process's pid by name, and the client's (this process)."""
+    return {name: p.proc.pid for name, p in procs.items() if p.proc is not None} | {"client": os.getpid()}
+
+
+async def _cpu(
+    probes: dict[str, Probe], pids: dict[str, int], requests: int, block: int = 10
+) -> dict[str, dict[str, float]]:
+    """CPU ms per request of every process of ``pids``, per path: blocks of ``block`` requests of
+    each path in turn (interleaved like the latency run, so every path sees the same machine load)."""
     spent: dict[str, dict[str, int]] = {path: dict.fromkeys(pids, 0) for path in probes}
     for probe in probes.values():
         for _ in range(block):
@@ -305,10 +287,9 @@ async def run(
     cpu_requests: int = 300,
     max_tokens: int = 16,
     profile_dir: Path | None = None,
-    before: Path | None = None,
     redis_batch: bool = True,
 ) -> dict[str, Any]:
-    stack = await start_stack(profile_dir, before, redis_batch)
+    stack = await start_stack(profile_dir, redis_batch)
     channels: list[grpc.aio.Channel] = []
     try:
         client = aioredis.Redis.from_url(stack.redis_url)
@@ -324,7 +305,7 @@ async def run(
             "gateway": stack.gateway,
         }
         stubs: dict[str, Any] = {}
-        for name, proc in (targets | stack.before).items():
+        for name, proc in (targets | stack.more).items():
             channels.append(grpc.aio.insecure_channel(proc.address))
             kind = (
                 worker_pb2_grpc.WorkerStub if name.startswith(("worker", "relay")) else inference_pb2_grpc.InferenceStub
@@ -334,10 +315,10 @@ async def run(
         probes = _probes(stubs, ids, keystore_key, max_tokens, cached=False)
         latency = await _latency(probes, requests, warmup=30)
         pairs = await paired(probes, "direct_worker", requests)
-        cpu = await _cpu(probes, stack, cpu_requests)
+        cpu = await _cpu(probes, _pids(stack.processes()), cpu_requests)
         hit_probes = _probes(stubs, ids, keystore_key, max_tokens, cached=True)
         hits = await _latency(hit_probes, requests, warmup=10)
-        hit_cpu = await _cpu(hit_probes, stack, cpu_requests)
+        hit_cpu = await _cpu(hit_probes, _pids(stack.processes()), cpu_requests)
     finally:
         for channel in channels:
             await channel.close()
@@ -353,11 +334,8 @@ async def run(
             "load_avg_1m": os.getloadavg()[0],
         },
         "command": f"python -m benchmarks.gateway.hops --requests {requests} --cpu-requests {cpu_requests} "
-        f"--max-tokens {max_tokens}"
-        + (f" --before {before}" if before else "")
-        + ("" if redis_batch else " --redis-normal"),
+        f"--max-tokens {max_tokens}" + ("" if redis_batch else " --redis-normal"),
         "redis_sched_batch": redis_batch,
-        "before": str(before) if before else None,
         "max_tokens": max_tokens,
         "latency": {name: summary(s, None if name == "direct_worker" else base) for name, s in latency.items()},
         "paired": pairs,
@@ -374,14 +352,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per request (default 16)")
     parser.add_argument("--profile", type=Path, default=None, help="write cProfile output of router and gateway here")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
-    parser.add_argument("--before", type=Path, default=None, help="a checkout of earlier code to compare with")
+    parser.add_argument(
+        "--ab-tree",
+        type=Path,
+        default=None,
+        help="A/B: also run a mesh from this source tree (e.g. a `git worktree` of an earlier commit; this tree's own "
+        "path for an A/A run), interleaved with this tree's; writes hops_ab.json/.md (benchmarks/gateway/hops_ab.py)",
+    )
     parser.add_argument("--redis-normal", action="store_true", help="Redis without SCHED_BATCH (for an A/B run)")
     args = parser.parse_args(argv)
+    if args.ab_tree is not None:
+        from benchmarks.gateway import hops_ab
+        from benchmarks.gateway.tree_mesh import check_tree
+
+        tree = check_tree(args.ab_tree, "hops --ab-tree")
+        ab = asyncio.run(hops_ab.run(tree, args.requests, args.cpu_requests, args.max_tokens))
+        hops_ab.write_report(ab, args.out)
+        print(hops_ab.markdown(ab))
+        return 0
     if args.profile is not None:
         args.profile.mkdir(parents=True, exist_ok=True)
-    report = asyncio.run(
-        run(args.requests, args.cpu_requests, args.max_tokens, args.profile, args.before, not args.redis_normal)
-    )
+    report = asyncio.run(run(args.requests, args.cpu_requests, args.max_tokens, args.profile, not args.redis_normal))
     if args.profile is None:
         write_report(report, args.out)
     print(markdown(report))

@@ -8,6 +8,9 @@ round robin's "added" is the hop's cost *with the hop cold and the baseline warm
 measures each path alone against the direct call, alternating the two request by request (which goes
 first in each pair is seeded-random), so the hop's process serves every other request, as under
 steady traffic, and both sides of the subtraction are equally warm. The report gives both.
+
+:func:`ab_paired` does the same over two meshes from two source trees at once (``--ab-tree``), their
+pairs interleaved round by round in a random order, each against its own tree's direct call.
 """
 
 from __future__ import annotations
@@ -69,4 +72,40 @@ async def paired(
         row = summary(samples[name], samples[base])
         row["base_ttft_p50_ms"] = summary(samples[base], None)["ttft_p50_ms"]
         out[name] = row
+    return out
+
+
+async def ab_paired(
+    sides: dict[str, dict[str, Probe]], base: str, requests: int, warmup: int = 20, seed: int = 0
+) -> dict[str, dict[str, dict[str, float]]]:
+    """The paired method over two (or more) meshes at once, for an A/B of two source trees: every
+    side has the same path names, ``base`` (its direct call) among them. Each path in turn, as in
+    :func:`paired`; per round, the sides in a seeded-random order, each running one pair of its own
+    ``base`` and the path (the order within the pair seeded-random too), so both trees' requests are
+    interleaved under the same machine load. Per side and path: the summary against that side's own
+    ``base`` samples, ``base_ttft_p50_ms``, and ``pair_ttft_p50_ms`` (median of the per-pair TTFT
+    differences)."""
+    rng = random.Random(seed)
+    names = [name for name in next(iter(sides.values())) if name != base]
+    out: dict[str, dict[str, dict[str, float]]] = {side: {} for side in sides}
+    for name in names:
+        order = list(sides)
+        pairs = {side: [(base, probes[base]), (name, probes[name])] for side, probes in sides.items()}
+        for _ in range(warmup):
+            for side in order:
+                for _label, call in pairs[side]:
+                    await call()
+        samples: dict[str, dict[str, list[Sample]]] = {side: {base: [], name: []} for side in sides}
+        for _ in range(requests):
+            rng.shuffle(order)
+            for side in order:
+                rng.shuffle(pairs[side])
+                for label, call in pairs[side]:
+                    samples[side][label].append(await call())
+        for side, got in samples.items():
+            row = summary(got[name], got[base])
+            row["base_ttft_p50_ms"] = summary(got[base], None)["ttft_p50_ms"]
+            diffs = [(a[0] - b[0]) * 1000 for a, b in zip(got[name], got[base], strict=True)]
+            row["pair_ttft_p50_ms"] = round(percentile(diffs, 50), 3)
+            out[side][name] = row
     return out

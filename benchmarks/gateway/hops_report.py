@@ -1,4 +1,4 @@
-"""Markdown and JSON of :mod:`benchmarks.gateway.hops` reports (tables, CPU by process, before/after)."""
+"""Markdown and JSON of :mod:`benchmarks.gateway.hops` reports (tables, CPU by process)."""
 
 from __future__ import annotations
 
@@ -58,8 +58,6 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['total_p99_ms']:.2f} |"
         )
     lines += _cpu_table(report["cache_hit_cpu_ms_per_request"], "CPU ms per cache-hit request, by process")
-    if report.get("before"):
-        lines += _comparison(report)
     return "\n".join(lines) + "\n"
 
 
@@ -141,52 +139,8 @@ def _targets(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _comparison(report: dict[str, Any]) -> list[str]:
-    """Before/after rows of one interleaved run (paths named "... (before)" ran the earlier code)."""
-    lines = [
-        "",
-        f"## Before / after, same run (before = the code in {report['before']}, interleaved with the current code)",
-        "",
-        "| measure | before | after | change |",
-        "|---|---:|---:|---:|",
-    ]
-    rows: list[tuple[str, float, float]] = []
-    paths = [
-        p
-        for p in ("router", "gateway_static_key", "gateway_stored_key", "gateway_embedded_router")
-        if f"{p} (before)" in report["latency"]
-    ]
-    for path in paths:
-        b, a = report["latency"][f"{path} (before)"], report["latency"][path]
-        for key in ("added_ttft_p50_ms", "added_ttft_p99_ms", "added_total_p50_ms", "relay_us_per_frame"):
-            rows.append((f"{path}: {key}", b[key], a[key]))
-    for path in paths:
-        if f"{path} (before)" not in report["cache_hit"]:
-            continue
-        b, a = report["cache_hit"][f"{path} (before)"], report["cache_hit"][path]
-        for key in ("ttft_p50_ms", "ttft_p99_ms"):
-            rows.append((f"cache hit, {path}: {key}", b[key], a[key]))
-    for section, label in (
-        ("cpu_ms_per_request", "CPU ms per request"),
-        ("cache_hit_cpu_ms_per_request", "CPU ms per hit"),
-    ):
-        cpu = report[section]
-        by_path = (("router", ("router",)), ("gateway_stored_key", ("gateway", "router")))
-        by_path += (("gateway_embedded_router", ("gateway_embedded",)),)
-        for path, procs in by_path:
-            if f"{path} (before)" not in cpu:
-                continue
-            for proc in procs:
-                rows.append((f"{label}, {path}: {proc}", cpu[f"{path} (before)"][f"{proc}_before"], cpu[path][proc]))
-    for name, b, a in rows:
-        change = f"{(a / b - 1) * 100:+.0f} %" if b else ""
-        lines.append(f"| {name} | {b:.2f} | {a:.2f} | {change} |")
-    return lines
-
-
 def _cpu_table(cpu: dict[str, dict[str, float]], title: str) -> list[str]:
-    names = ["client", "gateway", "router", "gateway_embedded", "router_calls", "gateway_before", "router_before"]
-    names += ["gateway_embedded_before"]
+    names = ["client", "gateway", "router", "gateway_embedded", "router_calls"]
     names += ["relay0", "relay1"]
     names += ["relay_sync0", "relay_sync1", "worker", "redis"]
     names = [n for n in names if any(n in row for row in cpu.values())]

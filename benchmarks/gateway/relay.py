@@ -14,7 +14,8 @@ gateway → router → worker, alternating ``--rounds`` times. Two worker modes,
 
 Reports tokens/s received by the client, frames per token, end-to-end latency over the pacing floor,
 and CPU ms per 1,000 tokens of each process (/proc schedstat), and writes docs/benchmarks/relay.json
-and .md. The client, the worker and both hops share the machine's cores.
+and .md. The client, the worker and both hops share the machine's cores. ``--ab-tree TREE`` runs
+:mod:`benchmarks.gateway.relay_ab` instead: this tree's meshes and TREE's side by side in one run.
 """
 
 from __future__ import annotations
@@ -278,7 +279,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--token-interval-ms", type=float, default=5.0, help="paced mode: ms between a stream's tokens (default 5)"
     )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
+    parser.add_argument(
+        "--ab-tree",
+        type=Path,
+        default=None,
+        help="A/B: also run meshes from this source tree (e.g. a `git worktree` of an earlier commit; this tree's "
+        "own path for an A/A run), interleaved with this tree's; writes relay_ab.json/.md "
+        "(benchmarks/gateway/relay_ab.py)",
+    )
     args = parser.parse_args(argv)
+    if args.ab_tree is not None:
+        from benchmarks.gateway import relay_ab
+        from benchmarks.gateway.tree_mesh import check_tree
+
+        tree = check_tree(args.ab_tree, "relay --ab-tree")
+        ab = asyncio.run(
+            relay_ab.run(tree, args.streams, args.max_tokens, args.duration, args.rounds, args.token_interval_ms)
+        )
+        relay_ab.write_report(ab, args.out)
+        print(relay_ab.markdown(ab))
+        return 0
     report = derive(asyncio.run(run(args.streams, args.max_tokens, args.duration, args.rounds, args.token_interval_ms)))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "relay.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -10,13 +10,17 @@ adds is reported against calling that backend directly:
   HTTP parse, its router, an httpx/openai client call to the backend, SSE re-encoding.
 * ``instant_worker`` — a real worker process over :mod:`benchmarks.gateway.instant_worker` (tokens at once),
   called over its internal gRPC API.
-* ``meshserve_grpc`` — gateway → router → that worker: API-key check, rate-limit admission and stream
-  lease in Redis, routing, response cache lookup bypassed (temperature 0 but unique prompts).
-* ``meshserve_http`` — Envoy → OpenAI HTTP adapter → the same gateway → router → worker.
+* ``meshserve_grpc`` — the gateway with the router in its process (``meshserve up``'s default layout;
+  ``--split-router``: gateway process → router process) → that worker: API-key check, rate-limit
+  admission and stream lease in Redis, routing, response cache lookup bypassed (temperature 0 but
+  unique prompts).
+* ``meshserve_http`` — Envoy → OpenAI HTTP adapter → the same gateway → worker.
 
 All paths get the same streamed chat requests (``/v1/chat/completions`` or ``Chat``), closed loop at
 ``--concurrency``, interleaved in blocks of 10 so machine noise hits all alike.
-Added = path p50/p99 minus its backend's p50/p99 (end-to-end). Writes docs/benchmarks/gateways.json/.md.
+Added = path p50/p99 minus its backend's p50/p99 (end-to-end). The report's TARGET lines judge each
+meshserve front door's added e2e p50 as a ratio to LiteLLM's, same run (gRPC <= 0.1x, HTTP <= 0.2x).
+Writes docs/benchmarks/gateways.json/.md.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from typing import Any
 import aiohttp
 import grpc
 
-from benchmarks.gateway.relay import start_stack
+from benchmarks.gateway.hops import _cpu_ns
+from benchmarks.gateway.tree_mesh import start_mesh
 from benchmarks.load.generator import Result, Sender, Workload, closed_loop, make_items, summarize
 from benchmarks.load.senders import grpc_sender, http_sender, worker_sender
 from services.common.model_paths import model_paths
@@ -55,12 +60,42 @@ PATHS = {
     "httpx/openai call upstream, SSE re-encode",
     "instant_worker": "a real worker process (admission, runner thread, detokenizer) over a synthetic engine "
     "emitting tokens at once, called on its internal gRPC API",
-    "meshserve_grpc": "gateway (API key, Redis rate-limit admission + stream lease) → router (tokenize, "
-    "route) → instant_worker, gRPC `Chat`",
-    "meshserve_http": "Envoy → OpenAI HTTP adapter → the same gateway → router → instant_worker",
+    "meshserve_grpc": "gateway (API key, Redis rate-limit admission + stream lease) with the router (tokenize, "
+    "route) in its process, `meshserve up`'s default layout (`--split-router`: the router in its own process) "
+    "→ instant_worker, gRPC `Chat`",
+    "meshserve_http": "Envoy → OpenAI HTTP adapter → the same gateway → instant_worker",
 }
 LITELLM_KEY = "sk-meshserve-bench-0123456789abcdef"
 BASES = {"litellm": "fake_backend", "meshserve_http": "instant_worker", "meshserve_grpc": "instant_worker"}
+TARGETS = {"meshserve_grpc": ("gateways_grpc_vs_litellm", 0.1), "meshserve_http": ("gateways_http_vs_litellm", 0.2)}
+"""Per meshserve path: the TARGET line's name and the most its added e2e p50 may be, as a share of LiteLLM's."""
+FRONT_DOOR_PROCESSES = {
+    "litellm": ("litellm",),
+    "meshserve_grpc": ("gateway", "router", "redis"),
+    "meshserve_http": ("envoy", "http_adapter", "gateway", "router", "redis"),
+}
+"""The processes of each front door itself (not its backend): its CPU per request is what the machine's
+load does not move, unlike the added wall time."""
+
+
+def _tree_cpu_ns(pid: int) -> int:
+    """CPU ns of ``pid`` and every process below it (LiteLLM's proxy may run its server in a child)."""
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            total += _cpu_ns(current)
+            with open(f"/proc/{current}/task/{current}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return total
+
+
+def _litellm_version() -> str | None:
+    """The LiteLLM version in ``.venv-litellm`` (its per-request cost changes between versions)."""
+    found = sorted(LITELLM.parent.parent.glob("lib/python*/site-packages/litellm-*.dist-info"))
+    return found[-1].name.removeprefix("litellm-").removesuffix(".dist-info") if found else None
 
 
 def _litellm_config(backend_url: str, tmp: str) -> Path | None:
@@ -108,7 +143,7 @@ async def _litellm(config: Path | None) -> tuple[ServiceProcess | None, str]:
     return None, "the LiteLLM proxy did not answer /health/liveliness within 120 s"
 
 
-async def run(requests: int, concurrency: int, max_tokens: int) -> dict[str, Any]:
+async def run(requests: int, concurrency: int, max_tokens: int, split_router: bool = False) -> dict[str, Any]:
     tmp = tempfile.TemporaryDirectory(prefix="meshserve-gateways-")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     fake = ServiceProcess("fake", [sys.executable, "-m", "benchmarks.gateway.fake_openai"], env, lambda _n, _l: None)
@@ -116,10 +151,19 @@ async def run(requests: int, concurrency: int, max_tokens: int) -> dict[str, Any
     await fake.wait_started(60)
     fake_url = f"http://{fake.address}"
     litellm, litellm_url = await _litellm(_litellm_config(fake_url, tmp.name))
-    procs = await start_stack(tmp.name, 64)
+    mesh = await start_mesh(
+        tmp.name,
+        layouts=("split",) if split_router else ("embedded",),
+        worker_settings={
+            "MESHSERVE_INSTANT_WORKER_MAX_ACTIVE_SEQUENCES": "64",
+            "MESHSERVE_INSTANT_WORKER_MAX_QUEUE": "64",
+        },
+        gateway_settings={"MESHSERVE_GATEWAY_MAX_CONCURRENT_STREAMS": "4096"},
+    )
+    gateway = mesh.procs["gateway" if split_router else "gateway_embedded"]
     from services.controlplane.frontdoor import FrontDoor
 
-    door = FrontDoor([procs["gateway"].address], lambda _n, _l: None, timeout_s=120)
+    door = FrontDoor([gateway.address], lambda _n, _l: None, timeout_s=120)
     await door.start()
     notes: list[str] = []
     if litellm is None:
@@ -127,8 +171,8 @@ async def run(requests: int, concurrency: int, max_tokens: int) -> dict[str, Any
     try:
         async with (
             aiohttp.ClientSession() as session,
-            MeshClient(procs["gateway"].address, DEV_API_KEY) as client,
-            grpc.aio.insecure_channel(procs["worker"].address) as channel,
+            MeshClient(gateway.address, DEV_API_KEY) as client,
+            grpc.aio.insecure_channel(mesh.procs["worker"].address) as channel,
         ):
             tokenizer = Tokenizer(model_paths().hf_dir)
             senders: dict[str, Sender] = {
@@ -145,24 +189,40 @@ async def run(requests: int, concurrency: int, max_tokens: int) -> dict[str, Any
             rng = random.Random(3)
             for send in senders.values():  # warm-up
                 await closed_loop(send, make_items(workload, 10, rng, tag=f"w{time.time_ns()}-"), concurrency, 60)
+            pids = {"fake": fake, "litellm": litellm, "worker": mesh.procs["worker"], "gateway": gateway}
+            pids |= {"redis": mesh.procs["redis"], "envoy": door.envoy.process, "http_adapter": door.adapters[0]}
+            pids |= {"router": mesh.procs.get("router")}
+            cpu_pids = {n: p.proc.pid for n, p in pids.items() if p is not None and p.proc is not None}
+            spent: dict[str, dict[str, int]] = {name: dict.fromkeys(cpu_pids, 0) for name in senders}
             block = 10 * concurrency
             for i in range(max(1, requests // block)):
                 for name, send in senders.items():
                     items = make_items(workload, block, rng, tag=f"{name}{i}-{time.time_ns()}-")
+                    before = {n: _tree_cpu_ns(pid) for n, pid in cpu_pids.items()}
                     got, wall = await closed_loop(send, items, concurrency, 120)
+                    for n, pid in cpu_pids.items():
+                        spent[name][n] += _tree_cpu_ns(pid) - before[n]
                     results[name] += got
                     walls[name] += wall
                 print(f"\rgateways: block {i + 1}/{max(1, requests // block)}", end="", file=sys.stderr, flush=True)
             print(file=sys.stderr)
     finally:
         await door.stop()
-        for name in ("gateway", "router", "worker", "redis"):
-            await procs[name].stop()
+        await mesh.stop()
         if litellm is not None:
             await litellm.stop()
         await fake.stop()
         tmp.cleanup()
     paths = {name: summarize(rs, walls[name]) for name, rs in results.items()}
+    cpu = {
+        name: {n: round(ns / 1e6 / max(1, len(results[name])), 3) for n, ns in row.items()}
+        for name, row in spent.items()
+    }
+    front_cpu = {
+        name: round(sum(cpu[name].get(n, 0.0) for n in procs), 3)
+        for name, procs in FRONT_DOOR_PROCESSES.items()
+        if name in cpu
+    }
     added = {
         name: {
             "p50": round(paths[name]["e2e_ms_p50"] - paths[base]["e2e_ms_p50"], 3),
@@ -178,14 +238,67 @@ async def run(requests: int, concurrency: int, max_tokens: int) -> dict[str, Any
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m": os.getloadavg()[0]},
         "command": f"meshserve bench gateways --requests {requests} --concurrency {concurrency} "
-        f"--max-tokens {max_tokens}",
+        f"--max-tokens {max_tokens}" + (" --split-router" if split_router else ""),
+        "layout": "split" if split_router else "embedded",
         "concurrency": concurrency,
         "max_tokens": max_tokens,
         "paths": paths,
         "added_ms": added,
+        "targets": targets(added),
+        "cpu_ms_per_request": cpu,
+        "front_door_cpu_ms_per_request": front_cpu,
+        "litellm_version": _litellm_version(),
         "notes": notes,
         "published_litellm": "p50 2 ms / p99 13 ms added, 4 instances (LiteLLM's docs)",
     }
+
+
+def targets(added: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per meshserve path: its added e2e p50 over LiteLLM's (same run), the limit, and whether it passes;
+    ``ratio`` None (a FAIL) when LiteLLM was not measured or added nothing."""
+    litellm = (added.get("litellm") or {}).get("p50")
+    out: dict[str, dict[str, Any]] = {}
+    for path, (name, limit) in TARGETS.items():
+        ours = (added.get(path) or {}).get("p50")
+        ratio = round(ours / litellm, 3) if ours is not None and litellm and litellm > 0 else None
+        out[name] = {"path": path, "ratio": ratio, "limit": limit, "pass": ratio is not None and ratio <= limit}
+        if ratio is None:
+            out[name]["why"] = (
+                "LiteLLM not measured"
+                if litellm is None
+                else f"{path} not measured"
+                if ours is None
+                else "LiteLLM added no time"
+            )
+    return out
+
+
+def target_lines(report: dict[str, Any]) -> list[str]:
+    """``TARGET <name>: <ratio> (target <= <limit>): PASS|FAIL``, one per meshserve front door."""
+    lines = []
+    for name, t in (report.get("targets") or targets(report["added_ms"])).items():
+        ratio = f"n/a ({t.get('why', 'not measured')})" if t["ratio"] is None else f"{t['ratio']:.3f}"
+        lines.append(f"TARGET {name}: {ratio} (target <= {t['limit']:g}): {'PASS' if t['pass'] else 'FAIL'}")
+    return lines
+
+
+def _cpu_lines(report: dict[str, Any]) -> list[str]:
+    """CPU ms per request in each front door's own processes, and meshserve's as a share of LiteLLM's."""
+    front = report.get("front_door_cpu_ms_per_request")
+    if not front:
+        return []
+    version = report.get("litellm_version") or "?"
+    parts = []
+    for name, ms in front.items():
+        procs = " + ".join(FRONT_DOOR_PROCESSES[name])
+        share = f", {ms / front['litellm']:.3f}x LiteLLM's" if name != "litellm" and front.get("litellm") else ""
+        parts.append(f"`{name}` {ms:.2f} ms ({procs}{share})")
+    return [
+        f"LiteLLM {version}. Wall-clock added time grows with the machine's load, and more for the path that",
+        "spends more CPU per request; CPU per request in each front door's own processes does not (reference,",
+        "not a target): " + "; ".join(parts) + ".",
+        "",
+    ]
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -198,8 +311,18 @@ def markdown(report: dict[str, Any]) -> str:
         "Streamed chat requests of "
         f"{report['max_tokens']} tokens, closed loop at concurrency {report['concurrency']}, paths interleaved in "
         "blocks. See the module docstring of benchmarks/gateway/vs_litellm.py for exactly what each path includes. "
-        f"LiteLLM publishes {report['published_litellm']}.",
+        f"LiteLLM publishes {report['published_litellm']}. meshserve's layout: "
+        + (
+            "split (gateway and router in separate processes, `--split-router`)."
+            if report.get("layout") == "split"
+            else "`meshserve up`'s default, the router embedded in the gateway's process."
+        ),
         "",
+        "Added e2e p50 of each meshserve front door over its backend, as a share of LiteLLM's over its own (same run):",
+        "",
+        *target_lines(report),
+        "",
+        *_cpu_lines(report),
         "| path | requests ok | TTFT p50 | e2e p50 | e2e p95 | e2e p99 | added e2e p50 | added e2e p99 | over |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -230,9 +353,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=200, help="requests per path (default 200)")
     parser.add_argument("--concurrency", type=int, default=1, help="streams at once per path (default 1)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per request (default 16)")
+    parser.add_argument(
+        "--split-router", action="store_true", help="measure the split layout (router in its own process) instead"
+    )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     args = parser.parse_args(argv)
-    report = asyncio.run(run(args.requests, args.concurrency, args.max_tokens))
+    report = asyncio.run(run(args.requests, args.concurrency, args.max_tokens, args.split_router))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gateways.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "gateways.md").write_text(markdown(report))

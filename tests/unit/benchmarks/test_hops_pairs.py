@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.gateway.hops_pairs import Sample, paired, summary
+from benchmarks.gateway.hops_pairs import Sample, ab_paired, paired, summary
 
 
 async def test_each_path_is_paired_with_the_base_alone_and_alternated() -> None:
@@ -41,3 +41,30 @@ def test_summary_subtracts_the_base_percentiles() -> None:
     assert row["added_total_p50_ms"] == pytest.approx(1.0)
     assert row["relay_us_per_frame"] == pytest.approx(250.0)
     assert "added_ttft_p50_ms" not in summary(base, None)
+
+
+async def test_ab_pairs_interleave_both_trees_each_against_its_own_direct_call() -> None:
+    calls: list[str] = []
+
+    def probe(name: str, ttft_s: float) -> object:
+        async def call() -> Sample:
+            calls.append(name)
+            return ttft_s, ttft_s + 0.001, 4
+
+        return call
+
+    sides = {
+        "a": {"direct_worker": probe("a:direct", 0.002), "gw": probe("a:gw", 0.003)},
+        "b": {"direct_worker": probe("b:direct", 0.004), "gw": probe("b:gw", 0.0045)},
+    }
+    out = await ab_paired(sides, "direct_worker", requests=40, warmup=1)  # type: ignore[arg-type]
+    assert out["a"]["gw"]["added_ttft_p50_ms"] == pytest.approx(1.0)
+    assert out["b"]["gw"]["added_ttft_p50_ms"] == pytest.approx(0.5)  # over b's own direct call, not a's
+    assert out["b"]["gw"]["pair_ttft_p50_ms"] == pytest.approx(0.5)
+    assert out["a"]["gw"]["base_ttft_p50_ms"] == pytest.approx(2.0) and out["a"]["gw"]["requests"] == 40
+    rounds = [calls[i : i + 4] for i in range(4, len(calls), 4)]  # after the warm-up round
+    assert len(rounds) == 40
+    # Every round: each side's pair together (its direct call and its path), both sides, in either order.
+    assert all(sorted(r) == ["a:direct", "a:gw", "b:direct", "b:gw"] for r in rounds)
+    assert all({r[0][0], r[1][0]} == {r[0][0]} and {r[2][0], r[3][0]} == {r[2][0]} for r in rounds)
+    assert {r[0][0] for r in rounds} == {"a", "b"}  # which tree goes first varies
