@@ -20,10 +20,10 @@ def test_another_tree_runs_by_module_name_with_this_tree_off_the_path(tmp_path: 
 
 def test_the_worker_module_is_found_wherever_the_tree_keeps_it(tmp_path: Path) -> None:
     assert worker_module(tmp_path) is None
-    nested = tmp_path / "benchmarks" / "hops"
+    nested = tmp_path / "benchmarks" / "area"
     nested.mkdir(parents=True)
     (nested / "instant_worker.py").write_text("")
-    assert worker_module(tmp_path) == "benchmarks.gateway.hops.instant_worker"
+    assert worker_module(tmp_path) == "benchmarks.area.instant_worker"
 
 
 def test_a_folder_that_is_not_a_meshserve_tree_is_refused(tmp_path: Path) -> None:
