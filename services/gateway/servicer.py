@@ -4,7 +4,7 @@ The gateway never looks inside a response beyond metrics: it stamps its request 
 Deadlines: the caller's (capped at ``max_deadline_s``; a Chat session at ``max_chat_deadline_s``) or a
 default is set on the router call.
 Cancellation: a caller cancel cancels the router call (``finally`` below); a router failure
-becomes the matching domain error for the caller (:mod:`services.gateway.errors`).
+becomes the matching domain error for the caller (:mod:`services.common.status_errors`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from services.common.interceptors import outbound_metadata
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.pending_admission import PENDING_ADMISSION, SPECULATIVE
+from services.common.status_errors import Upstream, from_rpc_error
 from services.gateway import scopes
 from services.gateway.admission import Gate, Ticket
 from services.gateway.config import GatewaySettings
-from services.gateway.errors import from_router_error
 from services.gateway.identity import Identity
 from services.gateway.local_router import LocalRouter
 from services.gateway.observe import observe
@@ -216,7 +216,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                             sequence += 1
                             yield frame
                 except grpc.aio.AioRpcError as exc:
-                    raise from_router_error(exc) from None
+                    raise from_rpc_error(exc, Upstream.ROUTER) from None
                 finally:
                     call.cancel()
             finally:
@@ -233,7 +233,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                 try:
                     reply: pb.GenerateResponse = await call
                 except grpc.aio.AioRpcError as exc:
-                    raise from_router_error(exc) from None
+                    raise from_rpc_error(exc, Upstream.ROUTER) from None
                 finally:
                     call.cancel()
                 ticket = await admission  # (already settled: the router waited for it before any work)
@@ -254,7 +254,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             try:
                 reply: pb.ListModelsResponse = await call
             except grpc.aio.AioRpcError as exc:
-                raise from_router_error(exc) from None
+                raise from_rpc_error(exc, Upstream.ROUTER) from None
             finally:
                 call.cancel()
             return reply
@@ -307,7 +307,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                         await events.put(frame)
                     await events.put(_END)
                 except grpc.aio.AioRpcError as exc:
-                    await events.put(from_router_error(exc))
+                    await events.put(from_rpc_error(exc, Upstream.ROUTER))
                 except MeshError as exc:  # the embedded router's own errors (services/gateway/local_router.py)
                     await events.put(exc)
 

@@ -1,12 +1,14 @@
-"""Worker side of ``Worker.GenerateMux``: many Generate streams on one long-lived call.
+"""Worker side of the stream transport's multiplexing: many Generate streams on one connection.
 
-A gRPC call costs both ends far more than a message does (the router's call setup and the worker's
-handler setup are most of a hop's time to the first token: docs/benchmarks/hops.md), so the router
-keeps one GenerateMux call per worker and opens each request's stream as a message on it. Each
-stream runs the servicer's own ``Generate`` (same turns, cancels, chat sessions, frames) in a task
-of its own, with what a call would carry (request id and tenant for logs, trace parent, deadline)
-taken from its ``MuxOpen``; its end is sent as a ``MuxEnd`` carrying the status its call would have
-ended with. Frames ready at the same time, of any streams, leave as one message.
+A call or a connection costs both ends far more than a message does (the router's call setup and
+the worker's handler setup were most of a hop's time to the first token: docs/benchmarks/hops.md),
+so the router keeps one connection per worker (services/common/worker/mux_tcp.py serves it) and opens
+each request's stream as a message on it (a "call" below: one connection's ``MuxRequest`` messages
+in, ``MuxResponse`` messages out). Each stream runs the servicer's own ``Generate`` (same turns,
+cancels, chat sessions, frames) in a task of its own, with what a gRPC call would carry (request id
+and tenant for logs, trace parent, deadline) taken from its ``MuxOpen``; its end is sent as a
+``MuxEnd`` carrying the status a Generate call would have ended with. Frames ready at the same time,
+of any streams, leave as one message.
 
 Bounds: at most ``max_streams`` streams per call (more are refused with RESOURCE_EXHAUSTED); a
 stream's frames are bounded by its turns' ``max_tokens``; a stream with :data:`MAX_UNREAD` frames from
@@ -83,7 +85,7 @@ def _end(code: grpc.StatusCode, message: str, retry_after_ms: int = 0) -> worker
 
 
 class _Call:
-    """One GenerateMux call: its streams and its outgoing frames."""
+    """One multiplexed call (a connection): its streams and its outgoing frames."""
 
     def __init__(self, generate: Generate, max_streams: int, draining: Callable[[], bool]) -> None:
         self._generate = generate
@@ -194,7 +196,7 @@ class _Call:
 
 
 class MuxCalls:
-    """The GenerateMux calls a worker serves, so a drain reaches them all (see :func:`serve_mux`)."""
+    """The multiplexed calls a worker serves, so a drain reaches them all (see :func:`serve_mux`)."""
 
     def __init__(self) -> None:
         self.draining = False
@@ -214,7 +216,7 @@ async def serve_mux(
     max_streams: int = 4096,
     calls: MuxCalls | None = None,
 ) -> AsyncIterator[worker_pb2.MuxResponse]:
-    """The frames of one GenerateMux call (see the module docstring).
+    """The frames of one multiplexed call (see the module docstring).
 
     With ``calls``, a drain (``calls.drain()``, when the worker stops) refuses new streams with
     UNAVAILABLE and ends the call as soon as its streams have ended, so a stopping server is not
