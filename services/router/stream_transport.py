@@ -178,7 +178,7 @@ class TcpWorkerStream:
         self._wake()
 
 
-class _Connection:
+class StreamConnection:
     """One TCP connection to a worker's stream port: connect and hello in the background, then
     ``MuxRequest`` out (:meth:`write`) and ``MuxResponse`` in (iterate); failures are WorkerFailed."""
 
@@ -265,7 +265,7 @@ class _Link:
     def __init__(self, internal_token: str, max_frame: int) -> None:
         self._token = internal_token
         self._max_frame = max_frame
-        self._call: _Connection | None = None
+        self._call: StreamConnection | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._streams: dict[int, TcpWorkerStream] = {}
         self._next = 0
@@ -298,7 +298,7 @@ class _Link:
             self._hang_up()
 
     def _connect(self, address: Address) -> None:
-        call = _Connection(address, self._token, self._max_frame)
+        call = StreamConnection(address, self._token, self._max_frame)
         self._call = call
         self._tasks = [asyncio.ensure_future(self._write(call)), asyncio.ensure_future(self._read(call))]
 
@@ -306,7 +306,7 @@ class _Link:
         if self._call is not None:
             self._call.cancel()
 
-    async def _write(self, call: _Connection) -> None:
+    async def _write(self, call: StreamConnection) -> None:
         with contextlib.suppress(WorkerFailed, asyncio.InvalidStateError):
             while True:
                 if not self._out:
@@ -316,7 +316,7 @@ class _Link:
                 frames, self._out = self._out, []
                 await call.write(worker_pb2.MuxRequest(frames=frames))
 
-    async def _read(self, call: _Connection) -> None:
+    async def _read(self, call: StreamConnection) -> None:
         error = _failure(grpc.StatusCode.UNAVAILABLE, "the worker ended its stream connection")
         try:
             async for message in call:

@@ -1,4 +1,6 @@
 """A fake Worker servicer for router tests: deterministic token ids, records calls, honours cancel.
+The router reaches it as it reaches real workers, over the stream transport (the worker runtime's
+own listener and serve_mux run its Generate per stream).
 
 Tokens for a deterministic request (temperature 0 or a seed) depend only on the prompt, the seed
 and the position, so a cached answer can be compared with a fresh one.
@@ -17,7 +19,7 @@ from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.serving import MAX_MESSAGE_BYTES, RunningServer, start_server
 from services.common.settings import ServiceSettings
-from services.common.worker.mux import MuxCalls, serve_mux
+from services.common.worker.mux import MuxCalls
 from services.common.worker.mux_tcp import StreamMuxServer
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -30,8 +32,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     token_delay_s: float = 0.0
     starts: list[worker_pb2.WorkerStart] = field(default_factory=list)
     start_calls: list[int] = field(default_factory=list)  # which call (stream) each start came on
-    calls: int = 0
-    mux_calls: int = 0  # GenerateMux calls (the router keeps one open per worker)
+    calls: int = 0  # streams (Generate runs)
     cancels: int = 0  # WorkerCancel messages received
     aborted: int = 0  # calls cancelled by the router while open
     fail_next: grpc.StatusCode | None = None
@@ -44,7 +45,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     kv_budget_bytes: int = 0
     stats_delay_s: float = 0.0  # Stats answers this late (a busy worker)
     weights: int = 0  # which model it runs: workers of other weights answer other deterministic tokens
-    stream: StreamMuxServer | None = None  # its stream transport (start_fake(stream=True))
+    stream: StreamMuxServer | None = None  # its stream transport (start_fake(stream=False): none)
     stream_port: int = 0  # announced in Stats: the stream's port, or (tests) a port that does not serve it
 
     @property
@@ -61,12 +62,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             base = sum(start.prompt_token_ids) * 31 + (s.seed if s.HasField("seed") else 0) + 500 * self.weights
             return [3 + (base + 7 * i) % 1000 for i in range(done, done + n)]
         return [random.randrange(3, 1003) for _ in range(n)]
-
-    async def GenerateMux(self, request_iterator, context):  # type: ignore[no-untyped-def]
-        """Generate's streams on one call, as the real worker serves them (services/common/worker/mux.py)."""
-        self.mux_calls += 1
-        async for message in serve_mux(self.Generate, request_iterator):
-            yield message
 
     async def Generate(
         self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], context: grpc.aio.ServicerContext
@@ -144,7 +139,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             sequences_cancelled_total=self.cancels + self.aborted,
             kv_used_bytes=self.kv_used_bytes,
             kv_budget_bytes=self.kv_budget_bytes,
-            generate_mux=type(self).GenerateMux is not worker_pb2_grpc.WorkerServicer.GenerateMux,
             stream_port=self.stream_port,
         )
 
@@ -154,10 +148,11 @@ async def start_fake(
     tier: int,
     token: str,
     cls: type[FakeWorker] | None = None,
-    stream: bool = False,
+    stream: bool = True,
     **kwargs: object,
 ) -> FakeWorker:
-    """A fake worker on a real gRPC server; ``stream`` also serves the stream transport, as real workers do."""
+    """A fake worker on a real gRPC server (Stats, health) serving the stream transport, as real
+    workers do; ``stream=False``: a worker that announces no stream port."""
     fake = (cls or FakeWorker)(worker_id, tier, **kwargs)  # type: ignore[arg-type]
     fake.server = await start_server(
         ServiceSettings(port=0, internal_token=token, shutdown_grace_s=0),

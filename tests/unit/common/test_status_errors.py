@@ -14,7 +14,9 @@ from services.common.status_errors import Upstream, from_rpc_error, from_status,
 ROUTER, WORKER = Upstream.ROUTER, Upstream.WORKER
 
 
-def rpc_error(code: grpc.StatusCode, details: str, trailers: tuple[tuple[str, str | bytes], ...] = ()) -> grpc.aio.AioRpcError:
+def rpc_error(
+    code: grpc.StatusCode, details: str, trailers: tuple[tuple[str, str | bytes], ...] = ()
+) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers), details=details)
 
 
@@ -81,7 +83,9 @@ def test_resource_exhausted_keeps_the_upstreams_retry_delay(upstream: Upstream) 
 
 
 def test_a_calls_retry_delay_is_read_from_its_trailer() -> None:
-    mapped = from_rpc_error(rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", ((md.RETRY_AFTER_MS, "250"),)), ROUTER)
+    mapped = from_rpc_error(
+        rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", ((md.RETRY_AFTER_MS, "250"),)), ROUTER
+    )
     assert isinstance(mapped, errors.ResourceExhausted) and mapped.retry_after_ms == 250
     mapped = from_rpc_error(rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", ((md.RETRY_AFTER_MS, "x"),)), ROUTER)
     assert isinstance(mapped, errors.ResourceExhausted) and mapped.retry_after_ms == md.DEFAULT_RETRY_AFTER_MS
