@@ -127,6 +127,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         finally:
             reader.cancel()
 
+    async def crash(self) -> None:
+        """Go away at once without telling anyone, as a killed process does: the gRPC server and the
+        stream transport stop, every connection and call on them ends mid-stream."""
+        assert self.server is not None
+        await self.server.server.stop(None)
+        if self.stream is not None:
+            self.stream.close(0.0)
+            await self.stream.finish()
+
     async def Stats(
         self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:

@@ -93,7 +93,9 @@ async def test_self_registered_worker_joins_by_heartbeat_and_leaves(mesh: Mesh) 
     extra = await start_fake("cloud-9", pb.TIER_CLOUD, TOKEN)
     registry = registry_pb2_grpc.WorkerRegistryStub(mesh.channel)
     beat = registry_pb2.WorkerHeartbeat(
-        address=extra.address, tier=pb.TIER_CLOUD, stats=worker_pb2.WorkerStats(worker_id="cloud-9")
+        address=extra.address,
+        tier=pb.TIER_CLOUD,
+        stats=worker_pb2.WorkerStats(worker_id="cloud-9", stream_port=extra.stream_port),  # as a worker's heartbeat
     )
     try:
         with pytest.raises(grpc.aio.AioRpcError) as err:

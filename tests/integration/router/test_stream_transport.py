@@ -80,10 +80,7 @@ async def test_cancelling_a_request_cancels_its_stream_on_the_worker(tcp_mesh: M
 
 async def test_worker_death_mid_stream_resumes_elsewhere(tcp_mesh: Mesh) -> None:
     async def kill(worker: FakeWorker) -> None:
-        assert worker.server is not None and worker.stream is not None
-        await worker.server.server.stop(0)
-        worker.stream.close(0.0)
-        await worker.stream.finish()  # its connection ends mid-stream, as when the process dies
+        await worker.crash()  # its connection ends mid-stream, as when the process dies
 
     frames, serving = await kill_mid_stream(tcp_mesh, kill, EDGE)
     tokens = [t for f in frames for t in f.token_ids]
