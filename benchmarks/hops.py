@@ -75,9 +75,8 @@ class Stack:
     redis_url: str
     tmp: tempfile.TemporaryDirectory[str]
     before: dict[str, ServiceProcess]
-    """More services: ``gateway_embedded`` (router in its process), ``router_calls`` (no GenerateMux:
-    a Worker.Generate call per request), and ``gateway_before`` / ``router_before`` (the ``--before``
-    tree's), if any."""
+    """More services: ``gateway_embedded`` (router in its process), and ``gateway_before`` /
+    ``router_before`` (the ``--before`` tree's), if any."""
 
     def processes(self) -> dict[str, ServiceProcess]:
         procs = {"gateway": self.gateway, "router": self.router, "worker": self.worker, "redis": self.redis}
@@ -155,15 +154,6 @@ async def start_stack(profile_dir: Path | None = None, before: Path | None = Non
             relay = ServiceProcess(f"{name}{i}", [sys.executable, "-m", "benchmarks.bare_relay"], relay_env, sink)
             chain.append(await _start(relay, health=False))
             upstream = relay.address
-    # The router as before GenerateMux: a Worker.Generate call per request.
-    services["router_calls"] = await _start(
-        ServiceProcess(
-            "router_calls",
-            _argv("services.router", profile_dir, "router_calls"),
-            router_env | {"MESHSERVE_ROUTER_WORKER_MUX": "false"},
-            sink,
-        )
-    )
     # The same gateway with the router embedded in its process (no gateway -> router gRPC hop).
     embedded_env = gateway_env | router_env | {"MESHSERVE_GATEWAY_EMBED_ROUTER": "1", "MESHSERVE_ROUTER_PORT": "0"}
     services["gateway_embedded"] = await _start(
@@ -236,8 +226,6 @@ def _probes(
         probes[f"router{label}"] = via(stubs[f"router{suffix}"], INTERNAL)
         probes[f"gateway_static_key{label}"] = via(stubs[f"gateway{suffix}"], static)
         probes[f"gateway_stored_key{label}"] = via(stubs[f"gateway{suffix}"], stored)
-    if "router_calls" in stubs:
-        probes["router_call_per_request"] = via(stubs["router_calls"], INTERNAL)
     if "gateway_embedded" in stubs:
         probes["gateway_embedded_router"] = via(stubs["gateway_embedded"], static)
     return probes
