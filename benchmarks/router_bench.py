@@ -99,7 +99,9 @@ class _InstantWorker(worker_pb2_grpc.WorkerServicer):
     stream_port = 0
 
     async def Generate(
-        self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[worker_pb2.WorkerRequest],
+        context: grpc.aio.ServicerContext | None = None,
     ) -> AsyncIterator[worker_pb2.WorkerResponse]:
         async for req in request_iterator:
             if not req.HasField("start"):
@@ -131,7 +133,7 @@ async def _timed(stream: AsyncIterator[object]) -> tuple[float, float]:
 async def added_latency(n: int) -> dict[str, float]:
     service = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
     instant = _InstantWorker()
-    stream = StreamMuxServer(instant.Generate, MuxCalls(), TOKEN, MAX_MESSAGE_BYTES)  # type: ignore[arg-type]
+    stream = StreamMuxServer(instant.Generate, MuxCalls(), TOKEN, MAX_MESSAGE_BYTES)
     await stream.start("127.0.0.1", 0)
     instant.stream_port = stream.port
     worker = await start_server(

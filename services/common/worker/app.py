@@ -102,7 +102,7 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
     admission = runner.admission
     metrics.track_load(type(settings).service, tier, queued=lambda: admission.queued, active=lambda: admission.active)
 
-    stream = StreamMuxServer(servicer.Generate, servicer.mux_calls, settings.internal_token, MAX_MESSAGE_BYTES)  # type: ignore[arg-type]
+    stream = StreamMuxServer(servicer.Generate, servicer.mux_calls, settings.internal_token, MAX_MESSAGE_BYTES)
     try:
         await stream.start(settings.host, settings.stream_port)
     except OSError as exc:

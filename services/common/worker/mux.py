@@ -25,7 +25,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 import structlog
@@ -38,7 +37,9 @@ from services.common.pb.meshserve.internal.v1 import worker_pb2
 
 log = structlog.get_logger(__name__)
 
-Generate = Callable[[AsyncIterator[worker_pb2.WorkerRequest], Any], AsyncIterator[worker_pb2.WorkerResponse]]
+Generate = Callable[[AsyncIterator[worker_pb2.WorkerRequest]], AsyncIterator[worker_pb2.WorkerResponse]]
+"""A stream's turn logic: its router frames in, its worker frames out; a failure is a domain error
+(services/common/errors.py), sent as the stream's status."""
 METHOD = "/meshserve.internal.v1.Worker/Generate"
 _CLOSE = None
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
@@ -52,32 +53,6 @@ class _Stream:
     task: asyncio.Task[None] | None = None
     refused: bool = False
     """Ended for sending more than MAX_UNREAD frames ahead; its further frames are dropped."""
-
-
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class StreamContext:
-    """The part of a call's context a Generate handler may use on a mux stream."""
-
-    def __init__(self, opened: worker_pb2.MuxOpen) -> None:
-        self._opened = opened
-        loop = asyncio.get_running_loop()
-        self._deadline = loop.time() + opened.timeout_ms / 1000 if opened.timeout_ms else None
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        """End the stream with ``code`` (as ``ServicerContext.abort`` ends a call)."""
-        raise _Aborted(code, details)
-
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - asyncio.get_running_loop().time())
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((md.REQUEST_ID, self._opened.request_id), (md.TENANT, self._opened.tenant))
 
 
 def _end(code: grpc.StatusCode, message: str, retry_after_ms: int = 0) -> worker_pb2.MuxEnd:
@@ -159,7 +134,7 @@ class _Call:
         end: worker_pb2.MuxEnd | None = worker_pb2.MuxEnd()
         try:
             async with asyncio.timeout(opened.timeout_ms / 1000 if opened.timeout_ms else None):
-                frames_of = self._generate(self._requests(stream), StreamContext(opened))
+                frames_of = self._generate(self._requests(stream))
                 async with aclosing(frames_of) as frames:  # type: ignore[type-var]
                     async for frame in frames:
                         self.push(worker_pb2.MuxDown(stream=sid, response=frame))
@@ -170,8 +145,6 @@ class _Call:
                 end = _end(grpc.StatusCode.RESOURCE_EXHAUSTED, ahead)
         except TimeoutError:
             end = _end(grpc.StatusCode.DEADLINE_EXCEEDED, "the stream's deadline passed")
-        except _Aborted as exc:
-            end = _end(exc.code, exc.details)
         except MeshError as exc:
             retry = exc.retry_after_ms if isinstance(exc, ResourceExhausted) else 0
             end = _end(status_for(exc), exc.message, retry)

@@ -162,8 +162,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
 
     async def Generate(
-        self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[worker_pb2.WorkerRequest],
+        context: grpc.aio.ServicerContext | None = None,
     ) -> AsyncIterator[worker_pb2.WorkerResponse]:
+        """One stream's turns: a gRPC call's, or (no ``context``: it uses none) a stream of the stream
+        transport's. Failures are domain errors, mapped to the call's or the stream's status."""
         stream = _Stream(session=self.runner.sessions.open())
         reader = asyncio.create_task(self._read(request_iterator, stream))
         try:

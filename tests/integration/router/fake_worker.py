@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.errors import MeshError, Unavailable
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.serving import MAX_MESSAGE_BYTES, RunningServer, start_server
@@ -35,7 +36,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     calls: int = 0  # streams (Generate runs)
     cancels: int = 0  # WorkerCancel messages received
     aborted: int = 0  # calls cancelled by the router while open
-    fail_next: grpc.StatusCode | None = None
+    fail_next: MeshError | None = None  # next stream: fails with this at once
     die_after_tokens: int | None = None  # next stream: abort with UNAVAILABLE after this many tokens
     stall_after_tokens: int | None = None  # next stream: go silent (until cancelled) after this many
     queued_for_s: float = 0.0  # each turn first "waits for a slot" this long, sending queued keepalives
@@ -64,13 +65,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return [random.randrange(3, 1003) for _ in range(n)]
 
     async def Generate(
-        self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest]
     ) -> AsyncIterator[worker_pb2.WorkerResponse]:
+        """One stream's turns, served over the stream transport (serve_mux runs it per stream)."""
         self.calls += 1
         call_no = self.calls
         if self.fail_next is not None:
-            code, self.fail_next = self.fail_next, None
-            await context.abort(code, "fake failure")
+            error, self.fail_next = self.fail_next, None
+            raise error
         starts: asyncio.Queue[worker_pb2.WorkerStart | None] = asyncio.Queue()
         cancel_turn = asyncio.Event()
 
@@ -101,7 +103,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     yield worker_pb2.WorkerResponse(queued=True)
                 for seq, tok in enumerate(self.tokens(start)):
                     if die_after is not None and seq == die_after:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, "fake crash mid-stream")
+                        raise Unavailable("fake crash mid-stream")
                     if stall_after is not None and seq == stall_after:
                         await asyncio.Event().wait()  # hung: only the router's stall timeout ends this
                     if self.token_delay_s:
@@ -170,7 +172,7 @@ async def start_fake(
         internal=True,
     )
     if stream:
-        fake.stream = StreamMuxServer(fake.Generate, MuxCalls(), token, MAX_MESSAGE_BYTES)  # type: ignore[arg-type]
+        fake.stream = StreamMuxServer(fake.Generate, MuxCalls(), token, MAX_MESSAGE_BYTES)
         await fake.stream.start("127.0.0.1", 0)
         fake.stream_port = fake.stream.port
         fake.server.on_stop.append(fake.stream.finish)

@@ -109,7 +109,7 @@ async def test_a_port_that_does_not_serve_it_is_a_failed_worker(tcp_mesh: Mesh) 
 async def test_a_worker_refusing_the_routers_credential_is_a_failed_worker(tcp_mesh: Mesh) -> None:
     others = []
     for edge in tcp_mesh.edges:
-        other = StreamMuxServer(edge.Generate, MuxCalls(), "another mesh's token", MAX_MESSAGE_BYTES)  # type: ignore[arg-type]
+        other = StreamMuxServer(edge.Generate, MuxCalls(), "another mesh's token", MAX_MESSAGE_BYTES)
         await other.start("127.0.0.1", 0)
         edge.stream_port = other.port
         others.append(other)
