@@ -154,10 +154,8 @@ async def _start_transcoder(gateway: str) -> tuple[asyncio.subprocess.Process, s
     return proc, f"http://127.0.0.1:{port}", tmp
 
 
-async def run(requests: int, embed_router: bool = True, grpc_worker_hop: bool = False) -> dict[str, object]:
+async def run(requests: int, embed_router: bool = True) -> dict[str, object]:
     env = {"MESHSERVE_GATEWAY_REQUESTS_PER_MINUTE": "0", "MESHSERVE_GATEWAY_TOKENS_PER_MINUTE": "0"}
-    if grpc_worker_hop:  # the router's hop to the worker over gRPC, not the stream transport
-        env["MESHSERVE_ROUTER_WORKER_STREAM_TRANSPORT"] = "false"
     config = MeshConfig(edge_workers=1, cloud_workers=0, envoy=True, extra_env=env, embed_router=embed_router)
     async with Mesh(config, sink=lambda _name, _line: None) as mesh:
         assert mesh.front_door is not None
@@ -276,11 +274,7 @@ def _markdown(report: dict[str, object]) -> str:
             if report.get("embed_router")
             else "gateway and router as separate processes (`meshserve up --split-router`)."
         )
-        + (
-            " Router to worker over gRPC's GenerateMux (`--grpc-worker-hop`)."
-            if report.get("grpc_worker_hop")
-            else " Router to worker over the stream transport (the default; docs/router.md)."
-        ),
+        + " Router to worker over the stream transport (docs/router.md).",
     ]
     titles = {
         "hop_overhead_cache_hit_complete": "Per-request latency, cache-hit unary Complete (no model runs)",
@@ -307,18 +301,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="the router as its own process (meshserve up --split-router); writes frontdoor_split.*",
     )
-    parser.add_argument(
-        "--grpc-worker-hop",
-        action="store_true",
-        help="the router's hop to the worker over gRPC, not the stream transport; writes frontdoor_grpc_hop.*",
-    )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     args = parser.parse_args(argv)
-    report = asyncio.run(run(args.requests, embed_router=not args.split_router, grpc_worker_hop=args.grpc_worker_hop))
+    report = asyncio.run(run(args.requests, embed_router=not args.split_router))
     report["embed_router"] = not args.split_router
-    report["grpc_worker_hop"] = args.grpc_worker_hop
     stem = "frontdoor_split" if args.split_router else "frontdoor"
-    stem += "_grpc_hop" if args.grpc_worker_hop else ""
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = _markdown(report)

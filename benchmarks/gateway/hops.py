@@ -75,8 +75,7 @@ class Stack:
     redis_url: str
     tmp: tempfile.TemporaryDirectory[str]
     more: dict[str, ServiceProcess]
-    """More services: ``gateway_embedded`` (router in its process) and ``router_calls`` (no
-    GenerateMux: a Worker.Generate call per request)."""
+    """More services: ``gateway_embedded`` (router in its process)."""
 
     def processes(self) -> dict[str, ServiceProcess]:
         procs = {"gateway": self.gateway, "router": self.router, "worker": self.worker, "redis": self.redis}
@@ -106,7 +105,7 @@ async def _start(proc: ServiceProcess, health: bool = True) -> ServiceProcess:
 
 
 async def start_stack(profile_dir: Path | None = None, redis_batch: bool = True) -> Stack:
-    """redis-server, instant worker, router, gateway, embedded gateway, router_calls: separate processes."""
+    """redis-server, instant worker, router, gateway, embedded gateway: separate processes."""
     sink: Callable[[str, str], None] = lambda _name, _line: None  # noqa: E731
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     tmp = tempfile.TemporaryDirectory(prefix="meshserve-hops-")
@@ -146,15 +145,6 @@ async def start_stack(profile_dir: Path | None = None, redis_batch: bool = True)
             )
             chain.append(await _start(relay, health=False))
             upstream = relay.address
-    # The router as before GenerateMux: a Worker.Generate call per request.
-    services["router_calls"] = await _start(
-        ServiceProcess(
-            "router_calls",
-            _argv("services.router", profile_dir, "router_calls"),
-            router_env | {"MESHSERVE_ROUTER_WORKER_MUX": "false"},
-            sink,
-        )
-    )
     # The same gateway with the router embedded in its process (no gateway -> router gRPC hop).
     embedded_env = gateway_env | router_env | {"MESHSERVE_GATEWAY_EMBED_ROUTER": "1", "MESHSERVE_ROUTER_PORT": "0"}
     services["gateway_embedded"] = await _start(
@@ -225,8 +215,6 @@ def _probes(
     probes["router"] = via(stubs["router"], INTERNAL)
     probes["gateway_static_key"] = via(stubs["gateway"], static)
     probes["gateway_stored_key"] = via(stubs["gateway"], stored)
-    if "router_calls" in stubs:
-        probes["router_call_per_request"] = via(stubs["router_calls"], INTERNAL)
     if "gateway_embedded" in stubs:
         probes["gateway_embedded_router"] = via(stubs["gateway_embedded"], static)
     return probes

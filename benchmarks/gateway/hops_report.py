@@ -66,10 +66,9 @@ _PATHS = [
     ("bare_relay_x2 (floor)", "two relays that only copy messages (grpc.aio), in front of the worker"),
     (
         "router",
-        "the router process; its worker streams ride one GenerateMux call per worker, "
-        "over the worker's stream transport (plain TCP)",
+        "the router process; its worker streams ride one connection per worker to the worker's "
+        "stream transport (plain TCP)",
     ),
-    ("router_call_per_request", "the same router with `worker_mux` off: a Worker.Generate call per request"),
     (
         "gateway_static_key",
         "gateway process -> router process -> worker (`meshserve up --split-router`; API key from settings)",
@@ -140,7 +139,7 @@ def _targets(report: dict[str, Any]) -> list[str]:
 
 
 def _cpu_table(cpu: dict[str, dict[str, float]], title: str) -> list[str]:
-    names = ["client", "gateway", "router", "gateway_embedded", "router_calls"]
+    names = ["client", "gateway", "router", "gateway_embedded"]
     names += ["relay0", "relay1"]
     names += ["relay_sync0", "relay_sync1", "worker", "redis"]
     names = [n for n in names if any(n in row for row in cpu.values())]

@@ -35,13 +35,14 @@ from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.common.serving import start_server
+from services.common.serving import MAX_MESSAGE_BYTES, start_server
 from services.common.settings import ServiceSettings, load_settings
 from services.common.tokenizer import Tokenizer
 from services.router.config import RouterSettings
 from services.router.policy import Candidate, ReplicaSelector, RoundRobin, TierName, block_hashes, choose_tier
 from services.router.server import start_router
-from services.worker.mux import serve_mux
+from services.worker.mux import MuxCalls
+from services.worker.mux_tcp import StreamMuxServer
 
 TOKEN = "bench-token"
 OUT = Path("docs/benchmarks")
@@ -92,15 +93,15 @@ def decision_cost(n: int = 20000, rounds: int = 20) -> dict[str, float]:
 
 
 class _InstantWorker(worker_pb2_grpc.WorkerServicer):
-    """Streams ``max_tokens`` tokens as fast as gRPC allows (isolates the router's own cost)."""
+    """Streams ``max_tokens`` tokens as fast as it can (isolates the router's own cost): over gRPC
+    for the direct baseline, over its stream transport for the router, as a real worker."""
 
-    async def GenerateMux(self, request_iterator, context):  # type: ignore[no-untyped-def]
-        """Generate's streams on one call, as the real worker serves them (services/worker/mux.py)."""
-        async for message in serve_mux(self.Generate, request_iterator):
-            yield message
+    stream_port = 0
 
     async def Generate(
-        self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[worker_pb2.WorkerRequest],
+        context: grpc.aio.ServicerContext | None = None,
     ) -> AsyncIterator[worker_pb2.WorkerResponse]:
         async for req in request_iterator:
             if not req.HasField("start"):
@@ -116,7 +117,7 @@ class _InstantWorker(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:
         return worker_pb2.WorkerStats(
-            worker_id="instant", tier=pb.TIER_EDGE, max_active_sequences=64, generate_mux=True
+            worker_id="instant", tier=pb.TIER_EDGE, max_active_sequences=64, stream_port=self.stream_port
         )
 
 
@@ -131,12 +132,17 @@ async def _timed(stream: AsyncIterator[object]) -> tuple[float, float]:
 
 async def added_latency(n: int) -> dict[str, float]:
     service = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+    instant = _InstantWorker()
+    stream = StreamMuxServer(instant.Generate, MuxCalls(), TOKEN, MAX_MESSAGE_BYTES)
+    await stream.start("127.0.0.1", 0)
+    instant.stream_port = stream.port
     worker = await start_server(
         ServiceSettings(port=0, internal_token=TOKEN, shutdown_grace_s=0),
-        lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(_InstantWorker(), s),
+        lambda s: worker_pb2_grpc.add_WorkerServicer_to_server(instant, s),
         [service],
         internal=True,
     )
+    worker.on_stop.append(stream.finish)
     settings = load_settings(
         RouterSettings, edge_workers=f"127.0.0.1:{worker.port}", internal_token=TOKEN, shutdown_grace_s=0
     )

@@ -25,9 +25,6 @@ _EXEMPT_PREFIXES = (
     "/grpc.reflection.",
     "/meshserve.internal.v1.Worker/Stats",
     "/meshserve.internal.v1.WorkerRegistry/",
-    # A long-lived call carrying many requests: each of its streams gets the span of a Generate call
-    # (services/worker/mux.py), the call itself none.
-    "/meshserve.internal.v1.Worker/GenerateMux",
 )
 
 

@@ -4,7 +4,7 @@ gateway's servicer has one path for both layouts.
 
 Domain requests go out as protos, frames come back as events (their request id and sequence number
 are dropped: the gateway numbers its own frames), and a failed call becomes the domain error the
-caller sees (:func:`~services.gateway.errors.from_router_error`). The call's metadata carries the
+caller sees (:func:`~services.common.status_errors.from_rpc_error`). The call's metadata carries the
 internal token, the key id, and the request id, tenant and trace of the current context. A remote
 router cannot be held back until a pending admission is decided, so the caller is admitted first
 (``overlaps_admission`` is False) and a pending admission passed in is waited for before the call.
@@ -23,7 +23,7 @@ from services.common import metadata as md
 from services.common.interceptors import outbound_metadata
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.gateway.errors import from_router_error
+from services.common.status_errors import Upstream, from_rpc_error
 from services.router import convert
 from services.router.types import (
     ChatTurn,
@@ -69,7 +69,7 @@ class RemoteRouter:
             async for frame in call:
                 yield convert.event(frame)
         except grpc.aio.AioRpcError as exc:
-            raise from_router_error(exc) from None
+            raise from_rpc_error(exc, Upstream.ROUTER) from None
         finally:
             call.cancel()
 
@@ -83,7 +83,7 @@ class RemoteRouter:
         try:
             reply: pb.GenerateResponse = await call
         except grpc.aio.AioRpcError as exc:
-            raise from_router_error(exc) from None
+            raise from_rpc_error(exc, Upstream.ROUTER) from None
         finally:
             call.cancel()
         done = convert.event(pb.GenerateResponse(final=reply.final))
@@ -95,7 +95,7 @@ class RemoteRouter:
         try:
             reply: pb.ListModelsResponse = await call
         except grpc.aio.AioRpcError as exc:
-            raise from_router_error(exc) from None
+            raise from_rpc_error(exc, Upstream.ROUTER) from None
         finally:
             call.cancel()
         return convert.models(reply)
@@ -135,6 +135,6 @@ class RemoteChat:
             async for frame in self._call:
                 yield TurnEvent(frame.turn, convert.event(frame))
         except grpc.aio.AioRpcError as exc:
-            raise from_router_error(exc) from None
+            raise from_rpc_error(exc, Upstream.ROUTER) from None
         finally:
             self._call.cancel()

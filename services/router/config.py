@@ -66,13 +66,6 @@ class RouterSettings(StreamingSettings):
     """Initial estimate of how long a turn holds its slot (refined from observed turns)."""
     collapse_requests: bool = True
     """Serve identical concurrent deterministic requests with one computation."""
-    worker_mux: bool = True
-    """Send each request to its worker as a stream of one long-lived GenerateMux call per worker
-    (services/router/mux.py) rather than as a Generate call of its own (false)."""
-    worker_stream_transport: bool = True
-    """Carry that GenerateMux call over the worker's stream transport (plain TCP on the port the
-    worker announces: services/common/muxwire.py, about half of gRPC's cost per message) where the
-    worker serves one; false: always gRPC. A worker that cannot be reached that way gets gRPC."""
     eject_base_s: float = Field(default=1.0, gt=0)
     """First ejection of a failing replica lasts this long; each further one doubles it."""
     eject_max_s: float = Field(default=30.0, gt=0)

@@ -25,10 +25,8 @@ from functools import partial
 
 import structlog
 
-from services.common import errors, sampling_pb, tracing
-from services.common.interceptors import outbound_metadata
+from services.common import errors, tracing
 from services.common.metrics import INTER_TOKEN, TTFT
-from services.common.pb.meshserve.internal.v1 import worker_pb2  # the worker start; see _relay
 from services.common.tokenizer import Tokenizer
 from services.router.answers import AnswerKeys, KeyFor, Progress, cached_turn, store_response
 from services.router.collapse import Collapser
@@ -48,14 +46,13 @@ from services.router.types import Chunk, Done, FinishReason, PendingAdmission, R
 from services.router.worker_stream import (
     RESUMABLE,
     RETRYABLE,
-    WORKER_FAILURES,
-    WorkerCallError,
+    TurnStart,
     WorkerClosed,
+    WorkerFailed,
     WorkerStalled,
     WorkerStream,
-    failure_code,
+    WorkerTransport,
     read_frame,
-    worker_error,
 )
 from services.store.response_cache import ResponseCache
 
@@ -101,11 +98,11 @@ class Router:
         stall_timeout_s: float = 30.0,
         collapse: bool = True,
         tenant_tiers: Mapping[str, Collection[str]] | None = None,
-        worker_mux: bool = True,
-        worker_stream_transport: bool = True,
+        transport: WorkerTransport,
     ) -> None:
         self.tokenizer = tokenizer
-        self._transport = {"mux": worker_mux, "stream_transport": worker_stream_transport}  # WorkerStream's
+        self.transport = transport
+        """Opens the streams to workers (services/router/worker_stream.py)."""
         self.cache = cache
         self.registry = registry
         self.model_id = model_id
@@ -259,8 +256,7 @@ class Router:
                             ticket = await self._admit(req, picked.tier)
                         replica = self.select(req, picked.tier, exclude)
                         decision.set_attributes({"meshserve.tier": picked.tier.value, "meshserve.worker": replica.name})
-                    metadata = outbound_metadata(self._token)
-                    session.stream = WorkerStream(replica, metadata, req.timeout, **self._transport)
+                    session.stream = self.transport.open(replica, req.timeout)
                     structlog.contextvars.bind_contextvars(worker=replica.name, tier=picked.tier.value)
                 elif ticket is None:
                     assert session.choice is not None
@@ -281,7 +277,7 @@ class Router:
                             yield event
                             if isinstance(event, Done):
                                 return
-                except WORKER_FAILURES as exc:
+                except WorkerFailed as exc:
                     await session.close()
                     failure = self._failed(exc, stream, choice, progress, exclude, failure)
                 finally:
@@ -298,7 +294,7 @@ class Router:
 
     def _failed(
         self,
-        exc: WorkerCallError | WorkerClosed,
+        exc: WorkerFailed,
         stream: WorkerStream,
         choice: TierChoice,
         progress: Progress,
@@ -306,7 +302,7 @@ class Router:
         failure: errors.MeshError | None,
     ) -> errors.MeshError | None:
         """Decide what a worker failure means: retry, resume elsewhere, or raise to the caller."""
-        code = failure_code(exc)
+        code = exc.code
         if code == "UNAVAILABLE":
             self.registry.mark_down(stream.replica, "stalled" if isinstance(exc, WorkerStalled) else "call_failed")
             self.selector.forget(stream.replica.address)
@@ -315,7 +311,7 @@ class Router:
             log.warning("worker_failed_retrying", worker=name, code=code)
             RETRIES.labels(choice.tier.value, code).inc()
             exclude.append(stream.replica)
-            return worker_error(exc)
+            return exc.error
         if progress.tokens and progress.failovers < self._failovers and code in RESUMABLE:
             log.warning("worker_failed_resuming", worker=name, code=code, tokens_sent=len(progress.tokens))
             FAILOVERS.labels(choice.tier.value, code).inc()
@@ -325,7 +321,7 @@ class Router:
             return failure
         log.warning("worker_failed", worker=name, code=code, tokens_sent=len(progress.tokens))
         gone = errors.Unavailable("the worker serving this request failed; retry the request")
-        raise worker_error(exc) or gone from None
+        raise exc.error or gone from None
 
     async def _admit(self, req: TurnRequest, tier: TierName) -> Ticket:
         blocks = self.blocks(req)
@@ -354,16 +350,14 @@ class Router:
         early = admission is not None and admission.may_start_early()
         if not early:
             await admitted(admission)
-        # The one worker pb type the core still builds: the worker transport (worker_stream.py) takes
-        # it as it is, until that transport takes a domain start.
         await stream.start(
-            worker_pb2.WorkerStart(
+            TurnStart(
                 request_id=req.request_id,
-                prompt_token_ids=req.prompt_ids,
-                sampling=sampling_pb.to_pb(req.sampling),
+                prompt_ids=req.prompt_ids,
+                sampling=req.sampling,
                 tenant=req.tenant,
-                resume_token_ids=progress.tokens,
-                shareable_prefix=req.shareable,
+                resume_ids=progress.tokens,
+                shareable=req.shareable,
                 priority=req.priority,
             )
         )
@@ -378,7 +372,7 @@ class Router:
         while True:
             try:
                 frame, cancel_sent = await read_frame(stream, cancel, cancel_sent, self._stall_s)
-            except (WorkerCallError, asyncio.CancelledError):
+            except (WorkerFailed, asyncio.CancelledError):
                 # A speculative start whose reservation was refused has been aborted: the refusal.
                 refused = admission.refusal() if admission is not None else None
                 task = asyncio.current_task()
@@ -404,14 +398,14 @@ class Router:
                 progress.tiers.add(choice.tier)
                 progress.text.append(frame.text)
                 yield Chunk(list(frame.token_ids), frame.text)
-            if frame.HasField("final"):
+            if frame.final is not None:
                 if not progress.tokens:
                     ROUTE_DECISIONS.labels(tier, choice.reason).inc()
                 final = frame.final
                 produced = final.completion_tokens or len(progress.tokens) - progress.resumed
                 reason = choice.reason if not progress.failovers else "failover"
                 yield Done(
-                    final.finish_reason or FinishReason.STOP,
+                    FinishReason(final.finish_reason or FinishReason.STOP),
                     len(req.prompt_ids),
                     progress.resumed + produced,
                     Route(choice.tier, stream.replica.name, False, reason),

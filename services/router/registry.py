@@ -48,7 +48,6 @@ from services.common.errors import ResourceExhausted
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.serving import grpc_options
 from services.router.metrics import EJECTIONS
-from services.router.mux import MuxChannel
 from services.router.policy import TierName
 
 log = structlog.get_logger(__name__)
@@ -75,8 +74,7 @@ class WorkerReport:
     model_version: str = ""
     prompt_tokens_total: int = 0
     prefill_tokens_total: int = 0
-    mux: bool = False  # the worker serves GenerateMux
-    stream_port: int = 0  # ... and its stream transport on this port (0: none)
+    stream_port: int = 0  # the worker's stream transport listens on this port (0: none announced)
     model_id: str = ""
 
     @classmethod
@@ -97,7 +95,6 @@ class WorkerReport:
             model_version=s.model_version,
             prompt_tokens_total=s.prompt_tokens_total,
             prefill_tokens_total=s.prefill_tokens_total,
-            mux=s.generate_mux,
             stream_port=s.stream_port,
         )
 
@@ -137,8 +134,6 @@ class Replica:
     hot_blocks: frozenset[bytes] = frozenset()
     """Prefix block hashes the worker reports holding KV for (empty when its hashes cannot match ours)."""
     kv_high_watermark: float = 1.0
-    mux: MuxChannel | None = None
-    """The replica's GenerateMux call, opened by the first stream that uses it (services/router/mux.py)."""
 
     @property
     def kv_full(self) -> bool:
@@ -294,8 +289,6 @@ class Registry:
         self._mismatch_warned.discard(replica.address)
         if self._on_drop is not None:
             self._on_drop(replica.address)
-        if replica.mux is not None:
-            replica.mux.retire()  # the multiplexed call ends with its last stream
         # Streams still running on a draining worker finish; a dead worker's fail on their own.
         task = asyncio.ensure_future(replica.channel.close(grace=self._drain_s))
         self._draining[task] = replica.channel
@@ -312,8 +305,6 @@ class Registry:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for r in self.replicas:
-            if r.mux is not None:
-                await r.mux.close()
             await r.channel.close()
         for channel in list(self._draining.values()):  # the router stops: no more grace
             await channel.close()

@@ -25,6 +25,7 @@ from services.router.registry import Registry
 from services.router.registry_servicer import WorkerRegistryServicer
 from services.router.servicer import RouterServicer
 from services.router.slo_queue import Admission
+from services.router.stream_transport import StreamTransport
 from services.store.response_cache import ResponseCache
 
 log = structlog.get_logger(__name__)
@@ -78,6 +79,12 @@ async def start_router_api(
             task.add_done_callback(pending.discard)
 
     selector = ReplicaSelector(epsilon=settings.balance_epsilon)
+    transport = StreamTransport(settings.internal_token)
+
+    def forget(address: str) -> None:  # a replica left: what the router kept for it goes too
+        selector.drop(address)
+        transport.retire(address)  # its connection ends with its last stream
+
     registry = Registry(
         settings.edge_workers,
         settings.cloud_workers,
@@ -97,7 +104,7 @@ async def start_router_api(
         # A worker's report of its hot prefix blocks replaces the router's memory of what it sent.
         on_report=lambda replica: selector.forget(replica.address),
         max_replicas=settings.max_replicas,
-        on_drop=selector.drop,
+        on_drop=forget,
     )
     await registry.start()
 
@@ -130,8 +137,7 @@ async def start_router_api(
         stall_timeout_s=settings.stall_timeout_s,
         collapse=settings.collapse_requests,
         tenant_tiers=settings.tenant_tiers,
-        worker_mux=settings.worker_mux,
-        worker_stream_transport=settings.worker_stream_transport,
+        transport=transport,
     )
     api = RouterAPI(
         router,
@@ -164,6 +170,7 @@ async def start_router_api(
 
     async def close() -> None:
         await router.collapser.aclose()
+        await transport.close()
         await registry.close()
         await cache.close()
 

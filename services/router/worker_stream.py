@@ -1,18 +1,24 @@
-"""One open ``Worker.Generate`` bidi call, and the mapping of worker status codes to domain errors."""
+"""How the router core talks to a worker: one interface, in domain terms, whatever carries it.
+
+A :class:`WorkerTransport` opens a :class:`WorkerStream` on a replica for one request or chat; the
+core starts turns on it (:class:`TurnStart`), may cancel the turn in progress, reads its
+:class:`Frame` s and closes or aborts it. Every failure is a :class:`WorkerFailed` carrying the
+status name the worker (or its connection) ended with and the domain error for the caller, so the
+core's retry (before the first token) and resumption (after it) need no transport types. The one
+implementation is the stream transport (services/router/stream_transport.py: plain TCP to the port
+each worker announces), the fastest of the ways measured (docs/gateway.md, *The stream transport*).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
-
-import grpc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from services.common import errors
-from services.common import metadata as md
-from services.common.pb.meshserve.internal.v1 import worker_pb2
-from services.router.mux import MuxChannel, MuxStream
-from services.router.mux_tcp import split_host
+from services.common.sampling import SamplingParams
 from services.router.registry import Replica
 
 # Failures before the first token that another replica may not have: retried elsewhere.
@@ -21,99 +27,99 @@ RETRYABLE = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
 RESUMABLE = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN"})
 
 
-class WorkerClosed(Exception):
+@dataclass(frozen=True, slots=True)
+class TurnStart:
+    """One turn for a worker: the whole prompt so far; with ``resume_ids``, the tokens an earlier
+    worker already sent (prefilled, never sent again)."""
+
+    request_id: str
+    prompt_ids: Sequence[int]
+    sampling: SamplingParams
+    tenant: str
+    resume_ids: Sequence[int] = ()
+    shareable: bool = False
+    priority: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TurnFinal:
+    """How a turn ended on the worker."""
+
+    finish_reason: int  # meshserve.v1.FinishReason value, never unspecified
+    prompt_tokens: int
+    completion_tokens: int
+    prefill_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """A worker frame: tokens and their text since the previous one, numbered from 0 per turn; a
+    ``queued`` keepalive (no tokens, no number) while the turn waits or prefills; ``final`` on the last."""
+
+    sequence: int
+    token_ids: list[int]
+    text: str
+    queued: bool = False
+    final: TurnFinal | None = None
+
+
+class WorkerFailed(Exception):
+    """A worker stream failed. ``code`` names the status it ended with (UNAVAILABLE when the worker
+    or its connection went away); ``error`` is the domain error for the caller, None when the worker
+    went away without a status (the stream closed, broke its sequence, or stalled)."""
+
+    def __init__(self, code: str, error: errors.MeshError | None, detail: str) -> None:
+        super().__init__(detail)
+        self.code = code
+        self.error = error
+
+
+class WorkerClosed(WorkerFailed):
     """The worker ended the stream without a final frame, or broke the frame sequence."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("UNAVAILABLE", None, detail)
 
 
 class WorkerStalled(WorkerClosed):
     """The worker sent nothing for longer than the stall timeout."""
 
 
-WorkerCallError = grpc.aio.AioRpcError
-"""What a failed worker call raises (a status from the worker or its transport)."""
-WORKER_FAILURES = (WorkerCallError, WorkerClosed)
-"""Every way a worker stream can fail under the router (see :func:`failure_code`)."""
+class WorkerStream(Protocol):
+    """One request's (or chat's) stream of turns on one worker replica."""
 
+    replica: Replica
 
-def failure_code(exc: BaseException) -> str:
-    """The status name of a worker failure: the call's status, UNAVAILABLE for a stream that closed
-    or stalled (the worker is gone, as far as the router can tell)."""
-    return exc.code().name if isinstance(exc, WorkerCallError) else "UNAVAILABLE"
-
-
-def worker_error(exc: BaseException) -> errors.MeshError | None:
-    """The domain error for a worker failure that carried a status; None for a closed/stalled stream."""
-    return domain_error(exc) if isinstance(exc, WorkerCallError) else None
-
-
-class WorkerStream:
-    """A Worker.Generate call, or a stream of the replica's GenerateMux call (``mux``): write
-    starts/cancels, read frames. Lives for one request or chat."""
-
-    def __init__(
-        self,
-        replica: Replica,
-        metadata: tuple[tuple[str, str], ...],
-        timeout: float | None,
-        *,
-        mux: bool = True,
-        stream_transport: bool = True,
-    ) -> None:
-        self.replica = replica
-        self.call: grpc.aio.StreamStreamCall | MuxStream
-        if mux and replica.report.mux and not (replica.mux is not None and replica.mux.unsupported):
-            # a stream on the replica's long-lived GenerateMux call (services/router/mux.py)
-            port = replica.report.stream_port if stream_transport else 0
-            where = (split_host(replica.address), port) if port else None
-            if replica.mux is None:
-                replica.mux = MuxChannel(replica.stub, dict(metadata).get(md.INTERNAL_TOKEN, ""))
-            replica.mux.offer_stream(where)  # the port last announced (a restarted worker has a new one)
-            self.call = replica.mux.open(metadata, timeout)
-        else:
-            self.call = replica.stub.Generate(metadata=metadata, timeout=timeout)
-
-    async def start(self, start: worker_pb2.WorkerStart) -> None:
-        await self.call.write(worker_pb2.WorkerRequest(start=start))
+    async def start(self, start: TurnStart) -> None:
+        """Start a turn (the next one, on a chat's stream)."""
 
     async def cancel_turn(self) -> None:
         """Ask the worker to end the turn in progress (it answers with a CANCELLED final frame)."""
-        await self.call.write(worker_pb2.WorkerRequest(cancel=worker_pb2.WorkerCancel()))
 
-    async def read(self) -> worker_pb2.WorkerResponse:
-        frame = await self.call.read()
-        if frame is grpc.aio.EOF:
-            raise WorkerClosed("worker closed the stream in the middle of a turn")
-        assert isinstance(frame, worker_pb2.WorkerResponse)
-        return frame
+    async def read(self) -> Frame:
+        """The next frame (WorkerFailed when the stream failed or ended without one)."""
+        ...
 
     def abort(self) -> None:
-        """Cancel the call: the worker stops generating at once."""
-        self.call.cancel()
+        """Stop the stream now: the worker stops generating at once; reads fail."""
 
     async def close(self) -> None:
-        """Half-close, then cancel whatever is left."""
-        if isinstance(self.call, MuxStream):  # one abort frame does both (and one frame is one write less)
-            self.call.cancel()
-            return
-        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, RuntimeError):
-            await self.call.done_writing()
-        self.call.cancel()
+        """End the stream (its turn, if one runs, is stopped)."""
 
 
-def domain_error(exc: grpc.aio.AioRpcError) -> errors.MeshError:
-    """The domain error to raise to our caller for a worker status (worker text is not passed on)."""
-    code = exc.code()
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return errors.ResourceExhausted(
-            "the workers are overloaded; retry shortly", md.retry_after_ms(exc.trailing_metadata())
-        )
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return errors.DeadlineExceeded("the request's deadline passed before generation finished")
-    if code == grpc.StatusCode.CANCELLED:
-        return errors.Cancelled("the generation was cancelled")
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return errors.InvalidArgument("the worker rejected the request's parameters; check them against ListModels")
-    return errors.Unavailable("the worker serving this request failed; retry the request")
+class WorkerTransport(Protocol):
+    """Opens worker streams and owns the connections under them."""
+
+    def open(self, replica: Replica, timeout: float | None) -> WorkerStream:
+        """A stream on ``replica`` for a request whose deadline is ``timeout`` seconds away (None: none).
+        The request id, tenant and trace context of the caller's context go with it."""
+        ...
+
+    def retire(self, address: str) -> None:
+        """The replica at ``address`` left: its connection ends once its streams have."""
+
+    async def close(self) -> None:
+        """End every connection (the router stops)."""
 
 
 def _retrieve(future: asyncio.Future[Any]) -> None:
@@ -121,8 +127,8 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-async def read_or_cancel(stream: WorkerStream, cancel: asyncio.Event) -> tuple[worker_pb2.WorkerResponse, bool]:
-    """The next frame; if ``cancel`` fires first, send WorkerCancel and keep reading."""
+async def read_or_cancel(stream: WorkerStream, cancel: asyncio.Event) -> tuple[Frame, bool]:
+    """The next frame; if ``cancel`` fires first, send the cancel and keep reading."""
     if cancel.is_set():
         await stream.cancel_turn()
         return await stream.read(), True
@@ -149,8 +155,8 @@ async def read_or_cancel(stream: WorkerStream, cancel: asyncio.Event) -> tuple[w
 
 async def read_frame(
     stream: WorkerStream, cancel: asyncio.Event | None, cancel_sent: bool, stall_s: float
-) -> tuple[worker_pb2.WorkerResponse, bool]:
-    """The next frame within ``stall_s`` (else WorkerStalled), sending WorkerCancel once ``cancel`` fires.
+) -> tuple[Frame, bool]:
+    """The next frame within ``stall_s`` (else WorkerStalled), sending the cancel once ``cancel`` fires.
 
     Returns the frame and whether the cancel has been sent.
     """

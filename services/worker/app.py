@@ -49,7 +49,7 @@ class RunningWorker:
     heartbeater: Heartbeater | None = None
     """Set when the worker registers itself with routers (``router_address``)."""
     stream: StreamMuxServer | None = None
-    """The stream transport's listener (``stream_port`` not -1)."""
+    """The stream transport's listener, where routers send their request streams."""
 
     @property
     def port(self) -> int:
@@ -102,22 +102,20 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
     admission = runner.admission
     metrics.track_load(type(settings).service, tier, queued=lambda: admission.queued, active=lambda: admission.active)
 
-    stream = None
-    if settings.stream_port != -1:
-        stream = StreamMuxServer(servicer.Generate, servicer.mux_calls, settings.internal_token, MAX_MESSAGE_BYTES)  # type: ignore[arg-type]
-        try:
-            await stream.start(settings.host, settings.stream_port)
-        except OSError as exc:
-            await server.stop()
-            raise ConfigError(
-                f"cannot listen on {settings.host}:{settings.stream_port} for the stream transport "
-                f"({exc.strerror or exc}); set MESHSERVE_{type(settings).service.upper()}_STREAM_PORT to a free "
-                "port (0 picks one, -1 turns it off)"
-            ) from None
-        servicer.stream_port = stream.port
-        # Its streams finish within the grace the gRPC calls get (from RunningWorker.stop), then are
-        # cancelled; before the engine closes.
-        server.on_stop.append(stream.finish)
+    stream = StreamMuxServer(servicer.Generate, servicer.mux_calls, settings.internal_token, MAX_MESSAGE_BYTES)
+    try:
+        await stream.start(settings.host, settings.stream_port)
+    except OSError as exc:
+        await server.stop()
+        raise ConfigError(
+            f"cannot listen on {settings.host}:{settings.stream_port} for the stream transport "
+            f"({exc.strerror or exc}); set MESHSERVE_{type(settings).service.upper()}_STREAM_PORT to a free "
+            "port (0 picks one)"
+        ) from None
+    servicer.stream_port = stream.port
+    # Its streams finish within the grace the gRPC calls get (from RunningWorker.stop), then are
+    # cancelled; before the engine closes.
+    server.on_stop.append(stream.finish)
     server.on_stop.append(runner.aclose)
     sweeper = asyncio.create_task(runner.sweep_sessions_forever())
 

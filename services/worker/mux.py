@@ -1,12 +1,14 @@
-"""Worker side of ``Worker.GenerateMux``: many Generate streams on one long-lived call.
+"""Worker side of the stream transport's multiplexing: many Generate streams on one connection.
 
-A gRPC call costs both ends far more than a message does (the router's call setup and the worker's
-handler setup are most of a hop's time to the first token: docs/benchmarks/hops.md), so the router
-keeps one GenerateMux call per worker and opens each request's stream as a message on it. Each
-stream runs the servicer's own ``Generate`` (same turns, cancels, chat sessions, frames) in a task
-of its own, with what a call would carry (request id and tenant for logs, trace parent, deadline)
-taken from its ``MuxOpen``; its end is sent as a ``MuxEnd`` carrying the status its call would have
-ended with. Frames ready at the same time, of any streams, leave as one message.
+A call or a connection costs both ends far more than a message does (the router's call setup and
+the worker's handler setup were most of a hop's time to the first token: docs/benchmarks/hops.md),
+so the router keeps one connection per worker (services/worker/mux_tcp.py serves it) and opens
+each request's stream as a message on it (a "call" below: one connection's ``MuxRequest`` messages
+in, ``MuxResponse`` messages out). Each stream runs the servicer's own ``Generate`` (same turns,
+cancels, chat sessions, frames) in a task of its own, with what a gRPC call would carry (request id
+and tenant for logs, trace parent, deadline) taken from its ``MuxOpen``; its end is sent as a
+``MuxEnd`` carrying the status a Generate call would have ended with. Frames ready at the same time,
+of any streams, leave as one message.
 
 Bounds: at most ``max_streams`` streams per call (more are refused with RESOURCE_EXHAUSTED); a
 stream's frames are bounded by its turns' ``max_tokens``; a stream with :data:`MAX_UNREAD` frames from
@@ -23,7 +25,6 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 import structlog
@@ -36,7 +37,9 @@ from services.common.pb.meshserve.internal.v1 import worker_pb2
 
 log = structlog.get_logger(__name__)
 
-Generate = Callable[[AsyncIterator[worker_pb2.WorkerRequest], Any], AsyncIterator[worker_pb2.WorkerResponse]]
+Generate = Callable[[AsyncIterator[worker_pb2.WorkerRequest]], AsyncIterator[worker_pb2.WorkerResponse]]
+"""A stream's turn logic: its router frames in, its worker frames out; a failure is a domain error
+(services/common/errors.py), sent as the stream's status."""
 METHOD = "/meshserve.internal.v1.Worker/Generate"
 _CLOSE = None
 _STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
@@ -52,38 +55,12 @@ class _Stream:
     """Ended for sending more than MAX_UNREAD frames ahead; its further frames are dropped."""
 
 
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class StreamContext:
-    """The part of a call's context a Generate handler may use on a mux stream."""
-
-    def __init__(self, opened: worker_pb2.MuxOpen) -> None:
-        self._opened = opened
-        loop = asyncio.get_running_loop()
-        self._deadline = loop.time() + opened.timeout_ms / 1000 if opened.timeout_ms else None
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        """End the stream with ``code`` (as ``ServicerContext.abort`` ends a call)."""
-        raise _Aborted(code, details)
-
-    def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(0.0, self._deadline - asyncio.get_running_loop().time())
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((md.REQUEST_ID, self._opened.request_id), (md.TENANT, self._opened.tenant))
-
-
 def _end(code: grpc.StatusCode, message: str, retry_after_ms: int = 0) -> worker_pb2.MuxEnd:
     return worker_pb2.MuxEnd(code=code.value[0], message=message, retry_after_ms=retry_after_ms)
 
 
 class _Call:
-    """One GenerateMux call: its streams and its outgoing frames."""
+    """One multiplexed call (a connection): its streams and its outgoing frames."""
 
     def __init__(self, generate: Generate, max_streams: int, draining: Callable[[], bool]) -> None:
         self._generate = generate
@@ -157,7 +134,7 @@ class _Call:
         end: worker_pb2.MuxEnd | None = worker_pb2.MuxEnd()
         try:
             async with asyncio.timeout(opened.timeout_ms / 1000 if opened.timeout_ms else None):
-                frames_of = self._generate(self._requests(stream), StreamContext(opened))
+                frames_of = self._generate(self._requests(stream))
                 async with aclosing(frames_of) as frames:  # type: ignore[type-var]
                     async for frame in frames:
                         self.push(worker_pb2.MuxDown(stream=sid, response=frame))
@@ -168,8 +145,6 @@ class _Call:
                 end = _end(grpc.StatusCode.RESOURCE_EXHAUSTED, ahead)
         except TimeoutError:
             end = _end(grpc.StatusCode.DEADLINE_EXCEEDED, "the stream's deadline passed")
-        except _Aborted as exc:
-            end = _end(exc.code, exc.details)
         except MeshError as exc:
             retry = exc.retry_after_ms if isinstance(exc, ResourceExhausted) else 0
             end = _end(status_for(exc), exc.message, retry)
@@ -194,7 +169,7 @@ class _Call:
 
 
 class MuxCalls:
-    """The GenerateMux calls a worker serves, so a drain reaches them all (see :func:`serve_mux`)."""
+    """The multiplexed calls a worker serves, so a drain reaches them all (see :func:`serve_mux`)."""
 
     def __init__(self) -> None:
         self.draining = False
@@ -214,7 +189,7 @@ async def serve_mux(
     max_streams: int = 4096,
     calls: MuxCalls | None = None,
 ) -> AsyncIterator[worker_pb2.MuxResponse]:
-    """The frames of one GenerateMux call (see the module docstring).
+    """The frames of one multiplexed call (see the module docstring).
 
     With ``calls``, a drain (``calls.drain()``, when the worker stops) refuses new streams with
     UNAVAILABLE and ends the call as soon as its streams have ended, so a stopping server is not

@@ -1,7 +1,7 @@
-"""The worker's listener for the stream transport (services/common/muxwire.py): GenerateMux over TCP.
+"""The worker's listener for the stream transport (services/common/muxwire.py): the router's streams.
 
-Each connection is one GenerateMux call served by :func:`~services.worker.mux.serve_mux`, the
-same code the gRPC method runs, so streams, cancels, bounds and drain behave alike. A connection is
+Each connection is one multiplexed call served by :func:`~services.worker.mux.serve_mux`:
+streams, cancels, bounds and drain as described there. A connection is
 served only after its hello carries the internal token (compared in constant time); a wrong or
 missing one is answered with a one-sentence refusal and the connection closes, as the gRPC
 interceptor refuses a call without it. The connection's end (the router hung up, or it broke)

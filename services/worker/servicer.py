@@ -22,7 +22,7 @@ from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import DEFAULT_MAX_TOKENS
 from services.worker import kv_transfer
-from services.worker.mux import MuxCalls, serve_mux
+from services.worker.mux import MuxCalls
 from services.worker.report import LoadReport, LoadReporter, PrefixHasher
 from services.worker.runner import Runner, Turn
 from services.worker.sessions import ChatSession
@@ -55,7 +55,11 @@ class _Stream:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """The Worker service: Generate, GenerateMux, Stats, ImportKV, ExportKV. ``tier`` is "edge" or "cloud"."""
+    """The Worker service: Generate, Stats, ImportKV, ExportKV. ``tier`` is "edge" or "cloud".
+
+    The router's streams do not come as Generate calls but over the stream transport
+    (services/worker/mux_tcp.py), which runs :meth:`Generate` per stream.
+    """
 
     def __init__(
         self,
@@ -73,9 +77,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.worker_id = worker_id
         self.default_max_tokens = default_max_tokens
         self.mux_calls = MuxCalls()
-        """The GenerateMux calls being served (drained when the worker stops)."""
+        """The stream transport's connections being served (drained when the worker stops)."""
         self.stream_port = 0
-        """Port of the worker's stream transport (services/worker/mux_tcp.py); 0: none."""
+        """Port of the worker's stream transport (services/worker/mux_tcp.py), announced in the load report."""
         self.reporter = reporter or LoadReporter(runner, PrefixHasher(runner.engine.info.model_id, "", 16))
 
     def register(self, server: grpc.aio.Server) -> None:
@@ -112,7 +116,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             hot_prefix_blocks=r.hot_prefix_blocks,
             model_version=r.model_version,
             prompt_tokens_total=snap.prompt_tokens_total,
-            generate_mux=True,
             stream_port=self.stream_port,
         )
 
@@ -159,8 +162,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         )
 
     async def Generate(
-        self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[worker_pb2.WorkerRequest],
+        context: grpc.aio.ServicerContext | None = None,
     ) -> AsyncIterator[worker_pb2.WorkerResponse]:
+        """One stream's turns: a gRPC call's, or (no ``context``: it uses none) a stream of the stream
+        transport's. Failures are domain errors, mapped to the call's or the stream's status."""
         stream = _Stream(session=self.runner.sessions.open())
         reader = asyncio.create_task(self._read(request_iterator, stream))
         try:
@@ -178,13 +185,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 stream.turn.cancel()
             if stream.session is not None:
                 stream.session.close()
-
-    async def GenerateMux(
-        self, request_iterator: AsyncIterator[worker_pb2.MuxRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.MuxResponse]:
-        """Many Generate streams on one call (services/worker/mux.py)."""
-        async for message in serve_mux(self.Generate, request_iterator, calls=self.mux_calls):  # type: ignore[arg-type]
-            yield message
 
     async def _read(self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], stream: _Stream) -> None:
         try:

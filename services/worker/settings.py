@@ -62,11 +62,11 @@ class WorkerSettings(StreamingSettings):
     """Block size of the hot prefix block hashes in load reports (the router's prefix_block_tokens)."""
     max_hot_blocks: int = Field(default=1024, ge=0)
     """Most hot prefix block hashes (32 bytes each) one load report carries."""
-    stream_port: int = Field(default=0, ge=-1, le=65535)
-    """Port of the stream transport (GenerateMux over plain TCP, on ``host``; services/common/muxwire.py),
-    which routers use instead of gRPC for the request streams: 0 picks a free port (announced in the
-    load report), -1 serves none (routers then use gRPC's GenerateMux). Behind NAT or a proxy that
-    passes only the gRPC port, set -1."""
+    stream_port: int = Field(default=0, ge=0, le=65535)
+    """Port of the stream transport (plain TCP on ``host``; services/common/muxwire.py), where routers
+    send every request stream: 0 picks a free port (announced in the load report). Routers must be
+    able to reach it on the host of the worker's advertised address, like the gRPC port: behind NAT
+    or a proxy, forward it too."""
 
     @field_validator("router_address", mode="before")
     @classmethod

@@ -2,7 +2,7 @@
 
 One request still yields one connected trace, but with one RPC span fewer: the router's phases are
 the gateway process's own spans, under the gateway's RPC span, and the worker's RPC span hangs from
-that same span (the trace context travels in the GenerateMux stream's open frame). The rate-limit
+that same span (the trace context travels in the stream transport's open frame). The rate-limit
 reservation overlaps the routing there (docs/gateway.md, *Admission overlapped with routing*), so
 unlike the split layout's test this one checks containment, not that the phases are disjoint.
 """

@@ -1,4 +1,6 @@
 """A fake Worker servicer for router tests: deterministic token ids, records calls, honours cancel.
+The router reaches it as it reaches real workers, over the stream transport (the worker runtime's
+own listener and serve_mux run its Generate per stream).
 
 Tokens for a deterministic request (temperature 0 or a seed) depend only on the prompt, the seed
 and the position, so a cached answer can be compared with a fresh one.
@@ -13,11 +15,12 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.errors import MeshError, Unavailable
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.serving import MAX_MESSAGE_BYTES, RunningServer, start_server
 from services.common.settings import ServiceSettings
-from services.worker.mux import MuxCalls, serve_mux
+from services.worker.mux import MuxCalls
 from services.worker.mux_tcp import StreamMuxServer
 
 WORKER_SERVICE = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
@@ -30,11 +33,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     token_delay_s: float = 0.0
     starts: list[worker_pb2.WorkerStart] = field(default_factory=list)
     start_calls: list[int] = field(default_factory=list)  # which call (stream) each start came on
-    calls: int = 0
-    mux_calls: int = 0  # GenerateMux calls (the router keeps one open per worker)
+    calls: int = 0  # streams (Generate runs)
     cancels: int = 0  # WorkerCancel messages received
     aborted: int = 0  # calls cancelled by the router while open
-    fail_next: grpc.StatusCode | None = None
+    fail_next: MeshError | None = None  # next stream: fails with this at once
     die_after_tokens: int | None = None  # next stream: abort with UNAVAILABLE after this many tokens
     stall_after_tokens: int | None = None  # next stream: go silent (until cancelled) after this many
     queued_for_s: float = 0.0  # each turn first "waits for a slot" this long, sending queued keepalives
@@ -44,7 +46,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     kv_budget_bytes: int = 0
     stats_delay_s: float = 0.0  # Stats answers this late (a busy worker)
     weights: int = 0  # which model it runs: workers of other weights answer other deterministic tokens
-    stream: StreamMuxServer | None = None  # its stream transport (start_fake(stream=True))
+    stream: StreamMuxServer | None = None  # its stream transport (start_fake(stream=False): none)
     stream_port: int = 0  # announced in Stats: the stream's port, or (tests) a port that does not serve it
 
     @property
@@ -62,20 +64,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             return [3 + (base + 7 * i) % 1000 for i in range(done, done + n)]
         return [random.randrange(3, 1003) for _ in range(n)]
 
-    async def GenerateMux(self, request_iterator, context):  # type: ignore[no-untyped-def]
-        """Generate's streams on one call, as the real worker serves them (services/worker/mux.py)."""
-        self.mux_calls += 1
-        async for message in serve_mux(self.Generate, request_iterator):
-            yield message
-
     async def Generate(
-        self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[worker_pb2.WorkerRequest]
     ) -> AsyncIterator[worker_pb2.WorkerResponse]:
+        """One stream's turns, served over the stream transport (serve_mux runs it per stream)."""
         self.calls += 1
         call_no = self.calls
         if self.fail_next is not None:
-            code, self.fail_next = self.fail_next, None
-            await context.abort(code, "fake failure")
+            error, self.fail_next = self.fail_next, None
+            raise error
         starts: asyncio.Queue[worker_pb2.WorkerStart | None] = asyncio.Queue()
         cancel_turn = asyncio.Event()
 
@@ -106,7 +103,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     yield worker_pb2.WorkerResponse(queued=True)
                 for seq, tok in enumerate(self.tokens(start)):
                     if die_after is not None and seq == die_after:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, "fake crash mid-stream")
+                        raise Unavailable("fake crash mid-stream")
                     if stall_after is not None and seq == stall_after:
                         await asyncio.Event().wait()  # hung: only the router's stall timeout ends this
                     if self.token_delay_s:
@@ -132,6 +129,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         finally:
             reader.cancel()
 
+    async def crash(self) -> None:
+        """Go away at once without telling anyone, as a killed process does: the gRPC server and the
+        stream transport stop, every connection and call on them ends mid-stream."""
+        assert self.server is not None
+        await self.server.server.stop(None)
+        if self.stream is not None:
+            self.stream.close(0.0)
+            await self.stream.finish()
+
     async def Stats(
         self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:
@@ -144,7 +150,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             sequences_cancelled_total=self.cancels + self.aborted,
             kv_used_bytes=self.kv_used_bytes,
             kv_budget_bytes=self.kv_budget_bytes,
-            generate_mux=type(self).GenerateMux is not worker_pb2_grpc.WorkerServicer.GenerateMux,
             stream_port=self.stream_port,
         )
 
@@ -154,10 +159,11 @@ async def start_fake(
     tier: int,
     token: str,
     cls: type[FakeWorker] | None = None,
-    stream: bool = False,
+    stream: bool = True,
     **kwargs: object,
 ) -> FakeWorker:
-    """A fake worker on a real gRPC server; ``stream`` also serves the stream transport, as real workers do."""
+    """A fake worker on a real gRPC server (Stats, health) serving the stream transport, as real
+    workers do; ``stream=False``: a worker that announces no stream port."""
     fake = (cls or FakeWorker)(worker_id, tier, **kwargs)  # type: ignore[arg-type]
     fake.server = await start_server(
         ServiceSettings(port=0, internal_token=token, shutdown_grace_s=0),
@@ -166,7 +172,7 @@ async def start_fake(
         internal=True,
     )
     if stream:
-        fake.stream = StreamMuxServer(fake.Generate, MuxCalls(), token, MAX_MESSAGE_BYTES)  # type: ignore[arg-type]
+        fake.stream = StreamMuxServer(fake.Generate, MuxCalls(), token, MAX_MESSAGE_BYTES)
         await fake.stream.start("127.0.0.1", 0)
         fake.stream_port = fake.stream.port
         fake.server.on_stop.append(fake.stream.finish)

@@ -62,12 +62,10 @@ async def mesh(tokenizer: Tokenizer, redis_url: str) -> AsyncIterator[Mesh]:
 
 
 @contextlib.asynccontextmanager
-async def open_mesh(
-    tokenizer: Tokenizer, redis_url: str, *, edge_stream: bool = False, **router_settings: object
-) -> AsyncIterator[Mesh]:
-    """A real router over two fake edge workers and one cloud; ``edge_stream``: the edges also serve
-    the stream transport (services/common/muxwire.py); ``router_settings`` override the router's."""
-    edges = [await start_fake(f"edge-{i}", pb.TIER_EDGE, TOKEN, stream=edge_stream) for i in range(2)]
+async def open_mesh(tokenizer: Tokenizer, redis_url: str, **router_settings: object) -> AsyncIterator[Mesh]:
+    """A real router over two fake edge workers and one cloud, reached over their stream transport
+    (services/common/muxwire.py); ``router_settings`` override the router's."""
+    edges = [await start_fake(f"edge-{i}", pb.TIER_EDGE, TOKEN) for i in range(2)]
     cloud = await start_fake("cloud-0", pb.TIER_CLOUD, TOKEN)
     settings = load_settings(
         RouterSettings,

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from services.common import errors
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.tokenizer import Tokenizer
 from tests.helpers import RedisServer
@@ -63,8 +64,7 @@ async def test_no_healthy_edge_spills_to_cloud(mesh: Mesh) -> None:
 
 async def test_dead_replica_is_retried_elsewhere_and_marked_down(mesh: Mesh) -> None:
     dead = mesh.edges[0]
-    assert dead.server is not None
-    await dead.server.server.stop(None)  # gone without telling anyone
+    await dead.crash()  # gone without telling anyone
     for i in range(3):
         fin = final(await generate(mesh, request(f"hi {i}")))
         assert fin.route.worker_id == "edge-1"
@@ -73,22 +73,22 @@ async def test_dead_replica_is_retried_elsewhere_and_marked_down(mesh: Mesh) -> 
 
 
 async def test_unavailable_before_first_token_fails_over_to_the_other_tier(mesh: Mesh) -> None:
-    mesh.edges[0].fail_next = grpc.StatusCode.UNAVAILABLE
-    mesh.edges[1].fail_next = grpc.StatusCode.UNAVAILABLE
+    mesh.edges[0].fail_next = errors.Unavailable("fake failure")
+    mesh.edges[1].fail_next = errors.Unavailable("fake failure")
     fin = final(await generate(mesh, request("hi")))
     assert (fin.route.tier, fin.route.reason) == (pb.TIER_CLOUD, "spill")
 
 
 async def test_unavailable_everywhere_before_first_token_is_unavailable(mesh: Mesh) -> None:
-    mesh.edges[0].fail_next = grpc.StatusCode.UNAVAILABLE
-    mesh.edges[1].fail_next = grpc.StatusCode.UNAVAILABLE
-    mesh.cloud.fail_next = grpc.StatusCode.UNAVAILABLE
+    mesh.edges[0].fail_next = errors.Unavailable("fake failure")
+    mesh.edges[1].fail_next = errors.Unavailable("fake failure")
+    mesh.cloud.fail_next = errors.Unavailable("fake failure")
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await generate(mesh, request("hi"))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "fake failure" not in (err.value.details() or "")  # worker text is not passed on
     await mesh.router.registry.probe_all()
-    mesh.edges[0].fail_next = grpc.StatusCode.UNAVAILABLE
+    mesh.edges[0].fail_next = errors.Unavailable("fake failure")
     fin = final(await generate(mesh, request("hi")))
     assert fin.route.tier == pb.TIER_EDGE and fin.finish_reason == pb.FINISH_REASON_LENGTH
 

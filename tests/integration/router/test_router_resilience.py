@@ -7,6 +7,7 @@ import asyncio
 import grpc
 import pytest
 
+from services.common import errors
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.router.policy import TierName
 from services.router.registry import Registry, WorkerReport
@@ -93,7 +94,9 @@ async def test_self_registered_worker_joins_by_heartbeat_and_leaves(mesh: Mesh) 
     extra = await start_fake("cloud-9", pb.TIER_CLOUD, TOKEN)
     registry = registry_pb2_grpc.WorkerRegistryStub(mesh.channel)
     beat = registry_pb2.WorkerHeartbeat(
-        address=extra.address, tier=pb.TIER_CLOUD, stats=worker_pb2.WorkerStats(worker_id="cloud-9")
+        address=extra.address,
+        tier=pb.TIER_CLOUD,
+        stats=worker_pb2.WorkerStats(worker_id="cloud-9", stream_port=extra.stream_port),  # as a worker's heartbeat
     )
     try:
         with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -102,7 +105,7 @@ async def test_self_registered_worker_joins_by_heartbeat_and_leaves(mesh: Mesh) 
         reply = await registry.Heartbeat(beat, metadata=META)
         assert reply.ttl_ms > 0
         assert any(r.address == extra.address and r.healthy for r in mesh.router.registry.replicas)
-        mesh.cloud.fail_next = grpc.StatusCode.UNAVAILABLE  # the static cloud replica fails: use the new one
+        mesh.cloud.fail_next = errors.Unavailable("fake failure")  # the static cloud replica fails: use the new one
         fin = final(
             await generate(mesh, request(LONG_PROMPT, routing=pb.RoutingOptions(cache_policy=pb.CACHE_POLICY_BYPASS)))
         )

@@ -16,10 +16,8 @@ import pytest
 
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.common.model_paths import model_paths
-from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
-from services.router import core
 from services.router.api import RouterAPI
 from services.router.core import Router
 from services.router.policy import TierName
@@ -37,6 +35,7 @@ from services.router.types import (
     Routing,
     TurnEvent,
 )
+from services.router.worker_stream import Frame, TurnFinal, TurnStart
 from services.store.response_cache import ResponseCache
 
 DEFAULT_MAX_TOKENS = 7
@@ -48,18 +47,18 @@ class FakeWorkerStream:
 
     opened: list[FakeWorkerStream] = []
 
-    def __init__(self, replica: Replica, metadata: Any, timeout: float | None, **_: Any) -> None:
+    def __init__(self, replica: Replica, timeout: float | None) -> None:
         self.replica = replica
         self.timeout = timeout
-        self.starts: list[worker_pb2.WorkerStart] = []
+        self.starts: list[TurnStart] = []
         self.started = asyncio.Event()
-        self.frames: asyncio.Queue[worker_pb2.WorkerResponse] = asyncio.Queue()
+        self.frames: asyncio.Queue[Frame] = asyncio.Queue()
         self.cancels = 0
         self.aborted = asyncio.Event()
         self.closed = False
         self.opened.append(self)
 
-    async def start(self, start: worker_pb2.WorkerStart) -> None:
+    async def start(self, start: TurnStart) -> None:
         self.starts.append(start)
         self.started.set()
 
@@ -67,7 +66,7 @@ class FakeWorkerStream:
         self.cancels += 1
         self.frames.put_nowait(final(FinishReason.CANCELLED, 0))
 
-    async def read(self) -> worker_pb2.WorkerResponse:
+    async def read(self) -> Frame:
         read = asyncio.ensure_future(self.frames.get())
         aborted = asyncio.ensure_future(self.aborted.wait())
         try:
@@ -88,14 +87,25 @@ class FakeWorkerStream:
     def answer(self, *texts: str, finish: FinishReason = FinishReason.LENGTH) -> None:
         """The worker's frames of one turn: a token per text, then the final."""
         for i, text in enumerate(texts):
-            self.frames.put_nowait(worker_pb2.WorkerResponse(sequence=i, token_ids=[100 + i], text=text))
+            self.frames.put_nowait(Frame(i, [100 + i], text))
         self.frames.put_nowait(final(finish, len(texts), sequence=len(texts)))
 
 
-def final(finish: FinishReason, completion: int, sequence: int = 0) -> worker_pb2.WorkerResponse:
-    return worker_pb2.WorkerResponse(
-        sequence=sequence, final=worker_pb2.WorkerFinal(finish_reason=int(finish), completion_tokens=completion)
-    )
+def final(finish: FinishReason, completion: int, sequence: int = 0) -> Frame:
+    return Frame(sequence, [], "", final=TurnFinal(int(finish), 0, completion, 0))
+
+
+class FakeTransport:
+    """Opens a :class:`FakeWorkerStream` on any replica."""
+
+    def open(self, replica: Replica, timeout: float | None) -> FakeWorkerStream:
+        return FakeWorkerStream(replica, timeout)
+
+    def retire(self, address: str) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +116,6 @@ def tokenizer() -> Tokenizer:
 @pytest.fixture
 async def api(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[RouterAPI]:
     FakeWorkerStream.opened = []
-    monkeypatch.setattr(core, "WorkerStream", FakeWorkerStream)
     cache = ResponseCache.from_url("")  # disabled: every request reaches the worker
     registry = Registry([], [], internal_token="t", block_tokens=16, model_version="v1")
     replica = Replica("edge:1", TierName.EDGE, None, None, healthy=True, worker_id="edge-a")  # type: ignore[arg-type]
@@ -119,6 +128,7 @@ async def api(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> AsyncIte
         model_version="v1",
         internal_token="t",
         edge_max_prompt_tokens=CONTEXT,
+        transport=FakeTransport(),
     )
     yield RouterAPI(router, context_length=CONTEXT, default_max_tokens=DEFAULT_MAX_TOKENS, max_queued_chat_turns=2)
     await router.collapser.aclose()
@@ -258,7 +268,7 @@ async def test_closing_the_stream_aborts_the_worker(api: RouterAPI) -> None:
     first = asyncio.create_task(anext(events))
     stream = await worker()
     await stream.started.wait()
-    stream.frames.put_nowait(worker_pb2.WorkerResponse(sequence=0, token_ids=[1], text="a"))
+    stream.frames.put_nowait(Frame(0, [1], "a"))
     await first
     await events.aclose()  # the caller went away mid-answer
     assert stream.aborted.is_set()
@@ -294,7 +304,7 @@ async def test_chat_turns_share_one_worker_stream_and_the_conversation(api: Rout
         {"role": "assistant", "content": "Hello"},
         {"role": "user", "content": "More"},
     ]
-    assert list(stream.starts[1].prompt_token_ids) == api.router.tokenizer.apply_chat_template(conversation)
+    assert list(stream.starts[1].prompt_ids) == api.router.tokenizer.apply_chat_template(conversation)
     await chat.end()
     assert [e async for e in events] == []
     assert stream.closed

@@ -14,6 +14,7 @@ from services.router.core import Router
 from services.router.location import MAX_PROMPT_CHARS, PrefixLocator, RedisAnswer
 from services.router.policy import TierName, prefix_blocks
 from services.router.registry import Registry, Replica, WorkerReport
+from services.router.stream_transport import StreamTransport
 from services.store.response_cache import ResponseCache
 from tests.helpers import free_port
 
@@ -42,6 +43,7 @@ def _router(tokenizer: Tokenizer, cache: ResponseCache, replicas: list[Replica])
         internal_token="t",
         edge_max_prompt_tokens=16,
         block_tokens=BT,
+        transport=StreamTransport("t"),
     )
 
 

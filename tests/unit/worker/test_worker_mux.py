@@ -6,8 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
+import structlog
 
-from services.common.errors import InvalidArgument, ResourceExhausted
+from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.worker.mux import MuxCalls, serve_mux
 
@@ -26,8 +27,8 @@ class FakeGenerate:
         self.started = asyncio.Event()
 
     async def __call__(
-        self, requests: AsyncIterator[worker_pb2.WorkerRequest], context
-    ) -> AsyncIterator[worker_pb2.WorkerResponse]:  # type: ignore[no-untyped-def]
+        self, requests: AsyncIterator[worker_pb2.WorkerRequest]
+    ) -> AsyncIterator[worker_pb2.WorkerResponse]:
         try:
             async for req in requests:
                 n = req.start.prompt_token_ids[0]
@@ -37,7 +38,7 @@ class FakeGenerate:
                 if n == 101:
                     raise ResourceExhausted("the worker queue is full", retry_after_ms=250)
                 if n == 102:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake crash")
+                    raise Unavailable("fake crash")
                 if n == 103:
                     await asyncio.Event().wait()  # runs until aborted or out of time
                 for i in range(n):
@@ -45,7 +46,7 @@ class FakeGenerate:
                     await asyncio.sleep(0)
                 yield worker_pb2.WorkerResponse(sequence=n, final=worker_pb2.WorkerFinal(completion_tokens=n))
         finally:
-            self.closed.append(context.invocation_metadata()[0][1])
+            self.closed.append(structlog.contextvars.get_contextvars()["request_id"])  # the stream's own
 
 
 class Router:

@@ -1,18 +1,18 @@
 """The stream transport end to end over real TCP on 127.0.0.1: the worker's listener
-(services/worker/mux_tcp.py) with a fake Generate, the router's StreamMuxCall
-(services/router/mux_tcp.py), and raw sockets that break the rules."""
+(services/worker/mux_tcp.py) with a fake Generate, the router's StreamConnection
+(services/router/stream_transport.py), and raw sockets that break the rules."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
 
-import grpc
 import pytest
 
-from services.common import muxwire
+from services.common import errors, muxwire
 from services.common.pb.meshserve.internal.v1 import worker_pb2
-from services.router.mux_tcp import StreamMuxCall, split_host
+from services.router.stream_transport import StreamConnection, split_host
+from services.router.worker_stream import WorkerFailed
 from services.worker import mux_tcp
 from services.worker.mux import MuxCalls
 from services.worker.mux_tcp import StreamMuxServer
@@ -32,37 +32,8 @@ async def served() -> AsyncIterator[tuple[StreamMuxServer, FakeGenerate, MuxCall
     await server.finish()
 
 
-class FakeGrpcCall:
-    """Stands in for the gRPC GenerateMux call a refused StreamMuxCall falls back to."""
-
-    def __init__(self) -> None:
-        self.written: list[worker_pb2.MuxRequest] = []
-        self.cancelled = False
-
-    async def write(self, message: worker_pb2.MuxRequest) -> None:
-        self.written.append(message)
-
-    def __aiter__(self) -> AsyncIterator[worker_pb2.MuxResponse]:
-        return self._replies()
-
-    async def _replies(self) -> AsyncIterator[worker_pb2.MuxResponse]:
-        yield worker_pb2.MuxResponse(frames=[worker_pb2.MuxDown(stream=1, end=worker_pb2.MuxEnd())])
-
-    def cancel(self) -> bool:
-        self.cancelled = True
-        return True
-
-
-def _call(port: int, token: str = TOKEN) -> tuple[StreamMuxCall, list[tuple[str, int]], list[FakeGrpcCall]]:
-    refused: list[tuple[str, int]] = []
-    fallbacks: list[FakeGrpcCall] = []
-
-    def fallback() -> FakeGrpcCall:
-        fallbacks.append(FakeGrpcCall())
-        return fallbacks[-1]
-
-    call = StreamMuxCall(("127.0.0.1", port), token, 1 << 16, fallback, refused.append)  # type: ignore[arg-type]
-    return call, refused, fallbacks
+def _call(port: int, token: str = TOKEN) -> StreamConnection:
+    return StreamConnection(("127.0.0.1", port), token, 1 << 16)
 
 
 def _open(sid: int, n: int) -> worker_pb2.MuxRequest:
@@ -72,7 +43,7 @@ def _open(sid: int, n: int) -> worker_pb2.MuxRequest:
     return worker_pb2.MuxRequest(frames=[up, worker_pb2.MuxUp(stream=sid, half_close=True)])
 
 
-async def _frames_of(call: StreamMuxCall, sid: int) -> list[worker_pb2.MuxDown]:
+async def _frames_of(call: StreamConnection, sid: int) -> list[worker_pb2.MuxDown]:
     frames: list[worker_pb2.MuxDown] = []
     async for message in call:
         frames += [down for down in message.frames if down.stream == sid]
@@ -96,13 +67,12 @@ async def _read_frame(reader: asyncio.StreamReader) -> bytes:
 
 async def test_a_stream_runs_over_the_connection(served: tuple[StreamMuxServer, FakeGenerate, MuxCalls]) -> None:
     server, _, _ = served
-    call, refused, fallbacks = _call(server.port)
+    call = _call(server.port)
     await call.write(_open(1, 3))
     frames = await asyncio.wait_for(_frames_of(call, 1), 5)
     assert [t for f in frames if f.HasField("response") for t in f.response.token_ids] == [30, 31, 32]
     assert frames[-2].response.final.completion_tokens == 3
     assert frames[-1].end.code == 0
-    assert refused == [] and fallbacks == []
     assert server.connections == 1
     call.cancel()
 
@@ -111,7 +81,7 @@ async def test_hanging_up_cancels_the_streams_on_the_worker(
     served: tuple[StreamMuxServer, FakeGenerate, MuxCalls],
 ) -> None:
     server, generate, _ = served
-    call, _, _ = _call(server.port)
+    call = _call(server.port)
     await call.write(_open(7, 103))  # runs until cancelled
     await asyncio.wait_for(generate.started.wait(), 5)
     call.cancel()
@@ -126,7 +96,7 @@ async def test_a_draining_worker_ends_the_connection_cleanly(
     served: tuple[StreamMuxServer, FakeGenerate, MuxCalls],
 ) -> None:
     server, _, calls = served
-    call, _, _ = _call(server.port)
+    call = _call(server.port)
     await call.write(_open(1, 2))
     frames = await asyncio.wait_for(_frames_of(call, 1), 5)
     assert frames[-1].end.code == 0
@@ -137,17 +107,17 @@ async def test_a_draining_worker_ends_the_connection_cleanly(
 
 async def test_finish_cancels_what_runs_past_the_grace(served: tuple[StreamMuxServer, FakeGenerate, MuxCalls]) -> None:
     server, generate, _ = served
-    call, _, _ = _call(server.port)
+    call = _call(server.port)
     await call.write(_open(2, 103))
     await asyncio.wait_for(generate.started.wait(), 5)
     server.close(0.05)
     await asyncio.wait_for(server.finish(), 5)
     assert generate.closed == ["req-2"]
-    with pytest.raises(grpc.aio.AioRpcError) as err:
+    with pytest.raises(WorkerFailed) as err:
         await call.write(_open(3, 1))
         async for _ in call:
             pass
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.value.code == "UNAVAILABLE"
 
 
 async def test_a_wrong_credential_is_refused_with_a_reason(
@@ -164,26 +134,27 @@ async def test_a_wrong_credential_is_refused_with_a_reason(
     writer.close()
 
 
-async def test_the_router_falls_back_to_grpc_when_refused(
+async def test_a_refused_credential_fails_the_connection_as_a_failed_worker(
     served: tuple[StreamMuxServer, FakeGenerate, MuxCalls],
 ) -> None:
     server, generate, _ = served
-    call, refused, fallbacks = _call(server.port, token="not the mesh's")
-    await call.write(_open(1, 1))
-    replies = [m async for m in call]
-    assert replies[0].frames[0].end.code == 0  # the fallback call's reply
-    assert refused == [("127.0.0.1", server.port)]
-    assert len(fallbacks) == 1 and len(fallbacks[0].written) == 1
+    call = _call(server.port, token="not the mesh's")
+    with pytest.raises(WorkerFailed) as err:
+        await call.write(_open(1, 1))
+    assert err.value.code == "UNAVAILABLE" and "internal credential" in str(err.value)
+    with pytest.raises(WorkerFailed):
+        _ = [m async for m in call]
+    assert isinstance(err.value.error, errors.Unavailable)
     assert not generate.started.is_set()
     call.cancel()
-    assert fallbacks[0].cancelled
 
 
-async def test_the_router_falls_back_to_grpc_when_nothing_listens() -> None:
+async def test_nothing_listening_fails_the_connection_as_a_failed_worker() -> None:
     port = free_port()
-    call, refused, fallbacks = _call(port)
-    await call.write(_open(1, 1))
-    assert refused == [("127.0.0.1", port)] and len(fallbacks) == 1
+    call = _call(port)
+    with pytest.raises(WorkerFailed) as err:
+        await call.write(_open(1, 1))
+    assert err.value.code == "UNAVAILABLE" and f"127.0.0.1:{port}" in str(err.value)
 
 
 async def test_no_hello_in_time_closes_the_connection(

@@ -13,7 +13,9 @@ import pytest
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.settings import load_settings
+from services.common.serving import MAX_MESSAGE_BYTES
+from services.common.settings import DEFAULT_INTERNAL_TOKEN, load_settings
+from services.router.stream_transport import StreamConnection
 from services.worker.app import RunningWorker, start_worker
 from services.worker.settings import WorkerSettings
 from tests.unit.worker.fakes import EOS, TOKENIZER, VOCAB, FakeEngine
@@ -347,19 +349,22 @@ def _numbered(sequences: list[int], at_most: int) -> bool:
 async def _mux_stream(
     stub: worker_pb2_grpc.WorkerStub, *requests: worker_pb2.WorkerRequest
 ) -> list[worker_pb2.MuxDown]:
-    """On one GenerateMux call, in one message: stream 1 opened with ``requests[0]``, the rest behind
-    it, then its half-close. Returns stream 1's frames up to its end."""
+    """Over the worker's stream port (the port its load report announces), in one message: stream 1
+    opened with ``requests[0]``, the rest behind it, then its half-close. Returns stream 1's frames
+    up to its end."""
+    port = (await stats(stub)).stream_port
+    assert port
     opened = worker_pb2.MuxOpen(request_id="mux-1", tenant="acme")
     ups = [worker_pb2.MuxUp(stream=1, open=opened, request=requests[0])]
     ups += [worker_pb2.MuxUp(stream=1, request=r) for r in requests[1:]]
     ups.append(worker_pb2.MuxUp(stream=1, half_close=True))
-    call = stub.GenerateMux(metadata=META)
+    call = StreamConnection(("127.0.0.1", port), DEFAULT_INTERNAL_TOKEN, MAX_MESSAGE_BYTES)
     await call.write(worker_pb2.MuxRequest(frames=ups))
     frames: list[worker_pb2.MuxDown] = []
+    messages = aiter(call)
     try:
         while not (frames and frames[-1].HasField("end")):
-            message = await asyncio.wait_for(call.read(), 10)
-            assert message is not grpc.aio.EOF
+            message = await asyncio.wait_for(anext(messages), 10)
             frames += [f for f in message.frames if f.stream == 1]
     finally:
         call.cancel()

@@ -250,7 +250,6 @@ class WorkerStats(_message.Message):
     HOT_PREFIX_BLOCKS_FIELD_NUMBER: _builtins.int
     MODEL_VERSION_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
-    GENERATE_MUX_FIELD_NUMBER: _builtins.int
     STREAM_PORT_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker replica id."""
@@ -290,11 +289,10 @@ class WorkerStats(_message.Message):
     """Prompt tokens (including resumed ones) of the turns run since the worker started; minus
     prefill_tokens_total, the prompt tokens served from KV already held.
     """
-    generate_mux: _builtins.bool
-    """The worker serves GenerateMux (the router then sends it streams on one call, not a call each)."""
     stream_port: _builtins.int
-    """Port of the worker's stream transport (GenerateMux's messages over plain TCP, no gRPC:
-    services/common/muxwire.py), on the host of the worker's gRPC address; 0 = not served.
+    """Port of the worker's stream transport (the Mux* messages below over plain TCP, no gRPC:
+    services/common/muxwire.py), on the host of the worker's gRPC address. The router sends every
+    request there: a worker that announces none (0) cannot be routed to.
     """
     @_builtins.property
     def hot_prefix_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
@@ -325,12 +323,11 @@ class WorkerStats(_message.Message):
         hot_prefix_blocks: _abc.Iterable[_builtins.bytes] | None = ...,
         model_version: _builtins.str = ...,
         prompt_tokens_total: _builtins.int = ...,
-        generate_mux: _builtins.bool = ...,
         stream_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sequences", b"active_sequences", "generate_mux", b"generate_mux", "held_sequences", b"held_sequences", "hot_prefix_blocks", b"hot_prefix_blocks", "kv_budget_bytes", b"kv_budget_bytes", "kv_tokens", b"kv_tokens", "kv_used_bytes", b"kv_used_bytes", "max_active_sequences", b"max_active_sequences", "model", b"model", "model_version", b"model_version", "prefill_tokens_total", b"prefill_tokens_total", "prefix_block_tokens", b"prefix_block_tokens", "prompt_tokens_total", b"prompt_tokens_total", "queue_depth", b"queue_depth", "recent_tokens_per_second", b"recent_tokens_per_second", "sequences_cancelled_total", b"sequences_cancelled_total", "sequences_started_total", b"sequences_started_total", "stream_port", b"stream_port", "tier", b"tier", "tokens_generated_total", b"tokens_generated_total", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sequences", b"active_sequences", "held_sequences", b"held_sequences", "hot_prefix_blocks", b"hot_prefix_blocks", "kv_budget_bytes", b"kv_budget_bytes", "kv_tokens", b"kv_tokens", "kv_used_bytes", b"kv_used_bytes", "max_active_sequences", b"max_active_sequences", "model", b"model", "model_version", b"model_version", "prefill_tokens_total", b"prefill_tokens_total", "prefix_block_tokens", b"prefix_block_tokens", "prompt_tokens_total", b"prompt_tokens_total", "queue_depth", b"queue_depth", "recent_tokens_per_second", b"recent_tokens_per_second", "sequences_cancelled_total", b"sequences_cancelled_total", "sequences_started_total", b"sequences_started_total", "stream_port", b"stream_port", "tier", b"tier", "tokens_generated_total", b"tokens_generated_total", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -338,7 +335,11 @@ Global___WorkerStats: _TypeAlias = WorkerStats  # noqa: Y015
 
 @_typing.final
 class MuxOpen(_message.Message):
-    """Opens one stream of a GenerateMux call: what Generate's call metadata and deadline carry."""
+    """The stream transport (services/common/muxwire.py): many Generate streams on one connection from
+    the router to a worker, each with Generate's frames and semantics.
+
+    Opens one stream on a connection: what a Generate call's metadata and deadline carry.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -372,7 +373,7 @@ Global___MuxOpen: _TypeAlias = MuxOpen  # noqa: Y015
 
 @_typing.final
 class MuxUp(_message.Message):
-    """A router frame for one stream of a GenerateMux call."""
+    """A router frame for one stream of a connection."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -382,7 +383,7 @@ class MuxUp(_message.Message):
     ABORT_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
     stream: _builtins.int
-    """The stream, numbered by the router (unique within the call)."""
+    """The stream, numbered by the router (unique within the connection)."""
     half_close: _builtins.bool
     """Done writing: like half-closing a Generate call (the turns already sent still run)."""
     abort: _builtins.bool
@@ -416,7 +417,7 @@ Global___MuxUp: _TypeAlias = MuxUp  # noqa: Y015
 
 @_typing.final
 class MuxRequest(_message.Message):
-    """Router frames of a GenerateMux call: whatever was ready to send, several streams at once."""
+    """Router frames on a connection: whatever was ready to send, several streams at once."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -440,7 +441,7 @@ Global___MuxRequest: _TypeAlias = MuxRequest  # noqa: Y015
 
 @_typing.final
 class MuxEnd(_message.Message):
-    """How a stream of a GenerateMux call ended: the status its Generate call would have ended with."""
+    """How a stream of a connection ended: the status a Generate call would have ended with."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -470,7 +471,7 @@ Global___MuxEnd: _TypeAlias = MuxEnd  # noqa: Y015
 
 @_typing.final
 class MuxDown(_message.Message):
-    """A worker frame for one stream of a GenerateMux call."""
+    """A worker frame for one stream of a connection."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -506,7 +507,7 @@ Global___MuxDown: _TypeAlias = MuxDown  # noqa: Y015
 
 @_typing.final
 class MuxResponse(_message.Message):
-    """Worker frames of a GenerateMux call: whatever was ready to send, several streams at once."""
+    """Worker frames on a connection: whatever was ready to send, several streams at once."""
 
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -40,11 +40,6 @@ class WorkerStub:
                 request_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerRequest.SerializeToString,
                 response_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerResponse.FromString,
                 _registered_method=True)
-        self.GenerateMux = channel.stream_stream(
-                '/meshserve.internal.v1.Worker/GenerateMux',
-                request_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.MuxRequest.SerializeToString,
-                response_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.MuxResponse.FromString,
-                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/meshserve.internal.v1.Worker/Stats',
                 request_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
@@ -67,16 +62,9 @@ class WorkerServicer:
     """
 
     def Generate(self, request_iterator, context):
-        """One bidirectional stream per client request or chat session: starts, cancels, tokens.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def GenerateMux(self, request_iterator, context):
-        """Many Generate streams on one long-lived call (the router keeps one per worker): a stream costs
-        the router and the worker a message instead of a call. Per stream, the same frames and
-        semantics as Generate; the call's end (the worker or router went away) ends all its streams.
+        """One bidirectional stream per client request or chat session: starts, cancels, tokens. The
+        router sends its streams over the worker's stream port instead (WorkerStats.stream_port), with
+        the same frames and semantics; this call serves direct clients (benchmarks' baselines, tools, tests).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -116,11 +104,6 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerRequest.FromString,
                     response_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerResponse.SerializeToString,
-            ),
-            'GenerateMux': grpc.stream_stream_rpc_method_handler(
-                    servicer.GenerateMux,
-                    request_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.MuxRequest.FromString,
-                    response_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.MuxResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -166,33 +149,6 @@ class Worker:
             '/meshserve.internal.v1.Worker/Generate',
             meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerRequest.SerializeToString,
             meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def GenerateMux(request_iterator,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.stream_stream(
-            request_iterator,
-            target,
-            '/meshserve.internal.v1.Worker/GenerateMux',
-            meshserve_dot_internal_dot_v1_dot_worker__pb2.MuxRequest.SerializeToString,
-            meshserve_dot_internal_dot_v1_dot_worker__pb2.MuxResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -36,11 +36,9 @@ class WorkerStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> WorkerAsyncStub: ...
     Generate: _grpc.StreamStreamMultiCallable[_worker_pb2.WorkerRequest, _worker_pb2.WorkerResponse]
-    """One bidirectional stream per client request or chat session: starts, cancels, tokens."""
-    GenerateMux: _grpc.StreamStreamMultiCallable[_worker_pb2.MuxRequest, _worker_pb2.MuxResponse]
-    """Many Generate streams on one long-lived call (the router keeps one per worker): a stream costs
-    the router and the worker a message instead of a call. Per stream, the same frames and
-    semantics as Generate; the call's end (the worker or router went away) ends all its streams.
+    """One bidirectional stream per client request or chat session: starts, cancels, tokens. The
+    router sends its streams over the worker's stream port instead (WorkerStats.stream_port), with
+    the same frames and semantics; this call serves direct clients (benchmarks' baselines, tools, tests).
     """
     Stats: _grpc.UnaryUnaryMultiCallable[_worker_pb2.StatsRequest, _worker_pb2.WorkerStats]
     """Load and counters, for routing and tests."""
@@ -63,11 +61,9 @@ class WorkerAsyncStub(WorkerStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.StreamStreamMultiCallable[_worker_pb2.WorkerRequest, _worker_pb2.WorkerResponse]  # type: ignore[assignment]
-    """One bidirectional stream per client request or chat session: starts, cancels, tokens."""
-    GenerateMux: _aio.StreamStreamMultiCallable[_worker_pb2.MuxRequest, _worker_pb2.MuxResponse]  # type: ignore[assignment]
-    """Many Generate streams on one long-lived call (the router keeps one per worker): a stream costs
-    the router and the worker a message instead of a call. Per stream, the same frames and
-    semantics as Generate; the call's end (the worker or router went away) ends all its streams.
+    """One bidirectional stream per client request or chat session: starts, cancels, tokens. The
+    router sends its streams over the worker's stream port instead (WorkerStats.stream_port), with
+    the same frames and semantics; this call serves direct clients (benchmarks' baselines, tools, tests).
     """
     Stats: _aio.UnaryUnaryMultiCallable[_worker_pb2.StatsRequest, _worker_pb2.WorkerStats]  # type: ignore[assignment]
     """Load and counters, for routing and tests."""
@@ -93,17 +89,9 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_worker_pb2.WorkerRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_worker_pb2.WorkerResponse], _abc.AsyncIterator[_worker_pb2.WorkerResponse]]:
-        """One bidirectional stream per client request or chat session: starts, cancels, tokens."""
-
-    @_abc_1.abstractmethod
-    def GenerateMux(
-        self,
-        request_iterator: _MaybeAsyncIterator[_worker_pb2.MuxRequest],
-        context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_worker_pb2.MuxResponse], _abc.AsyncIterator[_worker_pb2.MuxResponse]]:
-        """Many Generate streams on one long-lived call (the router keeps one per worker): a stream costs
-        the router and the worker a message instead of a call. Per stream, the same frames and
-        semantics as Generate; the call's end (the worker or router went away) ends all its streams.
+        """One bidirectional stream per client request or chat session: starts, cancels, tokens. The
+        router sends its streams over the worker's stream port instead (WorkerStats.stream_port), with
+        the same frames and semantics; this call serves direct clients (benchmarks' baselines, tools, tests).
         """
 
     @_abc_1.abstractmethod
