@@ -376,7 +376,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     cloud_gpu_targets.add_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    return cloud_gpu_targets.main_targets(parser.parse_args(args))
+    parsed = parser.parse_args(args)
+    parsed.command = "python -m benchmarks.cloud_gpu " + " ".join(args)
+    return cloud_gpu_targets.main_targets(parsed)
 
 
 def engine_report(argv: Sequence[str]) -> int:

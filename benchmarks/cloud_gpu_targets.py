@@ -420,6 +420,7 @@ def grpc_rows(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait()
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -433,7 +434,8 @@ def target(name: str, value: float, bound: float, unit: str = "", at_least: bool
     return {"name": name, "value": value, "bound": bound, "pass": ok, "line": line}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The whole run; ``progress(report)`` after each shape (the report so far survives a timeout)."""
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
@@ -445,7 +447,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tokens": args.tokens,
         "streams": args.streams,
         "prompt_tokens": args.prompt_tokens,
-        "command": "python -m benchmarks.cloud_gpu " + " ".join(sys.argv[1:]),
+        "command": getattr(args, "command", "python -m benchmarks.cloud_gpu " + " ".join(sys.argv[1:])),
         "shapes": {},
         "targets": [],
     }
@@ -476,6 +478,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if path is not None:
                 run_shape(args, rows, Path(path), bandwidth, section)
                 report["targets"] += shape_targets(args, rows)
+            report["wall_s"] = time.monotonic() - began
+            if progress is not None:
+                progress(report)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     finally:
@@ -632,9 +637,12 @@ def main_targets(args: argparse.Namespace) -> int:
     args = resolve(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = run(args)
-    (out / "cloud_gpu_targets.json").write_text(json.dumps(report, indent=2) + "\n")
-    block = markdown(report)
-    write_block(out / "cloud_gpu.md", block)
-    print(block)
+
+    def save(report: dict[str, Any]) -> None:
+        (out / "cloud_gpu_targets.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_block(out / "cloud_gpu.md", markdown(report))
+
+    report = run(args, save)
+    save(report)
+    print(markdown(report))
     return 0

@@ -211,7 +211,8 @@ class StaticDecoder:
             self._pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            # thread_local: a speculative verify pass or a KV import on another thread may use CUDA meanwhile.
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._run(bucket, width, sampled)
             self._graphs[(bucket, width, sampled)] = _Graph(graph, out)
         torch.cuda.synchronize(self.tokens.device)
