@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import functools
 import json
 import os
 import platform
@@ -83,7 +84,7 @@ def build_checkpoint(shape: str, tokenizer_dir: Path, out: Path, device: torch.d
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config)
-    model.to(dtype).save_pretrained(out)
+    model.to(dtype=dtype).save_pretrained(out)  # type: ignore[call-arg]  # transformers wraps to()
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, out / name)
@@ -148,7 +149,7 @@ def anchor(
     """``generate`` with a static cache (compiled decode on CUDA) over ``batch`` copies of ``prompt``."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=str(device)).eval()
     ids = torch.tensor([prompt] * batch, device=device)
     kw: dict[str, Any] = dict(max_new_tokens=tokens, do_sample=False, cache_implementation="static", pad_token_id=0)
     began = time.perf_counter()
@@ -430,12 +431,14 @@ def target(name: str, value: float, bound: float, unit: str = "", at_least: bool
     ok = value >= bound if at_least else value <= bound
     line = f"TARGET {name}: {value:,.2f}{unit} (target {'>=' if at_least else '<='} {bound:,.2f}{unit}): "
     line += "PASS" if ok else "FAIL"
-    print(line, flush=True)
     return {"name": name, "value": value, "bound": bound, "pass": ok, "line": line}
 
 
 def run(args: argparse.Namespace, progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
-    """The whole run; ``progress(report)`` after each shape (the report so far survives a timeout)."""
+    """The whole run; ``progress(report)`` after each section (the report so far survives a timeout).
+
+    The engine rows and checks of every shape come first, the transformers anchors last: their compiles
+    take minutes, and a run cut off by the time limit should have lost the least important rows."""
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
@@ -461,28 +464,43 @@ def run(args: argparse.Namespace, progress: Callable[[dict[str, Any]], None] | N
         except Exception:
             report.setdefault("errors", {})[f"{where.get('shape', '')}/{key}".lstrip("/")] = traceback.format_exc()
             print(traceback.format_exc(), file=sys.stderr, flush=True)
-        print(
-            f"{where.get('shape', '')} {key} ({time.monotonic() - t:.1f} s): {json.dumps(where.get(key))}", flush=True
-        )
+        took = time.monotonic() - t
+        print(f"{where.get('shape', '')} {key} ({took:.1f} s): {json.dumps(where.get(key))}", flush=True)
+        report["targets"] = [t for rows in report["shapes"].values() for t in shape_targets(args, rows)]
+        report["wall_s"] = time.monotonic() - began
+        if progress is not None:
+            progress(report)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         return where.get(key)
 
     section(report, "copy_bandwidth_bytes_s", lambda: copy_bandwidth(device))
     bandwidth = report.get("copy_bandwidth_bytes_s") or 1.0
     work = Path(tempfile.mkdtemp(prefix="cloud_gpu_"))
     tok = Path(args.tokenizer)
+    checkpoints: dict[str, Path] = {}
     try:
         for shape in args.shapes:
             rows: dict[str, Any] = {"shape": shape}
             report["shapes"][shape] = rows
-            path = section(rows, "checkpoint", lambda s=shape: str(build_checkpoint(s, tok, work / s, device, dtype)))
+            path = section(
+                rows, "checkpoint", functools.partial(build_checkpoint, shape, tok, work / shape, device, dtype)
+            )
             if path is not None:
-                run_shape(args, rows, Path(path), bandwidth, section)
-                report["targets"] += shape_targets(args, rows)
-            report["wall_s"] = time.monotonic() - began
-            if progress is not None:
-                progress(report)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+                checkpoints[shape] = path
+                run_shape(args, rows, checkpoints[shape], bandwidth, section)
+        for shape, ckpt in checkpoints.items():
+            if not args.skip_anchors:
+                run_anchors(args, report["shapes"][shape], ckpt, section)
+        for t in report["targets"]:
+            print(t["line"], flush=True)
+        for shape, rows in report["shapes"].items():
+            for r in (rows.get("engine") or {}).get("one"), (rows.get("engine") or {}).get("many"):
+                if r:
+                    share = 100 * r["roofline_share"]
+                    print(
+                        f"ROOFLINE {shape} {r['streams']} streams: {r['tok_s']:.0f} tok/s = {share:.1f} %", flush=True
+                    )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     report["wall_s"] = time.monotonic() - began
@@ -496,18 +514,23 @@ def run_shape(args: argparse.Namespace, rows: dict[str, Any], ckpt: Path, bandwi
     """Every measurement of one shape into ``rows`` (each a section: a failure leaves the others)."""
     from transformers import AutoConfig
 
-    device = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
     vocab = int(AutoConfig.from_pretrained(ckpt).vocab_size)
-    p = prompts(vocab, 1, args.prompt_tokens, seed=4)[0]
-    if not args.skip_anchors:
-        section(rows, "anchor_1", lambda: anchor(ckpt, device, dtype, p, 1, args.tokens))
-        section(rows, "anchor_batch", lambda: anchor(ckpt, device, dtype, p, args.streams, args.tokens))
     section(rows, "engine", lambda: engine_rows(ckpt, args, bandwidth))
     if rows["shape"] == args.parity_shape:
         section(rows, "parity_fp32_vs_cpu", lambda: parity_fp32(ckpt, args, vocab))
     if rows["shape"] == args.grpc_shape and not args.skip_grpc:
         section(rows, "grpc", lambda: grpc_rows(ckpt, args, vocab))
+
+
+def run_anchors(args: argparse.Namespace, rows: dict[str, Any], ckpt: Path, section: Section) -> None:
+    """transformers' static-cache ``generate``: 1 stream, and one batch of ``--streams`` equal prompts."""
+    from transformers import AutoConfig
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    p = prompts(int(AutoConfig.from_pretrained(ckpt).vocab_size), 1, args.prompt_tokens, seed=4)[0]
+    section(rows, "anchor_1", lambda: anchor(ckpt, device, dtype, p, 1, args.tokens))
+    section(rows, "anchor_batch", lambda: anchor(ckpt, device, dtype, p, args.streams, args.tokens))
 
 
 def shape_targets(args: argparse.Namespace, rows: dict[str, Any]) -> list[dict[str, Any]]:
@@ -521,10 +544,6 @@ def shape_targets(args: argparse.Namespace, rows: dict[str, Any]) -> list[dict[s
         if "anchor_batch" in rows:
             name = f"{shape} {args.streams} streams tok/s vs compiled static batch"
             out.append(target(name, eng["many"]["tok_s"], rows["anchor_batch"]["tok_s"]))
-        for key in ("one", "many"):
-            r = eng[key]
-            share = 100 * r["roofline_share"]
-            print(f"ROOFLINE {shape} {r['streams']} streams: {r['tok_s']:.0f} tok/s = {share:.1f} % of the roofline")
         ge = eng["graph_vs_eager"]
         name = f"{shape} {args.dtype} graph path == eager path (sequences equal)"
         out.append(target(name, ge["equal"], ge["sequences"]))
