@@ -276,6 +276,11 @@ def engine_rows(path: Path, args: argparse.Namespace, bandwidth: float) -> dict[
             out["engine_reserved_bytes"] = torch.cuda.memory_reserved(device) - before
         vocab = e.info.vocab_size
         ps = prompts(vocab, args.streams, args.prompt_tokens, seed=1)
+        if e.static is not None:  # capture every width the runs reach now, not inside a timed run
+            need = -(-(args.prompt_tokens + args.tokens) // e.block_tokens)
+            last = next((i for i, w in enumerate(e.static.widths) if w >= need), len(e.static.widths) - 1)
+            for width in e.static.widths[: last + 1]:
+                e.static.capture_all(width)
         streams(e, ps[:2], 8)  # warm-up: kernels, allocator
         one = streams(e, ps[:1], args.tokens)
         many = streams(e, ps, args.tokens)

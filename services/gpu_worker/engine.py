@@ -17,6 +17,10 @@ vs reused from local blocks vs imported from Redis (``prefix_counters``, Prometh
 Load reports: ``kv_usage()`` (bytes held by live sequences, the budget, cached prefix bytes) and
 ``hot_prefix_blocks()`` (chain hashes of recently used cached prompt prefixes).
 ``import_kv`` / ``export_kv``: Worker.ImportKV / ExportKV (kv_transfer.py).
+
+Static decode steps (``decode_graphs``, graphs.py): pure decode steps run with batch buckets and
+fixed-width block tables, captured as CUDA graphs on a GPU; the budget's last KV block is then the
+padding rows' block, outside the block manager.
 """
 
 from __future__ import annotations

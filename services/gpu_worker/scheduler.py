@@ -13,7 +13,10 @@ Each step (``Scheduler._step``) is planned under the lock, run without it, commi
    goes to *chunked prefill* of admitted prompts, most urgent first.
 3. One ``forward(segments)`` call (the model, or a tensor-parallel wrapper that broadcasts the
    segments to follower ranks); then tokens are sampled per sequence, appended to its output
-   queue, and full blocks are named by their chain key so later prompts share them.
+   queue, and full blocks are named by their chain key so later prompts share them. With a
+   ``StaticDecoder`` (graphs.py, setting ``decode_graphs``) a pure decode step runs there instead,
+   with fixed shapes (a CUDA graph on a GPU) and sampling on the device; eager steps then sample
+   with the same device sampler (device_sampler.py), one call for the whole step.
 
 A sequence decodes ahead of its consumer by at most ``lookahead`` tokens. ``close()`` marks it,
 waits for the step in flight (if it is in it) and releases its blocks at once: cancel stops
