@@ -188,8 +188,17 @@ class StaticDecoder:
         return self.out
 
     def capture_all(self, width: int | None = None, sampled: bool = False) -> None:
-        """Capture every batch bucket of ``width`` (default: the narrowest) now (CUDA; no-op on CPU)."""
+        """Capture every batch bucket of ``width`` (default: the narrowest) now (CUDA; no-op on CPU).
+
+        Between steps only (the scheduler thread, or before the scheduler runs): the buffers are reset to
+        padding first, so the warm-up and capture runs write K/V only into the pad block (the last
+        step's slots may belong to another sequence by now)."""
         if self.capture:
+            self.tokens.zero_()
+            self.positions.zero_()
+            self.slots.fill_(self.pad_slot)
+            self.lengths.fill_(1)
+            self.tables.fill_(self.pad_block)
             self._capture_width(width or self.widths[0], sampled)
 
     def _capture_width(self, width: int, sampled: bool) -> None:
