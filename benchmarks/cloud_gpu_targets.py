@@ -429,6 +429,10 @@ def grpc_rows(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any
             proc.wait()
 
 
+def _as_str(fn: Callable[[], Path]) -> str:
+    return str(fn())
+
+
 # -- the run --------------------------------------------------------------------------------------
 
 
@@ -488,11 +492,10 @@ def run(args: argparse.Namespace, progress: Callable[[dict[str, Any]], None] | N
         for shape in args.shapes:
             rows: dict[str, Any] = {"shape": shape}
             report["shapes"][shape] = rows
-            path = section(
-                rows, "checkpoint", functools.partial(build_checkpoint, shape, tok, work / shape, device, dtype)
-            )
+            build = functools.partial(build_checkpoint, shape, tok, work / shape, device, dtype)
+            path = section(rows, "checkpoint", functools.partial(_as_str, build))
             if path is not None:
-                checkpoints[shape] = path
+                checkpoints[shape] = Path(path)
                 run_shape(args, rows, checkpoints[shape], bandwidth, section)
         for shape, ckpt in checkpoints.items():
             if not args.skip_anchors:
