@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig as HFLlamaConfig
 from transformers import LlamaForCausalLM
 
 from services.gpu_worker.device_sampler import PAD_ROW
+from services.gpu_worker.engine import resolve_decode_graphs
 from services.gpu_worker.graphs import StaticDecoder
 from services.gpu_worker.model import LlamaConfig, LlamaModel
 from services.gpu_worker.plan import Segment
@@ -62,3 +64,15 @@ def test_the_static_step_equals_the_eager_step_and_padding_stays_in_the_pad_bloc
         changed = (k_static != k_before).any(-1).any(-1).nonzero().flatten().tolist()
         written = {t[n // BT] * BT + n % BT for t, n in zip(tables, lengths, strict=True)}
         assert set(changed) - written == {pad.start}  # the padding row wrote its K/V to the pad slot only
+
+
+def test_the_decode_graphs_setting() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_decode_graphs("auto", cpu, tp=False) == "off"  # the CPU keeps today's eager step
+    assert resolve_decode_graphs("on", cpu, tp=False) == "static"  # the static step without capture
+    assert resolve_decode_graphs("auto", cuda, tp=False) == "graphs"
+    assert resolve_decode_graphs("on", cuda, tp=False) == "graphs"
+    assert resolve_decode_graphs("on", cuda, tp=True) == "off"  # followers mirror the eager packed step
+    assert resolve_decode_graphs("off", cuda, tp=False) == "off"
+    with pytest.raises(ValueError, match="auto, on or off"):
+        resolve_decode_graphs("yes", cpu, tp=False)
