@@ -1,7 +1,12 @@
-"""Cloud engine on a GPU: greedy parity with the CPU float32 engine, batching invariance, throughput.
+"""Cloud engine on a GPU: issue 22's targets (default), or the engine report of the real model.
 
-``python -m benchmarks.cloud.gpu [--model DIR] [--device cuda]`` (also runs with ``--device cpu``).
-Everything goes through the gpu_worker's own ``CloudEngine`` (its default dtype: bfloat16 on CUDA):
+``python -m benchmarks.cloud.gpu [--device cuda] [--shapes 135m 1b]``: the targets run of
+cloud_gpu_targets.py (anchors, engine, roofline shares, parity checks, gRPC rows; ``TARGET`` lines into
+docs/benchmarks/cloud_gpu.md); ``--device cpu --tiny`` is its smoke mode (seconds).
+
+``python -m benchmarks.cloud.gpu --engine-report [--model DIR] [--device cuda]`` (also runs with
+``--device cpu``): the report below of the prepared SmolLM2 checkpoint. Everything goes through the
+gpu_worker's own ``CloudEngine`` (its default dtype: bfloat16 on CUDA):
 
 1. Parity: each prompt's greedy tokens from the engine on ``--device`` vs the same engine on the CPU
    in float32 (first differing position), and teacher-forced top-1 agreement of the two models'
@@ -35,6 +40,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.cloud import gpu_targets as cloud_gpu_targets
 from services.common.errors import ResourceExhausted
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
@@ -359,7 +365,26 @@ def markdown(r: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cloud.gpu", description=__doc__.splitlines()[0])
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--engine-report" in args:
+        args.remove("--engine-report")
+        return engine_report(args)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.cloud.gpu",
+        description=__doc__.splitlines()[0],
+        epilog="--engine-report [--help]: the engine report of the prepared SmolLM2 checkpoint instead.",
+    )
+    cloud_gpu_targets.add_arguments(parser)
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parsed = parser.parse_args(args)
+    parsed.command = "python -m benchmarks.cloud.gpu " + " ".join(args)
+    return cloud_gpu_targets.main_targets(parsed)
+
+
+def engine_report(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.cloud.gpu --engine-report", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--model", default="", help="HF checkpoint dir (default: the prepared smollm2 hf/)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu", "auto"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])

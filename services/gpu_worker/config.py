@@ -36,6 +36,11 @@ class GpuWorkerSettings(WorkerSettings):
     KV blocks hold ``prefix_block_tokens`` tokens (the block size of the Redis prefix cache and the router)."""
     max_step_tokens: int = Field(default=512, ge=16)
     """Tokens one batch step may process: every decoding sequence's token, then prefill chunks up to this."""
+    decode_graphs: Literal["auto", "on", "off"] = "auto"
+    """Pure decode steps with static shapes (batch buckets, fixed-width block tables, sampling on the device),
+    captured as CUDA graphs on a GPU (docs/cloud.md "Static decode steps"): auto is on for CUDA and off on
+    CPU; on runs the same static-shape step on CPU without capture; off keeps the eager step everywhere.
+    Off under tensor parallelism. Needs one KV block of the budget for padding rows."""
     prefix_cache: bool = True
     """Reuse KV of prompt prefixes computed earlier (local LRU, and Redis when ``redis_url`` is set)."""
     redis_url: str = ""

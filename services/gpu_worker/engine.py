@@ -17,6 +17,10 @@ vs reused from local blocks vs imported from Redis (``prefix_counters``, Prometh
 Load reports: ``kv_usage()`` (bytes held by live sequences, the budget, cached prefix bytes) and
 ``hot_prefix_blocks()`` (chain hashes of recently used cached prompt prefixes).
 ``import_kv`` / ``export_kv``: Worker.ImportKV / ExportKV (kv_transfer.py).
+
+Static decode steps (``decode_graphs``, graphs.py): pure decode steps run with batch buckets and
+fixed-width block tables, captured as CUDA graphs on a GPU; the budget's last KV block is then the
+padding rows' block, outside the block manager.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from services.common.sampling import SamplingParams
 from services.gpu_worker import kv_transfer
 from services.gpu_worker.blocks import BlockManager
+from services.gpu_worker.graphs import StaticDecoder
 from services.gpu_worker.model import AllReduce, LlamaModel, Shard
 from services.gpu_worker.prefix import RedisPrefixCache, chain_keys, key_digest
 from services.gpu_worker.sampler import Sampler
@@ -70,6 +75,22 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.float32
+
+
+def resolve_decode_graphs(setting: str, device: torch.device, *, tp: bool) -> str:
+    """How pure decode steps run: ``graphs`` (static shapes, CUDA-graph captured), ``static`` (static
+    shapes, eager: the CPU) or ``off`` (the eager packed step). ``auto`` is graphs on CUDA, else off;
+    ``on`` is graphs on CUDA, static on CPU. Tensor parallelism runs eager steps (its followers mirror
+    the packed step), so there it is always off."""
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"decode_graphs must be auto, on or off, not {setting!r}")
+    if setting == "off" or tp:
+        if tp and setting == "on":
+            log.warning("decode_graphs_off_under_tensor_parallelism")
+        return "off"
+    if device.type == "cuda":
+        return "graphs"
+    return "static" if setting == "on" else "off"
 
 
 def resolve_kv_dtype(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
@@ -164,6 +185,8 @@ class CloudEngine:
         all_reduce: AllReduce | None = None,
         wrap_forward: Callable[[Forward], Forward] | None = None,
         kv_io: KVBlockIO | None = None,
+        decode_graphs: str = "auto",
+        max_batch: int = 32,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)  # process-wide: one worker per process
@@ -183,7 +206,12 @@ class CloudEngine:
         self.block_tokens = block_tokens
         self.bytes_per_block = cfg.kv_bytes_per_token(self.kv_dtype, shard.world) * block_tokens
         num_blocks = kv_budget_bytes // self.bytes_per_block
-        self.blocks = BlockManager(num_blocks, block_tokens, self.bytes_per_block)
+        self.decode_graphs = resolve_decode_graphs(
+            decode_graphs, self.device, tp=shard.world > 1 or wrap_forward is not None
+        )
+        # Static decode keeps the budget's last block out of the block manager: padding rows write there.
+        usable = num_blocks - 1 if self.decode_graphs != "off" else num_blocks
+        self.blocks = BlockManager(usable, block_tokens, self.bytes_per_block)
         self.cache = self.model.new_cache(num_blocks, block_tokens, self.kv_dtype)
         self.model_id = model_id
         self.model_version = model_version or model_id
@@ -194,12 +222,24 @@ class CloudEngine:
         forward: Forward = lambda segments: self.model.forward(segments, self.cache)  # noqa: E731
         if wrap_forward is not None:
             forward = wrap_forward(forward)
+        self.static: StaticDecoder | None = None
+        if self.decode_graphs != "off":
+            self.static = StaticDecoder(
+                self.model,
+                self.cache,
+                max_batch=max_batch,
+                pad_block=usable,
+                max_context=min(cfg.max_positions, usable * block_tokens),
+                capture=self.decode_graphs == "graphs",
+            )
+            self.static.capture_all()  # CUDA: the narrowest width now (the first steps need it); CPU: nothing
         self.scheduler = Scheduler(
             forward,
             self.cache,
             self.blocks,
             max_step_tokens=max_step_tokens,
             write_blocks=lambda ids, data: self.kv_io.write_blocks(self.cache, ids, data),
+            static=self.static,
         )
         self._tokenizer = _load_tokenizer(model, allow_download)
         self._info = EngineInfo(

@@ -12,6 +12,10 @@
   rewrites it), read (every KV head: under tensor parallelism gathered from the ranks, as the
   export on finish does), released, and written to Redis synchronously (``RedisPrefixCache.write``).
 
+The functions take the engine as a :class:`PrefixHost` (declared here, met by ``CloudEngine``), so
+this module depends on the block manager, scheduler and Redis cache it drives, never on the engine
+that calls it.
+
 Tensor parallelism needs nothing more: block reads and writes go through the engine's ``kv_io``
 (tp_kv.py), the same path as admission imports and exports on finish. Engines without a Redis prefix
 cache (prefix cache off, no Redis URL) refuse with FailedPrecondition.
@@ -19,17 +23,19 @@ cache (prefix cache off, no Redis URL) refuse with FailedPrecondition.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import Counter
+from torch import Tensor
 
 from services.common.errors import FailedPrecondition
+from services.gpu_worker.blocks import BlockManager
+from services.gpu_worker.model import KVCache
 from services.gpu_worker.prefix import RedisPrefixCache, chain_keys
+from services.gpu_worker.scheduler import Scheduler
+from services.gpu_worker.tp_kv import KVBlockIO
 from services.store.kv_blocks import KVContext
 from services.worker.kv_transfer import KVExport, KVImport, KVPrefix
-
-if TYPE_CHECKING:
-    from services.gpu_worker.engine import CloudEngine
 
 KV_TRANSFER_BLOCKS = Counter(
     "meshserve_kv_transfer_blocks_total",
@@ -39,7 +45,31 @@ KV_TRANSFER_BLOCKS = Counter(
 )
 
 
-def _redis(engine: CloudEngine) -> RedisPrefixCache:
+class PrefixHost(Protocol):
+    """What the transfers need of an engine: its paged KV, block manager, scheduler and Redis cache."""
+
+    prefix_cache: bool
+    redis: RedisPrefixCache | None
+    block_tokens: int
+    blocks: BlockManager
+    scheduler: Scheduler
+    kv_io: KVBlockIO
+    cache: KVCache
+
+    def kv_context(self, tenant: str, shareable: bool = False) -> KVContext:
+        """The key context (model version, tenant salt) of the tenant's blocks."""
+        ...
+
+    def checked_blocks(self, blocks: list[Tensor]) -> list[Tensor]:
+        """The leading blocks of the engine's layout, in its KV dtype."""
+        ...
+
+    def remember_prefix(self, chain: list[str]) -> None:
+        """List the chain first in the engine's load reports."""
+        ...
+
+
+def _redis(engine: PrefixHost) -> RedisPrefixCache:
     if not engine.prefix_cache:
         raise FailedPrecondition(
             "this cloud worker runs with its prefix cache off; start it with MESHSERVE_GPU_WORKER_PREFIX_CACHE=true "
@@ -53,7 +83,7 @@ def _redis(engine: CloudEngine) -> RedisPrefixCache:
     return engine.redis
 
 
-def _scope(engine: CloudEngine, prefix: KVPrefix) -> tuple[RedisPrefixCache, KVContext, int, list[int], list[str]]:
+def _scope(engine: PrefixHost, prefix: KVPrefix) -> tuple[RedisPrefixCache, KVContext, int, list[int], list[str]]:
     """The engine's Redis, the prefix's key context, block size, full-block token ids and chain keys."""
     redis = _redis(engine)
     ctx = engine.kv_context(prefix.tenant, prefix.shareable)
@@ -62,7 +92,7 @@ def _scope(engine: CloudEngine, prefix: KVPrefix) -> tuple[RedisPrefixCache, KVC
     return redis, ctx, bt, ids, chain_keys(ctx, bt, ids)
 
 
-def import_prefix(engine: CloudEngine, prefix: KVPrefix) -> KVImport:
+def import_prefix(engine: PrefixHost, prefix: KVPrefix) -> KVImport:
     """Load the prefix's blocks missing locally from Redis into the local prefix cache (blocking)."""
     redis, ctx, bt, ids, keys = _scope(engine, prefix)
     with engine.blocks.lock:
@@ -80,7 +110,7 @@ def import_prefix(engine: CloudEngine, prefix: KVPrefix) -> KVImport:
     return KVImport(bt, len(prefix.token_ids), len(keys), held, imported, unavailable)
 
 
-def export_prefix(engine: CloudEngine, prefix: KVPrefix) -> KVExport:
+def export_prefix(engine: PrefixHost, prefix: KVPrefix) -> KVExport:
     """Write the leading run of the prefix's locally held blocks to Redis and wait (blocking)."""
     redis, ctx, bt, ids, keys = _scope(engine, prefix)
     cond = engine.scheduler.cond

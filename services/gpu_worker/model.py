@@ -327,6 +327,52 @@ class LlamaModel:
         logits = self.lm_head(h).float()
         return list(torch.split(logits, plan.logit_counts))
 
+    def decode_fixed(
+        self, tokens: Tensor, positions: Tensor, slots: Tensor, lengths: Tensor, tables: Tensor, cache: KVCache
+    ) -> Tensor:
+        """One decode step of ``B`` rows with shapes fixed by ``B`` and the table width ``W`` (graphs.py).
+
+        ``tokens``, ``positions``, ``slots``, ``lengths``: ``[B]`` int64 (the new token, its position, the
+        cache slot its K/V goes to, and the context length including it); ``tables``: ``[B, W]`` block
+        ids (entries past a row's blocks may be anything valid: they are masked by ``lengths``).
+        Returns float32 logits ``[B, vocab]``. Nothing here reads a value on the host, so the step can
+        be captured as a CUDA graph; padding rows point ``slots`` at a slot no sequence uses.
+        """
+        with torch.inference_mode():
+            d = self.config.head_dim
+            g = self.local_heads // self.local_kv_heads
+            bt = cache.block_tokens
+            b, width = tables.shape
+            index = (tables[:, :, None] * bt + torch.arange(bt, device=tables.device)).view(b, width * bt)
+            mask = (torch.arange(width * bt, device=tables.device)[None, :] < lengths[:, None]).view(b, 1, 1, -1)
+            cos = self._cos[positions][:, None, :]
+            sin = self._sin[positions][:, None, :]
+            x = self.embed[tokens]
+            for li, layer in enumerate(self.layers):
+                h = self._rms(x, layer.ln1)
+                qkv = layer.wqkv(h)
+                q = self._rope(qkv[:, : self._q_size].view(b, self.local_heads, d), cos, sin)
+                k_end = self._q_size + self._kv_size
+                k = self._rope(qkv[:, self._q_size : k_end].view(b, self.local_kv_heads, d), cos, sin)
+                v = qkv[:, k_end:].view(b, self.local_kv_heads, d)
+                kc, vc = cache.k[li], cache.v[li]
+                kc.index_copy_(0, slots, k.to(kc.dtype))
+                vc.index_copy_(0, slots, v.to(vc.dtype))
+                keys = kc[index].to(x.dtype).transpose(1, 2)  # [B, kvh, W*bt, d]
+                vals = vc[index].to(x.dtype).transpose(1, 2)
+                qg = q.view(b, self.local_kv_heads, g, d)
+                attn = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask)
+                o = layer.wo(attn.reshape(b, self._q_size))
+                self.all_reduce(o)
+                x = x + o
+                h = self._rms(x, layer.ln2)
+                gu = layer.w_gate_up(h)
+                half = gu.shape[-1] // 2
+                down = layer.w_down(F.silu(gu[:, :half]) * gu[:, half:])
+                self.all_reduce(down)
+                x = x + down
+            return self.lm_head(self._rms(x, self.norm)).float()
+
 
 def _read_safetensors(directory: Path) -> dict[str, Tensor]:
     from safetensors.torch import load_file

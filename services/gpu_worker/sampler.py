@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from services.common.sampling import SamplingParams
+from services.gpu_worker.device_sampler import RowSampling
 
 _NO_IDS = cast(torch.LongTensor, torch.zeros(1, 1, dtype=torch.long))
 
@@ -26,6 +27,8 @@ class Sampler:
 
     def __init__(self, sampling: SamplingParams) -> None:
         self.greedy = sampling.greedy
+        self.row = RowSampling.from_config(sampling)
+        """The same parameters for the device sampler (engines running static decode steps use it)."""
         self._warpers = LogitsProcessorList()
         self._rng: torch.Generator | None = None
         if not self.greedy:

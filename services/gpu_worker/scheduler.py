@@ -13,7 +13,10 @@ Each step (``Scheduler._step``) is planned under the lock, run without it, commi
    goes to *chunked prefill* of admitted prompts, most urgent first.
 3. One ``forward(segments)`` call (the model, or a tensor-parallel wrapper that broadcasts the
    segments to follower ranks); then tokens are sampled per sequence, appended to its output
-   queue, and full blocks are named by their chain key so later prompts share them.
+   queue, and full blocks are named by their chain key so later prompts share them. With a
+   ``StaticDecoder`` (graphs.py, setting ``decode_graphs``) a pure decode step runs there instead,
+   with fixed shapes (a CUDA graph on a GPU) and sampling on the device; eager steps then sample
+   with the same device sampler (device_sampler.py), one call for the whole step.
 
 A sequence decodes ahead of its consumer by at most ``lookahead`` tokens. ``close()`` marks it,
 waits for the step in flight (if it is in it) and releases its blocks at once: cancel stops
@@ -32,10 +35,13 @@ from dataclasses import dataclass, field
 from itertools import count
 
 import structlog
+import torch
 from torch import Tensor
 
 from services.common.errors import ResourceExhausted, Unavailable
 from services.gpu_worker.blocks import BlockManager
+from services.gpu_worker.device_sampler import sample_rows
+from services.gpu_worker.graphs import StaticDecoder
 from services.gpu_worker.model import KVCache
 from services.gpu_worker.plan import Segment
 from services.gpu_worker.sampler import Sampler
@@ -109,8 +115,12 @@ class Scheduler:
         lookahead: int = 2,
         on_step: Callable[[int, int], None] | None = None,
         write_blocks: Callable[[Sequence[int], Sequence[Tensor]], None] | None = None,
+        static: StaticDecoder | None = None,
     ) -> None:
         self.forward = forward
+        # Pure decode steps run with static shapes (graphs.py); then every token, eager steps'
+        # included, is chosen by the device sampler (one sampler per sequence whatever the step).
+        self.static = static
         self.cache = cache
         # Writes imported (Redis) blocks into the cache; under TP it scatters head slices to every rank.
         self.write_blocks = write_blocks or self._write_local
@@ -236,18 +246,18 @@ class Scheduler:
                 self.in_flight = {id(s) for s, _ in plan}
                 self.cond.notify_all()  # admissions happened: waiters on ``admitted`` may go on
             try:
-                logits = self.forward([seg for _, seg in plan])
+                logits, tokens = self._run(plan)
                 error: BaseException | None = None
             except BaseException as exc:  # a failed step fails its sequences, not the worker
                 log.error("gpu_step_failed", exc_info=exc)
-                logits, error = [], exc
+                logits, tokens, error = [], None, exc
             with self.cond:
                 self.in_flight = set()
                 if error is not None:
                     for seq, _ in plan:
                         seq.error = error
                 else:
-                    self._commit(plan, logits)
+                    self._commit(plan, logits, tokens)
                 self.steps_total += 1
                 for seq, _ in plan:
                     if seq.wake is not None:
@@ -255,6 +265,20 @@ class Scheduler:
                 self.cond.notify_all()
             if self.on_step is not None:
                 self.on_step(len(plan), sum(len(seg.token_ids) for _, seg in plan))
+
+    def _run(self, plan: list[tuple[SeqState, Segment]]) -> tuple[list[Tensor], list[int] | None]:
+        """One model step: per-segment logits (eager), and each segment's next token when the device
+        sampler chose it (static decode on); the sequences that need no token ignore theirs."""
+        segments = [seg for _, seg in plan]
+        static = self.static
+        if static is None:
+            return self.forward(segments), None
+        rows = [seq.sampler.row for seq, _ in plan]
+        steps = [seq.generated for seq, _ in plan]
+        if static.fits(segments):
+            return [], static.step(segments, rows, steps)
+        logits = self.forward(segments)
+        return logits, sample_rows(torch.cat([row[-1:] for row in logits]), rows, steps)
 
     def _run_imports(self) -> None:
         while self.imports:
@@ -335,15 +359,18 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _commit(self, plan: list[tuple[SeqState, Segment]], logits: list[Tensor]) -> None:
-        for (seq, seg), row in zip(plan, logits, strict=True):
+    def _commit(self, plan: list[tuple[SeqState, Segment]], logits: list[Tensor], tokens: list[int] | None) -> None:
+        for i, (seq, seg) in enumerate(plan):
             try:
-                self._advance(seq, len(seg.token_ids), row)
+                if tokens is not None:
+                    self._advance(seq, len(seg.token_ids), None, tokens[i])
+                else:
+                    self._advance(seq, len(seg.token_ids), logits[i])
             except Exception as exc:  # e.g. a sampling error: that sequence fails, the others go on
                 log.error("gpu_sequence_failed", exc_info=exc)
                 seq.error = exc
 
-    def _advance(self, seq: SeqState, n: int, row: Tensor) -> None:
+    def _advance(self, seq: SeqState, n: int, row: Tensor | None, chosen: int | None = None) -> None:
         if seq.computed < seq.prompt_len:
             seq.prefilled += n
         seq.computed += n
@@ -353,7 +380,10 @@ class Scheduler:
         if seq.replay:
             seq.tokens.append(seq.replay.popleft())
             return
-        token = seq.sampler.pick(row[-1:])
+        if chosen is None:
+            assert row is not None, "an eager step returns logits for every segment"
+            chosen = seq.sampler.pick(row[-1:])
+        token = chosen
         seq.generated += 1
         seq.out.append(token)
         if token in seq.eos or seq.generated >= seq.max_new:

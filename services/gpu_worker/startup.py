@@ -55,6 +55,8 @@ def build_engine(settings: GpuWorkerSettings) -> CloudEngine:
         prefix_cache=settings.prefix_cache,
         redis=redis,
         allow_download=settings.allow_download,
+        decode_graphs=settings.decode_graphs,
+        max_batch=settings.max_active_sequences,
         **tp_hooks,
     )
     if leader is not None:

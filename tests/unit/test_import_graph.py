@@ -13,12 +13,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-KNOWN_CYCLES: list[list[str]] = [
-    # The GPU worker's engine <-> kv_transfer circle is being undone in its own change (CloudEngine's
-    # methods pushed out to kv_transfer.py go back where they belong); remove this entry with it.
-    ["services.gpu_worker.engine", "services.gpu_worker.kv_transfer"],
-]
-
 ALLOWED_UPWARD: list[str] = [
     # empty: services/common (settings, errors, logging, sampling, model paths, ...) imports nothing above it
 ]
@@ -148,7 +142,7 @@ def graph() -> dict[str, list[object]]:
 
 def test_services_has_no_import_circle(graph: dict[str, list[object]]) -> None:
     found = ig.cycles(graph)
-    assert [c for c in found if c not in KNOWN_CYCLES] == [], "import circles: break them where the purposes part"
+    assert found == [], "import circles: break them where the purposes part"
 
 
 def test_the_ground_floor_imports_nothing_above_it(graph: dict[str, list[object]]) -> None:

@@ -1,0 +1,150 @@
+"""Token choice for a whole batch on the model's device: greedy, temperature / top-k / top-p, per-row seeds.
+
+Used by the static-shape decode step (graphs.py), where it runs inside the captured CUDA graph, and
+by the scheduler for the eager steps of an engine that runs static decode steps, so a sequence's
+tokens come from one sampler whatever kind of step produced them. One call handles every row at once
+with fixed shapes and no host synchronisation; the caller copies the chosen ids to the host once.
+
+Why our own instead of transformers' logits warpers (sampler.py uses those, per sequence, on the
+host): they take one generator per call and ``multinomial`` draws from torch's stateful RNG, which a
+CUDA graph replays with one seed for the batch. Here randomness is a counter-based hash (Gumbel-max):
+the noise of token ``t`` for a row is ``hash(seed, step, t)``, where ``step`` is how many tokens the
+sequence has generated. No state is carried between steps, so a seed reproduces its tokens whatever
+else shares the batch and whichever kind of step (static or eager) ran, and padding rows consume
+nothing. The warpers' order and semantics follow ``generate``: temperature, then top-k, then top-p
+over the top-k-filtered distribution (at least one token kept). Ties at the top-k boundary keep the
+first ``k`` in sort order (transformers keeps every tied token): a measure-zero difference for
+float logits.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from services.common.sampling import SamplingParams
+
+_M32 = 0xFFFF_FFFF
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """One row's sampling parameters as the device sampler takes them (seed resolved)."""
+
+    greedy: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+
+    @classmethod
+    def from_config(cls, sampling: SamplingParams) -> RowSampling:
+        """``seed=None`` draws a fresh 64-bit seed (the sequence keeps it for all its steps)."""
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(64)
+        return cls(
+            greedy=sampling.greedy,
+            temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
+            top_k=max(0, sampling.top_k),
+            top_p=sampling.top_p if 0 < sampling.top_p <= 1 else 1.0,
+            seed=seed & 0xFFFF_FFFF_FFFF_FFFF,
+        )
+
+
+PAD_ROW = RowSampling(greedy=True, temperature=1.0, top_k=0, top_p=1.0, seed=0)
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """``x * c mod 2**32`` for ``0 <= x < 2**32`` in int64 without overflow (16-bit halves of ``c``)."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & _M32
+
+
+def _hash32(x: Tensor) -> Tensor:
+    """A 32-bit integer mixer (lowbias32) on int64 tensors holding values in ``[0, 2**32)``."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(seed_lo: Tensor, seed_hi: Tensor, step: Tensor, vocab: int) -> Tensor:
+    """``[rows, vocab]`` float32 standard Gumbel noise, a pure function of (seed, step, token id)."""
+    row = _hash32(seed_lo ^ _hash32(seed_hi ^ 0x9E3779B9))
+    row = _hash32((row + step * 0x632BE5AB) & _M32)
+    ids = torch.arange(vocab, device=seed_lo.device, dtype=torch.int64)
+    h = _hash32((row[:, None] ^ _hash32(ids)[None, :]) & _M32)
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
+    return -torch.log(-torch.log(u))
+
+
+class SamplingBuffers:
+    """Per-row sampling parameters in device tensors of ``max_rows`` (static: a graph reads them in place)."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.greedy = torch.ones(max_rows, dtype=torch.bool, device=device)
+        self.temperature = torch.ones(max_rows, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(max_rows, dtype=torch.float32, device=device)
+        self.seed_lo = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.seed_hi = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.step = torch.zeros(max_rows, dtype=torch.int64, device=device)
+        self.max_rows = max_rows
+
+    def fill(self, rows: list[RowSampling], steps: list[int]) -> bool:
+        """Write ``rows`` (then padding rows up to ``max_rows``) with one host-to-device copy per field;
+        returns whether any row samples (False: every row is greedy)."""
+        pad = self.max_rows - len(rows)
+        if pad < 0:
+            raise ValueError(f"{len(rows)} rows do not fit sampling buffers of {self.max_rows}")
+        if all(r.greedy for r in rows):
+            return False  # a greedy batch reads no buffer
+        rows = rows + [PAD_ROW] * pad
+        steps = list(steps) + [0] * pad
+        self._copy(self.greedy, [r.greedy for r in rows])
+        self._copy(self.temperature, [r.temperature for r in rows])
+        self._copy(self.top_k, [r.top_k for r in rows])
+        self._copy(self.top_p, [r.top_p for r in rows])
+        self._copy(self.seed_lo, [r.seed & _M32 for r in rows])
+        self._copy(self.seed_hi, [r.seed >> 32 for r in rows])
+        self._copy(self.step, [s & _M32 for s in steps])
+        return True
+
+    @staticmethod
+    def _copy(dst: Tensor, values: list[bool] | list[float] | list[int]) -> None:
+        dst.copy_(torch.tensor(values, dtype=dst.dtype), non_blocking=dst.device.type == "cuda")
+
+    def sample(self, logits: Tensor, *, sampled: bool) -> Tensor:
+        """Token ids ``[rows]`` (int64, on the device) for ``logits`` ``[rows, vocab]`` float32, reading the
+        first ``rows`` entries of every buffer. ``sampled=False`` skips the sampling arithmetic (greedy batch)."""
+        n = logits.shape[0]
+        best = logits.argmax(dim=-1)
+        if not sampled:
+            return best
+        return torch.where(self.greedy[:n], best, self._draw(logits, n))
+
+    def _draw(self, logits: Tensor, n: int) -> Tensor:
+        vocab = logits.shape[-1]
+        scores = logits / self.temperature[:n, None]
+        ordered, order = scores.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=logits.device)[None, :]
+        k = torch.where(self.top_k[:n] > 0, self.top_k[:n], vocab)
+        ordered = ordered.masked_fill(rank >= k[:, None], float("-inf"))
+        probs = ordered.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the more likely tokens
+        ordered = ordered.masked_fill((before >= self.top_p[:n, None]) & (rank > 0), float("-inf"))
+        noise = gumbel_noise(self.seed_lo[:n], self.seed_hi[:n], self.step[:n], vocab).gather(-1, order)
+        choice = (ordered + noise).argmax(dim=-1, keepdim=True)
+        return order.gather(-1, choice).squeeze(-1)
+
+
+def sample_rows(logits: Tensor, rows: list[RowSampling], steps: list[int]) -> list[int]:
+    """The eager steps' counterpart of the static step's sampling: ``logits`` ``[n, vocab]`` float32 on
+    the device, one token id per row (one device-to-host copy)."""
+    buffers = SamplingBuffers(len(rows), logits.device)
+    sampled = buffers.fill(rows, steps)
+    return [int(t) for t in buffers.sample(logits, sampled=sampled).tolist()]
