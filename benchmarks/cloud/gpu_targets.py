@@ -406,7 +406,6 @@ def grpc_rows(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, Any
         MESHSERVE_GPU_WORKER_DEVICE=args.device,
         MESHSERVE_GPU_WORKER_DTYPE=args.dtype,
         MESHSERVE_GPU_WORKER_PORT=str(port),
-        MESHSERVE_GPU_WORKER_STREAM_PORT="-1",
         MESHSERVE_GPU_WORKER_MAX_ACTIVE_SEQUENCES=str(args.streams),
         MESHSERVE_GPU_WORKER_MAX_QUEUE=str(args.streams),
         MESHSERVE_GPU_WORKER_KV_BUDGET_BYTES=str(args.kv_budget),
