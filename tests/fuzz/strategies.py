@@ -12,6 +12,7 @@ spliced), which is what a buggy or hostile client sends.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from google.protobuf import message_factory
@@ -41,6 +42,29 @@ def texts() -> st.SearchStrategy[str]:
     """Any Unicode text (no lone surrogates: protobuf cannot hold them), sometimes very long."""
     long = st.builds(lambda c, n: c * n, st.characters(codec="utf-8"), st.integers(1, 40_000))
     return st.one_of(st.text(), st.text(min_size=1, max_size=8), long)
+
+
+def invalid_unicode() -> st.SearchStrategy[str]:
+    """Text that JSON can carry (as ``\\uXXXX`` escapes) but Unicode forbids: a lone high or low
+    surrogate, or a reversed pair (low, then high), among ordinary characters. Neither UTF-8 nor
+    protobuf can hold it, so only JSON callers can send it (``json.dumps`` with ``ensure_ascii`` writes
+    the escapes; without, :func:`json_bytes` writes the surrogates' invalid UTF-8 bytes)."""
+    lone = st.integers(0xD800, 0xDFFF).map(chr)
+    low, high = st.integers(0xDC00, 0xDFFF), st.integers(0xD800, 0xDBFF)
+    reversed_pair = st.builds(lambda lo, hi: chr(lo) + chr(hi), low, high)
+    around = st.text(max_size=4)  # st.text never holds a surrogate, so no valid pair can form
+    return st.builds(lambda a, bad, b: a + bad + b, around, st.one_of(lone, reversed_pair), around)
+
+
+def json_texts(valid: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    """``valid`` text nine times in ten, else :func:`invalid_unicode`: every string of a fuzzed JSON body."""
+    return st.one_of(*([valid] * 9), invalid_unicode())
+
+
+def json_bytes(body: Any, ensure_ascii: bool) -> bytes:
+    """``body`` as JSON bytes; lone surrogates become ``\\ud800`` escapes (``ensure_ascii``) or, without,
+    the invalid UTF-8 bytes a careless encoder writes for them."""
+    return json.dumps(body, ensure_ascii=ensure_ascii).encode("utf-8", "surrogatepass")
 
 
 def ints(field: FieldDescriptor) -> st.SearchStrategy[int]:
