@@ -9,6 +9,11 @@ import pytest
 from services.local.processes import REDIS_OVERCOMMIT_NOTE, spawn_redis
 
 pytestmark = pytest.mark.integration
+OVERCOMMIT = Path("/proc/sys/vm/overcommit_memory")
+
+
+def _overcommit_off() -> bool:
+    return OVERCOMMIT.exists() and OVERCOMMIT.read_text().strip() != "1"
 
 
 async def test_redis_starts_without_a_warning(tmp_path: Path) -> None:
@@ -21,7 +26,6 @@ async def test_redis_starts_without_a_warning(tmp_path: Path) -> None:
     assert lines, "redis logged nothing at all"
     warnings = [line for line in lines if "WARNING" in line]
     assert not warnings, warnings
-    overcommit = Path("/proc/sys/vm/overcommit_memory")
-    if overcommit.exists() and overcommit.read_text().strip() != "1":
+    if _overcommit_off():
         # The one warning only root can avoid is replaced by one line that explains it.
         assert lines.count(REDIS_OVERCOMMIT_NOTE) == 1, lines
