@@ -99,7 +99,7 @@ def mangle(data: bytes, how: str, at: int, junk: bytes) -> bytes:
     if how == "latin1":  # bytes that are not UTF-8 inside an otherwise plausible body
         return data[:i] + b"\xff\xfe\xc3\x28\xa0\xa1" + data[i:]
     if how == "utf16":
-        return data.decode("utf-8", "surrogatepass").encode("utf-16")
+        return data.decode("utf-8", "surrogatepass").encode("utf-16", "surrogatepass")
     return data
 
 
