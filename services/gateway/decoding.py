@@ -78,7 +78,7 @@ def bad_utf8_field(descriptor: Descriptor, data: bytes, prefix: str = "") -> str
                         chunk.decode("utf-8")
                     except UnicodeDecodeError:
                         return name
-                elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                elif field.type == FieldDescriptor.TYPE_MESSAGE and field.message_type is not None:
                     found = bad_utf8_field(field.message_type, chunk, name + ".")
                     if found is not None:
                         return found
