@@ -187,6 +187,60 @@ def message(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[Message
     return st.builds(lambda a, b: cls(**a, **b), fields, oneofs)
 
 
+BAD_UTF8_MARK = "\U0010fffdmeshserve-bad-utf8"
+"""A text value whose first 4 encoded bytes (``f4 8f bf bd``) :func:`bad_utf8_messages` overwrites with
+4 bytes that are not UTF-8 (``ed a0 80`` encodes a surrogate), so every length prefix stays right."""
+_BAD_4 = b"\xed\xa0\x80A"
+
+
+def string_paths(descriptor: Descriptor, depth: int = 0) -> list[tuple[FieldDescriptor, ...]]:
+    """Every path from ``descriptor`` to a ``string`` field, through message fields (not maps)."""
+    paths: list[tuple[FieldDescriptor, ...]] = []
+    for field in descriptor.fields:
+        if field.type == F.TYPE_STRING:
+            paths.append((field,))
+        elif field.type == F.TYPE_MESSAGE and depth < 3 and not field.message_type.GetOptions().map_entry:
+            paths += [(field, *rest) for rest in string_paths(field.message_type, depth + 1)]
+    return paths
+
+
+def _plant(message: Message, path: tuple[FieldDescriptor, ...]) -> str:
+    """Set the field at ``path`` to :data:`BAD_UTF8_MARK` (appending to repeated fields); returns the
+    name the gateway reports for it (``turn.messages[2].content``)."""
+    names: list[str] = []
+    target = message
+    for field in path[:-1]:
+        if field.is_repeated:
+            names.append(f"{field.name}[{len(getattr(target, field.name))}]")
+            target = getattr(target, field.name).add()
+        else:
+            names.append(field.name)
+            target = getattr(target, field.name)
+    last = path[-1]
+    if last.is_repeated:
+        names.append(f"{last.name}[{len(getattr(target, last.name))}]")
+        getattr(target, last.name).append(BAD_UTF8_MARK)
+    else:
+        names.append(last.name)
+        setattr(target, last.name, BAD_UTF8_MARK)
+    return ".".join(names)
+
+
+def bad_utf8_messages(descriptor: Descriptor) -> st.SearchStrategy[tuple[bytes, str]]:
+    """Encodings of messages of ``descriptor``'s type whose one ``string`` field (any, at any depth
+    reached through message fields) holds bytes that are not UTF-8, with that field's reported name.
+    A Python client cannot send these (protobuf refuses to encode them); a hostile one can."""
+
+    def build(base: Message, path: tuple[FieldDescriptor, ...]) -> tuple[bytes, str]:
+        name = _plant(base, path)
+        data = base.SerializeToString()
+        mark = BAD_UTF8_MARK.encode()
+        assert data.count(mark) == 1, "the mark is planted once"
+        return data.replace(mark, _BAD_4 + mark[4:]), name
+
+    return st.builds(build, message(descriptor), st.sampled_from(string_paths(descriptor)))
+
+
 def wire_mutations(encoded: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:
     """Corrupt versions of valid encodings: truncated, a byte replaced, random bytes spliced in."""
 
