@@ -10,6 +10,8 @@ its log must hold no warning at all (deprecations, "no global downstream connect
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -84,3 +86,27 @@ async def test_envoy_serves_our_config_without_a_warning(tmp_path: Path) -> None
         await envoy.stop()
     warnings = [line for line in lines if "[warning]" in line and "caught ENVOY_SIGTERM" not in line]
     assert not warnings, "\n".join(warnings)
+
+
+async def test_connections_past_the_limit_are_closed_on_accept(tmp_path: Path) -> None:
+    config = dataclasses.replace(_config(tmp_path), max_connections=2)
+    envoy = Envoy(config, lambda _name, _line: None, log_level="warning")
+    held: list[asyncio.StreamWriter] = []
+    try:
+        await envoy.start()
+        for _ in range(2):
+            _reader, writer = await asyncio.open_connection("127.0.0.1", config.listen_port)
+            held.append(writer)
+        reader, writer = await asyncio.open_connection("127.0.0.1", config.listen_port)
+        held.append(writer)
+        # Envoy accepts the third connection and closes it at once: EOF (or a reset), no HTTP answer.
+        try:
+            assert await asyncio.wait_for(reader.read(), 10) == b""
+        except ConnectionResetError:
+            pass
+        _, stats = await envoy._admin("/stats?filter=downstream_global_cx_overflow")
+        assert "downstream_global_cx_overflow: 1" in stats, stats
+    finally:
+        for writer in held:
+            writer.close()
+        await envoy.stop()
