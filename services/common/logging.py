@@ -25,6 +25,25 @@ def cap_long_values(_logger: object, _method: str, event: structlog.types.EventD
     return event
 
 
+class _GrpcDecodeNoise(logging.Filter):
+    """Drops grpc's "Invalid encoding on <bytes>" records: grpc logs one, with a traceback, each time a
+    handler reads metadata holding bytes that are not UTF-8. The gateway refuses such a call with
+    INVALID_ARGUMENT naming the key (``metadata.unreadable_key``), which is the useful record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Invalid encoding on")
+
+
+_GRPC_LOGGER = "grpc._cython.cygrpc"
+
+
+def quiet_grpc_decode_errors() -> None:
+    """Install :class:`_GrpcDecodeNoise` on grpc's logger (once per process; idempotent)."""
+    logger = logging.getLogger(_GRPC_LOGGER)
+    if not any(isinstance(f, _GrpcDecodeNoise) for f in logger.filters):
+        logger.addFilter(_GrpcDecodeNoise())
+
+
 def configure_logging(service: str, level: str = "INFO", json: bool = True) -> None:
     """Configure structlog for a service process: one JSON object per line on stderr."""
     log_level = logging.getLevelName(level.upper())

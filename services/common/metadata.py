@@ -16,6 +16,19 @@ DEFAULT_RETRY_AFTER_MS = 1000
 """The retry delay assumed when a RESOURCE_EXHAUSTED status carries none (or an unreadable one)."""
 
 
+def unreadable_key(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
+    """The first key whose text value is not printable ASCII, else None (``-bin`` values are bytes).
+
+    gRPC allows only printable ASCII in text metadata. A value that is not valid UTF-8 at all reaches
+    Python decoded as Latin-1 (grpc logs "Invalid encoding on ..."), so it shows up here as non-ASCII
+    text; a caller behind Envoy's HTTP/1.1 listener can send one.
+    """
+    for key, value in metadata:
+        if isinstance(value, str) and not (value.isascii() and value.isprintable()):
+            return key
+    return None
+
+
 def retry_after_ms(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> int:
     """The ``retry-after-ms`` delay in a call's trailing metadata (``DEFAULT_RETRY_AFTER_MS`` if absent
     or not a whole number of milliseconds)."""

@@ -26,6 +26,7 @@ from services.common import tracing
 from services.common.errors import ConfigError
 from services.common.grpc_compat import patch_grpc_aio
 from services.common.interceptors import ErrorInterceptor, InternalAuthInterceptor
+from services.common.logging import quiet_grpc_decode_errors
 from services.common.metrics import start_metrics_server
 from services.common.settings import ServiceSettings
 
@@ -105,6 +106,7 @@ async def start_server(
     ``service_started`` line as the process's port).
     """
     patch_grpc_aio()  # this process's own outgoing streams report the peer's status (grpc#36066)
+    quiet_grpc_decode_errors()  # metadata that is not UTF-8 is refused, not logged as a traceback
     interceptors: list[grpc.aio.ServerInterceptor] = []
     if internal:
         interceptors.append(InternalAuthInterceptor(settings.internal_token))

@@ -53,6 +53,9 @@ class EnvoyConfig:
     tls_key: str = ""
     concurrency: int = 1
     """Envoy worker threads (1 suits a small machine; 0 = one per core)."""
+    max_connections: int = 10_000
+    """Downstream connections Envoy holds at once, over all listeners (its overload manager's
+    ``global_downstream_max_connections``); more are closed on accept. Stay below the open-file limit."""
 
 
 def render_bootstrap(config: EnvoyConfig) -> dict[str, Any]:
@@ -62,9 +65,12 @@ def render_bootstrap(config: EnvoyConfig) -> dict[str, Any]:
         INTERNAL_PORT=config.internal_port,
         LISTEN_HOST=config.listen_host,
         LISTEN_PORT=config.listen_port,
+        MAX_CONNECTIONS=config.max_connections,
         XDS_DIR=str(config.xds_dir),
     )
     doc: dict[str, Any] = yaml.safe_load(text)
+    if config.max_connections < 1:
+        raise ValueError(f"max_connections must be at least 1 (got {config.max_connections})")
     if bool(config.tls_cert) != bool(config.tls_key):
         raise ValueError("TLS needs both a certificate and a key (set both, or neither for plaintext)")
     if config.tls_cert:

@@ -26,7 +26,7 @@ import structlog
 from services.common import metadata as md
 from services.common import tracing
 from services.common.coalesce import coalesced
-from services.common.errors import DeadlineExceeded, MeshError, Unavailable
+from services.common.errors import DeadlineExceeded, InvalidArgument, MeshError, Unavailable
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.gateway import scopes
@@ -128,7 +128,14 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         # Overwrite whatever the caller put in x-request-id / x-meshserve-tenant: nothing from a
         # public caller is trusted until its credential has resolved the tenant.
         structlog.contextvars.bind_contextvars(request_id=request_id, tenant="", key_id="")
-        identity = await self._gate.identify(context.invocation_metadata() or ())
+        metadata = context.invocation_metadata() or ()
+        unreadable = md.unreadable_key(metadata)
+        if unreadable is not None:
+            raise InvalidArgument(
+                f"the {unreadable!r} metadata is not printable ASCII (invalid UTF-8 or other bytes);"
+                " send text metadata as ASCII, or binary data under a key ending in -bin"
+            )
+        identity = await self._gate.identify(metadata)
         structlog.contextvars.bind_contextvars(tenant=identity.tenant, key_id=identity.key_id)
         tracing.annotate({"meshserve.request_id": request_id, "meshserve.tenant": identity.tenant})
         scopes.require(method, identity.scopes, identity.key_id)

@@ -202,6 +202,25 @@ def yield_on_wakeup(pid: int) -> bool:
     return changed
 
 
+REDIS_OVERCOMMIT_WARNING = "WARNING Memory overcommit must be enabled!"
+REDIS_OVERCOMMIT_NOTE = (
+    "note: vm.overcommit_memory is not 1, which redis warns about because a background save or replica"
+    " sync forks; this redis runs with no persistence and no replicas, so it does not fork and the warning"
+    " does not apply (silence it with `sudo sysctl vm.overcommit_memory=1`, or leave it)"
+)
+
+
+def redis_sink(sink: LogSink) -> LogSink:
+    """``sink`` with redis's memory-overcommit warning (a paragraph on every start when the kernel's
+    ``vm.overcommit_memory`` is not 1, which only root can change) replaced by one line saying why it
+    does not apply here. Every other line passes unchanged."""
+
+    def relay(name: str, line: str) -> None:
+        sink(name, REDIS_OVERCOMMIT_NOTE if REDIS_OVERCOMMIT_WARNING in line else line)
+
+    return relay
+
+
 async def spawn_redis(
     directory: str, sink: LogSink, env: dict[str, str], *, args: Sequence[str] = (), batch: bool = True
 ) -> tuple[ServiceProcess, str]:
@@ -213,7 +232,7 @@ async def spawn_redis(
         raise RuntimeError("redis-server is not installed; run `make setup`")
     port = free_port()
     argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", directory]
-    proc = ServiceProcess("redis", [*argv, *args], env, sink)
+    proc = ServiceProcess("redis", [*argv, *args], env, redis_sink(sink))
     await proc.spawn()
     url = f"redis://127.0.0.1:{port}/0"
     await wait_redis(url, 30.0)  # its threads have started once it answers

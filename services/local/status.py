@@ -2,9 +2,14 @@
 
 What it shows, and where each figure comes from:
 
-- replicas per tier with health, load, in-flight turns and ejections: the router's replica view
+- replicas per tier with health, in-flight turns and ejections: the router's replica view
   (``RouterAdmin.ListReplicas``, internal credential);
-- tokens/s (last few seconds) and tokens generated per replica: each worker's ``Worker.Stats``;
+- load (active / slots), queue, tokens generated and tokens/s per replica: each worker's own
+  ``Worker.Stats``, read when the frame is taken. The router's copies of load and queue come from the
+  workers' heartbeats (``heartbeat_interval_s``, 1 s by default), so they are shown only for a worker
+  that does not answer. tokens/s is the change of the token count between two frames over the time
+  between them; the first frame (and ``--once``) shows the worker's own rate, a 5 s trailing average,
+  which a burst reaches only after 5 s and leaves only 5 s after it ended;
 - response and KV cache hit ratios and entries: the cache service's ``Cache.Stats`` (optional);
 - requests, rate-limit rejections, load shedding and errors: the services' Prometheus ``/metrics``
   (optional; ``--metrics name=url``).
@@ -19,6 +24,7 @@ import argparse
 import asyncio
 import datetime as dt
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -71,6 +77,8 @@ class ReplicaView:
     self_registered: bool
     tokens_per_s: float | None = None
     tokens_total: int | None = None
+    stats_at: float | None = None
+    """``time.monotonic()`` when the worker's own Stats answered (None: the router's view only)."""
 
 
 @dataclass
@@ -122,8 +130,27 @@ async def _worker_stats(replica: ReplicaView, meta: tuple[tuple[str, str], ...])
             )
     except grpc.aio.AioRpcError:
         return  # shown as "-": the router's health column already says why
+    replica.stats_at = time.monotonic()
+    replica.active = stats.active_sequences  # the worker's own, not the router's last heartbeat copy
+    replica.queued = stats.queue_depth
+    replica.max_active = stats.max_active_sequences
     replica.tokens_per_s = stats.recent_tokens_per_second
     replica.tokens_total = stats.tokens_generated_total
+
+
+def _rates_since(view: MeshView, previous: MeshView | None) -> None:
+    """tokens/s of each replica as its token count's change since ``previous`` (the last frame)."""
+    if previous is None:
+        return
+    before = {r.address: r for r in previous.replicas if r.stats_at is not None and r.tokens_total is not None}
+    for replica in view.replicas:
+        old = before.get(replica.address)
+        if old is None or replica.stats_at is None or replica.tokens_total is None:
+            continue
+        elapsed = replica.stats_at - (old.stats_at or 0.0)
+        added = replica.tokens_total - (old.tokens_total or 0)
+        if elapsed > 0 and added >= 0:  # a restarted worker counts from 0 again: keep its own rate
+            replica.tokens_per_s = added / elapsed
 
 
 async def _cache(address: str, meta: tuple[tuple[str, str], ...], view: MeshView) -> None:
@@ -145,9 +172,15 @@ def _add_metrics(name: str, text: str, view: MeshView) -> None:
 
 
 async def gather(
-    router: str, *, cache: str = "", metrics: dict[str, str] | None = None, token: str = DEFAULT_INTERNAL_TOKEN
+    router: str,
+    *,
+    cache: str = "",
+    metrics: dict[str, str] | None = None,
+    token: str = DEFAULT_INTERNAL_TOKEN,
+    previous: MeshView | None = None,
 ) -> MeshView:
-    """Read one frame. Never raises for an unreachable part: it is listed in ``problems`` instead."""
+    """Read one frame (``previous``: the last one, for tokens/s over the time between them). Never
+    raises for an unreachable part: it is listed in ``problems`` instead."""
     view = MeshView(router=router)
     meta = ((md.INTERNAL_TOKEN, token),)
     try:
@@ -156,6 +189,7 @@ async def gather(
     except grpc.aio.AioRpcError as exc:
         view.problems.append(f"router {router}: {exc.code().name} ({exc.details()})")
     await asyncio.gather(*(_worker_stats(r, meta) for r in view.replicas))
+    _rates_since(view, previous)
     if cache:
         try:
             await _cache(cache, meta, view)
@@ -274,8 +308,12 @@ def _targets(args: argparse.Namespace) -> tuple[str, str, dict[str, str]]:
 async def _run(args: argparse.Namespace) -> int:
     router, cache, metrics = _targets(args)
 
+    last: MeshView | None = None
+
     async def frame() -> Group:
-        return render(await gather(router, cache=cache, metrics=metrics, token=args.internal_token))
+        nonlocal last
+        last = await gather(router, cache=cache, metrics=metrics, token=args.internal_token, previous=last)
+        return render(last)
 
     if args.once:
         console = Console(width=None if sys.stdout.isatty() else 140)

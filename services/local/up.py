@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
+import shlex
+import shutil
 import signal
 import socket
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import grpc
 from redis.exceptions import RedisError
@@ -22,6 +26,25 @@ START_FAILURES = (RuntimeError, TimeoutError, OSError, RedisError, grpc.RpcError
 
 
 MAX_GATEWAYS = 16
+
+
+def cli_command(cwd: Path | None = None, path: str | None = None) -> str:
+    """How to type ``meshserve`` so that it runs this installation: ``meshserve`` when that name on
+    ``PATH`` is the script beside this interpreter, else that script's path (relative to ``cwd`` when
+    under it, as ``.venv/bin/meshserve`` after ``make run``), else ``python -m services.cli``."""
+    script = Path(sys.executable).parent / "meshserve"
+    if not script.exists():
+        return f"{shlex.quote(sys.executable)} -m services.cli"
+    found = shutil.which("meshserve", path=path)
+    if found is not None and os.path.realpath(found) == os.path.realpath(script):
+        return "meshserve"
+    here = (cwd or Path.cwd()).resolve()
+    absolute = script.parent.resolve() / script.name  # the venv's bin, not where its python links to
+    try:
+        shown = str(absolute.relative_to(here))
+    except ValueError:
+        shown = str(absolute)
+    return shlex.quote(shown if "/" in shown else f"./{shown}")
 
 
 def _gateway_replicas(text: str) -> int:
@@ -166,6 +189,7 @@ async def run_up(args: argparse.Namespace) -> int:
     from services.local.state import write_state
 
     state = write_state(mesh.describe())  # for `meshserve status`
+    cli = cli_command()  # `meshserve` itself is often not on PATH (make run uses .venv/bin/meshserve)
     try:
         print(
             f"\nmeshserve: mesh is up. gRPC gateway at {mesh.gateway_address} (API key: {api_key})\n"
@@ -174,16 +198,16 @@ async def run_up(args: argparse.Namespace) -> int:
                 if len(mesh.gateway_addresses) > 1
                 else ""
             )
-            + f'  try: meshserve chat --address {mesh.gateway_address} "Tell me about the sea"\n'
-            f"  cache admin: meshserve cache --address {mesh.cache_address} stats\n"
-            "  API keys: meshserve keys create --tenant NAME (kept in this mesh's Redis)\n"
+            + f'  try: {cli} chat --address {mesh.gateway_address} "Tell me about the sea"\n'
+            f"  cache admin: {cli} cache --address {mesh.cache_address} stats\n"
+            f"  API keys: {cli} keys create --tenant NAME (kept in this mesh's Redis)\n"
             f"  metrics: {mesh.metrics_endpoints()}\n"
             + (
                 f"  OpenAI-compatible HTTP (and gRPC) through Envoy: {mesh.http_base_url}\n"
                 if mesh.front_door is not None
                 else ""
             )
-            + "  live view: meshserve status\n"
+            + f"  live view: {cli} status\n"
             + "  Ctrl-C stops everything.\n",
             file=sys.stderr,
             flush=True,

@@ -6,8 +6,10 @@ checkpoint, edge model, manifest), then the speculative draft of :mod:`services.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from services.common.model_paths import DEFAULT_MODEL_ID
 from services.models import draft, quantize
@@ -34,25 +36,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"name of the prepared model dir (default: {DEFAULT_MODEL_ID} for the default source)",
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--quiet", action="store_true", help="no progress bars (they are drawn only when stderr is a terminal)"
+    )
     parser.add_argument("--no-draft", action="store_true", help="skip the INT8 speculative draft (draft-int8/)")
     quantize.add_arguments(parser)
 
 
+def show_progress_bars(quiet: bool, stream: TextIO | None = None) -> bool:
+    """Whether to draw progress bars: not ``quiet`` and ``stream`` (stderr) is a terminal. When not,
+    the Hugging Face Hub's download bars are turned off too (a ``hub:`` source downloads)."""
+    stream = sys.stderr if stream is None else stream
+    show = not quiet and stream.isatty()
+    if not show:
+        with contextlib.suppress(ImportError):
+            from huggingface_hub.utils import disable_progress_bars
+
+            disable_progress_bars()
+    return show
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``meshserve models prepare``; returns the process exit code."""
+    # A progress bar redraws one line with carriage returns; in a log file (CI, `make setup > log`)
+    # that is one very long line, so bars are drawn on a terminal only.
+    progress = show_progress_bars(args.quiet)
     try:
         result = prep.prepare(
             args.model_id,
             args.models_dir,
             prep.resolve_source(args.source),
             force=args.force,
-            show_progress=not args.quiet,
+            show_progress=progress,
             int4=quantize.from_args(args),
         )
         if not args.no_draft:
             force = args.force or "hf" in result.built  # a new hf/ makes the old draft stale
-            if draft.prepare_draft(result.paths, force=force, show_progress=not args.quiet):
+            if draft.prepare_draft(result.paths, force=force, show_progress=progress):
                 result.built.append("draft")
     except prep.PrepareError as exc:
         print(f"meshserve models prepare: {exc}", file=sys.stderr)

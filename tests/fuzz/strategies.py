@@ -12,6 +12,7 @@ spliced), which is what a buggy or hostile client sends.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from google.protobuf import message_factory
@@ -41,6 +42,37 @@ def texts() -> st.SearchStrategy[str]:
     """Any Unicode text (no lone surrogates: protobuf cannot hold them), sometimes very long."""
     long = st.builds(lambda c, n: c * n, st.characters(codec="utf-8"), st.integers(1, 40_000))
     return st.one_of(st.text(), st.text(min_size=1, max_size=8), long)
+
+
+def invalid_unicode() -> st.SearchStrategy[str]:
+    """Text that JSON can carry (as ``\\uXXXX`` escapes) but Unicode forbids: a lone high or low
+    surrogate, or a reversed pair (low, then high), among ordinary characters. Neither UTF-8 nor
+    protobuf can hold it, so only JSON callers can send it (``json.dumps`` with ``ensure_ascii`` writes
+    the escapes; without, :func:`json_bytes` writes the surrogates' invalid UTF-8 bytes)."""
+    lone = st.integers(0xD800, 0xDFFF).map(chr)
+    low, high = st.integers(0xDC00, 0xDFFF), st.integers(0xD800, 0xDBFF)
+    reversed_pair = st.builds(lambda lo, hi: chr(lo) + chr(hi), low, high)
+    around = st.text(max_size=4)  # st.text never holds a surrogate, so no valid pair can form
+    return st.builds(lambda a, bad, b: a + bad + b, around, st.one_of(lone, reversed_pair), around)
+
+
+JSON_BAD_TEXT_ONE_IN = 40
+
+
+def json_texts(valid: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    """``valid`` text, now and then :func:`invalid_unicode`: every string of a fuzzed JSON body.
+
+    Rare per string (one choice in ``JSON_BAD_TEXT_ONE_IN``; hypothesis does not draw them uniformly: 7 %
+    of 3,000 draws) because a body holds many strings: about one OpenAI body in five then holds one, and
+    most bodies stay valid and reach the model. ``st.one_of`` with the same strategy repeated would not
+    do: it merges the duplicates (74 % of draws were invalid)."""
+    return st.sampled_from(range(JSON_BAD_TEXT_ONE_IN)).flatmap(lambda i: invalid_unicode() if i == 1 else valid)
+
+
+def json_bytes(body: Any, ensure_ascii: bool) -> bytes:
+    """``body`` as JSON bytes; lone surrogates become ``\\ud800`` escapes (``ensure_ascii``) or, without,
+    the invalid UTF-8 bytes a careless encoder writes for them."""
+    return json.dumps(body, ensure_ascii=ensure_ascii).encode("utf-8", "surrogatepass")
 
 
 def ints(field: FieldDescriptor) -> st.SearchStrategy[int]:
@@ -161,6 +193,60 @@ def message(descriptor: Descriptor, depth: int = 0) -> st.SearchStrategy[Message
     oneofs = st.tuples(*choices).map(lambda parts: {k: v for part in parts for k, v in part.items()})
     fields = st.fixed_dictionaries(required, optional=optional)
     return st.builds(lambda a, b: cls(**a, **b), fields, oneofs)
+
+
+BAD_UTF8_MARK = "\U0010fffdmeshserve-bad-utf8"
+"""A text value whose first 4 encoded bytes (``f4 8f bf bd``) :func:`bad_utf8_messages` overwrites with
+4 bytes that are not UTF-8 (``ed a0 80`` encodes a surrogate), so every length prefix stays right."""
+_BAD_4 = b"\xed\xa0\x80A"
+
+
+def string_paths(descriptor: Descriptor, depth: int = 0) -> list[tuple[FieldDescriptor, ...]]:
+    """Every path from ``descriptor`` to a ``string`` field, through message fields (not maps)."""
+    paths: list[tuple[FieldDescriptor, ...]] = []
+    for field in descriptor.fields:
+        if field.type == F.TYPE_STRING:
+            paths.append((field,))
+        elif field.type == F.TYPE_MESSAGE and depth < 3 and not field.message_type.GetOptions().map_entry:
+            paths += [(field, *rest) for rest in string_paths(field.message_type, depth + 1)]
+    return paths
+
+
+def _plant(message: Message, path: tuple[FieldDescriptor, ...]) -> str:
+    """Set the field at ``path`` to :data:`BAD_UTF8_MARK` (appending to repeated fields); returns the
+    name the gateway reports for it (``turn.messages[2].content``)."""
+    names: list[str] = []
+    target = message
+    for field in path[:-1]:
+        if field.is_repeated:
+            names.append(f"{field.name}[{len(getattr(target, field.name))}]")
+            target = getattr(target, field.name).add()
+        else:
+            names.append(field.name)
+            target = getattr(target, field.name)
+    last = path[-1]
+    if last.is_repeated:
+        names.append(f"{last.name}[{len(getattr(target, last.name))}]")
+        getattr(target, last.name).append(BAD_UTF8_MARK)
+    else:
+        names.append(last.name)
+        setattr(target, last.name, BAD_UTF8_MARK)
+    return ".".join(names)
+
+
+def bad_utf8_messages(descriptor: Descriptor) -> st.SearchStrategy[tuple[bytes, str]]:
+    """Encodings of messages of ``descriptor``'s type whose one ``string`` field (any, at any depth
+    reached through message fields) holds bytes that are not UTF-8, with that field's reported name.
+    A Python client cannot send these (protobuf refuses to encode them); a hostile one can."""
+
+    def build(base: Message, path: tuple[FieldDescriptor, ...]) -> tuple[bytes, str]:
+        name = _plant(base, path)
+        data = base.SerializeToString()
+        mark = BAD_UTF8_MARK.encode()
+        assert data.count(mark) == 1, "the mark is planted once"
+        return data.replace(mark, _BAD_4 + mark[4:]), name
+
+    return st.builds(build, message(descriptor), st.sampled_from(string_paths(descriptor)))
 
 
 def wire_mutations(encoded: st.SearchStrategy[bytes]) -> st.SearchStrategy[bytes]:

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from tests.fuzz.conftest import AUTH, MAX_TOKENS_LIMIT, assert_no_traceback, examples, record
-from tests.fuzz.strategies import message, texts, wire_mutations
+from tests.fuzz.strategies import bad_utf8_messages, message, texts, wire_mutations
 
 pytestmark = pytest.mark.fuzz
 
@@ -222,6 +222,43 @@ async def test_corrupt_wire_bytes(gateway_channel: grpc.aio.Channel, method: str
         check_error("corrupt_wire", exc)
         return
     record("corrupt_wire", "OK")
+
+
+@examples(40)
+@given(
+    method=st.sampled_from(["Generate", "Complete", "Chat"]),
+    data=st.data(),
+)
+async def test_string_fields_with_invalid_utf8_are_invalid_argument_naming_the_field(
+    gateway_channel: grpc.aio.Channel, method: str, data: st.DataObject
+) -> None:
+    """Any string field, at any depth, holding bytes that are not UTF-8 (an encoded surrogate):
+    INVALID_ARGUMENT naming that field, before the router sees anything."""
+    descriptor = pb.ChatRequest.DESCRIPTOR if method == "Chat" else pb.GenerateRequest.DESCRIPTOR
+    payload, name = data.draw(bad_utf8_messages(descriptor))
+    try:
+        if method == "Chat":
+            call = gateway_channel.stream_stream(SERVICE + method)(metadata=AUTH, timeout=CASE_TIMEOUT_S)
+            await call.write(payload)
+            await call.done_writing()
+            async for _ in call:
+                pass
+        elif method == "Generate":
+            async for _ in gateway_channel.unary_stream(SERVICE + method)(
+                payload, metadata=AUTH, timeout=CASE_TIMEOUT_S
+            ):
+                pass
+        else:
+            await gateway_channel.unary_unary(SERVICE + method)(payload, metadata=AUTH, timeout=CASE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as exc:
+        if local_write_race(exc):
+            record("bad_utf8", "local write race")
+            return
+        check_error("bad_utf8", exc)
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, exc.details()
+        assert f"the field {name!r} is not valid UTF-8" in (exc.details() or ""), (name, exc.details())
+        return
+    raise AssertionError(f"{method} with bad UTF-8 in {name} was served")
 
 
 @examples(20)

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from services.local.mesh import DEV_API_KEY, Mesh
 from tests.fuzz import http_raw
 from tests.fuzz.conftest import assert_no_traceback, examples, record
+from tests.fuzz.strategies import invalid_unicode, json_bytes, json_texts
 
 pytestmark = pytest.mark.fuzz
 
@@ -36,11 +37,13 @@ CASE_TIMEOUT_S = 60.0
 PATHS = ["/v1/chat/completions", "/v1/completions"]
 GOOD_AUTH = [(b"Authorization", b"Bearer " + DEV_API_KEY.encode())]
 
-# JSON values of every type, for any field.
-_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=20))
+# JSON values of every type, for any field; every string (keys too) is sometimes invalid Unicode.
+_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), json_texts(st.text(max_size=20))
+)
 ANY_JSON = st.recursive(
     _scalars,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(json_texts(st.text(max_size=8)), inner, max_size=3),
     max_leaves=8,
 )
 
@@ -49,13 +52,16 @@ def _mostly(valid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
     return st.one_of(valid, valid, valid, ANY_JSON)
 
 
-_text = st.one_of(st.just("Say hi."), st.text(min_size=1, max_size=20))
+_text = json_texts(st.one_of(st.just("Say hi."), st.text(min_size=1, max_size=20)))
 _message = st.fixed_dictionaries(
-    {"role": _mostly(st.sampled_from(["system", "user", "assistant", "developer"])), "content": _mostly(_text)},
+    {
+        "role": _mostly(json_texts(st.sampled_from(["system", "user", "assistant", "developer"]))),
+        "content": _mostly(_text),
+    },
     optional={"name": ANY_JSON},
 )
 _common = {
-    "model": _mostly(st.just("")),
+    "model": _mostly(json_texts(st.just(""))),
     "max_tokens": _mostly(st.integers(0, 6)),
     "max_completion_tokens": _mostly(st.integers(0, 6)),
     "temperature": _mostly(st.floats(0, 2)),
@@ -80,8 +86,7 @@ COMPLETION_BODY = st.fixed_dictionaries(
 )
 
 
-def encode_json(body: Any, ensure_ascii: bool) -> bytes:
-    return json.dumps(body, ensure_ascii=ensure_ascii).encode("utf-8", "surrogatepass")
+encode_json = json_bytes
 
 
 def mangle(data: bytes, how: str, at: int, junk: bytes) -> bytes:
@@ -94,7 +99,7 @@ def mangle(data: bytes, how: str, at: int, junk: bytes) -> bytes:
     if how == "latin1":  # bytes that are not UTF-8 inside an otherwise plausible body
         return data[:i] + b"\xff\xfe\xc3\x28\xa0\xa1" + data[i:]
     if how == "utf16":
-        return data.decode("utf-8", "surrogatepass").encode("utf-16")
+        return data.decode("utf-8", "surrogatepass").encode("utf-16", "surrogatepass")
     return data
 
 
@@ -149,6 +154,53 @@ async def test_malformed_json_and_invalid_utf8(
 ) -> None:
     payload = mangle(encode_json(body, ensure_ascii=False), how, at, junk)
     check("http_malformed", await post(fuzz_mesh, path, GOOD_AUTH, payload))
+
+
+# Where a string sits in a valid body, and the adapter's name for that place.
+_STRING_FIELDS = {
+    "chat": [
+        (("messages", 0, "content"), "'messages[0].content'"),
+        (("messages", 0, "role"), "'messages[0].role'"),
+        (("model",), "'model'"),
+        (("stop", 1), "'stop[1]'"),
+        (("user",), "'user'"),
+        (("messages", 0, "content", 0, "text"), "'messages[0].content[0].text'"),
+    ],
+    "completion": [(("prompt",), "'prompt'"), (("prompt", 0), "'prompt[0]'"), (("stop",), "'stop'")],
+}
+
+
+def _valid_body(endpoint: str, place: tuple[str | int, ...]) -> dict[str, Any]:
+    if endpoint == "completion":
+        return {"prompt": ["Say hi."] if place == ("prompt", 0) else "Say hi.", "max_tokens": 2, "stop": "x"}
+    content: Any = [{"type": "text", "text": "Say hi."}] if len(place) == 5 else "Say hi."
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 2, "model": "", "stop": ["a", "b"]}
+
+
+@examples(40)
+@given(
+    endpoint=st.sampled_from(["chat", "completion"]),
+    data=st.data(),
+    bad=invalid_unicode(),
+    stream=st.booleans(),
+)
+async def test_invalid_unicode_escapes_are_400_naming_the_field(
+    fuzz_mesh: Mesh, endpoint: str, data: st.DataObject, bad: str, stream: bool
+) -> None:
+    """A lone or reversed surrogate escape in any string field: 400 naming that field (was a 500 and
+    a traceback in the adapter's log)."""
+    place, name = data.draw(st.sampled_from(_STRING_FIELDS[endpoint]))
+    body = _valid_body(endpoint, place)
+    body["stream"] = stream
+    target: Any = body
+    for step in place[:-1]:
+        target = target[step]
+    target[place[-1]] = bad
+    response = await post(fuzz_mesh, PATHS[0] if endpoint == "chat" else PATHS[1], GOOD_AUTH, json_bytes(body, True))
+    check("http_bad_unicode", response)
+    assert response.status == 400, response
+    message = json.loads(response.body)["error"]["message"]
+    assert message.startswith(f"{name} is not valid Unicode"), message
 
 
 # Header abuse: (name, value) pairs as raw bytes.

@@ -142,6 +142,12 @@ class OpenAIApp:
             raise InvalidArgument("the request body could not be read; check its Content-Encoding") from None
         if not isinstance(body, dict):
             raise InvalidArgument("the request body must be a JSON object")
+        field = oa.invalid_unicode_field(body)
+        if field is not None:
+            raise InvalidArgument(
+                f"{field} is not valid Unicode (a lone or reversed UTF-16 surrogate escape such as"
+                " \\ud800); send valid UTF-8 text"
+            )
         return body
 
     async def healthz(self, _request: web.Request) -> web.Response:

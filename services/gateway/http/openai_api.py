@@ -14,6 +14,7 @@ working); ``top_k`` (a vLLM extension) is honoured.
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -70,6 +71,35 @@ _UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = (
     ("audio", (), "audio output is not supported"),
     ("web_search_options", (), "web search is not supported"),
 )
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def invalid_unicode_field(body: object, path: str = "") -> str | None:
+    """Where the first string in a parsed JSON body, key or value, is not valid Unicode, for an error
+    message (``'messages[0].content'``, ``a key in 'messages[0]'``), else None.
+
+    Strict UTF-8 decoding lets no surrogate code point through, but a JSON escape can: ``"\\ud800"``
+    is valid JSON naming a lone surrogate (so is a reversed pair, low before high), which no UTF-8
+    encoder accepts, and protobuf, gRPC and the tokenizer would each fail on it much later.
+    """
+    if isinstance(body, str):
+        return (repr(path) if path else "the request body") if _SURROGATE.search(body) else None
+    if isinstance(body, dict):
+        for key, value in body.items():
+            name = f"{path}.{key}" if path else str(key)
+            if _SURROGATE.search(key):
+                return f"a key in {path!r}" if path else "a key of the request body"
+            found = invalid_unicode_field(value, name)
+            if found is not None:
+                return found
+    elif isinstance(body, list):
+        for i, value in enumerate(body):
+            found = invalid_unicode_field(value, f"{path}[{i}]")
+            if found is not None:
+                return found
+    return None
 
 
 def _show(value: object) -> str:

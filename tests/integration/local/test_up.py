@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -137,3 +138,29 @@ async def test_a_busy_port_ends_up_at_once_with_one_line_naming_the_flag(tmp_pat
         f"(`meshserve status`)? Stop it, or pass {flag} with a free port (0 picks one)"
     )
     assert out.decode() == ""  # checked before anything started
+
+
+async def test_the_banners_commands_work_as_printed_without_meshserve_on_path(tmp_path: Path) -> None:
+    """`make run` starts `.venv/bin/meshserve up` and the venv is not on PATH: the banner's commands
+    must still run when typed as printed, from where `meshserve up` was started."""
+    path = "/usr/local/bin:/usr/bin:/bin"  # no venv on it; redis-server is in /usr/bin
+    async with _up(tmp_path, "--edge-workers", "1", "--cloud-workers", "0", PATH=path) as (proc, _marker):
+        assert proc.stderr is not None
+        banner = await asyncio.wait_for(_read_until(proc.stderr, lambda line: "Ctrl-C stops" in line), 240)
+        printed = {
+            key: line.split(":", 1)[1].strip() for line in banner for key in ("try", "live view") if f"  {key}:" in line
+        }
+        assert not printed["try"].startswith("meshserve "), printed  # not on this PATH
+        status = [*shlex.split(printed["live view"]), "--once"]
+        chat = [*shlex.split(printed["try"]), "--max-tokens", "4"]
+        for argv in (status, chat):
+            run = await asyncio.create_subprocess_exec(
+                *argv,
+                env={**os.environ, "PATH": path, "MESHSERVE_STATE_FILE": str(tmp_path / "mesh.json")},
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+            )
+            out, _ = await asyncio.wait_for(run.communicate(), 120)
+            assert run.returncode == 0, (argv, out.decode()[-2000:])
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0

@@ -11,7 +11,14 @@ import tempfile
 import pytest
 import redis.asyncio as aioredis
 
-from services.local.processes import LOG_LINE_LIMIT, ServiceProcess, spawn_redis, yield_on_wakeup
+from services.local.processes import (
+    LOG_LINE_LIMIT,
+    REDIS_OVERCOMMIT_NOTE,
+    ServiceProcess,
+    redis_sink,
+    spawn_redis,
+    yield_on_wakeup,
+)
 
 
 async def test_a_line_over_the_limit_is_dropped_and_the_relay_goes_on() -> None:
@@ -91,3 +98,11 @@ async def test_spawn_redis_starts_a_redis_that_answers_under_the_asked_policy(ba
                 await client.aclose()
         finally:
             await proc.stop()
+
+
+def test_redis_sink_replaces_the_overcommit_warning_with_one_line() -> None:
+    got: list[tuple[str, str]] = []
+    relay = redis_sink(lambda name, line: got.append((name, line)))
+    relay("redis", "1:M 27 Nov 2026 01:28:09.216 # Server initialized")
+    relay("redis", "1:M 27 Nov 2026 01:28:09.216 # WARNING Memory overcommit must be enabled! Without it, ...")
+    assert got == [("redis", "1:M 27 Nov 2026 01:28:09.216 # Server initialized"), ("redis", REDIS_OVERCOMMIT_NOTE)]

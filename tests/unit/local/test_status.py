@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from rich.console import Console
 
 from services.local.state import write_state
-from services.local.status import MeshView, ReplicaView, _add_metrics, _parser, _targets, render
+from services.local.status import MeshView, ReplicaView, _add_metrics, _parser, _rates_since, _targets, render
 
 
 def frame(view: MeshView) -> str:
@@ -73,3 +73,24 @@ def test_addresses_come_from_up_state_file_unless_given(tmp_path, monkeypatch: p
     assert _targets(_parser().parse_args([])) == ("127.0.0.1:7000", "127.0.0.1:7100", {"gateway": "http://x/metrics"})
     args: argparse.Namespace = _parser().parse_args(["--router", "h:1", "--cache", "", "--metrics", "r=http://y"])
     assert _targets(args) == ("h:1", "", {"r": "http://y"})
+
+
+def _at(total: int, at: float, rate: float = 9.0) -> ReplicaView:
+    replica = ReplicaView("edge", "edge-0", "127.0.0.1:7001", True, 1, 0, 4, 1, 0, False, rate, total)
+    replica.stats_at = at
+    return replica
+
+
+def test_tokens_per_s_is_the_count_change_since_the_last_frame() -> None:
+    before, now = MeshView(router="r"), MeshView(router="r")
+    before.replicas, now.replicas = [_at(100, 10.0)], [_at(130, 12.0)]
+    _rates_since(now, before)
+    assert now.replicas[0].tokens_per_s == 15.0
+    restarted = MeshView(router="r")
+    restarted.replicas = [_at(4, 13.0, rate=2.0)]  # a new process counts from 0: keep its own rate
+    _rates_since(restarted, now)
+    assert restarted.replicas[0].tokens_per_s == 2.0
+    first = MeshView(router="r")
+    first.replicas = [_at(7, 1.0)]
+    _rates_since(first, None)
+    assert first.replicas[0].tokens_per_s == 9.0

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import io
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from services.local.processes import stdout_sink
-from services.local.up import MAX_GATEWAYS, HoldingSink, _parser
+from services.local.up import MAX_GATEWAYS, HoldingSink, _parser, cli_command
 
 
 def test_lines_wait_until_the_demo_answer_is_written_then_come_in_order() -> None:
@@ -64,3 +67,38 @@ def test_a_bad_gateway_count_exits_2_with_one_line(value: str, capsys: pytest.Ca
     assert exited.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "--gateways" in err[-1] and "Traceback" not in "".join(err)
+
+
+def _venv(tmp_path: Path) -> Path:
+    bin_dir = tmp_path / "proj" / ".venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for name in ("python", "meshserve"):
+        (bin_dir / name).write_text("#!/bin/sh\n")
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+def test_banner_command_is_the_venv_script_relative_to_cwd_when_not_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = _venv(tmp_path)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    assert cli_command(cwd=tmp_path / "proj", path="/nonexistent") == ".venv/bin/meshserve"
+    assert cli_command(cwd=tmp_path / "elsewhere", path="/nonexistent") == str(bin_dir / "meshserve")
+    # On PATH (an activated venv): the bare name works as printed.
+    assert cli_command(cwd=tmp_path / "proj", path=str(bin_dir)) == "meshserve"
+    # Another `meshserve` first on PATH would run another installation: keep the explicit path.
+    other = _venv(tmp_path / "other")
+    assert cli_command(cwd=tmp_path / "proj", path=f"{other}:{bin_dir}") == ".venv/bin/meshserve"
+
+
+def test_banner_command_without_a_script_runs_the_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    assert cli_command(cwd=tmp_path) == f"{tmp_path / 'python'} -m services.cli"
+
+
+def test_the_printed_module_form_runs(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from services.common.errors import InvalidArgument
@@ -185,3 +187,20 @@ def test_stream_chunks_carry_null_usage_when_usage_is_asked_for() -> None:
     assert oa.chat_chunk("rid", "m", {"content": "a"}, None, 1, include_usage=True)["usage"] is None
     assert oa.completion("rid", "m", "a", None, 1, with_usage=False, null_usage=True)["usage"] is None
     assert "usage" not in oa.completion("rid", "m", "a", None, 1, with_usage=False)
+
+
+@pytest.mark.parametrize(
+    ("raw", "where"),
+    [
+        ('{"messages": [{"role": "user", "content": "\\ud800"}]}', "'messages[0].content'"),
+        ('{"messages": [{"role": "user", "content": "\\ude00\\ud83d"}]}', "'messages[0].content'"),
+        ('{"prompt": ["ok", "x\\udfff"]}', "'prompt[1]'"),
+        ('{"a": {"b\\udc00": 1}}', "a key in 'a'"),
+        ('{"\\udc00": 1}', "a key of the request body"),
+        ('"\\ud800"', "the request body"),
+        ('{"messages": [{"role": "user", "content": "\\ud83d\\ude00"}]}', None),  # a valid pair
+        ('{"n": 1, "x": [null, true, 2.5]}', None),
+    ],
+)
+def test_invalid_unicode_field_names_the_first_bad_string(raw: str, where: str | None) -> None:
+    assert oa.invalid_unicode_field(json.loads(raw)) == where
