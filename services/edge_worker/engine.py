@@ -22,6 +22,7 @@ from typing import Any
 import onnxruntime_genai as og
 from tokenizers import Tokenizer
 
+from services.common.errors import InvalidArgument
 from services.common.sampling import SamplingParams
 from services.worker.types import EngineInfo
 
@@ -54,8 +55,19 @@ def _reusable_key(sampling: SamplingParams) -> tuple[Any, ...] | None:
     return ("sample", sampling.temperature, sampling.top_p, sampling.top_k)
 
 
+def _refuse_penalties(sampling: SamplingParams) -> None:
+    if sampling.penalized:
+        raise InvalidArgument(
+            "this edge worker runs the onnxruntime-genai engine, which applies no penalties, logit_bias or "
+            "min_tokens; remove them or use the batched edge engine (MESHSERVE_EDGE_WORKER_ENGINE=batched)"
+        )
+
+
 class OgSequence:
-    """One generation on an ``og.Generator``; the first ``step`` appends (prefills) the pending tokens."""
+    """One generation on an ``og.Generator``; the first ``step`` appends (prefills) the pending tokens.
+
+    Penalties, ``logit_bias`` and ``min_tokens`` are refused (og's search options have no such
+    per-token hooks); the batched engine applies them."""
 
     def __init__(
         self,
@@ -66,6 +78,7 @@ class OgSequence:
         max_length: int | None = None,
         replay: Sequence[int] = (),
     ) -> None:
+        _refuse_penalties(sampling)
         self.max_length = max_length or len(token_ids) + len(replay) + sampling.max_tokens
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=self.max_length, **_search_options(sampling))
@@ -102,6 +115,7 @@ class OgSequence:
         Reuse needs the same sampling kind, room for the turn within ``max_length``, and a non-empty
         common prefix with what the generator holds. On success ``prefill_tokens`` is the new part.
         """
+        _refuse_penalties(sampling)
         key = _reusable_key(sampling)
         if self._generator is None or key is None or key != self._key:
             return False
