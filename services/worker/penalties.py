@@ -61,7 +61,8 @@ class Penalties:
         """``token`` was generated (or replayed, for a resumed stream)."""
         self.generated += 1
         if self.repetition != 1.0 or self.frequency != 0.0 or self.presence != 0.0:
-            self._counts[self._track(int(token))] += 1.0
+            pos = self._track(int(token))  # before indexing: tracking may grow (replace) the arrays
+            self._counts[pos] += 1.0
 
     @property
     def seen_ids(self) -> np.ndarray:
