@@ -73,7 +73,7 @@ def test_invalid_values_name_the_field_and_limit(kw: dict[str, Any], needle: str
 
 
 def test_min_tokens_respects_the_operators_max_tokens() -> None:
-    with pytest.raises(InvalidArgument, match="sampling.min_tokens is 5000, above the limit of 4096"):
+    with pytest.raises(InvalidArgument, match=r"sampling\.min_tokens is 5000, above the limit of 4096"):
         resolve_sampling(min_tokens=5000, limits=SamplingLimits(max_tokens=4096))
 
 
@@ -116,8 +116,8 @@ def test_each_field_changes_the_canonical_form_even_when_greedy() -> None:
     assert len({repr(f) for f in forms}) == len(forms)
     assert "frequency_penalty" not in base.canonical()  # neutral values leave existing keys unchanged
     # proto float32 values give the same form as the float64 they came from
-    via_pb = from_pb(to_pb(SamplingParams(max_tokens=8, frequency_penalty=0.7, repetition_penalty=1.15)))
-    assert via_pb.canonical() == SamplingParams(max_tokens=8, frequency_penalty=0.7, repetition_penalty=1.15).canonical()
+    direct = SamplingParams(max_tokens=8, frequency_penalty=0.7, repetition_penalty=1.15)
+    assert from_pb(to_pb(direct)).canonical() == direct.canonical()
 
 
 def test_penalties_change_the_response_cache_key() -> None:

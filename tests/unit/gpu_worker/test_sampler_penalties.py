@@ -66,7 +66,7 @@ def test_a_rows_penalties_never_change_another_rows_token() -> None:
         list(range(vocab)),
         {EOS},
     )
-    mixed = sample_rows(x, plain[:1] + [heavy.row] + plain[2:], [3, 3, 3, 3], [None, heavy.penalties, None, None])
+    mixed = sample_rows(x, [*plain[:1], heavy.row, *plain[2:]], [3, 3, 3, 3], [None, heavy.penalties, None, None])
     assert mixed[0] == alone[0] and mixed[2:] == alone[2:]
     assert mixed[1] != int(x[1].argmax())
 
