@@ -140,7 +140,7 @@ def run_sequence(
             if token in eos:
                 reason = FinishReason.STOP
                 break
-            if len(request.resume_ids) + produced < sampling.min_tokens:  # stop strings wait for min_tokens
+            if len(request.resume_ids) + produced <= sampling.min_tokens:  # the first min_tokens are never cut
                 text, stopped = stops.pass_through(detok.add(token)), False
             else:
                 text, stopped = stops.feed(detok.add(token))
