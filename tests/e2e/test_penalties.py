@@ -151,8 +151,7 @@ async def client(door: FrontDoor) -> AsyncIterator[openai.AsyncOpenAI]:
         yield c
 
 
-CHAT = [{"role": "user", "content": "Count from one to twenty, separated by commas."}]
-COUNT = "1, 2, 3, 4,"  # both answers repeat tokens (", "), so every penalty has something to act on
+CHAT = [{"role": "user", "content": "Count from one to twenty, separated by commas."}]  # repeats ", "
 FIELDS: list[dict[str, object]] = [
     {"frequency_penalty": 1.5},
     {"presence_penalty": 2.0},
@@ -179,8 +178,8 @@ async def _openai_chat(client: openai.AsyncOpenAI, **kw: object) -> tuple[str, s
 
 
 async def _openai_completion(client: openai.AsyncOpenAI, **kw: object) -> tuple[str, str]:
-    reply = await client.completions.create(model="", prompt=COUNT, max_tokens=16, temperature=0, **kw)  # type: ignore[call-overload]
-    stream = await client.completions.create(model="", prompt=COUNT, max_tokens=16, temperature=0, stream=True, **kw)  # type: ignore[call-overload]
+    reply = await client.completions.create(model="", prompt=PROMPT, max_tokens=16, temperature=0, **kw)  # type: ignore[call-overload]
+    stream = await client.completions.create(model="", prompt=PROMPT, max_tokens=16, temperature=0, stream=True, **kw)  # type: ignore[call-overload]
     texts = []
     async for chunk in stream:
         assert chunk.model == reply.model
@@ -202,8 +201,9 @@ async def test_every_field_through_the_openai_client(client: openai.AsyncOpenAI)
     forced, _, tokens = await _openai_chat(client, logit_bias={"504": 100})
     assert tokens == 16 and len(set(forced.split())) <= 2  # one token, repeated
     # min_tokens: a stop string the answer reaches early is ignored until 14 tokens are out
-    _, _, stopped = await _openai_chat(client, stop=[","])
-    _, _, held = await _openai_chat(client, stop=[","], extra_body={"min_tokens": 14})
+    word = chat_base.split()[1]  # reached within the answer's first tokens
+    _, _, stopped = await _openai_chat(client, stop=[word])
+    _, _, held = await _openai_chat(client, stop=[word], extra_body={"min_tokens": 14})
     assert stopped < 14 <= held
 
 
