@@ -24,10 +24,10 @@ def rng_for(sampling: SamplingParams) -> np.random.Generator | None:
 def pick(
     logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator | None, penalties: Penalties | None = None
 ) -> int:
-    """The next token id for one row of logits ``[vocab]`` (adjusted by ``penalties`` first; the
-    caller records the chosen token in them)."""
+    """The next token id for one row of logits ``[vocab]`` (adjusted in place by ``penalties`` first:
+    the row is the step's output, read once; the caller records the chosen token in them)."""
     if penalties is not None:
-        logits = penalties.apply(logits)
+        logits = penalties.apply(logits, in_place=True)
     if rng is None or sampling.greedy:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / sampling.temperature

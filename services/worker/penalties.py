@@ -80,9 +80,13 @@ class Penalties:
         """EOS may not be chosen yet (``min_tokens`` not reached)."""
         return self.generated < self.min_tokens and self.eos_ids.size > 0
 
-    def apply(self, logits: np.ndarray) -> np.ndarray:
-        """A ``[vocab]`` row adjusted (a new float32 array; ``logits`` is left alone)."""
-        out = np.array(logits, dtype=np.float32, copy=True)
+    def apply(self, logits: np.ndarray, *, in_place: bool = False) -> np.ndarray:
+        """A ``[vocab]`` row adjusted: a new float32 array, or (``in_place``, for a writable float32 row
+        the caller discards afterwards) ``logits`` itself, which saves copying the row every step."""
+        if in_place and logits.dtype == np.float32 and logits.flags.writeable:
+            out = logits
+        else:
+            out = np.array(logits, dtype=np.float32, copy=True)
         if self.bias_ids.size:
             out[self.bias_ids] += self.bias_values
         if self._n:

@@ -260,3 +260,18 @@ def test_penalties_on_static_steps_equal_the_eager_path_and_ignore_the_batch(
     finally:
         for o in others:
             o.close()
+
+
+@pytest.mark.parametrize("which", ["eager", "static"])
+def test_a_resumed_penalised_stream_continues_like_the_undisturbed_run(
+    eager: CloudEngine, static: CloudEngine, which: str
+) -> None:
+    e = eager if which == "eager" else static
+    ids = encode(e, "<|im_start|>user\nTell me about dogs.<|im_end|>\n<|im_start|>assistant\n")
+    sampling = SamplingParams(max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=16)
+    undisturbed = _run(e, ids, sampling)
+    seq = e.start(ids, sampling, replay=undisturbed[:6])
+    try:
+        assert [seq.step() for _ in range(10)] == undisturbed[6:]
+    finally:
+        seq.close()

@@ -19,7 +19,7 @@ def choose(prompt: list[int], generated: list[int], logits: np.ndarray = LOGITS,
     if penalties is not None:
         for t in generated:
             penalties.record(t)
-    return pick(logits, sampling, rng_for(sampling), penalties)
+    return pick(logits.copy(), sampling, rng_for(sampling), penalties)  # pick adjusts the row in place
 
 
 def test_without_penalties_the_argmax_wins() -> None:

@@ -65,3 +65,12 @@ def test_state_grows_past_its_first_capacity() -> None:
         p.record(t)
     assert p.seen_ids.size == 300 and p.generated == 200
     assert p.apply(np.ones(400, dtype=np.float32))[299] == pytest.approx(1 / 1.5 - 0.1)
+
+
+def test_in_place_adjusts_the_callers_row_and_copy_leaves_it() -> None:
+    p = make(logit_bias=((2, 1.0),))
+    row = np.zeros(4, dtype=np.float32)
+    assert p.apply(row)[2] == 1.0 and row[2] == 0.0
+    assert p.apply(row, in_place=True) is row and row[2] == 1.0
+    wide = np.zeros(4, dtype=np.float64)  # not float32: copied whatever in_place says
+    assert p.apply(wide, in_place=True) is not wide and wide[2] == 0.0
