@@ -30,10 +30,13 @@ _SEED_MASK = 0x7FFFFFFF  # og's random_seed is a C int
 
 
 def _search_options(sampling: SamplingParams) -> dict[str, Any]:
+    # og's own repetition_penalty (over the prompt and the output, as transformers'): the chat default
+    penalty = {"repetition_penalty": sampling.repetition_penalty} if sampling.repetition_penalty != 1.0 else {}
     if sampling.greedy:
-        return {"do_sample": False}
+        return {"do_sample": False, **penalty}
     seed = sampling.seed if sampling.seed is not None else random.getrandbits(31)
     return {
+        **penalty,
         "do_sample": True,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -49,25 +52,26 @@ def _reusable_key(sampling: SamplingParams) -> tuple[Any, ...] | None:
     a reused generator's random state has moved on, so seeded turns always start fresh.
     """
     if sampling.greedy:
-        return ("greedy",)
+        return ("greedy", sampling.repetition_penalty)
     if sampling.seed is not None:
         return None
-    return ("sample", sampling.temperature, sampling.top_p, sampling.top_k)
+    return ("sample", sampling.temperature, sampling.top_p, sampling.top_k, sampling.repetition_penalty)
 
 
 def _refuse_penalties(sampling: SamplingParams) -> None:
-    if sampling.penalized:
+    if sampling.frequency_penalty or sampling.presence_penalty or sampling.logit_bias or sampling.min_tokens:
         raise InvalidArgument(
-            "this edge worker runs the onnxruntime-genai engine, which applies no penalties, logit_bias or "
-            "min_tokens; remove them or use the batched edge engine (MESHSERVE_EDGE_WORKER_ENGINE=batched)"
+            "this edge worker runs the onnxruntime-genai engine, which applies no frequency_penalty, "
+            "presence_penalty, logit_bias or min_tokens; remove them or use the batched edge engine "
+            "(MESHSERVE_EDGE_WORKER_ENGINE=batched)"
         )
 
 
 class OgSequence:
     """One generation on an ``og.Generator``; the first ``step`` appends (prefills) the pending tokens.
 
-    Penalties, ``logit_bias`` and ``min_tokens`` are refused (og's search options have no such
-    per-token hooks); the batched engine applies them."""
+    ``repetition_penalty`` is og's own search option; frequency/presence penalties, ``logit_bias`` and
+    ``min_tokens`` have no og hook: :meth:`OgEngine.check_sampling` refuses them before a turn starts."""
 
     def __init__(
         self,
@@ -78,7 +82,6 @@ class OgSequence:
         max_length: int | None = None,
         replay: Sequence[int] = (),
     ) -> None:
-        _refuse_penalties(sampling)
         self.max_length = max_length or len(token_ids) + len(replay) + sampling.max_tokens
         params = og.GeneratorParams(model)
         params.set_search_options(max_length=self.max_length, **_search_options(sampling))
@@ -115,7 +118,6 @@ class OgSequence:
         Reuse needs the same sampling kind, room for the turn within ``max_length``, and a non-empty
         common prefix with what the generator holds. On success ``prefill_tokens`` is the new part.
         """
-        _refuse_penalties(sampling)
         key = _reusable_key(sampling)
         if self._generator is None or key is None or key != self._key:
             return False
@@ -173,6 +175,10 @@ class OgEngine:
     @property
     def model(self) -> og.Model:
         return self._model
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Refuse (InvalidArgument) what this engine cannot apply; the worker calls it for every turn."""
+        _refuse_penalties(sampling)
 
     def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> OgSequence:
         return OgSequence(self._model, token_ids, sampling, replay=replay)
