@@ -64,8 +64,14 @@ def engine(model: str, device: str, **kw: Any) -> CloudEngine:
     return CloudEngine(model, **options)
 
 
-def generate(e: CloudEngine, ids: list[int], n: int, started: threading.Event | None = None) -> list[int]:
-    seq = e.start(ids, SamplingParams(max_tokens=n))
+def generate(
+    e: CloudEngine,
+    ids: list[int],
+    n: int,
+    started: threading.Event | None = None,
+    sampling: SamplingParams | None = None,
+) -> list[int]:
+    seq = e.start(ids, sampling or SamplingParams(max_tokens=n))
     out: list[int] = []
     try:
         while len(out) < n:
@@ -185,6 +191,22 @@ def engine_checks(e: CloudEngine) -> dict[str, Any]:
     after = e.prefix_counters()
     checks["prefix_repeat_equal"] = first == second
     checks["prefix_local_tokens"] = after["local"] - before["local"]
+    # Penalties in the static (captured) step: a penalised greedy row decodes the same alone and beside
+    # others, min_tokens keeps EOS out, and the answer differs from the unpenalised one.
+    chat = list(e.tokenizer.encode(CHAT[0]).ids)
+    penalised = SamplingParams(max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.4, min_tokens=24)
+    alone = generate(e, chat, 24, sampling=penalised)
+    others = [e.start(list(e.tokenizer.encode(t).ids), SamplingParams(max_tokens=60)) for t in ("Hello", STORY)]
+    try:
+        for o in others:
+            o.step()
+        beside = generate(e, chat, 24, sampling=penalised)
+    finally:
+        for o in others:
+            o.close()
+    checks["penalties_batch_invariant"] = alone == beside
+    checks["penalties_min_tokens_held"] = len(alone) == 24 and not set(alone) & set(e.info.eos_token_ids)
+    checks["penalties_change_answer"] = alone != generate(e, chat, 24)
     return checks
 
 

@@ -13,7 +13,7 @@ the fix.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from services.common.errors import InvalidArgument
@@ -39,6 +39,25 @@ MAX_TOP_K = 2**32 - 1
 """Largest ``top_k`` (the wire's uint32); any value at or above the vocabulary size disables it."""
 MAX_SEED = 2**64 - 1
 """Largest seed (the wire's uint64); seeds start at 0."""
+MAX_ABS_PENALTY = 2.0
+"""``frequency_penalty`` and ``presence_penalty`` lie in [-2, 2] (OpenAI's bounds)."""
+MAX_REPETITION_PENALTY = 2.0
+"""Largest ``repetition_penalty`` (it must be > 0; 1 disables it). vLLM sets no upper bound; past 2
+a seen token's logit is more than halved and the output degenerates, so 2 bounds it here."""
+MAX_LOGIT_BIAS = 100.0
+"""``logit_bias`` values lie in [-100, 100] (OpenAI's bounds): -100 bans a token, +100 forces it."""
+MAX_LOGIT_BIAS_ENTRIES = 300
+"""Most ``logit_bias`` entries per request (OpenAI's limit)."""
+MAX_TOKEN_ID = 2**31 - 1
+"""Largest token id a ``logit_bias`` key may name before the model's vocabulary is known (the router
+and the workers then check it against the vocabulary: :meth:`SamplingParams.fit`)."""
+CHAT_REPETITION_PENALTY = 1.15
+"""``repetition_penalty`` of a chat turn that does not set one (generate requests get 1, off).
+
+SmolLM2-135M-Instruct answers many chat prompts greedily with one sentence repeated until
+``max_tokens`` (``Tell me about the sea``); a mild multiplicative penalty over the prompt and the
+answer so far (transformers' and vLLM's ``repetition_penalty``) ends the loop while keeping greedy
+decoding, so default chat answers stay deterministic and cacheable (docs/gateway.md, *Chat defaults*)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,30 @@ class SamplingParams:
     """Seed of the sequence's own random generator (0 to 2**64-1); None draws a fresh one."""
     stop: tuple[str, ...] = ()
     """Generation stops before the first occurrence of any of these strings (no duplicates)."""
+    frequency_penalty: float = 0.0
+    """OpenAI's: each token's logit minus this times how often it appears among the tokens generated
+    so far (the prompt not counted); [-2, 2], 0 disables it."""
+    presence_penalty: float = 0.0
+    """OpenAI's: each token generated so far has its logit lowered by this once; [-2, 2], 0 disables it."""
+    repetition_penalty: float = 1.0
+    """vLLM's and transformers': a token of the prompt or of the tokens generated so far has a positive
+    logit divided by it, a negative one multiplied by it; (0, 2], 1 disables it."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs sorted by id, added to the logits before the penalties (OpenAI's);
+    biases in [-100, 100], at most 300 entries."""
+    min_tokens: int = 0
+    """EOS and the stop strings are ignored until this many tokens have been generated (vLLM's)."""
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty, bias or ``min_tokens`` changes the logits (the samplers' slow path)."""
+        return (
+            self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or self.repetition_penalty != 1.0
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -95,12 +138,24 @@ class SamplingParams:
 
         Floats are rounded to 6 digits (proto float32 values like 0.7 arrive as 0.699999988); with
         greedy decoding temperature/top_p/top_k/seed cannot change the output, so they are dropped;
-        stop strings are a set.
+        stop strings are a set. Penalties, ``logit_bias`` and ``min_tokens`` change greedy output too:
+        each is in the key whenever it is not neutral (and absent when neutral, so keys made before
+        these fields existed still match).
         """
         out: dict[str, object] = {
             "max_tokens": int(self.max_tokens),
             "stop": sorted(set(self.stop)),
         }
+        if self.frequency_penalty != 0.0:
+            out["frequency_penalty"] = _round(self.frequency_penalty)
+        if self.presence_penalty != 0.0:
+            out["presence_penalty"] = _round(self.presence_penalty)
+        if self.repetition_penalty != 1.0:
+            out["repetition_penalty"] = _round(self.repetition_penalty)
+        if self.logit_bias:
+            out["logit_bias"] = [[int(t), _round(b)] for t, b in self.logit_bias]
+        if self.min_tokens:
+            out["min_tokens"] = int(self.min_tokens)
         if self.greedy:
             out["temperature"] = 0
             return out
@@ -114,20 +169,36 @@ class SamplingParams:
         return out
 
     def fit(
-        self, prompt_tokens: int, context_length: int, default_max_tokens: int = DEFAULT_MAX_TOKENS
+        self,
+        prompt_tokens: int,
+        context_length: int,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        vocab_size: int | None = None,
     ) -> SamplingParams:
         """These parameters with ``max_tokens`` fitted to the room ``prompt_tokens`` leave in the context.
 
-        A default ``max_tokens`` (0) becomes ``default_max_tokens``, clamped to the room; an explicit
-        one that does not fit is an error, as is a prompt that leaves no room at all.
+        A default ``max_tokens`` (0) becomes ``default_max_tokens``, clamped to the room (and raised to
+        ``min_tokens`` where that fits); an explicit one that does not fit is an error, as is a prompt
+        that leaves no room at all, a ``min_tokens`` that does not fit, and (given ``vocab_size``) a
+        ``logit_bias`` token id outside the vocabulary.
         """
         room = context_length - prompt_tokens
         if room <= 0:
             raise InvalidArgument(
                 f"the prompt has {prompt_tokens} tokens but the model context holds {context_length}; shorten it"
             )
+        if vocab_size is not None and self.logit_bias and self.logit_bias[-1][0] >= vocab_size:
+            raise InvalidArgument(
+                f"sampling.logit_bias names token id {self.logit_bias[-1][0]}, outside the model's vocabulary of "
+                f"{vocab_size} tokens; use ids below {vocab_size}"
+            )
+        if self.min_tokens > room:
+            raise InvalidArgument(
+                f"prompt ({prompt_tokens} tokens) + min_tokens ({self.min_tokens}) exceeds the model context of "
+                f"{context_length} tokens; lower min_tokens to at most {room} or shorten the prompt"
+            )
         if self.max_tokens == 0:
-            return replace(self, max_tokens=min(default_max_tokens, room))
+            return replace(self, max_tokens=min(max(default_max_tokens, self.min_tokens), room))
         if self.max_tokens > room:
             raise InvalidArgument(
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({self.max_tokens}) exceeds the model context of "
@@ -144,13 +215,21 @@ def resolve_sampling(
     top_k: int = 0,
     seed: int | None = None,
     stop: Sequence[str] = (),
+    frequency_penalty: float = 0.0,
+    presence_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
+    min_tokens: int = 0,
+    chat: bool = False,
     limits: SamplingLimits = MESH_LIMITS,
 ) -> SamplingParams:
     """Check a caller's sampling values against ``limits`` and apply the documented defaults.
 
     The zero values mean "default" as the proto documents: top_p 0 -> 1, max_tokens 0 stays 0 until
     :meth:`SamplingParams.fit` (only a service that knows the prompt's length can fit it). Duplicate
-    stop strings are dropped (first occurrence kept). Raises :class:`InvalidArgument` naming the field.
+    stop strings are dropped (first occurrence kept). An unset ``repetition_penalty`` (None) is 1 (off),
+    or :data:`CHAT_REPETITION_PENALTY` for a chat turn (``chat``): the one place chat defaults are
+    applied. Raises :class:`InvalidArgument` naming the field.
     """
     if max_tokens < 0:
         raise InvalidArgument(f"sampling.max_tokens must be >= 0 (got {max_tokens}); use 0 for the server default")
@@ -179,6 +258,43 @@ def resolve_sampling(
                 f"a stop string is {len(s)} characters long; keep each stop string to at most "
                 f"{limits.max_stop_chars} characters"
             )
+    for name, value in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+        if not math.isfinite(value) or not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+            raise InvalidArgument(
+                f"sampling.{name} must be between {-MAX_ABS_PENALTY:g} and {MAX_ABS_PENALTY:g} (got {value:g}); "
+                "use 0 to disable it"
+            )
+    if repetition_penalty is None:
+        repetition_penalty = CHAT_REPETITION_PENALTY if chat else 1.0
+    if not math.isfinite(repetition_penalty) or not 0.0 < repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise InvalidArgument(
+            f"sampling.repetition_penalty must be above 0 and at most {MAX_REPETITION_PENALTY:g} "
+            f"(got {repetition_penalty:g}); use 1 to disable it"
+        )
+    bias = dict(logit_bias or {})
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidArgument(f"sampling.logit_bias has {len(bias)} entries; send at most {MAX_LOGIT_BIAS_ENTRIES}")
+    for token, value in bias.items():
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise InvalidArgument(
+                f"sampling.logit_bias names token id {token}; token ids are between 0 and the vocabulary size - 1"
+            )
+        if not math.isfinite(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise InvalidArgument(
+                f"sampling.logit_bias for token {token} is {value:g}; biases must be between "
+                f"{-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}"
+            )
+    if min_tokens < 0:
+        raise InvalidArgument(f"sampling.min_tokens must be >= 0 (got {min_tokens}); use 0 to disable it")
+    if max_tokens and min_tokens > max_tokens:
+        raise InvalidArgument(
+            f"sampling.min_tokens ({min_tokens}) is above sampling.max_tokens ({max_tokens}); "
+            "lower min_tokens or raise max_tokens"
+        )
+    if limits.max_tokens is not None and min_tokens > limits.max_tokens:
+        raise InvalidArgument(
+            f"sampling.min_tokens is {min_tokens}, above the limit of {limits.max_tokens}; ask for fewer"
+        )
     return SamplingParams(
         max_tokens=int(max_tokens),
         temperature=float(temperature),
@@ -186,6 +302,11 @@ def resolve_sampling(
         top_k=int(top_k),
         seed=None if seed is None else int(seed),
         stop=tuple(dict.fromkeys(stop)),
+        frequency_penalty=float(frequency_penalty),
+        presence_penalty=float(presence_penalty),
+        repetition_penalty=float(repetition_penalty),
+        logit_bias=tuple(sorted((int(t), float(b)) for t, b in bias.items() if b != 0.0)),
+        min_tokens=int(min_tokens),
     )
 
 

@@ -11,9 +11,12 @@ from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import MESH_LIMITS, SamplingLimits, SamplingParams, resolve_sampling
 
 
-def from_pb(msg: inference_pb2.SamplingParams, limits: SamplingLimits = MESH_LIMITS) -> SamplingParams:
+def from_pb(
+    msg: inference_pb2.SamplingParams, limits: SamplingLimits = MESH_LIMITS, *, chat: bool = False
+) -> SamplingParams:
     """The checked parameters of a request, defaults applied (``max_tokens`` still 0 when defaulted:
-    see :meth:`SamplingParams.fit`); raises InvalidArgument naming the bad field."""
+    see :meth:`SamplingParams.fit`; ``chat``: a Chat turn's, which has the chat defaults); raises
+    InvalidArgument naming the bad field."""
     return resolve_sampling(
         max_tokens=msg.max_tokens,
         temperature=msg.temperature,
@@ -21,6 +24,12 @@ def from_pb(msg: inference_pb2.SamplingParams, limits: SamplingLimits = MESH_LIM
         top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None,
         stop=msg.stop,
+        frequency_penalty=msg.frequency_penalty,
+        presence_penalty=msg.presence_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else None,
+        logit_bias=dict(msg.logit_bias),
+        min_tokens=msg.min_tokens,
+        chat=chat,
         limits=limits,
     )
 
@@ -32,6 +41,11 @@ def to_pb(params: SamplingParams) -> inference_pb2.SamplingParams:
         top_p=params.top_p,
         top_k=params.top_k,
         stop=list(params.stop),
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        repetition_penalty=params.repetition_penalty,  # always set: the receiver applies no default again
+        logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens,
     )
     if params.seed is not None:
         msg.seed = params.seed

@@ -254,7 +254,9 @@ class BatchedEngine:
         if seq.kv_len < len(seq.tokens):
             carry.append(seq)  # more of its context to feed before it may choose a token
             return
-        token = pick(logits, seq.sampling, seq.rng)
+        token = pick(logits, seq.sampling, seq.rng, seq.penalties)
+        if seq.penalties is not None:
+            seq.penalties.record(token)
         seq.tokens.append(token)
         seq.prefill_end = max(seq.prefill_end, seq.kv_len)
         done.append((seq, token))

@@ -22,6 +22,7 @@ from typing import Any
 import onnxruntime_genai as og
 from tokenizers import Tokenizer
 
+from services.common.errors import InvalidArgument
 from services.common.sampling import SamplingParams
 from services.worker.types import EngineInfo
 
@@ -29,10 +30,13 @@ _SEED_MASK = 0x7FFFFFFF  # og's random_seed is a C int
 
 
 def _search_options(sampling: SamplingParams) -> dict[str, Any]:
+    # og's own repetition_penalty (over the prompt and the output, as transformers'): the chat default
+    penalty = {"repetition_penalty": sampling.repetition_penalty} if sampling.repetition_penalty != 1.0 else {}
     if sampling.greedy:
-        return {"do_sample": False}
+        return {"do_sample": False, **penalty}
     seed = sampling.seed if sampling.seed is not None else random.getrandbits(31)
     return {
+        **penalty,
         "do_sample": True,
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
@@ -48,14 +52,26 @@ def _reusable_key(sampling: SamplingParams) -> tuple[Any, ...] | None:
     a reused generator's random state has moved on, so seeded turns always start fresh.
     """
     if sampling.greedy:
-        return ("greedy",)
+        return ("greedy", sampling.repetition_penalty)
     if sampling.seed is not None:
         return None
-    return ("sample", sampling.temperature, sampling.top_p, sampling.top_k)
+    return ("sample", sampling.temperature, sampling.top_p, sampling.top_k, sampling.repetition_penalty)
+
+
+def _refuse_penalties(sampling: SamplingParams) -> None:
+    if sampling.frequency_penalty or sampling.presence_penalty or sampling.logit_bias or sampling.min_tokens:
+        raise InvalidArgument(
+            "this edge worker runs the onnxruntime-genai engine, which applies no frequency_penalty, "
+            "presence_penalty, logit_bias or min_tokens; remove them or use the batched edge engine "
+            "(MESHSERVE_EDGE_WORKER_ENGINE=batched)"
+        )
 
 
 class OgSequence:
-    """One generation on an ``og.Generator``; the first ``step`` appends (prefills) the pending tokens."""
+    """One generation on an ``og.Generator``; the first ``step`` appends (prefills) the pending tokens.
+
+    ``repetition_penalty`` is og's own search option; frequency/presence penalties, ``logit_bias`` and
+    ``min_tokens`` have no og hook: :meth:`OgEngine.check_sampling` refuses them before a turn starts."""
 
     def __init__(
         self,
@@ -159,6 +175,10 @@ class OgEngine:
     @property
     def model(self) -> og.Model:
         return self._model
+
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """Refuse (InvalidArgument) what this engine cannot apply; the worker calls it for every turn."""
+        _refuse_penalties(sampling)
 
     def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> OgSequence:
         return OgSequence(self._model, token_ids, sampling, replay=replay)

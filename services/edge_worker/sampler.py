@@ -1,7 +1,9 @@
 """Next-token choice from one row of logits: greedy, or temperature / top-k / top-p with a seeded RNG.
 
 numpy on the engine's batch thread; each sequence owns its ``numpy.random.Generator``, so a seed gives
-the same tokens however many sequences share a decode step.
+the same tokens however many sequences share a decode step. A sequence's penalties, ``logit_bias`` and
+``min_tokens`` (:mod:`services.worker.penalties`) adjust its own row first, so one row's never touch
+another's.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from services.common.sampling import SamplingParams
+from services.worker.penalties import Penalties
 
 
 def rng_for(sampling: SamplingParams) -> np.random.Generator | None:
@@ -18,8 +21,13 @@ def rng_for(sampling: SamplingParams) -> np.random.Generator | None:
     return np.random.default_rng(sampling.seed)
 
 
-def pick(logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator | None) -> int:
-    """The next token id for one row of logits ``[vocab]``."""
+def pick(
+    logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator | None, penalties: Penalties | None = None
+) -> int:
+    """The next token id for one row of logits ``[vocab]`` (adjusted in place by ``penalties`` first:
+    the row is the step's output, read once; the caller records the chosen token in them)."""
+    if penalties is not None:
+        logits = penalties.apply(logits, in_place=True)
     if rng is None or sampling.greedy:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / sampling.temperature

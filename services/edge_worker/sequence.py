@@ -15,6 +15,7 @@ import numpy as np
 
 from services.common.sampling import SamplingParams
 from services.edge_worker.sampler import rng_for
+from services.worker.penalties import Penalties, penalties_for
 from services.worker.types import EngineInfo
 
 
@@ -56,6 +57,8 @@ class BatchedSequence:
         """Tokens before this index are prefilled in chunks; later ones (replay) one decode row each."""
         self.sampling = sampling
         self.rng = rng_for(sampling)
+        self.penalties = self._penalties(sampling, prefill_end)
+        """Its penalties over the prompt and the tokens generated so far (None: none asked for)."""
         self._key = _reusable_key(sampling)
         self.slot: int | None = None
         self.parked: list[np.ndarray] | None = None
@@ -67,6 +70,13 @@ class BatchedSequence:
         self._result: int | BaseException | None = None
         self.prefill_tokens = len(self.tokens)
         """Tokens the next ``step`` computes before its token (the context, or a chat turn's new part)."""
+
+    def _penalties(self, sampling: SamplingParams, prompt_len: int) -> Penalties | None:
+        penalties = penalties_for(sampling, self.tokens[:prompt_len], self._engine.info.eos_token_ids)
+        if penalties is not None:
+            for token in self.tokens[prompt_len:]:  # a resumed stream's replayed tokens were generated
+                penalties.record(token)
+        return penalties
 
     def step(self) -> int:
         if self.closed:
@@ -101,6 +111,7 @@ class BatchedSequence:
         self.kv_len = common
         self.prefill_end = len(self.tokens)
         self.sampling = sampling
+        self.penalties = self._penalties(sampling, len(self.tokens))
         self.prefill_tokens = len(self.tokens) - common
         return True
 

@@ -15,6 +15,14 @@ nothing. The warpers' order and semantics follow ``generate``: temperature, then
 over the top-k-filtered distribution (at least one token kept). Ties at the top-k boundary keep the
 first ``k`` in sort order (transformers keeps every tied token): a measure-zero difference for
 float logits.
+
+Penalties, ``logit_bias`` and ``min_tokens`` (services/worker/penalties.py) are three dense
+``[max_rows, vocab]`` buffers the step reads in place: an addend before the repetition scaling (the
+bias), the scaling divisor (``repetition_penalty`` on seen tokens, 1 elsewhere), and an addend after
+it (minus the frequency and presence penalties; -inf on EOS before ``min_tokens``). ``fill`` resets
+them on the device and writes only each penalised row's sparse entries (one host-to-device copy per
+buffer); a row without penalties is all 0 / 1 / 0, which leaves its logits bit-identical, so one row's
+penalties never change another's tokens. A batch without any penalised row skips them (its own graph).
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from services.common.sampling import SamplingParams
+from services.worker.penalties import Penalties
 
 _M32 = 0xFFFF_FFFF
 
@@ -85,7 +95,14 @@ def gumbel_noise(seed_lo: Tensor, seed_hi: Tensor, step: Tensor, vocab: int) -> 
 class SamplingBuffers:
     """Per-row sampling parameters in device tensors of ``max_rows`` (static: a graph reads them in place)."""
 
-    def __init__(self, max_rows: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, device: torch.device, vocab: int | None = None) -> None:
+        self.device = device
+        self.vocab = vocab
+        self._pre: Tensor | None = None
+        self._scale: Tensor | None = None
+        self._post: Tensor | None = None
+        if vocab is not None:
+            self._penalty_buffers(vocab)
         self.greedy = torch.ones(max_rows, dtype=torch.bool, device=device)
         self.temperature = torch.ones(max_rows, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(max_rows, dtype=torch.int64, device=device)
@@ -94,6 +111,63 @@ class SamplingBuffers:
         self.seed_hi = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.step = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.max_rows = max_rows
+
+    def _penalty_buffers(self, vocab: int) -> tuple[Tensor, Tensor, Tensor]:
+        if self._pre is None or self._scale is None or self._post is None or self.vocab != vocab:
+            shape = (self.max_rows, vocab)
+            self.vocab = vocab
+            self._pre = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            self._scale = torch.ones(shape, dtype=torch.float32, device=self.device)
+            self._post = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        return self._pre, self._scale, self._post
+
+    def fill_penalties(self, penalties: list[Penalties | None], vocab: int) -> bool:
+        """Write each row's penalties (rows without, and padding rows, neutral); returns whether any row
+        has them (False: the buffers are not read, nor written)."""
+        if all(p is None for p in penalties):
+            return False
+        pre, scale, post = self._penalty_buffers(vocab)
+        pre.zero_()
+        scale.fill_(1.0)
+        post.zero_()
+        entries: dict[str, tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]] = {
+            "pre": ([], [], []),
+            "scale": ([], [], []),
+            "post": ([], [], []),
+            "eos": ([], [], []),
+        }
+
+        def add(name: str, row: int, ids: np.ndarray, values: np.ndarray) -> None:
+            if ids.size:
+                rows_, cols, vals = entries[name]
+                rows_.append(np.full(ids.size, row, dtype=np.int64))
+                cols.append(ids)
+                vals.append(values.astype(np.float32))
+
+        for row, p in enumerate(penalties):
+            if p is None:
+                continue
+            add("pre", row, p.bias_ids, p.bias_values)
+            seen = p.seen_ids
+            if p.repetition != 1.0:
+                add("scale", row, seen, np.full(seen.size, p.repetition, dtype=np.float32))
+            if p.frequency != 0.0 or p.presence != 0.0:
+                add("post", row, seen, p.post_values())
+            if p.eos_banned:
+                add("eos", row, p.eos_ids, np.full(p.eos_ids.size, -np.inf, dtype=np.float32))
+        for name, dst in (("pre", pre), ("scale", scale), ("post", post), ("eos", post)):
+            rows_, cols, vals = entries[name]
+            if rows_:  # ids are distinct within a row, so no index is written twice by one put
+                index = torch.from_numpy(np.stack([np.concatenate(rows_), np.concatenate(cols)])).to(self.device)
+                dst.index_put_((index[0], index[1]), torch.from_numpy(np.concatenate(vals)).to(self.device))
+        return True
+
+    def penalize(self, logits: Tensor) -> Tensor:
+        """``logits`` ``[rows, vocab]`` with the first ``rows`` rows of the penalty buffers applied."""
+        n = logits.shape[0]
+        pre, scale, post = self._penalty_buffers(logits.shape[-1])
+        biased = logits + pre[:n]
+        return torch.where(biased > 0, biased / scale[:n], biased * scale[:n]) + post[:n]
 
     def fill(self, rows: list[RowSampling], steps: list[int]) -> bool:
         """Write ``rows`` (then padding rows up to ``max_rows``) with one host-to-device copy per field;
@@ -118,10 +192,13 @@ class SamplingBuffers:
     def _copy(dst: Tensor, values: list[bool] | list[float] | list[int]) -> None:
         dst.copy_(torch.tensor(values, dtype=dst.dtype), non_blocking=dst.device.type == "cuda")
 
-    def sample(self, logits: Tensor, *, sampled: bool) -> Tensor:
+    def sample(self, logits: Tensor, *, sampled: bool, penalized: bool = False) -> Tensor:
         """Token ids ``[rows]`` (int64, on the device) for ``logits`` ``[rows, vocab]`` float32, reading the
-        first ``rows`` entries of every buffer. ``sampled=False`` skips the sampling arithmetic (greedy batch)."""
+        first ``rows`` entries of every buffer. ``sampled=False`` skips the sampling arithmetic (greedy
+        batch); ``penalized`` applies the penalty buffers first."""
         n = logits.shape[0]
+        if penalized:
+            logits = self.penalize(logits)
         best = logits.argmax(dim=-1)
         if not sampled:
             return best
@@ -142,9 +219,12 @@ class SamplingBuffers:
         return order.gather(-1, choice).squeeze(-1)
 
 
-def sample_rows(logits: Tensor, rows: list[RowSampling], steps: list[int]) -> list[int]:
+def sample_rows(
+    logits: Tensor, rows: list[RowSampling], steps: list[int], penalties: list[Penalties | None] | None = None
+) -> list[int]:
     """The eager steps' counterpart of the static step's sampling: ``logits`` ``[n, vocab]`` float32 on
     the device, one token id per row (one device-to-host copy)."""
     buffers = SamplingBuffers(len(rows), logits.device)
     sampled = buffers.fill(rows, steps)
-    return [int(t) for t in buffers.sample(logits, sampled=sampled).tolist()]
+    penalized = penalties is not None and buffers.fill_penalties(penalties, logits.shape[-1])
+    return [int(t) for t in buffers.sample(logits, sampled=sampled, penalized=penalized).tolist()]

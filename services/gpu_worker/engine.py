@@ -281,7 +281,7 @@ class CloudEngine:
             tokens=list(token_ids),
             prompt_len=len(token_ids),
             replay=deque(replay),
-            sampler=Sampler(sampling),
+            sampler=Sampler(sampling, token_ids, self._info.eos_token_ids),
             max_new=max(1, sampling.max_tokens),
             eos=self._info.eos_token_ids,
             priority=priority,

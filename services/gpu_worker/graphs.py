@@ -22,11 +22,12 @@ replayed (the recipe of vLLM's FULL_DECODE_ONLY, nano-vllm and SGLang):
   (device_sampler.py) and the chosen token ids. A step fills them (one host-to-device copy each),
   runs the step for a ``[:bucket]`` / ``[:bucket, :width]`` slice, and copies the ``[:n]`` chosen ids
   to the host once (``.tolist()``). Sampling happens on the device inside the step.
-* On CUDA each (bucket, width, sampled) step is captured as a ``torch.cuda.CUDAGraph`` the first
+* On CUDA each (bucket, width, sampled, penalized) step is captured as a ``torch.cuda.CUDAGraph`` the first
   time that width is needed, every bucket at once, largest first, into one shared memory pool,
   after one eager warm-up run per shape on a side stream (so nothing allocates or synchronises
   lazily during capture). ``sampled`` is whether any row samples: all-greedy batches replay a graph
-  that only takes the argmax. On CPU the same fixed-shape step runs eagerly (no capture): that is
+  that only takes the argmax; ``penalized`` is whether any row has penalties, ``logit_bias`` or
+  ``min_tokens`` (their buffers are read only then). On CPU the same fixed-shape step runs eagerly (no capture): that is
   what CI tests against the eager path token for token.
 
 Prefill chunks, mixed steps and speculative verify runs stay on the eager path (model.py
@@ -47,6 +48,7 @@ from torch import Tensor
 from services.gpu_worker.device_sampler import RowSampling, SamplingBuffers
 from services.gpu_worker.model import KVCache, LlamaModel
 from services.gpu_worker.plan import Segment
+from services.worker.penalties import Penalties
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -119,7 +121,7 @@ class StaticDecoder:
         self.tables = torch.full((max_batch, self.widths[-1]), pad_block, dtype=torch.int64, device=device)
         self.sampling = SamplingBuffers(max_batch, device)
         self.out = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self._graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self._graphs: dict[tuple[int, int, bool, bool], _Graph] = {}
         self._pool: _POOL_HANDLE | None = None
         self.graph_bytes = 0
         """Device memory the captured graphs' pool holds (CUDA; measured around each capture)."""
@@ -136,9 +138,16 @@ class StaticDecoder:
                 return False
         return True
 
-    def step(self, segments: Sequence[Segment], rows: Sequence[RowSampling], steps: Sequence[int]) -> list[int]:
-        """The next token of each segment (one device-to-host copy). ``rows``/``steps``: each segment's
-        sampling parameters and how many tokens its sequence has generated (the noise counter)."""
+    def step(
+        self,
+        segments: Sequence[Segment],
+        rows: Sequence[RowSampling],
+        steps: Sequence[int],
+        penalties: Sequence[Penalties | None] = (),
+    ) -> list[int]:
+        """The next token of each segment (one device-to-host copy). ``rows``/``steps``/``penalties``: each
+        segment's sampling parameters, how many tokens its sequence has generated (the noise counter)
+        and its penalties (None, or an empty sequence: none)."""
         n = len(segments)
         bt = self.cache.block_tokens
         bucket = _ceil(self.buckets, n)
@@ -152,6 +161,7 @@ class StaticDecoder:
         table = [list(seg.block_table[:full]) + [self.pad_block] * (full - len(seg.block_table)) for seg in segments]
         table += [[self.pad_block] * full] * pad
         sampled = self.sampling.fill(list(rows), list(steps))
+        penalized = bool(penalties) and self.sampling.fill_penalties(list(penalties), self.model.config.vocab)
         blocking = self.tokens.device.type != "cuda"
         for dst, values in (
             (self.tokens, tokens),
@@ -163,19 +173,19 @@ class StaticDecoder:
             dst.copy_(torch.tensor(values, dtype=torch.int64), non_blocking=not blocking)
         self.steps += 1
         if self.capture:
-            graph = self._graphs.get((bucket, width, sampled))
+            graph = self._graphs.get((bucket, width, sampled, penalized))
             if graph is None:
-                self._capture_width(width, sampled)
-                graph = self._graphs[(bucket, width, sampled)]
+                self._capture_width(width, sampled, penalized)
+                graph = self._graphs[(bucket, width, sampled, penalized)]
             graph.graph.replay()
             self.replays += 1
             out = graph.out
         else:
-            out = self._run(bucket, width, sampled)
+            out = self._run(bucket, width, sampled, penalized)
         return [int(t) for t in out[:n].tolist()]
 
     @torch.inference_mode()
-    def _run(self, bucket: int, width: int, sampled: bool) -> Tensor:
+    def _run(self, bucket: int, width: int, sampled: bool, penalized: bool = False) -> Tensor:
         logits = self.model.decode_fixed(
             self.tokens[:bucket],
             self.positions[:bucket],
@@ -184,7 +194,7 @@ class StaticDecoder:
             self.tables[:bucket, :width],
             self.cache,
         )
-        self.out[:bucket].copy_(self.sampling.sample(logits, sampled=sampled))
+        self.out[:bucket].copy_(self.sampling.sample(logits, sampled=sampled, penalized=penalized))
         return self.out
 
     def capture_all(self, width: int | None = None, sampled: bool = False) -> None:
@@ -201,7 +211,7 @@ class StaticDecoder:
             self.tables.fill_(self.pad_block)
             self._capture_width(width or self.widths[0], sampled)
 
-    def _capture_width(self, width: int, sampled: bool) -> None:
+    def _capture_width(self, width: int, sampled: bool, penalized: bool = False) -> None:
         """Capture every batch bucket at ``width``, largest first, into the shared pool.
 
         The static buffers hold the current step's inputs; the warm-up and capture runs write their
@@ -213,7 +223,7 @@ class StaticDecoder:
         stream.wait_stream(torch.cuda.current_stream(self.tokens.device))
         with torch.cuda.stream(stream):
             for bucket in reversed(self.buckets):
-                self._run(bucket, width, sampled)  # warm-up: kernels chosen, workspaces allocated
+                self._run(bucket, width, sampled, penalized)  # warm-up: kernels chosen, workspaces allocated
         torch.cuda.current_stream(self.tokens.device).wait_stream(stream)
         torch.cuda.synchronize(self.tokens.device)
         if self._pool is None:
@@ -222,14 +232,15 @@ class StaticDecoder:
             graph = torch.cuda.CUDAGraph()
             # thread_local: a speculative verify pass or a KV import on another thread may use CUDA meanwhile.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                out = self._run(bucket, width, sampled)
-            self._graphs[(bucket, width, sampled)] = _Graph(graph, out)
+                out = self._run(bucket, width, sampled, penalized)
+            self._graphs[(bucket, width, sampled, penalized)] = _Graph(graph, out)
         torch.cuda.synchronize(self.tokens.device)
         self.graph_bytes += torch.cuda.memory_reserved(self.tokens.device) - before
         log.info(
             "decode_graphs_captured",
             width_blocks=width,
             sampled=sampled,
+            penalized=penalized,
             buckets=len(self.buckets),
             seconds=round(time.monotonic() - began, 2),
             graph_bytes=self.graph_bytes,

@@ -1,11 +1,14 @@
 """Per-sequence token choice from a logits row: greedy, or temperature / top-k / top-p sampling.
 
 Uses transformers' own logits warpers in ``generate``'s order and a per-sequence
-``torch.Generator``, so a seed reproduces its tokens whatever else shares the batch.
+``torch.Generator``, so a seed reproduces its tokens whatever else shares the batch. The sequence's
+penalties, ``logit_bias`` and ``min_tokens`` (:mod:`services.worker.penalties`) adjust its row first;
+the device sampler applies the same numbers from :attr:`Sampler.penalties`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import cast
 
 import torch
@@ -18,6 +21,7 @@ from transformers.generation.logits_process import (
 
 from services.common.sampling import SamplingParams
 from services.gpu_worker.device_sampler import RowSampling
+from services.worker.penalties import Penalties, penalties_for
 
 _NO_IDS = cast(torch.LongTensor, torch.zeros(1, 1, dtype=torch.long))
 
@@ -25,8 +29,10 @@ _NO_IDS = cast(torch.LongTensor, torch.zeros(1, 1, dtype=torch.long))
 class Sampler:
     """Chooses one sequence's tokens (not thread-safe; the scheduler thread calls it)."""
 
-    def __init__(self, sampling: SamplingParams) -> None:
+    def __init__(self, sampling: SamplingParams, prompt_ids: Iterable[int] = (), eos_ids: Iterable[int] = ()) -> None:
         self.greedy = sampling.greedy
+        self.penalties: Penalties | None = penalties_for(sampling, prompt_ids, eos_ids)
+        """The sequence's penalties (None: none asked for); :meth:`record` keeps them current."""
         self.row = RowSampling.from_config(sampling)
         """The same parameters for the device sampler (engines running static decode steps use it)."""
         self._warpers = LogitsProcessorList()
@@ -44,10 +50,37 @@ class Sampler:
             else:
                 self._rng.seed()
 
+    def record(self, token: int) -> None:
+        """``token`` was generated (or replayed): the penalties count it, whichever sampler chose it."""
+        if self.penalties is not None:
+            self.penalties.record(token)
+
     def pick(self, logits: torch.Tensor) -> int:
-        """The next token from a ``[1, vocab]`` float32 logits row."""
+        """The next token from a ``[1, vocab]`` float32 logits row (the caller then calls :meth:`record`)."""
+        if self.penalties is not None:
+            logits = apply_penalties(logits, self.penalties)
         if self.greedy:
             return int(torch.argmax(logits, dim=-1).item())
         scores = self._warpers(_NO_IDS, logits.cpu())
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, num_samples=1, generator=self._rng).item())
+
+
+def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
+    """``[1, vocab]`` logits adjusted by one sequence's penalties (a new tensor, on the same device)."""
+    out = logits.to(torch.float32).clone()
+    device = out.device
+    if penalties.bias_ids.size:
+        ids = torch.from_numpy(penalties.bias_ids).to(device)
+        out[0, ids] += torch.from_numpy(penalties.bias_values).to(device)
+    seen = penalties.seen_ids
+    if seen.size:
+        ids = torch.from_numpy(seen.copy()).to(device)
+        if penalties.repetition != 1.0:
+            row = out[0, ids]
+            out[0, ids] = torch.where(row > 0, row / penalties.repetition, row * penalties.repetition)
+        if penalties.frequency != 0.0 or penalties.presence != 0.0:
+            out[0, ids] += torch.from_numpy(penalties.post_values()).to(device)
+    if penalties.eos_banned:
+        out[0, torch.from_numpy(penalties.eos_ids).to(device)] = float("-inf")
+    return out

@@ -275,10 +275,11 @@ class Scheduler:
             return self.forward(segments), None
         rows = [seq.sampler.row for seq, _ in plan]
         steps = [seq.generated for seq, _ in plan]
+        penalties = [seq.sampler.penalties for seq, _ in plan]
         if static.fits(segments):
-            return [], static.step(segments, rows, steps)
+            return [], static.step(segments, rows, steps, penalties)
         logits = self.forward(segments)
-        return logits, sample_rows(torch.cat([row[-1:] for row in logits]), rows, steps)
+        return logits, sample_rows(torch.cat([row[-1:] for row in logits]), rows, steps, penalties)
 
     def _run_imports(self) -> None:
         while self.imports:
@@ -378,12 +379,15 @@ class Scheduler:
         if seq.computed < seq.prompt_len or seq.closed:
             return
         if seq.replay:
-            seq.tokens.append(seq.replay.popleft())
+            replayed = seq.replay.popleft()
+            seq.sampler.record(replayed)  # a resumed stream's tokens were generated: penalties count them
+            seq.tokens.append(replayed)
             return
         if chosen is None:
             assert row is not None, "an eager step returns logits for every segment"
             chosen = seq.sampler.pick(row[-1:])
         token = chosen
+        seq.sampler.record(token)
         seq.generated += 1
         seq.out.append(token)
         if token in seq.eos or seq.generated >= seq.max_new:

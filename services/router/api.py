@@ -171,7 +171,9 @@ class RouterAPI:
     ) -> TurnRequest:
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty; send at least one character of text")
-        sampling = sampling.fit(len(prompt_ids), self.context_length, self._default_max_tokens)
+        sampling = sampling.fit(
+            len(prompt_ids), self.context_length, self._default_max_tokens, vocab_size=self.router.tokenizer.vocab_size
+        )
         return TurnRequest(
             prompt_ids=prompt_ids,
             sampling=sampling,

@@ -93,7 +93,7 @@ def chat_turn(msg: inference_pb2.ChatTurn, sampling: SamplingParams | None = Non
     """A chat turn, its parameters validated (``sampling``: as for :func:`generation`)."""
     return ChatTurn(
         messages=tuple(ChatMessage(m.role, m.content) for m in msg.messages),
-        sampling=sampling if sampling is not None else sampling_pb.from_pb(msg.sampling),
+        sampling=sampling if sampling is not None else sampling_pb.from_pb(msg.sampling, chat=True),
         routing=routing(msg.routing),
         model=msg.model,
     )

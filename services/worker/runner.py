@@ -90,7 +90,8 @@ def run_sequence(
 
     EOS ends the turn with STOP and is neither sent nor detokenized (it counts as a completion
     token). When a stop string matches, the token that completed it is still sent (its text is
-    cut before the stop string), as vLLM does. ``max_tokens`` covers resumed tokens too.
+    cut before the stop string), as vLLM does. ``max_tokens`` covers resumed tokens too, and so does
+    ``min_tokens``, before which stop strings are not looked for (the engine's sampler bans EOS).
     With a ``session`` the sequence is handed back to it afterwards (KV kept for the next turn),
     unless its prefill was interrupted by a cancel (``interrupter``): then it is closed.
     """
@@ -139,7 +140,10 @@ def run_sequence(
             if token in eos:
                 reason = FinishReason.STOP
                 break
-            text, stopped = stops.feed(detok.add(token))
+            if len(request.resume_ids) + produced <= sampling.min_tokens:  # the first min_tokens are never cut
+                text, stopped = stops.pass_through(detok.add(token)), False
+            else:
+                text, stopped = stops.feed(detok.add(token))
             emit(TokenEvent((token,), text))
             if stopped:
                 reason = FinishReason.STOP_STRING

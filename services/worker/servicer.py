@@ -210,7 +210,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         prompt = tuple(start.prompt_token_ids)
         resume = tuple(start.resume_token_ids)
         validate_prompt(prompt + resume, info)
-        sampling = sampling_pb.from_pb(start.sampling).fit(len(prompt), info.context_length, self.default_max_tokens)
+        sampling = sampling_pb.from_pb(start.sampling).fit(
+            len(prompt), info.context_length, self.default_max_tokens, vocab_size=info.vocab_size
+        )
+        check = getattr(self.runner.engine, "check_sampling", None)  # an engine that cannot apply every field
+        if check is not None:
+            check(sampling)
         return GenerationRequest(
             prompt, sampling, resume, start.request_id, start.tenant, start.shareable_prefix, start.priority
         )

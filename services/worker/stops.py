@@ -33,6 +33,15 @@ class StopStringMatcher:
         self._held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False
 
+    def pass_through(self, text: str) -> str:
+        """``text`` (after any held text) released unmatched: stop strings are not looked for yet
+        (``min_tokens`` not reached). A stop string that begins here and ends later is not found, as
+        vLLM only looks for stop strings in the text that comes after ``min_tokens``."""
+        if self.stopped:
+            return ""
+        held, self._held = self._held, ""
+        return held + text
+
     def flush(self) -> str:
         """The held-back text, released at the end of a generation that did not stop on a string."""
         held, self._held = self._held, ""

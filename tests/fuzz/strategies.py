@@ -107,6 +107,13 @@ BIASES: dict[str, Any] = {
     "meshserve.v1.SamplingParams.top_p": _mostly(st.floats(0, 1, width=32)),
     "meshserve.v1.SamplingParams.top_k": _mostly(st.integers(0, 50)),
     "meshserve.v1.SamplingParams.stop": _mostly(st.lists(_short, max_size=2)),
+    "meshserve.v1.SamplingParams.frequency_penalty": _mostly(st.floats(-2, 2, width=32)),
+    "meshserve.v1.SamplingParams.presence_penalty": _mostly(st.floats(-2, 2, width=32)),
+    "meshserve.v1.SamplingParams.repetition_penalty": _mostly(st.floats(0.5, 2, width=32)),
+    "meshserve.v1.SamplingParams.logit_bias": _mostly(
+        st.dictionaries(_token_id, st.floats(-100, 100, width=32), max_size=3)
+    ),
+    "meshserve.v1.SamplingParams.min_tokens": _mostly(st.integers(0, 4)),
     "meshserve.v1.RoutingOptions.priority": _mostly(st.integers(0, 9)),
     "meshserve.v1.RoutingOptions.tier": _mostly(st.sampled_from([0, 1, 2, 3])),
     "meshserve.v1.RoutingOptions.cache_policy": _mostly(st.sampled_from([0, 1, 2, 3])),
@@ -157,7 +164,13 @@ def scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
 
 
 def value(field: FieldDescriptor, depth: int) -> st.SearchStrategy[Any]:
-    single = message(field.message_type, depth + 1) if field.type == F.TYPE_MESSAGE else scalar(field)
+    entry = field.message_type if field.type == F.TYPE_MESSAGE else None
+    if entry is not None and entry.GetOptions().map_entry:  # a map<K, V>: a dict
+        key, val = entry.fields_by_name["key"], entry.fields_by_name["value"]
+        mapping = st.dictionaries(value(key, depth + 1), value(val, depth + 1), max_size=4 if depth < MAX_DEPTH else 0)
+        bias = BIASES.get(field.full_name)
+        return bias(mapping) if bias is not None else mapping
+    single = message(field.message_type, depth + 1) if entry is not None else scalar(field)
     if field.is_repeated:
         strategy: st.SearchStrategy[Any] = st.lists(single, max_size=4 if depth < MAX_DEPTH else 0)
     else:

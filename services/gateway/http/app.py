@@ -116,6 +116,20 @@ class OpenAIApp:
 
     def __init__(self, gateway: inference_pb2_grpc.InferenceStub) -> None:
         self._gateway = gateway
+        self._default_model: str | None = None
+
+    async def _served_model(self, wanted: str, request: web.Request) -> str:
+        """The id of the model that answers: the one named (the gateway refused any other with 404), or,
+        when the request left ``model`` empty, the mesh's default, the first ListModels entry (asked
+        once, with this caller's credentials, after the gateway accepted the request; then kept)."""
+        if wanted:
+            return wanted
+        if self._default_model is None:
+            reply = await self._gateway.ListModels(pb.ListModelsRequest(), metadata=self._metadata(request))
+            if not reply.models:
+                return wanted
+            self._default_model = reply.models[0].id
+        return self._default_model
 
     @staticmethod
     def _metadata(request: web.Request) -> tuple[tuple[str, str], ...]:
@@ -173,27 +187,28 @@ class OpenAIApp:
             frames = _chat_frames(call)
             first = await _first(frames)
             request_id = await _request_id(call)
+            model = await self._served_model(parsed.model, request)
             if not parsed.stream:
                 text, final = await _collect(first, frames)
-                body = oa.chat_completion(request_id, parsed.model, text, final)
+                body = oa.chat_completion(request_id, model, text, final)
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
             response = await _sse_start(request, request_id)
             role = {"role": "assistant", "content": ""}
             usage = parsed.include_usage
-            await _sse(response, oa.chat_chunk(request_id, parsed.model, role, None, created, usage))
+            await _sse(response, oa.chat_chunk(request_id, model, role, None, created, usage))
             try:
                 end: pb.Final | None = None
                 async for text, last in _prepend(first, frames):
                     end = last
                     if text:
                         delta = {"content": text}
-                        await _sse(response, oa.chat_chunk(request_id, parsed.model, delta, None, created, usage))
+                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage))
                 if end is not None:
-                    chunk = oa.chat_chunk(request_id, parsed.model, {}, oa.finish_reason(end), created, usage)
+                    chunk = oa.chat_chunk(request_id, model, {}, oa.finish_reason(end), created, usage)
                     await _sse(response, chunk)
                     if parsed.include_usage:
-                        chunk = oa.usage_chunk("chat.completion.chunk", request_id, parsed.model, end, created)
+                        chunk = oa.usage_chunk("chat.completion.chunk", request_id, model, end, created)
                         await _sse(response, chunk)
             except (MeshError, grpc.aio.AioRpcError) as exc:
                 return await _sse_error(response, exc)
@@ -206,7 +221,8 @@ class OpenAIApp:
         metadata = self._metadata(request)
         if not parsed.stream:
             reply = await self._gateway.Complete(generate, metadata=metadata)
-            body = oa.completion(reply.request_id, parsed.model, reply.text, reply.final)
+            model = await self._served_model(parsed.model, request)
+            body = oa.completion(reply.request_id, model, reply.text, reply.final)
             return web.json_response(body, headers={md.REQUEST_ID: reply.request_id})
         call = self._gateway.Generate(generate, metadata=metadata)
         try:
@@ -214,17 +230,16 @@ class OpenAIApp:
             frames = _generate_frames(call, ids)
             first = await _first(frames)
             request_id = ids[0] if ids else await _request_id(call)
+            model = await self._served_model(parsed.model, request)
             created = int(time.time())
             response = await _sse_start(request, request_id)
             try:
                 async for text, final in _prepend(first, frames):
                     if text or final is not None:
-                        chunk = oa.completion(
-                            request_id, parsed.model, text, final, created, False, parsed.include_usage
-                        )
+                        chunk = oa.completion(request_id, model, text, final, created, False, parsed.include_usage)
                         await _sse(response, chunk)
                     if final is not None and parsed.include_usage:
-                        usage = oa.usage_chunk("text_completion", request_id, parsed.model, final, created)
+                        usage = oa.usage_chunk("text_completion", request_id, model, final, created)
                         await _sse(response, usage)
             except (MeshError, grpc.aio.AioRpcError) as exc:
                 return await _sse_error(response, exc)

@@ -3,12 +3,14 @@
 The OpenAI shapes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) differ from our
 proto (messages vs turns, ``choices``, ``stop`` as string or list), which is why Envoy's gRPC-JSON
 transcoder cannot speak them on its own; this module is the whole difference.
-Unsupported fields that change the answer (``n`` > 1, ``logprobs``, ``echo``, tools, penalties,
-``logit_bias``, structured output, audio) are refused with 400 rather than silently ignored, unless
-they hold their neutral value (``presence_penalty: 0``, ``tool_choice: "none"``, ...: clients send
-defaults). Fields that only tune delivery or bookkeeping (``user``, ``metadata``, ``store``, ...) and
-unknown fields are accepted and ignored, as many OpenAI-compatible servers do (new OpenAI fields keep
-working); ``top_k`` (a vLLM extension) is honoured.
+Unsupported fields that change the answer (``n`` > 1, ``logprobs``, ``echo``, tools, ``min_p``,
+structured output, audio) are refused with 400 rather than silently ignored, unless they hold their
+neutral value (``tool_choice: "none"``, ...: clients send defaults). Fields that only tune delivery or
+bookkeeping (``user``, ``metadata``, ``store``, ...) and unknown fields are accepted and ignored, as
+many OpenAI-compatible servers do (new OpenAI fields keep working). ``frequency_penalty``,
+``presence_penalty`` and ``logit_bias`` are OpenAI's; ``top_k``, ``repetition_penalty`` and
+``min_tokens`` are vLLM's extensions, honoured as vLLM takes them in the body. Their ranges are
+checked once, by the gateway (services/common/sampling.py); here only their JSON types.
 """
 
 from __future__ import annotations
@@ -61,11 +63,7 @@ _UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = (
     ("function_call", ("none", "auto"), "function calls are not supported"),
     ("suffix", ("",), "suffix is not supported"),
     ("best_of", (1,), "best_of is not supported"),
-    ("frequency_penalty", (0,), "frequency_penalty is not supported"),
-    ("presence_penalty", (0,), "presence_penalty is not supported"),
-    ("repetition_penalty", (1,), "repetition_penalty is not supported"),
     ("min_p", (0,), "min_p is not supported"),
-    ("logit_bias", ({},), "logit_bias is not supported"),
     ("response_format", ({"type": "text"},), "structured output (json_object / json_schema) is not supported"),
     ("modalities", (["text"],), "only text output is supported"),
     ("audio", (), "audio output is not supported"),
@@ -202,7 +200,35 @@ def _common(body: dict[str, Any]) -> tuple[Parsed, pb.SamplingParams]:
     seed = _int(body, "seed", -(2**63), MAX_SEED)
     if seed is not None:
         sampling.seed = seed % (MAX_SEED + 1)
+    sampling.frequency_penalty = _number(body, "frequency_penalty")
+    sampling.presence_penalty = _number(body, "presence_penalty")
+    if body.get("repetition_penalty") is not None:  # absent: the mesh default (a chat turn has its own)
+        sampling.repetition_penalty = _number(body, "repetition_penalty")
+    sampling.min_tokens = _int(body, "min_tokens") or 0
+    for token, bias in _logit_bias(body).items():
+        sampling.logit_bias[token] = bias
     return Parsed(model, stream, include_usage), sampling
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: an object from token ids (JSON keys, so strings) to numbers."""
+    value = body.get("logit_bias")
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidArgument("'logit_bias' must be an object mapping token ids to biases, e.g. {\"50256\": -100}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise InvalidArgument(f"'logit_bias' key {_show(key)} is not a token id; use integer token ids") from None
+        if not 0 <= token <= UINT32_MAX:
+            raise InvalidArgument(f"'logit_bias' key {_show(key)} is not a token id; token ids are 0 or more")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise InvalidArgument(f"'logit_bias' value for token {token} must be a number (got {_show(bias)})")
+        out[token] = float(bias)
+    return out
 
 
 def _content(message: dict[str, Any]) -> str:

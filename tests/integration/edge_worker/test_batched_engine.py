@@ -151,3 +151,31 @@ def test_the_lm_head_as_built_also_keeps_greedy_tokens_independent_of_the_batch(
         assert all(len(set(tokens)) > 1 for tokens in alone)  # it writes text, not one repeated token
     finally:
         engine.close()
+
+
+PENALISED = SamplingParams(
+    max_tokens=14, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.3, min_tokens=14
+)
+
+
+def test_penalised_rows_are_batch_invariant_and_leave_the_other_rows_alone(engine: BatchedEngine) -> None:
+    prompts = [chat(engine, p) for p in PROMPTS]
+    plain = [generate(engine, p, 14) for p in prompts]
+    penalised = generate(engine, prompts[1], 14, PENALISED)
+    assert penalised != plain[1]
+    assert not set(penalised) & engine.info.eos_token_ids  # min_tokens held EOS off
+    jobs = [lambda p=p: generate(engine, p, 14) for p in prompts]
+    jobs[1] = lambda: generate(engine, prompts[1], 14, PENALISED)
+    got = together(jobs)
+    assert got == [plain[0], penalised, *plain[2:]]
+
+
+def test_a_resumed_penalised_stream_continues_like_the_undisturbed_run(engine: BatchedEngine) -> None:
+    """The replayed tokens count as generated: the penalties after the replay are the undisturbed run's."""
+    prompt = chat(engine, PROMPTS[3])
+    undisturbed = generate(engine, prompt, 14, PENALISED)
+    resumed = engine.start(prompt, PENALISED, replay=undisturbed[:5])
+    try:
+        assert steps(resumed, 9) == undisturbed[5:]
+    finally:
+        resumed.close()

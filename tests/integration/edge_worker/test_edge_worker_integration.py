@@ -152,8 +152,16 @@ async def test_the_og_engine_still_serves_when_chosen() -> None:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
             await wait_serving(channel, "meshserve.internal.v1.Worker")
             prompt = list(worker.runner.engine.tokenizer.encode(CHAT).ids)
-            result = await generate(worker_pb2_grpc.WorkerStub(channel), prompt, max_tokens=3)
-        assert len(result.token_ids) == 3
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            result = await generate(stub, prompt, max_tokens=3)
+            assert len(result.token_ids) == 3
+            # og applies repetition_penalty itself (the chat default); the other penalties are refused
+            penalised = await generate(stub, prompt, max_tokens=3, repetition_penalty=1.15)
+            assert len(penalised.token_ids) == 3
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(stub, prompt, max_tokens=3, frequency_penalty=0.5)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "applies no frequency_penalty" in (err.value.details() or "")
     finally:
         await worker.stop()
 

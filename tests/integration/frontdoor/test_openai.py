@@ -224,7 +224,7 @@ async def test_stream_chunks_carry_null_usage_until_the_usage_chunk(stack: Stack
     [
         ({"seed": 2**64}, 400),  # was 500 (protobuf's range error)
         ({"max_tokens": 2**32}, 400),  # was 500
-        ({"frequency_penalty": 1.0}, 400),  # was silently ignored
+        ({"frequency_penalty": 2.5}, 400),  # out of range (the gateway refuses it)
         ({"response_format": {"type": "json_object"}}, 400),  # was silently ignored
         ({"frequency_penalty": 0, "presence_penalty": 0, "user": "u", "seed": -3, "top_k": 4}, 200),
     ],
@@ -295,3 +295,37 @@ async def test_every_answer_carries_the_request_id_header(client: openai.AsyncOp
     stream = await client.chat.completions.create(model=MODEL, messages=messages, stream=True)
     assert stream.response.headers["x-request-id"]
     await stream.close()
+
+
+async def test_replies_name_the_served_model_not_the_requests_empty_one(client: openai.AsyncOpenAI) -> None:
+    chat = await client.chat.completions.create(model="", messages=MESSAGES)  # type: ignore[arg-type]
+    assert chat.model == MODEL
+    stream = await client.chat.completions.create(
+        model="",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert {chunk.model async for chunk in stream} == {MODEL}
+    completion = await client.completions.create(model="", prompt="Once upon")
+    assert completion.model == MODEL
+    chunks = await client.completions.create(model="", prompt="Once upon", stream=True)
+    assert {chunk.model async for chunk in chunks} == {MODEL}
+
+
+async def test_penalty_fields_reach_the_gateway(client: openai.AsyncOpenAI, router: FakeRouter) -> None:
+    await client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,  # type: ignore[arg-type]
+        frequency_penalty=0.5,
+        presence_penalty=-0.5,
+        logit_bias={"17": -100},
+        extra_body={"repetition_penalty": 1.25, "min_tokens": 2},
+    )
+    sampling = router.requests[-1].turn.sampling  # type: ignore[attr-defined]
+    assert (sampling.frequency_penalty, sampling.presence_penalty, sampling.repetition_penalty) == (0.5, -0.5, 1.25)
+    assert dict(sampling.logit_bias) == {17: -100.0} and sampling.min_tokens == 2
+    await client.chat.completions.create(model=MODEL, messages=MESSAGES)  # type: ignore[arg-type]
+    # unset: the gateway resolves the chat default once and sends it on, set
+    sampling = router.requests[-1].turn.sampling  # type: ignore[attr-defined]
+    assert sampling.HasField("repetition_penalty") and abs(sampling.repetition_penalty - 1.15) < 1e-6

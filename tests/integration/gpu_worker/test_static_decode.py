@@ -216,3 +216,62 @@ def test_a_llama_of_other_shapes_runs_without_code_changes(other_llama: Path) ->
         first = torch.tensor([ids[0]])
         expected = hf.generate(first, max_new_tokens=N, do_sample=False, min_new_tokens=N)[0, len(ids[0]) :]
     assert runs["off"][0] == expected.tolist()
+
+
+def _run(e: CloudEngine, ids: list[int], sampling: SamplingParams) -> list[int]:
+    seq = e.start(ids, sampling)
+    out: list[int] = []
+    try:
+        while len(out) < sampling.max_tokens and not (out and out[-1] in e.info.eos_token_ids):
+            out.append(seq.step())
+        return out
+    finally:
+        seq.close()
+
+
+def test_penalties_on_static_steps_equal_the_eager_path_and_ignore_the_batch(
+    eager: CloudEngine, static: CloudEngine
+) -> None:
+    """Penalties run inside the static step (the device sampler's buffers) and on eager steps (the host
+    and device samplers) with the same tokens, and a penalised row beside others decodes as alone."""
+    ids = encode(static, "<|im_start|>user\nTell me about the sea.<|im_end|>\n<|im_start|>assistant\n")
+    eos = min(static.info.eos_token_ids)
+    plain = SamplingParams(max_tokens=24)
+    penalised = SamplingParams(
+        max_tokens=24,
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.2,
+        min_tokens=24,
+        logit_bias=((eos, 5.0),),
+    )
+    want_plain = _run(eager, ids, plain)
+    want = _run(eager, ids, penalised)
+    assert want != want_plain and len(want) == 24 and eos not in want  # min_tokens held EOS off despite the bias
+    assert static.static is not None
+    before = static.static.steps
+    assert _run(static, ids, penalised) == want
+    assert static.static.steps - before >= 20
+    others = [static.start(encode(static, t), SamplingParams(max_tokens=40)) for t in ("Hello", STORY)]
+    try:
+        for o in others:
+            o.step()
+        assert _run(static, ids, penalised) == want
+    finally:
+        for o in others:
+            o.close()
+
+
+@pytest.mark.parametrize("which", ["eager", "static"])
+def test_a_resumed_penalised_stream_continues_like_the_undisturbed_run(
+    eager: CloudEngine, static: CloudEngine, which: str
+) -> None:
+    e = eager if which == "eager" else static
+    ids = encode(e, "<|im_start|>user\nTell me about dogs.<|im_end|>\n<|im_start|>assistant\n")
+    sampling = SamplingParams(max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=16)
+    undisturbed = _run(e, ids, sampling)
+    seq = e.start(ids, sampling, replay=undisturbed[:6])
+    try:
+        assert [seq.step() for _ in range(10)] == undisturbed[6:]
+    finally:
+        seq.close()

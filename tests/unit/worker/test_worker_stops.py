@@ -48,3 +48,35 @@ def test_nothing_after_stop() -> None:
     matcher.feed("x")
     assert matcher.feed("more") == ("", True)
     assert matcher.flush() == ""
+
+
+def test_pass_through_releases_held_text_and_matches_nothing() -> None:
+    matcher = StopStringMatcher(["END"])
+    assert matcher.feed("a E") == ("a ", False)  # "E" may begin the stop string: held
+    assert matcher.pass_through("ND b") == "END b"  # min_tokens not reached: no matching
+    assert matcher.feed(" c END") == (" c ", True)
+
+
+def test_min_tokens_ignores_stop_strings_until_reached_in_the_runner() -> None:
+    import threading
+
+    from services.common.sampling import SamplingParams
+    from services.worker.runner import run_sequence
+    from services.worker.stats import WorkerCounters
+    from services.worker.types import FinishReason, GenerationRequest
+    from tests.unit.worker.fakes import FakeEngine
+
+    def run(min_tokens: int, resume: tuple[int, ...] = ()) -> tuple[str, FinishReason, int]:
+        emitted: list[object] = []
+        sampling = SamplingParams(max_tokens=20, stop=("o",), min_tokens=min_tokens)
+        request = GenerationRequest((1,), sampling, resume)
+        final = run_sequence(FakeEngine("hello world"), request, threading.Event(), emitted.append, WorkerCounters())
+        text = "".join(e.text for e in emitted) + final.text  # type: ignore[attr-defined]
+        return text, final.reason, final.completion_tokens
+
+    # tokens: "hello", " world", "hello", ...: "o" is in the first token
+    assert run(0) == ("hell", FinishReason.STOP_STRING, 1)
+    text, reason, tokens = run(2)
+    assert (text, reason, tokens) == ("hello worldhell", FinishReason.STOP_STRING, 3)
+    # a resumed stream's tokens count toward min_tokens (vLLM's rule: the first min_tokens are never cut)
+    assert run(2, resume=(1,))[1:] == (FinishReason.STOP_STRING, 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -117,14 +118,19 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
         ({"max_completion_tokens": 0}, "'max_completion_tokens' must be between 1"),
         ({"n": 0}, "'n' must be 1"),
         ({"stream_options": "yes"}, "'stream_options' must be an object"),
-        ({"frequency_penalty": 0.5}, "frequency_penalty is not supported"),
-        ({"presence_penalty": -1}, "presence_penalty is not supported"),
-        ({"logit_bias": {"50256": -100}}, "logit_bias is not supported"),
+        ({"frequency_penalty": "high"}, "'frequency_penalty' must be a number"),
+        ({"presence_penalty": True}, "'presence_penalty' must be a number"),
+        ({"repetition_penalty": [1]}, "'repetition_penalty' must be a number"),
+        ({"logit_bias": [1]}, "'logit_bias' must be an object"),
+        ({"logit_bias": {"abc": 1}}, "'logit_bias' key 'abc' is not a token id"),
+        ({"logit_bias": {"-1": 1}}, "'logit_bias' key '-1' is not a token id"),
+        ({"logit_bias": {"5": "x"}}, "'logit_bias' value for token 5 must be a number"),
+        ({"min_tokens": -1}, "'min_tokens' must be between 0"),
+        ({"min_tokens": 1.5}, "'min_tokens' must be an integer"),
         ({"response_format": {"type": "json_object"}}, "structured output"),
         ({"tool_choice": "required"}, "tool calls are not supported"),
         ({"modalities": ["text", "audio"]}, "only text output"),
         ({"audio": {"voice": "alloy"}}, "audio output is not supported"),
-        ({"repetition_penalty": 1.2}, "repetition_penalty is not supported"),
         ({"logprobs": True}, "logprobs are not supported"),
     ],
 )
@@ -154,6 +160,19 @@ def test_completion_defaults_that_change_nothing_are_accepted() -> None:
         oa.completion_request({"prompt": "p", "best_of": 2})
     with pytest.raises(InvalidArgument, match="suffix"):
         oa.completion_request({"prompt": "p", "suffix": "end"})
+
+
+def test_penalties_logit_bias_and_min_tokens_map_to_the_sampling_fields() -> None:
+    body = {"frequency_penalty": 0.5, "presence_penalty": -1, "repetition_penalty": 1.3, "min_tokens": 4}
+    body["logit_bias"] = {"50": -100, "7": 2.5}
+    _, chat = oa.chat_request({**CHAT, **body})
+    _, completion = oa.completion_request({"prompt": "p", **body})
+    for s in (chat.turn.sampling, completion.sampling):
+        assert s.frequency_penalty == 0.5 and s.presence_penalty == -1 and s.min_tokens == 4
+        assert s.HasField("repetition_penalty") and math.isclose(s.repetition_penalty, 1.3, rel_tol=1e-6)
+        assert dict(s.logit_bias) == {50: -100.0, 7: 2.5}
+    _, plain = oa.chat_request(CHAT)  # absent: the mesh's default (the chat default for a chat)
+    assert not plain.turn.sampling.HasField("repetition_penalty") and not plain.turn.sampling.logit_bias
 
 
 def test_seed_is_openais_int64_and_top_k_is_honoured() -> None:

@@ -113,12 +113,37 @@ class SamplingParams(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Maximum number of tokens to generate; 0 means the server default (256, or fewer where the prompt
     leaves less room in the model's context).
@@ -131,10 +156,38 @@ class SamplingParams(_message.Message):
     """Sample only from the k most likely tokens; 0 means disabled."""
     seed: _builtins.int
     """Seed for sampling; a request with a seed is deterministic and cacheable."""
+    frequency_penalty: _builtins.float
+    """Fields 20-29: penalties and logit controls, applied per sequence inside the batched decode step
+    (in this order: logit_bias, repetition_penalty, frequency_penalty and presence_penalty, then
+    temperature / top-k / top-p). Greedy decoding with them stays deterministic.
+    Subtracted from a token's logit once per time it appears among the tokens generated so far (the
+    prompt does not count), as OpenAI's frequency_penalty; -2 to 2, 0 (default) disables it.
+    """
+    presence_penalty: _builtins.float
+    """Subtracted once from the logit of every token generated so far (the prompt does not count), as
+    OpenAI's presence_penalty; -2 to 2, 0 (default) disables it.
+    """
+    repetition_penalty: _builtins.float
+    """A token of the prompt or of the tokens generated so far has a positive logit divided by this and a
+    negative one multiplied by it (vLLM's and transformers' repetition_penalty); above 0, at most 2,
+    1 disables it. Unset: 1 for Generate/Complete, 1.15 for a Chat turn (the chat default, see
+    docs/gateway.md "Chat defaults"); set 1 explicitly to turn it off in a chat.
+    """
+    min_tokens: _builtins.int
+    """EOS and the stop strings are ignored until this many tokens have been generated (vLLM's
+    min_tokens); 0 (default) disables it. At most max_tokens when max_tokens is set.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Generation stops before the first occurrence of any of these strings (at most 8, each 1 to 64
         characters).
+        """
+
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """Token id -> bias added to that token's logit before the penalties (OpenAI's logit_bias): -100
+        bans the token, +100 all but forces it. At most 300 entries, biases in [-100, 100], token ids
+        below the model's vocabulary size.
         """
 
     def __init__(
@@ -146,13 +199,23 @@ class SamplingParams(_message.Message):
         top_k: _builtins.int = ...,
         seed: _builtins.int | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
+        frequency_penalty: _builtins.float = ...,
+        presence_penalty: _builtins.float = ...,
+        repetition_penalty: _builtins.float | None = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        min_tokens: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "repetition_penalty", b"repetition_penalty", "seed", b"seed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_seed", b"_seed", "max_tokens", b"max_tokens", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015

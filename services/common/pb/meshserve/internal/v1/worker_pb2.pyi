@@ -42,7 +42,7 @@ class WorkerStart(_message.Message):
     """Tenant, for logs and KV-cache salting."""
     shareable_prefix: _builtins.bool
     """The request marked its prefix shareable: its KV blocks are salted with the shared marker
-    instead of the tenant (services.cache.keys.tenant_salt).
+    instead of the tenant (services.store.keys.tenant_salt).
     """
     priority: _builtins.int
     """Priority class of the request, 0 (default) to 9 (most urgent): a worker that queues admits and
@@ -296,7 +296,7 @@ class WorkerStats(_message.Message):
     """
     @_builtins.property
     def hot_prefix_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
-        """KV block hashes (services.cache.keys.kv_block_hashes: the SHA-256 chain over model id and
+        """KV block hashes (services.store.keys.kv_block_hashes: the SHA-256 chain over model id and
         version, tenant salt and block tokens) of prompt prefixes the worker holds KV for. Each chain
         is listed from its first block; most recently used chains first; bounded by the worker.
         """
@@ -547,7 +547,7 @@ class KvPrefixRequest(_message.Message):
     """Tenant whose KV blocks are meant: the salt of the block keys unless shareable_prefix is set."""
     shareable_prefix: _builtins.bool
     """The shared key namespace instead of the tenant's, as WorkerStart.shareable_prefix
-    (services.cache.keys.tenant_salt).
+    (services.store.keys.tenant_salt).
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
