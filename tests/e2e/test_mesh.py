@@ -235,11 +235,3 @@ async def test_every_service_serves_health_and_reflection(mesh: Mesh) -> None:
                 return list(ProtoReflectionDescriptorDatabase(sync_channel).get_services())
 
         assert service in await asyncio.to_thread(services), name
-
-
-async def test_zz_short_prompt_is_served_by_cloud_when_all_edge_workers_are_down(gateway, mesh: Mesh) -> None:
-    """Runs last in this module: it stops the edge workers of the shared mesh."""
-    await asyncio.gather(*(w.stop() for w in mesh.workers("edge")))
-    _tokens, text, final = await collect(gateway, greedy("Hello there, how are", 8, policy=pb.CACHE_POLICY_BYPASS))
-    assert final.route.tier == pb.TIER_CLOUD
-    assert text
