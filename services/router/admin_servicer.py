@@ -1,19 +1,24 @@
-"""meshserve.internal.v1.RouterAdmin as served by the router: its replica view (`meshserve status`) and
-where a prompt's KV prefix is (`meshserve cache where`, answered by services/router/location.py)."""
+"""meshserve.internal.v1.RouterAdmin as served by the router: its replica view (`meshserve status`),
+where a prompt's KV prefix is (`meshserve cache where`, answered by services/router/location.py), and
+each served model's rollout (`meshserve models rollout`; the domain is services/router/rollout.py)."""
 
 from __future__ import annotations
 
 import time
 
 import grpc
+import structlog
 
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2, router_admin_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.router.location import PrefixLocator, RedisAnswer
+from services.router.models import ModelTable, ServedModel
 from services.router.policy import TierName
 from services.router.registry import Registry
+from services.router.rollout import RollbackRule, RolloutPolicy
 
+log = structlog.get_logger(__name__)
 SERVICE_NAME = router_admin_pb2.DESCRIPTOR.services_by_name["RouterAdmin"].full_name
 _TIERS = {TierName.EDGE: inference_pb2.TIER_EDGE, TierName.CLOUD: inference_pb2.TIER_CLOUD}
 _ASKED = {
@@ -32,9 +37,10 @@ _REDIS = {
 class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
     """The internal ``RouterAdmin`` service: lists the registry's replicas, locates prompt prefixes."""
 
-    def __init__(self, registry: Registry, locator: PrefixLocator) -> None:
+    def __init__(self, registry: Registry, locator: PrefixLocator, models: ModelTable) -> None:
         self._registry = registry
         self._locator = locator
+        self._models = models
 
     def register(self, server: grpc.aio.Server) -> None:
         router_admin_pb2_grpc.add_RouterAdminServicer_to_server(self, server)
@@ -98,4 +104,104 @@ class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
             redis_block_tokens=where.redis_block_tokens,
             model_id=where.model_id,
             model_version=where.model_version,
+        )
+
+    async def ListRollouts(
+        self, request: router_admin_pb2.ListRolloutsRequest, context: grpc.aio.ServicerContext
+    ) -> router_admin_pb2.ListRolloutsResponse:
+        chosen = [self._models.get(request.model)] if request.model else list(self._models.models.values())
+        return router_admin_pb2.ListRolloutsResponse(models=[self._status(m) for m in chosen])
+
+    async def SetRollout(
+        self, request: router_admin_pb2.SetRolloutRequest, context: grpc.aio.ServicerContext
+    ) -> router_admin_pb2.ModelRollout:
+        model = self._model(request.model)
+        old = model.rollout.policy
+        weights = {w.version: w.weight for w in request.weights} if request.weights else dict(old.weights)
+        if len(weights) != len(request.weights) and request.weights:
+            raise InvalidArgument("weights name a version twice; give each version once")
+        rule = old.rollback
+        if request.clear_rollback:
+            rule = None
+        elif request.HasField("rollback"):
+            r = request.rollback
+            rule = RollbackRule(
+                error_rate_margin=r.error_rate_margin,
+                ttft_p99_margin_s=r.ttft_p99_margin_ms / 1000,
+                window_s=r.window_s or 60.0,
+                min_samples=r.min_samples or 50,
+            )
+        sticky = request.sticky if request.HasField("sticky") else old.sticky
+        shadow = (request.shadow or None) if request.HasField("shadow") else old.shadow
+        # The primary follows the weights: the heaviest version (a promoted canary becomes it).
+        new = RolloutPolicy(weights, sticky=sticky, shadow=shadow, rollback=rule)  # type: ignore[arg-type]
+        model.rollout.set_policy(new)
+        log.info(
+            "rollout_changed",
+            model=model.id,
+            weights=dict(new.weights),
+            sticky=new.sticky,
+            shadow=new.shadow or "",
+            primary=new.primary,
+            rollback=rule is not None,
+        )
+        return self._status(model)
+
+    async def Rollback(
+        self, request: router_admin_pb2.RollbackRequest, context: grpc.aio.ServicerContext
+    ) -> router_admin_pb2.ModelRollout:
+        model = self._model(request.model)
+        model.rollout.rollback("manual")
+        return self._status(model)
+
+    def _model(self, name: str) -> ServedModel:
+        if not name:
+            raise InvalidArgument("model is empty; name the model whose rollout to change (ListRollouts lists them)")
+        return self._models.get(name)
+
+    def _status(self, model: ServedModel) -> router_admin_pb2.ModelRollout:
+        rollout = model.rollout
+        policy = rollout.policy
+        now = time.monotonic()
+        versions = []
+        for name, served in model.versions.items():
+            counters = rollout.counters[name]
+            samples, error_rate, p99 = rollout.window(name)
+            versions.append(
+                router_admin_pb2.VersionStatus(
+                    version=name,
+                    build=served.build,
+                    healthy_replicas=sum(len(served.router.healthy(t)) for t in TierName),
+                    requests=counters.requests,
+                    errors=counters.errors,
+                    window_samples=samples,
+                    window_error_rate=error_rate,
+                    window_ttft_p99_ms=(p99 or 0.0) * 1000,
+                    shadow_requests=counters.shadow_requests,
+                    shadow_compared=counters.shadow_compared,
+                    shadow_agreed=counters.shadow_agreed,
+                    shadow_shed=counters.shadow_shed,
+                )
+            )
+        rule = policy.rollback
+        return router_admin_pb2.ModelRollout(
+            model=model.id,
+            is_default=model.id == self._models.default,
+            weights=[router_admin_pb2.VersionWeight(version=v, weight=w) for v, w in policy.weights.items()],
+            sticky=policy.sticky,
+            shadow=policy.shadow or "",
+            primary=policy.primary,
+            rollback=None
+            if rule is None
+            else router_admin_pb2.RollbackRule(
+                error_rate_margin=rule.error_rate_margin,
+                ttft_p99_margin_ms=rule.ttft_p99_margin_s * 1000,
+                window_s=rule.window_s,
+                min_samples=rule.min_samples,
+            ),
+            versions=versions,
+            rollbacks=[
+                router_admin_pb2.RollbackEventStatus(version=e.version, to=e.to, reason=e.reason, age_s=now - e.at)
+                for e in rollout.rollbacks
+            ],
         )

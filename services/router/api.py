@@ -7,6 +7,14 @@ which only translates protos, for a gateway in another process. It checks the mo
 context (:meth:`SamplingParams.fit`), and runs the turn through :class:`~services.router.core.Router`.
 It records the router's request metrics (duration by status, tokens by tier) for every caller.
 
+Several models: the request's ``model`` (empty: the default one) names a served model
+(services/router/models.py); its rollout picks the version (services/router/rollout.py) once per
+Generate or once per chat (a chat never changes version), and the turn runs on that version's Router
+only (its replicas, caches and tokenizer). Each version's outcome and TTFT feed its rollout's
+automatic rollback. With a shadow version set, a copy of each Generate that succeeded runs there in
+the background (at most ``shadow_max_in_flight`` at once; more are shed), with no cache and no
+rate-limit charge; its output is discarded, its TTFT and agreement with the primary are counted.
+
 * :meth:`RouterAPI.generate`: one prompt -> :class:`Chunk` events and one :class:`Done`.
 * :meth:`RouterAPI.chat`: a :class:`ChatSession`; turns in, :class:`TurnEvent`\\ s out; the
   conversation and the worker stream outlive each turn.
@@ -26,14 +34,20 @@ from array import array
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import aclosing
+from dataclasses import replace
 from functools import partial
 
+import structlog
+
 from services.common import tracing
-from services.common.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted
+from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
 from services.common.metrics import REQUEST_DURATION, TOKENS
 from services.common.sampling import SamplingParams
 from services.router.core import SERVICE, Router, Session
+from services.router.metrics import SHADOW, VERSION_REQUESTS, VERSION_TTFT
+from services.router.models import ModelTable, ServedModel, ServedVersion
 from services.router.policy import TierName
+from services.router.rollout import SERVER_FAULTS
 from services.router.types import (
     ChatTurn,
     Chunk,
@@ -47,6 +61,7 @@ from services.router.types import (
     TurnRequest,
 )
 
+log = structlog.get_logger(__name__)
 # Tokenizing a long prompt takes milliseconds: do it off the event loop past this many characters.
 INLINE_TOKENIZE_CHARS = 4096
 # Recently seen prompts (up to the inline size) keep their token ids: a repeated prompt (a cache hit,
@@ -98,26 +113,40 @@ class RouterAPI:
     overlaps_admission = True
 
     def __init__(
-        self, router: Router, *, context_length: int, default_max_tokens: int, max_queued_chat_turns: int = 8
+        self,
+        router: Router,
+        *,
+        context_length: int,
+        default_max_tokens: int,
+        max_queued_chat_turns: int = 8,
+        models: ModelTable | None = None,
+        shadow_max_in_flight: int = 8,
     ) -> None:
         self.router = router
+        """The default model's first version (the only one without a models file)."""
         self.context_length = context_length
         self._default_max_tokens = default_max_tokens
-        self._encoded = EncodeCache(ENCODED_PROMPTS)
+        self.models = models or ModelTable.single(router, context_length)
+        self._encoded = {m: EncodeCache(ENCODED_PROMPTS) for m in self.models.models}
         self.max_queued_chat_turns = max_queued_chat_turns
+        self.shadow_max_in_flight = shadow_max_in_flight
+        self.shadows: set[asyncio.Task[None]] = set()
+        """Shadow copies running now (tests wait on them)."""
 
     @property
     def model_id(self) -> str:
-        return self.router.model_id
+        return self.models.default
 
-    def check_model(self, model: str) -> None:
-        if model and model != self.router.model_id:
-            raise NotFound(f"unknown model {model!r}; ListModels shows the served models ({self.router.model_id})")
+    def check_model(self, model: str) -> ServedModel:
+        """The served model ``model`` names (empty: the default); NotFound names the served ones."""
+        return self.models.get(model)
 
     async def list_models(self, *, deadline: float | None = None) -> list[ModelInfo]:
-        """The served model, with the tiers that have replicas now (cloud first)."""
-        tiers = sorted(self.router.registry.tiers(), key=lambda t: t.value, reverse=True)
-        return [ModelInfo(self.router.model_id, tuple(tiers), self.context_length)]
+        """The served models, each with the tiers that have replicas now (cloud first)."""
+        return [
+            ModelInfo(m.id, tuple(sorted(m.tiers(), key=lambda t: t.value, reverse=True)), m.context_length)
+            for m in self.models.models.values()
+        ]
 
     async def generate(
         self, request: Generation, admission: PendingAdmission | None = None, *, deadline: float | None = None
@@ -128,20 +157,29 @@ class RouterAPI:
         or no limits): see :class:`PendingAdmission`. ``deadline``: see the module docstring.
         """
         with observe() as obs:
-            self.check_model(request.model)
+            model = self.check_model(request.model)
             if not request.prompt:
                 raise InvalidArgument("the prompt is empty; send at least one character of text")
-            ids = await self._encode_prompt(request.prompt)
-            req = self.turn_request(ids, request.sampling, request.routing, request.tenant, request.request_id)
-            req.timeout = _time_left(deadline)
+            version = model.choose(request.tenant)
+            ids = await self._encode_prompt(request.prompt, model)
+            req = self.turn_request(
+                ids, request.sampling, request.routing, request.tenant, request.request_id, model=model
+            )
+            timeout = req.timeout = _time_left(deadline)
             session = Session()
-            try:
-                async with aclosing(self.router.run_turn(req, session, None, admission)) as events:
-                    async for event in events:
-                        obs.record(event)
-                        yield event
-            finally:
-                await session.close()
+            shadow = model.rollout.policy.shadow
+            run = _VersionRun(model, version, "primary", keep_text=shadow is not None and shadow != version.name)
+            with run:
+                try:
+                    async with aclosing(version.router.run_turn(req, session, None, admission)) as events:
+                        async for event in events:
+                            obs.record(event)
+                            run.see(event)
+                            if isinstance(event, Done) and run.text is not None and shadow is not None:
+                                self._start_shadow(model, shadow, replace(req, timeout=timeout), "".join(run.text))
+                            yield event
+                finally:
+                    await session.close()
 
     async def complete(
         self, request: Generation, admission: PendingAdmission | None = None, *, deadline: float | None = None
@@ -167,12 +205,20 @@ class RouterAPI:
     # -- the parts of a request ------------------------------------------------------------------
 
     def turn_request(
-        self, prompt_ids: list[int], sampling: SamplingParams, routing: Routing, tenant: str, request_id: str
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        routing: Routing,
+        tenant: str,
+        request_id: str,
+        *,
+        model: ServedModel | None = None,
     ) -> TurnRequest:
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty; send at least one character of text")
+        model = model or self.models.get("")
         sampling = sampling.fit(
-            len(prompt_ids), self.context_length, self._default_max_tokens, vocab_size=self.router.tokenizer.vocab_size
+            len(prompt_ids), model.context_length, self._default_max_tokens, vocab_size=model.tokenizer.vocab_size
         )
         return TurnRequest(
             prompt_ids=prompt_ids,
@@ -189,18 +235,65 @@ class RouterAPI:
         with tracing.span("router.tokenize"):
             return fn() if size <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn)
 
-    async def _encode_prompt(self, prompt: str) -> list[int]:
-        ids = self._encoded.get(prompt)
+    async def _encode_prompt(self, prompt: str, model: ServedModel) -> list[int]:
+        encoded = self._encoded[model.id]
+        ids = encoded.get(prompt)
         if ids is not None:
             return ids
-        ids = await self._encode(partial(self.router.tokenizer.encode, prompt), len(prompt))
+        ids = await self._encode(partial(model.tokenizer.encode, prompt), len(prompt))
         if len(prompt) <= INLINE_TOKENIZE_CHARS:
-            self._encoded.put(prompt, ids)
+            encoded.put(prompt, ids)
         return ids
 
-    async def encode_chat(self, conversation: list[dict[str, str]]) -> list[int]:
+    async def encode_chat(self, conversation: list[dict[str, str]], model: ServedModel | None = None) -> list[int]:
+        tokenizer = (model or self.models.get("")).tokenizer
         size = sum(len(m["content"]) for m in conversation)
-        return await self._encode(partial(self.router.tokenizer.apply_chat_template, conversation), size)
+        return await self._encode(partial(tokenizer.apply_chat_template, conversation), size)
+
+    # -- shadow copies ---------------------------------------------------------------------------
+
+    def _start_shadow(self, model: ServedModel, name: str, req: TurnRequest, primary_text: str) -> None:
+        """Run ``req`` on version ``name`` in the background (the primary's answer is already out)."""
+        version = model.versions.get(name)
+        if version is None:
+            return
+        counters = model.rollout.counters[name]
+        if len(self.shadows) >= self.shadow_max_in_flight:
+            counters.shadow_shed += 1
+            SHADOW.labels(model.id, name, "shed").inc()
+            return
+        counters.shadow_requests += 1
+        # Its own prefix hashes (another build), no response cache (a real run), no rate-limit charge.
+        copy = replace(req, prefix_blocks=None, use_cache=False, request_id=f"{req.request_id}-shadow")
+        task = asyncio.create_task(self._shadow(model, version, copy, primary_text), name="router-shadow")
+        self.shadows.add(task)
+        task.add_done_callback(self.shadows.discard)
+
+    async def _shadow(self, model: ServedModel, version: ServedVersion, req: TurnRequest, primary_text: str) -> None:
+        run = _VersionRun(model, version, "shadow", keep_text=True)
+        session = Session()
+        outcome = "failed"
+        try:
+            with run:
+                async with aclosing(version.router.run_turn(req, session)) as events:
+                    async for event in events:
+                        run.see(event)
+            assert run.text is not None
+            counters = model.rollout.counters[version.name]
+            if req.sampling.deterministic:
+                counters.shadow_compared += 1
+                agreed = "".join(run.text) == primary_text
+                counters.shadow_agreed += agreed
+                outcome = "agreed" if agreed else "differed"
+            else:
+                outcome = "not_compared"
+        except MeshError as exc:  # a shadow's failure is counted, never seen by a caller
+            log.info("shadow_failed", model=model.id, version=version.name, code=exc.code)
+        except Exception:
+            log.exception("shadow_failed", model=model.id, version=version.name)
+        finally:
+            await session.close()
+            SHADOW.labels(model.id, version.name, outcome).inc()
 
 
 class ChatSession:
@@ -270,25 +363,30 @@ class ChatSession:
         try:
             while (turn := await self._next()) is not None:
                 with observe() as obs:
-                    if index == 0:
-                        api.check_model(turn.model)
+                    if index == 0:  # the chat's model and version, for all its turns
+                        model = api.check_model(turn.model)
+                        version = model.choose(self._tenant)
                     if not turn.messages:
                         raise InvalidArgument("a chat turn needs at least one message")
                     conversation = messages + [{"role": m.role, "content": m.content} for m in turn.messages]
-                    ids = await api.encode_chat(conversation)
-                    req = api.turn_request(ids, turn.sampling, turn.routing, self._tenant, self._request_id)
+                    ids = await api.encode_chat(conversation, model)
+                    req = api.turn_request(
+                        ids, turn.sampling, turn.routing, self._tenant, self._request_id, model=model
+                    )
                     req.timeout = _time_left(self._deadline)
                     if index == 0:
                         hint = req.hint
                     req.hint = hint  # later turns stay where the first one went
                     self._cancel = cancel = asyncio.Event()
                     reply: list[str] = []
-                    async with aclosing(api.router.run_turn(req, session, cancel)) as events:
-                        async for event in events:
-                            obs.record(event)
-                            if isinstance(event, Chunk):
-                                reply.append(event.text)
-                            yield TurnEvent(index, event)
+                    with _VersionRun(model, version, "primary") as run:
+                        async with aclosing(version.router.run_turn(req, session, cancel)) as events:
+                            async for event in events:
+                                obs.record(event)
+                                run.see(event)
+                                if isinstance(event, Chunk):
+                                    reply.append(event.text)
+                                yield TurnEvent(index, event)
                     self._cancel = None
                     # The conversation keeps what the caller saw, also of a cancelled turn.
                     messages = [*conversation, {"role": "assistant", "content": "".join(reply)}]
@@ -305,6 +403,49 @@ class ChatSession:
             with observe():  # a turn refused at the edge is a turn that failed
                 raise item
         return item
+
+
+class _VersionRun:
+    """One turn on one version: its TTFT and status in the per-version metrics, and (the primary's)
+    a sample for the model's automatic rollback; the text when ``keep_text``. A context manager:
+    leaving it with a MeshError records that status; a cancelled turn is no sample."""
+
+    def __init__(self, model: ServedModel, version: ServedVersion, role: str, *, keep_text: bool = False) -> None:
+        self.model = model
+        self.version = version
+        self.role = role
+        self.started = time.perf_counter()
+        self.ttft: float | None = None
+        self.text: list[str] | None = [] if keep_text else None
+        self.done = False
+
+    def see(self, event: Event) -> None:
+        if isinstance(event, Done):
+            self.done = True  # a caller that stops reading after the Done closed a turn that succeeded
+        elif isinstance(event, Chunk):
+            if self.ttft is None:
+                self.ttft = time.perf_counter() - self.started
+            if self.text is not None:
+                self.text.append(event.text)
+
+    def __enter__(self) -> _VersionRun:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if kind is None or (self.done and issubclass(kind, (asyncio.CancelledError, GeneratorExit))):
+            status = "OK"
+        elif isinstance(exc, MeshError):
+            status = exc.code
+        elif issubclass(kind, (asyncio.CancelledError, GeneratorExit)):
+            status = "CANCELLED"
+        else:
+            status = "INTERNAL"
+        model, name = self.model.id, self.version.name
+        VERSION_REQUESTS.labels(model, name, self.role, status).inc()
+        if self.ttft is not None:
+            VERSION_TTFT.labels(model, name, self.role).observe(self.ttft)
+        if self.role == "primary" and status != "CANCELLED":
+            self.model.rollout.record(name, failed=status in SERVER_FAULTS, ttft_s=self.ttft)
 
 
 class _Observation:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
 from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
@@ -15,6 +16,64 @@ from services.store.connection import check_redis_url
 
 WorkerList = Annotated[list[str], NoDecode]
 TenantMap = Annotated[dict[str, float], NoDecode]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class VersionSpec(_Strict):
+    """One version of a served model in the models file."""
+
+    name: str = Field(min_length=1)
+    """What rollouts call it (``--weights v1=95,v2=5``)."""
+    build: str = ""
+    """The ``model_version`` its workers report (their MESHSERVE_*_WORKER_MODEL_VERSION, or the prepared
+    model's manifest version); empty: the name."""
+
+    @property
+    def build_id(self) -> str:
+        return self.build or self.name
+
+
+class RollbackSpec(_Strict):
+    """Automatic rollback of a canary (services/router/rollout.py, RollbackRule)."""
+
+    error_rate_margin: float = Field(default=0.05, ge=0)
+    ttft_p99_margin_ms: float = Field(default=500.0, ge=0)
+    window_s: float = Field(default=60.0, gt=0)
+    min_samples: int = Field(default=50, ge=1)
+
+
+class RolloutSpec(_Strict):
+    """A model's starting rollout policy; `meshserve models rollout` changes it at run time."""
+
+    weights: dict[str, int] = Field(default_factory=dict)
+    """version -> weight; empty: all traffic to the first version."""
+    sticky: Literal["chat", "tenant"] = "chat"
+    shadow: str | None = None
+    rollback: RollbackSpec | None = None
+
+
+class ModelSpec(_Strict):
+    """One served model id: its versions, tokenizer, context length and rollout."""
+
+    id: str = Field(min_length=1)
+    context_length: int | None = Field(default=None, ge=16)
+    """Default: the router's context_length."""
+    tokenizer_dir: Path | None = None
+    """HF directory with tokenizer.json (+ chat_template.jinja); default <models_dir>/<id>/hf."""
+    versions: list[VersionSpec] = Field(default_factory=list)
+    """Empty: one version, the model prepared in models_dir (named by its manifest version)."""
+    rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+
+
+class ModelsFile(_Strict):
+    """The models file (YAML or JSON): every model id the router serves."""
+
+    models: list[ModelSpec] = Field(min_length=1)
+    default: str = ""
+    """The model a request naming none is served by; empty: the first."""
 
 
 class RouterSettings(StreamingSettings):
@@ -31,7 +90,11 @@ class RouterSettings(StreamingSettings):
     """Redis for the response cache (redis://host:port/db, redis+sentinel://h:26379/master[/db] or
     redis+cluster://h:7000); empty disables the cache."""
     model_id: str = DEFAULT_MODEL_ID
-    """Id of the served model (ListModels, cache keys); requests naming another model are refused."""
+    """Id of the served model (ListModels, cache keys); requests naming another model are refused.
+    Ignored when ``models_file`` is set."""
+    models_file: Path | None = None
+    """YAML/JSON file declaring several models and their versions (:class:`ModelsFile`; docs/router.md,
+    *Several models and versions*); unset: one model, ``model_id``, served by every worker."""
     models_dir: Path = Field(default_factory=default_models_dir)
     """Directory prepared by `meshserve models prepare` (model version and default tokenizer)."""
     tokenizer_dir: Path | None = None
@@ -86,6 +149,8 @@ class RouterSettings(StreamingSettings):
     """Serve WorkerRegistry.Heartbeat: workers started with this router's address join the routing set."""
     heartbeat_ttl_s: float = Field(default=5.0, gt=0)
     """A self-registered worker (WorkerRegistry.Heartbeat) is forgotten after this long without a heartbeat."""
+    shadow_max_in_flight: int = Field(default=8, ge=0)
+    """Shadow copies (a rollout's shadow version) running at once; more are shed, never delaying a caller."""
     max_queued_chat_turns: int = Field(default=8, ge=1)
     """Turns one Chat stream may send ahead of the turn in progress; one more ends the stream with
     RESOURCE_EXHAUSTED once that turn ends (the router stops reading the stream at once, so memory stays bounded)."""
@@ -103,6 +168,7 @@ class RouterSettings(StreamingSettings):
     Refused connections and NOT_SERVING mark it down at once; stalled streams eject it at once."""
 
     _check_redis_url = field_validator("redis_url")(check_redis_url)
+    _models: ModelsFile | None = PrivateAttr(default=None)
 
     @field_validator("edge_workers", "cloud_workers", mode="before")
     @classmethod
@@ -158,7 +224,36 @@ class RouterSettings(StreamingSettings):
             )
         if self.default_max_tokens >= self.context_length:
             raise ValueError("default_max_tokens must be smaller than context_length; lower it")
+        if self.models_file is not None:
+            self._models = _read_models_file(self.models_file)
+            for spec in self._models.models:
+                if spec.context_length is not None and self.default_max_tokens >= spec.context_length:
+                    raise ValueError(f"default_max_tokens must be smaller than model {spec.id!r}'s context_length")
         return self
+
+    def served_models(self) -> tuple[list[ModelSpec], str, bool]:
+        """The models to serve, the default one, and whether replicas are told apart by the model id and
+        version they report (False: no models file; every worker serves the one model, as before)."""
+        if self._models is None:
+            version = self.model_version()
+            spec = ModelSpec(
+                id=self.model_id,
+                context_length=self.context_length,
+                tokenizer_dir=self.hf_dir,
+                versions=[VersionSpec(name=version)],
+            )
+            return [spec], self.model_id, False
+        specs = [
+            spec.model_copy(
+                update={
+                    "context_length": spec.context_length or self.context_length,
+                    "tokenizer_dir": spec.tokenizer_dir or model_paths(spec.id, self.models_dir).hf_dir,
+                    "versions": spec.versions or [VersionSpec(name=model_paths(spec.id, self.models_dir).version())],
+                }
+            )
+            for spec in self._models.models
+        ]
+        return specs, self._models.default or specs[0].id, True
 
     @property
     def hf_dir(self) -> Path:
@@ -167,3 +262,26 @@ class RouterSettings(StreamingSettings):
 
     def model_version(self) -> str:
         return model_paths(self.model_id, self.models_dir).version()
+
+
+def _read_models_file(path: Path) -> ModelsFile:
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"cannot read models_file {path}: {exc}; fix the path or the YAML") from exc
+    try:
+        parsed = ModelsFile.model_validate(doc)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ValueError(f"models_file {path}: {where}: {first['msg']}") from None
+    ids = [m.id for m in parsed.models]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"models_file {path} names a model id twice; each id once")
+    if parsed.default and parsed.default not in ids:
+        raise ValueError(f"models_file {path}: default {parsed.default!r} is not one of its models ({', '.join(ids)})")
+    for m in parsed.models:
+        names = [v.name for v in m.versions]
+        if len(set(names)) != len(names):
+            raise ValueError(f"models_file {path}: model {m.id!r} names a version twice")
+    return parsed

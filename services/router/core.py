@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, Collection, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Collection, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from functools import partial
@@ -99,6 +99,7 @@ class Router:
         collapse: bool = True,
         tenant_tiers: Mapping[str, Collection[str]] | None = None,
         transport: WorkerTransport,
+        serves: Callable[[Replica], bool] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.transport = transport
@@ -120,6 +121,17 @@ class Router:
         self._tenant_tiers = {t: {TierName(x) for x in tiers} for t, tiers in (tenant_tiers or {}).items()}
         self._rr = RoundRobin()
         self.collapser: Collapser[Chunk | Done] = Collapser()
+        self.serves = serves
+        """Which of the registry's replicas run this model version (None: all of them)."""
+
+    def healthy(self, tier: TierName) -> list[Replica]:
+        """The healthy replicas of ``tier`` that serve this router's model version."""
+        replicas = self.registry.healthy(tier)
+        return replicas if self.serves is None else [r for r in replicas if self.serves(r)]
+
+    def tiers(self) -> set[TierName]:
+        """Tiers with replicas of this model version configured (healthy or not)."""
+        return {r.tier for r in self.registry.replicas if self.serves is None or self.serves(r)}
 
     def answer_tier(self, req: TurnRequest, session: Session) -> TierName:
         """The tier whose weights will answer ``req``, decided before the cache lookup: a chat's current
@@ -135,7 +147,7 @@ class Router:
 
     def choose(self, req: TurnRequest, exclude: Sequence[Replica]) -> TierChoice:
         """The tier: by policy over tiers with a healthy replica not in ``exclude``."""
-        usable = {t for t in TierName if any(r not in exclude for r in self.registry.healthy(t))}
+        usable = {t for t in TierName if any(r not in exclude for r in self.healthy(t))}
         saturated = {t for t in usable if self.admission.saturated(t)}
         allowed = self._tenant_tiers.get(req.tenant)
         return choose_tier(len(req.prompt_ids), req.hint, usable, self._edge_max, saturated, allowed)
@@ -154,7 +166,7 @@ class Router:
 
     def select(self, req: TurnRequest, tier: TierName, exclude: Sequence[Replica]) -> Replica:
         """The replica of ``tier`` (healthy, not excluded) by the configured policy."""
-        replicas = [r for r in self.registry.healthy(tier) if r not in exclude]
+        replicas = [r for r in self.healthy(tier) if r not in exclude]
         if not replicas:
             raise errors.Unavailable("no healthy worker can serve this request right now; retry in a few seconds")
         if self._policy == "round_robin":
@@ -326,7 +338,7 @@ class Router:
     async def _admit(self, req: TurnRequest, tier: TierName) -> Ticket:
         blocks = self.blocks(req)
         cached = max(
-            (self.selector.cached_blocks(r.address, blocks, r.hot_blocks) for r in self.registry.healthy(tier)),
+            (self.selector.cached_blocks(r.address, blocks, r.hot_blocks) for r in self.healthy(tier)),
             default=0,
         )
         return await self.admission.acquire(

@@ -142,7 +142,7 @@ class PrefixLocator:
         blocks = router.blocks(req)
         holders = [
             Holder(r.address, r.worker_id, router.selector.cached_blocks(r.address, blocks, r.hot_blocks))
-            for r in router.registry.healthy(choice.tier)
+            for r in router.healthy(choice.tier)
         ]
         model_id, version, redis_block = self._redis_scope()
         checked = min(len(ids) // redis_block, self._max_blocks)

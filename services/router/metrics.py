@@ -45,3 +45,25 @@ QUEUE_TIME = Histogram(
     ["tier"],
     buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+VERSION_REQUESTS = Counter(
+    "meshserve_router_model_requests_total",
+    "Requests and chat turns by model, version (build), role (primary or shadow) and final status.",
+    ["model", "version", "role", "status"],
+)
+VERSION_TTFT = Histogram(
+    "meshserve_router_model_ttft_seconds",
+    "Time to the first token by model, version and role (primary: the caller's; shadow: the discarded copy's).",
+    ["model", "version", "role"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+SHADOW = Counter(
+    "meshserve_router_shadow_requests_total",
+    "Shadow copies by model, version and outcome (agreed, differed: greedy text vs the primary's; "
+    "not_compared: sampled; failed; shed: too many shadows in flight).",
+    ["model", "version", "outcome"],
+)
+ROLLBACKS = Counter(
+    "meshserve_router_rollbacks_total",
+    "Rollouts rolled back, by model, the version rolled back and trigger (manual, auto).",
+    ["model", "version", "trigger"],
+)

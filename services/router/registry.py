@@ -36,7 +36,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -181,6 +181,7 @@ class Registry:
         probe_timeouts_to_down: int = 3,
         max_replicas: int = 1024,
         on_drop: Callable[[str], object] | None = None,
+        model_versions: Collection[str] = (),
     ) -> None:
         self._addresses = [(a, TierName.EDGE) for a in edge] + [(a, TierName.CLOUD) for a in cloud]
         self._token = internal_token
@@ -194,6 +195,8 @@ class Registry:
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self._block_tokens = block_tokens
         self._model_version = model_version
+        # Builds whose hot prefix blocks are ours to match: the one version, or every served one.
+        self._model_versions = {model_version, *model_versions}
         self._kv_high = kv_high_watermark
         self._drain_s = drain_s
         self._mismatch_warned: set[str] = set()
@@ -231,7 +234,7 @@ class Registry:
         replica.worker_id = report.worker_id or replica.worker_id
         replica.active_sequences, replica.queue_depth = report.active, report.queued
         replica.max_active = report.max_active or replica.max_active
-        if report.block_tokens == self._block_tokens and report.model_version == self._model_version:
+        if report.block_tokens == self._block_tokens and report.model_version in self._model_versions:
             replica.hot_blocks = frozenset(report.hot_blocks)
             if self._on_report is not None:
                 self._on_report(replica)

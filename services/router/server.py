@@ -3,26 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import grpc
 import structlog
 
+from services.common.errors import ConfigError, InvalidArgument
 from services.common.metrics import track_load
 from services.common.pb.meshserve.internal.v1 import registry_pb2, registry_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
 from services.common.serving import RunningServer, start_server
 from services.common.tokenizer import Tokenizer
+from services.router import models
 from services.router.admin_servicer import SERVICE_NAME as ADMIN_SERVICE_NAME
 from services.router.admin_servicer import RouterAdminServicer
 from services.router.api import RouterAPI
-from services.router.config import RouterSettings
+from services.router.config import ModelSpec, RouterSettings, VersionSpec
 from services.router.core import SERVICE, Router
 from services.router.location import PrefixLocator
 from services.router.policy import ReplicaSelector, TierName
 from services.router.registry import Registry
 from services.router.registry_servicer import WorkerRegistryServicer
+from services.router.rollout import RollbackRule, Rollout, RolloutPolicy
 from services.router.servicer import RouterServicer
 from services.router.slo_queue import Admission
 from services.router.stream_transport import StreamTransport
@@ -56,7 +59,12 @@ async def start_router_api(
     ``follow``: other servers of this process whose health is the router's (SERVING while a worker
     replica is healthy): the gateway that carries it.
     """
-    tokenizer = tokenizer or Tokenizer(settings.hf_dir)
+    specs, default_model, by_model = settings.served_models()
+    tokenizers: dict[str, Tokenizer] = {}
+    for spec in specs:  # the one passed in (tests) is the default model's
+        assert spec.tokenizer_dir is not None
+        given = tokenizer if spec.id == default_model else None
+        tokenizers[spec.id] = given or Tokenizer(spec.tokenizer_dir)
     cache = ResponseCache.from_url(
         settings.redis_url,
         timeout_s=settings.cache_timeout_s,
@@ -105,51 +113,77 @@ async def start_router_api(
         on_report=lambda replica: selector.forget(replica.address),
         max_replicas=settings.max_replicas,
         on_drop=forget,
+        model_versions=[v.build_id for spec in specs for v in spec.versions],
     )
     await registry.start()
 
-    def slots(tier: TierName) -> int:  # a replica out of KV room gives none: new turns wait or spill
-        return sum(settings.replica_slots or r.max_active for r in registry.healthy(tier) if not r.kv_full)
+    def router_for(spec: ModelSpec, version: VersionSpec) -> Router:
+        """One version's Router: its own admission over its own replicas (all of them without a models file)."""
+        match = models.serves(spec.id, version.build_id) if by_model else None
 
-    admission = Admission(
-        slots,
-        default_slo_ms=settings.ttft_slo_ms,
-        tenant_slo_ms={t: int(ms) for t, ms in settings.tenant_ttft_slo_ms.items()},
-        tenant_weights=settings.tenant_weights,
-        turn_s=settings.assumed_turn_s,
-    )
+        def slots(tier: TierName) -> int:  # a replica out of KV room gives none: new turns wait or spill
+            return sum(
+                settings.replica_slots or r.max_active
+                for r in registry.healthy(tier)
+                if not r.kv_full and (match is None or match(r))
+            )
+
+        admission = Admission(
+            slots,
+            default_slo_ms=settings.ttft_slo_ms,
+            tenant_slo_ms={t: int(ms) for t, ms in settings.tenant_ttft_slo_ms.items()},
+            tenant_weights=settings.tenant_weights,
+            turn_s=settings.assumed_turn_s,
+        )
+        return Router(
+            tokenizer=tokenizers[spec.id],
+            cache=cache,
+            registry=registry,
+            model_id=spec.id,
+            model_version=version.build_id,
+            internal_token=settings.internal_token,
+            edge_max_prompt_tokens=settings.edge_max_prompt_tokens,
+            retries_before_first_token=settings.retries_before_first_token,
+            failovers_after_first_token=settings.failovers_after_first_token,
+            admission=admission,
+            selector=selector,
+            policy=settings.routing_policy,
+            block_tokens=settings.prefix_block_tokens,
+            stall_timeout_s=settings.stall_timeout_s,
+            collapse=settings.collapse_requests,
+            tenant_tiers=settings.tenant_tiers,
+            transport=transport,
+            serves=match,
+        )
+
+    try:
+        table = models.ModelTable([_served(spec, router_for, tokenizers[spec.id]) for spec in specs], default_model)
+    except InvalidArgument as exc:
+        await registry.close()
+        raise ConfigError(f"models_file {settings.models_file}: {exc.message}") from None
+    routers = table.routers()
     for tier in TierName:
-        track_load(SERVICE, tier.value, queued=partial(admission.waiting, tier), active=partial(admission.busy, tier))
-    router = Router(
-        tokenizer=tokenizer,
-        cache=cache,
-        registry=registry,
-        model_id=settings.model_id,
-        model_version=settings.model_version(),
-        internal_token=settings.internal_token,
-        edge_max_prompt_tokens=settings.edge_max_prompt_tokens,
-        retries_before_first_token=settings.retries_before_first_token,
-        failovers_after_first_token=settings.failovers_after_first_token,
-        admission=admission,
-        selector=selector,
-        policy=settings.routing_policy,
-        block_tokens=settings.prefix_block_tokens,
-        stall_timeout_s=settings.stall_timeout_s,
-        collapse=settings.collapse_requests,
-        tenant_tiers=settings.tenant_tiers,
-        transport=transport,
-    )
+        track_load(
+            SERVICE,
+            tier.value,
+            queued=partial(lambda t: sum(r.admission.waiting(t) for r in routers), tier),
+            active=partial(lambda t: sum(r.admission.busy(t) for r in routers), tier),
+        )
+    default = table.get("")
+    router = default.versions[default.rollout.policy.primary].router
     api = RouterAPI(
         router,
-        context_length=settings.context_length,
+        context_length=default.context_length,
         default_max_tokens=settings.default_max_tokens,
         max_queued_chat_turns=settings.max_queued_chat_turns,
+        models=table,
+        shadow_max_in_flight=settings.shadow_max_in_flight,
     )
     servicer = RouterServicer(api, flush=settings.flush_window())
     registration = WorkerRegistryServicer(registry) if settings.accept_registrations else None
     # The replica view for `meshserve status`, prefix locations for `meshserve cache where`.
     locator = PrefixLocator(router, block_tokens=settings.prefix_block_tokens, context_length=settings.context_length)
-    admin = RouterAdminServicer(registry, locator)
+    admin = RouterAdminServicer(registry, locator, table)
 
     def register(s: grpc.aio.Server) -> None:
         _register(s, servicer, registration)
@@ -169,13 +203,36 @@ async def start_router_api(
         holder.append(running)
 
     async def close() -> None:
-        await router.collapser.aclose()
+        for shadow in list(api.shadows):
+            shadow.cancel()
+        for each in routers:
+            await each.collapser.aclose()
         await transport.close()
         await registry.close()
         await cache.close()
 
     server.on_stop.append(close)
     return server, api
+
+
+def _served(
+    spec: ModelSpec, router_for: Callable[[ModelSpec, VersionSpec], Router], tokenizer: Tokenizer
+) -> models.ServedModel:
+    versions = {v.name: models.ServedVersion(v.name, v.build_id, router_for(spec, v)) for v in spec.versions}
+    names = list(versions)
+    r = spec.rollout
+    rule = None
+    if r.rollback is not None:
+        rule = RollbackRule(
+            error_rate_margin=r.rollback.error_rate_margin,
+            ttft_p99_margin_s=r.rollback.ttft_p99_margin_ms / 1000,
+            window_s=r.rollback.window_s,
+            min_samples=r.rollback.min_samples,
+        )
+    policy = RolloutPolicy(r.weights or {names[0]: 100}, sticky=r.sticky, shadow=r.shadow, rollback=rule)
+    rollout = Rollout(spec.id, names, policy, on_rollback=models.log_rollback)
+    assert spec.context_length is not None
+    return models.ServedModel(spec.id, spec.context_length, tokenizer, versions, rollout)
 
 
 def _register(server: grpc.aio.Server, inference: RouterServicer, registry: WorkerRegistryServicer | None) -> None:

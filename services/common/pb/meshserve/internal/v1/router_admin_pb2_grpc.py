@@ -45,6 +45,21 @@ class RouterAdminStub:
                 request_serializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.PrefixLocationRequest.SerializeToString,
                 response_deserializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.PrefixLocationResponse.FromString,
                 _registered_method=True)
+        self.ListRollouts = channel.unary_unary(
+                '/meshserve.internal.v1.RouterAdmin/ListRollouts',
+                request_serializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ListRolloutsRequest.SerializeToString,
+                response_deserializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ListRolloutsResponse.FromString,
+                _registered_method=True)
+        self.SetRollout = channel.unary_unary(
+                '/meshserve.internal.v1.RouterAdmin/SetRollout',
+                request_serializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.SetRolloutRequest.SerializeToString,
+                response_deserializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ModelRollout.FromString,
+                _registered_method=True)
+        self.Rollback = channel.unary_unary(
+                '/meshserve.internal.v1.RouterAdmin/Rollback',
+                request_serializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.RollbackRequest.SerializeToString,
+                response_deserializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ModelRollout.FromString,
+                _registered_method=True)
 
 
 class RouterAdminServicer:
@@ -66,6 +81,28 @@ class RouterAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRollouts(self, request, context):
+        """The served models' versions, rollout policies, per-version counters and recent rollbacks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetRollout(self, request, context):
+        """Change a model's rollout (weights, stickiness, shadow, rollback rule) with no restart; requests in
+        flight keep the version they drew. A bad policy is refused (INVALID_ARGUMENT) and changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Rollback(self, request, context):
+        """All weight back to the model's primary version and no shadow; logged and counted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +115,21 @@ def add_RouterAdminServicer_to_server(servicer, server):
                     servicer.PrefixLocation,
                     request_deserializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.PrefixLocationRequest.FromString,
                     response_serializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.PrefixLocationResponse.SerializeToString,
+            ),
+            'ListRollouts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRollouts,
+                    request_deserializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ListRolloutsRequest.FromString,
+                    response_serializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ListRolloutsResponse.SerializeToString,
+            ),
+            'SetRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetRollout,
+                    request_deserializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.SetRolloutRequest.FromString,
+                    response_serializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ModelRollout.SerializeToString,
+            ),
+            'Rollback': grpc.unary_unary_rpc_method_handler(
+                    servicer.Rollback,
+                    request_deserializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.RollbackRequest.FromString,
+                    response_serializer=meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ModelRollout.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +187,87 @@ class RouterAdmin:
             '/meshserve.internal.v1.RouterAdmin/PrefixLocation',
             meshserve_dot_internal_dot_v1_dot_router__admin__pb2.PrefixLocationRequest.SerializeToString,
             meshserve_dot_internal_dot_v1_dot_router__admin__pb2.PrefixLocationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRollouts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.internal.v1.RouterAdmin/ListRollouts',
+            meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ListRolloutsRequest.SerializeToString,
+            meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ListRolloutsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.internal.v1.RouterAdmin/SetRollout',
+            meshserve_dot_internal_dot_v1_dot_router__admin__pb2.SetRolloutRequest.SerializeToString,
+            meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ModelRollout.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Rollback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.internal.v1.RouterAdmin/Rollback',
+            meshserve_dot_internal_dot_v1_dot_router__admin__pb2.RollbackRequest.SerializeToString,
+            meshserve_dot_internal_dot_v1_dot_router__admin__pb2.ModelRollout.FromString,
             options,
             channel_credentials,
             insecure,

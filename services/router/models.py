@@ -1,0 +1,104 @@
+"""The models a router serves: per model id its tokenizer, context length, versions and rollout.
+
+Each version of a model has its own :class:`~services.router.core.Router` (its answer keys, prefix
+hashes and collapsing keyed by model id and build, its admission over its own replicas: the
+registry's replicas that report that model id and build), so the response and KV caches never mix
+models or versions. :class:`ModelTable` resolves a request's ``model`` (empty: the default one) to
+its :class:`ServedModel`; the model's :class:`~services.router.rollout.Rollout` picks the version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+
+from services.common.errors import NotFound
+from services.common.tokenizer import Tokenizer
+from services.router.core import Router
+from services.router.metrics import ROLLBACKS
+from services.router.policy import TierName
+from services.router.registry import Replica
+from services.router.rollout import RollbackEvent, Rollout, RolloutPolicy
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass
+class ServedVersion:
+    """One version (build) of a model and the router that runs it on that build's replicas."""
+
+    name: str
+    build: str
+    router: Router
+
+
+@dataclass
+class ServedModel:
+    """One model id: what tokenizes for it, its context, its versions and their rollout."""
+
+    id: str
+    context_length: int
+    tokenizer: Tokenizer
+    versions: dict[str, ServedVersion]
+    rollout: Rollout
+
+    def tiers(self) -> set[TierName]:
+        """Tiers with replicas of any of its versions configured (healthy or not)."""
+        return {t for v in self.versions.values() for t in v.router.tiers()}
+
+    def choose(self, tenant: str) -> ServedVersion:
+        return self.versions[self.rollout.choose(tenant)]
+
+
+class ModelTable:
+    """Every served model by id; ``default`` serves requests that name none."""
+
+    def __init__(self, models: Sequence[ServedModel], default: str) -> None:
+        self.models = {m.id: m for m in models}
+        self.default = default
+        assert default in self.models
+
+    @classmethod
+    def single(cls, router: Router, context_length: int) -> ModelTable:
+        """One model, one version: the router that runs every replica (the layout without a models file)."""
+        version = router.model_version or "default"
+        rollout = Rollout(router.model_id, [version], RolloutPolicy({version: 100}), on_rollback=log_rollback)
+        served = ServedVersion(version, router.model_version, router)
+        model = ServedModel(router.model_id, context_length, router.tokenizer, {version: served}, rollout)
+        return cls([model], router.model_id)
+
+    def get(self, model: str) -> ServedModel:
+        """The model named ``model`` (empty: the default one); NotFound names the served ones."""
+        found = self.models.get(model or self.default)
+        if found is None:
+            served = ", ".join(self.models)
+            raise NotFound(f"unknown model {model!r}; ListModels shows the served models ({served})")
+        return found
+
+    def routers(self) -> list[Router]:
+        return [v.router for m in self.models.values() for v in m.versions.values()]
+
+
+def serves(model_id: str, build: str) -> Callable[[Replica], bool]:
+    """The replica filter of one version: replicas whose latest report names this model id and build."""
+
+    def match(replica: Replica) -> bool:
+        return replica.report.model_id == model_id and replica.report.model_version == build
+
+    return match
+
+
+def log_rollback(event: RollbackEvent) -> None:
+    """The rollback's log line and counter (``reason`` "manual" or why it was automatic)."""
+    trigger = "manual" if event.reason == "manual" else "auto"
+    ROLLBACKS.labels(event.model, event.version, trigger).inc()
+    log.warning(
+        "rollout_rolled_back",
+        model=event.model,
+        version=event.version,
+        to=event.to,
+        trigger=trigger,
+        reason=event.reason,
+    )
