@@ -48,6 +48,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     weights: int = 0  # which model it runs: workers of other weights answer other deterministic tokens
     stream: StreamMuxServer | None = None  # its stream transport (start_fake(stream=False): none)
     stream_port: int = 0  # announced in Stats: the stream's port, or (tests) a port that does not serve it
+    model: str = ""  # the model id and build reported in Stats (a router with a models file routes by them)
+    model_version: str = ""
 
     @property
     def address(self) -> str:
@@ -151,6 +153,8 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             kv_used_bytes=self.kv_used_bytes,
             kv_budget_bytes=self.kv_budget_bytes,
             stream_port=self.stream_port,
+            model=self.model,
+            model_version=self.model_version,
         )
 
 

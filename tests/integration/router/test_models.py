@@ -1,0 +1,266 @@
+"""Several models and versions on one router (a models file): routing by model, canary split, sticky
+chats, shadow copies, rollback under load and automatic rollback, on a real router over fake workers
+(each reporting its model id and build) reached over the stream transport, with the rollout changed
+through the real RouterAdmin gRPC service. Two versions of the real model: tests/e2e/test_model_versions.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.errors import NotFound
+from services.common.pb.meshserve.internal.v1 import router_admin_pb2 as admin_pb
+from services.common.pb.meshserve.internal.v1 import router_admin_pb2_grpc
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.sampling import SamplingParams
+from services.common.serving import RunningServer
+from services.common.settings import load_settings
+from services.common.tokenizer import Tokenizer
+from services.router.api import RouterAPI
+from services.router.config import RouterSettings
+from services.router.metrics import ROLLBACKS
+from services.router.policy import TierName
+from services.router.server import start_router_api
+from services.router.types import ChatMessage, ChatTurn, Done, Generation, Routing
+from tests.integration.router.fake_worker import FakeWorker, start_fake
+from tests.integration.router.harness import HF_DIR, META, TOKEN, wait_serving
+
+DEFAULT = "smollm2-135m-instruct"
+MODELS = f"""
+models:
+  - id: {DEFAULT}
+    versions: [{{name: v1}}, {{name: v2}}, {{name: v3, build: build-3}}]
+    rollout: {{weights: {{v1: 100}}}}
+  - id: other-model
+    tokenizer_dir: {HF_DIR}
+    context_length: 2048
+    versions: [{{name: b1}}]
+"""
+ADMIN_META = (("x-meshserve-internal-token", TOKEN),)
+
+
+@dataclass
+class Models:
+    api: RouterAPI
+    server: RunningServer
+    workers: dict[str, FakeWorker]
+    admin: router_admin_pb2_grpc.RouterAdminStub
+    stub: inference_pb2_grpc.InferenceStub
+
+    async def rollout(self, **fields: object) -> admin_pb.ModelRollout:
+        weights = fields.pop("weights", None)
+        req = admin_pb.SetRolloutRequest(model=DEFAULT, **fields)  # type: ignore[arg-type]
+        if weights is not None:
+            req.weights.extend(admin_pb.VersionWeight(version=v, weight=w) for v, w in weights.items())  # type: ignore[attr-defined]
+        return await self.admin.SetRollout(req, metadata=ADMIN_META)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer(HF_DIR)
+
+
+@contextlib.asynccontextmanager
+async def open_models(tmp: Path, tokenizer: Tokenizer) -> AsyncIterator[Models]:
+    workers = {
+        "v1": await start_fake("w-v1", pb.TIER_EDGE, TOKEN, model=DEFAULT, model_version="v1"),
+        "v2": await start_fake("w-v2", pb.TIER_EDGE, TOKEN, model=DEFAULT, model_version="v2", weights=1),
+        "v3": await start_fake("w-v3", pb.TIER_EDGE, TOKEN, model=DEFAULT, model_version="build-3", weights=1),
+        "b1": await start_fake("w-b1", pb.TIER_EDGE, TOKEN, model="other-model", model_version="b1", weights=3),
+    }
+    path = tmp / "models.yaml"
+    path.write_text(MODELS)
+    settings = load_settings(
+        RouterSettings,
+        edge_workers=",".join(w.address for w in workers.values()),
+        models_file=str(path),
+        internal_token=TOKEN,
+        shutdown_grace_s=0,
+        health_interval_s=0.2,
+        collapse_requests=False,
+    )
+    server, api = await start_router_api(settings, tokenizer=tokenizer)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    await asyncio.wait_for(wait_serving(channel), 10)
+    try:
+        yield Models(
+            api,
+            server,
+            workers,
+            router_admin_pb2_grpc.RouterAdminStub(channel),
+            inference_pb2_grpc.InferenceStub(channel),
+        )
+    finally:
+        await channel.close()
+        await server.stop()
+        for w in workers.values():
+            assert w.server is not None
+            await w.server.stop()
+
+
+@pytest.fixture(scope="module")
+async def models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> AsyncIterator[Models]:
+    async with open_models(tmp_path_factory.mktemp("models"), tokenizer) as opened:
+        yield opened
+
+
+@pytest.fixture(autouse=True)
+async def reset(models: Models) -> None:
+    for w in models.workers.values():
+        w.token_delay_s = 0.0
+    await models.rollout(weights={"v1": 100, "v2": 0, "v3": 0}, shadow="", clear_rollback=True, sticky="chat")
+
+
+def generation(prompt: str = "Hello there", model: str = "", *, greedy: bool = False, tenant: str = "t") -> Generation:
+    sampling = SamplingParams(max_tokens=2, temperature=0.0 if greedy else 0.8)
+    return Generation(model=model, prompt=prompt, sampling=sampling, routing=Routing(), tenant=tenant, request_id="r")
+
+
+async def served_by(api: RouterAPI, gen: Generation) -> str:
+    _, done = await api.complete(gen)
+    return done.route.worker_id
+
+
+async def test_requests_are_routed_by_model_and_an_unknown_model_is_refused(models: Models) -> None:
+    api = models.api
+    assert await served_by(api, generation(model="other-model")) == "w-b1"
+    assert await served_by(api, generation(model=DEFAULT)) == "w-v1"
+    assert await served_by(api, generation()) == "w-v1"  # no model: the default one
+    with pytest.raises(NotFound, match=f"'nope'.*{DEFAULT}, other-model"):
+        await api.complete(generation(model="nope"))
+    listed = {m.id: m for m in await api.list_models()}
+    assert listed.keys() == {DEFAULT, "other-model"}
+    assert listed["other-model"].context_length == 2048 and listed["other-model"].tiers == (TierName.EDGE,)
+    # Over gRPC: ListModels lists both, an unknown model is NOT_FOUND naming the served ones.
+    reply = await models.stub.ListModels(pb.ListModelsRequest(), metadata=META)
+    assert [m.id for m in reply.models] == [DEFAULT, "other-model"]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in models.stub.Generate(pb.GenerateRequest(prompt="hi", model="nope"), metadata=META):
+            pass
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "other-model" in (err.value.details() or "")
+
+
+async def test_a_canary_split_is_within_3_percent_of_its_weight_over_2000_requests(models: Models) -> None:
+    status = await models.rollout(weights={"v1": 95, "v2": 5, "v3": 0})
+    assert status.primary == "v1"
+    sem = asyncio.Semaphore(32)
+
+    async def one(i: int) -> str:
+        async with sem:
+            return await served_by(models.api, generation(f"prompt {i}"))
+
+    counts = Counter(await asyncio.gather(*(one(i) for i in range(2000))))
+    assert set(counts) == {"w-v1", "w-v2"}
+    assert abs(counts["w-v2"] / 2000 - 0.05) <= 0.03, counts
+    listed = await models.admin.ListRollouts(admin_pb.ListRolloutsRequest(model=DEFAULT), metadata=ADMIN_META)
+    versions = {v.version: v for v in listed.models[0].versions}
+    assert versions["v2"].requests >= counts["w-v2"] and versions["v2"].healthy_replicas == 1
+
+
+async def test_a_chat_never_changes_version(models: Models) -> None:
+    await models.rollout(weights={"v1": 50, "v2": 50})
+    seen: set[str] = set()
+    for c in range(12):
+        chat = models.api.chat(tenant=f"t{c}")
+        workers = []
+        for turn in range(3):
+            msg = ChatTurn([ChatMessage("user", f"turn {turn}")], SamplingParams(max_tokens=2, temperature=0.8))
+            await chat.send(msg)
+        await chat.end()
+        async for event in chat.events():
+            if isinstance(event.event, Done):
+                workers.append(event.event.route.worker_id)
+        assert len(workers) == 3 and len(set(workers)) == 1, workers
+        seen.add(workers[0])
+    assert seen == {"w-v1", "w-v2"}  # chats did spread over both versions
+
+
+async def test_tenant_stickiness_keeps_a_tenant_on_one_version(models: Models) -> None:
+    await models.rollout(weights={"v1": 50, "v2": 50}, sticky="tenant")
+    for t in range(6):
+        served = {await served_by(models.api, generation(f"p{i}", tenant=f"tenant-{t}")) for i in range(5)}
+        assert len(served) == 1
+
+
+async def test_shadow_output_never_reaches_the_caller(models: Models) -> None:
+    await models.rollout(shadow="v3")
+    v3 = models.workers["v3"]
+    before = len(v3.starts)
+    chunk, done = await models.api.complete(generation("shadow me", greedy=True))
+    await asyncio.gather(*models.api.shadows)
+    assert done.route.worker_id == "w-v1"
+    assert len(v3.starts) == before + 1  # the copy ran on the shadow version...
+    shadow_tokens = v3.tokens(v3.starts[-1])
+    assert chunk.token_ids == models.workers["v1"].tokens(models.workers["v1"].starts[-1])
+    assert chunk.token_ids != shadow_tokens  # ...and the caller got the primary's output only
+    listed = await models.admin.ListRollouts(admin_pb.ListRolloutsRequest(model=DEFAULT), metadata=ADMIN_META)
+    v3_status = next(v for v in listed.models[0].versions if v.version == "v3")
+    assert v3_status.shadow_requests >= 1 and v3_status.shadow_compared >= 1
+    assert v3_status.shadow_agreed == 0  # other weights answer other tokens: recorded as a disagreement
+
+
+async def test_rollback_under_load_fails_no_request(models: Models) -> None:
+    await models.rollout(weights={"v1": 50, "v2": 50})
+    for w in models.workers.values():
+        w.token_delay_s = 0.005
+    sem = asyncio.Semaphore(16)
+    rolled = asyncio.Event()
+    after: list[str] = []
+
+    async def one(i: int) -> None:
+        async with sem:
+            drawn_after = rolled.is_set()
+            worker = await served_by(models.api, generation(f"load {i}"))
+            if drawn_after:
+                after.append(worker)
+
+    async def roll() -> None:
+        await asyncio.sleep(0.2)
+        status = await models.admin.Rollback(admin_pb.RollbackRequest(model=DEFAULT), metadata=ADMIN_META)
+        assert {w.version: w.weight for w in status.weights} == {"v1": 100, "v2": 0}
+        assert status.rollbacks[-1].reason == "manual"
+        rolled.set()
+
+    results = await asyncio.gather(*(one(i) for i in range(300)), roll(), return_exceptions=True)
+    assert not [r for r in results if isinstance(r, BaseException)]  # zero failed requests
+    assert after and set(after) == {"w-v1"}  # drawn after the rollback: the primary only
+
+
+async def test_a_slow_canary_is_rolled_back_automatically(models: Models) -> None:
+    rule = admin_pb.RollbackRule(error_rate_margin=0.5, ttft_p99_margin_ms=30, window_s=60, min_samples=10)
+    await models.rollout(weights={"v1": 50, "v2": 50}, rollback=rule)
+    models.workers["v2"].token_delay_s = 0.08  # the injected slow version
+    before = ROLLBACKS.labels(DEFAULT, "v2", "auto")._value.get()
+    sem = asyncio.Semaphore(4)
+
+    async def one(i: int) -> None:
+        async with sem:
+            await served_by(models.api, generation(f"slow {i}"))
+
+    await asyncio.gather(*(one(i) for i in range(80)))
+    listed = await models.admin.ListRollouts(admin_pb.ListRolloutsRequest(model=DEFAULT), metadata=ADMIN_META)
+    rollout = listed.models[0]
+    assert {w.version: w.weight for w in rollout.weights}["v2"] == 0
+    assert "ttft p99" in rollout.rollbacks[-1].reason
+    assert ROLLBACKS.labels(DEFAULT, "v2", "auto")._value.get() == before + 1
+    assert {await served_by(models.api, generation(f"after {i}")) for i in range(10)} == {"w-v1"}
+
+
+async def test_a_bad_rollout_is_refused_and_changes_nothing(models: Models) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await models.rollout(weights={"v9": 100})
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "v9" in (err.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await models.admin.Rollback(admin_pb.RollbackRequest(model="nope"), metadata=ADMIN_META)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    listed = await models.admin.ListRollouts(admin_pb.ListRolloutsRequest(), metadata=ADMIN_META)
+    assert [m.model for m in listed.models] == [DEFAULT, "other-model"]
+    assert {w.version: w.weight for w in listed.models[0].weights}["v1"] == 100
