@@ -1,4 +1,5 @@
-"""The ``meshserve`` command: ``models prepare``, ``chat``, ``up``, ``bench``, ``keys``, ``cache``, and the
+"""The ``meshserve`` command: ``models prepare`` (and ``versions``/``rollout``/``rollback``), ``chat``,
+``up``, ``bench``, ``keys``, ``cache``, and the
 container entry points ``serve``, ``health`` and ``frontdoor``.
 
 ``up`` and ``bench`` hand their arguments to :func:`services.local.up.main` and
@@ -39,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_arguments(
         models.add_parser("eval", help="perplexity and greedy agreement of fp32, INT4 and student models")
     )
+
+    from services.local import rollout_cli
+
+    rollout_cli.add_arguments(models)
 
     from services.models import distill
 
@@ -141,6 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.gateway import keys_cli
 
         return keys_cli.run(args)
+    if args.command == "models" and args.models_command in ("versions", "rollout", "rollback"):
+        from services.local import rollout_cli
+
+        return rollout_cli.run(args)
     if args.command == "models":
         from services.models import evaluate, prepare_cli
 

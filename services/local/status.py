@@ -4,6 +4,8 @@ What it shows, and where each figure comes from:
 
 - replicas per tier with health, in-flight turns and ejections: the router's replica view
   (``RouterAdmin.ListReplicas``, internal credential);
+- with several models or versions, each model's rollout (weights, primary, stickiness, shadow,
+  automatic rollback) and per-version counters (``RouterAdmin.ListRollouts``);
 - load (active / slots), queue, tokens generated and tokens/s per replica: each worker's own
   ``Worker.Stats``, read when the frame is taken. The router's copies of load and queue come from the
   workers' heartbeats (``heartbeat_interval_s``, 1 s by default), so they are shown only for a worker
@@ -48,6 +50,7 @@ from services.common.pb.meshserve.internal.v1 import (
 )
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.settings import DEFAULT_INTERNAL_TOKEN, ClientSettings
+from services.local.rollout_cli import describe
 from services.local.state import read_state, state_path
 
 _TIERS = {inference_pb2.TIER_EDGE: "edge", inference_pb2.TIER_CLOUD: "cloud"}
@@ -96,6 +99,8 @@ class MeshView:
     metrics_read: bool = False
     """At least one metrics endpoint answered (the traffic line is shown, zeros included)."""
     problems: list[str] = field(default_factory=list)
+    rollouts: list[router_admin_pb2.ModelRollout] = field(default_factory=list)
+    """The router's served models and their rollouts (shown when it serves more than one version)."""
     taken_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
 
 
@@ -120,6 +125,14 @@ async def _replicas(channel: grpc.aio.Channel, meta: tuple[tuple[str, str], ...]
                 self_registered=r.self_registered,
             )
         )
+    try:
+        rollouts = await router_admin_pb2_grpc.RouterAdminStub(channel).ListRollouts(
+            router_admin_pb2.ListRolloutsRequest(), metadata=meta, timeout=2.0
+        )
+        view.rollouts = list(rollouts.models)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.UNIMPLEMENTED:  # a router from before model versions: none to show
+            raise
 
 
 async def _worker_stats(replica: ReplicaView, meta: tuple[tuple[str, str], ...]) -> None:
@@ -248,6 +261,8 @@ def render(view: MeshView) -> Group:
                 str(r.ejections),
             )
         parts.append(table)
+    if len(view.rollouts) > 1 or any(len(m.versions) > 1 for m in view.rollouts):
+        parts.append(Text("models:\n" + "\n".join(describe(m) for m in view.rollouts)))
     if view.cache:
         caches = Table(title="caches", title_justify="left")
         for column in ("cache", "hit ratio", "hits", "misses", "entries"):

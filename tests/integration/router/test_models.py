@@ -264,3 +264,33 @@ async def test_a_bad_rollout_is_refused_and_changes_nothing(models: Models) -> N
     listed = await models.admin.ListRollouts(admin_pb.ListRolloutsRequest(), metadata=ADMIN_META)
     assert [m.model for m in listed.models] == [DEFAULT, "other-model"]
     assert {w.version: w.weight for w in listed.models[0].weights}["v1"] == 100
+
+
+async def test_the_cli_changes_the_rollout_and_status_shows_it(
+    models: Models, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rich.console import Console
+
+    from services.cli import main
+    from services.local.status import gather, render
+
+    router = f"127.0.0.1:{models.server.port}"
+    common = ["--router", router, "--internal-token", TOKEN]
+    argv = ["models", "rollout", DEFAULT, "--weights", "v1=90,v2=10", "--shadow", "v3", "--sticky", "tenant"]
+    assert await asyncio.to_thread(main, [*argv, "--auto-rollback", "ttft_ms=300,min_samples=20", *common]) == 0
+    out = capsys.readouterr().out
+    assert f"{DEFAULT} (default): v1=90, v2=10; primary v1; sticky tenant; shadow v3" in out
+    assert "ttft_p99+300ms" in out and "(min 20)" in out
+    policy = models.api.models.get(DEFAULT).rollout.policy
+    assert dict(policy.weights) == {"v1": 90, "v2": 10} and policy.shadow == "v3" and policy.sticky == "tenant"
+    assert await asyncio.to_thread(main, ["models", "rollback", DEFAULT, *common]) == 0
+    assert "v1=100, v2=0; primary v1" in capsys.readouterr().out
+    assert await asyncio.to_thread(main, ["models", "rollout", DEFAULT, "--weights", "v1=95,v2", *common]) == 2
+    assert "must be version=number" in capsys.readouterr().err
+    assert await asyncio.to_thread(main, ["models", "rollout", DEFAULT, "--weights", "v7=1", *common]) == 1
+    assert "INVALID_ARGUMENT" in capsys.readouterr().err
+    view = await gather(router, token=TOKEN)
+    console = Console(width=200, record=True)
+    console.print(render(view))
+    text = console.export_text()
+    assert "models:" in text and "other-model: b1=100" in text and "rolled back v2 -> v1" in text
