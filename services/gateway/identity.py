@@ -40,6 +40,8 @@ class Identity:
     """What the credential may do (:mod:`services.gateway.scopes`); never empty."""
     limits: Mapping[str, int] = field(default_factory=dict)
     """Policy overrides stored on the key (see :mod:`services.gateway.policy`)."""
+    models: tuple[str, ...] = ()
+    """Model ids the credential may use (:func:`services.gateway.scopes.require_model`); empty: any."""
 
 
 class Authenticator:
@@ -85,7 +87,9 @@ class Authenticator:
             raise Unauthenticated(f"API key {record.key_id} was revoked; ask for a new key")
         if record.expired():
             raise Unauthenticated(f"API key {record.key_id} has expired; ask for a new key")
-        return Identity(record.tenant, record.key_id, "keystore", scopes.effective(record.scopes), record.limits)
+        return Identity(
+            record.tenant, record.key_id, "keystore", scopes.effective(record.scopes), record.limits, record.models
+        )
 
     async def _stored(self, token: str) -> KeyRecord | None:
         """The stored record of ``token``: from the cache while fresh, else from Redis."""

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated scopes: inference (default: Generate, Complete, Chat, ListModels), "
         "models:read (ListModels only), * (everything)",
     )
+    create.add_argument(
+        "--models", default="", help="comma-separated model ids the key may use (default: every served model)"
+    )
     create.add_argument("--expires-in", type=parse_duration, default=None, help="lifetime, e.g. 30d (default: none)")
     for name in POLICY_FIELDS:
         flag = "--" + name.replace("_", "-")
@@ -71,6 +74,7 @@ def _row(record: KeyRecord) -> dict[str, object]:
         "tenant": record.tenant,
         "name": record.name,
         "scopes": list(record.scopes),
+        "models": list(record.models),
         "limits": record.limits,
         "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.created_at)),
         "expires_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(record.expires_at))
@@ -87,8 +91,9 @@ async def _run(args: argparse.Namespace) -> int:
         if args.keys_command == "create":
             limits = {name: getattr(args, name) for name in POLICY_FIELDS if getattr(args, name) is not None}
             scopes = [s.strip() for s in args.scopes.split(",") if s.strip()]
+            models = [m.strip() for m in args.models.split(",") if m.strip()]
             plaintext, record = await store.create(
-                args.tenant, scopes=scopes, limits=limits, ttl_s=args.expires_in, name=args.name
+                args.tenant, scopes=scopes, limits=limits, ttl_s=args.expires_in, name=args.name, models=models
             )
             print(f"key id:  {record.key_id}\ntenant:  {record.tenant}\napi key: {plaintext}")
             print("Store the API key now: it is not shown again (Redis keeps only its SHA-256).", file=sys.stderr)

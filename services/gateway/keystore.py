@@ -45,6 +45,8 @@ class KeyRecord:
     """Unix time after which the key is refused; 0 = never."""
     revoked: bool = False
     name: str = ""
+    models: tuple[str, ...] = ()
+    """Model ids the key may use (ListModels shows only these); empty: every served model."""
 
     def expired(self, now: float | None = None) -> bool:
         return bool(self.expires_at) and (time.time() if now is None else now) >= self.expires_at
@@ -60,6 +62,7 @@ class KeyRecord:
             "expires_at": repr(self.expires_at),
             "revoked": "1" if self.revoked else "0",
             "name": self.name,
+            "models": ",".join(self.models),
         }
 
     @classmethod
@@ -75,6 +78,7 @@ class KeyRecord:
             expires_at=float(data.get("expires_at") or 0),
             revoked=data.get("revoked") == "1",
             name=data.get("name", ""),
+            models=tuple(m for m in data.get("models", "").split(",") if m),
         )
 
 
@@ -108,14 +112,20 @@ class KeyStore:
         limits: Mapping[str, int] | None = None,
         ttl_s: float | None = None,
         name: str = "",
+        models: Sequence[str] = (),
     ) -> tuple[str, KeyRecord]:
         """Store a new key; returns ``(plaintext, record)``. The plaintext is never stored.
 
         ``scopes`` must be known (:mod:`services.gateway.scopes`); none given means ``inference``.
+        ``models``: the model ids the key may use (none: every one).
         """
         if not _TENANT.match(tenant):
             raise ValueError("tenant must be 1-64 letters, digits, _ . - (starting with a letter or digit)")
         granted = api_scopes.check_known(scopes) or api_scopes.DEFAULT
+        models = tuple(m.strip() for m in models if m.strip())
+        for model in models:
+            if "," in model or len(model) > 256:
+                raise ValueError(f"model id {model[:40]!r} must be at most 256 characters, without commas")
         checked = TenantPolicy().with_overrides(limits)  # raises ValueError naming a bad field
         del checked
         key_id = secrets.token_hex(6)
@@ -130,6 +140,7 @@ class KeyStore:
             created_at=now,
             expires_at=now + ttl_s if ttl_s else 0.0,
             name=name,
+            models=models,
         )
         # On Cluster the two keys are in different slots, which MULTI cannot span; without it a crash
         # midway leaves one key: a record whose plaintext nobody was shown, or an id `list` skips.

@@ -13,6 +13,10 @@ Where scopes come from: a stored key's ``scopes`` (``meshserve keys create --sco
 a key created without ``--scopes``, a JWT without a ``scope`` claim — gets ``inference``. Static keys
 (``MESHSERVE_GATEWAY_API_KEYS``) are the operator's own and get ``*``.
 A credential without the scope a method needs is refused with PERMISSION_DENIED (HTTP 403).
+
+Models: a stored key may be limited to a list of model ids (``meshserve keys create --models a,b``);
+a request naming another model, or naming none (the mesh's default is not known here), is refused
+with PERMISSION_DENIED, and ListModels shows only the key's models.
 """
 
 from __future__ import annotations
@@ -57,4 +61,13 @@ def require(method: str, scopes: Iterable[str], key_id: str) -> None:
         needed = INFERENCE if method != "ListModels" else f"{INFERENCE} or {MODELS_READ}"
         raise PermissionDenied(
             f"credential {key_id} may not call {method}: it needs the {needed} scope; use a key that has it"
+        )
+
+
+def require_model(model: str, models: tuple[str, ...], key_id: str) -> None:
+    """Raise :class:`PermissionDenied` unless ``models`` (a credential's list; empty: any) holds ``model``."""
+    if models and model not in models:
+        named = f"model {model!r}" if model else "the default model (the request names none)"
+        raise PermissionDenied(
+            f"credential {key_id} may not use {named}; it may use {', '.join(models)}: name one in the model field"
         )

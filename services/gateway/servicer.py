@@ -157,6 +157,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         the ticket, and :meth:`_settle_once_admitted` must be called with it when the request ends.
         """
         sampling = validate_generate(request, self._limits)
+        scopes.require_model(request.model, identity.models, identity.key_id)
         policy = self._gate.policy(identity)
         request.routing.priority = min(request.routing.priority, policy.priority)
         generation = convert.generation(request, tenant=identity.tenant, request_id=request_id, sampling=sampling)
@@ -260,9 +261,11 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         with observe("ListModels", self._settings):
-            await self._admit(context, "ListModels")
+            _, identity = await self._admit(context, "ListModels")
             deadline = time.monotonic() + self._timeout(context, self._settings.default_deadline_s)
-            return convert.models_pb(await self._router().list_models(deadline=deadline))
+            served = await self._router().list_models(deadline=deadline)
+            allowed = [m for m in served if not identity.models or m.id in identity.models]
+            return convert.models_pb(allowed)
 
     async def Chat(
         self, request_iterator: AsyncIterator[pb.ChatRequest], context: grpc.aio.ServicerContext
@@ -298,6 +301,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                         turn_sampling = validate_chat_request(frame, self._limits)
                         if frame.WhichOneof("action") == "turn":
                             turn = frame.turn
+                            scopes.require_model(turn.model, identity.models, identity.key_id)
                             turn.routing.priority = min(turn.routing.priority, policy.priority)
                             domain_turn = convert.chat_turn(turn, turn_sampling)
                             texts = [m.content for m in turn.messages]

@@ -202,3 +202,39 @@ async def test_a_revoked_key_is_refused_once_its_cached_record_expires(store: Ke
     now[0] = 1.0
     with pytest.raises(Unauthenticated, match="revoked"):
         await authenticator.authenticate(meta)
+
+
+async def test_a_key_limited_to_models_may_use_only_those(mesh: Gateways, store: KeyStore) -> None:
+    limited, record = await store.create("initech", models=["other-model"])
+    assert record.models == ("other-model",)
+    assert (await store.get(record.key_id)).models == ("other-model",)  # type: ignore[union-attr]
+    meta = ((md.AUTHORIZATION, f"Bearer {limited}"),)
+    stub = mesh.stubs[0]
+    assert (await stub.ListModels(pb.ListModelsRequest(), metadata=meta)).models == []  # fake-model is not its
+    mesh.router.seen.clear()
+    for model in ("fake-model", ""):
+        request = pb.GenerateRequest(prompt="hi", model=model, sampling=pb.SamplingParams(max_tokens=4))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Complete(request, metadata=meta)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "may use other-model" in (err.value.details() or "")
+    chat = stub.Chat(metadata=meta)
+    await chat.write(
+        pb.ChatRequest(turn=pb.ChatTurn(model="fake-model", messages=[pb.ChatMessage(role="user", content="hi")]))
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await chat.read()
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert [s.method for s in mesh.router.seen if s.method != "Chat"] == []  # refused before the router
+    allowed, _ = await store.create("initech", models=["fake-model"])
+    listed = await stub.ListModels(pb.ListModelsRequest(), metadata=((md.AUTHORIZATION, f"Bearer {allowed}"),))
+    assert [m.id for m in listed.models] == ["fake-model"]
+    request = pb.GenerateRequest(prompt="hi", model="fake-model", sampling=pb.SamplingParams(max_tokens=4))
+    await stub.Complete(request, metadata=((md.AUTHORIZATION, f"Bearer {allowed}"),))
+
+
+def test_keys_cli_creates_a_key_limited_to_models(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert keys_main(["--redis-url", redis_url, "create", "--tenant", "acme", "--models", "m1, m2"]) == 0
+    capsys.readouterr()
+    assert keys_main(["--redis-url", redis_url, "list", "--json"]) == 0
+    assert '"models": ["m1", "m2"]' in capsys.readouterr().out
