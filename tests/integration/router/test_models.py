@@ -1,7 +1,8 @@
 """Several models and versions on one router (a models file): routing by model, canary split, sticky
 chats, shadow copies, rollback under load and automatic rollback, on a real router over fake workers
 (each reporting its model id and build) reached over the stream transport, with the rollout changed
-through the real RouterAdmin gRPC service. Two versions of the real model: tests/e2e/test_model_versions.py."""
+through the real RouterAdmin gRPC service. Two versions of the real model:
+test_model_versions_real.py."""
 
 from __future__ import annotations
 
