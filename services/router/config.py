@@ -284,4 +284,10 @@ def _read_models_file(path: Path) -> ModelsFile:
         names = [v.name for v in m.versions]
         if len(set(names)) != len(names):
             raise ValueError(f"models_file {path}: model {m.id!r} names a version twice")
+        named = [*m.rollout.weights, *([m.rollout.shadow] if m.rollout.shadow else [])]
+        unknown = [v for v in named if names and v not in names]
+        if unknown:
+            raise ValueError(
+                f"models_file {path}: model {m.id!r} has no version {unknown[0]!r}; it has {', '.join(names)}"
+            )
     return parsed

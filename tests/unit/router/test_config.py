@@ -71,3 +71,38 @@ def test_a_malformed_redis_url_is_a_config_error(url: str, fix: str) -> None:
     with pytest.raises(ConfigError, match="MESHSERVE_ROUTER_REDIS_URL") as err:
         load_settings(RouterSettings, edge_workers="127.0.0.1:1", redis_url=url)
     assert fix in str(err.value)
+
+
+def test_without_a_models_file_one_model_is_served_by_every_worker() -> None:
+    from services.router.config import RouterSettings
+
+    specs, default, by_model = load_settings(RouterSettings, edge_workers="127.0.0.1:1").served_models()
+    assert (default, by_model, [s.id for s in specs]) == (RouterSettings().model_id, False, [default])
+    assert len(specs[0].versions) == 1
+
+
+def test_a_models_file_declares_models_versions_and_rollouts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from services.router.config import RouterSettings
+
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        "default: b\nmodels:\n"
+        "  - {id: a, versions: [{name: v1, build: x}, {name: v2}], rollout: {weights: {v1: 95, v2: 5}, shadow: v2}}\n"
+        "  - {id: b, context_length: 512}\n"
+    )
+    specs, default, by_model = load_settings(RouterSettings, models_file=str(path)).served_models()
+    assert (default, by_model) == ("b", True)
+    assert [v.build_id for v in specs[0].versions] == ["x", "v2"]
+    assert specs[1].context_length == 512 and len(specs[1].versions) == 1  # the prepared build
+    bad = {
+        "models: []\n": "models",
+        "models:\n  - {id: a, colour: red}\n": "colour",
+        "models:\n  - {id: a}\n  - {id: a}\n": "twice",
+        "default: z\nmodels:\n  - {id: a}\n": "default 'z'",
+        "models:\n  - {id: a, versions: [{name: v1}], rollout: {weights: {v9: 1}}}\n": "no version 'v9'",
+        "models: [\n": "cannot read",
+    }
+    for text, message in bad.items():
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=message):
+            load_settings(RouterSettings, models_file=str(path))
