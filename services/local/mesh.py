@@ -22,7 +22,11 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import yaml
+
+from services.common.model_paths import DEFAULT_MODEL_ID, ModelPaths, model_paths
 from services.controlplane.frontdoor import FrontDoor
 from services.local.processes import (
     LogSink,
@@ -82,6 +86,15 @@ class MeshConfig:
     router port. One gRPC hop fewer per request, and about half the CPU per request of the gateway and
     router processes together (docs/benchmarks/hops.md). ``False`` runs the router as its own process
     (``meshserve up --split-router``), as the compose and Kubernetes deployments do."""
+    edge_versions: dict[str, str] = field(default_factory=dict)
+    """More versions of the default model, name -> an onnxruntime-genai directory prepared offline (the
+    INT8 draft build, an INT4 export without bias correction, ...): one more edge worker each,
+    reporting the name as its build. With these or ``edge_models`` the router gets a models file
+    (:func:`models_file`, docs/router.md): all traffic stays on the prepared build until
+    `meshserve models rollout` moves some."""
+    edge_models: dict[str, str] = field(default_factory=dict)
+    """More model ids, id -> an onnxruntime-genai directory (its tokenizer.json and chat template are the
+    model's, e.g. the distilled student's ``edge-int4``): one more edge worker each."""
 
 
 class Mesh:
@@ -96,6 +109,7 @@ class Mesh:
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.front_door: FrontDoor | None = None
         self._router_ports: list[int] = []  # the embedded routers' internal ports (``embed_router``)
+        self._models_tmp: tempfile.TemporaryDirectory[str] | None = None  # the router's models file
 
     @property
     def gateway_address(self) -> str:
@@ -206,6 +220,12 @@ class Mesh:
                 "MESHSERVE_ROUTER_REDIS_URL": self.redis_url,
                 "MESHSERVE_ROUTER_EDGE_MAX_PROMPT_TOKENS": cfg.edge_max_prompt_tokens,
             }
+            if cfg.edge_versions or cfg.edge_models:
+                self._models_tmp = tempfile.TemporaryDirectory(prefix="meshserve-models-")
+                path = Path(self._models_tmp.name) / "models.yaml"
+                models_dir = cfg.extra_env.get("MESHSERVE_MODELS_DIR")
+                path.write_text(models_file(cfg, model_paths(models_dir=Path(models_dir) if models_dir else None)))
+                router_env["MESHSERVE_ROUTER_MODELS_FILE"] = str(path)
             gateway_env: dict[str, str | int] = {
                 "MESHSERVE_GATEWAY_API_KEYS": f"dev:{api_key_hash(cfg.api_key)}",
                 "MESHSERVE_GATEWAY_REDIS_URL": self.redis_url,  # key store (`meshserve keys`) + rate limits
@@ -253,6 +273,20 @@ class Mesh:
                     settings=tp_env(cfg.cloud_tp),
                 )
                 for i in range(cfg.cloud_workers)
+            ]
+            workers += [  # more versions of the default model, more model ids: one edge worker each
+                self._service(
+                    f"edge-{kind}-{name}",
+                    "services.edge_worker",
+                    MESHSERVE_EDGE_WORKER_WORKER_ID=f"edge-{kind}-{name}",
+                    MESHSERVE_EDGE_WORKER_THREADS=cfg.edge_threads,
+                    MESHSERVE_EDGE_WORKER_ROUTER_ADDRESS=routers,
+                    MESHSERVE_EDGE_WORKER_MODEL_DIR=directory,
+                    MESHSERVE_EDGE_WORKER_MODEL_ID=DEFAULT_MODEL_ID if kind == "version" else name,
+                    MESHSERVE_EDGE_WORKER_MODEL_VERSION=name if kind == "version" else EXTRA_MODEL_BUILD,
+                )
+                for kind, extra in (("version", cfg.edge_versions), ("model", cfg.edge_models))
+                for name, directory in extra.items()
             ]
             await asyncio.gather(*(w.spawn() for w in workers))
             await asyncio.gather(*(w.wait_started(timeout) for w in workers))
@@ -324,6 +358,9 @@ class Mesh:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        if self._models_tmp is not None:
+            self._models_tmp.cleanup()
+            self._models_tmp = None
 
     async def __aenter__(self) -> Mesh:
         return await self.start()
@@ -357,3 +394,22 @@ def tp_env(ranks: int) -> dict[str, str]:
 
 
 __all__ = ["DEV_API_KEY", "Mesh", "MeshConfig", "ServiceProcess", "wait_for_health"]
+
+
+EXTRA_MODEL_BUILD = "1"
+"""The build id an extra model id's worker reports (``MeshConfig.edge_models``)."""
+
+
+def models_file(cfg: MeshConfig, default: ModelPaths) -> str:
+    """The router's models file (YAML) for ``cfg``'s extra versions and models: the default model with
+    its prepared build as ``prepared`` (all the weight) and each extra version; each extra model id
+    with its directory as its tokenizer."""
+    versions = [{"name": "prepared", "build": default.version()}] + [{"name": n} for n in cfg.edge_versions]
+    models: list[dict[str, object]] = [
+        {"id": DEFAULT_MODEL_ID, "versions": versions, "rollout": {"weights": {"prepared": 100}}}
+    ]
+    models += [
+        {"id": model_id, "tokenizer_dir": directory, "versions": [{"name": EXTRA_MODEL_BUILD}]}
+        for model_id, directory in cfg.edge_models.items()
+    ]
+    return yaml.safe_dump({"default": DEFAULT_MODEL_ID, "models": models}, sort_keys=False)

@@ -95,6 +95,23 @@ def _parser() -> argparse.ArgumentParser:
     layout.add_argument(
         "--embed-router", action="store_true", help="run the router inside the gateway process (the default)"
     )
+    p.add_argument(
+        "--edge-version",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="one more edge worker serving another build of the default model from DIR (an onnxruntime-genai "
+        "directory prepared offline, e.g. <models>/smollm2-135m-instruct/draft-int8), as version NAME; "
+        "traffic stays on the prepared build until `meshserve models rollout` (repeatable)",
+    )
+    p.add_argument(
+        "--edge-model",
+        action="append",
+        default=[],
+        metavar="ID=DIR",
+        help="one more edge worker serving another model id from DIR (e.g. a distilled student's edge-int4) "
+        "(repeatable)",
+    )
     p.add_argument("--demo", metavar="PROMPT", help="once up, stream an answer to PROMPT through the gateway")
     p.add_argument("--exit-after-demo", action="store_true", help="stop the mesh after the demo answer")
     return p
@@ -153,6 +170,18 @@ def busy_port(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _pairs(items: Sequence[str], usage: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, directory = item.partition("=")
+        if not sep or not name or not directory:
+            raise SystemExit(f"meshserve up: {item!r} must be {usage}")
+        if not Path(directory, "genai_config.json").is_file():
+            raise SystemExit(f"meshserve up: {directory} holds no genai_config.json; give a prepared ONNX model dir")
+        out[name] = directory
+    return out
+
+
 async def run_up(args: argparse.Namespace) -> int:
     if (busy := busy_port(args)) is not None:
         print(busy, file=sys.stderr)
@@ -175,6 +204,8 @@ async def run_up(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         embed_router=not args.split_router,
+        edge_versions=_pairs(args.edge_version, "--edge-version NAME=DIR"),
+        edge_models=_pairs(args.edge_model, "--edge-model ID=DIR"),
     )
     sink = HoldingSink(stdout_sink())
     mesh = Mesh(config, sink=sink)
