@@ -18,6 +18,10 @@ WorkerList = Annotated[list[str], NoDecode]
 TenantMap = Annotated[dict[str, float], NoDecode]
 
 
+PREPARED = "prepared"
+"""A version's ``build`` that means the model prepared in models_dir (its manifest version)."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -29,7 +33,8 @@ class VersionSpec(_Strict):
     """What rollouts call it (``--weights v1=95,v2=5``)."""
     build: str = ""
     """The ``model_version`` its workers report (their MESHSERVE_*_WORKER_MODEL_VERSION, or the prepared
-    model's manifest version); empty: the name."""
+    model's manifest version); empty: the name; ``prepared``: the manifest version of the model prepared
+    in models_dir (what workers started without MODEL_VERSION report)."""
 
     @property
     def build_id(self) -> str:
@@ -248,7 +253,13 @@ class RouterSettings(StreamingSettings):
                 update={
                     "context_length": spec.context_length or self.context_length,
                     "tokenizer_dir": spec.tokenizer_dir or model_paths(spec.id, self.models_dir).hf_dir,
-                    "versions": spec.versions or [VersionSpec(name=model_paths(spec.id, self.models_dir).version())],
+                    "versions": [
+                        v.model_copy(update={"build": model_paths(spec.id, self.models_dir).version()})
+                        if v.build == PREPARED
+                        else v
+                        for v in spec.versions
+                    ]
+                    or [VersionSpec(name=model_paths(spec.id, self.models_dir).version())],
                 }
             )
             for spec in self._models.models

@@ -87,12 +87,15 @@ def test_a_models_file_declares_models_versions_and_rollouts(tmp_path) -> None: 
     path = tmp_path / "models.yaml"
     path.write_text(
         "default: b\nmodels:\n"
-        "  - {id: a, versions: [{name: v1, build: x}, {name: v2}], rollout: {weights: {v1: 95, v2: 5}, shadow: v2}}\n"
+        "  - {id: a, versions: [{name: v1, build: x}, {name: v2}, {name: v3, build: prepared}],"
+        " rollout: {weights: {v1: 95, v2: 5}, shadow: v2}}\n"
         "  - {id: b, context_length: 512}\n"
     )
-    specs, default, by_model = load_settings(RouterSettings, models_file=str(path)).served_models()
+    specs, default, by_model = load_settings(
+        RouterSettings, models_file=str(path), models_dir=str(tmp_path)
+    ).served_models()
     assert (default, by_model) == ("b", True)
-    assert [v.build_id for v in specs[0].versions] == ["x", "v2"]
+    assert [v.build_id for v in specs[0].versions] == ["x", "v2", "unprepared"]  # no manifest in models_dir
     assert specs[1].context_length == 512 and len(specs[1].versions) == 1  # the prepared build
     bad = {
         "models: []\n": "models",
