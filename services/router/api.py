@@ -440,10 +440,14 @@ class _VersionRun:
             status = "CANCELLED"
         else:
             status = "INTERNAL"
-        model, name = self.model.id, self.version.name
-        VERSION_REQUESTS.labels(model, name, self.role, status).inc()
+        model, name, children = self.model.id, self.version.name, self.version.metrics
+        if (requests := children.get((self.role, status))) is None:
+            requests = children[self.role, status] = VERSION_REQUESTS.labels(model, name, self.role, status)
+        requests.inc()
         if self.ttft is not None:
-            VERSION_TTFT.labels(model, name, self.role).observe(self.ttft)
+            if (ttft := children.get((self.role,))) is None:
+                ttft = children[self.role,] = VERSION_TTFT.labels(model, name, self.role)
+            ttft.observe(self.ttft)
         if self.role == "primary" and status != "CANCELLED":
             self.model.rollout.record(name, failed=status in SERVER_FAULTS, ttft_s=self.ttft)
 

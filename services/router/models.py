@@ -10,7 +10,8 @@ its :class:`ServedModel`; the model's :class:`~services.router.rollout.Rollout` 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -32,6 +33,8 @@ class ServedVersion:
     name: str
     build: str
     router: Router
+    metrics: dict[tuple[str, ...], Any] = field(default_factory=dict)
+    """Its labelled metric children, looked up once (``labels()`` costs more than the rest of the count)."""
 
 
 @dataclass

@@ -191,6 +191,8 @@ class Rollout:
     def choose(self, tenant: str = "") -> str:
         """The version for a new request or chat (a chat keeps it for all its turns)."""
         policy = self.policy
+        if len(policy.weights) == 1:  # one version (every model without a canary): nothing to draw
+            return policy.primary
         point = tenant_point(self.model, tenant) if policy.sticky == "tenant" else self._rng.random()
         return pick(policy, point)
 
