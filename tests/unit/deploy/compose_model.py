@@ -16,6 +16,7 @@ import yaml
 DEPLOY = Path(__file__).resolve().parents[3] / "deploy"
 COMPOSE = DEPLOY / "compose.yaml"
 COMPOSE_GPU = DEPLOY / "compose.gpu.yaml"
+COMPOSE_VERSIONS = DEPLOY / "compose.versions.yaml"
 _VAR = re.compile(r"\$\{(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?-)(?P<default>[^}]*))?\}")
 
 

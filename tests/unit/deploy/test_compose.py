@@ -33,8 +33,12 @@ def _errors(doc: dict[str, Any]) -> list[str]:
 
 @pytest.mark.parametrize(
     "files",
-    [(compose_model.COMPOSE,), (compose_model.COMPOSE, compose_model.COMPOSE_GPU)],
-    ids=["cpu", "cpu+gpu-override"],
+    [
+        (compose_model.COMPOSE,),
+        (compose_model.COMPOSE, compose_model.COMPOSE_GPU),
+        (compose_model.COMPOSE, compose_model.COMPOSE_VERSIONS),
+    ],
+    ids=["cpu", "cpu+gpu-override", "cpu+versions-override"],
 )
 def test_compose_files_match_the_compose_spec(files: tuple[Any, ...]) -> None:
     assert _errors(compose_model.load(*files, env={"MESHSERVE_TP_SIZE": "3"})) == []
@@ -105,8 +109,30 @@ def test_models_volume_is_prepared_before_any_model_reader_starts() -> None:
 
 
 def test_every_setting_is_a_field_of_its_service() -> None:
-    doc = compose_model.load(compose_model.COMPOSE, compose_model.COMPOSE_GPU)
-    for name, service in doc["services"].items():
-        if "build" in service:
-            for key in compose_model.service_env(service):
-                settings_check.check(key, name)
+    for override in (compose_model.COMPOSE_GPU, compose_model.COMPOSE_VERSIONS):
+        doc = compose_model.load(compose_model.COMPOSE, override)
+        for name, service in doc["services"].items():
+            if "build" in service:
+                for key in compose_model.service_env(service):
+                    settings_check.check(key, name)
+
+
+def test_the_versions_override_adds_a_pool_the_models_file_names(tmp_path: Any) -> None:
+    from services.common.settings import load_settings
+    from services.router.config import RouterSettings
+
+    doc = compose_model.load(compose_model.COMPOSE, compose_model.COMPOSE_VERSIONS)
+    services = doc["services"]
+    worker = compose_model.service_env(services["edge-int8"])
+    mounted = services["gateway"]["configs"][0]
+    assert compose_model.service_env(services["gateway"])["MESHSERVE_ROUTER_MODELS_FILE"] == mounted["target"]
+    models_file = compose_model.DEPLOY / doc["configs"][mounted["source"]]["file"]
+    assert services["edge-int8"]["depends_on"]["models"] == {"condition": "service_completed_successfully"}
+    specs, default, by_model = load_settings(
+        RouterSettings, models_file=str(models_file), models_dir=str(tmp_path)
+    ).served_models()
+    builds = {v.name: v.build_id for v in specs[0].versions}
+    assert by_model and default == specs[0].id == "smollm2-135m-instruct"
+    assert builds["int8"] == worker["MESHSERVE_EDGE_WORKER_MODEL_VERSION"]
+    assert worker["MESHSERVE_EDGE_WORKER_MODEL_DIR"].endswith("/smollm2-135m-instruct/draft-int8")
+    assert specs[0].rollout.weights == {"prepared": 100, "int8": 0}
