@@ -24,7 +24,7 @@ from tests.unit.deploy import commands, exported_metrics, kustomize, settings_ch
 
 K8S = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.33.0"
-OVERLAYS = ["cpu", "gpu"]
+OVERLAYS = ["cpu", "gpu", "versions"]
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -359,3 +359,27 @@ def test_kubernetes_sets_what_compose_and_up_set(built: list[dict[str, Any]]) ->
             field = re.sub(r"^MESHSERVE_(GATEWAY|ROUTER|CACHE|EDGE_WORKER|GPU_WORKER)_", "", key)
             if field not in PER_ENVIRONMENT and key != "MESHSERVE_MODELS_DIR":
                 assert k8s_env[key] == value, f"{workload}: {key}"
+
+
+def test_the_versions_overlay_adds_a_pool_its_models_file_names(tmp_path: Path) -> None:
+    from services.common.settings import load_settings
+    from services.router.config import RouterSettings
+
+    built = kustomize.build(K8S / "overlays" / "versions")
+    gateway = _find(built, "Deployment", "gateway")["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in gateway["containers"][0]["env"]}
+    mount = next(m for m in gateway["containers"][0]["volumeMounts"] if m["name"] == "models-file")
+    volume = next(v for v in gateway["volumes"] if v["name"] == "models-file")
+    config = _find(built, "ConfigMap", volume["configMap"]["name"])
+    (key,) = config["data"]
+    assert env["MESHSERVE_ROUTER_MODELS_FILE"] == f"{mount['mountPath']}/{key}"
+    path = tmp_path / key
+    path.write_text(config["data"][key])
+    specs, _, by_model = load_settings(RouterSettings, models_file=str(path), models_dir=str(tmp_path)).served_models()
+    worker = _find(built, "Deployment", "edge-int8")["spec"]["template"]["spec"]["containers"][0]
+    worker_env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert (
+        by_model
+        and {v.name: v.build_id for v in specs[0].versions}["int8"] == worker_env["MESHSERVE_EDGE_WORKER_MODEL_VERSION"]
+    )
+    assert specs[0].rollout.weights == {"prepared": 100, "int8": 0}
