@@ -142,10 +142,12 @@ class RouterAPI:
         return self.models.get(model)
 
     async def list_models(self, *, deadline: float | None = None) -> list[ModelInfo]:
-        """The served models, each with the tiers that have replicas now (cloud first)."""
+        """The served models, the default one first (the HTTP adapter names it in answers to requests that
+        name none), each with the tiers that have replicas now (cloud first)."""
+        models = sorted(self.models.models.values(), key=lambda m: m.id != self.models.default)
         return [
             ModelInfo(m.id, tuple(sorted(m.tiers(), key=lambda t: t.value, reverse=True)), m.context_length)
-            for m in self.models.models.values()
+            for m in models
         ]
 
     async def generate(
