@@ -130,13 +130,18 @@ class Gate:
         *,
         stream_ttl_s: float | None = None,
         count_request: bool = True,
+        embed_tokens: int | None = None,
     ) -> Ticket:
         """Check the request against ``policy`` and reserve its budget; raises on a limit.
 
         ``max_tokens`` 0 (the model's default) reserves the tenant's ``max_tokens`` cap.
+        ``embed_tokens``: an Embed request, which generates nothing: its budget is its texts' estimate
+        plus this many token ids (its token id inputs), and ``max_tokens`` is ignored.
         """
         prompt_tokens = estimate_prompt_tokens(prompt_texts)
         budget = max_tokens or policy.max_tokens
+        if embed_tokens is not None:
+            prompt_tokens, budget = prompt_tokens + embed_tokens, 0
         if count_request:
             check_request(policy, prompt_tokens, budget)
         ticket = Ticket(policy, prompt_tokens if count_request else 0)

@@ -3,7 +3,7 @@
 =============== ==========================================================
 scope           grants
 =============== ==========================================================
-``inference``   Generate, Complete, Chat and ListModels (the default)
+``inference``   Generate, Complete, Chat, Embed and ListModels (the default)
 ``models:read`` ListModels only (dashboards, health checkers)
 ``*``           everything, including scopes added later
 =============== ==========================================================
@@ -31,6 +31,7 @@ _GRANTS: dict[str, frozenset[str]] = {
     "Generate": frozenset({INFERENCE, ALL}),
     "Complete": frozenset({INFERENCE, ALL}),
     "Chat": frozenset({INFERENCE, ALL}),
+    "Embed": frozenset({INFERENCE, ALL}),
     "ListModels": frozenset({INFERENCE, MODELS_READ, ALL}),
 }
 

@@ -34,7 +34,7 @@ from services.gateway.admission import Gate, Ticket
 from services.gateway.config import GatewaySettings
 from services.gateway.identity import Identity
 from services.gateway.observe import observe
-from services.gateway.validation import Limits, validate_chat_request, validate_generate
+from services.gateway.validation import Limits, validate_chat_request, validate_embed, validate_generate
 from services.router import convert
 from services.router.types import (
     Chunk,
@@ -105,6 +105,8 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             max_stop_chars=settings.max_stop_chars,
             max_chat_messages=settings.max_chat_messages,
             max_model_chars=settings.max_model_chars,
+            max_embed_inputs=settings.max_embed_inputs,
+            max_embed_chars=settings.max_embed_chars,
         )
 
     def _router(self) -> InferenceRouter:
@@ -263,6 +265,27 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             await self._admit(context, "ListModels")
             deadline = time.monotonic() + self._timeout(context, self._settings.default_deadline_s)
             return convert.models_pb(await self._router().list_models(deadline=deadline))
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        """Embeddings of the request's inputs: validated, admitted (the rate limit counts the inputs'
+        tokens: estimated from the texts, one per token id; settled with the real count), then one
+        call of the router."""
+        with observe("Embed", self._settings) as observed:
+            request_id, identity = await self._admit(context, "Embed")
+            validate_embed(request, self._limits)
+            deadline = time.monotonic() + self._timeout(context, self._settings.default_deadline_s)
+            policy = self._gate.policy(identity)
+            texts = [item.text for item in request.inputs if item.text]
+            ids = sum(len(item.token_ids) for item in request.inputs)
+            ticket = await self._gate.admit(identity, policy, texts, 0, embed_tokens=ids)
+            try:
+                query = convert.embed_query(request, tenant=identity.tenant, request_id=request_id)
+                result = await self._router().embed(query, deadline=deadline)
+                ticket.used = result.prompt_tokens
+                observed.embedded(result.prompt_tokens, result.route.worker_id)
+            finally:
+                self._gate.settle_soon(ticket)
+            return convert.embeddings_pb(result, request_id)
 
     async def Chat(
         self, request_iterator: AsyncIterator[pb.ChatRequest], context: grpc.aio.ServicerContext

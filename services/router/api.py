@@ -11,6 +11,7 @@ It records the router's request metrics (duration by status, tokens by tier) for
 * :meth:`RouterAPI.chat`: a :class:`ChatSession`; turns in, :class:`TurnEvent`\\ s out; the
   conversation and the worker stream outlive each turn.
 * :meth:`RouterAPI.list_models`.
+* :meth:`RouterAPI.embed`: inputs -> :class:`Embeddings` (one call to a cloud replica).
 
 Deadlines are absolute ``time.monotonic()`` instants (None: none); the time left when a turn starts
 bounds its worker call. Errors are domain errors (:class:`~services.common.errors.MeshError`) whose
@@ -33,11 +34,14 @@ from services.common.errors import InvalidArgument, MeshError, NotFound, Resourc
 from services.common.metrics import REQUEST_DURATION, TOKENS
 from services.common.sampling import SamplingParams
 from services.router.core import SERVICE, Router, Session
+from services.router.embeddings import MAX_EMBED_TOKENS, EmbedRoute, check_tokens
 from services.router.policy import TierName
 from services.router.types import (
     ChatTurn,
     Chunk,
     Done,
+    Embeddings,
+    EmbedQuery,
     Event,
     Generation,
     ModelInfo,
@@ -98,9 +102,17 @@ class RouterAPI:
     overlaps_admission = True
 
     def __init__(
-        self, router: Router, *, context_length: int, default_max_tokens: int, max_queued_chat_turns: int = 8
+        self,
+        router: Router,
+        *,
+        context_length: int,
+        default_max_tokens: int,
+        max_queued_chat_turns: int = 8,
+        max_embed_tokens: int = MAX_EMBED_TOKENS,
     ) -> None:
         self.router = router
+        self._embed_route = EmbedRoute(router.registry, router.internal_token)
+        self._max_embed_tokens = max_embed_tokens
         self.context_length = context_length
         self._default_max_tokens = default_max_tokens
         self._encoded = EncodeCache(ENCODED_PROMPTS)
@@ -159,6 +171,35 @@ class RouterAPI:
                     done = event
         assert done is not None  # a turn always ends with its Done
         return Chunk(token_ids, "".join(texts)), done
+
+    async def embed(self, query: EmbedQuery, *, deadline: float | None = None) -> Embeddings:
+        """Embed ``query``'s inputs (texts tokenized here, no chat template) on a cloud replica
+        (services/router/embeddings.py); token bounds are checked before any worker is called."""
+        started = time.perf_counter()
+        status = "INTERNAL"
+        try:
+            self.check_model(query.model)
+            ids = [
+                await self._encode(partial(self.router.tokenizer.encode, x), len(x)) if isinstance(x, str) else list(x)
+                for x in query.inputs
+            ]
+            check_tokens(
+                ids,
+                context_length=self.context_length,
+                vocab_size=self.router.tokenizer.vocab_size,
+                max_total=self._max_embed_tokens,
+            )
+            result = await self._embed_route.embed(
+                ids, dimensions=query.dimensions, request_id=query.request_id, time_left=_time_left(deadline)
+            )
+            TOKENS.labels(SERVICE, TierName.CLOUD.value, "input").inc(result.prompt_tokens)
+            status = "OK"
+            return result
+        except MeshError as exc:
+            status = exc.code
+            raise
+        finally:
+            REQUEST_DURATION.labels(SERVICE, TierName.CLOUD.value, status).observe(time.perf_counter() - started)
 
     def chat(self, *, tenant: str = "", request_id: str = "", deadline: float | None = None) -> ChatSession:
         """A chat session: send it turns, read its events (see :class:`ChatSession`)."""

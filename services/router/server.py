@@ -144,6 +144,7 @@ async def start_router_api(
         context_length=settings.context_length,
         default_max_tokens=settings.default_max_tokens,
         max_queued_chat_turns=settings.max_queued_chat_turns,
+        max_embed_tokens=settings.max_embed_tokens,
     )
     servicer = RouterServicer(api, flush=settings.flush_window())
     registration = WorkerRegistryServicer(registry) if settings.accept_registrations else None

@@ -31,6 +31,7 @@ from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.gateway.http import openai_api as oa
+from services.gateway.http.embeddings import EmbeddingRoutes
 from services.gateway.http.metrics import metrics_middleware
 
 log = structlog.get_logger(__name__)
@@ -43,7 +44,10 @@ MAX_CREDENTIAL_CHARS = 8192
 CHAT_END_WAIT_S = 1.0
 """After a chat turn's final frame, how long the adapter waits for the gateway to end the call itself."""
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
-ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /v1/models/{id}"
+ENDPOINTS = (
+    "POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/responses,"
+    " GET|DELETE /v1/responses/{id}, GET /v1/models and GET /v1/models/{id}"
+)
 
 
 def _grpc_error(exc: grpc.aio.AioRpcError) -> MeshError:
@@ -358,4 +362,5 @@ def build_app(gateway: inference_pb2_grpc.InferenceStub, max_body_bytes: int = 4
     app.router.add_get("/v1/models/{model:.+}", handlers.model)  # ids such as "org/name" hold a slash
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
+    EmbeddingRoutes(handlers).add_to(app)
     return app
