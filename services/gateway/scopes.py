@@ -51,6 +51,11 @@ def check_known(scopes: Iterable[str]) -> tuple[str, ...]:
     return out
 
 
+def grants(method: str, scopes: Iterable[str]) -> bool:
+    """Whether ``scopes`` grant ``method``."""
+    return not _GRANTS[method].isdisjoint(scopes)
+
+
 def require(method: str, scopes: Iterable[str], key_id: str) -> None:
     """Raise :class:`PermissionDenied` unless ``scopes`` grant ``method``."""
     granted_by = _GRANTS[method]

@@ -46,6 +46,7 @@ from services.router.types import (
     merge,
     merge_turn,
 )
+from services.store.keys import scope_tag
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _END = object()
@@ -120,7 +121,8 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         """Assign the request id, authenticate, check the method's scope, bind id + tenant + key id
         for logs and metadata.
 
-        ``x-request-id`` goes back in the trailing metadata (with the status, on success and on
+        ``x-request-id`` (and ``x-meshserve-tenant-scope`` for a credential with the inference scope) goes
+        back in the trailing metadata (with the status, on success and on
         every error after this point) and in every response message. Response headers carrying it
         are sent only with ``send_headers`` (Chat, whose clients wait for them before writing):
         a separate headers operation costs a unary call or a stream a sizeable share of the
@@ -141,9 +143,14 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         structlog.contextvars.bind_contextvars(tenant=identity.tenant, key_id=identity.key_id)
         tracing.annotate({"meshserve.request_id": request_id, "meshserve.tenant": identity.tenant})
         scopes.require(method, identity.scopes, identity.key_id)
-        context.set_trailing_metadata(((md.REQUEST_ID, request_id),))
+        # The tenant's digest goes back to a credential that may run inference: the HTTP adapter keeps
+        # its stored /v1/responses under it (docs/gateway.md, "Responses").
+        tenant = (
+            ((md.TENANT_SCOPE, scope_tag(identity.tenant, False)),) if scopes.grants("Chat", identity.scopes) else ()
+        )
+        context.set_trailing_metadata(((md.REQUEST_ID, request_id), *tenant))
         if send_headers:
-            await context.send_initial_metadata(((md.REQUEST_ID, request_id),))
+            await context.send_initial_metadata(((md.REQUEST_ID, request_id), *tenant))
         return request_id, identity
 
     async def _reservation(
