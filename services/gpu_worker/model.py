@@ -31,6 +31,8 @@ Public API (used by the scheduler, and by tensor parallelism / speculative decod
   the new tokens' K/V into the cache, then attends over positions ``0 .. start+i`` for token i.
   ``all_logits=False`` returns ``[1, vocab]`` (the last token: decode and prefill), ``True``
   returns ``[n, vocab]`` (every position: a speculative *verify* run of k draft tokens).
+  ``model.pooled(inputs)`` -> mean-pooled final hidden states (after the final norm) of token id
+  lists, one padded batch forward without KV cache (embeddings, ``embed.py``; ``world == 1`` only).
   Rolling back rejected draft tokens needs no model call: the caller keeps only the accepted
   length; slots past it are overwritten by the next step (see ``scheduler.py``).
 """
