@@ -34,6 +34,7 @@ from services.gateway.admission import Gate, Ticket
 from services.gateway.config import GatewaySettings
 from services.gateway.identity import Identity
 from services.gateway.observe import observe
+from services.gateway.policy import check_embed_inputs
 from services.gateway.validation import Limits, validate_chat_request, validate_embed, validate_generate
 from services.router import convert
 from services.router.types import (
@@ -282,6 +283,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             validate_embed(request, self._limits)
             deadline = time.monotonic() + self._timeout(context, self._settings.default_deadline_s)
             policy = self._gate.policy(identity)
+            check_embed_inputs(policy, [item.text or len(item.token_ids) for item in request.inputs])
             texts = [item.text for item in request.inputs if item.text]
             ids = sum(len(item.token_ids) for item in request.inputs)
             ticket = await self._gate.admit(identity, policy, texts, 0, embed_tokens=ids)

@@ -66,7 +66,7 @@ async def test_grpc_embed_bounds_are_invalid_argument(gateway) -> None:  # type:
         (embed_request(), "inputs is empty"),
         (pb.EmbedRequest(inputs=[pb.EmbedInput()]), "inputs[0] must set exactly one"),
         (embed_request("x", [1, 2**31]), "outside the model's vocabulary"),
-        (embed_request("word " * 6000), "above the model's context length"),
+        (embed_request("word " * 6000), "inputs[0] is about"),  # the tenant's max_prompt_tokens (8192), per input
         (embed_request("x", dimensions=9999), "dimensions is 9999"),
     ]
     for request, message in cases:
