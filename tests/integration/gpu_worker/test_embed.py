@@ -14,7 +14,7 @@ from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.model import LlamaModel
 
 pytestmark = pytest.mark.integration
-INPUTS = [[504, 3092, 282, 253, 1789], [19556], list(range(100, 160)), [7, 8, 9, 10, 11, 12, 13]]
+INPUTS = [[504, 3092, 282, 253, 1789], [19556], list(range(100, 124))]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_batched_equals_one_by_one_and_vectors_are_unit(model: LlamaModel) -> No
     torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(batched.norm(dim=-1), torch.ones(len(INPUTS)))
     # Small padded-token budgets cut the request into several forwards: the same vectors.
-    split = torch.tensor(embed.embed(model, INPUTS, batch_tokens=64))
+    split = torch.tensor(embed.embed(model, INPUTS, batch_tokens=24))
     torch.testing.assert_close(split, batched, atol=1e-5, rtol=1e-5)
 
 
@@ -50,14 +50,13 @@ def test_dimensions_truncate_then_renormalise(model: LlamaModel) -> None:
     torch.testing.assert_close(short[0], torch.nn.functional.normalize(full[0, :64], dim=0), atol=1e-5, rtol=1e-5)
 
 
-def test_bad_inputs_are_refused_naming_the_input(model: LlamaModel) -> None:
-    cfg = model.config
-    limits = dict(vocab=cfg.vocab, context=cfg.max_positions, hidden=cfg.hidden)
+def test_bad_inputs_are_refused_naming_the_input() -> None:
+    limits = dict(vocab=100, context=8, hidden=16)
     with pytest.raises(InvalidArgument, match=r"inputs\[1\] has no tokens"):
         embed.check_inputs([[1], []], dimensions=0, **limits)
     with pytest.raises(InvalidArgument, match=r"inputs\[0\] holds token id"):
-        embed.check_inputs([[cfg.vocab]], dimensions=0, **limits)
+        embed.check_inputs([[100]], dimensions=0, **limits)
     with pytest.raises(InvalidArgument, match=r"above the model's context"):
-        embed.check_inputs([[1] * (cfg.max_positions + 1)], dimensions=0, **limits)
+        embed.check_inputs([[1] * 9], dimensions=0, **limits)
     with pytest.raises(InvalidArgument, match=r"dimensions is 9999"):
         embed.check_inputs([[1]], dimensions=9999, **limits)
