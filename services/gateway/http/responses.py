@@ -25,6 +25,7 @@ does not have (``background``, ``conversation``, ``prompt``, ``include``, ``top_
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -45,6 +46,8 @@ from services.store.responses import ResponseStore
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_METADATA_KEYS = 16
+CHAT_END_WAIT_S = 1.0
+"""After the turn's final frame, how long to wait for the gateway to end the Chat call itself."""
 _ID = re.compile(r"^resp_[0-9a-f]{1,64}$")
 _NEUTRAL: tuple[tuple[str, tuple[object, ...], str], ...] = (
     # (field, values that change nothing, why it is refused otherwise)
@@ -408,12 +411,20 @@ Frame = tuple[str, pb.Final | None]
 
 
 async def _frames(call: Any) -> AsyncIterator[Frame]:
-    """(text, final) of the turn's frames, up to its final frame."""
+    """(text, final) of the turn's frames; after the final frame, lets the half-closed call end before
+    returning (as the chat completions route does: cancelling it at once made the gateway record some
+    complete answers as CANCELLED)."""
     async for frame in call:
         final = frame.final if frame.HasField("final") else None
         yield frame.text, final
         if final is not None:
-            return
+            break
+    try:
+        async with asyncio.timeout(CHAT_END_WAIT_S):
+            async for _ in call:
+                pass
+    except (TimeoutError, grpc.aio.AioRpcError):
+        pass  # the answer is complete: the handler's finally cancels whatever is left
 
 
 async def _prepend(first: Frame | None, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
