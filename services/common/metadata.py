@@ -11,6 +11,10 @@ RETRY_AFTER_MS = "retry-after-ms"
 API_KEY = "x-api-key"
 AUTHORIZATION = "authorization"
 KEY_ID = "x-meshserve-key-id"
+TENANT_SCOPE = "x-meshserve-tenant-scope"
+"""Sent back by the gateway (response headers of Chat, trailers of every call) to a credential with
+the inference scope: the digest of its tenant (services.store.keys.scope_tag), never the tenant in
+clear. The HTTP adapter keys a tenant's stored /v1/responses by it."""
 
 DEFAULT_RETRY_AFTER_MS = 1000
 """The retry delay assumed when a RESOURCE_EXHAUSTED status carries none (or an unreadable one)."""

@@ -18,9 +18,14 @@ import structlog
 from prometheus_client import Counter
 
 from services.common import tracing
-from services.common.errors import ResourceExhausted
+from services.common.errors import InvalidArgument, ResourceExhausted
 from services.gateway.identity import Authenticator, Identity
-from services.gateway.policy import PolicyBook, TenantPolicy, check_request, estimate_prompt_tokens
+from services.gateway.policy import (
+    PolicyBook,
+    TenantPolicy,
+    check_request,
+    estimate_prompt_tokens,
+)
 from services.gateway.ratelimit import RateLimiter, Reservation
 
 log = structlog.get_logger(__name__)
@@ -130,14 +135,24 @@ class Gate:
         *,
         stream_ttl_s: float | None = None,
         count_request: bool = True,
+        embed_tokens: int | None = None,
     ) -> Ticket:
         """Check the request against ``policy`` and reserve its budget; raises on a limit.
 
         ``max_tokens`` 0 (the model's default) reserves the tenant's ``max_tokens`` cap.
+        ``embed_tokens``: an Embed request, which generates nothing: its budget is its texts' estimate
+        plus this many token ids (its token id inputs), and ``max_tokens`` is ignored.
         """
         prompt_tokens = estimate_prompt_tokens(prompt_texts)
         budget = max_tokens or policy.max_tokens
-        if count_request:
+        if embed_tokens is not None:  # the per-input limit: check_embed_inputs
+            prompt_tokens, budget = prompt_tokens + embed_tokens, 0
+            if count_request and policy.tokens_per_minute and prompt_tokens > policy.tokens_per_minute:
+                raise InvalidArgument(
+                    f"the inputs are about {prompt_tokens} tokens, more than your {policy.tokens_per_minute}"
+                    " tokens per minute; split the request"
+                )
+        elif count_request:
             check_request(policy, prompt_tokens, budget)
         ticket = Ticket(policy, prompt_tokens if count_request else 0)
         if self._limiter is not None:

@@ -66,6 +66,11 @@ class GatewaySettings(StreamingSettings):
     """Most messages in one chat turn."""
     max_model_chars: int = Field(default=128, ge=1)
     """Longest accepted model id."""
+    max_embed_inputs: int = Field(default=2048, ge=1)
+    """Most inputs of one Embed request (OpenAI's limit); each text at most `max_prompt_chars` characters."""
+    max_embed_chars: int = Field(default=1_000_000, ge=1)
+    """Most characters of text, and most token ids, of one Embed request, all inputs together (the router
+    bounds the tokens: `MESHSERVE_ROUTER_MAX_EMBED_TOKENS`)."""
 
     redis_url: str = ""
     """Redis of the API-key store and the rate limiter ("" = neither: static keys/JWT only, no limits):

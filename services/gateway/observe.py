@@ -84,6 +84,12 @@ class Observed:
             TOKENS.labels(SERVICE, self.tier, "output").inc(final.usage.completion_tokens)
             self._flush_latencies()  # a turn's tier is known now: a long chat holds one turn's gaps at most
 
+    def embedded(self, prompt_tokens: int, worker: str) -> None:
+        """An Embed call's result: its tokens (input only), served by the cloud tier."""
+        self.tier, self.worker, self.reason = "cloud", worker, "embeddings"
+        self.prompt_tokens += prompt_tokens
+        TOKENS.labels(SERVICE, self.tier, "input").inc(prompt_tokens)
+
     def _flush_latencies(self) -> None:
         if self.ttfts:
             ttft = TTFT.labels(SERVICE, self.tier)

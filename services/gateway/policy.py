@@ -100,6 +100,20 @@ def check_request(policy: TenantPolicy, prompt_tokens: int, max_tokens: int) -> 
         )
 
 
+def check_embed_inputs(policy: TenantPolicy, inputs: Iterable[str | int]) -> None:
+    """Raise :class:`InvalidArgument` when one input of an Embed request (a text, or a count of token
+    ids) is above the tenant's ``max_prompt_tokens`` (each input is one prompt; the total is bounded by
+    the tokens per minute)."""
+    if not policy.max_prompt_tokens:
+        return
+    for i, item in enumerate(inputs):
+        tokens = estimate_prompt_tokens([item]) if isinstance(item, str) else item
+        if tokens > policy.max_prompt_tokens:
+            raise InvalidArgument(
+                f"inputs[{i}] is about {tokens} tokens, above your limit of {policy.max_prompt_tokens}; shorten it"
+            )
+
+
 def allowed_priority(policy: TenantPolicy, asked: int) -> int:
     """The routing priority a request runs with: what it asked, capped at its tenant's class."""
     return min(asked, policy.priority)

@@ -29,6 +29,8 @@ from services.router.types import (
     ChatTurn,
     Chunk,
     Done,
+    Embeddings,
+    EmbedQuery,
     Event,
     Generation,
     ModelInfo,
@@ -99,6 +101,16 @@ class RemoteRouter:
         finally:
             call.cancel()
         return convert.models(reply)
+
+    async def embed(self, query: EmbedQuery, *, deadline: float | None = None) -> Embeddings:
+        call = self._stub.Embed(convert.embed_query_pb(query), metadata=self._metadata(), timeout=_timeout(deadline))
+        try:
+            reply: pb.EmbedResponse = await call
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, Upstream.ROUTER) from None
+        finally:
+            call.cancel()
+        return convert.embeddings(reply)
 
     def chat(self, *, tenant: str = "", request_id: str = "", deadline: float | None = None) -> RemoteChat:
         """A Chat call (tenant and request id travel in the metadata, from the current context)."""

@@ -3,7 +3,7 @@
 =============== ==========================================================
 scope           grants
 =============== ==========================================================
-``inference``   Generate, Complete, Chat and ListModels (the default)
+``inference``   Generate, Complete, Chat, Embed and ListModels (the default)
 ``models:read`` ListModels only (dashboards, health checkers)
 ``*``           everything, including scopes added later
 =============== ==========================================================
@@ -35,6 +35,7 @@ _GRANTS: dict[str, frozenset[str]] = {
     "Generate": frozenset({INFERENCE, ALL}),
     "Complete": frozenset({INFERENCE, ALL}),
     "Chat": frozenset({INFERENCE, ALL}),
+    "Embed": frozenset({INFERENCE, ALL}),
     "ListModels": frozenset({INFERENCE, MODELS_READ, ALL}),
 }
 
@@ -52,6 +53,11 @@ def check_known(scopes: Iterable[str]) -> tuple[str, ...]:
         if scope not in KNOWN:
             raise ValueError(f"unknown scope {scope!r}; use {', '.join(KNOWN)}")
     return out
+
+
+def grants(method: str, scopes: Iterable[str]) -> bool:
+    """Whether ``scopes`` grant ``method``."""
+    return not _GRANTS[method].isdisjoint(scopes)
 
 
 def require(method: str, scopes: Iterable[str], key_id: str) -> None:

@@ -34,7 +34,8 @@ from services.gateway.admission import Gate, Ticket
 from services.gateway.config import GatewaySettings
 from services.gateway.identity import Identity
 from services.gateway.observe import observe
-from services.gateway.validation import Limits, validate_chat_request, validate_generate
+from services.gateway.policy import check_embed_inputs
+from services.gateway.validation import Limits, validate_chat_request, validate_embed, validate_generate
 from services.router import convert
 from services.router.types import (
     Chunk,
@@ -46,6 +47,7 @@ from services.router.types import (
     merge,
     merge_turn,
 )
+from services.store.keys import scope_tag
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 _END = object()
@@ -105,6 +107,8 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             max_stop_chars=settings.max_stop_chars,
             max_chat_messages=settings.max_chat_messages,
             max_model_chars=settings.max_model_chars,
+            max_embed_inputs=settings.max_embed_inputs,
+            max_embed_chars=settings.max_embed_chars,
         )
 
     def _router(self) -> InferenceRouter:
@@ -118,7 +122,8 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         """Assign the request id, authenticate, check the method's scope, bind id + tenant + key id
         for logs and metadata.
 
-        ``x-request-id`` goes back in the trailing metadata (with the status, on success and on
+        ``x-request-id`` (and ``x-meshserve-tenant-scope`` for a credential with the inference scope) goes
+        back in the trailing metadata (with the status, on success and on
         every error after this point) and in every response message. Response headers carrying it
         are sent only with ``send_headers`` (Chat, whose clients wait for them before writing):
         a separate headers operation costs a unary call or a stream a sizeable share of the
@@ -139,9 +144,14 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         structlog.contextvars.bind_contextvars(tenant=identity.tenant, key_id=identity.key_id)
         tracing.annotate({"meshserve.request_id": request_id, "meshserve.tenant": identity.tenant})
         scopes.require(method, identity.scopes, identity.key_id)
-        context.set_trailing_metadata(((md.REQUEST_ID, request_id),))
+        # The tenant's digest goes back to a credential that may run inference: the HTTP adapter keeps
+        # its stored /v1/responses under it (docs/gateway.md, "Responses").
+        tenant = (
+            ((md.TENANT_SCOPE, scope_tag(identity.tenant, False)),) if scopes.grants("Chat", identity.scopes) else ()
+        )
+        context.set_trailing_metadata(((md.REQUEST_ID, request_id), *tenant))
         if send_headers:
-            await context.send_initial_metadata(((md.REQUEST_ID, request_id),))
+            await context.send_initial_metadata(((md.REQUEST_ID, request_id), *tenant))
         return request_id, identity
 
     async def _reservation(
@@ -266,6 +276,28 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             served = await self._router().list_models(deadline=deadline)
             allowed = [m for m in served if not identity.models or m.id in identity.models]
             return convert.models_pb(allowed)
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        """Embeddings of the request's inputs: validated, admitted (the rate limit counts the inputs'
+        tokens: estimated from the texts, one per token id; settled with the real count), then one
+        call of the router."""
+        with observe("Embed", self._settings) as observed:
+            request_id, identity = await self._admit(context, "Embed")
+            validate_embed(request, self._limits)
+            deadline = time.monotonic() + self._timeout(context, self._settings.default_deadline_s)
+            policy = self._gate.policy(identity)
+            check_embed_inputs(policy, [item.text or len(item.token_ids) for item in request.inputs])
+            texts = [item.text for item in request.inputs if item.text]
+            ids = sum(len(item.token_ids) for item in request.inputs)
+            ticket = await self._gate.admit(identity, policy, texts, 0, embed_tokens=ids)
+            try:
+                query = convert.embed_query(request, tenant=identity.tenant, request_id=request_id)
+                result = await self._router().embed(query, deadline=deadline)
+                ticket.used = result.prompt_tokens
+                observed.embedded(result.prompt_tokens, result.route.worker_id)
+            finally:
+                self._gate.settle_soon(ticket)
+            return convert.embeddings_pb(result, request_id)
 
     async def Chat(
         self, request_iterator: AsyncIterator[pb.ChatRequest], context: grpc.aio.ServicerContext

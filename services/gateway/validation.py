@@ -30,6 +30,8 @@ class Limits:
     max_stop_chars: int = MAX_STOP_CHARS
     max_chat_messages: int = 64
     max_model_chars: int = 128
+    max_embed_inputs: int = 2048
+    max_embed_chars: int = 1_000_000
 
     @cached_property
     def sampling(self) -> SamplingLimits:
@@ -98,3 +100,30 @@ def validate_chat_request(request: pb.ChatRequest, limits: Limits) -> SamplingPa
     sampling = from_pb(turn.sampling, limits.sampling, chat=True)
     validate_routing(turn.routing)
     return sampling
+
+
+def validate_embed(request: pb.EmbedRequest, limits: Limits) -> None:
+    """Checks of an Embed request: input count, each input set and not too long, the total size."""
+    if not request.inputs:
+        raise InvalidArgument("inputs is empty; send at least one text or token id list to embed")
+    if len(request.inputs) > limits.max_embed_inputs:
+        raise InvalidArgument(
+            f"inputs has {len(request.inputs)} entries, above the limit of {limits.max_embed_inputs}; split the request"
+        )
+    chars = ids = 0
+    for i, item in enumerate(request.inputs):
+        if bool(item.text) == bool(item.token_ids):
+            raise InvalidArgument(f"inputs[{i}] must set exactly one of text and token_ids (a non-empty one)")
+        if len(item.text) > limits.max_prompt_chars:
+            raise InvalidArgument(
+                f"inputs[{i}] is {len(item.text)} characters long, above the limit of {limits.max_prompt_chars};"
+                " shorten it"
+            )
+        chars += len(item.text)
+        ids += len(item.token_ids)
+    if chars > limits.max_embed_chars or ids > limits.max_embed_chars:
+        what = f"{chars} characters" if chars > limits.max_embed_chars else f"{ids} token ids"
+        raise InvalidArgument(
+            f"inputs hold {what} together, above the limit of {limits.max_embed_chars}; split the request"
+        )
+    _validate_model(request.model, limits)

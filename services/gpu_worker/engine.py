@@ -16,7 +16,8 @@ vs reused from local blocks vs imported from Redis (``prefix_counters``, Prometh
 
 Load reports: ``kv_usage()`` (bytes held by live sequences, the budget, cached prefix bytes) and
 ``hot_prefix_blocks()`` (chain hashes of recently used cached prompt prefixes).
-``import_kv`` / ``export_kv``: Worker.ImportKV / ExportKV (kv_transfer.py).
+``import_kv`` / ``export_kv``: Worker.ImportKV / ExportKV (kv_transfer.py). ``embed``: Worker.Embed
+(embed.py).
 
 Static decode steps (``decode_graphs``, graphs.py): pure decode steps run with batch buckets and
 fixed-width block tables, captured as CUDA graphs on a GPU; the budget's last KV block is then the
@@ -36,7 +37,9 @@ from prometheus_client import Counter
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, GenerationConfig
 
+from services.common.errors import FailedPrecondition
 from services.common.sampling import SamplingParams
+from services.gpu_worker import embed as embedding
 from services.gpu_worker import kv_transfer
 from services.gpu_worker.blocks import BlockManager
 from services.gpu_worker.graphs import StaticDecoder
@@ -249,6 +252,8 @@ class CloudEngine:
             eos_token_ids=frozenset(_eos_ids(model, allow_download)),
         )
         self._lock = threading.Lock()
+        self._embed_lock = threading.Lock()
+        self._embeds = shard.world == 1 and wrap_forward is None
         self.counters = {"computed": 0, "local": 0, "redis": 0}
         self._recent: OrderedDict[str, list[str]] = OrderedDict()  # last prompt block key -> its chain
 
@@ -368,6 +373,23 @@ class CloudEngine:
         return kv_transfer.export_prefix(self, prefix)
 
     # -- load reports ---------------------------------------------------------------------------
+
+    def embed(self, inputs: Sequence[Sequence[int]], dimensions: int = 0) -> list[list[float]]:
+        """Pooled, normalised embeddings of token id lists (services/gpu_worker/embed.py); blocking.
+
+        Runs beside the scheduler's thread (it reads the weights only, no KV cache); one embedding
+        batch at a time. A tensor-parallel engine refuses: its forward needs every rank.
+        """
+        if not self._embeds:
+            raise FailedPrecondition(
+                "this cloud worker runs tensor-parallel and does not serve embeddings; use a single-device replica"
+            )
+        cfg = self.model.config
+        embedding.check_inputs(
+            inputs, vocab=cfg.vocab, context=cfg.max_positions, hidden=cfg.hidden, dimensions=dimensions
+        )
+        with self._embed_lock:
+            return embedding.embed(self.model, inputs, dimensions=dimensions)
 
     def kv_usage(self) -> KVUsage:
         """KV bytes referenced by live sequences, and the budget.

@@ -31,6 +31,8 @@ Public API (used by the scheduler, and by tensor parallelism / speculative decod
   the new tokens' K/V into the cache, then attends over positions ``0 .. start+i`` for token i.
   ``all_logits=False`` returns ``[1, vocab]`` (the last token: decode and prefill), ``True``
   returns ``[n, vocab]`` (every position: a speculative *verify* run of k draft tokens).
+  ``model.pooled(inputs)`` -> mean-pooled final hidden states (after the final norm) of token id
+  lists, one padded batch forward without KV cache (embeddings, ``embed.py``; ``world == 1`` only).
   Rolling back rejected draft tokens needs no model call: the caller keeps only the accepted
   length; slots past it are overwritten by the next step (see ``scheduler.py``).
 """
@@ -372,6 +374,51 @@ class LlamaModel:
                 self.all_reduce(down)
                 x = x + down
             return self.lm_head(self._rms(x, self.norm)).float()
+
+    @torch.inference_mode()
+    def pooled(self, inputs: Sequence[Sequence[int]]) -> Tensor:
+        """Mean-pooled final hidden states of each input: float32 ``[len(inputs), hidden]``, not normalised.
+
+        One forward over the inputs right-padded to the longest, with no KV cache: causal attention
+        in which no token attends to padding. The hidden states are those after the final RMSNorm
+        (what the LM head reads); the mean is over each input's own tokens. Needs ``world == 1``
+        (no all-reduce here) and non-empty inputs no longer than ``max_positions``.
+        """
+        cfg = self.config
+        d = cfg.head_dim
+        g = self.local_heads // self.local_kv_heads
+        b, width = len(inputs), max(len(ids) for ids in inputs)
+        tokens = torch.zeros(b, width, dtype=torch.long)
+        for row, ids in enumerate(inputs):
+            tokens[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.long)
+        tokens = tokens.to(self.device)
+        lengths = torch.tensor([len(ids) for ids in inputs], device=self.device)
+        valid = torch.arange(width, device=self.device)[None, :] < lengths[:, None]  # [B, L]
+        causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+        mask = causal[None, None] & valid[:, None, None, :]  # [B, 1, L, L]: never a padded key
+        cos = self._cos[:width][None, :, None, :]
+        sin = self._sin[:width][None, :, None, :]
+        x = self.embed[tokens].reshape(b * width, cfg.hidden)
+        for layer in self.layers:
+            h = self._rms(x, layer.ln1)
+            qkv = layer.wqkv(h)
+            k_end = self._q_size + self._kv_size
+            q = self._rope(qkv[:, : self._q_size].view(b, width, self.local_heads, d), cos, sin)
+            k = self._rope(qkv[:, self._q_size : k_end].view(b, width, self.local_kv_heads, d), cos, sin)
+            v = qkv[:, k_end:].view(b, width, self.local_kv_heads, d)
+            k = k.repeat_interleave(g, dim=2)
+            v = v.repeat_interleave(g, dim=2)
+            attn = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask
+            )  # [B, heads, L, d]
+            x = x + layer.wo(attn.transpose(1, 2).reshape(b * width, self._q_size))
+            h = self._rms(x, layer.ln2)
+            gu = layer.w_gate_up(h)
+            half = gu.shape[-1] // 2
+            x = x + layer.w_down(F.silu(gu[:, :half]) * gu[:, half:])
+        hidden = self._rms(x, self.norm).float().view(b, width, cfg.hidden)
+        weights = valid.to(torch.float32)[:, :, None]
+        return (hidden * weights).sum(dim=1) / lengths.to(torch.float32)[:, None]
 
 
 def _read_safetensors(directory: Path) -> dict[str, Tensor]:

@@ -328,7 +328,8 @@ class Mesh:
                     http_port=cfg.http_port,
                     tls_cert=cfg.tls_cert,
                     tls_key=cfg.tls_key,
-                    env=cfg.extra_env,
+                    # the adapters keep the stored /v1/responses in the mesh's Redis
+                    env={"MESHSERVE_GATEWAY_HTTP_REDIS_URL": self.redis_url, **cfg.extra_env},
                     timeout_s=timeout,
                 )
                 await self.front_door.start()

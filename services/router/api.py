@@ -19,6 +19,7 @@ rate-limit charge; its output is discarded, its TTFT and agreement with the prim
 * :meth:`RouterAPI.chat`: a :class:`ChatSession`; turns in, :class:`TurnEvent`\\ s out; the
   conversation and the worker stream outlive each turn.
 * :meth:`RouterAPI.list_models`.
+* :meth:`RouterAPI.embed`: inputs -> :class:`Embeddings` (one call to a cloud replica).
 
 Deadlines are absolute ``time.monotonic()`` instants (None: none); the time left when a turn starts
 bounds its worker call. Errors are domain errors (:class:`~services.common.errors.MeshError`) whose
@@ -44,6 +45,7 @@ from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
 from services.common.metrics import REQUEST_DURATION, TOKENS
 from services.common.sampling import SamplingParams
 from services.router.core import SERVICE, Router, Session
+from services.router.embeddings import MAX_EMBED_TOKENS, EmbedRoute, check_tokens
 from services.router.metrics import SHADOW, VERSION_REQUESTS, VERSION_TTFT
 from services.router.models import ModelTable, ServedModel, ServedVersion
 from services.router.policy import TierName
@@ -52,6 +54,8 @@ from services.router.types import (
     ChatTurn,
     Chunk,
     Done,
+    Embeddings,
+    EmbedQuery,
     Event,
     Generation,
     ModelInfo,
@@ -121,9 +125,12 @@ class RouterAPI:
         max_queued_chat_turns: int = 8,
         models: ModelTable | None = None,
         shadow_max_in_flight: int = 8,
+        max_embed_tokens: int = MAX_EMBED_TOKENS,
     ) -> None:
         self.router = router
         """The default model's first version (the only one without a models file)."""
+        self._embed_route = EmbedRoute(router.registry, router.internal_token)
+        self._max_embed_tokens = max_embed_tokens
         self.context_length = context_length
         self._default_max_tokens = default_max_tokens
         self.models = models or ModelTable.single(router, context_length)
@@ -199,6 +206,41 @@ class RouterAPI:
                     done = event
         assert done is not None  # a turn always ends with its Done
         return Chunk(token_ids, "".join(texts)), done
+
+    async def embed(self, query: EmbedQuery, *, deadline: float | None = None) -> Embeddings:
+        """Embed ``query``'s inputs (texts tokenized here, no chat template) on a cloud replica
+        (services/router/embeddings.py); token bounds are checked before any worker is called."""
+        started = time.perf_counter()
+        status = "INTERNAL"
+        try:
+            model = self.check_model(query.model)
+            version = model.choose(query.tenant)
+            tokenizer = version.router.tokenizer
+            ids = [
+                await self._encode(partial(tokenizer.encode, x), len(x)) if isinstance(x, str) else list(x)
+                for x in query.inputs
+            ]
+            check_tokens(
+                ids,
+                context_length=model.context_length,
+                vocab_size=tokenizer.vocab_size,
+                max_total=self._max_embed_tokens,
+            )
+            result = await self._embed_route.embed(
+                ids,
+                dimensions=query.dimensions,
+                request_id=query.request_id,
+                time_left=_time_left(deadline),
+                pool=version.router.healthy,
+            )
+            TOKENS.labels(SERVICE, TierName.CLOUD.value, "input").inc(result.prompt_tokens)
+            status = "OK"
+            return result
+        except MeshError as exc:
+            status = exc.code
+            raise
+        finally:
+            REQUEST_DURATION.labels(SERVICE, TierName.CLOUD.value, status).observe(time.perf_counter() - started)
 
     def chat(self, *, tenant: str = "", request_id: str = "", deadline: float | None = None) -> ChatSession:
         """A chat session: send it turns, read its events (see :class:`ChatSession`)."""

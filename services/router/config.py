@@ -159,6 +159,8 @@ class RouterSettings(StreamingSettings):
     max_queued_chat_turns: int = Field(default=8, ge=1)
     """Turns one Chat stream may send ahead of the turn in progress; one more ends the stream with
     RESOURCE_EXHAUSTED once that turn ends (the router stops reading the stream at once, so memory stays bounded)."""
+    max_embed_tokens: int = Field(default=65_536, ge=1)
+    """Most tokens of one Embed request, all its inputs together; more is refused with INVALID_ARGUMENT."""
     max_replicas: int = Field(default=1024, ge=1)
     """Most workers (static + self-registered) the router holds; a heartbeat from a new address beyond it
     is refused with RESOURCE_EXHAUSTED (a fleet announcing endless addresses cannot grow the router)."""

@@ -1,5 +1,5 @@
 """Proto <-> domain for the router's Inference service: requests (sampling validation, routing options),
-events, model lists. Used at the service's edges only: its gRPC servicer (services/router/servicer.py)
+events, model lists, embeddings. Used at the service's edges only: its gRPC servicer (services/router/servicer.py)
 and the gateway's client of a remote router (services/gateway/remote_router.py)."""
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from services.router.types import (
     ChatTurn,
     Chunk,
     Done,
+    Embeddings,
+    EmbedQuery,
     Event,
     Generation,
     ModelInfo,
@@ -157,3 +159,46 @@ def models(reply: inference_pb2.ListModelsResponse) -> list[ModelInfo]:
         ModelInfo(m.id, tuple(_TIER_FROM_PB[t] for t in m.tiers if t in _TIER_FROM_PB), m.context_length)
         for m in reply.models
     ]
+
+
+def embed_query(msg: inference_pb2.EmbedRequest, *, tenant: str = "", request_id: str = "") -> EmbedQuery:
+    """The inputs of an EmbedRequest (each must set exactly one of text and token_ids)."""
+    inputs: list[str | list[int]] = []
+    for i, item in enumerate(msg.inputs):
+        if bool(item.text) == bool(item.token_ids):
+            raise InvalidArgument(f"inputs[{i}] must set exactly one of text and token_ids; it sets {_which(item)}")
+        inputs.append(item.text or list(item.token_ids))
+    return EmbedQuery(inputs, msg.dimensions, msg.model, tenant, request_id)
+
+
+def _which(item: inference_pb2.EmbedInput) -> str:
+    return "both" if item.text else "neither"
+
+
+def embed_query_pb(q: EmbedQuery) -> inference_pb2.EmbedRequest:
+    return inference_pb2.EmbedRequest(
+        model=q.model,
+        dimensions=q.dimensions,
+        inputs=[
+            inference_pb2.EmbedInput(text=x) if isinstance(x, str) else inference_pb2.EmbedInput(token_ids=x)
+            for x in q.inputs
+        ],
+    )
+
+
+def embeddings_pb(e: Embeddings, request_id: str = "") -> inference_pb2.EmbedResponse:
+    return inference_pb2.EmbedResponse(
+        request_id=request_id,
+        embeddings=[inference_pb2.Embedding(values=v) for v in e.vectors],
+        usage=inference_pb2.Usage(prompt_tokens=e.prompt_tokens, total_tokens=e.prompt_tokens),
+        route=route_pb(e.route),
+    )
+
+
+def embeddings(reply: inference_pb2.EmbedResponse) -> Embeddings:
+    route = reply.route
+    return Embeddings(
+        [list(e.values) for e in reply.embeddings],
+        reply.usage.prompt_tokens,
+        Route(_TIER_FROM_PB.get(route.tier), route.worker_id, route.cache_hit, route.reason),
+    )

@@ -109,6 +109,8 @@ class Router:
         self.model_id = model_id
         self.model_version = model_version
         self._token = internal_token
+        self.internal_token = internal_token
+        """The credential for calls to workers beside the stream transport (Worker.Embed)."""
         self._edge_max = edge_max_prompt_tokens
         self._retries = retries_before_first_token
         self._failovers = failovers_after_first_token

@@ -178,6 +178,7 @@ async def start_router_api(
         max_queued_chat_turns=settings.max_queued_chat_turns,
         models=table,
         shadow_max_in_flight=settings.shadow_max_in_flight,
+        max_embed_tokens=settings.max_embed_tokens,
     )
     servicer = RouterServicer(api, flush=settings.flush_window())
     registration = WorkerRegistryServicer(registry) if settings.accept_registrations else None

@@ -104,6 +104,13 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
     ) -> inference_pb2.ListModelsResponse:
         return convert.models_pb(await self._api.list_models())
 
+    async def Embed(
+        self, request: inference_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.EmbedResponse:
+        request_id, tenant, deadline = _call_context(context)
+        query = convert.embed_query(request, tenant=tenant, request_id=request_id)
+        return convert.embeddings_pb(await self._api.embed(query, deadline=deadline), request_id)
+
 
 async def _one_turn(first: TurnEvent, chat: AsyncIterator[TurnEvent]) -> AsyncGenerator[Event, None]:
     """The events of the turn that ``first`` starts, read from ``chat`` up to its Done."""

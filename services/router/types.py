@@ -117,6 +117,28 @@ class Done:
     route: Route
 
 
+@dataclass(frozen=True)
+class EmbedQuery:
+    """Inputs to embed: texts (tokenized by the router, no chat template) or token id lists.
+
+    ``dimensions`` 0 means the model's hidden size (see ``meshserve.v1.EmbedRequest``)."""
+
+    inputs: Sequence[str | Sequence[int]]
+    dimensions: int = 0
+    model: str = ""
+    tenant: str = ""
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    """One unit vector per input, in input order; the inputs' tokens; where they were computed."""
+
+    vectors: Sequence[Sequence[float]]
+    prompt_tokens: int
+    route: Route
+
+
 Event = Chunk | Done
 """What a generation streams: chunks, then one Done."""
 
@@ -253,3 +275,5 @@ class InferenceRouter(Protocol):
     def chat(self, *, tenant: str = "", request_id: str = "", deadline: float | None = None) -> ChatChannel: ...
 
     async def list_models(self, *, deadline: float | None = None) -> list[ModelInfo]: ...
+
+    async def embed(self, query: EmbedQuery, *, deadline: float | None = None) -> Embeddings: ...

@@ -19,6 +19,10 @@ Every cache key has the form::
 * suffix ``e:<sha256>`` an entry (response or KV block), ``ix`` / ``sz`` / ``used`` the scope's
   byte ledger (see ledger.py).
 
+Stored responses of ``POST /v1/responses`` (services/store/responses.py) are not cache entries: one
+tenant's responses share the hash tag ``{s|<scope digest>}`` (the tenant never in clear), then
+``:resp:<response id>``; :func:`stored_response_key` builds them.
+
 Response entry hash (layout ``RESPONSE_LAYOUT`` = 2): SHA-256 over length-prefixed fields (the
 layout marker ``response/2``, model id, version, serving tier, tokenizer fingerprint, canonical
 sampling JSON (``SamplingParams.canonical()``), tenant salt, prompt ids as little-endian uint32).
@@ -244,3 +248,16 @@ def scan_pattern(
 def response_pattern(model_id: str | None = None) -> str:
     """SCAN pattern matching the response-cache entries (of one model, or all)."""
     return scan_pattern(Kind.RESPONSE, model_id, suffix="e:*")
+
+
+_SCOPE = re.compile(r"^[0-9a-f]{16}$")
+
+
+def stored_response_key(scope: str, response_id: str) -> str:
+    """Key of the stored ``/v1/responses`` response ``response_id`` of the tenant whose
+    :func:`scope_tag` is ``scope`` (module docstring); ValueError for anything but 16 hex digits.
+
+    The tenant's scope is part of the key, so a tenant can only ever name its own responses."""
+    if not _SCOPE.match(scope):
+        raise ValueError(f"not a tenant scope digest: {scope!r}")
+    return f"{NAMESPACE}:{{s|{scope}}}:resp:{response_id}"

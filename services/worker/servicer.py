@@ -17,7 +17,7 @@ import grpc
 import structlog
 
 from services.common import metrics, sampling_pb
-from services.common.errors import MeshError, ResourceExhausted
+from services.common.errors import FailedPrecondition, MeshError, ResourceExhausted
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import DEFAULT_MAX_TOKENS
@@ -55,7 +55,7 @@ class _Stream:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """The Worker service: Generate, Stats, ImportKV, ExportKV. ``tier`` is "edge" or "cloud".
+    """The Worker service: Generate, Stats, ImportKV, ExportKV, Embed. ``tier`` is "edge" or "cloud".
 
     The router's streams do not come as Generate calls but over the stream transport
     (services/worker/mux_tcp.py), which runs :meth:`Generate` per stream.
@@ -159,6 +159,28 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             tenant=request.tenant,
             shareable=request.shareable_prefix,
             tier=self.tier,
+        )
+
+    async def Embed(
+        self, request: worker_pb2.WorkerEmbedRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.WorkerEmbedResponse:
+        """Pooled embeddings from an engine that has ``embed`` (the cloud engine), in a thread."""
+        embed = getattr(self.runner.engine, "embed", None)
+        if embed is None:
+            raise FailedPrecondition(
+                f"this {self.tier} worker does not serve embeddings (its engine has no pooled hidden states);"
+                " send Embed to a cloud worker"
+            )
+        inputs = [tuple(item.token_ids) for item in request.inputs]
+        began = time.perf_counter()
+        labels = {"service": self.service, "tier": self.tier}
+        vectors = await asyncio.to_thread(embed, inputs, request.dimensions)
+        tokens = sum(len(ids) for ids in inputs)
+        metrics.TOKENS.labels(**labels, direction="input").inc(tokens)
+        metrics.REQUEST_DURATION.labels(**labels, status="OK").observe(time.perf_counter() - began)
+        log.info("embedded", inputs=len(inputs), tokens=tokens, ms=round((time.perf_counter() - began) * 1000, 2))
+        return worker_pb2.WorkerEmbedResponse(
+            embeddings=[inference_pb2.Embedding(values=v) for v in vectors], prompt_tokens=tokens
         )
 
     async def Generate(

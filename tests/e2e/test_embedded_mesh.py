@@ -77,3 +77,14 @@ async def test_the_embedded_router_locates_prefixes(mesh: Mesh, capsys: pytest.C
     assert await asyncio.to_thread(cache_cli, argv) == 0
     out = capsys.readouterr().out
     assert "tier:   edge (prompt_short)" in out and "edge-0" in out and "edge-1" in out
+
+
+async def test_embed_without_a_cloud_worker_is_unavailable(mesh: Mesh) -> None:
+    """Embeddings come from the cloud tier only: with edge workers alone the embedded router says so."""
+    async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        request = pb.EmbedRequest(inputs=[pb.EmbedInput(text="The sea")])
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Embed(request, metadata=auth(), timeout=30)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no healthy cloud worker can serve embeddings" in (caught.value.details() or "")

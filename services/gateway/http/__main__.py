@@ -24,6 +24,7 @@ from services.common.serving import grpc_options
 from services.common.settings import load_settings
 from services.gateway.http.app import build_app
 from services.gateway.http.config import HttpAdapterSettings
+from services.store.responses import ResponseStore
 
 log = structlog.get_logger(__name__)
 
@@ -38,7 +39,12 @@ async def serve(settings: HttpAdapterSettings) -> tuple[web.AppRunner, int, grpc
     # which came out as HTTP 500 once in 1,513 header-fuzz cases (docs/fuzz.md).
     patch_grpc_aio()
     channel = grpc.aio.insecure_channel(settings.gateway_address, options=grpc_options())
-    app = build_app(inference_pb2_grpc.InferenceStub(channel), settings.max_body_bytes)
+    store = None
+    if settings.redis_url:
+        store = ResponseStore.from_url(
+            settings.redis_url, ttl_s=settings.responses_ttl_s, timeout_s=settings.redis_timeout_s
+        )
+    app = build_app(inference_pb2_grpc.InferenceStub(channel), settings.max_body_bytes, store)
     # handler_cancellation: a client that hangs up cancels its handler, hence the gRPC call upstream.
     # Header limits above Envoy's (60 KiB for all headers): Envoy rejects oversized headers with 431;
     # with aiohttp's 8 KiB default, a 9-60 KiB header passed Envoy and made aiohttp log a traceback.

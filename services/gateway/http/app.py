@@ -31,7 +31,10 @@ from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.gateway.http import openai_api as oa
+from services.gateway.http.embeddings import EmbeddingRoutes
 from services.gateway.http.metrics import metrics_middleware
+from services.gateway.http.responses import ResponseRoutes
+from services.store.responses import ResponseStore
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +46,10 @@ MAX_CREDENTIAL_CHARS = 8192
 CHAT_END_WAIT_S = 1.0
 """After a chat turn's final frame, how long the adapter waits for the gateway to end the call itself."""
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
-ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /v1/models/{id}"
+ENDPOINTS = (
+    "POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/responses,"
+    " GET|DELETE /v1/responses/{id}, GET /v1/models and GET /v1/models/{id}"
+)
 
 
 def _grpc_error(exc: grpc.aio.AioRpcError) -> MeshError:
@@ -348,8 +354,13 @@ async def _sse_error(response: web.StreamResponse, exc: MeshError | grpc.aio.Aio
     return response
 
 
-def build_app(gateway: inference_pb2_grpc.InferenceStub, max_body_bytes: int = 4 * 1024 * 1024) -> web.Application:
-    """The aiohttp application: routes of the OpenAI API plus ``/healthz``."""
+def build_app(
+    gateway: inference_pb2_grpc.InferenceStub,
+    max_body_bytes: int = 4 * 1024 * 1024,
+    responses: ResponseStore | None = None,
+) -> web.Application:
+    """The aiohttp application: routes of the OpenAI API plus ``/healthz``; ``responses`` keeps the
+    stored responses of ``/v1/responses`` (None: none kept)."""
     handlers = OpenAIApp(gateway)
     app = web.Application(client_max_size=max_body_bytes, middlewares=[metrics_middleware, errors_middleware])
     app[MAX_BODY_KEY] = max_body_bytes
@@ -358,4 +369,13 @@ def build_app(gateway: inference_pb2_grpc.InferenceStub, max_body_bytes: int = 4
     app.router.add_get("/v1/models/{model:.+}", handlers.model)  # ids such as "org/name" hold a slash
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
+    EmbeddingRoutes(handlers).add_to(app)
+    ResponseRoutes(handlers, responses).add_to(app)
+    if responses is not None:
+        store = responses
+
+        async def close_store(_app: web.Application) -> None:
+            await store.close()
+
+        app.on_cleanup.append(close_store)
     return app

@@ -176,3 +176,14 @@ async def test_kv_import_and_export_are_failed_precondition(edge_stub: worker_pb
             await call(request, metadata=META)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "this edge worker keeps no KV in the shared Redis prefix cache" in (err.value.details() or "")
+
+
+async def test_embed_is_failed_precondition(edge_stub: worker_pb2_grpc.WorkerStub) -> None:
+    """The INT4 graph has no pooled hidden states: embeddings are the cloud tier's."""
+    from tests.worker_helpers import META
+
+    request = worker_pb2.WorkerEmbedRequest(inputs=[worker_pb2.EmbedTokens(token_ids=[1, 2])])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await edge_stub.Embed(request, metadata=META)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "does not serve embeddings" in (err.value.details() or "")

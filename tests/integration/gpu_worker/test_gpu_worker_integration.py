@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1.inference_pb2 import FINISH_REASON_CANCELLED
 from services.common.settings import load_settings
+from services.gpu_worker import embed
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.startup import start_gpu_worker
@@ -148,3 +149,51 @@ async def test_kv_import_and_export_need_redis(gpu_stub: worker_pb2_grpc.WorkerS
             await call(request, metadata=META)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "this cloud worker has no Redis for its KV prefix cache" in (err.value.details() or "")
+
+
+EMBED_INPUTS = [[504, 3092, 282, 253, 1789], [19556], list(range(100, 124))]
+
+
+def test_embedding_pooling_matches_transformers(gpu_worker: RunningWorker, hf_model: PreTrainedModel) -> None:
+    """Mean of the last hidden state after the final norm (transformers' ``last_hidden_state``), one padded
+    batch: padding changes nothing."""
+    engine = gpu_worker.runner.engine
+    assert isinstance(engine, CloudEngine)
+    pooled = engine.model.pooled(EMBED_INPUTS)
+    for row, ids in enumerate(EMBED_INPUTS):
+        with torch.inference_mode():
+            reference = hf_model.model(torch.tensor([ids])).last_hidden_state[0].mean(dim=0)
+        torch.testing.assert_close(pooled[row], reference, atol=2e-4, rtol=1e-4)
+
+
+async def test_worker_embed_batched_equals_one_by_one(gpu_stub: worker_pb2_grpc.WorkerStub) -> None:
+    """Worker.Embed over gRPC: unit vectors, one per input; a batch (also cut into several forwards)
+    gives the vectors the inputs give alone; ``dimensions`` truncates and re-normalises."""
+
+    async def embed(inputs: list[list[int]], dimensions: int = 0) -> torch.Tensor:
+        request = worker_pb2.WorkerEmbedRequest(
+            inputs=[worker_pb2.EmbedTokens(token_ids=ids) for ids in inputs], dimensions=dimensions
+        )
+        reply = await gpu_stub.Embed(request, metadata=META)
+        assert reply.prompt_tokens == sum(len(ids) for ids in inputs)
+        return torch.tensor([list(e.values) for e in reply.embeddings])
+
+    batch = await embed(EMBED_INPUTS)
+    assert batch.shape == (len(EMBED_INPUTS), 576)
+    torch.testing.assert_close(batch.norm(dim=-1), torch.ones(len(EMBED_INPUTS)))
+    alone = torch.cat([await embed([ids]) for ids in EMBED_INPUTS])
+    torch.testing.assert_close(batch, alone, atol=1e-5, rtol=1e-5)
+    short = await embed(EMBED_INPUTS[:1], dimensions=64)
+    torch.testing.assert_close(short[0], torch.nn.functional.normalize(batch[0, :64], dim=0), atol=1e-5, rtol=1e-5)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await embed([[1], []])
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "inputs[1] has no tokens" in (err.value.details() or "")
+
+
+def test_embedding_batches_cut_by_padded_tokens(gpu_worker: RunningWorker) -> None:
+    engine = gpu_worker.runner.engine
+    assert isinstance(engine, CloudEngine)
+    whole = torch.tensor(embed.embed(engine.model, EMBED_INPUTS))
+    split = torch.tensor(embed.embed(engine.model, EMBED_INPUTS, batch_tokens=24))  # three forwards
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)

@@ -8,11 +8,13 @@ from services.cache.config import CacheSettings
 from services.common.tracing import TracingSettings
 from services.edge_worker.config import EdgeWorkerSettings
 from services.gateway.config import GatewaySettings
+from services.gateway.http.config import HttpAdapterSettings
 from services.gpu_worker.config import GpuWorkerSettings
 from services.router.config import RouterSettings
 
 SETTINGS: list[type[BaseSettings]] = [
     GatewaySettings,
+    HttpAdapterSettings,  # the front door's adapters (started by `meshserve frontdoor` with its env)
     RouterSettings,
     CacheSettings,
     EdgeWorkerSettings,

@@ -55,3 +55,15 @@ def test_request_checks_name_the_limit() -> None:
 def test_priority_is_capped_at_the_tenant_class() -> None:
     assert allowed_priority(TenantPolicy(priority=3), 9) == 3
     assert allowed_priority(TenantPolicy(priority=3), 1) == 1
+
+
+def test_embed_inputs_are_checked_one_by_one_against_max_prompt_tokens() -> None:
+    from services.gateway.policy import check_embed_inputs
+
+    policy = TenantPolicy(max_prompt_tokens=100)
+    check_embed_inputs(policy, ["short"] * 500 + [100])  # many small inputs: each one is a prompt
+    with pytest.raises(InvalidArgument, match=r"inputs\[1\] is about 101 tokens, above your limit of 100"):
+        check_embed_inputs(policy, [5, 101])
+    with pytest.raises(InvalidArgument, match=r"inputs\[0\] is about"):
+        check_embed_inputs(policy, ["x" * 1000])
+    check_embed_inputs(TenantPolicy(max_prompt_tokens=0), [10**6])  # 0: no limit

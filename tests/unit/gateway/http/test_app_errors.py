@@ -69,11 +69,11 @@ async def test_a_gzip_body_is_read(http: TestClient) -> None:
 
 
 async def test_unknown_endpoint_is_404_without_a_model_code(http: TestClient) -> None:
-    response = await http.post("/v1/embeddings", json={"input": "x"})
+    response = await http.post("/v1/audio/speech", json={"input": "x"})  # (/v1/embeddings is served now)
     assert response.status == 404
     err = await error(response)
     assert err["code"] is None  # it said model_not_found
-    assert "unknown endpoint POST /v1/embeddings" in str(err["message"])
+    assert "unknown endpoint POST /v1/audio/speech" in str(err["message"])
     assert "/v1/chat/completions" in str(err["message"])
 
 

@@ -661,3 +661,135 @@ class ListModelsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListModelsResponse: _TypeAlias = ListModelsResponse  # noqa: Y015
+
+@_typing.final
+class EmbedInput(_message.Message):
+    """One input of Embed: set exactly one of text and token_ids."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """The text to embed, UTF-8, non-empty (tokenized without the chat template)."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The input as token ids of the served model's tokenizer (each below its vocabulary size)."""
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbedInput: _TypeAlias = EmbedInput  # noqa: Y015
+
+@_typing.final
+class EmbedRequest(_message.Message):
+    """Asks for embeddings of one or more inputs, computed in one batch.
+    Pooling: the served model's final-layer hidden states after its final RMSNorm (the input of its
+    LM head), mean-pooled over the input's tokens (no padding counted) and L2-normalised. Served by
+    the cloud tier (docs/gateway.md, "Embeddings").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    DIMENSIONS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Model id as listed by ListModels; empty means the default model."""
+    dimensions: _builtins.int
+    """Length of each vector: 0 (default) means the model's hidden size; 1 to the hidden size keeps
+    the first `dimensions` components of the pooled vector and L2-normalises them again.
+    """
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbedInput]:
+        """The inputs, 1 to 2048 (the gateway's max_embed_inputs); each 1 token to the model's context
+        length, all of them together at most max_embed_tokens (default 65536) tokens.
+        """
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        inputs: _abc.Iterable[Global___EmbedInput] | None = ...,
+        dimensions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dimensions", b"dimensions", "inputs", b"inputs", "model", b"model"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbedRequest: _TypeAlias = EmbedRequest  # noqa: Y015
+
+@_typing.final
+class Embedding(_message.Message):
+    """One embedding vector."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VALUES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The vector's components (unit L2 norm)."""
+
+    def __init__(
+        self,
+        *,
+        values: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Embedding: _TypeAlias = Embedding  # noqa: Y015
+
+@_typing.final
+class EmbedResponse(_message.Message):
+    """The embeddings of an EmbedRequest."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    ROUTE_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Request id assigned by the gateway (also in the x-request-id trailing metadata)."""
+    @_builtins.property
+    def embeddings(self) -> _containers.RepeatedCompositeFieldContainer[Global___Embedding]:
+        """One vector per input, in the order of EmbedRequest.inputs."""
+
+    @_builtins.property
+    def usage(self) -> Global___Usage:
+        """prompt_tokens: the inputs' tokens, all together; completion_tokens 0; total_tokens = prompt_tokens."""
+
+    @_builtins.property
+    def route(self) -> Global___RouteInfo:
+        """Where the request was served."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        embeddings: _abc.Iterable[Global___Embedding] | None = ...,
+        usage: Global___Usage | None = ...,
+        route: Global___RouteInfo | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["route", b"route", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "request_id", b"request_id", "route", b"route", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbedResponse: _TypeAlias = EmbedResponse  # noqa: Y015

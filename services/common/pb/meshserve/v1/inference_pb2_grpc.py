@@ -55,6 +55,11 @@ class InferenceStub:
                 request_serializer=meshserve_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=meshserve_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/meshserve.v1.Inference/Embed',
+                request_serializer=meshserve_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -89,6 +94,13 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeds texts (or token id lists) with the served model: one vector per input, in input order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +123,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=meshserve_dot_v1_dot_inference__pb2.ListModelsRequest.FromString,
                     response_serializer=meshserve_dot_v1_dot_inference__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=meshserve_dot_v1_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=meshserve_dot_v1_dot_inference__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -222,6 +239,33 @@ class Inference:
             '/meshserve.v1.Inference/ListModels',
             meshserve_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
             meshserve_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Inference/Embed',
+            meshserve_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+            meshserve_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

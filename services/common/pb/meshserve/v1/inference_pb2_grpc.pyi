@@ -41,6 +41,8 @@ class InferenceStub:
     """Completes one prompt and returns the whole answer in one message."""
     ListModels: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]
     """Lists the served models."""
+    Embed: _grpc.UnaryUnaryMultiCallable[_inference_pb2.EmbedRequest, _inference_pb2.EmbedResponse]
+    """Embeds texts (or token id lists) with the served model: one vector per input, in input order."""
 
 @_typing.type_check_only
 class InferenceAsyncStub(InferenceStub):
@@ -55,6 +57,8 @@ class InferenceAsyncStub(InferenceStub):
     """Completes one prompt and returns the whole answer in one message."""
     ListModels: _aio.UnaryUnaryMultiCallable[_inference_pb2.ListModelsRequest, _inference_pb2.ListModelsResponse]  # type: ignore[assignment]
     """Lists the served models."""
+    Embed: _aio.UnaryUnaryMultiCallable[_inference_pb2.EmbedRequest, _inference_pb2.EmbedResponse]  # type: ignore[assignment]
+    """Embeds texts (or token id lists) with the served model: one vector per input, in input order."""
 
 class InferenceServicer(metaclass=_abc_1.ABCMeta):
     """The public inference service."""
@@ -90,5 +94,13 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.ListModelsResponse, _abc.Awaitable[_inference_pb2.ListModelsResponse]]:
         """Lists the served models."""
+
+    @_abc_1.abstractmethod
+    def Embed(
+        self,
+        request: _inference_pb2.EmbedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.EmbedResponse, _abc.Awaitable[_inference_pb2.EmbedResponse]]:
+        """Embeds texts (or token id lists) with the served model: one vector per input, in input order."""
 
 def add_InferenceServicer_to_server(servicer: InferenceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

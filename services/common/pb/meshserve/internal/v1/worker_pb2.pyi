@@ -657,3 +657,87 @@ class KvExportResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___KvExportResponse: _TypeAlias = KvExportResponse  # noqa: Y015
+
+@_typing.final
+class EmbedTokens(_message.Message):
+    """Token ids of one input of Worker.Embed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The input's token ids (no chat template; nothing is added)."""
+
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbedTokens: _TypeAlias = EmbedTokens  # noqa: Y015
+
+@_typing.final
+class WorkerEmbedRequest(_message.Message):
+    """Asks a worker for the pooled embeddings of token id lists."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INPUTS_FIELD_NUMBER: _builtins.int
+    DIMENSIONS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    dimensions: _builtins.int
+    """0: the hidden size; else keep the first `dimensions` components and L2-normalise again."""
+    request_id: _builtins.str
+    """Request id from the gateway, for logs."""
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbedTokens]:
+        """The inputs, each non-empty and at most the context length."""
+
+    def __init__(
+        self,
+        *,
+        inputs: _abc.Iterable[Global___EmbedTokens] | None = ...,
+        dimensions: _builtins.int = ...,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dimensions", b"dimensions", "inputs", b"inputs", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerEmbedRequest: _TypeAlias = WorkerEmbedRequest  # noqa: Y015
+
+@_typing.final
+class WorkerEmbedResponse(_message.Message):
+    """The embeddings, one per input, in input order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    prompt_tokens: _builtins.int
+    """Tokens of all inputs together."""
+    @_builtins.property
+    def embeddings(self) -> _containers.RepeatedCompositeFieldContainer[_inference_pb2.Embedding]:
+        """One unit vector per input."""
+
+    def __init__(
+        self,
+        *,
+        embeddings: _abc.Iterable[_inference_pb2.Embedding] | None = ...,
+        prompt_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerEmbedResponse: _TypeAlias = WorkerEmbedResponse  # noqa: Y015

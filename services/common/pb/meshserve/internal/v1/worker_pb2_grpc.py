@@ -55,6 +55,11 @@ class WorkerStub:
                 request_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.KvPrefixRequest.SerializeToString,
                 response_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.KvExportResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/meshserve.internal.v1.Worker/Embed',
+                request_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerEmbedRequest.SerializeToString,
+                response_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerEmbedResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -97,6 +102,16 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeds token id lists in one padded batch forward (pooling: meshserve.v1.EmbedRequest). Served
+        by cloud workers; FAILED_PRECONDITION on an edge worker (its INT4 graph outputs logits only) and
+        on a tensor-parallel cloud worker; INVALID_ARGUMENT for an empty input, a token id outside the
+        vocabulary or an input longer than the context.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -119,6 +134,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ExportKV,
                     request_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.KvPrefixRequest.FromString,
                     response_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.KvExportResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerEmbedRequest.FromString,
+                    response_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerEmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -230,6 +250,33 @@ class Worker:
             '/meshserve.internal.v1.Worker/ExportKV',
             meshserve_dot_internal_dot_v1_dot_worker__pb2.KvPrefixRequest.SerializeToString,
             meshserve_dot_internal_dot_v1_dot_worker__pb2.KvExportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.internal.v1.Worker/Embed',
+            meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerEmbedRequest.SerializeToString,
+            meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerEmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

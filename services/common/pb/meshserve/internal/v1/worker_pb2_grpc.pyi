@@ -54,6 +54,12 @@ class WorkerStub:
     (e.g. before scaling the replica down). UNAVAILABLE when Redis cannot be written;
     FAILED_PRECONDITION as for ImportKV.
     """
+    Embed: _grpc.UnaryUnaryMultiCallable[_worker_pb2.WorkerEmbedRequest, _worker_pb2.WorkerEmbedResponse]
+    """Embeds token id lists in one padded batch forward (pooling: services.common.pb.meshserve.v1.EmbedRequest). Served
+    by cloud workers; FAILED_PRECONDITION on an edge worker (its INT4 graph outputs logits only) and
+    on a tensor-parallel cloud worker; INVALID_ARGUMENT for an empty input, a token id outside the
+    vocabulary or an input longer than the context.
+    """
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
@@ -78,6 +84,12 @@ class WorkerAsyncStub(WorkerStub):
     """Writes the leading run of the prefix's blocks this worker holds to Redis and waits for Redis
     (e.g. before scaling the replica down). UNAVAILABLE when Redis cannot be written;
     FAILED_PRECONDITION as for ImportKV.
+    """
+    Embed: _aio.UnaryUnaryMultiCallable[_worker_pb2.WorkerEmbedRequest, _worker_pb2.WorkerEmbedResponse]  # type: ignore[assignment]
+    """Embeds token id lists in one padded batch forward (pooling: services.common.pb.meshserve.v1.EmbedRequest). Served
+    by cloud workers; FAILED_PRECONDITION on an edge worker (its INT4 graph outputs logits only) and
+    on a tensor-parallel cloud worker; INVALID_ARGUMENT for an empty input, a token id outside the
+    vocabulary or an input longer than the context.
     """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
@@ -124,6 +136,18 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         """Writes the leading run of the prefix's blocks this worker holds to Redis and waits for Redis
         (e.g. before scaling the replica down). UNAVAILABLE when Redis cannot be written;
         FAILED_PRECONDITION as for ImportKV.
+        """
+
+    @_abc_1.abstractmethod
+    def Embed(
+        self,
+        request: _worker_pb2.WorkerEmbedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.WorkerEmbedResponse, _abc.Awaitable[_worker_pb2.WorkerEmbedResponse]]:
+        """Embeds token id lists in one padded batch forward (pooling: services.common.pb.meshserve.v1.EmbedRequest). Served
+        by cloud workers; FAILED_PRECONDITION on an edge worker (its INT4 graph outputs logits only) and
+        on a tensor-parallel cloud worker; INVALID_ARGUMENT for an empty input, a token id outside the
+        vocabulary or an input longer than the context.
         """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
