@@ -21,6 +21,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import llguidance
 import llguidance.numpy as llnp
@@ -40,12 +41,21 @@ GRAMMAR_CACHE_ENTRIES = 64
 MAX_ERROR_CHARS = 200
 
 
+JSON_LAYOUT: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+"""JSON is written as Python's ``json.dumps`` writes it (``{"a": 1, "b": [2, 3]}``): free whitespace
+let the model spend its tokens on newlines and spaces (SmolLM2 did), and a fixed layout keeps answers
+short. A schema may override it with llguidance's ``x-guidance`` key."""
+
+
 def grammar_text(constraint: Constraint) -> str:
     """The llguidance grammar of a constraint (not yet checked: compiling checks it)."""
-    if constraint.kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema(JSON_OBJECT_SCHEMA)
-    if constraint.kind == "json_schema":
-        return llguidance.LLMatcher.grammar_from_json_schema(constraint.text)
+    if constraint.kind in ("json_object", "json_schema"):
+        schema = JSON_OBJECT_SCHEMA if constraint.kind == "json_object" else constraint.text
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     if constraint.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(constraint.text)
     return llguidance.LLMatcher.grammar_from_lark(constraint.text)
