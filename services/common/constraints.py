@@ -8,8 +8,10 @@ the workers, the response cache key and request collapsing with the other sampli
 
 :func:`check_constraint` runs where a request arrives (the gateway, the router, the worker): size,
 JSON parse, a schema that is an object, nesting depth. Compiling the constraint into a token mask is
-the worker's (:mod:`services.worker.grammar`), bounded by :data:`COMPILE_TIMEOUT_S`. Messages name the
-field (``response_format`` over HTTP, ``sampling.structured`` over gRPC) and the limit.
+the worker's (:mod:`services.worker.grammar`), bounded by :data:`COMPILE_TIMEOUT_S`; the gateway
+first runs :func:`check_grammar` (llguidance's grammar check without the vocabulary: 1-26 ms), because a
+worker's error text never reaches a caller. Messages name the field (``response_format`` over HTTP,
+``sampling.structured`` over gRPC) and the limit.
 """
 
 from __future__ import annotations
@@ -17,7 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 from services.common.errors import InvalidArgument
 
@@ -37,6 +44,17 @@ llguidance compiles the realistic and large schemas of docs/structured_output.md
 
 JSON_OBJECT_SCHEMA = '{"type":"object"}'
 """What ``json_object`` compiles to: any JSON object (OpenAI's JSON mode)."""
+FIELD = "response_format (sampling.structured)"
+"""How compile errors name the constraint (the gateway and the workers do not know the front door)."""
+MAX_ERROR_CHARS = 200
+JSON_LAYOUT: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
+"""JSON is written as Python's ``json.dumps`` writes it (``{"a": 1, "b": [2, 3]}``): free whitespace
+let the model spend its tokens on newlines and spaces (SmolLM2 did), and a fixed layout keeps answers
+short. A schema may override it with llguidance's ``x-guidance`` key."""
 
 
 @dataclass(frozen=True)
@@ -123,3 +141,33 @@ def json_schema_constraint(schema: dict[str, Any], *, field: str = "sampling.str
     result in ``SamplingParams.structured``. Raises :class:`InvalidArgument` as :func:`check_constraint`.
     """
     return Constraint("json_schema", schema_text(schema, field=field))
+
+
+def grammar_text(constraint: Constraint) -> str:
+    """The llguidance grammar of a constraint (unchecked: :func:`check_grammar` or compiling checks it)."""
+    try:
+        if constraint.kind in ("json_object", "json_schema"):
+            schema = JSON_OBJECT_SCHEMA if constraint.kind == "json_object" else constraint.text
+            return str(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT))
+        if constraint.kind == "regex":
+            return str(llguidance.LLMatcher.grammar_from_regex(constraint.text))
+        return str(llguidance.LLMatcher.grammar_from_lark(constraint.text))
+    except ValueError as exc:
+        raise InvalidArgument(f"{FIELD}: the {constraint.kind} is not valid ({short_error(exc)}); fix it") from None
+
+
+def check_grammar(constraint: Constraint) -> None:
+    """Raise InvalidArgument naming the field when llguidance refuses the constraint (bad regex or Lark,
+    unsupported schema keyword). Blocking, 1-26 ms for the schemas of docs/structured_output.md: run it
+    off the event loop, bounded by :data:`COMPILE_TIMEOUT_S`."""
+    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar_text(constraint))
+    if failed:
+        raise InvalidArgument(
+            f"{FIELD}: the {constraint.kind} is not valid or not supported ({short_error(messages[0])}); fix it"
+        )
+
+
+def short_error(error: object) -> str:
+    """A library's error message on one line, cut to :data:`MAX_ERROR_CHARS`."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."

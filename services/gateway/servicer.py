@@ -34,7 +34,7 @@ from services.gateway.admission import Gate, Ticket
 from services.gateway.config import GatewaySettings
 from services.gateway.identity import Identity
 from services.gateway.observe import observe
-from services.gateway.validation import Limits, validate_chat_request, validate_generate
+from services.gateway.validation import GrammarChecks, Limits, validate_chat_request, validate_generate
 from services.router import convert
 from services.router.types import (
     Chunk,
@@ -106,6 +106,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             max_chat_messages=settings.max_chat_messages,
             max_model_chars=settings.max_model_chars,
         )
+        self._grammars = GrammarChecks()  # structured-output constraints, checked before they are forwarded
 
     def _router(self) -> InferenceRouter:
         if self.router is None:
@@ -157,6 +158,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         the ticket, and :meth:`_settle_once_admitted` must be called with it when the request ends.
         """
         sampling = validate_generate(request, self._limits)
+        await self._grammars.check(sampling)
         policy = self._gate.policy(identity)
         request.routing.priority = min(request.routing.priority, policy.priority)
         generation = convert.generation(request, tenant=identity.tenant, request_id=request_id, sampling=sampling)
@@ -296,6 +298,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                 try:
                     async for frame in request_iterator:
                         turn_sampling = validate_chat_request(frame, self._limits)
+                        await self._grammars.check(turn_sampling)
                         if frame.WhichOneof("action") == "turn":
                             turn = frame.turn
                             turn.routing.priority = min(turn.routing.priority, policy.priority)

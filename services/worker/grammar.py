@@ -21,7 +21,6 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
 
 import llguidance
 import llguidance.numpy as llnp
@@ -29,36 +28,13 @@ import numpy as np
 import structlog
 from tokenizers import Tokenizer
 
-from services.common.constraints import COMPILE_TIMEOUT_S, JSON_OBJECT_SCHEMA, Constraint
+from services.common.constraints import COMPILE_TIMEOUT_S, FIELD, Constraint, grammar_text, short_error
 from services.common.errors import InvalidArgument
 
 log = structlog.get_logger(__name__)
 
-FIELD = "response_format (sampling.structured)"
-"""How error messages name the constraint: a worker does not know which front door it came through."""
 GRAMMAR_CACHE_ENTRIES = 64
 """Compiled grammars kept per engine (LRU, by the constraint's digest)."""
-MAX_ERROR_CHARS = 200
-
-
-JSON_LAYOUT: dict[str, Any] = {
-    "whitespace_flexible": False,
-    "item_separator": ", ",
-    "key_separator": ": ",
-}
-"""JSON is written as Python's ``json.dumps`` writes it (``{"a": 1, "b": [2, 3]}``): free whitespace
-let the model spend its tokens on newlines and spaces (SmolLM2 did), and a fixed layout keeps answers
-short. A schema may override it with llguidance's ``x-guidance`` key."""
-
-
-def grammar_text(constraint: Constraint) -> str:
-    """The llguidance grammar of a constraint (not yet checked: compiling checks it)."""
-    if constraint.kind in ("json_object", "json_schema"):
-        schema = JSON_OBJECT_SCHEMA if constraint.kind == "json_object" else constraint.text
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
-    if constraint.kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(constraint.text)
-    return llguidance.LLMatcher.grammar_from_lark(constraint.text)
 
 
 class TokenConstraint:
@@ -199,18 +175,9 @@ class GrammarCompiler:
 
 def _compile(tokenizer: llguidance.LLTokenizer, constraint: Constraint) -> llguidance.LLMatcher:
     """Compile on a pool thread (llguidance drops the GIL while it builds the grammar)."""
-    try:
-        grammar = grammar_text(constraint)
-    except ValueError as exc:
-        raise InvalidArgument(f"{FIELD}: the {constraint.kind} is not valid ({_short(exc)}); fix it") from None
-    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    matcher = llguidance.LLMatcher(tokenizer, grammar_text(constraint), log_level=0)
     if matcher.is_error():
         raise InvalidArgument(
-            f"{FIELD}: the {constraint.kind} is not valid or not supported ({_short(matcher.get_error())}); fix it"
+            f"{FIELD}: the {constraint.kind} is not valid or not supported ({short_error(matcher.get_error())}); fix it"
         )
     return matcher
-
-
-def _short(error: object) -> str:
-    text = " ".join(str(error).split())
-    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."

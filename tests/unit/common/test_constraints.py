@@ -11,6 +11,7 @@ from services.common.constraints import (
     MAX_SCHEMA_DEPTH,
     Constraint,
     check_constraint,
+    check_grammar,
     json_schema_constraint,
 )
 from services.common.errors import InvalidArgument
@@ -96,3 +97,28 @@ def test_unset_or_false_json_object_means_no_constraint() -> None:
 def test_a_bad_proto_constraint_names_sampling_structured() -> None:
     with pytest.raises(InvalidArgument, match=r"^sampling\.structured: the json_schema is not valid JSON"):
         from_pb(pb.SamplingParams(structured=pb.StructuredOutput(json_schema="{")))
+
+
+@pytest.mark.parametrize(
+    ("kind", "text", "needle"),
+    [
+        ("json_schema", '{"type": "nope"}', "Invalid type: nope"),
+        ("regex", "((", "unclosed group"),
+        ("grammar", "start: missing", 'unknown name: "missing"'),
+    ],
+)
+def test_check_grammar_refuses_what_llguidance_cannot_compile(kind: str, text: str, needle: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        check_grammar(check_constraint(kind, text))
+    assert info.value.message.startswith(f"response_format (sampling.structured): the {kind} is not valid")
+    assert needle in info.value.message
+
+
+def test_check_grammar_accepts_each_kind() -> None:
+    for kind, text in (
+        ("json_object", ""),
+        ("json_schema", '{"type": "integer"}'),
+        ("regex", "a+"),
+        ("grammar", 'start: "a"'),
+    ):
+        check_grammar(check_constraint(kind, text))
