@@ -120,9 +120,13 @@ async def test_response_format_json_object_and_json_schema(client: openai.AsyncO
     assert isinstance(json.loads(await _both(client, response_format={"type": "json_object"})), dict)
     jsonschema.validate(json.loads(await _both(client, response_format=STRICT)), CITY)
     completion = await client.completions.create(
-        model="", prompt="A city as JSON:", max_tokens=48, temperature=0, extra_body={"response_format": STRICT}
+        model="",
+        prompt="<|im_start|>user\nGive me a city as JSON.<|im_end|>\n<|im_start|>assistant\n",
+        max_tokens=48,
+        temperature=0,
+        extra_body={"response_format": STRICT},
     )
-    assert completion.choices[0].finish_reason == "stop"
+    assert completion.choices[0].finish_reason == "stop", completion.choices[0].text
     jsonschema.validate(json.loads(completion.choices[0].text), CITY)
 
 
