@@ -25,6 +25,10 @@ SUBCOMMANDS = {
         "benchmarks.edge.mesh",
         "edge tier: single-stream roofline share, 16 vs 1 stream scaling, memory per stream",
     ),
+    "edge-structured": (
+        "benchmarks.edge.structured",
+        "edge tier: per-token CPU at 16 streams with a JSON-schema constraint vs without",
+    ),
 }
 
 

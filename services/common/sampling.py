@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from services.common.constraints import Constraint
 from services.common.errors import InvalidArgument
 
 DEFAULT_MAX_TOKENS = 256
@@ -111,6 +112,9 @@ class SamplingParams:
     biases in [-100, 100], at most 300 entries."""
     min_tokens: int = 0
     """EOS and the stop strings are ignored until this many tokens have been generated (vLLM's)."""
+    structured: Constraint | None = None
+    """Structured output: the generated text must match this JSON schema / JSON object / regex /
+    grammar (:mod:`services.common.constraints`); the worker masks each step's logits to it."""
 
     @property
     def penalized(self) -> bool:
@@ -138,7 +142,8 @@ class SamplingParams:
 
         Floats are rounded to 6 digits (proto float32 values like 0.7 arrive as 0.699999988); with
         greedy decoding temperature/top_p/top_k/seed cannot change the output, so they are dropped;
-        stop strings are a set. Penalties, ``logit_bias`` and ``min_tokens`` change greedy output too:
+        stop strings are a set. Penalties, ``logit_bias``, ``min_tokens`` and a structured-output
+        constraint (as its kind and digest) change greedy output too:
         each is in the key whenever it is not neutral (and absent when neutral, so keys made before
         these fields existed still match).
         """
@@ -156,6 +161,8 @@ class SamplingParams:
             out["logit_bias"] = [[int(t), _round(b)] for t, b in self.logit_bias]
         if self.min_tokens:
             out["min_tokens"] = int(self.min_tokens)
+        if self.structured is not None:
+            out["structured"] = self.structured.canonical()
         if self.greedy:
             out["temperature"] = 0
             return out
@@ -220,6 +227,7 @@ def resolve_sampling(
     repetition_penalty: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
     min_tokens: int = 0,
+    structured: Constraint | None = None,
     chat: bool = False,
     limits: SamplingLimits = MESH_LIMITS,
 ) -> SamplingParams:
@@ -229,7 +237,8 @@ def resolve_sampling(
     :meth:`SamplingParams.fit` (only a service that knows the prompt's length can fit it). Duplicate
     stop strings are dropped (first occurrence kept). An unset ``repetition_penalty`` (None) is 1 (off),
     or :data:`CHAT_REPETITION_PENALTY` for a chat turn (``chat``): the one place chat defaults are
-    applied. Raises :class:`InvalidArgument` naming the field.
+    applied. ``structured`` is a constraint already checked by
+    :func:`services.common.constraints.check_constraint`. Raises :class:`InvalidArgument` naming the field.
     """
     if max_tokens < 0:
         raise InvalidArgument(f"sampling.max_tokens must be >= 0 (got {max_tokens}); use 0 for the server default")
@@ -291,6 +300,11 @@ def resolve_sampling(
             f"sampling.min_tokens ({min_tokens}) is above sampling.max_tokens ({max_tokens}); "
             "lower min_tokens or raise max_tokens"
         )
+    if min_tokens and structured is not None:
+        raise InvalidArgument(
+            "sampling.min_tokens cannot be combined with structured output (response_format / sampling.structured): "
+            "the grammar decides where the output ends; remove min_tokens"
+        )
     if limits.max_tokens is not None and min_tokens > limits.max_tokens:
         raise InvalidArgument(
             f"sampling.min_tokens is {min_tokens}, above the limit of {limits.max_tokens}; ask for fewer"
@@ -307,6 +321,7 @@ def resolve_sampling(
         repetition_penalty=float(repetition_penalty),
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in bias.items() if b != 0.0)),
         min_tokens=int(min_tokens),
+        structured=structured,
     )
 
 

@@ -7,6 +7,7 @@ built for the wire (the router's ``WorkerStart``). Nothing converts back and for
 
 from __future__ import annotations
 
+from services.common.constraints import Constraint, check_constraint
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import MESH_LIMITS, SamplingLimits, SamplingParams, resolve_sampling
 
@@ -29,6 +30,7 @@ def from_pb(
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else None,
         logit_bias=dict(msg.logit_bias),
         min_tokens=msg.min_tokens,
+        structured=structured_from_pb(msg.structured) if msg.HasField("structured") else None,
         chat=chat,
         limits=limits,
     )
@@ -49,4 +51,23 @@ def to_pb(params: SamplingParams) -> inference_pb2.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.structured is not None:
+        msg.structured.CopyFrom(structured_to_pb(params.structured))
+    return msg
+
+
+def structured_from_pb(msg: inference_pb2.StructuredOutput) -> Constraint | None:
+    """The checked constraint of a ``StructuredOutput`` (None when no kind is set, or ``json_object``
+    is false); raises InvalidArgument naming ``sampling.structured``."""
+    kind = msg.WhichOneof("kind")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        return None
+    return check_constraint(kind, "" if kind == "json_object" else getattr(msg, kind))
+
+
+def structured_to_pb(constraint: Constraint) -> inference_pb2.StructuredOutput:
+    if constraint.kind == "json_object":
+        return inference_pb2.StructuredOutput(json_object=True)
+    msg = inference_pb2.StructuredOutput()
+    setattr(msg, constraint.kind, constraint.text)
     return msg

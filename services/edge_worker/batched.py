@@ -41,6 +41,7 @@ from services.edge_worker.graph import load_session
 from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.sampler import pick
 from services.edge_worker.sequence import BatchedSequence
+from services.worker.grammar import GrammarCompiler
 from services.worker.types import EngineInfo, KVUsage, StepInterrupted
 
 
@@ -89,6 +90,8 @@ class BatchedEngine:
             eos_token_ids=frozenset(eos if isinstance(eos, list) else [eos]),
         )
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        self.grammars = GrammarCompiler(self._tokenizer, self._info.vocab_size, self._info.eos_token_ids)
+        """Structured-output constraints compiled for this vocabulary (``start`` opens one per sequence)."""
         self.max_batch = max(2, max_batch)
         self.min_rows = 2 if batch_invariant else 1  # >= 2 rows per decode call: see the module docstring
         self.max_wait_s = max_wait_s
@@ -126,7 +129,10 @@ class BatchedEngine:
         return self._tokenizer
 
     def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> BatchedSequence:
-        return BatchedSequence(self, [*token_ids, *replay], sampling, prefill_end=len(token_ids))
+        """A new sequence; a structured-output constraint is compiled here (blocking, bounded: call from
+        a worker thread) and advanced over ``replay``."""
+        constraint = None if sampling.structured is None else self.grammars.open(sampling.structured, replay)
+        return BatchedSequence(self, [*token_ids, *replay], sampling, prefill_end=len(token_ids), constraint=constraint)
 
     def start_chat(self, token_ids: Sequence[int], sampling: SamplingParams) -> BatchedSequence:
         """Like ``start``; the sequence's KV survives its turn for ``reuse``."""
@@ -161,6 +167,7 @@ class BatchedEngine:
             self._stopped = True
             self._cv.notify()
         self._thread.join(timeout=10)
+        self.grammars.close()
 
     # --- the batch thread -------------------------------------------------------------------------
 
@@ -254,9 +261,11 @@ class BatchedEngine:
         if seq.kv_len < len(seq.tokens):
             carry.append(seq)  # more of its context to feed before it may choose a token
             return
-        token = pick(logits, seq.sampling, seq.rng, seq.penalties)
+        token = pick(logits, seq.sampling, seq.rng, seq.penalties, seq.constraint)
         if seq.penalties is not None:
             seq.penalties.record(token)
+        if seq.constraint is not None:
+            seq.constraint.advance(token)
         seq.tokens.append(token)
         seq.prefill_end = max(seq.prefill_end, seq.kv_len)
         done.append((seq, token))

@@ -179,6 +179,11 @@ class OgEngine:
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Refuse (InvalidArgument) what this engine cannot apply; the worker calls it for every turn."""
         _refuse_penalties(sampling)
+        if sampling.structured is not None:
+            raise InvalidArgument(
+                "sampling.structured (response_format) needs the batched edge engine; this worker runs the og "
+                "engine (MESHSERVE_EDGE_WORKER_ENGINE=og): send the request without it or to the cloud tier"
+            )
 
     def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> OgSequence:
         return OgSequence(self._model, token_ids, sampling, replay=replay)

@@ -2,8 +2,9 @@
 
 numpy on the engine's batch thread; each sequence owns its ``numpy.random.Generator``, so a seed gives
 the same tokens however many sequences share a decode step. A sequence's penalties, ``logit_bias`` and
-``min_tokens`` (:mod:`services.worker.penalties`) adjust its own row first, so one row's never touch
-another's.
+``min_tokens`` (:mod:`services.worker.penalties`) adjust its own row first, then its structured-output
+constraint (:mod:`services.worker.grammar`) masks the row to the tokens its grammar allows, so one row's
+adjustments never touch another's.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from services.common.sampling import SamplingParams
+from services.worker.grammar import TokenConstraint
 from services.worker.penalties import Penalties
 
 
@@ -22,14 +24,28 @@ def rng_for(sampling: SamplingParams) -> np.random.Generator | None:
 
 
 def pick(
-    logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator | None, penalties: Penalties | None = None
+    logits: np.ndarray,
+    sampling: SamplingParams,
+    rng: np.random.Generator | None,
+    penalties: Penalties | None = None,
+    constraint: TokenConstraint | None = None,
 ) -> int:
-    """The next token id for one row of logits ``[vocab]`` (adjusted in place by ``penalties`` first:
-    the row is the step's output, read once; the caller records the chosen token in them)."""
+    """The next token id for one row of logits ``[vocab]`` (adjusted in place by ``penalties``, then
+    masked by ``constraint``: the row is the step's output, read once; the caller records the chosen
+    token in both)."""
     if penalties is not None:
         logits = penalties.apply(logits, in_place=True)
+    if constraint is not None:
+        if not logits.flags.writeable:
+            logits = np.array(logits, copy=True)
+        logits = constraint.apply(logits)
     if rng is None or sampling.greedy:
-        return int(np.argmax(logits))
+        token = int(np.argmax(logits))
+        if constraint is not None and logits[token] == -np.inf:
+            return constraint.first_allowed()
+        return token
+    if constraint is not None and logits.max() == -np.inf:
+        return constraint.first_allowed()
     scaled = logits.astype(np.float64) / sampling.temperature
     candidates = np.arange(scaled.size)
     if 0 < sampling.top_k < scaled.size:

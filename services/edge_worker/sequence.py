@@ -15,6 +15,7 @@ import numpy as np
 
 from services.common.sampling import SamplingParams
 from services.edge_worker.sampler import rng_for
+from services.worker.grammar import TokenConstraint
 from services.worker.penalties import Penalties, penalties_for
 from services.worker.types import EngineInfo
 
@@ -37,7 +38,10 @@ class BatchRunner(Protocol):
 
 
 def _reusable_key(sampling: SamplingParams) -> tuple[Any, ...] | None:
-    """Turns with equal keys may share a sequence; None (an explicit seed) never shares one."""
+    """Turns with equal keys may share a sequence; None (an explicit seed, a structured-output
+    constraint: its grammar state starts with the turn) never shares one."""
+    if sampling.structured is not None:
+        return None
     if sampling.greedy:
         return ("greedy",)
     if sampling.seed is not None:
@@ -48,7 +52,14 @@ def _reusable_key(sampling: SamplingParams) -> tuple[Any, ...] | None:
 class BatchedSequence:
     """One generation; ``step`` blocks until the batch thread produced its next token."""
 
-    def __init__(self, engine: BatchRunner, tokens: Sequence[int], sampling: SamplingParams, prefill_end: int) -> None:
+    def __init__(
+        self,
+        engine: BatchRunner,
+        tokens: Sequence[int],
+        sampling: SamplingParams,
+        prefill_end: int,
+        constraint: TokenConstraint | None = None,
+    ) -> None:
         self._engine = engine
         self.tokens = list(tokens)
         """Every token of the sequence; KV exists for the first ``kv_len``."""
@@ -59,6 +70,8 @@ class BatchedSequence:
         self.rng = rng_for(sampling)
         self.penalties = self._penalties(sampling, prefill_end)
         """Its penalties over the prompt and the tokens generated so far (None: none asked for)."""
+        self.constraint = constraint
+        """Its structured-output grammar state, already advanced over replayed tokens (None: unconstrained)."""
         self._key = _reusable_key(sampling)
         self.slot: int | None = None
         self.parked: list[np.ndarray] | None = None

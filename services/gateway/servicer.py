@@ -35,7 +35,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.identity import Identity
 from services.gateway.observe import observe
 from services.gateway.policy import check_embed_inputs
-from services.gateway.validation import Limits, validate_chat_request, validate_embed, validate_generate
+from services.gateway.validation import GrammarChecks, Limits, validate_chat_request, validate_embed, validate_generate
 from services.router import convert
 from services.router.types import (
     Chunk,
@@ -110,6 +110,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
             max_embed_inputs=settings.max_embed_inputs,
             max_embed_chars=settings.max_embed_chars,
         )
+        self._grammars = GrammarChecks()  # structured-output constraints, checked before they are forwarded
 
     def _router(self) -> InferenceRouter:
         if self.router is None:
@@ -168,6 +169,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         """
         sampling = validate_generate(request, self._limits)
         scopes.require_model(request.model, identity.models, identity.key_id)
+        await self._grammars.check(sampling)
         policy = self._gate.policy(identity)
         request.routing.priority = min(request.routing.priority, policy.priority)
         generation = convert.generation(request, tenant=identity.tenant, request_id=request_id, sampling=sampling)
@@ -331,6 +333,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                 try:
                     async for frame in request_iterator:
                         turn_sampling = validate_chat_request(frame, self._limits)
+                        await self._grammars.check(turn_sampling)
                         if frame.WhichOneof("action") == "turn":
                             turn = frame.turn
                             scopes.require_model(turn.model, identity.models, identity.key_id)

@@ -8,9 +8,12 @@ tokenizes.
 
 from __future__ import annotations
 
+import asyncio
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import cached_property
 
+from services.common.constraints import COMPILE_TIMEOUT_S, FIELD, Constraint, check_grammar
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingLimits, SamplingParams
@@ -127,3 +130,30 @@ def validate_embed(request: pb.EmbedRequest, limits: Limits) -> None:
             f"inputs hold {what} together, above the limit of {limits.max_embed_chars}; split the request"
         )
     _validate_model(request.model, limits)
+class GrammarChecks:
+    """The gateway's check of a structured-output constraint before it is forwarded (llguidance's grammar
+    check, without the vocabulary: a worker's compile error would reach the caller only as a generic
+    message). Runs in a thread, bounded by ``timeout_s``; constraints that passed are remembered (LRU)."""
+
+    def __init__(self, timeout_s: float = COMPILE_TIMEOUT_S, entries: int = 256) -> None:
+        self.timeout_s = timeout_s
+        self._passed: OrderedDict[str, None] = OrderedDict()
+        self._entries = entries
+
+    async def check(self, sampling: SamplingParams | None) -> None:
+        constraint: Constraint | None = None if sampling is None else sampling.structured
+        if constraint is None:
+            return
+        if constraint.digest in self._passed:
+            self._passed.move_to_end(constraint.digest)
+            return
+        try:
+            await asyncio.wait_for(asyncio.to_thread(check_grammar, constraint), self.timeout_s)
+        except TimeoutError:
+            raise InvalidArgument(
+                f"{FIELD}: the {constraint.kind} did not compile within the limit of {self.timeout_s:g} s; "
+                "simplify it (fewer alternatives, smaller counted repetitions)"
+            ) from None
+        self._passed[constraint.digest] = None
+        while len(self._passed) > self._entries:
+            self._passed.popitem(last=False)

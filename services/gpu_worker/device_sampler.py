@@ -23,11 +23,17 @@ it (minus the frequency and presence penalties; -inf on EOS before ``min_tokens`
 them on the device and writes only each penalised row's sparse entries (one host-to-device copy per
 buffer); a row without penalties is all 0 / 1 / 0, which leaves its logits bit-identical, so one row's
 penalties never change another's tokens. A batch without any penalised row skips them (its own graph).
+
+Structured output (services/worker/grammar.py): a constrained row's allowed tokens arrive as a bitmask
+(int32 words, one bit per token) in a ``[max_rows, words]`` buffer, unpacked on the device and applied
+after the penalties (a disallowed token's logit becomes -inf); other rows' words are all ones, which
+leaves their logits bit-identical. A batch without any constrained row skips it (its own graph).
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -111,6 +117,8 @@ class SamplingBuffers:
         self.seed_hi = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.step = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.max_rows = max_rows
+        self._bitmask: Tensor | None = None
+        self._shifts = torch.arange(32, dtype=torch.int32, device=device)
 
     def _penalty_buffers(self, vocab: int) -> tuple[Tensor, Tensor, Tensor]:
         if self._pre is None or self._scale is None or self._post is None or self.vocab != vocab:
@@ -162,6 +170,31 @@ class SamplingBuffers:
                 dst.index_put_((index[0], index[1]), torch.from_numpy(np.concatenate(vals)).to(self.device))
         return True
 
+    def _mask_buffer(self, words: int) -> Tensor:
+        if self._bitmask is None or self._bitmask.shape[1] != words:
+            self._bitmask = torch.full((self.max_rows, words), -1, dtype=torch.int32, device=self.device)
+        return self._bitmask
+
+    def fill_masks(self, masks: Sequence[np.ndarray | None], vocab: int) -> bool:
+        """Write each constrained row's allowed-token bitmask (other rows, and padding rows, allow every
+        token); returns whether any row is constrained (False: the buffer is not read, nor written)."""
+        if all(m is None for m in masks):
+            return False
+        words = (vocab + 31) // 32
+        host = np.full((self.max_rows, words), -1, dtype=np.int32)
+        for row, mask in enumerate(masks):
+            if mask is not None:
+                host[row] = mask[:words]
+        self._mask_buffer(words).copy_(torch.from_numpy(host), non_blocking=self.device.type == "cuda")
+        return True
+
+    def constrain(self, logits: Tensor) -> Tensor:
+        """``logits`` ``[rows, vocab]`` with each row's disallowed tokens (the bitmask buffer) at -inf."""
+        n, vocab = logits.shape
+        bitmask = self._mask_buffer((vocab + 31) // 32)[:n]
+        allowed = ((bitmask[:, :, None] >> self._shifts) & 1).reshape(n, -1)[:, :vocab].bool()
+        return logits.masked_fill(~allowed, float("-inf"))
+
     def penalize(self, logits: Tensor) -> Tensor:
         """``logits`` ``[rows, vocab]`` with the first ``rows`` rows of the penalty buffers applied."""
         n = logits.shape[0]
@@ -192,13 +225,15 @@ class SamplingBuffers:
     def _copy(dst: Tensor, values: list[bool] | list[float] | list[int]) -> None:
         dst.copy_(torch.tensor(values, dtype=dst.dtype), non_blocking=dst.device.type == "cuda")
 
-    def sample(self, logits: Tensor, *, sampled: bool, penalized: bool = False) -> Tensor:
+    def sample(self, logits: Tensor, *, sampled: bool, penalized: bool = False, constrained: bool = False) -> Tensor:
         """Token ids ``[rows]`` (int64, on the device) for ``logits`` ``[rows, vocab]`` float32, reading the
         first ``rows`` entries of every buffer. ``sampled=False`` skips the sampling arithmetic (greedy
-        batch); ``penalized`` applies the penalty buffers first."""
+        batch); ``penalized`` applies the penalty buffers first, ``constrained`` then the token masks."""
         n = logits.shape[0]
         if penalized:
             logits = self.penalize(logits)
+        if constrained:
+            logits = self.constrain(logits)
         best = logits.argmax(dim=-1)
         if not sampled:
             return best
@@ -220,11 +255,17 @@ class SamplingBuffers:
 
 
 def sample_rows(
-    logits: Tensor, rows: list[RowSampling], steps: list[int], penalties: list[Penalties | None] | None = None
+    logits: Tensor,
+    rows: list[RowSampling],
+    steps: list[int],
+    penalties: list[Penalties | None] | None = None,
+    masks: Sequence[np.ndarray | None] = (),
 ) -> list[int]:
     """The eager steps' counterpart of the static step's sampling: ``logits`` ``[n, vocab]`` float32 on
     the device, one token id per row (one device-to-host copy)."""
     buffers = SamplingBuffers(len(rows), logits.device)
     sampled = buffers.fill(rows, steps)
     penalized = penalties is not None and buffers.fill_penalties(penalties, logits.shape[-1])
-    return [int(t) for t in buffers.sample(logits, sampled=sampled, penalized=penalized).tolist()]
+    constrained = bool(masks) and buffers.fill_masks(masks, logits.shape[-1])
+    chosen = buffers.sample(logits, sampled=sampled, penalized=penalized, constrained=constrained)
+    return [int(t) for t in chosen.tolist()]

@@ -49,6 +49,7 @@ from services.gpu_worker.sampler import Sampler
 from services.gpu_worker.scheduler import Forward, Scheduler, SeqState
 from services.gpu_worker.tp_kv import KVBlockIO, LocalBlocks
 from services.store.kv_blocks import KVContext
+from services.worker.grammar import GrammarCompiler
 from services.worker.kv_transfer import KVExport, KVImport, KVPrefix
 from services.worker.runner import current_request
 from services.worker.types import EngineInfo, KVUsage, StepInterrupted
@@ -251,6 +252,8 @@ class CloudEngine:
             context_length=cfg.max_positions,
             eos_token_ids=frozenset(_eos_ids(model, allow_download)),
         )
+        self.grammars = GrammarCompiler(self._tokenizer, self._info.vocab_size, self._info.eos_token_ids)
+        """Structured-output constraints compiled for this vocabulary (``submit`` opens one per sequence)."""
         self._lock = threading.Lock()
         self._embed_lock = threading.Lock()
         self._embeds = shard.world == 1 and wrap_forward is None
@@ -282,11 +285,13 @@ class CloudEngine:
         priority: int,
     ) -> SeqState:
         bt = self.block_tokens
+        # Compiled here, on the sequence's thread (bounded); the scheduler advances it over the replay.
+        constraint = None if sampling.structured is None else self.grammars.open(sampling.structured)
         state = SeqState(
             tokens=list(token_ids),
             prompt_len=len(token_ids),
             replay=deque(replay),
-            sampler=Sampler(sampling, token_ids, self._info.eos_token_ids),
+            sampler=Sampler(sampling, token_ids, self._info.eos_token_ids, constraint),
             max_new=max(1, sampling.max_tokens),
             eos=self._info.eos_token_ids,
             priority=priority,
@@ -434,6 +439,7 @@ class CloudEngine:
 
     def close(self) -> None:
         self.scheduler.stop()
+        self.grammars.close()
         if self.redis is not None:
             self.redis.close()
 

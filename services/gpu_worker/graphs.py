@@ -41,6 +41,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import structlog
 import torch
 from torch import Tensor
@@ -121,7 +122,7 @@ class StaticDecoder:
         self.tables = torch.full((max_batch, self.widths[-1]), pad_block, dtype=torch.int64, device=device)
         self.sampling = SamplingBuffers(max_batch, device)
         self.out = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self._graphs: dict[tuple[int, int, bool, bool], _Graph] = {}
+        self._graphs: dict[tuple[int, int, bool, bool, bool], _Graph] = {}
         self._pool: _POOL_HANDLE | None = None
         self.graph_bytes = 0
         """Device memory the captured graphs' pool holds (CUDA; measured around each capture)."""
@@ -144,10 +145,11 @@ class StaticDecoder:
         rows: Sequence[RowSampling],
         steps: Sequence[int],
         penalties: Sequence[Penalties | None] = (),
+        masks: Sequence[np.ndarray | None] = (),
     ) -> list[int]:
-        """The next token of each segment (one device-to-host copy). ``rows``/``steps``/``penalties``: each
-        segment's sampling parameters, how many tokens its sequence has generated (the noise counter)
-        and its penalties (None, or an empty sequence: none)."""
+        """The next token of each segment (one device-to-host copy). ``rows``/``steps``/``penalties``/``masks``:
+        each segment's sampling parameters, how many tokens its sequence has generated (the noise
+        counter), its penalties and its structured-output bitmask (None, or an empty sequence: none)."""
         n = len(segments)
         bt = self.cache.block_tokens
         bucket = _ceil(self.buckets, n)
@@ -162,6 +164,7 @@ class StaticDecoder:
         table += [[self.pad_block] * full] * pad
         sampled = self.sampling.fill(list(rows), list(steps))
         penalized = bool(penalties) and self.sampling.fill_penalties(list(penalties), self.model.config.vocab)
+        constrained = bool(masks) and self.sampling.fill_masks(masks, self.model.config.vocab)
         blocking = self.tokens.device.type != "cuda"
         for dst, values in (
             (self.tokens, tokens),
@@ -173,19 +176,22 @@ class StaticDecoder:
             dst.copy_(torch.tensor(values, dtype=torch.int64), non_blocking=not blocking)
         self.steps += 1
         if self.capture:
-            graph = self._graphs.get((bucket, width, sampled, penalized))
+            key = (bucket, width, sampled, penalized, constrained)
+            graph = self._graphs.get(key)
             if graph is None:
-                self._capture_width(width, sampled, penalized)
-                graph = self._graphs[(bucket, width, sampled, penalized)]
+                self._capture_width(width, sampled, penalized, constrained)
+                graph = self._graphs[key]
             graph.graph.replay()
             self.replays += 1
             out = graph.out
         else:
-            out = self._run(bucket, width, sampled, penalized)
+            out = self._run(bucket, width, sampled, penalized, constrained)
         return [int(t) for t in out[:n].tolist()]
 
     @torch.inference_mode()
-    def _run(self, bucket: int, width: int, sampled: bool, penalized: bool = False) -> Tensor:
+    def _run(
+        self, bucket: int, width: int, sampled: bool, penalized: bool = False, constrained: bool = False
+    ) -> Tensor:
         logits = self.model.decode_fixed(
             self.tokens[:bucket],
             self.positions[:bucket],
@@ -194,7 +200,9 @@ class StaticDecoder:
             self.tables[:bucket, :width],
             self.cache,
         )
-        self.out[:bucket].copy_(self.sampling.sample(logits, sampled=sampled, penalized=penalized))
+        self.out[:bucket].copy_(
+            self.sampling.sample(logits, sampled=sampled, penalized=penalized, constrained=constrained)
+        )
         return self.out
 
     def capture_all(self, width: int | None = None, sampled: bool = False) -> None:
@@ -211,7 +219,7 @@ class StaticDecoder:
             self.tables.fill_(self.pad_block)
             self._capture_width(width or self.widths[0], sampled)
 
-    def _capture_width(self, width: int, sampled: bool, penalized: bool = False) -> None:
+    def _capture_width(self, width: int, sampled: bool, penalized: bool = False, constrained: bool = False) -> None:
         """Capture every batch bucket at ``width``, largest first, into the shared pool.
 
         The static buffers hold the current step's inputs; the warm-up and capture runs write their
@@ -223,7 +231,9 @@ class StaticDecoder:
         stream.wait_stream(torch.cuda.current_stream(self.tokens.device))
         with torch.cuda.stream(stream):
             for bucket in reversed(self.buckets):
-                self._run(bucket, width, sampled, penalized)  # warm-up: kernels chosen, workspaces allocated
+                self._run(
+                    bucket, width, sampled, penalized, constrained
+                )  # warm-up: kernels chosen, workspaces allocated
         torch.cuda.current_stream(self.tokens.device).wait_stream(stream)
         torch.cuda.synchronize(self.tokens.device)
         if self._pool is None:
@@ -232,8 +242,8 @@ class StaticDecoder:
             graph = torch.cuda.CUDAGraph()
             # thread_local: a speculative verify pass or a KV import on another thread may use CUDA meanwhile.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                out = self._run(bucket, width, sampled, penalized)
-            self._graphs[(bucket, width, sampled, penalized)] = _Graph(graph, out)
+                out = self._run(bucket, width, sampled, penalized, constrained)
+            self._graphs[(bucket, width, sampled, penalized, constrained)] = _Graph(graph, out)
         torch.cuda.synchronize(self.tokens.device)
         self.graph_bytes += torch.cuda.memory_reserved(self.tokens.device) - before
         log.info(
@@ -241,6 +251,7 @@ class StaticDecoder:
             width_blocks=width,
             sampled=sampled,
             penalized=penalized,
+            constrained=constrained,
             buckets=len(self.buckets),
             seconds=round(time.monotonic() - began, 2),
             graph_bytes=self.graph_bytes,

@@ -2,8 +2,9 @@
 
 Uses transformers' own logits warpers in ``generate``'s order and a per-sequence
 ``torch.Generator``, so a seed reproduces its tokens whatever else shares the batch. The sequence's
-penalties, ``logit_bias`` and ``min_tokens`` (:mod:`services.worker.penalties`) adjust its row first;
-the device sampler applies the same numbers from :attr:`Sampler.penalties`.
+penalties, ``logit_bias`` and ``min_tokens`` (:mod:`services.worker.penalties`) adjust its row first,
+then its structured-output constraint (:mod:`services.worker.grammar`) masks it; the device sampler
+applies the same numbers from :attr:`Sampler.penalties` and the same mask from :attr:`Sampler.constraint`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import cast
 
+import numpy as np
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -21,6 +23,7 @@ from transformers.generation.logits_process import (
 
 from services.common.sampling import SamplingParams
 from services.gpu_worker.device_sampler import RowSampling
+from services.worker.grammar import TokenConstraint
 from services.worker.penalties import Penalties, penalties_for
 
 _NO_IDS = cast(torch.LongTensor, torch.zeros(1, 1, dtype=torch.long))
@@ -29,10 +32,18 @@ _NO_IDS = cast(torch.LongTensor, torch.zeros(1, 1, dtype=torch.long))
 class Sampler:
     """Chooses one sequence's tokens (not thread-safe; the scheduler thread calls it)."""
 
-    def __init__(self, sampling: SamplingParams, prompt_ids: Iterable[int] = (), eos_ids: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        sampling: SamplingParams,
+        prompt_ids: Iterable[int] = (),
+        eos_ids: Iterable[int] = (),
+        constraint: TokenConstraint | None = None,
+    ) -> None:
         self.greedy = sampling.greedy
         self.penalties: Penalties | None = penalties_for(sampling, prompt_ids, eos_ids)
         """The sequence's penalties (None: none asked for); :meth:`record` keeps them current."""
+        self.constraint = constraint
+        """The sequence's structured-output grammar state (None: unconstrained); :meth:`record` advances it."""
         self.row = RowSampling.from_config(sampling)
         """The same parameters for the device sampler (engines running static decode steps use it)."""
         self._warpers = LogitsProcessorList()
@@ -51,14 +62,24 @@ class Sampler:
                 self._rng.seed()
 
     def record(self, token: int) -> None:
-        """``token`` was generated (or replayed): the penalties count it, whichever sampler chose it."""
+        """``token`` was generated (or replayed): the penalties count it and the grammar advances over it,
+        whichever sampler chose it."""
         if self.penalties is not None:
             self.penalties.record(token)
+        if self.constraint is not None:
+            self.constraint.advance(token)
+
+    def mask(self) -> np.ndarray | None:
+        """The allowed next tokens as a bitmask for the device sampler (None: unconstrained)."""
+        return None if self.constraint is None else self.constraint.bitmask()
 
     def pick(self, logits: torch.Tensor) -> int:
         """The next token from a ``[1, vocab]`` float32 logits row (the caller then calls :meth:`record`)."""
         if self.penalties is not None:
             logits = apply_penalties(logits, self.penalties)
+        if self.constraint is not None:
+            allowed = torch.from_numpy(self.constraint.allowed()).to(logits.device)
+            logits = logits.masked_fill(~allowed[None, : logits.shape[-1]], float("-inf"))
         if self.greedy:
             return int(torch.argmax(logits, dim=-1).item())
         scores = self._warpers(_NO_IDS, logits.cpu())

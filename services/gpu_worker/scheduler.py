@@ -276,10 +276,12 @@ class Scheduler:
         rows = [seq.sampler.row for seq, _ in plan]
         steps = [seq.generated for seq, _ in plan]
         penalties = [seq.sampler.penalties for seq, _ in plan]
+        # A row that needs no token now (prefill chunk, replay) still gets its grammar's mask: harmless.
+        masks = [seq.sampler.mask() for seq, _ in plan]
         if static.fits(segments):
-            return [], static.step(segments, rows, steps, penalties)
+            return [], static.step(segments, rows, steps, penalties, masks)
         logits = self.forward(segments)
-        return logits, sample_rows(torch.cat([row[-1:] for row in logits]), rows, steps, penalties)
+        return logits, sample_rows(torch.cat([row[-1:] for row in logits]), rows, steps, penalties, masks)
 
     def _run_imports(self) -> None:
         while self.imports:

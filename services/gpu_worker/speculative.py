@@ -307,6 +307,6 @@ def draft_factory(model: Any, max_length: int) -> Callable[[list[int]], Draft]:
 
 
 def greedy_only(sampling: SamplingParams) -> bool:
-    """Whether a request is speculated (greedy ones only, without penalties: the draft and the verify
-    pass apply none; see the module docstring)."""
-    return sampling.greedy and not sampling.penalized
+    """Whether a request is speculated (greedy ones only, without penalties or a structured-output
+    constraint: the draft and the verify pass apply none; see the module docstring)."""
+    return sampling.greedy and not sampling.penalized and sampling.structured is None

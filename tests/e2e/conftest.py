@@ -10,6 +10,7 @@ import pytest
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.controlplane.frontdoor import FrontDoor
 from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
 from tests.helpers import RedisServer
 
@@ -37,6 +38,13 @@ async def mesh(redis_srv: RedisServer) -> AsyncIterator[Mesh]:
 async def gateway(mesh: Mesh) -> AsyncIterator[inference_pb2_grpc.InferenceStub]:
     async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
         yield inference_pb2_grpc.InferenceStub(channel)
+
+
+@pytest.fixture(scope="session")
+async def frontdoor(mesh: Mesh) -> AsyncIterator[FrontDoor]:
+    """Envoy + the HTTP adapter in front of the session mesh, started once for the modules that use it."""
+    async with FrontDoor([mesh.gateway_address], _sink) as running:
+        yield running
 
 
 def auth(key: str = API_KEY) -> tuple[tuple[str, str], ...]:

@@ -4,13 +4,16 @@ The OpenAI shapes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``
 proto (messages vs turns, ``choices``, ``stop`` as string or list), which is why Envoy's gRPC-JSON
 transcoder cannot speak them on its own; this module is the whole difference.
 Unsupported fields that change the answer (``n`` > 1, ``logprobs``, ``echo``, tools, ``min_p``,
-structured output, audio) are refused with 400 rather than silently ignored, unless they hold their
+audio) are refused with 400 rather than silently ignored, unless they hold their
 neutral value (``tool_choice: "none"``, ...: clients send defaults). Fields that only tune delivery or
 bookkeeping (``user``, ``metadata``, ``store``, ...) and unknown fields are accepted and ignored, as
 many OpenAI-compatible servers do (new OpenAI fields keep working). ``frequency_penalty``,
 ``presence_penalty`` and ``logit_bias`` are OpenAI's; ``top_k``, ``repetition_penalty`` and
 ``min_tokens`` are vLLM's extensions, honoured as vLLM takes them in the body. Their ranges are
 checked once, by the gateway (services/common/sampling.py); here only their JSON types.
+``response_format`` (``text``, ``json_object``, ``json_schema``; chat and completions, as vLLM) becomes
+``SamplingParams.structured`` after the cheap checks of services/common/constraints.py, here, so a
+bad schema is a 400 that names ``response_format``.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from services.common.constraints import Constraint, check_constraint, json_schema_constraint
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import MAX_SEED
+from services.common.sampling_pb import structured_to_pb
 
 OWNED_BY = "meshserve"
 
@@ -64,7 +69,6 @@ _UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = (
     ("suffix", ("",), "suffix is not supported"),
     ("best_of", (1,), "best_of is not supported"),
     ("min_p", (0,), "min_p is not supported"),
-    ("response_format", ({"type": "text"},), "structured output (json_object / json_schema) is not supported"),
     ("modalities", (["text"],), "only text output is supported"),
     ("audio", (), "audio output is not supported"),
     ("web_search_options", (), "web search is not supported"),
@@ -207,7 +211,44 @@ def _common(body: dict[str, Any]) -> tuple[Parsed, pb.SamplingParams]:
     sampling.min_tokens = _int(body, "min_tokens") or 0
     for token, bias in _logit_bias(body).items():
         sampling.logit_bias[token] = bias
+    structured = _response_format(body)
+    if structured is not None:
+        sampling.structured.CopyFrom(structured_to_pb(structured))
     return Parsed(model, stream, include_usage), sampling
+
+
+def _response_format(body: dict[str, Any]) -> Constraint | None:
+    """OpenAI's ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}``, or
+    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}``. The output
+    is held to the schema whatever ``strict`` says (a constrained decoder cannot do less)."""
+    value = body.get("response_format")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise InvalidArgument("'response_format' must be an object such as {'type': 'json_object'}")
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return check_constraint("json_object", field="response_format")
+    if kind != "json_schema":
+        raise InvalidArgument(
+            f"'response_format' type {_show(kind)} is not supported; use 'text', 'json_object' or 'json_schema'"
+        )
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidArgument(
+            "'response_format.json_schema' must be an object such as {'name': 'answer', 'schema': {...}}"
+        )
+    name = spec.get("name", "")
+    if not isinstance(name, str) or len(name) > 64:
+        raise InvalidArgument("'response_format.json_schema.name' must be a string of at most 64 characters")
+    if not isinstance(spec.get("strict", False), bool | None):
+        raise InvalidArgument("'response_format.json_schema.strict' must be true or false")
+    schema = spec.get("schema")
+    if schema is None:
+        raise InvalidArgument("'response_format.json_schema.schema' is missing; send the JSON Schema object")
+    return json_schema_constraint(schema, field="response_format.json_schema.schema")
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:

@@ -225,7 +225,7 @@ async def test_stream_chunks_carry_null_usage_until_the_usage_chunk(stack: Stack
         ({"seed": 2**64}, 400),  # was 500 (protobuf's range error)
         ({"max_tokens": 2**32}, 400),  # was 500
         ({"frequency_penalty": 2.5}, 400),  # out of range (the gateway refuses it)
-        ({"response_format": {"type": "json_object"}}, 400),  # was silently ignored
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, 400),  # not a schema
         ({"frequency_penalty": 0, "presence_penalty": 0, "user": "u", "seed": -3, "top_k": 4}, 200),
     ],
 )

@@ -127,7 +127,12 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
         ({"logit_bias": {"5": "x"}}, "'logit_bias' value for token 5 must be a number"),
         ({"min_tokens": -1}, "'min_tokens' must be between 0"),
         ({"min_tokens": 1.5}, "'min_tokens' must be an integer"),
-        ({"response_format": {"type": "json_object"}}, "structured output"),
+        ({"response_format": {"type": "xml"}}, "'response_format' type 'xml' is not supported"),
+        ({"response_format": "json"}, "'response_format' must be an object"),
+        ({"response_format": {"type": "json_schema"}}, "'response_format.json_schema' must be an object"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema' is missing"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "must be a JSON object"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "y"}}}, "strict"),
         ({"tool_choice": "required"}, "tool calls are not supported"),
         ({"modalities": ["text", "audio"]}, "only text output"),
         ({"audio": {"voice": "alloy"}}, "audio output is not supported"),
@@ -151,6 +156,17 @@ def test_fields_that_would_change_the_answer_or_do_not_fit_are_refused(extra: di
 def test_neutral_values_and_bookkeeping_fields_are_accepted(extra: dict[str, object]) -> None:
     parsed, _ = oa.chat_request({**CHAT, **extra})
     assert parsed.stream is False
+
+
+def test_response_format_becomes_the_structured_constraint() -> None:
+    _, chat = oa.chat_request({**CHAT, "response_format": {"type": "json_object"}})
+    assert chat.turn.sampling.structured.json_object
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    strict = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
+    _, completion = oa.completion_request({"prompt": "p", "response_format": strict})
+    assert json.loads(completion.sampling.structured.json_schema) == schema
+    _, plain = oa.chat_request({**CHAT, "response_format": {"type": "text"}})
+    assert not plain.turn.sampling.HasField("structured")
 
 
 def test_completion_defaults_that_change_nothing_are_accepted() -> None:

@@ -144,6 +144,7 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    STRUCTURED_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Maximum number of tokens to generate; 0 means the server default (256, or fewer where the prompt
     leaves less room in the model's context).
@@ -190,6 +191,12 @@ class SamplingParams(_message.Message):
         below the model's vocabulary size.
         """
 
+    @_builtins.property
+    def structured(self) -> Global___StructuredOutput:
+        """Structured output: the generated text must match this constraint (JSON schema, any JSON object,
+        regex or Lark grammar; see StructuredOutput and docs/structured_output.md). Unset: no constraint.
+        """
+
     def __init__(
         self,
         *,
@@ -204,10 +211,11 @@ class SamplingParams(_message.Message):
         repetition_penalty: _builtins.float | None = ...,
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         min_tokens: _builtins.int = ...,
+        structured: Global___StructuredOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "repetition_penalty", b"repetition_penalty", "seed", b"seed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "structured", b"structured"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "structured", b"structured", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
@@ -219,6 +227,53 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class StructuredOutput(_message.Message):
+    """A constraint on the generated text (structured output), enforced by masking every decode step's
+    logits to the tokens that keep the text a prefix of the language; EOS is allowed only where the
+    text is complete. A turn cut by max_tokens (FINISH_REASON_LENGTH) may end before the text is
+    complete (e.g. unfinished JSON), as with OpenAI. Text limits: 32768 UTF-8 bytes; a JSON schema
+    nests at most 64 levels; a worker compiles it within 2 s. Violations are INVALID_ARGUMENT naming
+    sampling.structured and the limit.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """A JSON Schema (JSON text of an object): the output is JSON valid against it (llguidance's JSON
+    Schema subset: types, properties, required, additionalProperties, items, enum, const, anyOf,
+    oneOf, allOf, $ref/$defs, pattern, format, min/max bounds).
+    """
+    json_object: _builtins.bool
+    """true: the output is one JSON object (OpenAI's JSON mode); false is the same as unset."""
+    regex: _builtins.str
+    """The whole output matches this regular expression (Rust regex syntax, no look-around)."""
+    grammar: _builtins.str
+    """The output matches this Lark grammar (llguidance's Lark dialect: a `start` rule, lowercase
+    rules, UPPERCASE tokens, /regex/ terminals, %json {...} to embed a JSON schema).
+    """
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        json_object: _builtins.bool = ...,
+        regex: _builtins.str = ...,
+        grammar: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grammar", b"grammar", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_schema", "json_object", "regex", "grammar"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___StructuredOutput: _TypeAlias = StructuredOutput  # noqa: Y015
 
 @_typing.final
 class RoutingOptions(_message.Message):

@@ -1,0 +1,69 @@
+"""Structured output on the batched edge engine with the real INT4 model: the output matches the
+constraint, a constrained row decodes the same alone and in a batch, and a resumed stream continues exactly."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from services.common.constraints import check_constraint
+from services.common.sampling import SamplingParams
+from services.edge_worker.batched import BatchedEngine
+from tests.integration.edge_worker.test_batched_engine import PROMPTS, chat, engine, generate, steps, together
+
+__all__ = ["engine"]  # the module-scoped engine fixture of test_batched_engine
+
+DATE = SamplingParams(max_tokens=12, structured=check_constraint("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"))
+PERSON = SamplingParams(
+    max_tokens=40,
+    structured=check_constraint(
+        "json_schema",
+        json.dumps(
+            {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+                "required": ["name", "age"],
+                "additionalProperties": False,
+            }
+        ),
+    ),
+)
+
+
+def until_eos(engine: BatchedEngine, ids: list[int], sampling: SamplingParams) -> list[int]:
+    out = generate(engine, ids, sampling.max_tokens, sampling)
+    eos = engine.info.eos_token_ids
+    return out[: next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]
+
+
+def test_the_output_matches_the_constraint_and_ends_with_eos(engine: BatchedEngine) -> None:
+    ids = chat(engine, "When did the first person land on the moon?")
+    date = until_eos(engine, ids, DATE)
+    assert date[-1] in engine.info.eos_token_ids
+    assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", engine.tokenizer.decode(date[:-1]))
+    person = until_eos(engine, chat(engine, "Describe a person as JSON."), PERSON)
+    value = json.loads(engine.tokenizer.decode(person[:-1]))
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+
+
+def test_a_constrained_row_decodes_the_same_alone_and_in_a_batch(engine: BatchedEngine) -> None:
+    prompts = [chat(engine, p) for p in PROMPTS]
+    alone = generate(engine, prompts[1], 12, DATE)
+    plain = [generate(engine, p, 12) for p in prompts]
+    jobs = [lambda p=p: generate(engine, p, 12) for p in prompts]
+    jobs[1] = lambda: generate(engine, prompts[1], 12, DATE)
+    jobs.append(lambda: generate(engine, prompts[2], 12, PERSON))
+    got = together(jobs)
+    assert got[1] == alone
+    assert got[:1] + got[2:4] == plain[:1] + plain[2:]  # the mask never touches another row
+
+
+def test_a_resumed_constrained_stream_continues_like_the_undisturbed_run(engine: BatchedEngine) -> None:
+    """The replayed tokens advance the grammar: the rest is the undisturbed run's, still valid."""
+    ids = chat(engine, "Describe a person as JSON.")
+    undisturbed = generate(engine, ids, 12, PERSON)
+    resumed = engine.start(ids, PERSON, replay=undisturbed[:5])
+    try:
+        assert steps(resumed, 7) == undisturbed[5:]
+    finally:
+        resumed.close()
