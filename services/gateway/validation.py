@@ -130,6 +130,8 @@ def validate_embed(request: pb.EmbedRequest, limits: Limits) -> None:
             f"inputs hold {what} together, above the limit of {limits.max_embed_chars}; split the request"
         )
     _validate_model(request.model, limits)
+
+
 class GrammarChecks:
     """The gateway's check of a structured-output constraint before it is forwarded (llguidance's grammar
     check, without the vocabulary: a worker's compile error would reach the caller only as a generic
