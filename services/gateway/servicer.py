@@ -340,7 +340,13 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                         events.get_nowait()
                     if isinstance(event.event, Chunk):
                         observed.frame(len(event.event.token_ids), None, turns[0] if turns else None)
-                        frame = pb.ChatResponse(turn=event.turn, token_ids=event.event.token_ids, text=event.event.text)
+                        chunk = event.event
+                        frame = pb.ChatResponse(
+                            turn=event.turn,
+                            token_ids=chunk.token_ids,
+                            text=chunk.text,
+                            tool_calls=convert.tool_calls_pb(chunk.tool_calls),
+                        )
                     else:
                         final = convert.done_pb(event.event)
                         observed.frame(0, final, turns[0] if turns else None)

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from array import array
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import aclosing
+from dataclasses import replace
 from functools import partial
+from typing import Any
 
 from services.common import tracing
 from services.common.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted
@@ -34,11 +37,21 @@ from services.common.metrics import REQUEST_DURATION, TOKENS
 from services.common.sampling import SamplingParams
 from services.router.core import SERVICE, Router, Session
 from services.router.policy import TierName
+from services.router.tool_parser import ToolCallParser
+from services.router.tools import (
+    ToolCallDelta,
+    ToolChoiceMode,
+    calls_possible,
+    effective_choice,
+    prompt_tools,
+    tools_key,
+)
 from services.router.types import (
     ChatTurn,
     Chunk,
     Done,
     Event,
+    FinishReason,
     Generation,
     ModelInfo,
     PendingAdmission,
@@ -198,9 +211,12 @@ class RouterAPI:
             self._encoded.put(prompt, ids)
         return ids
 
-    async def encode_chat(self, conversation: list[dict[str, str]]) -> list[int]:
-        size = sum(len(m["content"]) for m in conversation)
-        return await self._encode(partial(self.router.tokenizer.apply_chat_template, conversation), size)
+    async def encode_chat(
+        self, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        size = sum(len(m["content"]) for m in conversation) + (len(json.dumps(tools)) if tools else 0)
+        encode = partial(self.router.tokenizer.apply_chat_template, conversation, True, tools)
+        return await self._encode(encode, size)
 
 
 class ChatSession:
@@ -264,7 +280,7 @@ class ChatSession:
         """The events of every turn, in order, until :meth:`end` (or an error)."""
         api = self._api
         session = Session(chat=True)
-        messages: list[dict[str, str]] = []
+        messages: list[dict[str, Any]] = []
         hint: TierName | None = None
         index = 0
         try:
@@ -274,24 +290,38 @@ class ChatSession:
                         api.check_model(turn.model)
                     if not turn.messages:
                         raise InvalidArgument("a chat turn needs at least one message")
-                    conversation = messages + [{"role": m.role, "content": m.content} for m in turn.messages]
-                    ids = await api.encode_chat(conversation)
+                    conversation = messages + [m.as_dict() for m in turn.messages]
+                    choice = effective_choice(turn.tools, turn.tool_choice)
+                    ids = await api.encode_chat(conversation, prompt_tools(turn.tools, choice))
                     req = api.turn_request(ids, turn.sampling, turn.routing, self._tenant, self._request_id)
                     req.timeout = _time_left(self._deadline)
+                    req.tools_key = tools_key(turn.tools, choice)
                     if index == 0:
                         hint = req.hint
                     req.hint = hint  # later turns stay where the first one went
                     self._cancel = cancel = asyncio.Event()
-                    reply: list[str] = []
+                    reply = _Reply()
+                    parser = None
+                    if calls_possible(turn.tools, choice):
+                        named = choice.mode is ToolChoiceMode.FUNCTION
+                        parser = ToolCallParser(
+                            [choice.function_name] if named else [t.name for t in turn.tools],
+                            parallel=choice.parallel,
+                            bare_json=named or choice.mode is ToolChoiceMode.REQUIRED,
+                        )
                     async with aclosing(api.router.run_turn(req, session, cancel)) as events:
                         async for event in events:
                             obs.record(event)
-                            if isinstance(event, Chunk):
-                                reply.append(event.text)
+                            if parser is not None:
+                                for parsed in _parsed(parser, event):
+                                    reply.add(parsed)
+                                    yield TurnEvent(index, parsed)
+                                continue
+                            reply.add(event)
                             yield TurnEvent(index, event)
                     self._cancel = None
                     # The conversation keeps what the caller saw, also of a cancelled turn.
-                    messages = [*conversation, {"role": "assistant", "content": "".join(reply)}]
+                    messages = [*conversation, reply.message()]
                     index += 1
         finally:
             self._ended = True
@@ -305,6 +335,49 @@ class ChatSession:
             with observe():  # a turn refused at the edge is a turn that failed
                 raise item
         return item
+
+
+def _parsed(parser: ToolCallParser, event: Event) -> list[Event]:
+    """``event`` with its text split into content and tool calls; a Done first flushes the parser and
+    ends a turn that called tools with TOOL_CALLS (as OpenAI's ``finish_reason: "tool_calls"``)."""
+    if isinstance(event, Chunk):
+        content, deltas = parser.feed(event.text)
+        return [Chunk(event.token_ids, content, deltas)]
+    content, deltas = parser.finish()
+    out: list[Event] = [Chunk((), content, deltas)] if content or deltas else []
+    if parser.calls and event.finish_reason in (FinishReason.STOP, FinishReason.STOP_STRING):
+        event = replace(event, finish_reason=int(FinishReason.TOOL_CALLS))
+    out.append(event)
+    return out
+
+
+class _Reply:
+    """The assistant's answer as the caller saw it: content and calls, for the next turn's conversation."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.calls: dict[int, list[str]] = {}  # index -> [id, name, arguments]
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, Chunk):
+            self.text.append(event.text)
+            for delta in event.tool_calls:
+                self._delta(delta)
+
+    def _delta(self, delta: ToolCallDelta) -> None:
+        call = self.calls.setdefault(delta.index, ["", "", ""])
+        call[0] = delta.id or call[0]
+        call[1] = delta.name or call[1]
+        call[2] += delta.arguments
+
+    def message(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
+        if self.calls:
+            out["tool_calls"] = [
+                {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                for i, n, a in (self.calls[k] for k in sorted(self.calls))
+            ]
+        return out
 
 
 class _Observation:
