@@ -86,6 +86,7 @@ class ToolCallParser:
         self._in_string = False
         self._escape = False
         self._arguments_begun = False
+        self._text_since_call = False
         self.calls = 0
         """Calls started so far."""
 
@@ -126,7 +127,8 @@ class ToolCallParser:
             self._ws += text
             return
         if self.calls:  # content after a call: whitespace around calls stays dropped
-            out.append(text)
+            out.append(text if self._text_since_call else text.lstrip())
+            self._text_since_call = True
         else:
             out.append(self._ws + text)
         self._ws = ""
@@ -313,6 +315,7 @@ class ToolCallParser:
 
     def _after_call(self) -> None:
         self._raw = ""
+        self._text_since_call = False
         self._state = _State.TEXT if self._parallel or not self.calls else _State.DROP
 
     def _whole_calls(self, body: str, deltas: list[ToolCallDelta]) -> bool:

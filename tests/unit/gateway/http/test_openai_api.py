@@ -227,3 +227,71 @@ def test_stream_chunks_carry_null_usage_when_usage_is_asked_for() -> None:
 )
 def test_invalid_unicode_field_names_the_first_bad_string(raw: str, where: str | None) -> None:
     assert oa.invalid_unicode_field(json.loads(raw)) == where
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tools_tool_choice_and_tool_messages_become_the_turns_fields() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"P"}'}}
+    body = {
+        "messages": [
+            {"role": "user", "content": "Weather?", "name": "ann"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "21 C"}]},
+        ],
+        "tools": [WEATHER_TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "parallel_tool_calls": False,
+    }
+    parsed, request = oa.chat_request(body)
+    turn = request.turn
+    assert parsed.tools
+    (tool,) = turn.tools
+    assert (tool.name, tool.description) == ("get_weather", "The weather")
+    assert json.loads(tool.parameters_json) == WEATHER_TOOL["function"]["parameters"]  # type: ignore[index]
+    assert turn.tool_choice.mode == pb.TOOL_CHOICE_FUNCTION and turn.tool_choice.function_name == "get_weather"
+    assert turn.tool_choice.parallel_tool_calls is False
+    assert turn.messages[0].name == "ann"
+    assert list(turn.messages[1].tool_calls) == [pb.ToolCall(id="call_1", name="get_weather", arguments='{"city":"P"}')]
+    assert (turn.messages[2].role, turn.messages[2].tool_call_id, turn.messages[2].content) == (
+        "tool",
+        "call_1",
+        "21 C",
+    )
+    none, _ = oa.chat_request({**CHAT, "tools": [WEATHER_TOOL], "tool_choice": "none"})
+    assert not none.tools
+    _, plain = oa.chat_request(CHAT)
+    assert not plain.turn.HasField("tool_choice") and not plain.turn.tools
+
+
+def test_tool_call_deltas_are_openais_stream_shape() -> None:
+    deltas = [
+        pb.ToolCallDelta(index=0, id="call_1", name="get_weather", arguments=""),
+        pb.ToolCallDelta(index=0, arguments='{"city"'),
+        pb.ToolCallDelta(index=1, id="call_2", name="add", arguments="{}"),
+    ]
+    assert oa.tool_call_deltas(deltas) == [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"city"'}},
+        {"index": 1, "id": "call_2", "type": "function", "function": {"name": "add", "arguments": "{}"}},
+    ]
+    final = pb.Final(finish_reason=pb.FINISH_REASON_TOOL_CALLS)
+    body = oa.chat_completion("r", "m", "", final, [*deltas, pb.ToolCallDelta(index=0, arguments=': "P"}')])
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "add", "arguments": "{}"}},
+        ],
+    }
