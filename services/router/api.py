@@ -42,6 +42,7 @@ from services.router.tools import (
     ToolCallDelta,
     ToolChoiceMode,
     calls_possible,
+    constrained,
     effective_choice,
     prompt_tools,
     tools_key,
@@ -293,7 +294,8 @@ class ChatSession:
                     conversation = messages + [m.as_dict() for m in turn.messages]
                     choice = effective_choice(turn.tools, turn.tool_choice)
                     ids = await api.encode_chat(conversation, prompt_tools(turn.tools, choice))
-                    req = api.turn_request(ids, turn.sampling, turn.routing, self._tenant, self._request_id)
+                    sampling = constrained(turn.sampling, turn.tools, choice)
+                    req = api.turn_request(ids, sampling, turn.routing, self._tenant, self._request_id)
                     req.timeout = _time_left(self._deadline)
                     req.tools_key = tools_key(turn.tools, choice)
                     if index == 0:

@@ -21,6 +21,7 @@ from typing import Any
 
 from services.common.chat_tools import CALL_CLOSE, CALL_OPEN
 from services.common.errors import InvalidArgument
+from services.common.sampling import SamplingParams
 
 MAX_TOOLS = 128
 """Most tools per turn (OpenAI's limit)."""
@@ -104,6 +105,14 @@ class ToolCallDelta:
     id: str = ""
     name: str = ""
     arguments: str = ""
+
+
+CONSTRAINT_APPLIED = False
+"""Whether :func:`constrained` applies :func:`tool_constraint` to a turn's sampling. False until the
+structured-output machinery (SamplingParams' structured output, field 28 of the public proto) is in
+this tree: until then a turn with tools is unconstrained, ``required`` and a named function are
+honoured only as far as the model follows the prompt, and the tests that need the constraint are
+skipped (tests/e2e/test_tools.py)."""
 
 
 @dataclass(frozen=True)
@@ -280,3 +289,16 @@ def tool_constraint(tools: Sequence[Tool], choice: ToolChoice) -> ToolConstraint
         )
     )
     return ToolConstraint("grammar", grammar)
+
+
+def constrained(sampling: SamplingParams, tools: Sequence[Tool], choice: ToolChoice) -> SamplingParams:
+    """``sampling`` with the turn's tool constraint applied (the one place the router applies it).
+
+    Today the identity (:data:`CONSTRAINT_APPLIED` is False). Once SamplingParams carries a structured
+    output, this sets it from :func:`tool_constraint` (``json_schema`` -> its JSON-schema form,
+    ``grammar`` -> its Lark-grammar form), refuses a turn that also sets its own structured output
+    (INVALID_ARGUMENT naming ``response_format``/``structured_output`` and ``tools``), and
+    :data:`CONSTRAINT_APPLIED` becomes True; the constraint then reaches the response-cache key
+    through ``SamplingParams.canonical()``.
+    """
+    return sampling
