@@ -301,6 +301,9 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                             turn.routing.priority = min(turn.routing.priority, policy.priority)
                             domain_turn = convert.chat_turn(turn, turn_sampling)
                             texts = [m.content for m in turn.messages]
+                            # Tools are prompt text too (rendered by the router): counted in the estimate.
+                            texts += [t.description + t.parameters_json for t in turn.tools]
+                            texts += [c.arguments for m in turn.messages for c in m.tool_calls]
                             turns.append(await self._gate.admit(identity, policy, texts, turn.sampling.max_tokens))
                             observed.prompt(*texts)
                             observed.turn_started()

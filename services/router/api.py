@@ -9,7 +9,9 @@ It records the router's request metrics (duration by status, tokens by tier) for
 
 * :meth:`RouterAPI.generate`: one prompt -> :class:`Chunk` events and one :class:`Done`.
 * :meth:`RouterAPI.chat`: a :class:`ChatSession`; turns in, :class:`TurnEvent`\\ s out; the
-  conversation and the worker stream outlive each turn.
+  conversation and the worker stream outlive each turn. A turn with tools has them rendered by the
+  chat template and its output parsed into tool-call deltas (services/router/tools.py,
+  tool_parser.py; docs/gateway.md, *Tools*).
 * :meth:`RouterAPI.list_models`.
 
 Deadlines are absolute ``time.monotonic()`` instants (None: none); the time left when a turn starts

@@ -255,6 +255,16 @@ def _one_call_schema(tools: Sequence[Tool]) -> dict[str, Any]:
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
+_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""llguidance's JSON layout option (a keyword other JSON-schema tools ignore): the calls' JSON written as
+``json.dumps`` writes it, as the prompt shows it, instead of whatever whitespace the model likes (the
+135M model, left free, indents every key on a line of its own: tokens for nothing)."""
+
+
+def _laid_out(schema: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "x-guidance": _COMPACT}
+
+
 def tool_constraint(tools: Sequence[Tool], choice: ToolChoice) -> ToolConstraint | None:
     """The constraint a turn's generation must obey for its calls to be valid (None: unconstrained).
 
@@ -267,24 +277,27 @@ def tool_constraint(tools: Sequence[Tool], choice: ToolChoice) -> ToolConstraint
       blocks ``<tool_call>\\n{call JSON}\\n</tool_call>`` as the prompt asks for them
       (services/common/chat_tools.py), each call's JSON held to its schema by ``%json``.
 
-    The output under each is what :class:`~services.router.tool_parser.ToolCallParser` parses.
+    Every call's JSON carries llguidance's ``x-guidance`` layout (:data:`_COMPACT`): compact, as
+    ``json.dumps`` writes it. The output under each is what
+    :class:`~services.router.tool_parser.ToolCallParser` parses (tests/unit/router/test_tools.py runs
+    both over the model's vocabulary).
     """
     if not calls_possible(tools, choice):
         return None
     if choice.mode is ToolChoiceMode.FUNCTION:
         tool = next(t for t in tools if t.name == choice.function_name)
-        return ToolConstraint("json_schema", json.dumps(_call_schema(tool)))
+        return ToolConstraint("json_schema", json.dumps(_laid_out(_call_schema(tool))))
     one = _one_call_schema(tools)
     if choice.mode is ToolChoiceMode.REQUIRED:
         schema = {"type": "array", "items": one, "minItems": 1} if choice.parallel else one
-        return ToolConstraint("json_schema", json.dumps(schema))
+        return ToolConstraint("json_schema", json.dumps(_laid_out(schema)))
     calls = 'call ("\\n" call)*' if choice.parallel else "call"
     grammar = "\n".join(
         (
             "start: TEXT | calls",
             f"calls: {calls}",
             f'call: "{CALL_OPEN}\\n" call_json "\\n{CALL_CLOSE}"',
-            f"call_json: %json {json.dumps(one)}",
+            f"call_json: %json {json.dumps(_laid_out(one))}",
             "TEXT: /[^<](.|\\n)*/",
         )
     )

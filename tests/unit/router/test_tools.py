@@ -9,7 +9,10 @@ from typing import Any
 import pytest
 
 from services.common.errors import InvalidArgument
+from services.common.model_paths import model_paths
+from services.common.tokenizer import Tokenizer
 from services.router import tools as t
+from services.router.tool_parser import ToolCallParser
 from services.router.tools import Tool, ToolCall, ToolChoice, ToolChoiceMode
 
 WEATHER = Tool(
@@ -151,3 +154,78 @@ def test_every_constraint_compiles_with_llguidance(choice: ToolChoice) -> None:
         else matcher.grammar_from_json_schema(constraint.value)
     )
     assert matcher.validate_grammar(grammar) == ""
+
+
+CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+OUTPUTS = {
+    "auto": (AUTO, f"<tool_call>\n{CALL}\n</tool_call>\n<tool_call>\n{CALL}\n</tool_call>", 2),
+    "auto-text": (AUTO, "It is sunny in Paris.", 0),
+    "required": (ToolChoice(ToolChoiceMode.REQUIRED), f"[{CALL}, {CALL}]", 2),
+    "required-single": (ToolChoice(ToolChoiceMode.REQUIRED, parallel=False), CALL, 1),
+    "named": (named("get_weather"), CALL, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def matcher_for() -> Any:
+    """A matcher of a constraint over the model's own vocabulary, as the structured-output step builds it."""
+    llguidance = pytest.importorskip("llguidance")
+    vocabulary = llguidance.LLTokenizer(str(model_paths().hf_dir / "tokenizer.json"))
+
+    def make(constraint: t.ToolConstraint) -> Any:
+        m = llguidance.LLMatcher
+        grammar = (
+            m.grammar_from_lark(constraint.value)
+            if constraint.kind == "grammar"
+            else m.grammar_from_json_schema(constraint.value)
+        )
+        return m(vocabulary, grammar)
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(model_paths().hf_dir)
+
+
+@pytest.mark.parametrize("case", list(OUTPUTS))
+def test_output_the_constraint_allows_is_what_the_parser_reads_as_calls(
+    matcher_for: Any, tok: Tokenizer, case: str
+) -> None:
+    """The constraint and the parser agree: text in the prompt's format passes the constraint token by
+    token, and the parser reads exactly the expected calls from it, with schema-valid arguments."""
+
+    choice, text, expected = OUTPUTS[case]
+    constraint = t.tool_constraint([WEATHER, ADD], choice)
+    assert constraint is not None
+    matcher = matcher_for(constraint)
+    for token in tok.encode(text, add_special_tokens=False):
+        assert matcher.consume_token(token), (case, matcher.get_error())
+    assert matcher.is_accepting()
+    names = [choice.function_name] if choice.mode is ToolChoiceMode.FUNCTION else ["get_weather", "add"]
+    parser = ToolCallParser(names, parallel=choice.parallel, bare_json=choice.mode is not ToolChoiceMode.AUTO)
+    content, deltas = parser.feed(text)
+    rest, more = parser.finish()
+    assert parser.calls == expected
+    assert (content + rest == "") == bool(expected)
+    for delta in [*deltas, *more]:
+        assert not delta.id or delta.name == "get_weather"
+    arguments = "".join(d.arguments for d in [*deltas, *more] if d.index == 0)
+    if expected:
+        assert json.loads(arguments) == {"city": "Paris"}
+
+
+def test_the_constraint_holds_calls_to_the_schema_and_the_prompts_layout(matcher_for: Any, tok: Tokenizer) -> None:
+    for choice, bad in (
+        (named("get_weather"), '{"name": "add"'),  # another function than the one named
+        (named("get_weather"), '{"name": "get_weather", "arguments": {"city": 3'),  # city must be a string
+        (ToolChoice(ToolChoiceMode.REQUIRED), "Sure"),  # text where a call is required
+        (AUTO, '<tool_call>\n{"name": "nope"'),  # a function that is not a tool
+        (named("get_weather"), '{\n  "name"'),  # indented, not the prompt's layout
+    ):
+        constraint = t.tool_constraint([WEATHER, ADD], choice)
+        assert constraint is not None
+        matcher = matcher_for(constraint)
+        ok = all(matcher.consume_token(token) for token in tok.encode(bad, add_special_tokens=False))
+        assert not ok, bad
