@@ -284,7 +284,7 @@ def _tools(body: dict[str, Any], turn: pb.ChatTurn) -> None:
             turn.tools.add(
                 name=_string(function.get("name"), f"tools[{i}].function.name"),
                 description=_string(function.get("description"), f"tools[{i}].function.description"),
-                parameters_json=json.dumps(parameters, ensure_ascii=False) if parameters is not None else "",
+                parameters_json=_schema_text(parameters, i) if parameters is not None else "",
             )
     choice = body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
@@ -307,6 +307,13 @@ def _tools(body: dict[str, Any], turn: pb.ChatTurn) -> None:
         )
     turn.tool_choice.mode = pb.TOOL_CHOICE_FUNCTION
     turn.tool_choice.function_name = function["name"]
+
+
+def _schema_text(parameters: dict[str, Any], i: int) -> str:
+    try:
+        return json.dumps(parameters, ensure_ascii=False)
+    except (RecursionError, ValueError):
+        raise InvalidArgument(f"'tools[{i}].function.parameters' is nested too deeply; flatten the schema") from None
 
 
 _TOOL_CHOICE = {"auto": pb.TOOL_CHOICE_AUTO, "none": pb.TOOL_CHOICE_NONE, "required": pb.TOOL_CHOICE_REQUIRED}

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
@@ -295,3 +298,42 @@ def test_tool_call_deltas_are_openais_stream_shape() -> None:
             {"id": "call_2", "type": "function", "function": {"name": "add", "arguments": "{}"}},
         ],
     }
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=5),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=8,
+)
+_function = st.fixed_dictionaries(
+    {},
+    optional={"name": st.sampled_from(["f", "g", "bad name", ""]) | _json, "parameters": _json, "description": _json},
+)
+_tool = st.fixed_dictionaries(
+    {"type": st.sampled_from(["function", "x"]) | _json}, optional={"function": _function | _json}
+)
+
+
+@given(
+    tools=st.lists(_tool | _json, max_size=3) | _json,
+    choice=st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]) | _json,
+    calls=st.lists(st.fixed_dictionaries({"id": _json, "function": _function | _json}) | _json, max_size=2) | _json,
+    extra=st.fixed_dictionaries({}, optional={"name": _json, "tool_call_id": _json}),
+)
+@settings(max_examples=300, deadline=None)
+def test_any_tools_json_is_a_turn_or_a_400_never_a_crash(tools: Any, choice: Any, calls: Any, extra: Any) -> None:
+    from services.router import convert
+
+    body = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": calls, **extra},
+        ],
+        "tools": tools,
+        "tool_choice": choice,
+    }
+    try:
+        _, request = oa.chat_request(body)
+        convert.chat_turn(request.turn)
+    except InvalidArgument as exc:
+        assert exc.message
