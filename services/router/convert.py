@@ -13,6 +13,9 @@ from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import SamplingParams
 from services.router.policy import TierName
 from services.router.tools import (
+    MAX_TOOL_CALL_ID_CHARS,
+    MAX_TOOL_CALLS,
+    MAX_TOOL_NAME_CHARS,
     Tool,
     ToolCall,
     ToolCallDelta,
@@ -112,6 +115,14 @@ _CHOICE_PB = {mode: number for number, mode in _CHOICE.items()}
 
 
 def _message(m: inference_pb2.ChatMessage, index: int) -> ChatMessage:
+    if len(m.name) > MAX_TOOL_NAME_CHARS:
+        raise InvalidArgument(f"messages[{index}].name is longer than {MAX_TOOL_NAME_CHARS} characters")
+    if len(m.tool_call_id) > MAX_TOOL_CALL_ID_CHARS:
+        raise InvalidArgument(f"messages[{index}].tool_call_id is longer than {MAX_TOOL_CALL_ID_CHARS} characters")
+    if len(m.tool_calls) > MAX_TOOL_CALLS:
+        raise InvalidArgument(
+            f"messages[{index}].tool_calls has {len(m.tool_calls)} calls; send at most {MAX_TOOL_CALLS}"
+        )
     calls = tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls)
     for i, call in enumerate(calls):
         check_tool_call(call, f"messages[{index}].tool_calls[{i}]")
