@@ -24,10 +24,11 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from services.common import chat_tools
 from services.common.errors import ConfigError, InvalidArgument
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
-_ROLES = ("system", "user", "assistant")
+_TOOL_ROLES = ("system", "user", "assistant", "tool")
 
 
 def _raise_exception(message: str) -> None:
@@ -93,6 +94,10 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise_exception
             env.globals["strftime_now"] = _strftime_now
             self._template = env.from_string(self.chat_template)
+        self.template_knows_tools: bool = self.chat_template is not None and chat_tools.template_knows_tools(
+            self.chat_template
+        )
+        """Whether the chat template renders ``tools`` itself; else :mod:`services.common.chat_tools` does."""
 
     @property
     def vocab_size(self) -> int:
@@ -106,17 +111,38 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to ``messages`` (dicts with ``role`` and ``content``), as text."""
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The chat template applied to ``messages`` (dicts with ``role`` and ``content``, and the tool
+        fields of :mod:`services.common.chat_tools`), as text.
+
+        ``tools`` (OpenAI's ``[{"type": "function", "function": {...}}]``) are passed to the template
+        as transformers passes them when it reads ``tools``; otherwise tools, assistant tool calls and
+        ``tool`` messages are rendered by :func:`~services.common.chat_tools.fallback_messages`.
+        """
         if self._template is None:
             raise InvalidArgument("this model has no chat template; use Generate with a plain prompt")
+        native = self.template_knows_tools
         for m in messages:
-            if m.get("role") not in _ROLES:
-                raise InvalidArgument(f"chat message role must be one of {', '.join(_ROLES)}, got {m.get('role')!r}")
+            if m.get("role") not in _TOOL_ROLES:
+                raise InvalidArgument(
+                    f"chat message role must be one of {', '.join(_TOOL_ROLES)}, got {m.get('role')!r}"
+                )
+        has_tool_fields = any(m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+        if native:
+            rendered: list[dict[str, Any]] = chat_tools.native_messages(messages)
+        elif tools or has_tool_fields:
+            rendered = list(chat_tools.fallback_messages(messages, tools))
+        else:
+            rendered = [{"role": m["role"], "content": m.get("content", "")} for m in messages]
         try:
             return self._template.render(
-                messages=[{"role": m["role"], "content": m.get("content", "")} for m in messages],
-                tools=None,
+                messages=rendered,
+                tools=list(tools) if native and tools else None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self._specials,
@@ -125,7 +151,10 @@ class Tokenizer:
             raise InvalidArgument(f"the chat template rejected the conversation: {exc}") from None
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the templated conversation (no extra special tokens, as transformers)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)

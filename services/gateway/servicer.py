@@ -340,6 +340,9 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                             turn.routing.priority = min(turn.routing.priority, policy.priority)
                             domain_turn = convert.chat_turn(turn, turn_sampling)
                             texts = [m.content for m in turn.messages]
+                            # Tools are prompt text too (rendered by the router): counted in the estimate.
+                            texts += [t.description + t.parameters_json for t in turn.tools]
+                            texts += [c.arguments for m in turn.messages for c in m.tool_calls]
                             turns.append(await self._gate.admit(identity, policy, texts, turn.sampling.max_tokens))
                             observed.prompt(*texts)
                             observed.turn_started()
@@ -379,7 +382,13 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                         events.get_nowait()
                     if isinstance(event.event, Chunk):
                         observed.frame(len(event.event.token_ids), None, turns[0] if turns else None)
-                        frame = pb.ChatResponse(turn=event.turn, token_ids=event.event.token_ids, text=event.event.text)
+                        chunk = event.event
+                        frame = pb.ChatResponse(
+                            turn=event.turn,
+                            token_ids=chunk.token_ids,
+                            text=chunk.text,
+                            tool_calls=convert.tool_calls_pb(chunk.tool_calls),
+                        )
                     else:
                         final = convert.done_pb(event.event)
                         observed.frame(0, final, turns[0] if turns else None)

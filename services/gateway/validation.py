@@ -18,9 +18,10 @@ from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingLimits, SamplingParams
 from services.common.sampling_pb import from_pb
+from services.router.tools import MAX_TOOL_CALL_ID_CHARS, MAX_TOOL_CALLS, MAX_TOOL_NAME_CHARS
 from services.router.types import MAX_PRIORITY
 
-CHAT_ROLES = frozenset({"system", "user", "assistant"})
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 
 @dataclass(frozen=True)
@@ -90,10 +91,27 @@ def validate_chat_request(request: pb.ChatRequest, limits: Limits) -> SamplingPa
     for index, message in enumerate(turn.messages):
         if message.role not in CHAT_ROLES:
             raise InvalidArgument(
-                f"messages[{index}].role is {message.role[:20]!r}; use 'system', 'user' or 'assistant'"
+                f"messages[{index}].role is {message.role[:20]!r}; use 'system', 'user', 'assistant' or 'tool'"
             )
-        total += len(message.content)
-    if not any(m.content.strip() for m in turn.messages):
+        if message.role == "tool" and not message.tool_call_id:
+            raise InvalidArgument(
+                f"messages[{index}] is a tool message without tool_call_id; set it to the id of the call it answers"
+            )
+        if len(message.tool_call_id) > MAX_TOOL_CALL_ID_CHARS:
+            raise InvalidArgument(
+                f"messages[{index}].tool_call_id is longer than {MAX_TOOL_CALL_ID_CHARS} characters; "
+                "send the id of the call it answers"
+            )
+        if len(message.name) > MAX_TOOL_NAME_CHARS:
+            raise InvalidArgument(f"messages[{index}].name is longer than {MAX_TOOL_NAME_CHARS} characters")
+        if message.tool_calls and message.role != "assistant":
+            raise InvalidArgument(f"messages[{index}] has tool_calls but is not an assistant message")
+        if len(message.tool_calls) > MAX_TOOL_CALLS:
+            raise InvalidArgument(
+                f"messages[{index}].tool_calls has {len(message.tool_calls)} calls; send at most {MAX_TOOL_CALLS}"
+            )
+        total += len(message.content) + sum(len(c.arguments) for c in message.tool_calls)
+    if not any(m.content.strip() or m.tool_calls for m in turn.messages):
         raise InvalidArgument("chat turn has only empty messages; send some text")
     if total > limits.max_prompt_chars:
         raise InvalidArgument(

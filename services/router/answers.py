@@ -42,6 +42,7 @@ class AnswerKeys:
             prompt_ids=req.prompt_ids,
             tenant=req.tenant,
             shareable=req.shareable,
+            tools=req.tools_key,
         )
 
     def cache_key(self, req: TurnRequest, tier: TierName) -> str | None:

@@ -17,7 +17,9 @@ rate-limit charge; its output is discarded, its TTFT and agreement with the prim
 
 * :meth:`RouterAPI.generate`: one prompt -> :class:`Chunk` events and one :class:`Done`.
 * :meth:`RouterAPI.chat`: a :class:`ChatSession`; turns in, :class:`TurnEvent`\\ s out; the
-  conversation and the worker stream outlive each turn.
+  conversation and the worker stream outlive each turn. A turn with tools has them rendered by the
+  chat template and its output parsed into tool-call deltas (services/router/tools.py,
+  tool_parser.py; docs/gateway.md, *Tools*).
 * :meth:`RouterAPI.list_models`.
 * :meth:`RouterAPI.embed`: inputs -> :class:`Embeddings` (one call to a cloud replica).
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from array import array
 from collections import OrderedDict
@@ -37,6 +40,7 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import aclosing
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
 import structlog
 
@@ -50,6 +54,16 @@ from services.router.metrics import SHADOW, VERSION_REQUESTS, VERSION_TTFT
 from services.router.models import ModelTable, ServedModel, ServedVersion
 from services.router.policy import TierName
 from services.router.rollout import SERVER_FAULTS
+from services.router.tool_parser import ToolCallParser
+from services.router.tools import (
+    ToolCallDelta,
+    ToolChoiceMode,
+    calls_possible,
+    constrained,
+    effective_choice,
+    prompt_tools,
+    tools_key,
+)
 from services.router.types import (
     ChatTurn,
     Chunk,
@@ -57,6 +71,7 @@ from services.router.types import (
     Embeddings,
     EmbedQuery,
     Event,
+    FinishReason,
     Generation,
     ModelInfo,
     PendingAdmission,
@@ -289,10 +304,17 @@ class RouterAPI:
             encoded.put(prompt, ids)
         return ids
 
-    async def encode_chat(self, conversation: list[dict[str, str]], model: ServedModel | None = None) -> list[int]:
+    async def encode_chat(
+        self,
+        conversation: list[dict[str, Any]],
+        model: ServedModel | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of ``conversation`` through ``model``'s chat template (default model: None), with
+        ``tools`` rendered as the template renders them (services/common/chat_tools.py)."""
         tokenizer = (model or self.models.get("")).tokenizer
-        size = sum(len(m["content"]) for m in conversation)
-        return await self._encode(partial(tokenizer.apply_chat_template, conversation), size)
+        size = sum(len(m["content"] or "") for m in conversation) + (len(json.dumps(tools)) if tools else 0)
+        return await self._encode(partial(tokenizer.apply_chat_template, conversation, True, tools), size)
 
     # -- shadow copies ---------------------------------------------------------------------------
 
@@ -401,7 +423,7 @@ class ChatSession:
         """The events of every turn, in order, until :meth:`end` (or an error)."""
         api = self._api
         session = Session(chat=True)
-        messages: list[dict[str, str]] = []
+        messages: list[dict[str, Any]] = []
         hint: TierName | None = None
         index = 0
         try:
@@ -412,28 +434,41 @@ class ChatSession:
                         version = model.choose(self._tenant)
                     if not turn.messages:
                         raise InvalidArgument("a chat turn needs at least one message")
-                    conversation = messages + [{"role": m.role, "content": m.content} for m in turn.messages]
-                    ids = await api.encode_chat(conversation, model)
-                    req = api.turn_request(
-                        ids, turn.sampling, turn.routing, self._tenant, self._request_id, model=model
-                    )
+                    conversation = messages + [m.as_dict() for m in turn.messages]
+                    choice = effective_choice(turn.tools, turn.tool_choice)
+                    ids = await api.encode_chat(conversation, model, prompt_tools(turn.tools, choice))
+                    sampling = constrained(turn.sampling, turn.tools, choice)
+                    req = api.turn_request(ids, sampling, turn.routing, self._tenant, self._request_id, model=model)
                     req.timeout = _time_left(self._deadline)
+                    req.tools_key = tools_key(turn.tools, choice)
                     if index == 0:
                         hint = req.hint
                     req.hint = hint  # later turns stay where the first one went
                     self._cancel = cancel = asyncio.Event()
-                    reply: list[str] = []
+                    reply = _Reply()
+                    parser = None
+                    if calls_possible(turn.tools, choice):
+                        named = choice.mode is ToolChoiceMode.FUNCTION
+                        parser = ToolCallParser(
+                            [choice.function_name] if named else [t.name for t in turn.tools],
+                            parallel=choice.parallel,
+                            bare_json=named or choice.mode is ToolChoiceMode.REQUIRED,
+                        )
                     with _VersionRun(model, version, "primary") as run:
                         async with aclosing(version.router.run_turn(req, session, cancel)) as events:
                             async for event in events:
                                 obs.record(event)
                                 run.see(event)
-                                if isinstance(event, Chunk):
-                                    reply.append(event.text)
+                                if parser is not None:
+                                    for parsed in _parsed(parser, event):
+                                        reply.add(parsed)
+                                        yield TurnEvent(index, parsed)
+                                    continue
+                                reply.add(event)
                                 yield TurnEvent(index, event)
                     self._cancel = None
                     # The conversation keeps what the caller saw, also of a cancelled turn.
-                    messages = [*conversation, {"role": "assistant", "content": "".join(reply)}]
+                    messages = [*conversation, reply.message()]
                     index += 1
         finally:
             self._ended = True
@@ -494,6 +529,49 @@ class _VersionRun:
             ttft.observe(self.ttft)
         if self.role == "primary" and status != "CANCELLED":
             self.model.rollout.record(name, failed=status in SERVER_FAULTS, ttft_s=self.ttft)
+
+
+def _parsed(parser: ToolCallParser, event: Event) -> list[Event]:
+    """``event`` with its text split into content and tool calls; a Done first flushes the parser and
+    ends a turn that called tools with TOOL_CALLS (as OpenAI's ``finish_reason: "tool_calls"``)."""
+    if isinstance(event, Chunk):
+        content, deltas = parser.feed(event.text)
+        return [Chunk(event.token_ids, content, deltas)]
+    content, deltas = parser.finish()
+    out: list[Event] = [Chunk((), content, deltas)] if content or deltas else []
+    if parser.calls and event.finish_reason in (FinishReason.STOP, FinishReason.STOP_STRING):
+        event = replace(event, finish_reason=int(FinishReason.TOOL_CALLS))
+    out.append(event)
+    return out
+
+
+class _Reply:
+    """The assistant's answer as the caller saw it: content and calls, for the next turn's conversation."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.calls: dict[int, list[str]] = {}  # index -> [id, name, arguments]
+
+    def add(self, event: Event) -> None:
+        if isinstance(event, Chunk):
+            self.text.append(event.text)
+            for delta in event.tool_calls:
+                self._delta(delta)
+
+    def _delta(self, delta: ToolCallDelta) -> None:
+        call = self.calls.setdefault(delta.index, ["", "", ""])
+        call[0] = delta.id or call[0]
+        call[1] = delta.name or call[1]
+        call[2] += delta.arguments
+
+    def message(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "assistant", "content": "".join(self.text)}
+        if self.calls:
+            out["tool_calls"] = [
+                {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                for i, n, a in (self.calls[k] for k in sorted(self.calls))
+            ]
+        return out
 
 
 class _Observation:

@@ -4,11 +4,27 @@ and the gateway's client of a remote router (services/gateway/remote_router.py).
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
+
 from services.common import sampling_pb
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import SamplingParams
 from services.router.policy import TierName
+from services.router.tools import (
+    MAX_TOOL_CALL_ID_CHARS,
+    MAX_TOOL_CALLS,
+    MAX_TOOL_NAME_CHARS,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
+    ToolChoiceMode,
+    check_tool_call,
+    check_tools,
+    parse_parameters,
+)
 from services.router.types import (
     MAX_PRIORITY,
     ChatMessage,
@@ -91,13 +107,61 @@ def generation(
     )
 
 
+_CHOICE = {
+    inference_pb2.TOOL_CHOICE_AUTO: ToolChoiceMode.AUTO,
+    inference_pb2.TOOL_CHOICE_NONE: ToolChoiceMode.NONE,
+    inference_pb2.TOOL_CHOICE_REQUIRED: ToolChoiceMode.REQUIRED,
+    inference_pb2.TOOL_CHOICE_FUNCTION: ToolChoiceMode.FUNCTION,
+}
+_CHOICE_PB = {mode: number for number, mode in _CHOICE.items()}
+
+
+def _message(m: inference_pb2.ChatMessage, index: int) -> ChatMessage:
+    if len(m.name) > MAX_TOOL_NAME_CHARS:
+        raise InvalidArgument(f"messages[{index}].name is longer than {MAX_TOOL_NAME_CHARS} characters")
+    if len(m.tool_call_id) > MAX_TOOL_CALL_ID_CHARS:
+        raise InvalidArgument(f"messages[{index}].tool_call_id is longer than {MAX_TOOL_CALL_ID_CHARS} characters")
+    if len(m.tool_calls) > MAX_TOOL_CALLS:
+        raise InvalidArgument(
+            f"messages[{index}].tool_calls has {len(m.tool_calls)} calls; send at most {MAX_TOOL_CALLS}"
+        )
+    calls = tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls)
+    for i, call in enumerate(calls):
+        check_tool_call(call, f"messages[{index}].tool_calls[{i}]")
+    return ChatMessage(m.role, m.content, m.name, m.tool_call_id, calls)
+
+
+def _tools(msg: inference_pb2.ChatTurn) -> tuple[tuple[Tool, ...], ToolChoice | None]:
+    """The turn's tools and tool choice, checked (services/router/tools.py)."""
+    tools = tuple(
+        Tool(t.name, t.description, parse_parameters(t.parameters_json, f"tools[{i}].function.parameters"))
+        for i, t in enumerate(msg.tools)
+    )
+    choice = None
+    if msg.HasField("tool_choice"):
+        pb_choice = msg.tool_choice
+        if pb_choice.mode not in inference_pb2.ToolChoiceMode.values():
+            raise InvalidArgument(f"tool_choice.mode {pb_choice.mode} is unknown; see the ToolChoiceMode enum")
+        parallel = pb_choice.parallel_tool_calls if pb_choice.HasField("parallel_tool_calls") else True
+        mode = _CHOICE.get(pb_choice.mode)
+        if mode is None:  # unspecified: the default mode, with the parallel setting given
+            mode = ToolChoiceMode.AUTO if tools else ToolChoiceMode.NONE
+        choice = ToolChoice(mode, pb_choice.function_name if mode is ToolChoiceMode.FUNCTION else "", parallel)
+    check_tools(tools, choice or ToolChoice())
+    return tools, choice
+
+
 def chat_turn(msg: inference_pb2.ChatTurn, sampling: SamplingParams | None = None) -> ChatTurn:
-    """A chat turn, its parameters validated (``sampling``: as for :func:`generation`)."""
+    """A chat turn, its parameters validated (``sampling``: as for :func:`generation`; tools and tool
+    messages: against the limits of services/router/tools.py)."""
+    tools, choice = _tools(msg)
     return ChatTurn(
-        messages=tuple(ChatMessage(m.role, m.content) for m in msg.messages),
+        messages=tuple(_message(m, i) for i, m in enumerate(msg.messages)),
         sampling=sampling if sampling is not None else sampling_pb.from_pb(msg.sampling, chat=True),
         routing=routing(msg.routing),
         model=msg.model,
+        tools=tools,
+        tool_choice=choice,
     )
 
 
@@ -118,13 +182,43 @@ def generation_pb(g: Generation) -> inference_pb2.GenerateRequest:
     )
 
 
+def _message_pb(m: ChatMessage) -> inference_pb2.ChatMessage:
+    return inference_pb2.ChatMessage(
+        role=m.role,
+        content=m.content,
+        name=m.name,
+        tool_call_id=m.tool_call_id,
+        tool_calls=[inference_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in m.tool_calls],
+    )
+
+
 def chat_turn_pb(t: ChatTurn) -> inference_pb2.ChatTurn:
-    return inference_pb2.ChatTurn(
-        messages=[inference_pb2.ChatMessage(role=m.role, content=m.content) for m in t.messages],
+    msg = inference_pb2.ChatTurn(
+        messages=[_message_pb(m) for m in t.messages],
         model=t.model,
         sampling=sampling_pb.to_pb(t.sampling),
         routing=_routing_pb(t.routing),
+        tools=[
+            inference_pb2.Tool(
+                name=tool.name,
+                description=tool.description,
+                parameters_json=json.dumps(tool.parameters) if tool.parameters else "",
+            )
+            for tool in t.tools
+        ],
     )
+    if t.tool_choice is not None:
+        c = t.tool_choice
+        msg.tool_choice.CopyFrom(
+            inference_pb2.ToolChoice(
+                mode=_CHOICE_PB[c.mode], function_name=c.function_name, parallel_tool_calls=c.parallel
+            )
+        )
+    return msg
+
+
+def tool_calls_pb(deltas: Sequence[ToolCallDelta]) -> list[inference_pb2.ToolCallDelta]:
+    return [inference_pb2.ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments) for d in deltas]
 
 
 # -- events and models ---------------------------------------------------------------------------
@@ -139,7 +233,9 @@ def done_pb(done: Done) -> inference_pb2.Final:
 def event(frame: inference_pb2.GenerateResponse | inference_pb2.ChatResponse) -> Event:
     """The event a response frame carries (its request id and sequence number are the transport's)."""
     if not frame.HasField("final"):
-        return Chunk(list(frame.token_ids), frame.text)
+        calls = getattr(frame, "tool_calls", ())  # a GenerateResponse has none
+        deltas = tuple(ToolCallDelta(d.index, d.id, d.name, d.arguments) for d in calls)
+        return Chunk(list(frame.token_ids), frame.text, deltas)
     final = frame.final
     route = Route(_TIER_FROM_PB.get(final.route.tier), final.route.worker_id, final.route.cache_hit, final.route.reason)
     return Done(int(final.finish_reason), final.usage.prompt_tokens, final.usage.completion_tokens, route)

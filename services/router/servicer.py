@@ -85,7 +85,11 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                         async for event in events:
                             if isinstance(event, Chunk):
                                 frame = inference_pb2.ChatResponse(
-                                    turn=turn, sequence=seq, token_ids=event.token_ids, text=event.text
+                                    turn=turn,
+                                    sequence=seq,
+                                    token_ids=event.token_ids,
+                                    text=event.text,
+                                    tool_calls=convert.tool_calls_pb(event.tool_calls),
                                 )
                             else:
                                 frame = inference_pb2.ChatResponse(

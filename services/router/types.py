@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from services.common.sampling import SamplingParams
 from services.router.policy import TierName
+from services.router.tools import Tool, ToolCall, ToolCallDelta, ToolChoice
 
 
 class FinishReason(IntEnum):
@@ -38,6 +39,7 @@ class FinishReason(IntEnum):
     LENGTH = 2
     STOP_STRING = 3
     CANCELLED = 4
+    TOOL_CALLS = 5
 
 
 MAX_PRIORITY = 9
@@ -75,7 +77,27 @@ class Generation:
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
+    """``system``, ``user``, ``assistant`` or ``tool``."""
     content: str
+    name: str = ""
+    tool_call_id: str = ""
+    """A ``tool`` message: the call it answers."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """An ``assistant`` message: the calls it made."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """As the chat template takes it (OpenAI's message shape; services/common/chat_tools.py)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in self.tool_calls
+            ]
+        return out
 
 
 @dataclass(frozen=True)
@@ -87,6 +109,10 @@ class ChatTurn:
     sampling: SamplingParams
     routing: Routing = Routing()
     model: str = ""
+    tools: tuple[Tool, ...] = ()
+    """Functions the model may call in this turn (services/router/tools.py)."""
+    tool_choice: ToolChoice | None = None
+    """None: ``auto`` with tools, ``none`` without."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +131,8 @@ class Chunk:
 
     token_ids: Sequence[int]
     text: str
+    tool_calls: Sequence[ToolCallDelta] = ()
+    """Tool-call deltas these tokens completed (chat turns with tools); their markup is not in ``text``."""
 
 
 @dataclass(frozen=True)
@@ -154,8 +182,22 @@ class TurnEvent:
 def merge(first: Event, then: Event) -> Chunk | None:
     """Two chunks that waited for the writer, as one (a Done stays an event of its own)."""
     if isinstance(first, Chunk) and isinstance(then, Chunk):
-        return Chunk([*first.token_ids, *then.token_ids], first.text + then.text)
+        calls = merge_deltas(first.tool_calls, then.tool_calls) if then.tool_calls else first.tool_calls
+        return Chunk([*first.token_ids, *then.token_ids], first.text + then.text, calls)
     return None
+
+
+def merge_deltas(first: Sequence[ToolCallDelta], then: Sequence[ToolCallDelta]) -> list[ToolCallDelta]:
+    """Two runs of tool-call deltas as one: a delta that only continues the previous one's call (same
+    index, no id) is appended to its arguments, so a frame holds one delta per call, as OpenAI's."""
+    out = list(first)
+    for delta in then:
+        if out and out[-1].index == delta.index and not delta.id:
+            last = out.pop()
+            out.append(ToolCallDelta(last.index, last.id, last.name, last.arguments + delta.arguments))
+        else:
+            out.append(delta)
+    return out
 
 
 def is_done(event: Event) -> bool:
@@ -194,6 +236,8 @@ class TurnRequest:
     priority: int = 0
     prefix_blocks: list[bytes] | None = None
     """Block hashes of the prompt, computed once by the router."""
+    tools_key: str = ""
+    """A chat turn's tools and tool choice, for the response-cache key ("" without tools)."""
 
 
 @dataclass

@@ -132,8 +132,12 @@ def response_key(
     prompt_ids: Sequence[int],
     tenant: str,
     shareable: bool = False,
+    tools: str = "",
 ) -> str:
     """Redis key of the cached response to exactly this request (see the module docstring).
+
+    ``tools``: a digest of a chat turn's tools and tool choice (services/router/tools.py); hashed in
+    only when set, so the keys of requests without tools are unchanged.
 
     ``tier`` names the weights that produce the answer (``"edge"`` or ``"cloud"``): the router
     looks up under the tier its routing decision picks and stores under the tier that served.
@@ -149,6 +153,8 @@ def response_key(
     _field(h, json.dumps(sampling.canonical(), sort_keys=True, separators=(",", ":")).encode())
     _field(h, tenant_salt(tenant, shareable))
     _field(h, struct.pack(f"<{len(prompt_ids)}I", *prompt_ids))
+    if tools:
+        _field(h, b"tools/" + tools.encode())
     return Scope(Kind.RESPONSE, model_id, model_version, tenant, shareable).entry(h.hexdigest())
 
 

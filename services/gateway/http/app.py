@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -195,20 +195,36 @@ class OpenAIApp:
             request_id = await _request_id(call)
             model = await self._served_model(parsed.model, request)
             if not parsed.stream:
-                text, final = await _collect(first, frames)
-                body = oa.chat_completion(request_id, model, text, final)
+                text, final, calls = await _collect(first, frames)
+                body = oa.chat_completion(request_id, model, text, final, calls)
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
             response = await _sse_start(request, request_id)
-            role = {"role": "assistant", "content": ""}
             usage = parsed.include_usage
-            await _sse(response, oa.chat_chunk(request_id, model, role, None, created, usage))
+            # OpenAI's first chunk has the role; with tools, it waits for the first content or call, as
+            # a reply that starts with a call has "content": null and the call in that first chunk.
+            opening = {"role": "assistant", "content": ""}
+            role: dict[str, Any] | None = opening
+            if not parsed.tools:
+                await _sse(response, oa.chat_chunk(request_id, model, opening, None, created, usage))
+                role = None
             try:
                 end: pb.Final | None = None
-                async for text, last in _prepend(first, frames):
+                async for text, last, deltas in _prepend(first, frames):
                     end = last
+                    if role is not None and deltas and not text:
+                        delta: dict[str, Any] = {**role, "content": None, "tool_calls": oa.tool_call_deltas(deltas)}
+                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage))
+                        role = None
+                        continue
+                    if role is not None and (text or last is not None):
+                        await _sse(response, oa.chat_chunk(request_id, model, role, None, created, usage))
+                        role = None
                     if text:
                         delta = {"content": text}
+                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage))
+                    if deltas:
+                        delta = {"tool_calls": oa.tool_call_deltas(deltas)}
                         await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage))
                 if end is not None:
                     chunk = oa.chat_chunk(request_id, model, {}, oa.finish_reason(end), created, usage)
@@ -240,7 +256,7 @@ class OpenAIApp:
             created = int(time.time())
             response = await _sse_start(request, request_id)
             try:
-                async for text, final in _prepend(first, frames):
+                async for text, final, _ in _prepend(first, frames):
                     if text or final is not None:
                         chunk = oa.completion(request_id, model, text, final, created, False, parsed.include_usage)
                         await _sse(response, chunk)
@@ -260,7 +276,8 @@ def _not_found(model: str) -> MeshError:
     return error
 
 
-Frame = tuple[str, pb.Final | None]
+Frame = tuple[str, pb.Final | None, Sequence[pb.ToolCallDelta]]
+"""A frame's text, its final (the last frame's), its tool-call deltas (chat only)."""
 
 
 async def _chat_frames(call: Any) -> AsyncIterator[Frame]:
@@ -272,7 +289,7 @@ async def _chat_frames(call: Any) -> AsyncIterator[Frame]:
     """
     async for frame in call:
         final = frame.final if frame.HasField("final") else None
-        yield frame.text, final
+        yield frame.text, final, frame.tool_calls
         if final is not None:
             break
     try:
@@ -288,7 +305,7 @@ async def _generate_frames(call: Any, request_ids: list[str]) -> AsyncIterator[F
     async for frame in call:
         if not request_ids and frame.request_id:
             request_ids.append(frame.request_id)
-        yield frame.text, frame.final if frame.HasField("final") else None
+        yield frame.text, frame.final if frame.HasField("final") else None, ()
 
 
 async def _first(frames: AsyncIterator[Frame]) -> Frame | None:
@@ -306,15 +323,17 @@ async def _prepend(first: Frame | None, frames: AsyncIterator[Frame]) -> AsyncIt
             yield frame
 
 
-async def _collect(first: Frame | None, frames: AsyncIterator[Frame]) -> tuple[str, pb.Final]:
+async def _collect(first: Frame | None, frames: AsyncIterator[Frame]) -> tuple[str, pb.Final, list[pb.ToolCallDelta]]:
     parts: list[str] = []
+    calls: list[pb.ToolCallDelta] = []
     final = None
-    async for text, last in _prepend(first, frames):
+    async for text, last, deltas in _prepend(first, frames):
         parts.append(text)
+        calls.extend(deltas)
         final = last
     if final is None:
         raise MeshError("the stream ended without a final frame; retry, and report it if it persists")
-    return "".join(parts), final
+    return "".join(parts), final, calls
 
 
 async def _request_id(call: Any) -> str:

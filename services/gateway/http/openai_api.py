@@ -3,11 +3,14 @@
 The OpenAI shapes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) differ from our
 proto (messages vs turns, ``choices``, ``stop`` as string or list), which is why Envoy's gRPC-JSON
 transcoder cannot speak them on its own; this module is the whole difference.
-Unsupported fields that change the answer (``n`` > 1, ``logprobs``, ``echo``, tools, ``min_p``,
-audio) are refused with 400 rather than silently ignored, unless they hold their
-neutral value (``tool_choice: "none"``, ...: clients send defaults). Fields that only tune delivery or
-bookkeeping (``user``, ``metadata``, ``store``, ...) and unknown fields are accepted and ignored, as
-many OpenAI-compatible servers do (new OpenAI fields keep working). ``frequency_penalty``,
+Unsupported fields that change the answer (``n`` > 1, ``logprobs``, ``echo``, the legacy ``functions``,
+``min_p``, audio) are refused with 400 rather than silently ignored, unless they hold their neutral
+value (``n: 1``, ...: clients send defaults). ``tools``, ``tool_choice`` and ``parallel_tool_calls``,
+assistant ``tool_calls`` and ``tool`` messages map to the
+ChatTurn's tool fields (their limits are the router's: services/router/tools.py); tool calls come back
+as OpenAI's ``message.tool_calls`` and, streamed, as its ``delta.tool_calls`` (:func:`tool_call_deltas`).
+Fields that only tune delivery or bookkeeping (``user``, ``metadata``, ``store``, ...) and unknown fields
+are accepted and ignored, as many OpenAI-compatible servers do (new OpenAI fields keep working). ``frequency_penalty``,
 ``presence_penalty`` and ``logit_bias`` are OpenAI's; ``top_k``, ``repetition_penalty`` and
 ``min_tokens`` are vLLM's extensions, honoured as vLLM takes them in the body. Their ranges are
 checked once, by the gateway (services/common/sampling.py); here only their JSON types.
@@ -18,10 +21,12 @@ bad schema is a 400 that names ``response_format``.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.common.constraints import Constraint, check_constraint, json_schema_constraint
@@ -37,6 +42,7 @@ _FINISH = {
     pb.FINISH_REASON_STOP_STRING: "stop",
     pb.FINISH_REASON_LENGTH: "length",
     pb.FINISH_REASON_CANCELLED: "stop",
+    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
 }
 
 # HTTP status and OpenAI error "type" per domain error code (services.common.errors.MeshError.code).
@@ -62,10 +68,8 @@ _UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = (
     ("logprobs", (False, 0), "logprobs are not supported"),
     ("top_logprobs", (0,), "logprobs are not supported"),
     ("echo", (False,), "echo is not supported"),
-    ("tools", ([],), "tool calls are not supported"),
-    ("tool_choice", ("none", "auto"), "tool calls are not supported"),
-    ("functions", ([],), "function calls are not supported"),
-    ("function_call", ("none", "auto"), "function calls are not supported"),
+    ("functions", ([],), "the legacy 'functions' are not supported (send 'tools')"),
+    ("function_call", ("none", "auto"), "the legacy 'function_call' is not supported (send 'tool_choice')"),
     ("suffix", ("",), "suffix is not supported"),
     ("best_of", (1,), "best_of is not supported"),
     ("min_p", (0,), "min_p is not supported"),
@@ -128,6 +132,8 @@ class Parsed:
     model: str
     stream: bool
     include_usage: bool
+    tools: bool = False
+    """The request has tools its answer may call (``tool_choice`` other than ``none``)."""
 
 
 def _number(body: dict[str, Any], name: str, default: float = 0.0) -> float:
@@ -292,6 +298,92 @@ def _content(message: dict[str, Any]) -> str:
     raise InvalidArgument("message 'content' must be a string or a list of text parts")
 
 
+def _string(value: object, where: str) -> str:
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"'{where}' must be a string (got {_show(value)})")
+    return value
+
+
+def _tools(body: dict[str, Any], turn: pb.ChatTurn) -> None:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` into the turn (JSON types only here)."""
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise InvalidArgument("'tools' must be a list of {'type': 'function', 'function': {...}}")
+        for i, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+            if not isinstance(function, dict):
+                raise InvalidArgument(
+                    f"'tools[{i}]' must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}};"
+                    " only function tools are supported"
+                )
+            parameters = function.get("parameters")
+            if parameters is not None and not isinstance(parameters, dict):
+                raise InvalidArgument(f"'tools[{i}].function.parameters' must be a JSON Schema object")
+            turn.tools.add(
+                name=_string(function.get("name"), f"tools[{i}].function.name"),
+                description=_string(function.get("description"), f"tools[{i}].function.description"),
+                parameters_json=_schema_text(parameters, i) if parameters is not None else "",
+            )
+    choice = body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidArgument("'parallel_tool_calls' must be true or false")
+    if choice is None and parallel is None:
+        return
+    turn.tool_choice.SetInParent()
+    if parallel is not None:
+        turn.tool_choice.parallel_tool_calls = parallel
+    if choice is None:
+        return
+    if isinstance(choice, str) and choice in _TOOL_CHOICE:
+        turn.tool_choice.mode = _TOOL_CHOICE[choice]
+        return
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidArgument(
+            "'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}"
+        )
+    turn.tool_choice.mode = pb.TOOL_CHOICE_FUNCTION
+    turn.tool_choice.function_name = function["name"]
+
+
+def _schema_text(parameters: dict[str, Any], i: int) -> str:
+    try:
+        return json.dumps(parameters, ensure_ascii=False)
+    except (RecursionError, ValueError):
+        raise InvalidArgument(f"'tools[{i}].function.parameters' is nested too deeply; flatten the schema") from None
+
+
+_TOOL_CHOICE = {"auto": pb.TOOL_CHOICE_AUTO, "none": pb.TOOL_CHOICE_NONE, "required": pb.TOOL_CHOICE_REQUIRED}
+
+
+def _message(message: dict[str, Any], i: int, turn: pb.ChatTurn) -> None:
+    role = "system" if message["role"] == "developer" else message["role"]
+    msg = turn.messages.add(role=role, content=_content(message))
+    msg.name = _string(message.get("name"), f"messages[{i}].name")
+    msg.tool_call_id = _string(message.get("tool_call_id"), f"messages[{i}].tool_call_id")
+    calls = message.get("tool_calls")
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise InvalidArgument(f"'messages[{i}].tool_calls' must be a list of tool calls")
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise InvalidArgument(
+                f"'messages[{i}].tool_calls[{j}]' must be {{'id': ..., 'type': 'function', 'function': "
+                "{'name': ..., 'arguments': ...}}"
+            )
+        msg.tool_calls.add(
+            id=_string(call.get("id"), f"messages[{i}].tool_calls[{j}].id"),
+            name=_string(function.get("name"), f"messages[{i}].tool_calls[{j}].function.name"),
+            arguments=_string(function.get("arguments"), f"messages[{i}].tool_calls[{j}].function.arguments"),
+        )
+
+
 def chat_request(body: dict[str, Any]) -> tuple[Parsed, pb.ChatRequest]:
     """An OpenAI chat completion request as the one turn of a Chat stream."""
     parsed, sampling = _common(body)
@@ -299,12 +391,39 @@ def chat_request(body: dict[str, Any]) -> tuple[Parsed, pb.ChatRequest]:
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("'messages' must be a non-empty list of {'role': ..., 'content': ...}")
     turn = pb.ChatTurn(model=parsed.model, sampling=sampling)
-    for message in messages:
+    for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise InvalidArgument("each message must be an object with a 'role' and a 'content'")
-        role = "system" if message["role"] == "developer" else message["role"]
-        turn.messages.add(role=role, content=_content(message))
-    return parsed, pb.ChatRequest(turn=turn)
+        _message(message, i, turn)
+    _tools(body, turn)
+    callable_tools = bool(turn.tools) and turn.tool_choice.mode != pb.TOOL_CHOICE_NONE
+    return replace(parsed, tools=callable_tools), pb.ChatRequest(turn=turn)
+
+
+def tool_call_deltas(deltas: Sequence[pb.ToolCallDelta]) -> list[dict[str, Any]]:
+    """A frame's tool-call deltas as OpenAI streams them: a call's first delta has its index, id,
+    type and function name (with its arguments so far, often ""); later ones its index and the next
+    fragment of the arguments."""
+    out: list[dict[str, Any]] = []
+    for d in deltas:
+        if d.id:
+            function = {"name": d.name, "arguments": d.arguments}
+            out.append({"index": d.index, "id": d.id, "type": "function", "function": function})
+        else:
+            out.append({"index": d.index, "function": {"arguments": d.arguments}})
+    return out
+
+
+def tool_calls(deltas: Sequence[pb.ToolCallDelta]) -> list[dict[str, Any]]:
+    """All of a turn's deltas as OpenAI's ``message.tool_calls`` (whole calls, in index order)."""
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        call = calls.setdefault(d.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+        if d.id:
+            call["id"] = d.id
+            call["function"]["name"] = d.name
+        call["function"]["arguments"] += d.arguments
+    return [calls[i] for i in sorted(calls)]
 
 
 def completion_request(body: dict[str, Any]) -> tuple[Parsed, pb.GenerateRequest]:
@@ -327,7 +446,14 @@ def usage(final: pb.Final) -> dict[str, int]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
 
 
-def chat_completion(request_id: str, model: str, text: str, final: pb.Final) -> dict[str, Any]:
+def chat_completion(
+    request_id: str, model: str, text: str, final: pb.Final, calls: Sequence[pb.ToolCallDelta] = ()
+) -> dict[str, Any]:
+    """A whole chat completion; with tool calls, ``content`` is null when the answer had no text (as OpenAI's)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message["content"] = text or None
+        message["tool_calls"] = tool_calls(calls)
     return {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",
@@ -336,7 +462,7 @@ def chat_completion(request_id: str, model: str, text: str, final: pb.Final) -> 
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": None,
                 "finish_reason": finish_reason(final),
             }
@@ -348,7 +474,7 @@ def chat_completion(request_id: str, model: str, text: str, final: pb.Final) -> 
 def chat_chunk(
     request_id: str,
     model: str,
-    delta: dict[str, str],
+    delta: dict[str, Any],
     finish: str | None = None,
     created: int = 0,
     include_usage: bool = False,

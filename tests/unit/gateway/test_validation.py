@@ -85,3 +85,36 @@ def test_valid_chat_frames_pass() -> None:
 def test_invalid_chat_frames(request_: pb.ChatRequest, words: str) -> None:
     with pytest.raises(InvalidArgument, match=words):
         validate_chat_request(request_, LIMITS)
+
+
+def _turn(*messages: pb.ChatMessage) -> pb.ChatRequest:
+    return pb.ChatRequest(turn=pb.ChatTurn(messages=messages))
+
+
+CALL = pb.ToolCall(id="call_1", name="f", arguments="{}")
+
+
+def test_tool_messages_and_calls_pass() -> None:
+    validate_chat_request(
+        _turn(
+            pb.ChatMessage(role="assistant", tool_calls=[CALL]),
+            pb.ChatMessage(role="tool", tool_call_id="call_1", content="42"),
+        ),
+        LIMITS,
+    )
+
+
+@pytest.mark.parametrize(
+    ("request_", "words"),
+    [
+        (_turn(pb.ChatMessage(role="tool", content="42")), r"messages\[0\] is a tool message without tool_call_id"),
+        (_turn(pb.ChatMessage(role="user", content="hi", tool_calls=[CALL])), "has tool_calls but is not an assistant"),
+        (_turn(pb.ChatMessage(role="tool", content="4", tool_call_id="x" * 257)), "longer than 256"),
+        (_turn(pb.ChatMessage(role="user", content="hi", name="n" * 65)), r"messages\[0\].name is longer than 64"),
+        (_turn(pb.ChatMessage(role="assistant", tool_calls=[CALL] * 129)), "send at most 128"),
+        (_turn(pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(arguments="x" * 101)])), "limit of 100"),
+    ],
+)
+def test_invalid_tool_messages(request_: pb.ChatRequest, words: str) -> None:
+    with pytest.raises(InvalidArgument, match=words):
+        validate_chat_request(request_, LIMITS)

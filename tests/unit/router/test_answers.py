@@ -54,6 +54,14 @@ def test_each_tier_names_its_own_answer() -> None:
     assert k.collapse_key(turn(hint=CLOUD), CLOUD, chat=False) != k.collapse_key(turn(), CLOUD, chat=False)
 
 
+def test_tools_and_tool_choice_are_part_of_an_answers_name() -> None:
+    k = keys()
+    assert k.key(turn(tools_key=""), EDGE) == k.key(turn(), EDGE)  # no tools: the keys they always were
+    named = {k.key(turn(tools_key=x), EDGE) for x in ("", "a", "b")}
+    assert len(named) == 3
+    assert k.collapse_key(turn(tools_key="a"), EDGE, chat=False) != k.collapse_key(turn(), EDGE, chat=False)
+
+
 def test_only_deterministic_requests_that_allow_it_have_names() -> None:
     k = keys()
     assert k.cache_key(turn(use_cache=False), EDGE) is None

@@ -22,6 +22,7 @@ from services.router.api import RouterAPI
 from services.router.core import Router
 from services.router.policy import TierName
 from services.router.registry import Registry, Replica
+from services.router.tools import Tool, ToolChoice, ToolChoiceMode
 from services.router.types import (
     ChatMessage,
     ChatTurn,
@@ -308,6 +309,78 @@ async def test_chat_turns_share_one_worker_stream_and_the_conversation(api: Rout
     await chat.end()
     assert [e async for e in events] == []
     assert stream.closed
+
+
+WEATHER = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}})
+
+
+async def test_a_chat_turn_with_tools_streams_parsed_calls_and_the_next_turn_sees_them(api: RouterAPI) -> None:
+    """Scripted output (the 135M model needs the schema constraint to call tools reliably)."""
+    chat = api.chat(tenant="acme")
+    events = chat.events()
+    user = ChatMessage("user", "Weather in Paris?")
+    assert await chat.send(turn("", messages=(user,), tools=(WEATHER,)))
+    task = asyncio.create_task(anext(events))
+    stream = await worker()
+    await stream.started.wait()
+    tools = [WEATHER.openai()]
+    first_prompt = api.router.tokenizer.apply_chat_template([user.as_dict()], tools=tools)
+    assert list(stream.starts[0].prompt_ids) == first_prompt
+    stream.answer(
+        "<tool_",
+        'call>\n{"name": "get_weather", "arguments": {"ci',
+        'ty": "Paris"}}\n</tool_call>',
+        finish=FinishReason.STOP,
+    )
+    got = [(await task).event]
+    while not isinstance(got[-1], Done):
+        got.append((await anext(events)).event)
+    chunks = [e for e in got if isinstance(e, Chunk)]
+    assert "".join(c.text for c in chunks) == ""
+    deltas = [d for c in chunks for d in c.tool_calls]
+    assert deltas[0].index == 0 and deltas[0].name == "get_weather" and deltas[0].id.startswith("call_")
+    assert "".join(d.arguments for d in deltas) == '{"city": "Paris"}'
+    assert [len(c.token_ids) for c in chunks] == [1, 1, 1]  # every token still reaches the caller
+    assert isinstance(got[-1], Done) and got[-1].finish_reason == FinishReason.TOOL_CALLS
+
+    stream.started.clear()
+    result = ChatMessage("tool", "21 C", tool_call_id=deltas[0].id)
+    assert await chat.send(turn("", messages=(result,), tools=(WEATHER,)))
+    second = asyncio.create_task(anext(events))
+    await stream.started.wait()
+    call = {
+        "id": deltas[0].id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    conversation = [
+        user.as_dict(),
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "21 C", "tool_call_id": deltas[0].id},
+    ]
+    assert list(stream.starts[1].prompt_ids) == api.router.tokenizer.apply_chat_template(conversation, tools=tools)
+    stream.answer("It is 21 C.", finish=FinishReason.STOP)
+    assert (await second).event == Chunk([100], "It is 21 C.", [])
+    done = (await anext(events)).event
+    assert isinstance(done, Done) and done.finish_reason == FinishReason.STOP
+    await chat.end()
+
+
+async def test_tool_choice_none_never_parses_calls_nor_renders_the_tools(api: RouterAPI) -> None:
+    chat = api.chat()
+    events = chat.events()
+    user = ChatMessage("user", "Hi")
+    assert await chat.send(turn("", messages=(user,), tools=(WEATHER,), tool_choice=ToolChoice(ToolChoiceMode.NONE)))
+    task = asyncio.create_task(anext(events))
+    stream = await worker()
+    await stream.started.wait()
+    assert list(stream.starts[0].prompt_ids) == api.router.tokenizer.apply_chat_template([user.as_dict()])
+    text = '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call>'
+    stream.answer(text, finish=FinishReason.STOP)
+    assert (await task).event == Chunk([100], text)
+    done = (await anext(events)).event
+    assert isinstance(done, Done) and done.finish_reason == FinishReason.STOP
+    await chat.end()
 
 
 async def test_chat_turns_queued_beyond_the_limit_end_the_chat_after_the_turn_in_progress(api: RouterAPI) -> None:

@@ -10,6 +10,7 @@ from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import SamplingParams
 from services.router import convert
 from services.router.policy import TierName
+from services.router.tools import Tool, ToolCall, ToolCallDelta, ToolChoice, ToolChoiceMode
 from services.router.types import (
     ChatMessage,
     ChatTurn,
@@ -61,3 +62,64 @@ def test_frames_carry_events() -> None:
     assert convert.event(pb.GenerateResponse(final=convert.done_pb(cached))) == cached
     models = [ModelInfo("m", (TierName.CLOUD, TierName.EDGE), 2048)]
     assert convert.models(convert.models_pb(models)) == models
+
+
+def test_tools_and_tool_messages_survive_the_wire() -> None:
+    weather = Tool("get_weather", "The weather", {"type": "object", "properties": {"city": {"type": "string"}}})
+    call = ToolCall("call_1", "get_weather", '{"city": "Paris"}')
+    messages = (
+        ChatMessage("user", "Weather?", name="ann"),
+        ChatMessage("assistant", "", tool_calls=(call,)),
+        ChatMessage("tool", "21 C", tool_call_id="call_1"),
+    )
+    for choice in (
+        None,
+        ToolChoice(ToolChoiceMode.REQUIRED, parallel=False),
+        ToolChoice(ToolChoiceMode.FUNCTION, "get_weather"),
+        ToolChoice(ToolChoiceMode.NONE),
+    ):
+        t = ChatTurn(messages, SamplingParams(max_tokens=0), tools=(weather,), tool_choice=choice)
+        back = convert.chat_turn(convert.chat_turn_pb(t))
+        assert (back.messages, back.tools, back.tool_choice) == (t.messages, t.tools, t.tool_choice)
+
+
+@pytest.mark.parametrize(
+    ("turn", "message"),
+    [
+        (
+            pb.ChatTurn(tools=[pb.Tool(name="f", parameters_json="{")]),
+            r"tools\[0\].function.parameters is not valid JSON",
+        ),
+        (
+            pb.ChatTurn(
+                tools=[pb.Tool(name="f")],
+                tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_FUNCTION, function_name="g"),
+            ),
+            "tool_choice names function 'g', which is not among the request's tools",
+        ),
+        (pb.ChatTurn(tools=[pb.Tool(name=f"f{i}") for i in range(129)]), "tools has 129 entries; send at most 128"),
+        (pb.ChatTurn(tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_REQUIRED)), "tool_choice is 'required' but"),
+        (pb.ChatTurn(tool_choice=pb.ToolChoice(mode=9)), "tool_choice.mode 9 is unknown"),  # type: ignore[arg-type]
+        (
+            pb.ChatTurn(messages=[pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(id="x" * 300, name="f")])]),
+            r"messages\[0\].tool_calls\[0\].id is longer than 256",
+        ),
+    ],
+)
+def test_bad_tools_are_refused_naming_the_field(turn: pb.ChatTurn, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=message):
+        convert.chat_turn(turn)
+
+
+def test_frames_carry_tool_call_deltas() -> None:
+    frame = pb.ChatResponse(
+        turn=0,
+        token_ids=[1],
+        tool_calls=[pb.ToolCallDelta(index=0, id="call_1", name="f", arguments=""), pb.ToolCallDelta(arguments="{")],
+    )
+    chunk = convert.event(frame)
+    assert isinstance(chunk, Chunk)
+    assert list(chunk.tool_calls) == [ToolCallDelta(0, "call_1", "f", ""), ToolCallDelta(0, "", "", "{")]
+    assert convert.tool_calls_pb(chunk.tool_calls) == list(frame.tool_calls)
+    done = Done(FinishReason.TOOL_CALLS, 5, 2, Route(TierName.EDGE, "e", False, "hint"))
+    assert convert.done_pb(done).finish_reason == pb.FINISH_REASON_TOOL_CALLS

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
@@ -133,7 +136,11 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema' is missing"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "must be a JSON object"),
         ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}, "strict": "y"}}}, "strict"),
-        ({"tool_choice": "required"}, "tool calls are not supported"),
+        ({"functions": [{"name": "f"}]}, "the legacy 'functions' are not supported"),
+        ({"tool_choice": "maybe"}, "'tool_choice' must be 'auto', 'none', 'required' or"),
+        ({"tools": [{"type": "code_interpreter"}]}, "only function tools are supported"),
+        ({"tools": {"type": "function"}}, "'tools' must be a list"),
+        ({"parallel_tool_calls": "yes"}, "'parallel_tool_calls' must be true or false"),
         ({"modalities": ["text", "audio"]}, "only text output"),
         ({"audio": {"voice": "alloy"}}, "audio output is not supported"),
         ({"logprobs": True}, "logprobs are not supported"),
@@ -239,3 +246,110 @@ def test_stream_chunks_carry_null_usage_when_usage_is_asked_for() -> None:
 )
 def test_invalid_unicode_field_names_the_first_bad_string(raw: str, where: str | None) -> None:
     assert oa.invalid_unicode_field(json.loads(raw)) == where
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_tools_tool_choice_and_tool_messages_become_the_turns_fields() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"P"}'}}
+    body = {
+        "messages": [
+            {"role": "user", "content": "Weather?", "name": "ann"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "21 C"}]},
+        ],
+        "tools": [WEATHER_TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "parallel_tool_calls": False,
+    }
+    parsed, request = oa.chat_request(body)
+    turn = request.turn
+    assert parsed.tools
+    (tool,) = turn.tools
+    assert (tool.name, tool.description) == ("get_weather", "The weather")
+    assert json.loads(tool.parameters_json) == WEATHER_TOOL["function"]["parameters"]  # type: ignore[index]
+    assert turn.tool_choice.mode == pb.TOOL_CHOICE_FUNCTION and turn.tool_choice.function_name == "get_weather"
+    assert turn.tool_choice.parallel_tool_calls is False
+    assert turn.messages[0].name == "ann"
+    assert list(turn.messages[1].tool_calls) == [pb.ToolCall(id="call_1", name="get_weather", arguments='{"city":"P"}')]
+    assert (turn.messages[2].role, turn.messages[2].tool_call_id, turn.messages[2].content) == (
+        "tool",
+        "call_1",
+        "21 C",
+    )
+    none, _ = oa.chat_request({**CHAT, "tools": [WEATHER_TOOL], "tool_choice": "none"})
+    assert not none.tools
+    _, plain = oa.chat_request(CHAT)
+    assert not plain.turn.HasField("tool_choice") and not plain.turn.tools
+
+
+def test_tool_call_deltas_are_openais_stream_shape() -> None:
+    deltas = [
+        pb.ToolCallDelta(index=0, id="call_1", name="get_weather", arguments=""),
+        pb.ToolCallDelta(index=0, arguments='{"city"'),
+        pb.ToolCallDelta(index=1, id="call_2", name="add", arguments="{}"),
+    ]
+    assert oa.tool_call_deltas(deltas) == [
+        {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"city"'}},
+        {"index": 1, "id": "call_2", "type": "function", "function": {"name": "add", "arguments": "{}"}},
+    ]
+    final = pb.Final(finish_reason=pb.FINISH_REASON_TOOL_CALLS)
+    body = oa.chat_completion("r", "m", "", final, [*deltas, pb.ToolCallDelta(index=0, arguments=': "P"}')])
+    (choice,) = body["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "add", "arguments": "{}"}},
+        ],
+    }
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.text(max_size=5),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=8,
+)
+_function = st.fixed_dictionaries(
+    {},
+    optional={"name": st.sampled_from(["f", "g", "bad name", ""]) | _json, "parameters": _json, "description": _json},
+)
+_tool = st.fixed_dictionaries(
+    {"type": st.sampled_from(["function", "x"]) | _json}, optional={"function": _function | _json}
+)
+
+
+@given(
+    tools=st.lists(_tool | _json, max_size=3) | _json,
+    choice=st.sampled_from(["auto", "none", "required", {"type": "function", "function": {"name": "f"}}]) | _json,
+    calls=st.lists(st.fixed_dictionaries({"id": _json, "function": _function | _json}) | _json, max_size=2) | _json,
+    extra=st.fixed_dictionaries({}, optional={"name": _json, "tool_call_id": _json}),
+)
+@settings(max_examples=300, deadline=None)
+def test_any_tools_json_is_a_turn_or_a_400_never_a_crash(tools: Any, choice: Any, calls: Any, extra: Any) -> None:
+    from services.router import convert
+
+    body = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": calls, **extra},
+        ],
+        "tools": tools,
+        "tool_choice": choice,
+    }
+    try:
+        _, request = oa.chat_request(body)
+        convert.chat_turn(request.turn)
+    except InvalidArgument as exc:
+        assert exc.message

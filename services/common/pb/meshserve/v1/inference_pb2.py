@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeshserve/v1/inference.proto\x12\x0cmeshserve.v1\"\xa9\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x19\n\x11\x66requency_penalty\x18\x14 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x15 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x16 \x01(\x02H\x01\x88\x01\x01\x12?\n\nlogit_bias\x18\x17 \x03(\x0b\x32+.meshserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x18 \x01(\r\x12\x32\n\nstructured\x18\x1c \x01(\x0b\x32\x1e.meshserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"l\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"u\n\x0eRoutingOptions\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x10\n\x08priority\x18\x02 \x01(\r\x12/\n\x0c\x63\x61\x63he_policy\x18\x03 \x01(\x0e\x32\x19.meshserve.v1.CachePolicy\"\x8f\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12-\n\x07routing\x18\x04 \x01(\x0b\x32\x1c.meshserve.v1.RoutingOptions\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"c\n\tRouteInfo\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\tcache_hit\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x86\x01\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12&\n\x05route\x18\x03 \x01(\x0b\x32\x17.meshserve.v1.RouteInfo\"}\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\"\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x13.meshserve.v1.Final\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa5\x01\n\x08\x43hatTurn\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12-\n\x07routing\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.RoutingOptions\x12\r\n\x05model\x18\x04 \x01(\t\"\x08\n\x06\x43\x61ncel\"g\n\x0b\x43hatRequest\x12&\n\x04turn\x18\x01 \x01(\x0b\x32\x16.meshserve.v1.ChatTurnH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.meshserve.v1.CancelH\x00\x42\x08\n\x06\x61\x63tion\"\x87\x01\n\x0c\x43hatResponse\x12\x0c\n\x04turn\x18\x01 \x01(\r\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\"\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x13.meshserve.v1.Final\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\x13\n\x11ListModelsRequest\"R\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12!\n\x05tiers\x18\x02 \x03(\x0e\x32\x12.meshserve.v1.Tier\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.meshserve.v1.ModelInfo\"-\n\nEmbedInput\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"[\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06inputs\x18\x02 \x03(\x0b\x32\x18.meshserve.v1.EmbedInput\x12\x12\n\ndimensions\x18\x03 \x01(\r\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\x9c\x01\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\nembeddings\x18\x02 \x03(\x0b\x32\x17.meshserve.v1.Embedding\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12&\n\x05route\x18\x04 \x01(\x0b\x32\x17.meshserve.v1.RouteInfo*J\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_AUTO\x10\x01\x12\r\n\tTIER_EDGE\x10\x02\x12\x0e\n\nTIER_CLOUD\x10\x03*}\n\x0b\x43\x61\x63hePolicy\x12\x1c\n\x18\x43\x41\x43HE_POLICY_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41\x43HE_POLICY_USE\x10\x01\x12\x17\n\x13\x43\x41\x43HE_POLICY_BYPASS\x10\x02\x12!\n\x1d\x43\x41\x43HE_POLICY_SHAREABLE_PREFIX\x10\x03*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xf9\x02\n\tInference\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12\x41\n\x04\x43hat\x12\x19.meshserve.v1.ChatRequest\x1a\x1a.meshserve.v1.ChatResponse(\x01\x30\x01\x12I\n\x08\x43omplete\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse\x12O\n\nListModels\x12\x1f.meshserve.v1.ListModelsRequest\x1a .meshserve.v1.ListModelsResponse\x12@\n\x05\x45mbed\x12\x1a.meshserve.v1.EmbedRequest\x1a\x1b.meshserve.v1.EmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeshserve/v1/inference.proto\x12\x0cmeshserve.v1\"\xa9\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x19\n\x11\x66requency_penalty\x18\x14 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x15 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x16 \x01(\x02H\x01\x88\x01\x01\x12?\n\nlogit_bias\x18\x17 \x03(\x0b\x32+.meshserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x18 \x01(\r\x12\x32\n\nstructured\x18\x1c \x01(\x0b\x32\x1e.meshserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"l\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x06\n\x04kind\"u\n\x0eRoutingOptions\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x10\n\x08priority\x18\x02 \x01(\r\x12/\n\x0c\x63\x61\x63he_policy\x18\x03 \x01(\x0e\x32\x19.meshserve.v1.CachePolicy\"\x8f\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12-\n\x07routing\x18\x04 \x01(\x0b\x32\x1c.meshserve.v1.RoutingOptions\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"c\n\tRouteInfo\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\tcache_hit\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x86\x01\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12&\n\x05route\x18\x03 \x01(\x0b\x32\x17.meshserve.v1.RouteInfo\"}\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\"\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x13.meshserve.v1.Final\"|\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12*\n\ntool_calls\x18\x05 \x03(\x0b\x32\x16.meshserve.v1.ToolCall\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"\x89\x01\n\nToolChoice\x12*\n\x04mode\x18\x01 \x01(\x0e\x32\x1c.meshserve.v1.ToolChoiceMode\x12\x15\n\rfunction_name\x18\x02 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x03 \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xf7\x01\n\x08\x43hatTurn\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12-\n\x07routing\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.RoutingOptions\x12\r\n\x05model\x18\x04 \x01(\t\x12!\n\x05tools\x18\x05 \x03(\x0b\x32\x12.meshserve.v1.Tool\x12-\n\x0btool_choice\x18\x06 \x01(\x0b\x32\x18.meshserve.v1.ToolChoice\"\x08\n\x06\x43\x61ncel\"g\n\x0b\x43hatRequest\x12&\n\x04turn\x18\x01 \x01(\x0b\x32\x16.meshserve.v1.ChatTurnH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.meshserve.v1.CancelH\x00\x42\x08\n\x06\x61\x63tion\"\xb8\x01\n\x0c\x43hatResponse\x12\x0c\n\x04turn\x18\x01 \x01(\r\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\"\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x13.meshserve.v1.Final\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12/\n\ntool_calls\x18\t \x03(\x0b\x32\x1b.meshserve.v1.ToolCallDelta\"\x13\n\x11ListModelsRequest\"R\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12!\n\x05tiers\x18\x02 \x03(\x0e\x32\x12.meshserve.v1.Tier\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.meshserve.v1.ModelInfo\"-\n\nEmbedInput\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"[\n\x0c\x45mbedRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12(\n\x06inputs\x18\x02 \x03(\x0b\x32\x18.meshserve.v1.EmbedInput\x12\x12\n\ndimensions\x18\x03 \x01(\r\"\x1b\n\tEmbedding\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\x9c\x01\n\rEmbedResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\nembeddings\x18\x02 \x03(\x0b\x32\x17.meshserve.v1.Embedding\x12\"\n\x05usage\x18\x03 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12&\n\x05route\x18\x04 \x01(\x0b\x32\x17.meshserve.v1.RouteInfo*J\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_AUTO\x10\x01\x12\r\n\tTIER_EDGE\x10\x02\x12\x0e\n\nTIER_CLOUD\x10\x03*}\n\x0b\x43\x61\x63hePolicy\x12\x1c\n\x18\x43\x41\x43HE_POLICY_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41\x43HE_POLICY_USE\x10\x01\x12\x17\n\x13\x43\x41\x43HE_POLICY_BYPASS\x10\x02\x12!\n\x1d\x43\x41\x43HE_POLICY_SHAREABLE_PREFIX\x10\x03*\xb9\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05*\x8d\x01\n\x0eToolChoiceMode\x12\x1b\n\x17TOOL_CHOICE_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_CHOICE_AUTO\x10\x01\x12\x14\n\x10TOOL_CHOICE_NONE\x10\x02\x12\x18\n\x14TOOL_CHOICE_REQUIRED\x10\x03\x12\x18\n\x14TOOL_CHOICE_FUNCTION\x10\x04\x32\xf9\x02\n\tInference\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12\x41\n\x04\x43hat\x12\x19.meshserve.v1.ChatRequest\x1a\x1a.meshserve.v1.ChatResponse(\x01\x30\x01\x12I\n\x08\x43omplete\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse\x12O\n\nListModels\x12\x1f.meshserve.v1.ListModelsRequest\x1a .meshserve.v1.ListModelsResponse\x12@\n\x05\x45mbed\x12\x1a.meshserve.v1.EmbedRequest\x1a\x1b.meshserve.v1.EmbedResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,12 +33,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=2258
-  _globals['_TIER']._serialized_end=2332
-  _globals['_CACHEPOLICY']._serialized_start=2334
-  _globals['_CACHEPOLICY']._serialized_end=2459
-  _globals['_FINISHREASON']._serialized_start=2462
-  _globals['_FINISHREASON']._serialized_end=2617
+  _globals['_TIER']._serialized_start=2811
+  _globals['_TIER']._serialized_end=2885
+  _globals['_CACHEPOLICY']._serialized_start=2887
+  _globals['_CACHEPOLICY']._serialized_end=3012
+  _globals['_FINISHREASON']._serialized_start=3015
+  _globals['_FINISHREASON']._serialized_end=3200
+  _globals['_TOOLCHOICEMODE']._serialized_start=3203
+  _globals['_TOOLCHOICEMODE']._serialized_end=3344
   _globals['_SAMPLINGPARAMS']._serialized_start=47
   _globals['_SAMPLINGPARAMS']._serialized_end=472
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=392
@@ -58,29 +60,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATERESPONSE']._serialized_start=1168
   _globals['_GENERATERESPONSE']._serialized_end=1293
   _globals['_CHATMESSAGE']._serialized_start=1295
-  _globals['_CHATMESSAGE']._serialized_end=1339
-  _globals['_CHATTURN']._serialized_start=1342
-  _globals['_CHATTURN']._serialized_end=1507
-  _globals['_CANCEL']._serialized_start=1509
-  _globals['_CANCEL']._serialized_end=1517
-  _globals['_CHATREQUEST']._serialized_start=1519
-  _globals['_CHATREQUEST']._serialized_end=1622
-  _globals['_CHATRESPONSE']._serialized_start=1625
-  _globals['_CHATRESPONSE']._serialized_end=1760
-  _globals['_LISTMODELSREQUEST']._serialized_start=1762
-  _globals['_LISTMODELSREQUEST']._serialized_end=1781
-  _globals['_MODELINFO']._serialized_start=1783
-  _globals['_MODELINFO']._serialized_end=1865
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1867
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1928
-  _globals['_EMBEDINPUT']._serialized_start=1930
-  _globals['_EMBEDINPUT']._serialized_end=1975
-  _globals['_EMBEDREQUEST']._serialized_start=1977
-  _globals['_EMBEDREQUEST']._serialized_end=2068
-  _globals['_EMBEDDING']._serialized_start=2070
-  _globals['_EMBEDDING']._serialized_end=2097
-  _globals['_EMBEDRESPONSE']._serialized_start=2100
-  _globals['_EMBEDRESPONSE']._serialized_end=2256
-  _globals['_INFERENCE']._serialized_start=2620
-  _globals['_INFERENCE']._serialized_end=2997
+  _globals['_CHATMESSAGE']._serialized_end=1419
+  _globals['_TOOL']._serialized_start=1421
+  _globals['_TOOL']._serialized_end=1487
+  _globals['_TOOLCHOICE']._serialized_start=1490
+  _globals['_TOOLCHOICE']._serialized_end=1627
+  _globals['_TOOLCALL']._serialized_start=1629
+  _globals['_TOOLCALL']._serialized_end=1684
+  _globals['_TOOLCALLDELTA']._serialized_start=1686
+  _globals['_TOOLCALLDELTA']._serialized_end=1761
+  _globals['_CHATTURN']._serialized_start=1764
+  _globals['_CHATTURN']._serialized_end=2011
+  _globals['_CANCEL']._serialized_start=2013
+  _globals['_CANCEL']._serialized_end=2021
+  _globals['_CHATREQUEST']._serialized_start=2023
+  _globals['_CHATREQUEST']._serialized_end=2126
+  _globals['_CHATRESPONSE']._serialized_start=2129
+  _globals['_CHATRESPONSE']._serialized_end=2313
+  _globals['_LISTMODELSREQUEST']._serialized_start=2315
+  _globals['_LISTMODELSREQUEST']._serialized_end=2334
+  _globals['_MODELINFO']._serialized_start=2336
+  _globals['_MODELINFO']._serialized_end=2418
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2420
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2481
+  _globals['_EMBEDINPUT']._serialized_start=2483
+  _globals['_EMBEDINPUT']._serialized_end=2528
+  _globals['_EMBEDREQUEST']._serialized_start=2530
+  _globals['_EMBEDREQUEST']._serialized_end=2621
+  _globals['_EMBEDDING']._serialized_start=2623
+  _globals['_EMBEDDING']._serialized_end=2650
+  _globals['_EMBEDRESPONSE']._serialized_start=2653
+  _globals['_EMBEDRESPONSE']._serialized_end=2809
+  _globals['_INFERENCE']._serialized_start=3347
+  _globals['_INFERENCE']._serialized_end=3724
 # @@protoc_insertion_point(module_scope)

@@ -91,6 +91,10 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """One of the request's stop strings was produced; it is not included in the text."""
     FINISH_REASON_CANCELLED: _FinishReason.ValueType  # 4
     """The caller cancelled the request or turn."""
+    FINISH_REASON_TOOL_CALLS: _FinishReason.ValueType  # 5
+    """A chat turn with tools ended after the model called one or more of them (the frames' tool_calls);
+    OpenAI's finish_reason "tool_calls".
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """Why generation stopped."""
@@ -105,7 +109,43 @@ FINISH_REASON_STOP_STRING: FinishReason.ValueType  # 3
 """One of the request's stop strings was produced; it is not included in the text."""
 FINISH_REASON_CANCELLED: FinishReason.ValueType  # 4
 """The caller cancelled the request or turn."""
+FINISH_REASON_TOOL_CALLS: FinishReason.ValueType  # 5
+"""A chat turn with tools ended after the model called one or more of them (the frames' tool_calls);
+OpenAI's finish_reason "tool_calls".
+"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
+
+class _ToolChoiceMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ToolChoiceModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ToolChoiceMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TOOL_CHOICE_UNSPECIFIED: _ToolChoiceMode.ValueType  # 0
+    """Not set: TOOL_CHOICE_AUTO when the turn has tools, TOOL_CHOICE_NONE otherwise."""
+    TOOL_CHOICE_AUTO: _ToolChoiceMode.ValueType  # 1
+    """The model answers with text or with calls, as it chooses."""
+    TOOL_CHOICE_NONE: _ToolChoiceMode.ValueType  # 2
+    """The model answers with text only: never a call (the tools are not rendered into the prompt)."""
+    TOOL_CHOICE_REQUIRED: _ToolChoiceMode.ValueType  # 3
+    """The model calls one or more of the tools."""
+    TOOL_CHOICE_FUNCTION: _ToolChoiceMode.ValueType  # 4
+    """The model calls the function named in ToolChoice.function_name."""
+
+class ToolChoiceMode(_ToolChoiceMode, metaclass=_ToolChoiceModeEnumTypeWrapper):
+    """Whether and how the model calls tools."""
+
+TOOL_CHOICE_UNSPECIFIED: ToolChoiceMode.ValueType  # 0
+"""Not set: TOOL_CHOICE_AUTO when the turn has tools, TOOL_CHOICE_NONE otherwise."""
+TOOL_CHOICE_AUTO: ToolChoiceMode.ValueType  # 1
+"""The model answers with text or with calls, as it chooses."""
+TOOL_CHOICE_NONE: ToolChoiceMode.ValueType  # 2
+"""The model answers with text only: never a call (the tools are not rendered into the prompt)."""
+TOOL_CHOICE_REQUIRED: ToolChoiceMode.ValueType  # 3
+"""The model calls one or more of the tools."""
+TOOL_CHOICE_FUNCTION: ToolChoiceMode.ValueType  # 4
+"""The model calls the function named in ToolChoice.function_name."""
+Global___ToolChoiceMode: _TypeAlias = ToolChoiceMode  # noqa: Y015
 
 @_typing.final
 class SamplingParams(_message.Message):
@@ -491,23 +531,176 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     role: _builtins.str
-    """"system", "user" or "assistant"."""
+    """"system", "user", "assistant" or "tool" (the result of a tool call, in the turn after the call)."""
     content: _builtins.str
-    """Message text, UTF-8."""
+    """Message text, UTF-8 (a tool message: the call's result; an assistant message with tool_calls may
+    leave it empty).
+    """
+    name: _builtins.str
+    """Optional name of the participant (OpenAI's message "name"); for a "tool" message, the function's
+    name. At most 64 characters.
+    """
+    tool_call_id: _builtins.str
+    """A "tool" message: the id of the assistant's tool call it answers (ToolCall.id); required there,
+    at most 256 characters.
+    """
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """An "assistant" message: the calls it made (as this server sent them), at most 128."""
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        name: _builtins.str = ...,
+        tool_call_id: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "name", b"name", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class Tool(_message.Message):
+    """A function the model may call (OpenAI's tools[].function). Tools are rendered into the prompt
+    with the model's chat template (docs/gateway.md, "Tools").
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_JSON_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """1 to 64 characters of a-z, A-Z, 0-9, underscore and dash; unique within a turn."""
+    description: _builtins.str
+    """What the function does, for the model; at most 8192 characters."""
+    parameters_json: _builtins.str
+    """The function's parameters as a JSON Schema object, in JSON text (empty: takes no parameters);
+    at most 16384 characters and 16 levels deep. A call's arguments are constrained to it.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters_json", b"parameters_json"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Tool: _TypeAlias = Tool  # noqa: Y015
+
+@_typing.final
+class ToolChoice(_message.Message):
+    """OpenAI's tool_choice and parallel_tool_calls."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    FUNCTION_NAME_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    mode: Global___ToolChoiceMode.ValueType
+    """Auto, none, required, or one named function."""
+    function_name: _builtins.str
+    """TOOL_CHOICE_FUNCTION: the name of one of the turn's tools (another name is INVALID_ARGUMENT)."""
+    parallel_tool_calls: _builtins.bool
+    """Whether the model may make more than one call in its answer; unset means true."""
+    def __init__(
+        self,
+        *,
+        mode: Global___ToolChoiceMode.ValueType = ...,
+        function_name: _builtins.str = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "parallel_tool_calls", b"parallel_tool_calls"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "function_name", b"function_name", "mode", b"mode", "parallel_tool_calls", b"parallel_tool_calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
+
+Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """A tool call the assistant made (in a later turn's assistant message)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The call's id, as the server sent it in ToolCallDelta.id; at most 256 characters."""
+    name: _builtins.str
+    """The function called."""
+    arguments: _builtins.str
+    """The arguments, JSON text (as the server streamed them)."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
+
+@_typing.final
+class ToolCallDelta(_message.Message):
+    """A piece of a tool call, streamed as OpenAI streams tool_calls deltas: a call's first delta has its
+    index, id and name (and empty or partial arguments); its later deltas have the index and the next
+    fragment of the arguments' JSON text.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Position of the call in the answer, starting at 0."""
+    id: _builtins.str
+    """The call's id ("call_" + 24 characters); set on its first delta only."""
+    name: _builtins.str
+    """The function's name; set on its first delta only."""
+    arguments: _builtins.str
+    """The next fragment of the arguments' JSON text (concatenated, a call's fragments are its arguments)."""
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "index", b"index", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCallDelta: _TypeAlias = ToolCallDelta  # noqa: Y015
 
 @_typing.final
 class ChatTurn(_message.Message):
@@ -519,6 +712,8 @@ class ChatTurn(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     ROUTING_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model id; empty means the default model. Only read on the first turn."""
     @_builtins.property
@@ -533,6 +728,16 @@ class ChatTurn(_message.Message):
     def routing(self) -> Global___RoutingOptions:
         """Routing preferences (used on the first turn; later turns stay on the same worker)."""
 
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___Tool]:
+        """Functions the model may call in this turn (at most 128; OpenAI's tools). Tools are per turn: send
+        them again with every turn that may use them.
+        """
+
+    @_builtins.property
+    def tool_choice(self) -> Global___ToolChoice:
+        """Whether and how the model calls them (unset: auto with tools, none without)."""
+
     def __init__(
         self,
         *,
@@ -540,10 +745,12 @@ class ChatTurn(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         routing: Global___RoutingOptions | None = ...,
         model: _builtins.str = ...,
+        tools: _abc.Iterable[Global___Tool] | None = ...,
+        tool_choice: Global___ToolChoice | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["routing", b"routing", "sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["routing", b"routing", "sampling", b"sampling", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "model", b"model", "routing", b"routing", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "model", b"model", "routing", b"routing", "sampling", b"sampling", "tool_choice", b"tool_choice", "tools", b"tools"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -610,6 +817,7 @@ class ChatResponse(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     turn: _builtins.int
     """Index of the turn this frame belongs to, starting at 0."""
     sequence: _builtins.int
@@ -626,6 +834,12 @@ class ChatResponse(_message.Message):
     def final(self) -> Global___Final:
         """Set on the last frame of a turn."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCallDelta]:
+        """Tool calls produced since the previous frame (turns with tools only); the markup of the calls is
+        not in `text`, which holds only the answer's content.
+        """
+
     def __init__(
         self,
         *,
@@ -635,10 +849,11 @@ class ChatResponse(_message.Message):
         text: _builtins.str = ...,
         final: Global___Final | None = ...,
         request_id: _builtins.str = ...,
+        tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["final", b"final"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "request_id", b"request_id", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "request_id", b"request_id", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
