@@ -15,11 +15,12 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
 from services.common.chat_tools import CALL_CLOSE, CALL_OPEN
+from services.common.constraints import Constraint, Kind
 from services.common.errors import InvalidArgument
 from services.common.sampling import SamplingParams
 
@@ -107,12 +108,9 @@ class ToolCallDelta:
     arguments: str = ""
 
 
-CONSTRAINT_APPLIED = False
-"""Whether :func:`constrained` applies :func:`tool_constraint` to a turn's sampling. False until the
-structured-output machinery (SamplingParams' structured output, field 28 of the public proto) is in
-this tree: until then a turn with tools is unconstrained, ``required`` and a named function are
-honoured only as far as the model follows the prompt, and the tests that need the constraint are
-skipped (tests/e2e/test_tools.py)."""
+CONSTRAINT_APPLIED = True
+"""Whether :func:`constrained` applies :func:`tool_constraint` to a turn's sampling (it does: the
+structured-output machinery, ``SamplingParams.structured``, holds the generation to it)."""
 
 
 @dataclass(frozen=True)
@@ -307,11 +305,21 @@ def tool_constraint(tools: Sequence[Tool], choice: ToolChoice) -> ToolConstraint
 def constrained(sampling: SamplingParams, tools: Sequence[Tool], choice: ToolChoice) -> SamplingParams:
     """``sampling`` with the turn's tool constraint applied (the one place the router applies it).
 
-    Today the identity (:data:`CONSTRAINT_APPLIED` is False). Once SamplingParams carries a structured
-    output, this sets it from :func:`tool_constraint` (``json_schema`` -> its JSON-schema form,
-    ``grammar`` -> its Lark-grammar form), refuses a turn that also sets its own structured output
-    (INVALID_ARGUMENT naming ``response_format``/``structured_output`` and ``tools``), and
-    :data:`CONSTRAINT_APPLIED` becomes True; the constraint then reaches the response-cache key
-    through ``SamplingParams.canonical()``.
+    A turn whose tool choice can call a tool gets :func:`tool_constraint` as its structured output
+    (``json_schema`` or a Lark ``grammar``); the constraint then reaches the response-cache key through
+    ``SamplingParams.canonical()``. A turn that also sets its own structured output is refused
+    (INVALID_ARGUMENT naming both fields): one generation obeys one constraint. The constraint text is
+    taken as built (not re-serialised with sorted keys: a call's ``name`` stays before its
+    ``arguments``, so the name streams first) and is bounded by the tool limits above, not by the
+    structured-output size limit; the worker compiles it within the usual time bound.
     """
-    return sampling
+    constraint = tool_constraint(tools, choice)
+    if constraint is None:
+        return sampling
+    if sampling.structured is not None:
+        raise InvalidArgument(
+            "tools with tool_choice 'auto', 'required' or a named function cannot be combined with "
+            "response_format (sampling.structured); send one or the other, or tool_choice 'none'"
+        )
+    kind: Kind = "json_schema" if constraint.kind == "json_schema" else "grammar"
+    return replace(sampling, structured=Constraint(kind, constraint.value))

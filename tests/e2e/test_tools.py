@@ -6,7 +6,7 @@ rendering (services/common/chat_tools.py), and the unconstrained 135M model answ
 The parse / stream path with calls in the output is covered with scripted output in
 tests/unit/router/test_api.py, test_tool_parser.py and tests/unit/gateway/http/test_app_tools.py.
 The tests that need calls from the real model need the tool constraint applied to the generation
-(services/router/tools.py, ``constrained``); they are skipped until it is (``CONSTRAINT_APPLIED``).
+(services/router/tools.py, ``constrained``), applied since the structured-output merge (``CONSTRAINT_APPLIED``).
 """
 
 from __future__ import annotations

@@ -4,12 +4,15 @@ cache-key part, and what is rendered into the prompt."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
+from services.common.constraints import check_constraint
 from services.common.errors import InvalidArgument
 from services.common.model_paths import model_paths
+from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.router import tools as t
 from services.router.tool_parser import ToolCallParser
@@ -229,3 +232,18 @@ def test_the_constraint_holds_calls_to_the_schema_and_the_prompts_layout(matcher
         matcher = matcher_for(constraint)
         ok = all(matcher.consume_token(token) for token in tok.encode(bad, add_special_tokens=False))
         assert not ok, bad
+
+
+def test_constrained_sets_the_tool_constraint_and_refuses_a_second_one() -> None:
+    tools = [WEATHER]
+    plain = SamplingParams(max_tokens=16)
+    required = ToolChoice(ToolChoiceMode.REQUIRED)
+    got = t.constrained(plain, tools, required)
+    expected = t.tool_constraint(tools, required)
+    assert got.structured is not None and expected is not None
+    assert (got.structured.kind, got.structured.text) == ("json_schema", expected.value)
+    auto = t.constrained(plain, tools, ToolChoice(ToolChoiceMode.AUTO)).structured
+    assert auto is not None and auto.kind == "grammar"
+    assert t.constrained(plain, tools, ToolChoice(ToolChoiceMode.NONE)) is plain
+    with pytest.raises(InvalidArgument, match="response_format"):
+        t.constrained(replace(plain, structured=check_constraint("json_object")), tools, required)
