@@ -242,11 +242,13 @@ class CloudEngine:
             static=self.static,
         )
         self._tokenizer = _load_tokenizer(model, allow_download)
+        dtypes = f"{str(self.dtype).removeprefix('torch.')}/kv={str(self.kv_dtype).removeprefix('torch.')}"
         self._info = EngineInfo(
             model_id=model_id,
             vocab_size=cfg.vocab,
             context_length=cfg.max_positions,
             eos_token_ids=frozenset(_eos_ids(model, allow_download)),
+            build=f"torch:{self.device.type}/{dtypes}/tp={shard.world}/decode={self.decode_graphs}",
         )
         self._lock = threading.Lock()
         self.counters = {"computed": 0, "local": 0, "redis": 0}
