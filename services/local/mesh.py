@@ -111,7 +111,7 @@ class Mesh:
         self._port_env: dict[str, str] = {}  # process name -> the setting of its gRPC port
         self.supervisor: Supervisor | None = None
         """Restarts crashed children once the mesh is up (``MeshConfig.supervise``)."""
-        self.on_change: Callable[[], None] | None = None
+        self.on_change: Callable[[], object] | None = None
         """Called after a supervised child exited or came back (``meshserve up`` rewrites its state file)."""
 
     @property
