@@ -308,8 +308,8 @@ class Router:
                         if ticket is None:
                             ticket = await self._admit(req, picked.tier)
                         replica = same or self.select(req, picked.tier, exclude)
-                        if broken is not None and not same_build(replica, broken):
-                            progress.crossed = True
+                        if broken is not None and replica.build != broken.build and replica.build and broken.build:
+                            progress.crossed = True  # only when both builds are known: else we cannot say
                         broken = None
                         decision.set_attributes({"meshserve.tier": picked.tier.value, "meshserve.worker": replica.name})
                     session.stream = self.transport.open(replica, req.timeout)
