@@ -158,7 +158,8 @@ async def test_a_killed_cloud_worker_comes_back_and_its_streams_resume_across_bu
     for stream in streams:
         stream.assert_whole()
         assert stream.final is not None and stream.final.route.reason == "failover_cross_build"
-    # Back in routing: a cloud-hinted request is served by the cloud tier again (it re-registered).
+    # Back in routing: once it has registered again, a cloud-hinted request is served by it.
+    await _registered(up_mesh, 3)
     final = [f async for f in up_stub.Generate(_cloud_greedy("Name a bird."), metadata=auth())][-1].final
     assert final.route.worker_id == "cloud-0" and final.route.reason == "hint", final.route
 
