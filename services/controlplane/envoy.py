@@ -119,6 +119,10 @@ class Envoy:
 
     async def start(self, timeout_s: float = 30.0) -> None:
         await self.process.spawn()
+        await self.wait_ready(timeout_s)
+
+    async def wait_ready(self, timeout_s: float = 30.0) -> None:
+        """Until its admin says ready (after a start or a restart of :attr:`process`)."""
         await self._until(self._ready, timeout_s, "Envoy did not become ready")
 
     async def stop(self) -> None:

@@ -88,6 +88,7 @@ class BatchedEngine:
             vocab_size=int(config["vocab_size"]),
             context_length=int(config["context_length"]),
             eos_token_ids=frozenset(eos if isinstance(eos, list) else [eos]),
+            build=f"onnx-int4:{model_dir.name}/batched/lm_head={lm_head}/rows>={2 if batch_invariant else 1}",
         )
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.grammars = GrammarCompiler(self._tokenizer, self._info.vocab_size, self._info.eos_token_ids)

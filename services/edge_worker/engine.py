@@ -160,6 +160,7 @@ class OgEngine:
             vocab_size=int(genai["vocab_size"]),
             context_length=int(genai["context_length"]),
             eos_token_ids=frozenset(eos if isinstance(eos, list) else [eos]),
+            build=f"onnx-int4:{model_dir.name}/og",
         )
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.chat_reserve_tokens = chat_reserve_tokens

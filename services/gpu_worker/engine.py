@@ -246,11 +246,13 @@ class CloudEngine:
             static=self.static,
         )
         self._tokenizer = _load_tokenizer(model, allow_download)
+        dtypes = f"{str(self.dtype).removeprefix('torch.')}/kv={str(self.kv_dtype).removeprefix('torch.')}"
         self._info = EngineInfo(
             model_id=model_id,
             vocab_size=cfg.vocab,
             context_length=cfg.max_positions,
             eos_token_ids=frozenset(_eos_ids(model, allow_download)),
+            build=f"torch:{self.device.type}/{dtypes}/tp={shard.world}/decode={self.decode_graphs}",
         )
         self.grammars = GrammarCompiler(self._tokenizer, self._info.vocab_size, self._info.eos_token_ids)
         """Structured-output constraints compiled for this vocabulary (``submit`` opens one per sequence)."""

@@ -8,6 +8,11 @@ first with no static worker list: the workers are given its address and register
 heartbeat (docs/router.md), so a worker that dies is dropped from routing after the heartbeat TTL.
 Ctrl-C (SIGINT) or SIGTERM stops everything, letting in-flight streams drain.
 
+With ``MeshConfig(supervise=True)`` (what ``meshserve up`` runs) a child that exits on its own is
+started again (services/local/supervise.py: exponential backoff, crash loops reported): the gateways,
+the cache service, the split router, Redis, Envoy and its HTTP adapters on the ports they had, so
+clients and Envoy reconnect; workers on fresh ports, registering again by heartbeat.
+
 :class:`Mesh` is also what the end-to-end tests and the benchmarks start, so they run exactly the
 topology users get.
 """
@@ -20,7 +25,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +40,10 @@ from services.local.processes import (
     spawn_redis,
     stdout_sink,
     wait_for_health,
+    wait_redis,
+    yield_on_wakeup,
 )
+from services.local.supervise import RestartPolicy, Supervisor
 
 DEV_API_KEY = "msk-local-dev-key"
 """API key of the local mesh's ``dev`` tenant (override with MESHSERVE_API_KEY)."""
@@ -95,6 +103,10 @@ class MeshConfig:
     edge_models: dict[str, str] = field(default_factory=dict)
     """More model ids, id -> an onnxruntime-genai directory (its tokenizer.json and chat template are the
     model's, e.g. the distilled student's ``edge-int4``): one more edge worker each."""
+    supervise: bool = False
+    """Restart a child that exits on its own (``meshserve up``; services/local/supervise.py). Off for
+    tests that kill a service to watch the mesh without it."""
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
 
 
 class Mesh:
@@ -110,6 +122,11 @@ class Mesh:
         self.front_door: FrontDoor | None = None
         self._router_ports: list[int] = []  # the embedded routers' internal ports (``embed_router``)
         self._models_tmp: tempfile.TemporaryDirectory[str] | None = None  # the router's models file
+        self._port_env: dict[str, str] = {}  # process name -> the setting of its gRPC port
+        self.supervisor: Supervisor | None = None
+        """Restarts crashed children once the mesh is up (``MeshConfig.supervise``)."""
+        self.on_change: Callable[[], object] | None = None
+        """Called after a supervised child exited or came back (``meshserve up`` rewrites its state file)."""
 
     @property
     def gateway_address(self) -> str:
@@ -172,6 +189,7 @@ class Mesh:
             "cache": self.cache_address,
             "redis": self.redis_url,
             "metrics": metrics,
+            **({"services": self.supervisor.snapshot()} if self.supervisor is not None else {}),
         }
 
     def workers(self, tier: str) -> list[ServiceProcess]:
@@ -199,6 +217,7 @@ class Mesh:
         env = {f"{prefix}_METRICS_PORT": 0, **(settings or {}), **env}
         proc = ServiceProcess(name, [sys.executable, "-m", *launcher, module], self._env(**env), self.sink)
         self.processes[name] = proc
+        self._port_env[name] = f"{prefix}_PORT"
         return proc
 
     async def _start_redis(self) -> None:
@@ -333,16 +352,67 @@ class Mesh:
                     timeout_s=timeout,
                 )
                 await self.front_door.start()
+            if cfg.supervise:
+                self._supervise()
         except BaseException:
             await self.stop()
             raise
         return self
 
+    def _supervise(self) -> None:
+        """Watch every child (services/local/supervise.py). A restarted child gets the command and
+        environment it started with; all but the workers keep their gRPC port (pinned here)."""
+        sup = self.supervisor = Supervisor(self.sink, self.config.restart_policy, on_change=self._changed)
+        timeout = self.config.restart_policy.ready_timeout_s
+
+        async def serving(proc: ServiceProcess) -> None:
+            await proc.wait_started(timeout)
+            await proc.wait_serving(timeout)
+
+        def pin(setting: str) -> Callable[[ServiceProcess], None]:
+            def keep_port(proc: ServiceProcess) -> None:
+                if proc.port:
+                    proc.env[setting] = str(proc.port)
+
+            return keep_port
+
+        for name, proc in self.processes.items():
+            worker = name.startswith(("edge-", "cloud-"))
+            sup.watch(proc, serving, None if worker else pin(self._port_env[name]))
+        if self._redis is not None:
+            url, batch = self.redis_url, self.config.redis_batch
+
+            async def answering(proc: ServiceProcess) -> None:
+                await wait_redis(url, timeout)
+                if batch and proc.proc is not None:
+                    yield_on_wakeup(proc.proc.pid)
+
+            sup.watch(self._redis, answering)  # its command line holds its port
+        if self.front_door is not None:
+            envoy = self.front_door.envoy
+
+            async def envoy_ready(proc: ServiceProcess) -> None:
+                await envoy.wait_ready(timeout)
+
+            async def adapter_ready(proc: ServiceProcess) -> None:
+                await proc.wait_started(timeout)
+
+            sup.watch(envoy.process, envoy_ready)  # its bootstrap holds its ports
+            for adapter in self.front_door.adapters:
+                sup.watch(adapter, adapter_ready, pin("MESHSERVE_GATEWAY_HTTP_PORT"))
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
     async def stop(self) -> None:
         """Stop in order: front door, gateways, cache, workers (in parallel; each finishes its streams
         and tells the router it leaves), router, redis. With the router in the gateways' processes
         the gateways stop after the workers instead: their routers must be there to hear them leave
-        (new requests meanwhile get UNAVAILABLE: no worker left), and their streams finish first."""
+        (new requests meanwhile get UNAVAILABLE: no worker left), and their streams finish first.
+        Supervision ends first: nothing stopped here is restarted."""
+        if self.supervisor is not None:
+            await self.supervisor.close()
         if self.front_door is not None:
             await self.front_door.stop()
             self.front_door = None

@@ -40,6 +40,7 @@ class ServiceProcess:
         self.metrics_port: int | None = None
         self._started = asyncio.Event()
         self._relay: asyncio.Task[None] | None = None
+        self._port_from_log = False  # the port came from its service_started line (read again on respawn)
 
     @property
     def address(self) -> str:
@@ -60,6 +61,21 @@ class ServiceProcess:
             start_new_session=True,  # Ctrl-C reaches only us; we stop children in order
         )
         self._relay = asyncio.create_task(self._relay_logs())
+
+    async def respawn(self) -> None:
+        """Start the same command again once it has exited (services/local/supervise.py). The port and
+        metrics port are read from its log again, unless the port was set by hand (Envoy's)."""
+        if self._port_from_log:
+            self.port = None
+        self.metrics_port = None
+        self._started = asyncio.Event()
+        await self.spawn()  # the old relay ends by itself at the old pipe's end
+
+    def kill_group(self) -> None:
+        """SIGKILL whatever is left of its process group (children of an exited process: torchrun's ranks)."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
 
     async def _relay_logs(self) -> None:
         assert self.proc is not None and self.proc.stdout is not None
@@ -82,6 +98,7 @@ class ServiceProcess:
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     started = json.loads(text)
                     self.port = int(started["port"])
+                    self._port_from_log = True
                     if started.get("metrics_port"):
                         self.metrics_port = int(started["metrics_port"])
                     self._started.set()

@@ -14,7 +14,10 @@ What it shows, and where each figure comes from:
   which a burst reaches only after 5 s and leaves only 5 s after it ended;
 - response and KV cache hit ratios and entries: the cache service's ``Cache.Stats`` (optional);
 - requests, rate-limit rejections, load shedding and errors: the services' Prometheus ``/metrics``
-  (optional; ``--metrics name=url``).
+  (optional; ``--metrics name=url``);
+- restarts of the services ``meshserve up`` supervises (state, restart count, last exit reason such as
+  ``killed by SIGKILL`` or ``exit code 1``, crash loops): its state file, which it rewrites whenever a
+  service exits or comes back (services/local/supervise.py). Shown only for the mesh of that file.
 
 Addresses default to those ``meshserve up`` records in its state file (:func:`state_path`), so
 ``meshserve status`` alone watches the local mesh. ``--once`` prints one frame and exits.
@@ -101,6 +104,8 @@ class MeshView:
     problems: list[str] = field(default_factory=list)
     rollouts: list[router_admin_pb2.ModelRollout] = field(default_factory=list)
     """The router's served models and their rollouts (shown when it serves more than one version)."""
+    services: dict[str, dict[str, object]] = field(default_factory=dict)
+    """Supervised services of ``meshserve up`` (its state file): name -> state, restarts, last_exit, ..."""
     taken_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
 
 
@@ -276,9 +281,39 @@ def render(view: MeshView) -> Group:
         figures = [f"requests {total}", f"errors {errors}"] + [f"{k} {v}" for k, v in view.counters.items()]
         figures += [f"{status} {n}" for status, n in sorted(view.requests.items()) if status != "OK"]
         parts.append(Text("traffic: " + " · ".join(figures)))
+    if view.services:
+        parts.append(_services_table(view.services))
     for problem in view.problems:
         parts.append(Text(f"unreachable: {problem}", style="yellow"))
     return Group(*parts)  # type: ignore[arg-type]
+
+
+_STATE_STYLES = {"running": "green", "restarting": "yellow", "crash loop": "bold red"}
+
+
+def _services_table(services: dict[str, dict[str, object]]) -> Table:
+    restarted = sum(1 for record in services.values() if record.get("restarts"))
+    table = Table(title=f"services: {len(services)} supervised, {restarted} restarted", title_justify="left")
+    for column in ("service", "state", "restarts", "last exit", "at (UTC)"):
+        table.add_column(column, justify="right" if column == "restarts" else "left")
+    for name, record in services.items():
+        state = str(record.get("state", "?"))
+        at = str(record.get("last_exit_at") or "")
+        table.add_row(
+            name,
+            Text(state, style=_STATE_STYLES.get(state, "")),
+            str(record.get("restarts", 0)),
+            str(record.get("last_exit") or "-"),
+            at[11:19] if len(at) >= 19 else at or "-",
+        )
+    return table
+
+
+def _supervised(state: dict[str, object]) -> dict[str, dict[str, object]]:
+    recorded = state.get("services", {})
+    if not isinstance(recorded, dict):
+        return {}
+    return {str(k): v for k, v in recorded.items() if isinstance(v, dict)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -322,12 +357,18 @@ def _targets(args: argparse.Namespace) -> tuple[str, str, dict[str, str]]:
 
 async def _run(args: argparse.Namespace) -> int:
     router, cache, metrics = _targets(args)
+    from_state = not args.router  # watching the mesh of the state file: its restarts are shown too
 
     last: MeshView | None = None
 
     async def frame() -> Group:
-        nonlocal last
+        nonlocal last, metrics
+        state = read_state() if from_state else {}
+        recorded = state.get("metrics")  # a restarted service serves /metrics on a new port
+        if args.metrics is None and isinstance(recorded, dict):
+            metrics = {str(k): str(v) for k, v in recorded.items()}
         last = await gather(router, cache=cache, metrics=metrics, token=args.internal_token, previous=last)
+        last.services = _supervised(state)
         return render(last)
 
     if args.once:

@@ -1,4 +1,5 @@
-"""`meshserve up`: start the local mesh (services/local/mesh.py), print how to use it, stop on Ctrl-C."""
+"""`meshserve up`: start the local mesh (services/local/mesh.py), print how to use it, restart what
+crashes (services/local/supervise.py; ``--no-restart`` turns that off), stop on Ctrl-C."""
 
 from __future__ import annotations
 
@@ -112,6 +113,12 @@ def _parser() -> argparse.ArgumentParser:
         help="one more edge worker serving another model id from DIR (e.g. a distilled student's edge-int4) "
         "(repeatable)",
     )
+    p.add_argument(
+        "--no-restart",
+        action="store_true",
+        help="do not restart a service that exits (by default each is restarted with backoff, "
+        "as compose's restart: unless-stopped; `meshserve status` shows restarts)",
+    )
     p.add_argument("--demo", metavar="PROMPT", help="once up, stream an answer to PROMPT through the gateway")
     p.add_argument("--exit-after-demo", action="store_true", help="stop the mesh after the demo answer")
     return p
@@ -206,6 +213,7 @@ async def run_up(args: argparse.Namespace) -> int:
         embed_router=not args.split_router,
         edge_versions=_pairs(args.edge_version, "--edge-version NAME=DIR"),
         edge_models=_pairs(args.edge_model, "--edge-model ID=DIR"),
+        supervise=not args.no_restart,
     )
     sink = HoldingSink(stdout_sink())
     mesh = Mesh(config, sink=sink)
@@ -220,6 +228,7 @@ async def run_up(args: argparse.Namespace) -> int:
     from services.local.state import write_state
 
     state = write_state(mesh.describe())  # for `meshserve status`
+    mesh.on_change = lambda: write_state(mesh.describe())  # a service exited or came back: its restarts
     cli = cli_command()  # `meshserve` itself is often not on PATH (make run uses .venv/bin/meshserve)
     try:
         print(
@@ -254,6 +263,7 @@ async def run_up(args: argparse.Namespace) -> int:
         print("\nmeshserve: stopping (draining in-flight streams)...", file=sys.stderr, flush=True)
         return 0
     finally:
+        mesh.on_change = None
         state.unlink(missing_ok=True)
         await mesh.stop()
 

@@ -71,6 +71,8 @@ class Progress:
     tiers: set[TierName] = field(default_factory=set)
     """Tiers whose workers produced tokens."""
     failovers: int = 0
+    crossed: bool = False
+    """A resume continued on a worker of another build (its tokens may differ from an undisturbed run)."""
 
 
 _CACHEABLE_FINISH = {int(f) for f in Finish}
@@ -86,6 +88,8 @@ async def store_response(
     The router calls it before the final event goes out, so a repeat sent right after it hits."""
     tier = done.route.tier
     if key_for is None or tier is None or done.finish_reason not in _CACHEABLE_FINISH or progress.tiers - {tier}:
+        return
+    if progress.crossed:  # part of it came from another build: not the answer of either
         return
     key = key_for(tier)
     response = CachedResponse(

@@ -112,6 +112,10 @@ class RouterSettings(StreamingSettings):
     """Other replicas (of any tier) tried when a worker fails before sending a token."""
     failovers_after_first_token: int = Field(default=2, ge=0)
     """Times a stream is resumed on another replica after its worker died or stalled mid-generation."""
+    resume_same_build_wait_s: float = Field(default=5.0, ge=0)
+    """A stream resumed after its worker failed goes to a replica of the same build (same greedy tokens)
+    first; when every one is busy it waits up to this long for a slot, then resumes on another build or
+    tier (``route.reason`` ``failover_cross_build``). 0: do not wait."""
     stall_timeout_s: float = Field(default=30.0, gt=0)
     """A worker that sends nothing for this long is treated as failed (ejected, request failed over)."""
     routing_policy: Literal["cache_aware", "round_robin"] = "cache_aware"

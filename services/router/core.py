@@ -11,12 +11,17 @@ tier when its own has none left) is tried, up to ``retries_before_first_token``.
 or stalls after tokens were sent is replaced, up to ``failovers_after_first_token`` times, by
 another replica that prefills prompt + the tokens already sent (``WorkerStart.resume_token_ids``)
 and continues; the client stream goes on without duplicate or gap because only the tokens the new
-worker generates are relayed (frames are numbered where they are written, not by the workers).
+worker generates are relayed (frames are numbered where they are written, not by the workers). The
+replacement is a replica of the failed worker's build (``Replica.build``: same weights and numerics,
+so the same greedy tokens) when one has a free slot, waiting up to ``resume_same_build_wait_s`` for
+one; only then does the stream cross to another build or tier, and its final ``route.reason`` says
+``failover_cross_build`` instead of ``failover`` (metric ``meshserve_router_resumes_total``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable, Collection, Mapping, Sequence
 from contextlib import aclosing
@@ -30,7 +35,7 @@ from services.common.metrics import INTER_TOKEN, TTFT
 from services.common.tokenizer import Tokenizer
 from services.router.answers import AnswerKeys, KeyFor, Progress, cached_turn, store_response
 from services.router.collapse import Collapser
-from services.router.metrics import COLLAPSED, FAILOVERS, REPLICA_DECISIONS, RETRIES, ROUTE_DECISIONS
+from services.router.metrics import COLLAPSED, FAILOVERS, REPLICA_DECISIONS, RESUMES, RETRIES, ROUTE_DECISIONS
 from services.router.policy import (
     Candidate,
     ReplicaSelector,
@@ -76,6 +81,14 @@ class Session:
             self.stream = None
 
 
+def same_build(replica: Replica, other: Replica) -> bool:
+    """Whether two replicas give the same greedy tokens: equal reported builds; where either has not
+    reported one (a worker older than ``WorkerStats.build``), the same tier stands in for it."""
+    if replica.build and other.build:
+        return replica.build == other.build
+    return replica.tier == other.tier
+
+
 class Router:
     """Dependencies of the request path, built in ``server.py`` and passed in."""
 
@@ -96,6 +109,7 @@ class Router:
         policy: str = "cache_aware",
         block_tokens: int = 16,
         stall_timeout_s: float = 30.0,
+        resume_same_build_wait_s: float = 5.0,
         collapse: bool = True,
         tenant_tiers: Mapping[str, Collection[str]] | None = None,
         transport: WorkerTransport,
@@ -119,6 +133,10 @@ class Router:
         self._policy = policy
         self._block = block_tokens
         self._stall_s = stall_timeout_s
+        self._same_build_wait_s = resume_same_build_wait_s
+        self._slot_freed = asyncio.Event()
+        """Set (and replaced) whenever a turn of this router leaves a replica: a resume waiting for a
+        same-build slot looks again."""
         self.keys = AnswerKeys(model_id, model_version, tokenizer.fingerprint, cache, collapse)
         self._tenant_tiers = {t: {TierName(x) for x in tiers} for t, tiers in (tenant_tiers or {}).items()}
         self._rr = RoundRobin()
@@ -184,6 +202,39 @@ class Router:
     def pick(self, req: TurnRequest, exclude: Sequence[Replica]) -> tuple[TierChoice, Replica]:
         choice = self.choose(req, exclude)
         return choice, self.select(req, choice.tier, exclude)
+
+    async def resume_replica(self, req: TurnRequest, failed: Replica, exclude: Sequence[Replica]) -> Replica | None:
+        """A replica of ``failed``'s build (not in ``exclude``) with a free slot, waiting up to
+        ``resume_same_build_wait_s`` for one; None when there is no such replica or none freed up in
+        time (the caller then picks by policy, crossing builds). Counts the outcome."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._same_build_wait_s
+        waited = False
+        while True:
+            peers = [r for r in self.registry.healthy(failed.tier) if r not in exclude and same_build(r, failed)]
+            free = [r for r in peers if r.has_slot]
+            if free:
+                RESUMES.labels(failed.tier.value, "same_build_after_wait" if waited else "same_build").inc()
+                return self.select(req, failed.tier, [r for r in self.registry.replicas if r not in free])
+            left = deadline - loop.time()
+            if not peers or left <= 0:
+                RESUMES.labels(failed.tier.value, "cross_build_busy" if peers else "cross_build_none").inc()
+                log.warning(
+                    "resume_crossing_build",
+                    worker=failed.name,
+                    build=failed.build,
+                    why="every replica of its build stayed busy" if peers else "no healthy replica of its build",
+                    waited_s=round(self._same_build_wait_s - max(left, 0.0), 3),
+                )
+                return None
+            waited = True
+            # A turn of ours leaving a replica wakes us; other routers' turns show in heartbeats (1 s).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._slot_freed.wait(), min(left, 0.25))
+
+    def _freed_slot(self) -> None:
+        self._slot_freed.set()
+        self._slot_freed = asyncio.Event()
 
     async def run_turn(
         self,
@@ -255,12 +306,14 @@ class Router:
         progress = Progress()
         ticket: Ticket | None = None
         running: Replica | None = None
+        broken: Replica | None = None  # the worker a resume replaces
         try:
             while True:
                 if session.stream is None:
                     with tracing.span("router.route_decision") as decision:  # tier, router queue, replica
+                        same = await self.resume_replica(req, broken, exclude) if broken is not None else None
                         try:
-                            picked = self.choose(req, exclude)
+                            picked = self.choose(req, exclude) if same is None else TierChoice(same.tier, "failover")
                         except errors.Unavailable:
                             raise failure or errors.Unavailable(
                                 "no healthy worker can serve this request right now; retry in a few seconds"
@@ -268,7 +321,10 @@ class Router:
                         session.choice = picked
                         if ticket is None:
                             ticket = await self._admit(req, picked.tier)
-                        replica = self.select(req, picked.tier, exclude)
+                        replica = same or self.select(req, picked.tier, exclude)
+                        if broken is not None and replica.build != broken.build and replica.build and broken.build:
+                            progress.crossed = True  # only when both builds are known: else we cannot say
+                        broken = None
                         decision.set_attributes({"meshserve.tier": picked.tier.value, "meshserve.worker": replica.name})
                     session.stream = self.transport.open(replica, req.timeout)
                     structlog.contextvars.bind_contextvars(worker=replica.name, tier=picked.tier.value)
@@ -293,9 +349,13 @@ class Router:
                                 return
                 except WorkerFailed as exc:
                     await session.close()
+                    failovers = progress.failovers
                     failure = self._failed(exc, stream, choice, progress, exclude, failure)
+                    if progress.failovers > failovers:
+                        broken = stream.replica
                 finally:
                     running.in_flight -= 1
+                    self._freed_slot()
         except BaseException:
             # Caller went away (CancelledError) or we failed: the worker must stop generating now.
             if session.stream is not None:
@@ -417,7 +477,9 @@ class Router:
                     ROUTE_DECISIONS.labels(tier, choice.reason).inc()
                 final = frame.final
                 produced = final.completion_tokens or len(progress.tokens) - progress.resumed
-                reason = choice.reason if not progress.failovers else "failover"
+                reason = choice.reason
+                if progress.failovers:
+                    reason = "failover_cross_build" if progress.crossed else "failover"
                 yield Done(
                     FinishReason(final.finish_reason or FinishReason.STOP),
                     len(req.prompt_ids),

@@ -25,6 +25,14 @@ FAILOVERS = Counter(
     "Streams resumed on another replica after tokens were sent (prompt + sent tokens prefilled).",
     ["tier", "code"],
 )
+RESUMES = Counter(
+    "meshserve_router_resumes_total",
+    "Where streams were resumed after their worker failed mid-stream: same_build (a replica of the failed "
+    "worker's build had a slot), same_build_after_wait (it had one within resume_same_build_wait_s), "
+    "cross_build_busy (every same-build replica stayed busy: resumed on another build or tier), "
+    "cross_build_none (no healthy replica of that build).",
+    ["tier", "outcome"],
+)
 COLLAPSED = Counter(
     "meshserve_router_collapsed_requests_total",
     "Requests served by joining an identical deterministic request already in flight.",

@@ -76,6 +76,8 @@ class WorkerReport:
     prefill_tokens_total: int = 0
     stream_port: int = 0  # the worker's stream transport listens on this port (0: none announced)
     model_id: str = ""
+    build: str = ""
+    """The worker's build (``WorkerStats.build``): equal builds give equal greedy tokens; "" = unknown."""
 
     @classmethod
     def from_pb(cls, s: worker_pb2.WorkerStats) -> WorkerReport:
@@ -96,6 +98,7 @@ class WorkerReport:
             prompt_tokens_total=s.prompt_tokens_total,
             prefill_tokens_total=s.prefill_tokens_total,
             stream_port=s.stream_port,
+            build=s.build,
         )
 
     @property
@@ -140,6 +143,16 @@ class Replica:
         """The worker's KV budget is (nearly) used up: give it no new turns while others have room."""
         usage = self.report.kv_usage
         return usage is not None and usage >= self.kv_high_watermark
+
+    @property
+    def build(self) -> str:
+        """The build the worker reports serving ("" until it reports one)."""
+        return self.report.build
+
+    @property
+    def has_slot(self) -> bool:
+        """A new turn would start at once: fewer turns on it (ours, or all it reported) than its slots."""
+        return max(self.in_flight, self.active_sequences + self.queue_depth) < self.max_active
 
     @property
     def load(self) -> int:

@@ -150,6 +150,7 @@ async def start_router_api(
             policy=settings.routing_policy,
             block_tokens=settings.prefix_block_tokens,
             stall_timeout_s=settings.stall_timeout_s,
+            resume_same_build_wait_s=settings.resume_same_build_wait_s,
             collapse=settings.collapse_requests,
             tenant_tiers=settings.tenant_tiers,
             transport=transport,

@@ -12,7 +12,11 @@ resolution keeps the last known set. Contract:
 * the period is ``interval_s``, shortened to a third of the TTL the router answers with, so two
   lost heartbeats in a row do not get the worker forgotten;
 * a failed call is retried after an exponential backoff (``interval_s`` doubling, capped at
-  ``max_backoff_s``); the state (registered / unreachable) is logged once per change, not per call;
+  ``max_backoff_s``, 2 s); the state (registered / unreachable) is logged once per change, not per
+  call. The channel's own reconnect backoff is capped likewise (:data:`RECONNECT_OPTIONS`; gRPC's
+  default grows to 120 s): a router restarted on its port (``meshserve up`` restarts a crashed one,
+  services/local/supervise.py) hears from every worker within ~2 s of serving again, and it serves
+  only once one has registered;
 * :meth:`Heartbeater.leave` (graceful shutdown) cancels the loops and sends one last heartbeat with
   ``leaving`` set, so routers stop sending new work at once instead of after the TTL.
 """
@@ -33,6 +37,14 @@ from services.common.pb.meshserve.internal.v1 import registry_pb2, registry_pb2_
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.serving import grpc_options
 
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.max_reconnect_backoff_ms", 2000)]
+"""Reconnect backoff of the heartbeat channels: at most 2 s between attempts to reach a router."""
+
+
+def _options() -> list[tuple[str, int]]:
+    return [*grpc_options(), *RECONNECT_OPTIONS]
+
+
 log = structlog.get_logger(__name__)
 
 
@@ -49,7 +61,7 @@ class Heartbeater:
         internal_token: str,
         interval_s: float = 1.0,
         timeout_s: float = 1.0,
-        max_backoff_s: float = 10.0,
+        max_backoff_s: float = 2.0,
         resolve: bool = False,
         resolver: Callable[[str], Awaitable[list[str]]] | None = None,
     ) -> None:
@@ -66,7 +78,7 @@ class Heartbeater:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.max_backoff_s = max_backoff_s
-        self._channels = {r: grpc.aio.insecure_channel(r, options=grpc_options()) for r in self.routers}
+        self._channels = {r: grpc.aio.insecure_channel(r, options=_options()) for r in self.routers}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._discovery: asyncio.Task[None] | None = None
         self._retired: set[asyncio.Task[None]] = set()
@@ -86,7 +98,7 @@ class Heartbeater:
 
     def _add(self, router: str) -> None:
         if router not in self._channels:
-            self._channels[router] = grpc.aio.insecure_channel(router, options=grpc_options())
+            self._channels[router] = grpc.aio.insecure_channel(router, options=_options())
         self.beats.setdefault(router, 0)
         self._tasks[router] = asyncio.create_task(self._loop(router), name=f"heartbeat-{router}")
 

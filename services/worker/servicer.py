@@ -117,7 +117,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             model_version=r.model_version,
             prompt_tokens_total=snap.prompt_tokens_total,
             stream_port=self.stream_port,
+            build=self.build(r.model_version),
         )
+
+    def build(self, model_version: str) -> str:
+        """``WorkerStats.build``: model id and version, then the engine's own build ("" when it has none)."""
+        info = self.runner.engine.info
+        return f"{info.model_id}@{model_version or '-'}/{info.build}" if info.build else ""
 
     async def ImportKV(
         self, request: worker_pb2.KvPrefixRequest, context: grpc.aio.ServicerContext

@@ -100,6 +100,10 @@ class EngineInfo:
     vocab_size: int
     context_length: int
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    build: str = ""
+    """What decides this engine's numbers beyond the model (weight format, quantization, kernel
+    choices), e.g. ``onnx-int4:edge-int4/batched/lm_head=int8/rows>=2``; the worker prefixes the model id
+    and version and announces it (``WorkerStats.build``). Engines with equal builds give equal greedy tokens."""
 
 
 def validate_prompt(prompt_ids: Sequence[int], info: EngineInfo) -> None:

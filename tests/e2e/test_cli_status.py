@@ -113,6 +113,25 @@ async def test_status_alone_watches_the_mesh_meshserve_up_started(redis_srv: Red
         assert f"router {recorded['router']} SERVING" in text
         assert "edge: 1/1 replicas healthy" in text and "cloud: no replicas" in text
         assert "response" in text and "traffic: requests" in text and "unreachable" not in text
+        assert "services: 3 supervised, 0 restarted" in text  # gateway, edge-0, cache (its Redis is given)
+
+        # kill -9 of a supervised service: `meshserve up` restarts it, and `status` says so.
+        os.kill(int(recorded["services"]["cache"]["pid"]), signal.SIGKILL)
+        while True:
+            record = json.loads(state.read_text())["services"]["cache"]
+            if record["restarts"] == 1 and record["state"] == "running":
+                break
+            assert up.returncode is None and time.monotonic() < deadline, (
+                f"the cache service did not come back: {record}"
+            )
+            await asyncio.sleep(0.2)  # the state file has no change event to wait on
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.cli", "status", "--once", env=env, stdout=asyncio.subprocess.PIPE
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        row = next(line for line in out.decode().splitlines() if line.startswith("│ cache "))
+        assert "running" in row and "killed by SIGKILL" in row, out.decode()
+        assert "services: 3 supervised, 1 restarted" in out.decode()
     finally:
         up.send_signal(signal.SIGINT)
         await asyncio.wait_for(up.wait(), 60)

@@ -94,3 +94,32 @@ def test_tokens_per_s_is_the_count_change_since_the_last_frame() -> None:
     first.replicas = [_at(7, 1.0)]
     _rates_since(first, None)
     assert first.replicas[0].tokens_per_s == 9.0
+
+
+def test_frame_shows_the_supervised_services_restarts_and_crash_loops() -> None:
+    view = MeshView(router="127.0.0.1:7000", router_serving=True)
+    view.services = {
+        "gateway": {"state": "running", "restarts": 0, "last_exit": "", "last_exit_at": ""},
+        "edge-0": {
+            "state": "running",
+            "restarts": 2,
+            "last_exit": "killed by SIGKILL",
+            "last_exit_at": "2026-11-27T03:40:20+00:00",
+        },
+        "cache": {
+            "state": "crash loop",
+            "restarts": 7,
+            "last_exit": "exit code 1",
+            "last_exit_at": "2026-11-27T03:41:02",
+        },
+    }
+    text = frame(view)
+    assert "services: 3 supervised, 2 restarted" in text
+    cells = {
+        line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+        for line in text.splitlines()
+        if line.startswith("│")
+    }
+    assert cells["gateway"] == ["running", "0", "-", "-"]
+    assert cells["edge-0"] == ["running", "2", "killed by SIGKILL", "03:40:20"]
+    assert cells["cache"] == ["crash loop", "7", "exit code 1", "03:41:02"]

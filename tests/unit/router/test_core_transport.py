@@ -1,7 +1,8 @@
 """The router core over the worker-transport interface alone (services/router/worker_stream.py): a
 fake transport whose streams play scripted frames and failures, no network, no pb. Retries before
-the first token, resumption after it (prompt + tokens sent, no gap or duplicate), a worker's own
-error passed on, and a stalled worker ejected."""
+the first token, resumption after it (prompt + tokens sent, no gap or duplicate; on a replica of the
+same build first, waiting a bounded time for one), a worker's own error passed on, and a stalled
+worker ejected."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.router.core import Chunk, Done, Router, Session, TurnRequest
 from services.router.policy import TierName
-from services.router.registry import Registry, Replica
+from services.router.registry import Registry, Replica, WorkerReport
 from services.router.worker_stream import Frame, TurnFinal, TurnStart, WorkerFailed
 from services.store.response_cache import ResponseCache
 
@@ -90,10 +91,20 @@ async def cache() -> AsyncIterator[ResponseCache]:
     await cache.close()
 
 
-def _router(tokenizer: Tokenizer, cache: ResponseCache, transport: FakeTransport) -> Router:
+def _router(
+    tokenizer: Tokenizer,
+    cache: ResponseCache,
+    transport: FakeTransport,
+    builds: dict[str, str] | None = None,
+    same_build_wait_s: float = 5.0,
+) -> Router:
+    """Replicas edge-a, edge-b, edge-c (edge, no build reported) unless ``builds`` names them: address ->
+    build, a ``cloud-`` address on the cloud tier."""
     registry = Registry([], [], internal_token="t")
-    for address in ("edge-a", "edge-b", "edge-c"):
-        registry.replicas.append(Replica(address, TierName.EDGE, None, None, healthy=True))  # type: ignore[arg-type]
+    for address, build in (builds or dict.fromkeys(("edge-a", "edge-b", "edge-c"), "")).items():
+        tier = TierName.CLOUD if address.startswith("cloud-") else TierName.EDGE
+        replica = Replica(address, tier, None, None, healthy=True, report=WorkerReport(build=build))  # type: ignore[arg-type]
+        registry.replicas.append(replica)
     return Router(
         tokenizer=tokenizer,
         cache=cache,
@@ -104,6 +115,7 @@ def _router(tokenizer: Tokenizer, cache: ResponseCache, transport: FakeTransport
         edge_max_prompt_tokens=1000,
         policy="round_robin",
         stall_timeout_s=0.2,
+        resume_same_build_wait_s=same_build_wait_s,
         transport=transport,
     )
 
@@ -161,3 +173,70 @@ async def test_a_stalled_worker_is_ejected_and_resumed_elsewhere(tokenizer: Toke
     events = await _run(router)
     assert [t for e in events if isinstance(e, Chunk) for t in e.token_ids] == [1, 2]
     assert not router.registry.replicas[0].healthy
+
+
+INT4, FP32 = "m@v1/onnx-int4:edge-int4/batched", "m@v1/torch:cpu/float32"
+
+
+def _tokens(events: list[Chunk | Done]) -> list[int]:
+    return [t for e in events if isinstance(e, Chunk) for t in e.token_ids]
+
+
+async def test_a_resume_prefers_a_replica_of_the_same_build(tokenizer: Tokenizer, cache: ResponseCache) -> None:
+    # Round-robin alone resumes on edge-c (another build, same tier), next in turn after edge-a.
+    scripts: dict[str, list[list[Step]]] = {"edge-a": [[[1], [2], _unavailable()]], "edge-b": [[[3]]]}
+    transport = FakeTransport({**scripts, "edge-c": [[[9]]], "cloud-d": [[[9]]]})
+    router = _router(tokenizer, cache, transport, {"edge-a": INT4, "edge-b": INT4, "edge-c": FP32, "cloud-d": FP32})
+    events = await _run(router)
+    assert _tokens(events) == [1, 2, 3]
+    done = events[-1]
+    assert isinstance(done, Done) and (done.route.worker_id, done.route.reason) == ("edge-b", "failover")
+
+
+async def test_a_resume_waits_for_a_slot_of_the_same_build_then_takes_it(
+    tokenizer: Tokenizer, cache: ResponseCache
+) -> None:
+    transport = FakeTransport({"edge-a": [[[1], _unavailable()]], "edge-b": [[[2]]], "cloud-d": [[[9]]]})
+    router = _router(tokenizer, cache, transport, {"edge-a": INT4, "edge-b": INT4, "cloud-d": FP32})
+    busy = router.registry.replicas[1]
+    busy.in_flight = busy.max_active  # every slot of the other INT4 replica is taken
+
+    async def free_a_slot() -> None:
+        await asyncio.sleep(0.1)  # a turn of the busy replica ends while the resume waits
+        busy.in_flight -= 1
+        router._freed_slot()
+
+    freeing = asyncio.create_task(free_a_slot())
+    events = await _run(router)
+    await freeing
+    done = events[-1]
+    assert isinstance(done, Done) and (done.route.worker_id, done.route.reason) == ("edge-b", "failover")
+    assert _tokens(events) == [1, 2]
+
+
+async def test_a_resume_crosses_builds_after_the_bounded_wait_and_says_so(
+    tokenizer: Tokenizer, cache: ResponseCache
+) -> None:
+    transport = FakeTransport({"edge-a": [[[1], _unavailable()]], "edge-b": [[[2]]], "cloud-d": [[[7], [8]]]})
+    router = _router(tokenizer, cache, transport, {"edge-a": INT4, "edge-b": INT4, "cloud-d": FP32}, 0.2)
+    busy = router.registry.replicas[1]
+    busy.in_flight = busy.max_active
+    router.admission = type(router.admission)(lambda tier: 1 if tier is TierName.EDGE else 4)  # edge saturated
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    events = await _run(router)
+    assert loop.time() - began >= 0.2  # it waited the bound for an INT4 slot first
+    done = events[-1]
+    assert isinstance(done, Done) and (done.route.worker_id, done.route.reason) == ("cloud-d", "failover_cross_build")
+    assert _tokens(events) == [1, 7, 8]
+    assert transport.opened[-1].starts[0].resume_ids == (1,)
+
+
+async def test_a_resume_with_no_replica_of_its_build_crosses_at_once(
+    tokenizer: Tokenizer, cache: ResponseCache
+) -> None:
+    transport = FakeTransport({"edge-a": [[[1], _unavailable()]], "cloud-d": [[[7]]]})
+    router = _router(tokenizer, cache, transport, {"edge-a": INT4, "cloud-d": FP32}, 30.0)
+    events = await asyncio.wait_for(_run(router), 5)  # no wait: nothing of its build could free up
+    done = events[-1]
+    assert isinstance(done, Done) and (done.route.worker_id, done.route.reason) == ("cloud-d", "failover_cross_build")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -389,3 +390,20 @@ async def test_a_cancel_right_behind_a_mux_streams_opening_start_cancels_that_tu
     (final,) = _finals(frames)
     assert final.finish_reason == pb.FINISH_REASON_CANCELLED
     assert final.completion_tokens < 60
+
+
+async def test_stats_announce_the_build_model_id_and_version_then_the_engines_own() -> None:
+    engine = FakeEngine()
+    engine._info = dataclasses.replace(engine.info, build="fake-int4/rows>=2")
+    worker = await serve(engine, model_version="v7")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            reply = await stats(worker_pb2_grpc.WorkerStub(channel))
+        assert reply.build == "fake-model@v7/fake-int4/rows>=2"
+    finally:
+        await worker.stop()
+
+
+async def test_an_engine_without_a_build_announces_none(harness: Any) -> None:
+    _, stub = harness
+    assert (await stats(stub)).build == ""  # the router then takes the tier for the build

@@ -430,7 +430,11 @@ class RouteInfo(_message.Message):
     cache_hit: _builtins.bool
     """True when the response came from the response cache."""
     reason: _builtins.str
-    """Short machine-readable reason for the tier choice (e.g. "prompt_short", "hint", "spill")."""
+    """Short machine-readable reason for the tier choice (e.g. "prompt_short", "hint", "spill"; in the
+    final frame also "cache_hit", "collapsed", "failover": resumed on a worker of the same build after
+    its worker failed, or "failover_cross_build": resumed on another build or tier, whose greedy
+    tokens may differ from an undisturbed run; docs/router.md, Failures).
+    """
     def __init__(
         self,
         *,

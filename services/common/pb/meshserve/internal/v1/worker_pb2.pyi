@@ -251,6 +251,7 @@ class WorkerStats(_message.Message):
     MODEL_VERSION_FIELD_NUMBER: _builtins.int
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
     STREAM_PORT_FIELD_NUMBER: _builtins.int
+    BUILD_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker replica id."""
     tier: _inference_pb2.Tier.ValueType
@@ -294,6 +295,12 @@ class WorkerStats(_message.Message):
     services/common/muxwire.py), on the host of the worker's gRPC address. The router sends every
     request there: a worker that announces none (0) cannot be routed to.
     """
+    build: _builtins.str
+    """The build this worker serves: model id and version, weight format, quantization and the
+    numerics settings that decide its tokens (e.g. `smollm2-135m-instruct@<hash>/onnx-int4:edge-int4/batched/...`).
+    Two workers of one build give the same greedy tokens for the same input, so the router resumes a
+    broken stream on a worker of the same build first (docs/router.md, Failures). Empty: unknown.
+    """
     @_builtins.property
     def hot_prefix_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """KV block hashes (services.store.keys.kv_block_hashes: the SHA-256 chain over model id and
@@ -324,10 +331,11 @@ class WorkerStats(_message.Message):
         model_version: _builtins.str = ...,
         prompt_tokens_total: _builtins.int = ...,
         stream_port: _builtins.int = ...,
+        build: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sequences", b"active_sequences", "held_sequences", b"held_sequences", "hot_prefix_blocks", b"hot_prefix_blocks", "kv_budget_bytes", b"kv_budget_bytes", "kv_tokens", b"kv_tokens", "kv_used_bytes", b"kv_used_bytes", "max_active_sequences", b"max_active_sequences", "model", b"model", "model_version", b"model_version", "prefill_tokens_total", b"prefill_tokens_total", "prefix_block_tokens", b"prefix_block_tokens", "prompt_tokens_total", b"prompt_tokens_total", "queue_depth", b"queue_depth", "recent_tokens_per_second", b"recent_tokens_per_second", "sequences_cancelled_total", b"sequences_cancelled_total", "sequences_started_total", b"sequences_started_total", "stream_port", b"stream_port", "tier", b"tier", "tokens_generated_total", b"tokens_generated_total", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sequences", b"active_sequences", "build", b"build", "held_sequences", b"held_sequences", "hot_prefix_blocks", b"hot_prefix_blocks", "kv_budget_bytes", b"kv_budget_bytes", "kv_tokens", b"kv_tokens", "kv_used_bytes", b"kv_used_bytes", "max_active_sequences", b"max_active_sequences", "model", b"model", "model_version", b"model_version", "prefill_tokens_total", b"prefill_tokens_total", "prefix_block_tokens", b"prefix_block_tokens", "prompt_tokens_total", b"prompt_tokens_total", "queue_depth", b"queue_depth", "recent_tokens_per_second", b"recent_tokens_per_second", "sequences_cancelled_total", b"sequences_cancelled_total", "sequences_started_total", b"sequences_started_total", "stream_port", b"stream_port", "tier", b"tier", "tokens_generated_total", b"tokens_generated_total", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,223 @@
+"""Restart what crashed: ``meshserve up`` supervises its children as compose's ``restart: unless-stopped``.
+
+One asyncio task per child waits for it to exit (never blocking the loop). An exit the mesh did not
+ask for is recorded (``killed by SIGKILL``, ``exit code 1``) and the child is started again with the
+same command and environment after an exponential backoff (:class:`RestartPolicy`: 0.5 s, doubling
+to 8 s; back to 0.5 s once it has stayed up 30 s), then waited on until it serves again (its
+``ready`` check: gRPC health, Redis PING, Envoy's admin). What must keep its address restarts on
+the same port (the mesh pins it in the child's environment before the first restart: gateways,
+cache, the split router, the front door's adapters; Redis and Envoy are started with fixed ports
+anyway); workers take a free port and register again by heartbeat.
+
+Crash loop: ``loop_restarts`` restarts within ``loop_window_s`` (5 in 60 s) is a crash loop. It is
+reported, not hidden: one ``service_crash_loop`` line at error level, and the state says
+``crash loop`` (``meshserve status`` shows it) until the service has stayed up ``reset_after_s``. The
+service keeps being restarted at the capped backoff meanwhile (as compose and Kubernetes'
+CrashLoopBackOff do): a fault that clears (a port freed, a disk emptied) heals without a restart of
+the mesh, and the cap keeps a broken service from eating the CPU the others need.
+
+Stopping: :meth:`Supervisor.close` cancels every watch (a restart under way included, its new
+process stopped) before the mesh stops its children, so Ctrl-C never races a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import signal
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from services.local.processes import LogSink, ServiceProcess
+
+Ready = Callable[[ServiceProcess], Awaitable[None]]
+BeforeRestart = Callable[[ServiceProcess], None]
+"""Waits until a (re)started child serves; raises (RuntimeError, TimeoutError, OSError...) if it does not."""
+
+SUPERVISOR = "supervisor"
+"""The name the supervisor's own log lines carry in the merged log."""
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """When to restart a child that exited (defaults: docs/architecture.md, *meshserve up*)."""
+
+    base_s: float = 0.5
+    """Delay before the first restart; doubled for each further one in a row."""
+    cap_s: float = 8.0
+    """Longest delay between restarts."""
+    reset_after_s: float = 30.0
+    """A child up this long before it exits starts again from ``base_s`` (and leaves a crash loop)."""
+    loop_restarts: int = 5
+    """This many restarts within ``loop_window_s`` is a crash loop."""
+    loop_window_s: float = 60.0
+    ready_timeout_s: float = 120.0
+    """How long a restarted child may take to serve before it counts as failing again."""
+
+    def delay_s(self, in_a_row: int) -> float:
+        """Backoff before restart number ``in_a_row`` (1, 2, ...) of an unbroken series."""
+        return min(self.cap_s, self.base_s * 2 ** max(0, in_a_row - 1))
+
+
+def exit_reason(returncode: int | None) -> str:
+    """``killed by SIGKILL`` for a signal, ``exit code N`` otherwise."""
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+@dataclass
+class ServiceRecord:
+    """What ``meshserve status`` shows of one supervised child."""
+
+    state: str = "running"
+    """``running``, ``restarting`` (waiting out the backoff or for the new process to serve) or
+    ``crash loop`` (restarting too often, see the module docstring)."""
+    restarts: int = 0
+    last_exit: str = ""
+    last_exit_at: str = ""
+    """UTC time of the last unexpected exit (ISO 8601), "" if none."""
+    pid: int | None = None
+    in_a_row: int = 0
+    recent: deque[float] = field(default_factory=deque)
+    """Monotonic times of the restarts within the crash-loop window."""
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "state": self.state,
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
+            "last_exit_at": self.last_exit_at,
+            "pid": self.pid,
+        }
+
+
+class Supervisor:
+    """Watches children and restarts those that exit; ``on_change`` runs after every state change."""
+
+    def __init__(
+        self, sink: LogSink, policy: RestartPolicy | None = None, on_change: Callable[[], None] | None = None
+    ) -> None:
+        self.sink = sink
+        self.policy = policy or RestartPolicy()
+        self.on_change = on_change
+        self.records: dict[str, ServiceRecord] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._closed = False
+
+    def watch(
+        self,
+        proc: ServiceProcess,
+        ready: Ready,
+        before_restart: BeforeRestart | None = None,
+    ) -> None:
+        """Supervise ``proc`` (already started). ``before_restart`` may adjust it (pin its port) first."""
+        if self._closed:
+            raise RuntimeError("the supervisor is closed")
+        self.records[proc.name] = ServiceRecord(pid=proc.proc.pid if proc.proc else None)
+        self._tasks[proc.name] = asyncio.create_task(
+            self._watch(proc, ready, before_restart), name=f"watch-{proc.name}"
+        )
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        return {name: record.as_dict() for name, record in self.records.items()}
+
+    async def close(self) -> None:
+        """Stop watching (nothing is restarted after this); a child being restarted is stopped."""
+        self._closed = True
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _log(self, event: str, level: str, **values: object) -> None:
+        line = {"event": event, "level": level, "timestamp": dt.datetime.now(dt.UTC).isoformat(), **values}
+        self.sink(SUPERVISOR, json.dumps(line))
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    async def _watch(self, proc: ServiceProcess, ready: Ready, before_restart: BeforeRestart | None) -> None:
+        record = self.records[proc.name]
+        policy = self.policy
+        up_since = time.monotonic()
+        unready = ""  # why the last restart did not serve (we killed it: that, not the signal, is its exit)
+        while True:
+            assert proc.proc is not None
+            returncode = await proc.proc.wait()
+            proc.kill_group()  # what it started (torchrun's ranks) goes with it
+            now = time.monotonic()
+            if now - up_since >= policy.reset_after_s:
+                record.in_a_row = 0
+            record.in_a_row += 1
+            while record.recent and now - record.recent[0] > policy.loop_window_s:
+                record.recent.popleft()
+            record.recent.append(now)
+            record.last_exit = unready or exit_reason(returncode)
+            unready = ""
+            record.last_exit_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+            record.pid = None
+            delay = policy.delay_s(record.in_a_row)
+            looping = len(record.recent) >= policy.loop_restarts
+            if looping and record.state != "crash loop":
+                self._log(
+                    "service_crash_loop",
+                    "error",
+                    service=proc.name,
+                    restarts_in_window=len(record.recent),
+                    window_s=policy.loop_window_s,
+                    last_exit=record.last_exit,
+                    restart_every_s=policy.cap_s,
+                    fix=f"see the lines marked {proc.name} for why it exits; it is restarted until it stays up",
+                )
+            record.state = "crash loop" if looping else "restarting"
+            self._log("service_exited", "warning", service=proc.name, exit=record.last_exit, restart_in_s=delay)
+            self._changed()
+            await asyncio.sleep(delay)  # the backoff itself, not a readiness wait
+            if before_restart is not None:
+                before_restart(proc)
+            try:
+                await proc.respawn()
+                record.restarts += 1
+                record.pid = proc.proc.pid if proc.proc else None
+                await ready(proc)
+            except asyncio.CancelledError:
+                await proc.stop(5.0)
+                raise
+            except Exception as exc:  # any failure to come back counts as one more exit
+                error = " ".join(str(exc).split()) or type(exc).__name__
+                unready = f"did not serve after a restart: {error}"
+                self._log("service_restart_failed", "error", service=proc.name, error=error)
+                proc.signal(signal.SIGKILL)
+                with contextlib.suppress(Exception):
+                    await proc.stop(5.0)
+                up_since = time.monotonic()
+                continue
+            up_since = time.monotonic()
+            if record.state != "crash loop":
+                record.state = "running"
+            else:
+                asyncio.get_running_loop().call_later(policy.reset_after_s, self._settled, proc.name, up_since)
+            self._log("service_restarted", "info", service=proc.name, pid=record.pid, restarts=record.restarts)
+            self._changed()
+
+    def _settled(self, name: str, restarted_at: float) -> None:
+        """A service out of a crash loop: up ``reset_after_s`` since its restart at ``restarted_at``."""
+        record = self.records.get(name)
+        if record is None or self._closed or record.state != "crash loop" or record.pid is None:
+            return
+        if record.recent and record.recent[-1] > restarted_at:  # it exited again meanwhile
+            return
+        record.state = "running"
+        record.recent.clear()
+        self._changed()

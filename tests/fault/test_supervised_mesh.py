@@ -1,0 +1,224 @@
+"""``meshserve up``'s supervision under load: ``kill -9`` of each kind of service in turn (edge
+worker, cloud worker, cache service, gateway with its embedded router, Redis) in a mesh started as
+``meshserve up`` starts it (``MeshConfig(supervise=True)``, the default layout, its own Redis).
+
+Each kill lands while greedy streams run. The edge kill is the issue's scenario: 8 streams fill both
+edge replicas' slots, so the streams of the killed one must wait for a slot of the other (the same
+INT4 build) instead of continuing on the cloud tier's fp32 weights; the wait is bounded by
+``resume_same_build_wait_s``, set generously here so a slow machine does not turn it into a crossing
+(while it waits, the killed replica itself may come back and take them: the same build too).
+
+Every service must come back by itself within ``BACK_WITHIN_S`` (its supervisor record shows the
+restart and the exit reason, and it serves again), and no request may be lost beyond those in flight
+on the killed process: streams on a killed worker resume; streams on a killed edge worker resume on
+an edge replica (the same build) and equal the undisturbed run, with ``route.reason`` ``failover``;
+streams on the killed cloud worker, whose build has no other replica, resume on the edge tier and say
+``failover_cross_build``; a killed gateway ends its own streams with UNAVAILABLE and nothing else; the
+cache service and Redis are not on the request path of a stream (the rate limiter fails open), so
+every stream ends whole.
+
+Kept short for CI (2 cores): one mesh, 4 streams of 24 tokens per kill (8 for the edge kill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import pytest
+from rich.console import Console
+
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.local.mesh import Mesh, MeshConfig
+from services.local.status import MeshView, gather, render
+from tests.fault.conftest import (
+    PROMPTS,
+    ROUTER_ENV,
+    STREAM_BOUND_S,
+    Stream,
+    _sink,
+    assert_equal_to_reference,
+    auth,
+    finish,
+    reference,
+    run_load,
+    stats,
+)
+
+pytestmark = pytest.mark.fault
+
+BACK_WITHIN_S = float(os.environ.get("MESHSERVE_FAULT_BACK_WITHIN_S", "10"))
+"""The issue's bound; a machine shared with other work (load average several times its cores) may
+need more, given here."""
+BACK_S: dict[str, float] = {}
+"""Seconds each killed service took to serve again (printed at the end of the module)."""
+STREAMS = 4
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+async def up_mesh() -> AsyncIterator[Mesh]:
+    env = {**ROUTER_ENV, "MESHSERVE_ROUTER_RESUME_SAME_BUILD_WAIT_S": "60"}
+    config = MeshConfig(
+        edge_workers=2,
+        cloud_workers=1,
+        extra_env=env,
+        supervise=True,
+    )
+    async with Mesh(config, sink=_sink) as running:
+        yield running
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_back_times() -> Iterator[None]:
+    yield
+    print(f"\nback within (s): {', '.join(f'{k} {v:.1f}' for k, v in BACK_S.items())}")
+
+
+@pytest.fixture(scope="module")
+async def up_stub(up_mesh: Mesh) -> AsyncIterator[inference_pb2_grpc.InferenceStub]:
+    async with grpc.aio.insecure_channel(up_mesh.gateway_address) as channel:
+        yield inference_pb2_grpc.InferenceStub(channel)
+
+
+async def kill_9_and_wait_back(mesh: Mesh, name: str) -> float:
+    """``kill -9`` of service ``name``; the seconds until its supervisor has it serving again."""
+    assert mesh.supervisor is not None
+    record = mesh.supervisor.records[name]
+    restarts = record.restarts
+    proc = mesh._redis if name == "redis" else mesh.processes[name]
+    assert proc is not None
+    began = time.monotonic()
+    await proc.kill()
+    while not (record.restarts > restarts and record.state == "running"):
+        assert time.monotonic() - began < BACK_WITHIN_S, f"{name} not back within {BACK_WITHIN_S:.0f} s: {record}"
+        await asyncio.sleep(0.05)  # the supervisor's record: no event to wait on from here
+    assert record.last_exit == "killed by SIGKILL"
+    BACK_S[name] = time.monotonic() - began
+    return BACK_S[name]
+
+
+async def _busiest_edge(mesh: Mesh) -> str:
+    loads = {w.name: (await stats(w)).active_sequences for w in mesh.workers("edge")}
+    return max(loads, key=lambda name: loads[name])
+
+
+async def test_a_killed_edge_worker_comes_back_and_its_streams_resume_on_the_same_build(
+    up_stub: inference_pb2_grpc.InferenceStub, up_mesh: Mesh
+) -> None:
+    prompts = PROMPTS[: 2 * STREAMS]  # every slot of both edge replicas (4 each)
+    expected = await reference(up_stub, prompts, MAX_TOKENS)
+    edges = {(await stats(w)).build for w in up_mesh.workers("edge")}
+    cloud = {(await stats(w)).build for w in up_mesh.workers("cloud")}
+    assert len(edges) == 1 and "" not in edges and not edges & cloud, (edges, cloud)
+    streams, done = await run_load(up_stub, prompts, MAX_TOKENS, started_after=4)
+    await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in streams)), 60)
+    victim = await _busiest_edge(up_mesh)
+    await kill_9_and_wait_back(up_mesh, victim)
+    await finish(done)
+    assert_equal_to_reference(streams, expected)  # resumed on an INT4 replica: the same text
+    reasons = [s.final.route.reason for s in streams if s.final is not None]
+    assert "failover_cross_build" not in reasons and "failover" in reasons, reasons
+    assert all(s.final is not None and s.final.route.tier == pb.TIER_EDGE for s in streams)
+
+
+def _cloud_greedy(prompt: str) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        prompt=prompt,
+        sampling=pb.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+        routing=pb.RoutingOptions(tier=pb.TIER_CLOUD, cache_policy=pb.CACHE_POLICY_BYPASS),
+    )
+
+
+async def test_a_killed_cloud_worker_comes_back_and_its_streams_resume_across_builds(
+    up_stub: inference_pb2_grpc.InferenceStub, up_mesh: Mesh
+) -> None:
+    streams = [Stream(p) for p in PROMPTS[:2]]
+    first_tokens = [asyncio.Event() for _ in streams]
+
+    async def consume(stream: Stream, started: asyncio.Event) -> None:
+        call = up_stub.Generate(_cloud_greedy(stream.prompt), metadata=auth(), timeout=STREAM_BOUND_S)
+        async for frame in call:
+            stream.sequences.append(frame.sequence)
+            stream.tokens.extend(frame.token_ids)
+            if frame.HasField("final"):
+                stream.final = frame.final
+            if stream.tokens:
+                started.set()
+
+    load = asyncio.gather(*(consume(s, e) for s, e in zip(streams, first_tokens, strict=True)))
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first_tokens)), 60)
+    await kill_9_and_wait_back(up_mesh, "cloud-0")
+    await asyncio.wait_for(load, STREAM_BOUND_S)
+    for stream in streams:
+        stream.assert_whole()
+        assert stream.final is not None and stream.final.route.reason == "failover_cross_build"
+    # Back in routing: once it has registered again, a cloud-hinted request is served by it.
+    await _registered(up_mesh, 3)
+    final = [f async for f in up_stub.Generate(_cloud_greedy("Name a bird."), metadata=auth())][-1].final
+    assert final.route.worker_id == "cloud-0" and final.route.reason == "hint", final.route
+
+
+@pytest.mark.parametrize("name", ["cache", "redis"])
+async def test_a_killed_cache_service_or_redis_comes_back_and_no_stream_is_lost(
+    up_stub: inference_pb2_grpc.InferenceStub, up_mesh: Mesh, name: str
+) -> None:
+    prompts = PROMPTS[:STREAMS]
+    expected = await reference(up_stub, prompts, MAX_TOKENS)
+    streams, done = await run_load(up_stub, prompts, MAX_TOKENS, started_after=2)
+    await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in streams)), 60)
+    await kill_9_and_wait_back(up_mesh, name)
+    await finish(done)
+    assert_equal_to_reference(streams, expected)
+    again, done = await run_load(up_stub, prompts, MAX_TOKENS)  # and after it is back
+    await finish(done)
+    assert_equal_to_reference(again, expected)
+
+
+async def test_a_killed_gateway_comes_back_on_its_port_and_loses_only_its_own_streams(
+    up_stub: inference_pb2_grpc.InferenceStub, up_mesh: Mesh
+) -> None:
+    prompts = PROMPTS[:STREAMS]
+    expected = await reference(up_stub, prompts, MAX_TOKENS)
+    streams, done = await run_load(up_stub, prompts, MAX_TOKENS, started_after=2)
+    await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in streams)), 60)
+    address = up_mesh.gateway_address
+    await kill_9_and_wait_back(up_mesh, "gateway")
+    await finish(done)
+    for stream in streams:  # in flight on the killed process: ended at once, gap-free so far
+        assert stream.error == grpc.StatusCode.UNAVAILABLE or stream.final is not None, stream
+        assert stream.sequences == list(range(len(stream.sequences)))
+    assert up_mesh.gateway_address == address  # the same port: the client's channel reconnects
+    await _registered(up_mesh, 3)  # its router learns the workers again from their heartbeats
+    again, done = await run_load(up_stub, prompts, MAX_TOKENS)
+    await finish(done)
+    assert_equal_to_reference(again, expected)
+
+
+async def _registered(mesh: Mesh, workers: int) -> None:
+    began = time.monotonic()
+    while True:
+        view = await gather(mesh.router_address)
+        if sum(r.healthy for r in view.replicas) >= workers:
+            return
+        assert time.monotonic() - began < BACK_WITHIN_S, f"the workers did not register again: {view.replicas}"
+        await asyncio.sleep(0.1)  # heartbeats arrive every second; nothing to wait on from here
+
+
+def test_status_shows_each_restart_with_its_exit_reason(up_mesh: Mesh) -> None:
+    """What `meshserve status` reads from the state file after the kills above."""
+    services = up_mesh.describe()["services"]
+    assert isinstance(services, dict)
+    view = MeshView(router=up_mesh.router_address, services=services)
+    out = io.StringIO()
+    Console(file=out, width=140).print(render(view))
+    killed = [name for name in BACK_S if name in services]
+    assert killed, "no kill ran before this test"
+    for name in killed:
+        row = next(line for line in out.getvalue().splitlines() if line.startswith(f"│ {name} "))
+        assert "running" in row and "killed by SIGKILL" in row, row
