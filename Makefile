@@ -30,7 +30,7 @@ layering: ## Import circles, upward imports from services/common, environment re
 
 test: setup ## Run the whole test suite (unit, integration, e2e) with real Redis and the real model.
 	$(MAKE) --no-print-directory proto-check
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30
 
 test-fast: ## Unit tests only (no setup).
 	$(VENV)/bin/pytest -q tests/unit
