@@ -29,6 +29,7 @@ def from_pb(
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else None,
         logit_bias=dict(msg.logit_bias),
         min_tokens=msg.min_tokens,
+        n=msg.n if msg.HasField("n") else 1,
         chat=chat,
         limits=limits,
     )
@@ -49,4 +50,6 @@ def to_pb(params: SamplingParams) -> inference_pb2.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.n != 1:  # unset is 1: a receiver from before n existed sees the same message
+        msg.n = params.n
     return msg
