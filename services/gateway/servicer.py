@@ -38,6 +38,7 @@ from services.gateway.validation import Limits, validate_chat_request, validate_
 from services.router import convert
 from services.router.types import (
     Chunk,
+    Done,
     Generation,
     InferenceRouter,
     PendingAdmission,
@@ -160,7 +161,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         policy = self._gate.policy(identity)
         request.routing.priority = min(request.routing.priority, policy.priority)
         generation = convert.generation(request, tenant=identity.tenant, request_id=request_id, sampling=sampling)
-        prompts, max_tokens = [request.prompt], request.sampling.max_tokens
+        prompts, max_tokens = [request.prompt], request.sampling.max_tokens * sampling.n  # n choices: n answers
         admit = self._gate.admit(identity, policy, prompts, max_tokens, stream_ttl_s=stream_ttl_s)
         router = self.router
         overlap = router is not None and router.overlaps_admission and self._settings.overlap_admission
@@ -230,12 +231,18 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                         if isinstance(event, Chunk):
                             observed.frame(len(event.token_ids), None, ticket)
                             frame = pb.GenerateResponse(
-                                request_id=request_id, sequence=sequence, token_ids=event.token_ids, text=event.text
+                                request_id=request_id,
+                                sequence=sequence,
+                                token_ids=event.token_ids,
+                                text=event.text,
+                                index=event.index,
                             )
                         else:
                             final = convert.done_pb(event)
                             observed.frame(0, final, ticket)
-                            frame = pb.GenerateResponse(request_id=request_id, sequence=sequence, final=final)
+                            frame = pb.GenerateResponse(
+                                request_id=request_id, sequence=sequence, final=final, index=event.index
+                            )
                         sequence += 1
                         yield frame
             finally:
@@ -301,7 +308,8 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                             turn.routing.priority = min(turn.routing.priority, policy.priority)
                             domain_turn = convert.chat_turn(turn, turn_sampling)
                             texts = [m.content for m in turn.messages]
-                            turns.append(await self._gate.admit(identity, policy, texts, turn.sampling.max_tokens))
+                            budget = turn.sampling.max_tokens * domain_turn.sampling.n  # n choices: n answers
+                            turns.append(await self._gate.admit(identity, policy, texts, budget))
                             observed.prompt(*texts)
                             observed.turn_started()
                             await chat.send(domain_turn)
@@ -340,16 +348,22 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                         events.get_nowait()
                     if isinstance(event.event, Chunk):
                         observed.frame(len(event.event.token_ids), None, turns[0] if turns else None)
-                        frame = pb.ChatResponse(turn=event.turn, token_ids=event.event.token_ids, text=event.event.text)
+                        frame = pb.ChatResponse(
+                            turn=event.turn,
+                            token_ids=event.event.token_ids,
+                            text=event.event.text,
+                            index=event.event.index,
+                        )
                     else:
                         final = convert.done_pb(event.event)
                         observed.frame(0, final, turns[0] if turns else None)
-                        if turns:
+                        if turns and event.event.last:
                             self._gate.settle_soon(turns.popleft())
-                        frame = pb.ChatResponse(turn=event.turn, final=final)
+                        frame = pb.ChatResponse(turn=event.turn, final=final, index=event.event.index)
                     frame.request_id = request_id
                     frame.sequence = sequence
-                    sequence = 0 if frame.HasField("final") else sequence + 1
+                    ended = isinstance(event.event, Done) and event.event.last
+                    sequence = 0 if ended else sequence + 1  # numbered per turn
                     yield frame
             finally:
                 stop()

@@ -146,7 +146,12 @@ class RouterAPI:
     async def complete(
         self, request: Generation, admission: PendingAdmission | None = None, *, deadline: float | None = None
     ) -> tuple[Chunk, Done]:
-        """:meth:`generate`'s events as one: all the output in one chunk, and the Done."""
+        """:meth:`generate`'s events as one: all the output in one chunk, and the Done (one choice only:
+        InvalidArgument for ``n`` > 1, whose choices only :meth:`generate` can tell apart)."""
+        if request.sampling.n > 1:
+            raise InvalidArgument(
+                f"sampling.n is {request.sampling.n} but Complete returns one choice; use Generate for n > 1"
+            )
         token_ids: list[int] = []
         texts: list[str] = []
         done: Done | None = None
@@ -208,7 +213,8 @@ class ChatSession:
     :meth:`events`.
 
     Turns are served one after the other on one worker stream, each over the whole conversation so
-    far (the replies as the caller saw them, also of a cancelled turn); later turns keep the first
+    far (the replies as the caller saw them, also of a cancelled turn; of a turn with n > 1 choices,
+    choice 0's reply, as most servers keep it); later turns keep the first
     turn's tier hint. More than ``max_queued_chat_turns`` turns sent ahead of the turn in progress
     end the session with RESOURCE_EXHAUSTED once that turn is done. Turns are admitted by the caller
     before they are sent. Closing :meth:`events` closes the worker stream.
@@ -286,7 +292,7 @@ class ChatSession:
                     async with aclosing(api.router.run_turn(req, session, cancel)) as events:
                         async for event in events:
                             obs.record(event)
-                            if isinstance(event, Chunk):
+                            if isinstance(event, Chunk) and event.index == 0:  # n > 1: choice 0 is remembered
                                 reply.append(event.text)
                             yield TurnEvent(index, event)
                     self._cancel = None
@@ -317,7 +323,8 @@ class _Observation:
     def record(self, event: Event) -> None:
         if isinstance(event, Done):
             self.tier = "cache" if event.route.cache_hit or not event.route.tier else event.route.tier.value
-            TOKENS.labels(SERVICE, self.tier, "input").inc(event.prompt_tokens)
+            if event.index == 0:  # n choices share one prompt
+                TOKENS.labels(SERVICE, self.tier, "input").inc(event.prompt_tokens)
             TOKENS.labels(SERVICE, self.tier, "output").inc(event.completion_tokens)
 
 

@@ -49,11 +49,15 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
             async for event in events:
                 if isinstance(event, Chunk):
                     yield inference_pb2.GenerateResponse(
-                        request_id=request_id, sequence=seq, token_ids=event.token_ids, text=event.text
+                        request_id=request_id,
+                        sequence=seq,
+                        token_ids=event.token_ids,
+                        text=event.text,
+                        index=event.index,
                     )
                 else:
                     yield inference_pb2.GenerateResponse(
-                        request_id=request_id, sequence=seq, final=convert.done_pb(event)
+                        request_id=request_id, sequence=seq, final=convert.done_pb(event), index=event.index
                     )
                 seq += 1
 
@@ -85,11 +89,15 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                         async for event in events:
                             if isinstance(event, Chunk):
                                 frame = inference_pb2.ChatResponse(
-                                    turn=turn, sequence=seq, token_ids=event.token_ids, text=event.text
+                                    turn=turn,
+                                    sequence=seq,
+                                    token_ids=event.token_ids,
+                                    text=event.text,
+                                    index=event.index,
                                 )
                             else:
                                 frame = inference_pb2.ChatResponse(
-                                    turn=turn, sequence=seq, final=convert.done_pb(event)
+                                    turn=turn, sequence=seq, final=convert.done_pb(event), index=event.index
                                 )
                             frame.request_id = request_id
                             yield frame
@@ -106,13 +114,13 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
 
 
 async def _one_turn(first: TurnEvent, chat: AsyncIterator[TurnEvent]) -> AsyncGenerator[Event, None]:
-    """The events of the turn that ``first`` starts, read from ``chat`` up to its Done."""
+    """The events of the turn that ``first`` starts, read from ``chat`` up to its last Done."""
     yield first.event
-    if isinstance(first.event, Done):
+    if isinstance(first.event, Done) and first.event.last:
         return
     async for item in chat:
         yield item.event
-        if isinstance(item.event, Done):
+        if isinstance(item.event, Done) and item.event.last:
             return
 
 

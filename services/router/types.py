@@ -105,6 +105,8 @@ class Chunk:
 
     token_ids: Sequence[int]
     text: str
+    index: int = 0
+    """The choice (0 to n-1 of ``SamplingParams.n``) the tokens belong to."""
 
 
 @dataclass(frozen=True)
@@ -115,10 +117,16 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     route: Route
+    index: int = 0
+    """The choice that ended. With n > 1 choices a turn has n Dones, one per choice after its last
+    chunk; ``prompt_tokens`` is the prompt's in each, ``completion_tokens`` that choice's."""
+    last: bool = True
+    """The turn's last event (its n-th Done)."""
 
 
 Event = Chunk | Done
-"""What a generation streams: chunks, then one Done."""
+"""What a generation streams: chunks, then one Done (with n > 1 choices: chunks and Dones of the
+choices interleaved, each choice's Done after its chunks, the last Done marked ``last``)."""
 
 
 @dataclass(frozen=True)
@@ -131,8 +139,8 @@ class TurnEvent:
 
 def merge(first: Event, then: Event) -> Chunk | None:
     """Two chunks that waited for the writer, as one (a Done stays an event of its own)."""
-    if isinstance(first, Chunk) and isinstance(then, Chunk):
-        return Chunk([*first.token_ids, *then.token_ids], first.text + then.text)
+    if isinstance(first, Chunk) and isinstance(then, Chunk) and first.index == then.index:
+        return Chunk([*first.token_ids, *then.token_ids], first.text + then.text, first.index)
     return None
 
 

@@ -221,7 +221,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     f"at most {most} choices"
                 )
             if resume:
-                raise InvalidArgument("resume_token_ids cannot be sent with sampling.n > 1; resume one choice at a time")
+                raise InvalidArgument(
+                    "resume_token_ids cannot be sent with sampling.n > 1; resume one choice at a time"
+                )
         check = getattr(self.runner.engine, "check_sampling", None)  # an engine that cannot apply every field
         if check is not None:
             check(sampling)
