@@ -6,6 +6,13 @@ proto -> JSON or server-sent events. Authentication,
 validation, limits and errors are the gateway's; a gRPC status becomes OpenAI's error JSON with the
 matching HTTP status (429 carries ``Retry-After`` in seconds, rounded up, and ``retry-after-ms``).
 
+n choices (``n`` > 1): the gateway's frames carry their choice's index and each choice ends with its
+own final frame; a whole answer lists the choices by index, a stream sends each choice's role chunk
+first, then the choices' chunks as they come (each with its index) and each choice's finish chunk
+when it ends; usage (and the ``include_usage`` chunk, after every choice ended) counts the prompt
+once and sums the choices' completion tokens. A non-streamed completion of n > 1 choices is read
+from the gateway's Generate stream (Complete returns one choice).
+
 Streams: the first frame is awaited *before* the SSE headers go out, so an error the gateway reports
 up front (401, 429, 400, 404, 503) still gets its real HTTP status; an error after that is sent as
 ``data: {"error": ...}``. A client that disconnects cancels the gRPC call (handler cancellation), which
@@ -184,32 +191,33 @@ class OpenAIApp:
         try:
             await call.write(turn)
             await call.done_writing()
-            frames = _chat_frames(call)
+            frames = _chat_frames(call, parsed.n)
             first = await _first(frames)
             request_id = await _request_id(call)
             model = await self._served_model(parsed.model, request)
             if not parsed.stream:
-                text, final = await _collect(first, frames)
-                body = oa.chat_completion(request_id, model, text, final)
+                texts, finals = await _collect(first, frames, parsed.n)
+                body = oa.chat_completion(request_id, model, texts, finals)
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
             response = await _sse_start(request, request_id)
             role = {"role": "assistant", "content": ""}
             usage = parsed.include_usage
-            await _sse(response, oa.chat_chunk(request_id, model, role, None, created, usage))
+            for index in range(parsed.n):
+                await _sse(response, oa.chat_chunk(request_id, model, role, None, created, usage, index))
             try:
-                end: pb.Final | None = None
-                async for text, last in _prepend(first, frames):
-                    end = last
+                ends: list[pb.Final] = []
+                async for text, last, index in _prepend(first, frames):
                     if text:
                         delta = {"content": text}
-                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage))
-                if end is not None:
-                    chunk = oa.chat_chunk(request_id, model, {}, oa.finish_reason(end), created, usage)
+                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index))
+                    if last is not None:
+                        ends.append(last)
+                        finish = oa.finish_reason(last)
+                        await _sse(response, oa.chat_chunk(request_id, model, {}, finish, created, usage, index))
+                if ends and parsed.include_usage:
+                    chunk = oa.usage_chunk("chat.completion.chunk", request_id, model, ends, created)
                     await _sse(response, chunk)
-                    if parsed.include_usage:
-                        chunk = oa.usage_chunk("chat.completion.chunk", request_id, model, end, created)
-                        await _sse(response, chunk)
             except (MeshError, grpc.aio.AioRpcError) as exc:
                 return await _sse_error(response, exc)
             return await _sse_end(response)
@@ -219,7 +227,7 @@ class OpenAIApp:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         parsed, generate = oa.completion_request(await self._json(request))
         metadata = self._metadata(request)
-        if not parsed.stream:
+        if not parsed.stream and parsed.n == 1:
             reply = await self._gateway.Complete(generate, metadata=metadata)
             model = await self._served_model(parsed.model, request)
             body = oa.completion(reply.request_id, model, reply.text, reply.final)
@@ -231,16 +239,25 @@ class OpenAIApp:
             first = await _first(frames)
             request_id = ids[0] if ids else await _request_id(call)
             model = await self._served_model(parsed.model, request)
+            if not parsed.stream:  # n > 1 choices: Complete returns one
+                texts, finals = await _collect(first, frames, parsed.n)
+                body = oa.completions(request_id, model, texts, finals)
+                return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
             response = await _sse_start(request, request_id)
             try:
-                async for text, final in _prepend(first, frames):
+                ends: list[pb.Final] = []
+                async for text, final, index in _prepend(first, frames):
                     if text or final is not None:
-                        chunk = oa.completion(request_id, model, text, final, created, False, parsed.include_usage)
+                        chunk = oa.completion(
+                            request_id, model, text, final, created, False, parsed.include_usage, index=index
+                        )
                         await _sse(response, chunk)
-                    if final is not None and parsed.include_usage:
-                        usage = oa.usage_chunk("text_completion", request_id, model, final, created)
-                        await _sse(response, usage)
+                    if final is not None:
+                        ends.append(final)
+                if ends and parsed.include_usage:
+                    usage = oa.usage_chunk("text_completion", request_id, model, ends, created)
+                    await _sse(response, usage)
             except (MeshError, grpc.aio.AioRpcError) as exc:
                 return await _sse_error(response, exc)
             return await _sse_end(response)
@@ -254,21 +271,26 @@ def _not_found(model: str) -> MeshError:
     return error
 
 
-Frame = tuple[str, pb.Final | None]
+Frame = tuple[str, pb.Final | None, int]
+"""Text, the final (on a choice's last frame), the choice index."""
 
 
-async def _chat_frames(call: Any) -> AsyncIterator[Frame]:
-    """The frames of the one turn; after its final frame, lets the call end before returning.
+async def _chat_frames(call: Any, n: int = 1) -> AsyncIterator[Frame]:
+    """The frames of the one turn (of ``n`` choices); after its last final frame, lets the call end
+    before returning.
 
     The adapter has half-closed the call, so the gateway ends it right after the final frame.
     Cancelling it at once instead raced that end, and the gateway then recorded (metrics, logs)
     about one chat in four as CANCELLED although the caller got the whole answer.
     """
+    left = n
     async for frame in call:
         final = frame.final if frame.HasField("final") else None
-        yield frame.text, final
+        yield frame.text, final, frame.index
         if final is not None:
-            break
+            left -= 1
+            if left == 0:
+                break
     try:
         async with asyncio.timeout(CHAT_END_WAIT_S):
             async for _ in call:
@@ -282,7 +304,7 @@ async def _generate_frames(call: Any, request_ids: list[str]) -> AsyncIterator[F
     async for frame in call:
         if not request_ids and frame.request_id:
             request_ids.append(frame.request_id)
-        yield frame.text, frame.final if frame.HasField("final") else None
+        yield frame.text, frame.final if frame.HasField("final") else None, frame.index
 
 
 async def _first(frames: AsyncIterator[Frame]) -> Frame | None:
@@ -300,15 +322,20 @@ async def _prepend(first: Frame | None, frames: AsyncIterator[Frame]) -> AsyncIt
             yield frame
 
 
-async def _collect(first: Frame | None, frames: AsyncIterator[Frame]) -> tuple[str, pb.Final]:
-    parts: list[str] = []
-    final = None
-    async for text, last in _prepend(first, frames):
-        parts.append(text)
-        final = last
-    if final is None:
+async def _collect(first: Frame | None, frames: AsyncIterator[Frame], n: int = 1) -> tuple[list[str], list[pb.Final]]:
+    """Each choice's whole text and final frame, by choice index."""
+    parts: list[list[str]] = [[] for _ in range(n)]
+    finals: list[pb.Final | None] = [None] * n
+    async for text, last, index in _prepend(first, frames):
+        if not 0 <= index < n:
+            raise MeshError(f"the gateway sent choice {index} of {n}; retry, and report it if it persists")
+        parts[index].append(text)
+        if last is not None:
+            finals[index] = last
+    done = [f for f in finals if f is not None]
+    if len(done) < n:
         raise MeshError("the stream ended without a final frame; retry, and report it if it persists")
-    return "".join(parts), final
+    return ["".join(p) for p in parts], done
 
 
 async def _request_id(call: Any) -> str:

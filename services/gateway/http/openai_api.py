@@ -3,7 +3,9 @@
 The OpenAI shapes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) differ from our
 proto (messages vs turns, ``choices``, ``stop`` as string or list), which is why Envoy's gRPC-JSON
 transcoder cannot speak them on its own; this module is the whole difference.
-Unsupported fields that change the answer (``n`` > 1, ``logprobs``, ``echo``, tools, ``min_p``,
+``n`` (1 to 16) asks for that many choices: ``choices[i].index``, streamed chunks carry their
+choice's index, and usage counts the prompt once and sums the choices' completion tokens (OpenAI's
+count). Unsupported fields that change the answer (``logprobs``, ``echo``, tools, ``min_p``,
 structured output, audio) are refused with 400 rather than silently ignored, unless they hold their
 neutral value (``tool_choice: "none"``, ...: clients send defaults). Fields that only tune delivery or
 bookkeeping (``user``, ``metadata``, ``store``, ...) and unknown fields are accepted and ignored, as
@@ -23,7 +25,7 @@ from typing import Any
 
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.sampling import MAX_SEED
+from services.common.sampling import MAX_CHOICES, MAX_SEED
 
 OWNED_BY = "meshserve"
 
@@ -124,6 +126,8 @@ class Parsed:
     model: str
     stream: bool
     include_usage: bool
+    n: int = 1
+    """Choices asked for."""
 
 
 def _number(body: dict[str, Any], name: str, default: float = 0.0) -> float:
@@ -168,8 +172,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         value = body.get(name)
         if value is not None and not _is_neutral(value, neutral):
             raise InvalidArgument(f"'{name}': {why} by meshserve; remove it from the request")
-    if body.get("n") not in (None, 1):
-        raise InvalidArgument(f"'n' must be 1: meshserve returns one choice per request (got {_show(body['n'])})")
 
 
 def _common(body: dict[str, Any]) -> tuple[Parsed, pb.SamplingParams]:
@@ -207,7 +209,10 @@ def _common(body: dict[str, Any]) -> tuple[Parsed, pb.SamplingParams]:
     sampling.min_tokens = _int(body, "min_tokens") or 0
     for token, bias in _logit_bias(body).items():
         sampling.logit_bias[token] = bias
-    return Parsed(model, stream, include_usage), sampling
+    n = _int(body, "n", 1, MAX_CHOICES)
+    if n is not None:
+        sampling.n = n
+    return Parsed(model, stream, include_usage, n or 1), sampling
 
 
 def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
@@ -281,12 +286,20 @@ def finish_reason(final: pb.Final) -> str:
     return _FINISH.get(final.finish_reason, "stop")
 
 
-def usage(final: pb.Final) -> dict[str, int]:
-    u = final.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+def usage(final: pb.Final | list[pb.Final]) -> dict[str, int]:
+    """OpenAI's usage of one choice's final, or of n choices' finals: the prompt once, completions summed."""
+    finals = final if isinstance(final, list) else [final]
+    prompt = finals[0].usage.prompt_tokens if finals else 0
+    completion = sum(f.usage.completion_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def chat_completion(request_id: str, model: str, text: str, final: pb.Final) -> dict[str, Any]:
+def chat_completion(
+    request_id: str, model: str, text: str | list[str], final: pb.Final | list[pb.Final]
+) -> dict[str, Any]:
+    """A whole chat completion: one choice, or (lists, by choice index) n choices."""
+    texts = text if isinstance(text, list) else [text]
+    finals = final if isinstance(final, list) else [final]
     return {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",
@@ -294,13 +307,14 @@ def chat_completion(request_id: str, model: str, text: str, final: pb.Final) -> 
         "model": model,
         "choices": [
             {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "index": i,
+                "message": {"role": "assistant", "content": t},
                 "logprobs": None,
-                "finish_reason": finish_reason(final),
+                "finish_reason": finish_reason(f),
             }
+            for i, (t, f) in enumerate(zip(texts, finals, strict=True))
         ],
-        "usage": usage(final),
+        "usage": usage(finals),
     }
 
 
@@ -311,14 +325,16 @@ def chat_chunk(
     finish: str | None = None,
     created: int = 0,
     include_usage: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed chunk; with ``include_usage`` it has ``"usage": null``, as OpenAI's chunks before the last."""
+    """One streamed chunk of choice ``index``; with ``include_usage`` it has ``"usage": null``, as OpenAI's
+    chunks before the last."""
     chunk: dict[str, Any] = {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}],
     }
     if include_usage:
         chunk["usage"] = None
@@ -333,8 +349,10 @@ def completion(
     created: int = 0,
     with_usage: bool = True,
     null_usage: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """A whole completion, or (``final`` None / ``with_usage`` False) one streamed chunk of one.
+    """A whole completion, or (``final`` None / ``with_usage`` False) one streamed chunk of one, of choice
+    ``index``.
 
     ``null_usage``: a chunk of a stream with ``include_usage`` carries ``"usage": null`` (the last
     chunk, from :func:`usage_chunk`, carries the counts).
@@ -345,7 +363,7 @@ def completion(
         "created": created or int(time.time()),
         "model": model,
         "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(final) if final else None}
+            {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(final) if final else None}
         ],
     }
     if final is not None and with_usage:
@@ -355,8 +373,22 @@ def completion(
     return body
 
 
-def usage_chunk(object_name: str, request_id: str, model: str, final: pb.Final, created: int) -> dict[str, Any]:
-    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
+def completions(request_id: str, model: str, texts: list[str], finals: list[pb.Final]) -> dict[str, Any]:
+    """A whole completion of n choices (by choice index); usage as :func:`usage` counts n finals."""
+    body = completion(request_id, model, "", None)
+    body["choices"] = [
+        {"index": i, "text": t, "logprobs": None, "finish_reason": finish_reason(f)}
+        for i, (t, f) in enumerate(zip(texts, finals, strict=True))
+    ]
+    body["usage"] = usage(finals)
+    return body
+
+
+def usage_chunk(
+    object_name: str, request_id: str, model: str, final: pb.Final | list[pb.Final], created: int
+) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage (of
+    every choice's final: the prompt once, completions summed)."""
     prefix = "chatcmpl" if object_name == "chat.completion.chunk" else "cmpl"
     return {
         "id": f"{prefix}-{request_id}",
