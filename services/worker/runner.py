@@ -289,11 +289,12 @@ class Turn:
             runner.counters.sequence_started()
             admitted = False
             with tracing.span("worker.queue_wait"):
-                async for item in self._admit(n):
-                    if isinstance(item, QueuedEvent):
-                        yield item
-                    else:
-                        admitted = item
+                async with aclosing(self._admit(n)) as admit:  # closed with us: a queued wait ends at once
+                    async for item in admit:
+                        if isinstance(item, QueuedEvent):
+                            yield item
+                        else:
+                            admitted = item
             if not admitted:
                 runner.counters.sequence_cancelled()
                 for i in range(n):
@@ -315,7 +316,6 @@ class Turn:
                 raise
 
             def work(index: int, seq: EngineSequence) -> FinalEvent:
-                _local.request = request
                 try:
                     final = run_sequence(
                         runner.engine,
@@ -334,12 +334,10 @@ class Turn:
                 emit(final)
                 return final
 
-            futures = []
             for index, seq in enumerate(seqs):
                 future = loop.run_in_executor(runner.executor, work, index, seq)
                 runner.running[future] = self
-                future.add_done_callback(runner.sequence_done)
-                futures.append(future)
+                future.add_done_callback(runner.sequence_done)  # frees this choice's slot
             ended = 0
             sent = 0
             while ended < n:

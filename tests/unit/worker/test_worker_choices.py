@@ -12,11 +12,12 @@ import grpc
 import pytest
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import SamplingParams
 from services.worker.slots import Admission
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine, FakeSequence
 from tests.unit.worker.test_worker_servicer import PROMPT, serve
-from tests.worker_helpers import META, start_frame
+from tests.worker_helpers import CANCEL, META, Session, start_frame, wait_idle
 
 
 class ForkingEngine(FakeEngine):
@@ -111,3 +112,22 @@ async def test_a_turn_of_n_choices_takes_n_slots_at_once() -> None:
 
 def test_the_fake_tokenizer_spells_the_script() -> None:
     assert TOKENIZER.decode(TOKENIZER.encode("hello world")) == "hello world"
+
+
+async def test_a_cancel_ends_every_choice_and_frees_all_their_slots(worker: Any) -> None:
+    engine, stub = worker
+    engine.step_s = 0.01
+    session = Session(stub)
+    await session.call.write(start_frame(PROMPT, max_tokens=60, n=3))
+    await session.read()
+    await session.call.write(CANCEL)
+    reasons = {}
+    while len(reasons) < 3:
+        frame = await session.read()
+        if frame.HasField("final"):
+            reasons[frame.index] = frame.final.finish_reason
+    assert set(reasons.values()) == {pb.FINISH_REASON_CANCELLED}
+    after = await wait_idle(stub)
+    assert after.active_sequences == 0
+    assert after.tokens_generated_total < 3 * 30
+    session.call.cancel()
