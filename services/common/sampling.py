@@ -52,6 +52,9 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_TOKEN_ID = 2**31 - 1
 """Largest token id a ``logit_bias`` key may name before the model's vocabulary is known (the router
 and the workers then check it against the vocabulary: :meth:`SamplingParams.fit`)."""
+MAX_CHOICES = 16
+"""Most choices (``n``) per request: the n sequences share the prompt's KV, and each needs a generation
+slot of the worker (an edge worker runs 16 rows per decode call)."""
 CHAT_REPETITION_PENALTY = 1.15
 """``repetition_penalty`` of a chat turn that does not set one (generate requests get 1, off).
 
@@ -115,6 +118,16 @@ class SamplingParams:
     structured: Constraint | None = None
     """Structured output: the generated text must match this JSON schema / JSON object / regex /
     grammar (:mod:`services.common.constraints`); the worker masks each step's logits to it."""
+    n: int = 1
+    """Choices to generate (OpenAI's ``n``), 1 to :data:`MAX_CHOICES`; they share the prompt's prefill.
+    Choice ``i`` samples with :meth:`choice` ``(i)``'s parameters."""
+
+    def choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of an n-choice request: ``n`` 1, and with a seed,
+        ``(seed + index) mod 2**64`` (so seeded choices are reproducible and differ from each other;
+        choice 0 of a seeded request samples exactly as the same request with n = 1)."""
+        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
+        return replace(self, n=1, seed=seed)
 
     @property
     def penalized(self) -> bool:
@@ -163,6 +176,8 @@ class SamplingParams:
             out["min_tokens"] = int(self.min_tokens)
         if self.structured is not None:
             out["structured"] = self.structured.canonical()
+        if self.n != 1:
+            out["n"] = int(self.n)
         if self.greedy:
             out["temperature"] = 0
             return out
@@ -228,6 +243,7 @@ def resolve_sampling(
     logit_bias: Mapping[int, float] | None = None,
     min_tokens: int = 0,
     structured: Constraint | None = None,
+    n: int = 1,
     chat: bool = False,
     limits: SamplingLimits = MESH_LIMITS,
 ) -> SamplingParams:
@@ -309,6 +325,8 @@ def resolve_sampling(
         raise InvalidArgument(
             f"sampling.min_tokens is {min_tokens}, above the limit of {limits.max_tokens}; ask for fewer"
         )
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidArgument(f"sampling.n must be between 1 and {MAX_CHOICES} (got {n}); ask for fewer choices")
     return SamplingParams(
         max_tokens=int(max_tokens),
         temperature=float(temperature),
@@ -322,6 +340,7 @@ def resolve_sampling(
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in bias.items() if b != 0.0)),
         min_tokens=int(min_tokens),
         structured=structured,
+        n=int(n),
     )
 
 

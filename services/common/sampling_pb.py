@@ -31,6 +31,7 @@ def from_pb(
         logit_bias=dict(msg.logit_bias),
         min_tokens=msg.min_tokens,
         structured=structured_from_pb(msg.structured) if msg.HasField("structured") else None,
+        n=msg.n if msg.HasField("n") else 1,
         chat=chat,
         limits=limits,
     )
@@ -51,6 +52,8 @@ def to_pb(params: SamplingParams) -> inference_pb2.SamplingParams:
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.n != 1:  # unset is 1: a receiver from before n existed sees the same message
+        msg.n = params.n
     if params.structured is not None:
         msg.structured.CopyFrom(structured_to_pb(params.structured))
     return msg

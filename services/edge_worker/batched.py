@@ -36,12 +36,13 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from services.common.errors import InvalidArgument
 from services.common.sampling import SamplingParams
 from services.edge_worker.graph import load_session
 from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.sampler import pick
 from services.edge_worker.sequence import BatchedSequence
-from services.worker.grammar import GrammarCompiler
+from services.worker.grammar import GrammarCompiler, TokenConstraint
 from services.worker.types import EngineInfo, KVUsage, StepInterrupted
 
 
@@ -111,6 +112,7 @@ class BatchedEngine:
         self._waiting: list[BatchedSequence] = []
         self._released: list[BatchedSequence] = []
         self._expected: set[BatchedSequence] = set()
+        self._new_forks: list[BatchedSequence] = []
         self._stopped = False
         self.steps = 0
         """Decode calls run so far (a batch of any size counts once)."""
@@ -118,6 +120,8 @@ class BatchedEngine:
         """Sequence rows decoded so far (rows / steps = mean batch size)."""
         self.prefill_calls = 0
         """Prefill chunks started so far (one model call each)."""
+        self.forks_made = 0
+        """Choices started as a copy of another sequence's prefilled prompt (``start_n``)."""
         self._thread = threading.Thread(target=self._loop, name="edge-batch", daemon=True)
         self._thread.start()
 
@@ -134,6 +138,36 @@ class BatchedEngine:
         a worker thread) and advanced over ``replay``."""
         constraint = None if sampling.structured is None else self.grammars.open(sampling.structured, replay)
         return BatchedSequence(self, [*token_ids, *replay], sampling, prefill_end=len(token_ids), constraint=constraint)
+
+    def start_n(self, token_ids: Sequence[int], sampling: SamplingParams, n: int) -> list[BatchedSequence]:
+        """The ``n`` choices of one prompt over one prefill (``services.worker.types``: ``start_n``).
+
+        Choice 0 prefills the prompt as any sequence does; when its prefill's logits are there, the
+        batch thread gives each other choice a slot, copies the prompt's KV into it (slots are
+        contiguous rows: the prefix cannot be shared in place, and a copy of P tokens costs far less
+        than their prefill) and samples its first token from a copy of those logits with its own
+        parameters (``sampling.choice(i)``), then the n sequences decode as independent rows. Greedy
+        choices are therefore token for token the n = 1 output (decode rows are batch invariant).
+        """
+        if n > self.max_batch:
+            raise InvalidArgument(
+                f"sampling.n is {n} but this edge worker decodes at most {self.max_batch} sequences at once; "
+                f"ask for at most {self.max_batch} choices"
+            )
+        prompt = list(token_ids)
+
+        def constraint() -> TokenConstraint | None:  # each choice has its own grammar state
+            return None if sampling.structured is None else self.grammars.open(sampling.structured, ())
+
+        leader = BatchedSequence(self, prompt, sampling.choice(0), prefill_end=len(prompt), constraint=constraint())
+        forks = [
+            BatchedSequence(
+                self, prompt, sampling.choice(i), prefill_end=len(prompt), source=leader, constraint=constraint()
+            )
+            for i in range(1, n)
+        ]
+        leader.forks = forks
+        return [leader, *forks]
 
     def start_chat(self, token_ids: Sequence[int], sampling: SamplingParams) -> BatchedSequence:
         """Like ``start``; the sequence's KV survives its turn for ``reuse``."""
@@ -188,7 +222,9 @@ class BatchedEngine:
                 for seq in batch:
                     seq.finish(exc)
                 done, carry = [], []
-            self._expected = {seq for seq, _ in done}
+            # Forks made this round step next round too: wait for them as for the sequences done.
+            self._expected = {seq for seq, _ in done} | set(self._new_forks)
+            self._new_forks = []
             for seq, token in done:
                 seq.finish(token)
 
@@ -215,6 +251,10 @@ class BatchedEngine:
             return batch, released
 
     def _free(self, seq: BatchedSequence) -> None:
+        for fork in seq.forks:  # closed before its prefill ended: its forks will never be made
+            if not fork.forked:
+                fork.finish(StepInterrupted("the choice's shared prefill did not complete"))
+        seq.forks = []
         if seq.slot is not None and self._owners[seq.slot] is seq:
             self._owners[seq.slot] = None
         seq.slot = None
@@ -242,14 +282,14 @@ class BatchedEngine:
         for seq in batch:
             if seq.prefill_end - seq.kv_len >= 2:
                 logits = self._prefill(seq)
-                self._after(seq, logits, done, carry)
+                self._after(seq, logits, done, carry, batch)
             else:
                 decode.append(seq)
         if decode:
             decode = self._place(decode)
             logits = self._decode(decode)
             for row, seq in enumerate(decode):
-                self._after(seq, logits[row], done, carry)
+                self._after(seq, logits[row], done, carry, batch)
         return done, carry
 
     def _after(
@@ -258,10 +298,15 @@ class BatchedEngine:
         logits: np.ndarray,
         done: list[tuple[BatchedSequence, int]],
         carry: list[BatchedSequence],
+        batch: list[BatchedSequence],
     ) -> None:
         if seq.kv_len < len(seq.tokens):
             carry.append(seq)  # more of its context to feed before it may choose a token
             return
+        if seq.forks:
+            forks, seq.forks = seq.forks, []
+            for fork in forks:
+                self._fork(seq, fork, logits, batch)
         token = pick(logits, seq.sampling, seq.rng, seq.penalties, seq.constraint)
         if seq.penalties is not None:
             seq.penalties.record(token)
@@ -270,6 +315,36 @@ class BatchedEngine:
         seq.tokens.append(token)
         seq.prefill_end = max(seq.prefill_end, seq.kv_len)
         done.append((seq, token))
+
+    def _fork(
+        self, source: BatchedSequence, fork: BatchedSequence, logits: np.ndarray, batch: list[BatchedSequence]
+    ) -> None:
+        """Make ``fork`` a copy of ``source`` right after its prefill, with its own first token."""
+        if fork.closed or fork.forked:  # cancelled meanwhile
+            return
+        if None not in self._owners and all(s is None or s in batch or s is source for s in self._owners):
+            fork.finish(RuntimeError("no KV slot is free for another choice"))
+            return
+        try:
+            self._acquire(fork, [*batch, source])
+            assert fork.slot is not None and source.slot is not None
+            self._kv.copy(source.slot, fork.slot, source.kv_len)
+            fork.kv_len = source.kv_len
+            fork.prefill_end = max(fork.prefill_end, fork.kv_len)
+            fork.prefill_tokens = 0
+            fork.last_used = source.last_used
+            token = pick(logits.copy(), fork.sampling, fork.rng, fork.penalties, fork.constraint)  # edits the row
+            if fork.penalties is not None:
+                fork.penalties.record(token)
+            if fork.constraint is not None:
+                fork.constraint.advance(token)
+            fork.tokens.append(token)
+        except Exception as exc:  # that choice fails, the others go on
+            fork.finish(exc)
+            return
+        self.forks_made += 1
+        self._new_forks.append(fork)
+        fork.finish(token)
 
     def _acquire(self, seq: BatchedSequence, batch: list[BatchedSequence]) -> None:
         """Give ``seq`` a slot (parking the least recently used sequence outside ``batch`` if needed)."""

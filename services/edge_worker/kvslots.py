@@ -78,6 +78,14 @@ class KvSlots:
             buf[a, :, :tokens] = buf[b, :, :tokens]
             buf[b, :, :tokens] = keep
 
+    def copy(self, src: int, dst: int, tokens: int) -> None:
+        """Copy the first ``tokens`` positions of slot ``src`` into slot ``dst`` (a forked sequence: the
+        n choices of one prompt; slots are contiguous rows, so a prefix cannot be shared in place)."""
+        if src == dst or tokens <= 0:
+            return
+        for buf in self._buffers:
+            buf[dst, :, :tokens] = buf[src, :, :tokens]
+
     def copy_out(self, slot: int, tokens: int) -> list[np.ndarray]:
         """A compact copy of a slot's first ``tokens`` positions (a parked sequence keeps it)."""
         return [buf[slot, :, :tokens].copy() for buf in self._buffers]

@@ -17,7 +17,7 @@ from services.common.sampling import SamplingParams
 from services.edge_worker.sampler import rng_for
 from services.worker.grammar import TokenConstraint
 from services.worker.penalties import Penalties, penalties_for
-from services.worker.types import EngineInfo
+from services.worker.types import EngineInfo, StepInterrupted
 
 
 class BatchRunner(Protocol):
@@ -59,8 +59,15 @@ class BatchedSequence:
         sampling: SamplingParams,
         prefill_end: int,
         constraint: TokenConstraint | None = None,
+        source: BatchedSequence | None = None,
     ) -> None:
         self._engine = engine
+        self.source = source
+        """A fork's source until its first step returned: that step waits for the batch thread to
+        copy the source's prompt KV into this sequence's slot and sample its first token from the
+        source's prefill logits (``BatchedEngine.start_n``); it never runs the prompt itself."""
+        self.forks: list[BatchedSequence] = []
+        """Forks waiting for this sequence's prefill (the other choices of an n-choice request)."""
         self.tokens = list(tokens)
         """Every token of the sequence; KV exists for the first ``kv_len``."""
         self.kv_len = 0
@@ -94,9 +101,13 @@ class BatchedSequence:
     def step(self) -> int:
         if self.closed:
             raise RuntimeError("sequence is closed")
-        self._done.clear()
-        self._engine.submit(self)
-        self._done.wait()
+        if self.source is not None:  # a fork: its first token comes with its copy of the source's KV
+            self._done.wait()
+            self.source = None
+        else:
+            self._done.clear()
+            self._engine.submit(self)
+            self._done.wait()
         result = self._result
         if isinstance(result, BaseException):
             raise result
@@ -106,6 +117,11 @@ class BatchedSequence:
     def finish(self, result: int | BaseException) -> None:
         self._result = result
         self._done.set()
+
+    @property
+    def forked(self) -> bool:
+        """A fork's first token is ready (or its fork failed): ``step`` returns at once."""
+        return self._done.is_set()
 
     def reuse(self, token_ids: Sequence[int], sampling: SamplingParams) -> bool:
         """Prepare the next turn over ``token_ids``; False if this sequence cannot be reused."""
@@ -132,6 +148,8 @@ class BatchedSequence:
         """End the pending (or next) step with StepInterrupted once the model call in progress, at
         most one prefill chunk, is done. Any thread; waits for no model call."""
         self.interrupted = True
+        if self.source is not None and not self._done.is_set():  # a fork not made yet: it never will be
+            self.finish(StepInterrupted("the turn was cancelled"))
         self._engine.wake()
 
     def close(self) -> None:

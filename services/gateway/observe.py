@@ -65,8 +65,9 @@ class Observed:
         now = time.perf_counter()
         if ticket is not None:
             ticket.completion_seen += token_ids
-            if final is not None:
-                ticket.used = final.usage.prompt_tokens + final.usage.completion_tokens
+            if final is not None:  # n choices: n finals, the prompt counted once
+                used = ticket.used if ticket.used is not None else final.usage.prompt_tokens
+                ticket.used = used + final.usage.completion_tokens
         if token_ids:
             if self.last is None:
                 self.ttfts.append(now - self.turn_start)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncGenerator
 
 import grpc
@@ -67,9 +68,10 @@ class RemoteRouter:
         call = self._stub.Generate(
             convert.generation_pb(request), metadata=self._metadata(), timeout=_timeout(deadline)
         )
+        finals = convert.FinalCounter(request.sampling.n)
         try:
             async for frame in call:
-                yield convert.event(frame)
+                yield convert.event(frame, finals.last(frame))
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, Upstream.ROUTER) from None
         finally:
@@ -122,8 +124,10 @@ class RemoteChat:
 
     def __init__(self, call: grpc.aio.StreamStreamCall) -> None:
         self._call = call
+        self._choices: deque[int] = deque()  # n of each turn sent and not yet ended, in order
 
     async def send(self, turn: ChatTurn) -> bool:
+        self._choices.append(turn.sampling.n)
         return await self._write(pb.ChatRequest(turn=convert.chat_turn_pb(turn)))
 
     async def cancel_turn(self) -> None:
@@ -144,8 +148,14 @@ class RemoteChat:
 
     async def events(self) -> AsyncGenerator[TurnEvent, None]:
         try:
+            finals: convert.FinalCounter | None = None
             async for frame in self._call:
-                yield TurnEvent(frame.turn, convert.event(frame))
+                if finals is None:
+                    finals = convert.FinalCounter(self._choices.popleft() if self._choices else 1)
+                last = finals.last(frame)
+                if last and frame.HasField("final"):
+                    finals = None  # the turn ended: the next frame starts the next turn
+                yield TurnEvent(frame.turn, convert.event(frame, last))
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, Upstream.ROUTER) from None
         finally:

@@ -39,6 +39,7 @@ from services.gateway.validation import GrammarChecks, Limits, validate_chat_req
 from services.router import convert
 from services.router.types import (
     Chunk,
+    Done,
     Generation,
     InferenceRouter,
     PendingAdmission,
@@ -173,7 +174,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         policy = self._gate.policy(identity)
         request.routing.priority = min(request.routing.priority, policy.priority)
         generation = convert.generation(request, tenant=identity.tenant, request_id=request_id, sampling=sampling)
-        prompts, max_tokens = [request.prompt], request.sampling.max_tokens
+        prompts, max_tokens = [request.prompt], request.sampling.max_tokens * sampling.n  # n choices: n answers
         admit = self._gate.admit(identity, policy, prompts, max_tokens, stream_ttl_s=stream_ttl_s)
         router = self.router
         overlap = router is not None and router.overlaps_admission and self._settings.overlap_admission
@@ -243,12 +244,18 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                         if isinstance(event, Chunk):
                             observed.frame(len(event.token_ids), None, ticket)
                             frame = pb.GenerateResponse(
-                                request_id=request_id, sequence=sequence, token_ids=event.token_ids, text=event.text
+                                request_id=request_id,
+                                sequence=sequence,
+                                token_ids=event.token_ids,
+                                text=event.text,
+                                index=event.index,
                             )
                         else:
                             final = convert.done_pb(event)
                             observed.frame(0, final, ticket)
-                            frame = pb.GenerateResponse(request_id=request_id, sequence=sequence, final=final)
+                            frame = pb.GenerateResponse(
+                                request_id=request_id, sequence=sequence, final=final, index=event.index
+                            )
                         sequence += 1
                         yield frame
             finally:
@@ -343,7 +350,8 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                             # Tools are prompt text too (rendered by the router): counted in the estimate.
                             texts += [t.description + t.parameters_json for t in turn.tools]
                             texts += [c.arguments for m in turn.messages for c in m.tool_calls]
-                            turns.append(await self._gate.admit(identity, policy, texts, turn.sampling.max_tokens))
+                            budget = turn.sampling.max_tokens * domain_turn.sampling.n  # n choices: n answers
+                            turns.append(await self._gate.admit(identity, policy, texts, budget))
                             observed.prompt(*texts)
                             observed.turn_started()
                             await chat.send(domain_turn)
@@ -388,16 +396,18 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                             token_ids=chunk.token_ids,
                             text=chunk.text,
                             tool_calls=convert.tool_calls_pb(chunk.tool_calls),
+                            index=chunk.index,
                         )
                     else:
                         final = convert.done_pb(event.event)
                         observed.frame(0, final, turns[0] if turns else None)
-                        if turns:
+                        if turns and event.event.last:
                             self._gate.settle_soon(turns.popleft())
-                        frame = pb.ChatResponse(turn=event.turn, final=final)
+                        frame = pb.ChatResponse(turn=event.turn, final=final, index=event.event.index)
                     frame.request_id = request_id
                     frame.sequence = sequence
-                    sequence = 0 if frame.HasField("final") else sequence + 1
+                    ended = isinstance(event.event, Done) and event.event.last
+                    sequence = 0 if ended else sequence + 1  # numbered per turn
                     yield frame
             finally:
                 stop()

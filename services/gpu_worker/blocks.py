@@ -115,6 +115,11 @@ class BlockManager:
             out.append(block)
         return out
 
+    def share(self, blocks: Sequence[int]) -> None:
+        """One more reference to each of ``blocks`` (held already): a forked sequence shares them."""
+        for block in blocks:
+            self._blocks[block].refs += 1
+
     def register(self, block: int, key: str, exported: bool = False) -> None:
         """Name a full block by its chain key so later prompts can share it (first holder wins)."""
         info = self._blocks[block]

@@ -37,7 +37,7 @@ from prometheus_client import Counter
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, GenerationConfig
 
-from services.common.errors import FailedPrecondition
+from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.sampling import SamplingParams
 from services.gpu_worker import embed as embedding
 from services.gpu_worker import kv_transfer
@@ -108,16 +108,25 @@ class CloudSequence:
     """One generation on the shared scheduler (see the module docstring)."""
 
     def __init__(
-        self, engine: CloudEngine, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int]
+        self,
+        engine: CloudEngine,
+        token_ids: Sequence[int],
+        sampling: SamplingParams,
+        replay: Sequence[int],
+        fork: SeqState | None = None,
     ) -> None:
         self._engine = engine
         self._token_ids = list(token_ids)
         self._sampling = sampling
         self._replay = tuple(replay)
-        self.state: SeqState | None = None
+        self.state: SeqState | None = fork
+        """None until the first step submits it; a fork's (``start_n``) exists from the start: the
+        scheduler makes it from the first choice's prefill."""
+        self.forks: list[SeqState] = []
+        """The other choices' states, submitted with this sequence (``start_n``)."""
         self._ctx: KVContext | None = None
-        self.prefill_tokens = len(self._token_ids) + len(self._replay)
-        """Tokens this sequence ran through the model before its first token (known after it)."""
+        self.prefill_tokens = 0 if fork is not None else len(self._token_ids) + len(self._replay)
+        """Tokens this sequence ran through the model before its first token (known after it; a fork: 0)."""
         self._closed = False
         self._interrupted = False
 
@@ -142,7 +151,7 @@ class CloudSequence:
                 tenant = request.tenant if request else ""
                 self._ctx = engine.kv_context(tenant, request.shareable if request else False)
             priority = request.priority if request else 0
-            self.state = engine.submit(self._token_ids, self._sampling, self._replay, self._ctx, priority)
+            self.state = engine.submit(self._token_ids, self._sampling, self._replay, self._ctx, priority, self.forks)
             if self._interrupted:  # interrupted while it was being submitted
                 engine.scheduler.interrupt(self.state)
             first = True
@@ -164,6 +173,8 @@ class CloudSequence:
         self._closed = True
         if self.state is not None:
             self._engine.release(self.state, self._ctx)
+        elif self.forks:  # never submitted: its forks will never be made
+            self._engine.scheduler.drop_forks(self.forks)
 
 
 class CloudEngine:
@@ -210,6 +221,8 @@ class CloudEngine:
         self.block_tokens = block_tokens
         self.bytes_per_block = cfg.kv_bytes_per_token(self.kv_dtype, shard.world) * block_tokens
         num_blocks = kv_budget_bytes // self.bytes_per_block
+        self.tensor_parallel = shard.world > 1 or wrap_forward is not None
+        """Forks (``start_n``) would copy blocks on this rank only: n choices are independent sequences."""
         self.decode_graphs = resolve_decode_graphs(
             decode_graphs, self.device, tp=shard.world > 1 or wrap_forward is not None
         )
@@ -273,6 +286,47 @@ class CloudEngine:
     def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> CloudSequence:
         return CloudSequence(self, token_ids, sampling, replay)
 
+    def start_n(self, token_ids: Sequence[int], sampling: SamplingParams, n: int) -> list[CloudSequence]:
+        """The ``n`` choices of one prompt over one prefill (``services.worker.types``: ``start_n``).
+
+        Choice 0 is submitted with the others as its forks (scheduler.py): they share its full prompt
+        blocks by reference, get a copy of its partial last block and sample their first token from
+        its prefill logits with ``sampling.choice(i)``. Under tensor parallelism (the block copy would
+        have to run on every rank) the choices are independent sequences, each prefilling the prompt
+        (the prefix cache still shares its full blocks when on). InvalidArgument when the n choices'
+        KV cannot fit the budget at once.
+        """
+        bt = self.block_tokens
+        reserve = len(token_ids) + max(1, sampling.max_tokens)
+        total = -(-reserve // bt)
+        need = total + (n - 1) * (total - len(token_ids) // bt)
+        if need > self.blocks.num_blocks:
+            raise InvalidArgument(
+                f"sampling.n = {n} choices of prompt + max_tokens need {need} KV blocks but this worker's KV "
+                f"budget holds {self.blocks.num_blocks}; lower n or max_tokens"
+            )
+        if self.tensor_parallel:
+            return [self.start(token_ids, sampling.choice(i)) for i in range(n)]
+        leader = CloudSequence(self, token_ids, sampling.choice(0), ())
+        forks = [self._fork_state(token_ids, sampling.choice(i)) for i in range(1, n)]
+        leader.forks = forks
+        return [
+            leader,
+            *(CloudSequence(self, token_ids, sampling.choice(i), (), fork=f) for i, f in enumerate(forks, 1)),
+        ]
+
+    def _fork_state(self, token_ids: Sequence[int], sampling: SamplingParams) -> SeqState:
+        constraint = None if sampling.structured is None else self.grammars.open(sampling.structured)
+        return SeqState(
+            tokens=list(token_ids),
+            prompt_len=len(token_ids),
+            replay=deque(),
+            sampler=Sampler(sampling, token_ids, self._info.eos_token_ids, constraint),
+            max_new=max(1, sampling.max_tokens),
+            eos=self._info.eos_token_ids,
+            wake=threading.Condition(self.blocks.lock),
+        )
+
     def kv_context(self, tenant: str, shareable: bool = False) -> KVContext:
         return KVContext(self.model_id, self.model_version, tenant, shareable)
 
@@ -285,6 +339,7 @@ class CloudEngine:
         replay: Sequence[int],
         ctx: KVContext | None,
         priority: int,
+        forks: Sequence[SeqState] = (),
     ) -> SeqState:
         bt = self.block_tokens
         # Compiled here, on the sequence's thread (bounded); the scheduler advances it over the replay.
@@ -306,7 +361,9 @@ class CloudEngine:
                 local = self.blocks.cached_prefix(state.keys[:matchable])
             if self.redis is not None and local < matchable:
                 state.imported = self.checked_blocks(self.redis.load(ctx, token_ids[: matchable * bt]))
-        self.scheduler.submit(state)
+        for fork in forks:
+            fork.priority = priority
+        self.scheduler.submit(state, forks)
         return state
 
     def checked_blocks(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:

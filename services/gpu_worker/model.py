@@ -158,6 +158,14 @@ class KVCache:
         v = torch.stack([t[s] for t in self.v])
         return torch.stack((k, v), dim=1).transpose(2, 3).contiguous()
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy block ``src`` into block ``dst`` on the device (a fork's copy of a partial block)."""
+        bt = self.block_tokens
+        s, d = slice(src * bt, (src + 1) * bt), slice(dst * bt, (dst + 1) * bt)
+        for k, v in zip(self.k, self.v, strict=True):
+            k[d].copy_(k[s])
+            v[d].copy_(v[s])
+
     def write_block(self, block: int, data: Tensor) -> None:
         """Inverse of :meth:`read_block`."""
         s = slice(block * self.block_tokens, (block + 1) * self.block_tokens)

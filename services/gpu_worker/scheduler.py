@@ -18,6 +18,13 @@ Each step (``Scheduler._step``) is planned under the lock, run without it, commi
    with fixed shapes (a CUDA graph on a GPU) and sampling on the device; eager steps then sample
    with the same device sampler (device_sampler.py), one call for the whole step.
 
+Forks (n choices of one prompt, ``submit(seq, forks)``): the first choice is admitted with blocks
+reserved for all of them; when its prefill's logits are there, each other choice references the
+prompt's full blocks (one more reference each: full blocks are never written again), gets a device
+copy of the partial last block (the first choice goes on writing its own: copy on write, done at
+once), and samples its first token from the same logits with its own parameters; it then decodes as
+any running sequence. The prompt is prefilled once.
+
 A sequence decodes ahead of its consumer by at most ``lookahead`` tokens. ``close()`` marks it,
 waits for the step in flight (if it is in it) and releases its blocks at once: cancel stops
 within one step and frees KV immediately. Resumed streams replay their tokens one decode step each
@@ -45,6 +52,7 @@ from services.gpu_worker.graphs import StaticDecoder
 from services.gpu_worker.model import KVCache
 from services.gpu_worker.plan import Segment
 from services.gpu_worker.sampler import Sampler
+from services.worker.types import StepInterrupted
 
 log = structlog.get_logger(__name__)
 Forward = Callable[[Sequence[Segment]], list[Tensor]]
@@ -85,6 +93,9 @@ class SeqState:
     reused_redis: int = 0
     wake: threading.Condition | None = field(default=None, repr=False)
     """This sequence's consumer waits here (set by ``Scheduler.submit``; shares the scheduler's lock)."""
+    forks: list[SeqState] = field(default_factory=list)
+    """The other choices of an n-choice request, made from this sequence when its prefill ends
+    (``Scheduler.submit``'s ``forks``); never queued or planned before that."""
 
     @property
     def reserve(self) -> int:
@@ -135,6 +146,8 @@ class Scheduler:
         self.in_flight: set[int] = set()
         self.imports: list[ImportJob] = []
         self.steps_total = 0
+        self.forks_made = 0
+        """Choices made from another sequence's prefill (``submit``'s forks)."""
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="gpu-scheduler", daemon=True)
         self._thread.start()
@@ -145,8 +158,16 @@ class Scheduler:
 
     # -- called from sequence threads ---------------------------------------------------------
 
-    def submit(self, seq: SeqState) -> None:
-        need = -(-seq.reserve // self.block_tokens)
+    def fork_blocks(self, seq: SeqState, n: int) -> int:
+        """KV blocks ``n`` choices of ``seq`` hold at most: its own, plus per other choice all but the
+        prompt's full blocks (shared)."""
+        total = -(-seq.reserve // self.block_tokens)
+        return total + (n - 1) * (total - seq.prompt_len // self.block_tokens)
+
+    def submit(self, seq: SeqState, forks: Sequence[SeqState] = ()) -> None:
+        """Queue ``seq``; ``forks`` (the other choices, same prompt and budget) are made from it when its
+        prefill ends, each with its own consumer condition set here."""
+        need = self.fork_blocks(seq, 1 + len(forks))
         if need > self.blocks.num_blocks:
             raise ResourceExhausted(
                 f"prompt + max_tokens needs {need} KV blocks but the worker's KV budget holds "
@@ -155,6 +176,10 @@ class Scheduler:
             )
         with self.cond:
             seq.wake = threading.Condition(self.blocks.lock)
+            for fork in forks:
+                if fork.wake is None:
+                    fork.wake = threading.Condition(self.blocks.lock)
+            seq.forks = [f for f in forks if not f.closed]
             self.waiting.append(seq)
             self.cond.notify_all()
 
@@ -218,6 +243,7 @@ class Scheduler:
                 self.cond.wait()
             if seq in self.running:
                 self.running.remove(seq)
+            self._drop_forks(seq)
             if seq.released:
                 return
             seq.released = True
@@ -227,6 +253,26 @@ class Scheduler:
             self.blocks.release(seq.blocks)
             seq.blocks = []
             self.cond.notify_all()
+
+    def drop_forks(self, forks: Sequence[SeqState]) -> None:
+        """Fail ``forks`` whose source was never submitted (it was closed first)."""
+        with self.cond:
+            self._fail_forks(forks)
+
+    def _drop_forks(self, seq: SeqState) -> None:
+        """``seq`` ends before its forks were made: they fail now, and free the blocks kept for them."""
+        self._fail_forks(seq.forks)
+        seq.forks = []
+
+    def _fail_forks(self, forks: Sequence[SeqState]) -> None:
+        for fork in forks:
+            if not fork.closed and fork.error is None:
+                fork.error = StepInterrupted("the choice's shared prefill did not complete")
+            if fork.blocks and not fork.released:
+                self.blocks.release(fork.blocks)
+                fork.blocks = []
+            if fork.wake is not None:
+                fork.wake.notify_all()
 
     def stop(self) -> None:
         with self.cond:
@@ -277,8 +323,9 @@ class Scheduler:
         steps = [seq.generated for seq, _ in plan]
         penalties = [seq.sampler.penalties for seq, _ in plan]
         # A row that needs no token now (prefill chunk, replay) still gets its grammar's mask: harmless.
+        # A prefill that ends with forks to make needs its logits row (a static step returns none).
         masks = [seq.sampler.mask() for seq, _ in plan]
-        if static.fits(segments):
+        if static.fits(segments) and not any(seq.forks for seq, _ in plan):
             return [], static.step(segments, rows, steps, penalties, masks)
         logits = self.forward(segments)
         return logits, sample_rows(torch.cat([row[-1:] for row in logits]), rows, steps, penalties, masks)
@@ -319,11 +366,17 @@ class Scheduler:
             local = self.blocks.acquire_prefix(seq.keys[:matchable])
             imported = seq.imported[len(local) : matchable]
             total = -(-seq.reserve // bt)
-            fresh = self.blocks.allocate(total - len(local))
+            forks = [f for f in seq.forks if not f.closed]
+            own = total - seq.prompt_len // bt  # a fork's blocks besides the shared full prompt blocks
+            fresh = self.blocks.allocate(total - len(local) + own * len(forks))
             if fresh is None:
                 self.blocks.release(local)
                 return
             self.waiting.pop(0)
+            for i, fork in enumerate(forks):  # reserved now, so a fork never waits for KV
+                fork.blocks = fresh[total - len(local) + i * own : total - len(local) + (i + 1) * own]
+            fresh = fresh[: total - len(local)]
+            seq.forks = forks
             if imported:
                 self.write_blocks(fresh[: len(imported)], imported)
             for i in range(len(imported)):
@@ -366,7 +419,7 @@ class Scheduler:
         for i, (seq, seg) in enumerate(plan):
             try:
                 if tokens is not None:
-                    self._advance(seq, len(seg.token_ids), None, tokens[i])
+                    self._advance(seq, len(seg.token_ids), logits[i] if logits else None, tokens[i])
                 else:
                     self._advance(seq, len(seg.token_ids), logits[i])
             except Exception as exc:  # e.g. a sampling error: that sequence fails, the others go on
@@ -385,6 +438,11 @@ class Scheduler:
             seq.sampler.record(replayed)  # a resumed stream's tokens were generated: penalties count them
             seq.tokens.append(replayed)
             return
+        if seq.forks:
+            forks, seq.forks = seq.forks, []
+            assert row is not None, "a prefill step returns logits for every segment"
+            for fork in forks:
+                self._fork(seq, fork, row)
         if chosen is None:
             assert row is not None, "an eager step returns logits for every segment"
             chosen = seq.sampler.pick(row[-1:])
@@ -396,6 +454,45 @@ class Scheduler:
             seq.done = True
         else:
             seq.tokens.append(token)
+
+    def _fork(self, source: SeqState, fork: SeqState, row: Tensor) -> None:
+        """Make ``fork`` a running copy of ``source`` (prefill just done) with its own first token."""
+        if fork.closed or fork.released:
+            return
+        try:
+            bt = self.block_tokens
+            full = source.prompt_len // bt
+            shared = source.blocks[:full]
+            self.blocks.share(shared)
+            own = fork.blocks
+            fork.blocks = shared + own
+            if source.prompt_len % bt:  # the partial last block: the source writes on in its own
+                self.cache.copy_block(source.blocks[full], own[0])
+            fork.computed = source.computed
+            fork.admitted = True
+            if self.static is not None:  # the static step's sampler, as the source's first token was chosen
+                token = sample_rows(row[-1:], [fork.sampler.row], [0], [fork.sampler.penalties], [fork.sampler.mask()])[
+                    0
+                ]
+            else:
+                token = fork.sampler.pick(row[-1:])
+        except Exception as exc:  # that choice fails, the others go on
+            log.error("gpu_fork_failed", exc_info=exc)
+            fork.error = exc
+            if fork.wake is not None:
+                fork.wake.notify_all()
+            return
+        fork.sampler.record(token)
+        fork.generated = 1
+        fork.out.append(token)
+        if token in fork.eos or fork.generated >= fork.max_new:
+            fork.done = True
+        else:
+            fork.tokens.append(token)
+        self.running.append(fork)
+        self.forks_made += 1
+        if fork.wake is not None:
+            fork.wake.notify_all()
 
     def _name_blocks(self, seq: SeqState) -> None:
         """Give the sequence's newly completed blocks their chain keys (shareable from now on)."""

@@ -46,15 +46,15 @@ class AnswerKeys:
         )
 
     def cache_key(self, req: TurnRequest, tier: TierName) -> str | None:
-        """:meth:`key`, or None when ``req`` must not use the cache (bypass, sampled, cache off)."""
-        if not (req.use_cache and self.cache.enabled and req.sampling.deterministic):
+        """:meth:`key`, or None when ``req`` must not use the cache (bypass, sampled, n > 1, cache off)."""
+        if not (req.use_cache and self.cache.enabled and req.sampling.deterministic) or req.sampling.n > 1:
             return None
         return self.key(req, tier)
 
     def collapse_key(self, req: TurnRequest, tier: TierName, *, chat: bool) -> str | None:
         """Identical deterministic requests that may share the caches, bound for the same tier with the
-        same hint, may share one computation (chat turns never do)."""
-        if not (self.collapse and req.use_cache and req.sampling.deterministic) or chat:
+        same hint, may share one computation (chat turns and n > 1 requests never do)."""
+        if not (self.collapse and req.use_cache and req.sampling.deterministic) or chat or req.sampling.n > 1:
             return None
         hint = req.hint.value if req.hint else "auto"
         return f"{self.key(req, tier)}:{hint}"
@@ -73,6 +73,10 @@ class Progress:
     failovers: int = 0
     crossed: bool = False
     """A resume continued on a worker of another build (its tokens may differ from an undisturbed run)."""
+    choices: int = 1
+    """The turn's ``SamplingParams.n``; with more than one, ``tokens`` and ``text`` hold every choice's."""
+    finals: int = 0
+    """Choices that ended (their Done relayed)."""
 
 
 _CACHEABLE_FINISH = {int(f) for f in Finish}

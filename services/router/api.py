@@ -208,7 +208,12 @@ class RouterAPI:
     async def complete(
         self, request: Generation, admission: PendingAdmission | None = None, *, deadline: float | None = None
     ) -> tuple[Chunk, Done]:
-        """:meth:`generate`'s events as one: all the output in one chunk, and the Done."""
+        """:meth:`generate`'s events as one: all the output in one chunk, and the Done (one choice only:
+        InvalidArgument for ``n`` > 1, whose choices only :meth:`generate` can tell apart)."""
+        if request.sampling.n > 1:
+            raise InvalidArgument(
+                f"sampling.n is {request.sampling.n} but Complete returns one choice; use Generate for n > 1"
+            )
         token_ids: list[int] = []
         texts: list[str] = []
         done: Done | None = None
@@ -367,7 +372,8 @@ class ChatSession:
     :meth:`events`.
 
     Turns are served one after the other on one worker stream, each over the whole conversation so
-    far (the replies as the caller saw them, also of a cancelled turn); later turns keep the first
+    far (the replies as the caller saw them, also of a cancelled turn; of a turn with n > 1 choices,
+    choice 0's reply, as most servers keep it); later turns keep the first
     turn's tier hint. More than ``max_queued_chat_turns`` turns sent ahead of the turn in progress
     end the session with RESOURCE_EXHAUSTED once that turn is done. Turns are admitted by the caller
     before they are sent. Closing :meth:`events` closes the worker stream.
@@ -448,6 +454,11 @@ class ChatSession:
                     reply = _Reply()
                     parser = None
                     if calls_possible(turn.tools, choice):
+                        if sampling.n > 1:
+                            raise InvalidArgument(
+                                f"sampling.n is {sampling.n} but a turn whose tools may be called has one choice; "
+                                "send n 1, or tool_choice 'none'"
+                            )
                         named = choice.mode is ToolChoiceMode.FUNCTION
                         parser = ToolCallParser(
                             [choice.function_name] if named else [t.name for t in turn.tools],
@@ -553,7 +564,7 @@ class _Reply:
         self.calls: dict[int, list[str]] = {}  # index -> [id, name, arguments]
 
     def add(self, event: Event) -> None:
-        if isinstance(event, Chunk):
+        if isinstance(event, Chunk) and event.index == 0:  # n > 1: choice 0 is remembered
             self.text.append(event.text)
             for delta in event.tool_calls:
                 self._delta(delta)
@@ -584,7 +595,8 @@ class _Observation:
     def record(self, event: Event) -> None:
         if isinstance(event, Done):
             self.tier = "cache" if event.route.cache_hit or not event.route.tier else event.route.tier.value
-            TOKENS.labels(SERVICE, self.tier, "input").inc(event.prompt_tokens)
+            if event.index == 0:  # n choices share one prompt
+                TOKENS.labels(SERVICE, self.tier, "input").inc(event.prompt_tokens)
             TOKENS.labels(SERVICE, self.tier, "output").inc(event.completion_tokens)
 
 

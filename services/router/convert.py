@@ -230,15 +230,30 @@ def done_pb(done: Done) -> inference_pb2.Final:
     return final_pb(done.finish_reason, done.prompt_tokens, done.completion_tokens, done.route)
 
 
-def event(frame: inference_pb2.GenerateResponse | inference_pb2.ChatResponse) -> Event:
-    """The event a response frame carries (its request id and sequence number are the transport's)."""
+def event(frame: inference_pb2.GenerateResponse | inference_pb2.ChatResponse, last: bool = True) -> Event:
+    """The event a response frame carries (its request id and sequence number are the transport's);
+    ``last``: a final frame is its turn's last (the n-th of n choices: the caller counts them)."""
     if not frame.HasField("final"):
         calls = getattr(frame, "tool_calls", ())  # a GenerateResponse has none
         deltas = tuple(ToolCallDelta(d.index, d.id, d.name, d.arguments) for d in calls)
-        return Chunk(list(frame.token_ids), frame.text, deltas)
+        return Chunk(list(frame.token_ids), frame.text, deltas, frame.index)
     final = frame.final
     route = Route(_TIER_FROM_PB.get(final.route.tier), final.route.worker_id, final.route.cache_hit, final.route.reason)
-    return Done(int(final.finish_reason), final.usage.prompt_tokens, final.usage.completion_tokens, route)
+    return Done(
+        int(final.finish_reason), final.usage.prompt_tokens, final.usage.completion_tokens, route, frame.index, last
+    )
+
+
+class FinalCounter:
+    """Tells which final frame ends a turn of n choices (the n-th), for :func:`event`'s ``last``."""
+
+    def __init__(self, n: int = 1) -> None:
+        self.left = n
+
+    def last(self, frame: inference_pb2.GenerateResponse | inference_pb2.ChatResponse) -> bool:
+        if frame.HasField("final"):
+            self.left -= 1
+        return self.left <= 0
 
 
 def models_pb(models: list[ModelInfo]) -> inference_pb2.ListModelsResponse:

@@ -16,6 +16,14 @@ replacement is a replica of the failed worker's build (``Replica.build``: same w
 so the same greedy tokens) when one has a free slot, waiting up to ``resume_same_build_wait_s`` for
 one; only then does the stream cross to another build or tier, and its final ``route.reason`` says
 ``failover_cross_build`` instead of ``failover`` (metric ``meshserve_router_resumes_total``).
+worker generates are relayed (frames are numbered where they are written, not by the workers).
+
+n choices (``SamplingParams.n`` > 1) run as one turn on one worker (one prefill, n sequences): the
+relay passes each choice's chunks and Done on (``index``) and ends after the n-th Done. Such a turn
+is never answered from the response cache, stored there, or collapsed with another request. A
+worker that fails before anything was relayed is retried elsewhere like any turn; one that fails
+after that ends the request with the worker's error (UNAVAILABLE when it went away): the choices
+are not resumed one by one, so none is sent twice or lost without the caller knowing.
 """
 
 from __future__ import annotations
@@ -250,7 +258,8 @@ class Router:
         reaches a worker before it is granted, except a speculative start, aborted if it is refused.
         """
         started = time.perf_counter()
-        tier = self.answer_tier(req, session) if req.use_cache and req.sampling.deterministic else None
+        cacheable = req.use_cache and req.sampling.deterministic and req.sampling.n == 1
+        tier = self.answer_tier(req, session) if cacheable else None
         key = self.keys.cache_key(req, tier) if tier is not None else None
         # Stored under the tier that served, which a retry or fallback may have changed.
         key_for = partial(self.keys.key, req) if key is not None else None
@@ -341,11 +350,11 @@ class Router:
                         self._relay(req, stream, choice, cancel, admission, progress, started)
                     ) as events:
                         async for event in events:
-                            if isinstance(event, Done):
+                            if isinstance(event, Done) and event.last:
                                 await store_response(self.cache, key_for, req, progress, event)
                                 self.admission.release(ticket, time.perf_counter() - started)
                             yield event
-                            if isinstance(event, Done):
+                            if isinstance(event, Done) and event.last:
                                 return
                 except WorkerFailed as exc:
                     await session.close()
@@ -381,12 +390,14 @@ class Router:
             self.registry.mark_down(stream.replica, "stalled" if isinstance(exc, WorkerStalled) else "call_failed")
             self.selector.forget(stream.replica.address)
         name = stream.replica.name
-        if not progress.tokens and len(exclude) < self._retries and code in RETRYABLE:
+        if not progress.tokens and not progress.finals and len(exclude) < self._retries and code in RETRYABLE:
             log.warning("worker_failed_retrying", worker=name, code=code)
             RETRIES.labels(choice.tier.value, code).inc()
             exclude.append(stream.replica)
             return exc.error
-        if progress.tokens and progress.failovers < self._failovers and code in RESUMABLE:
+        # n choices are not resumed (the router keeps one token list per turn): see the module docstring.
+        resumable = progress.tokens and progress.choices == 1
+        if resumable and progress.failovers < self._failovers and code in RESUMABLE:
             log.warning("worker_failed_resuming", worker=name, code=code, tokens_sent=len(progress.tokens))
             FAILOVERS.labels(choice.tier.value, code).inc()
             exclude.append(stream.replica)
@@ -443,6 +454,8 @@ class Router:
         cancel_sent = False
         last = 0.0
         expected = 0
+        choices = req.sampling.n
+        progress.choices = choices
         while True:
             try:
                 frame, cancel_sent = await read_frame(stream, cancel, cancel_sent, self._stall_s)
@@ -471,19 +484,27 @@ class Router:
                 progress.tokens.extend(frame.token_ids)
                 progress.tiers.add(choice.tier)
                 progress.text.append(frame.text)
-                yield Chunk(list(frame.token_ids), frame.text)
+                yield Chunk(list(frame.token_ids), frame.text, index=frame.index)
             if frame.final is not None:
-                if not progress.tokens:
+                if not progress.tokens and not progress.finals:
                     ROUTE_DECISIONS.labels(tier, choice.reason).inc()
                 final = frame.final
-                produced = final.completion_tokens or len(progress.tokens) - progress.resumed
+                if choices == 1:
+                    produced = progress.resumed + (final.completion_tokens or len(progress.tokens) - progress.resumed)
+                else:
+                    produced = final.completion_tokens
                 reason = choice.reason
                 if progress.failovers:
                     reason = "failover_cross_build" if progress.crossed else "failover"
+                progress.finals += 1
+                ended = progress.finals >= choices
                 yield Done(
                     FinishReason(final.finish_reason or FinishReason.STOP),
                     len(req.prompt_ids),
-                    progress.resumed + produced,
+                    produced,
                     Route(choice.tier, stream.replica.name, False, reason),
+                    frame.index,
+                    ended,
                 )
-                return
+                if ended:
+                    return

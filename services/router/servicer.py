@@ -49,11 +49,15 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
             async for event in events:
                 if isinstance(event, Chunk):
                     yield inference_pb2.GenerateResponse(
-                        request_id=request_id, sequence=seq, token_ids=event.token_ids, text=event.text
+                        request_id=request_id,
+                        sequence=seq,
+                        token_ids=event.token_ids,
+                        text=event.text,
+                        index=event.index,
                     )
                 else:
                     yield inference_pb2.GenerateResponse(
-                        request_id=request_id, sequence=seq, final=convert.done_pb(event)
+                        request_id=request_id, sequence=seq, final=convert.done_pb(event), index=event.index
                     )
                 seq += 1
 
@@ -90,10 +94,11 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                                     token_ids=event.token_ids,
                                     text=event.text,
                                     tool_calls=convert.tool_calls_pb(event.tool_calls),
+                                    index=event.index,
                                 )
                             else:
                                 frame = inference_pb2.ChatResponse(
-                                    turn=turn, sequence=seq, final=convert.done_pb(event)
+                                    turn=turn, sequence=seq, final=convert.done_pb(event), index=event.index
                                 )
                             frame.request_id = request_id
                             yield frame
@@ -117,13 +122,13 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
 
 
 async def _one_turn(first: TurnEvent, chat: AsyncIterator[TurnEvent]) -> AsyncGenerator[Event, None]:
-    """The events of the turn that ``first`` starts, read from ``chat`` up to its Done."""
+    """The events of the turn that ``first`` starts, read from ``chat`` up to its last Done."""
     yield first.event
-    if isinstance(first.event, Done):
+    if isinstance(first.event, Done) and first.event.last:
         return
     async for item in chat:
         yield item.event
-        if isinstance(item.event, Done):
+        if isinstance(item.event, Done) and item.event.last:
             return
 
 

@@ -73,7 +73,7 @@ def _start_pb(start: TurnStart) -> worker_pb2.WorkerStart:
 
 def _frame(r: worker_pb2.WorkerResponse) -> Frame:
     if not r.HasField("final"):
-        return Frame(r.sequence, list(r.token_ids), r.text, r.queued)
+        return Frame(r.sequence, list(r.token_ids), r.text, r.queued, None, r.index)
     f = r.final
     reason = f.finish_reason or inference_pb2.FINISH_REASON_STOP
     return Frame(
@@ -82,6 +82,7 @@ def _frame(r: worker_pb2.WorkerResponse) -> Frame:
         r.text,
         r.queued,
         TurnFinal(reason, f.prompt_tokens, f.completion_tokens, f.prefill_tokens),
+        r.index,
     )
 
 

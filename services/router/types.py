@@ -133,6 +133,8 @@ class Chunk:
     text: str
     tool_calls: Sequence[ToolCallDelta] = ()
     """Tool-call deltas these tokens completed (chat turns with tools); their markup is not in ``text``."""
+    index: int = 0
+    """The choice (0 to n-1 of ``SamplingParams.n``) the tokens belong to."""
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,11 @@ class Done:
     prompt_tokens: int
     completion_tokens: int
     route: Route
+    index: int = 0
+    """The choice that ended. With n > 1 choices a turn has n Dones, one per choice after its last
+    chunk; ``prompt_tokens`` is the prompt's in each, ``completion_tokens`` that choice's."""
+    last: bool = True
+    """The turn's last event (its n-th Done)."""
 
 
 @dataclass(frozen=True)
@@ -168,7 +175,8 @@ class Embeddings:
 
 
 Event = Chunk | Done
-"""What a generation streams: chunks, then one Done."""
+"""What a generation streams: chunks, then one Done (with n > 1 choices: chunks and Dones of the
+choices interleaved, each choice's Done after its chunks, the last Done marked ``last``)."""
 
 
 @dataclass(frozen=True)
@@ -181,9 +189,9 @@ class TurnEvent:
 
 def merge(first: Event, then: Event) -> Chunk | None:
     """Two chunks that waited for the writer, as one (a Done stays an event of its own)."""
-    if isinstance(first, Chunk) and isinstance(then, Chunk):
+    if isinstance(first, Chunk) and isinstance(then, Chunk) and first.index == then.index:
         calls = merge_deltas(first.tool_calls, then.tool_calls) if then.tool_calls else first.tool_calls
-        return Chunk([*first.token_ids, *then.token_ids], first.text + then.text, calls)
+        return Chunk([*first.token_ids, *then.token_ids], first.text + then.text, calls, first.index)
     return None
 
 

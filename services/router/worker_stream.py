@@ -61,6 +61,9 @@ class Frame:
     text: str
     queued: bool = False
     final: TurnFinal | None = None
+    index: int = 0
+    """The choice the frame belongs to (0 to n-1 of ``SamplingParams.n``); with n > 1 each choice
+    ends with its own ``final`` and the turn with the n-th."""
 
 
 class WorkerFailed(Exception):

@@ -14,6 +14,7 @@ import asyncio
 import threading
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing
 from dataclasses import replace
 
 import structlog
@@ -85,6 +86,8 @@ def run_sequence(
     counters: WorkerCounters,
     session: ChatSession | None = None,
     interrupter: PrefillInterrupter | None = None,
+    opened: EngineSequence | None = None,
+    index: int = 0,
 ) -> FinalEvent:
     """Generate one turn (blocking; call from a worker thread). Returns the final event.
 
@@ -94,6 +97,9 @@ def run_sequence(
     ``min_tokens``, before which stop strings are not looked for (the engine's sampler bans EOS).
     With a ``session`` the sequence is handed back to it afterwards (KV kept for the next turn),
     unless its prefill was interrupted by a cancel (``interrupter``): then it is closed.
+
+    ``opened``: a sequence already started for this turn (choice ``index`` of an n-choice turn, from
+    :func:`start_choices`); its events carry ``index``.
     """
     context = request.prompt_ids + request.resume_ids
     sampling = request.sampling
@@ -104,9 +110,12 @@ def run_sequence(
     produced = 0
     reason = FinishReason.LENGTH
     _local.request = request
-    seq, prefill = open_sequence(
-        engine, context, replace(sampling, max_tokens=max(budget, 1)), session, request.resume_ids
-    )
+    if opened is not None:
+        seq, prefill = opened, len(context)
+    else:
+        seq, prefill = open_sequence(
+            engine, context, replace(sampling, max_tokens=max(budget, 1)), session, request.resume_ids
+        )
     failed = True
     generated: list[int] = []
     interrupt = getattr(seq, "interrupt", None) if interrupter is not None else None
@@ -144,7 +153,7 @@ def run_sequence(
                 text, stopped = stops.pass_through(detok.add(token)), False
             else:
                 text, stopped = stops.feed(detok.add(token))
-            emit(TokenEvent((token,), text))
+            emit(TokenEvent((token,), text, index))
             if stopped:
                 reason = FinishReason.STOP_STRING
                 break
@@ -170,7 +179,26 @@ def run_sequence(
         completion_tokens=produced,
         prefill_tokens=prefill if produced else 0,
         text=tail,
+        index=index,
     )
+
+
+def start_choices(engine: Engine, request: GenerationRequest) -> list[EngineSequence]:
+    """The ``sampling.n`` sequences of an n-choice turn (blocking: call from a worker thread).
+
+    With the engine's ``start_n`` they share one prefill of the prompt; otherwise (an engine without
+    it) each choice is an independent sequence that prefills the prompt itself. Choice ``i`` samples
+    with ``sampling.choice(i)`` (its seed is ``seed + i``).
+    """
+    sampling = request.sampling
+    n = sampling.n
+    fitted = replace(sampling, max_tokens=max(sampling.max_tokens, 1))
+    start_n = getattr(engine, "start_n", None)
+    if start_n is not None:
+        seqs: list[EngineSequence] = list(start_n(request.prompt_ids, fitted, n))
+        assert len(seqs) == n, "start_n returned the wrong number of sequences"
+        return seqs
+    return [engine.start(request.prompt_ids, fitted.choice(i)) for i in range(n)]
 
 
 def _coalesce(first: TokenEvent, queue: asyncio.Queue[TokenEvent | None] | Feed[TokenEvent | None]) -> TokenEvent:
@@ -191,6 +219,19 @@ def _coalesce(first: TokenEvent, queue: asyncio.Queue[TokenEvent | None] | Feed[
     return TokenEvent(tuple(ids), "".join(texts))
 
 
+def _coalesce_choice(first: TokenEvent, queue: Feed[TokenEvent | FinalEvent | BaseException]) -> TokenEvent:
+    """``first`` merged with the token events of the same choice waiting right behind it in ``queue``."""
+    ids = list(first.token_ids)
+    texts = [first.text]
+    waiting = queue._queue  # type: ignore[attr-defined]  # a peek
+    while waiting and isinstance(waiting[0], TokenEvent) and waiting[0].index == first.index:
+        event = queue.get_nowait()
+        assert isinstance(event, TokenEvent)
+        ids.extend(event.token_ids)
+        texts.append(event.text)
+    return TokenEvent(tuple(ids), "".join(texts), first.index)
+
+
 class Turn:
     """One generation in flight. Iterate ``events()`` once; ``cancel()`` may be called any time."""
 
@@ -201,11 +242,126 @@ class Turn:
         self._stop = threading.Event()
         self._cancelled = asyncio.Event()
         self._interrupter = PrefillInterrupter()
+        # One per choice of an n-choice turn (each choice's first step is its own thread's).
+        self._interrupters = [self._interrupter] + [PrefillInterrupter() for _ in range(request.sampling.n - 1)]
 
     def cancel(self) -> None:
         self._stop.set()
         self._cancelled.set()
-        self._interrupter.fire()
+        for interrupter in self._interrupters:
+            interrupter.fire()
+
+    async def _admit(self, count: int) -> AsyncGenerator[QueuedEvent | bool, None]:
+        """Take ``count`` generation slots: keepalives while queued, then whether it was admitted."""
+        runner = self._runner
+        admitted = runner.admission.try_acquire(count)
+        if not admitted:
+            acquire = asyncio.ensure_future(runner.admission.acquire(self._cancelled, count))
+            try:
+                while not (await asyncio.wait({acquire}, timeout=runner.keepalive_s))[0]:
+                    yield QUEUED
+            except (asyncio.CancelledError, GeneratorExit):
+                runner.counters.sequence_cancelled()
+                if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
+                    if acquire.result():  # the slots came as the caller left: pass them on
+                        runner.admission.release(count)
+                raise
+            finally:
+                if not acquire.done():
+                    acquire.cancel()
+            admitted = acquire.result()
+        yield admitted
+
+    async def _choices(self) -> AsyncGenerator[TokenEvent | FinalEvent | QueuedEvent, None]:
+        """The events of an n-choice turn (``sampling.n`` > 1): see :meth:`events`.
+
+        The turn takes n generation slots at once; the n sequences come from one
+        :func:`start_choices` call (one prefill where the engine has ``start_n``), each runs in its
+        own thread and frees its slot when it ends. Token events of one choice keep their order;
+        choices interleave; each choice's FinalEvent comes after its last token event, and the
+        turn's events end after the n-th. No chat KV is kept (the session's held sequence stays as it was).
+        """
+        runner = self._runner
+        request = self.request
+        n = request.sampling.n
+        try:
+            runner.admission.ensure_room()
+            runner.counters.sequence_started()
+            admitted = False
+            with tracing.span("worker.queue_wait"):
+                async with aclosing(self._admit(n)) as admit:  # closed with us: a queued wait ends at once
+                    async for item in admit:
+                        if isinstance(item, QueuedEvent):
+                            yield item
+                        else:
+                            admitted = item
+            if not admitted:
+                runner.counters.sequence_cancelled()
+                for i in range(n):
+                    yield FinalEvent(FinishReason.CANCELLED, len(request.prompt_ids), 0, 0, index=i)
+                return
+            loop = asyncio.get_running_loop()
+            queue: Feed[TokenEvent | FinalEvent | BaseException] = Feed(loop)
+
+            def emit(event: TokenEvent | FinalEvent | BaseException) -> None:
+                try:
+                    queue.put(event)
+                except RuntimeError:  # loop closed during shutdown: stop generating
+                    self._stop.set()
+
+            try:
+                seqs = await loop.run_in_executor(runner.executor, start_choices, runner.engine, request)
+            except BaseException:
+                runner.admission.release(n)
+                raise
+
+            def work(index: int, seq: EngineSequence) -> FinalEvent:
+                try:
+                    final = run_sequence(
+                        runner.engine,
+                        request,
+                        self._stop,
+                        emit,  # type: ignore[arg-type]
+                        runner.counters,
+                        None,
+                        self._interrupters[index],
+                        opened=seq,
+                        index=index,
+                    )
+                except BaseException as exc:
+                    emit(exc)
+                    raise
+                emit(final)
+                return final
+
+            for index, seq in enumerate(seqs):
+                future = loop.run_in_executor(runner.executor, work, index, seq)
+                runner.running[future] = self
+                future.add_done_callback(runner.sequence_done)  # frees this choice's slot
+            ended = 0
+            sent = 0
+            while ended < n:
+                if sent == 0:  # the shared prefill sends nothing: keepalives meanwhile
+                    first = asyncio.ensure_future(queue.get())
+                    try:
+                        while not (await asyncio.wait({first}, timeout=runner.keepalive_s))[0]:
+                            yield QUEUED
+                    finally:
+                        if not first.done():
+                            first.cancel()
+                    event = first.result()
+                else:
+                    event = await queue.get()
+                if isinstance(event, BaseException):
+                    raise event
+                if isinstance(event, FinalEvent):
+                    ended += 1
+                elif not queue.empty():
+                    event = _coalesce_choice(event, queue)
+                sent += 1
+                yield event
+        finally:
+            self.cancel()
 
     async def events(self) -> AsyncGenerator[TokenEvent | FinalEvent | QueuedEvent, None]:
         """Token events as they are produced, then exactly one FinalEvent.
@@ -216,6 +372,11 @@ class Turn:
 
         Raises ResourceExhausted if the queue is full. Closing the iterator early cancels the turn.
         """
+        if self.request.sampling.n > 1:
+            async with aclosing(self._choices()) as choices:
+                async for item in choices:
+                    yield item
+            return
         runner = self._runner
         try:
             runner.admission.ensure_room()

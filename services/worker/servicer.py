@@ -17,7 +17,7 @@ import grpc
 import structlog
 
 from services.common import metrics, sampling_pb
-from services.common.errors import FailedPrecondition, MeshError, ResourceExhausted
+from services.common.errors import FailedPrecondition, InvalidArgument, MeshError, ResourceExhausted
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import DEFAULT_MAX_TOKENS
@@ -241,6 +241,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         sampling = sampling_pb.from_pb(start.sampling).fit(
             len(prompt), info.context_length, self.default_max_tokens, vocab_size=info.vocab_size
         )
+        if sampling.n > 1:
+            most = self.runner.admission.max_active
+            if sampling.n > most:
+                raise InvalidArgument(
+                    f"sampling.n is {sampling.n} but this worker runs at most {most} sequences at once; ask for "
+                    f"at most {most} choices"
+                )
+            if resume:
+                raise InvalidArgument(
+                    "resume_token_ids cannot be sent with sampling.n > 1; resume one choice at a time"
+                )
         check = getattr(self.runner.engine, "check_sampling", None)  # an engine that cannot apply every field
         if check is not None:
             check(sampling)
@@ -258,6 +269,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             turn.cancel()
         status = "CANCELLED"
         sequence = 0
+        finals = turn.request.sampling.n  # one final frame per choice; the turn ends after the last
         try:
             async with aclosing(turn.events()) as events:
                 async for event in events:
@@ -267,16 +279,25 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     now = time.perf_counter()
                     if isinstance(event, FinalEvent):
                         status = "CANCELLED" if event.reason is FinishReason.CANCELLED else "OK"
-                        metrics.TOKENS.labels(**labels, direction="input").inc(event.prompt_tokens)
+                        if event.index == 0:  # the prompt of n choices is counted once
+                            metrics.TOKENS.labels(**labels, direction="input").inc(event.prompt_tokens)
                         metrics.TOKENS.labels(**labels, direction="output").inc(event.completion_tokens)
-                        yield worker_pb2.WorkerResponse(sequence=sequence, text=event.text, final=_final(event))
-                        break
+                        yield worker_pb2.WorkerResponse(
+                            sequence=sequence, text=event.text, final=_final(event), index=event.index
+                        )
+                        sequence += 1
+                        finals -= 1
+                        if finals == 0:
+                            break
+                        continue
                     if sequence == 0:
                         metrics.TTFT.labels(**labels).observe(now - began)
                     else:
                         metrics.INTER_TOKEN.labels(**labels).observe(now - last)
                     last = now
-                    yield worker_pb2.WorkerResponse(sequence=sequence, token_ids=event.token_ids, text=event.text)
+                    yield worker_pb2.WorkerResponse(
+                        sequence=sequence, token_ids=event.token_ids, text=event.text, index=event.index
+                    )
                     sequence += 1
         except MeshError as exc:
             status = exc.code

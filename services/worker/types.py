@@ -5,9 +5,18 @@ An :class:`Engine` owns one loaded model. ``Engine.start`` creates an :class:`En
 produces one token per ``step()``; both are called only from worker threads, never from the event
 loop. Everything else (admission, detokenization, stop strings, counters) is engine-independent.
 
-Optional engine methods, found by duck typing (like ``start_chat``), feed the load report
-(``services.worker.report``); both are called from a thread, never from the event loop, so
-they may take the engine's locks but must be quick:
+Optional engine methods are found by duck typing (like ``start_chat``). For n choices, called from a
+worker thread:
+
+* ``start_n(token_ids, sampling, n) -> list[EngineSequence]``: the ``n`` choices of one request
+  (``sampling.n`` is n; choice ``i`` samples with ``sampling.choice(i)``) over one prefill of
+  ``token_ids``: the sequences share the prompt's KV (copied or referenced) instead of prefilling it
+  n times. Each sequence is then stepped by its own thread like any other. Without it the runtime
+  starts n independent sequences (:func:`services.worker.runner.start_choices`). It may raise
+  InvalidArgument when n sequences of ``sampling.max_tokens`` cannot fit the engine's KV at once.
+
+Optional engine methods that feed the load report (``services.worker.report``); both are called
+from a thread, never from the event loop, so they may take the engine's locks but must be quick:
 
 * ``kv_usage() -> KVUsage``: KV bytes held and the engine's budget (for the router's admission).
 * ``hot_prefix_blocks(block_tokens: int) -> Sequence[bytes]``: block hashes, in the
@@ -60,17 +69,21 @@ class TokenEvent:
 
     token_ids: tuple[int, ...]
     text: str
+    index: int = 0
+    """The choice they belong to (0 to n-1 of ``SamplingParams.n``)."""
 
 
 @dataclass(frozen=True)
 class FinalEvent:
-    """End of a turn. ``text`` is trailing text that was held back (stop-string prefix, partial UTF-8)."""
+    """End of a turn, or with n > 1 choices, of one choice (``index``): a turn of n choices ends after
+    n of them. ``text`` is trailing text that was held back (stop-string prefix, partial UTF-8)."""
 
     reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     prefill_tokens: int
     text: str = ""
+    index: int = 0
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,13 @@ proto -> JSON or server-sent events. Authentication,
 validation, limits and errors are the gateway's; a gRPC status becomes OpenAI's error JSON with the
 matching HTTP status (429 carries ``Retry-After`` in seconds, rounded up, and ``retry-after-ms``).
 
+n choices (``n`` > 1): the gateway's frames carry their choice's index and each choice ends with its
+own final frame; a whole answer lists the choices by index, a stream sends each choice's role chunk
+first, then the choices' chunks as they come (each with its index) and each choice's finish chunk
+when it ends; usage (and the ``include_usage`` chunk, after every choice ended) counts the prompt
+once and sums the choices' completion tokens. A non-streamed completion of n > 1 choices is read
+from the gateway's Generate stream (Complete returns one choice).
+
 Streams: the first frame is awaited *before* the SSE headers go out, so an error the gateway reports
 up front (401, 429, 400, 404, 503) still gets its real HTTP status; an error after that is sent as
 ``data: {"error": ...}``. A client that disconnects cancels the gRPC call (handler cancellation), which
@@ -190,48 +197,50 @@ class OpenAIApp:
         try:
             await call.write(turn)
             await call.done_writing()
-            frames = _chat_frames(call)
+            frames = _chat_frames(call, parsed.n)
             first = await _first(frames)
             request_id = await _request_id(call)
             model = await self._served_model(parsed.model, request)
             if not parsed.stream:
-                text, final, calls = await _collect(first, frames)
-                body = oa.chat_completion(request_id, model, text, final, calls)
+                texts, finals, calls = await _collect(first, frames, parsed.n)
+                body = oa.chat_completion(request_id, model, texts, finals, calls)
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
             response = await _sse_start(request, request_id)
             usage = parsed.include_usage
-            # OpenAI's first chunk has the role; with tools, it waits for the first content or call, as
-            # a reply that starts with a call has "content": null and the call in that first chunk.
+            # OpenAI's first chunk of a choice has the role; with tools (then n is 1), it waits for the
+            # first content or call, as a reply that starts with a call has "content": null and the call
+            # in that first chunk.
             opening = {"role": "assistant", "content": ""}
             role: dict[str, Any] | None = opening
             if not parsed.tools:
-                await _sse(response, oa.chat_chunk(request_id, model, opening, None, created, usage))
+                for index in range(parsed.n):
+                    await _sse(response, oa.chat_chunk(request_id, model, opening, None, created, usage, index))
                 role = None
             try:
-                end: pb.Final | None = None
-                async for text, last, deltas in _prepend(first, frames):
-                    end = last
+                ends: list[pb.Final] = []
+                async for text, last, deltas, index in _prepend(first, frames):
                     if role is not None and deltas and not text:
                         delta: dict[str, Any] = {**role, "content": None, "tool_calls": oa.tool_call_deltas(deltas)}
-                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage))
+                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index))
                         role = None
-                        continue
+                        deltas = ()
                     if role is not None and (text or last is not None):
-                        await _sse(response, oa.chat_chunk(request_id, model, role, None, created, usage))
+                        await _sse(response, oa.chat_chunk(request_id, model, role, None, created, usage, index))
                         role = None
                     if text:
                         delta = {"content": text}
-                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage))
+                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index))
                     if deltas:
                         delta = {"tool_calls": oa.tool_call_deltas(deltas)}
-                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage))
-                if end is not None:
-                    chunk = oa.chat_chunk(request_id, model, {}, oa.finish_reason(end), created, usage)
+                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index))
+                    if last is not None:
+                        ends.append(last)
+                        finish = oa.finish_reason(last)
+                        await _sse(response, oa.chat_chunk(request_id, model, {}, finish, created, usage, index))
+                if ends and parsed.include_usage:
+                    chunk = oa.usage_chunk("chat.completion.chunk", request_id, model, ends, created)
                     await _sse(response, chunk)
-                    if parsed.include_usage:
-                        chunk = oa.usage_chunk("chat.completion.chunk", request_id, model, end, created)
-                        await _sse(response, chunk)
             except (MeshError, grpc.aio.AioRpcError) as exc:
                 return await _sse_error(response, exc)
             return await _sse_end(response)
@@ -241,7 +250,7 @@ class OpenAIApp:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         parsed, generate = oa.completion_request(await self._json(request))
         metadata = self._metadata(request)
-        if not parsed.stream:
+        if not parsed.stream and parsed.n == 1:
             reply = await self._gateway.Complete(generate, metadata=metadata)
             model = await self._served_model(parsed.model, request)
             body = oa.completion(reply.request_id, model, reply.text, reply.final)
@@ -253,16 +262,25 @@ class OpenAIApp:
             first = await _first(frames)
             request_id = ids[0] if ids else await _request_id(call)
             model = await self._served_model(parsed.model, request)
+            if not parsed.stream:  # n > 1 choices: Complete returns one
+                texts, finals, _ = await _collect(first, frames, parsed.n)
+                body = oa.completions(request_id, model, texts, finals)
+                return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
             response = await _sse_start(request, request_id)
             try:
-                async for text, final, _ in _prepend(first, frames):
+                ends: list[pb.Final] = []
+                async for text, final, _, index in _prepend(first, frames):
                     if text or final is not None:
-                        chunk = oa.completion(request_id, model, text, final, created, False, parsed.include_usage)
+                        chunk = oa.completion(
+                            request_id, model, text, final, created, False, parsed.include_usage, index=index
+                        )
                         await _sse(response, chunk)
-                    if final is not None and parsed.include_usage:
-                        usage = oa.usage_chunk("text_completion", request_id, model, final, created)
-                        await _sse(response, usage)
+                    if final is not None:
+                        ends.append(final)
+                if ends and parsed.include_usage:
+                    usage = oa.usage_chunk("text_completion", request_id, model, ends, created)
+                    await _sse(response, usage)
             except (MeshError, grpc.aio.AioRpcError) as exc:
                 return await _sse_error(response, exc)
             return await _sse_end(response)
@@ -276,22 +294,26 @@ def _not_found(model: str) -> MeshError:
     return error
 
 
-Frame = tuple[str, pb.Final | None, Sequence[pb.ToolCallDelta]]
-"""A frame's text, its final (the last frame's), its tool-call deltas (chat only)."""
+Frame = tuple[str, pb.Final | None, Sequence[pb.ToolCallDelta], int]
+"""A frame's text, its final (on a choice's last frame), its tool-call deltas (chat only), the choice index."""
 
 
-async def _chat_frames(call: Any) -> AsyncIterator[Frame]:
-    """The frames of the one turn; after its final frame, lets the call end before returning.
+async def _chat_frames(call: Any, n: int = 1) -> AsyncIterator[Frame]:
+    """The frames of the one turn (of ``n`` choices); after its last final frame, lets the call end
+    before returning.
 
     The adapter has half-closed the call, so the gateway ends it right after the final frame.
     Cancelling it at once instead raced that end, and the gateway then recorded (metrics, logs)
     about one chat in four as CANCELLED although the caller got the whole answer.
     """
+    left = n
     async for frame in call:
         final = frame.final if frame.HasField("final") else None
-        yield frame.text, final, frame.tool_calls
+        yield frame.text, final, frame.tool_calls, frame.index
         if final is not None:
-            break
+            left -= 1
+            if left == 0:
+                break
     try:
         async with asyncio.timeout(CHAT_END_WAIT_S):
             async for _ in call:
@@ -305,7 +327,7 @@ async def _generate_frames(call: Any, request_ids: list[str]) -> AsyncIterator[F
     async for frame in call:
         if not request_ids and frame.request_id:
             request_ids.append(frame.request_id)
-        yield frame.text, frame.final if frame.HasField("final") else None, ()
+        yield frame.text, frame.final if frame.HasField("final") else None, (), frame.index
 
 
 async def _first(frames: AsyncIterator[Frame]) -> Frame | None:
@@ -323,17 +345,24 @@ async def _prepend(first: Frame | None, frames: AsyncIterator[Frame]) -> AsyncIt
             yield frame
 
 
-async def _collect(first: Frame | None, frames: AsyncIterator[Frame]) -> tuple[str, pb.Final, list[pb.ToolCallDelta]]:
-    parts: list[str] = []
-    calls: list[pb.ToolCallDelta] = []
-    final = None
-    async for text, last, deltas in _prepend(first, frames):
-        parts.append(text)
-        calls.extend(deltas)
-        final = last
-    if final is None:
+async def _collect(
+    first: Frame | None, frames: AsyncIterator[Frame], n: int = 1
+) -> tuple[list[str], list[pb.Final], list[list[pb.ToolCallDelta]]]:
+    """Each choice's whole text, final frame and tool-call deltas, by choice index."""
+    parts: list[list[str]] = [[] for _ in range(n)]
+    calls: list[list[pb.ToolCallDelta]] = [[] for _ in range(n)]
+    finals: list[pb.Final | None] = [None] * n
+    async for text, last, deltas, index in _prepend(first, frames):
+        if not 0 <= index < n:
+            raise MeshError(f"the gateway sent choice {index} of {n}; retry, and report it if it persists")
+        parts[index].append(text)
+        calls[index].extend(deltas)
+        if last is not None:
+            finals[index] = last
+    done = [f for f in finals if f is not None]
+    if len(done) < n:
         raise MeshError("the stream ended without a final frame; retry, and report it if it persists")
-    return "".join(parts), final, calls
+    return ["".join(p) for p in parts], done, calls
 
 
 async def _request_id(call: Any) -> str:

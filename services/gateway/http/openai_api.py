@@ -3,10 +3,12 @@
 The OpenAI shapes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) differ from our
 proto (messages vs turns, ``choices``, ``stop`` as string or list), which is why Envoy's gRPC-JSON
 transcoder cannot speak them on its own; this module is the whole difference.
-Unsupported fields that change the answer (``n`` > 1, ``logprobs``, ``echo``, the legacy ``functions``,
+``n`` (1 to 16) asks for that many choices: ``choices[i].index``, streamed chunks carry their
+choice's index, and usage counts the prompt once and sums the choices' completion tokens (OpenAI's
+count). Unsupported fields that change the answer (``logprobs``, ``echo``, the legacy ``functions``,
 ``min_p``, audio) are refused with 400 rather than silently ignored, unless they hold their neutral
-value (``n: 1``, ...: clients send defaults). ``tools``, ``tool_choice`` and ``parallel_tool_calls``,
-assistant ``tool_calls`` and ``tool`` messages map to the
+value (``logprobs: false``, ...: clients send defaults). ``tools``, ``tool_choice`` and
+``parallel_tool_calls``, assistant ``tool_calls`` and ``tool`` messages map to the
 ChatTurn's tool fields (their limits are the router's: services/router/tools.py); tool calls come back
 as OpenAI's ``message.tool_calls`` and, streamed, as its ``delta.tool_calls`` (:func:`tool_call_deltas`).
 Fields that only tune delivery or bookkeeping (``user``, ``metadata``, ``store``, ...) and unknown fields
@@ -27,12 +29,12 @@ import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 from services.common.constraints import Constraint, check_constraint, json_schema_constraint
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.sampling import MAX_SEED
+from services.common.sampling import MAX_CHOICES, MAX_SEED
 from services.common.sampling_pb import structured_to_pb
 
 OWNED_BY = "meshserve"
@@ -134,6 +136,8 @@ class Parsed:
     include_usage: bool
     tools: bool = False
     """The request has tools its answer may call (``tool_choice`` other than ``none``)."""
+    n: int = 1
+    """Choices asked for."""
 
 
 def _number(body: dict[str, Any], name: str, default: float = 0.0) -> float:
@@ -178,8 +182,6 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
         value = body.get(name)
         if value is not None and not _is_neutral(value, neutral):
             raise InvalidArgument(f"'{name}': {why} by meshserve; remove it from the request")
-    if body.get("n") not in (None, 1):
-        raise InvalidArgument(f"'n' must be 1: meshserve returns one choice per request (got {_show(body['n'])})")
 
 
 def _common(body: dict[str, Any]) -> tuple[Parsed, pb.SamplingParams]:
@@ -220,7 +222,10 @@ def _common(body: dict[str, Any]) -> tuple[Parsed, pb.SamplingParams]:
     structured = _response_format(body)
     if structured is not None:
         sampling.structured.CopyFrom(structured_to_pb(structured))
-    return Parsed(model, stream, include_usage), sampling
+    n = _int(body, "n", 1, MAX_CHOICES)
+    if n is not None:
+        sampling.n = n
+    return Parsed(model, stream, include_usage, n=n or 1), sampling
 
 
 def _response_format(body: dict[str, Any]) -> Constraint | None:
@@ -441,19 +446,36 @@ def finish_reason(final: pb.Final) -> str:
     return _FINISH.get(final.finish_reason, "stop")
 
 
-def usage(final: pb.Final) -> dict[str, int]:
-    u = final.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
+def usage(final: pb.Final | list[pb.Final]) -> dict[str, int]:
+    """OpenAI's usage of one choice's final, or of n choices' finals: the prompt once, completions summed."""
+    finals = final if isinstance(final, list) else [final]
+    prompt = finals[0].usage.prompt_tokens if finals else 0
+    completion = sum(f.usage.completion_tokens for f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def chat_completion(
-    request_id: str, model: str, text: str, final: pb.Final, calls: Sequence[pb.ToolCallDelta] = ()
+    request_id: str,
+    model: str,
+    text: str | list[str],
+    final: pb.Final | list[pb.Final],
+    calls: Sequence[pb.ToolCallDelta] | Sequence[Sequence[pb.ToolCallDelta]] = (),
 ) -> dict[str, Any]:
-    """A whole chat completion; with tool calls, ``content`` is null when the answer had no text (as OpenAI's)."""
-    message: dict[str, Any] = {"role": "assistant", "content": text}
-    if calls:
-        message["content"] = text or None
-        message["tool_calls"] = tool_calls(calls)
+    """A whole chat completion: one choice (``text``, ``final``, its tool-call deltas ``calls``), or n
+    choices (lists by choice index, ``calls`` then a list of each choice's deltas); with tool calls,
+    ``content`` is null when the answer had no text (as OpenAI's)."""
+    texts = text if isinstance(text, list) else [text]
+    finals = final if isinstance(final, list) else [final]
+    per_choice = cast(list[Sequence[pb.ToolCallDelta]], list(calls) if isinstance(text, list) else [calls])
+    per_choice += [()] * (len(texts) - len(per_choice))
+
+    def message(i: int, t: str) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": "assistant", "content": t}
+        if per_choice[i]:
+            out["content"] = t or None
+            out["tool_calls"] = tool_calls(per_choice[i])
+        return out
+
     return {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",
@@ -461,13 +483,14 @@ def chat_completion(
         "model": model,
         "choices": [
             {
-                "index": 0,
-                "message": message,
+                "index": i,
+                "message": message(i, t),
                 "logprobs": None,
-                "finish_reason": finish_reason(final),
+                "finish_reason": finish_reason(f),
             }
+            for i, (t, f) in enumerate(zip(texts, finals, strict=True))
         ],
-        "usage": usage(final),
+        "usage": usage(finals),
     }
 
 
@@ -478,14 +501,16 @@ def chat_chunk(
     finish: str | None = None,
     created: int = 0,
     include_usage: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One streamed chunk; with ``include_usage`` it has ``"usage": null``, as OpenAI's chunks before the last."""
+    """One streamed chunk of choice ``index``; with ``include_usage`` it has ``"usage": null``, as OpenAI's
+    chunks before the last."""
     chunk: dict[str, Any] = {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}],
     }
     if include_usage:
         chunk["usage"] = None
@@ -500,8 +525,10 @@ def completion(
     created: int = 0,
     with_usage: bool = True,
     null_usage: bool = False,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """A whole completion, or (``final`` None / ``with_usage`` False) one streamed chunk of one.
+    """A whole completion, or (``final`` None / ``with_usage`` False) one streamed chunk of one, of choice
+    ``index``.
 
     ``null_usage``: a chunk of a stream with ``include_usage`` carries ``"usage": null`` (the last
     chunk, from :func:`usage_chunk`, carries the counts).
@@ -512,7 +539,7 @@ def completion(
         "created": created or int(time.time()),
         "model": model,
         "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(final) if final else None}
+            {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(final) if final else None}
         ],
     }
     if final is not None and with_usage:
@@ -522,8 +549,22 @@ def completion(
     return body
 
 
-def usage_chunk(object_name: str, request_id: str, model: str, final: pb.Final, created: int) -> dict[str, Any]:
-    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage."""
+def completions(request_id: str, model: str, texts: list[str], finals: list[pb.Final]) -> dict[str, Any]:
+    """A whole completion of n choices (by choice index); usage as :func:`usage` counts n finals."""
+    body = completion(request_id, model, "", None)
+    body["choices"] = [
+        {"index": i, "text": t, "logprobs": None, "finish_reason": finish_reason(f)}
+        for i, (t, f) in enumerate(zip(texts, finals, strict=True))
+    ]
+    body["usage"] = usage(finals)
+    return body
+
+
+def usage_chunk(
+    object_name: str, request_id: str, model: str, final: pb.Final | list[pb.Final], created: int
+) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage (of
+    every choice's final: the prompt once, completions summed)."""
     prefix = "chatcmpl" if object_name == "chat.completion.chunk" else "cmpl"
     return {
         "id": f"{prefix}-{request_id}",

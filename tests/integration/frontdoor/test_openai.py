@@ -117,7 +117,7 @@ async def test_errors_keep_their_http_status(client: openai.AsyncOpenAI, router:
     with pytest.raises(openai.BadRequestError):  # gateway validation
         await client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=5)  # type: ignore[arg-type]
     with pytest.raises(openai.BadRequestError):  # refused by the adapter, never forwarded
-        await client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2)  # type: ignore[arg-type]
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, n=17)  # type: ignore[arg-type]
     with pytest.raises(openai.NotFoundError):
         await client.completions.create(model="no-such-model", prompt="hi")
     router.mode = "unavailable"

@@ -53,7 +53,7 @@ def test_defaults_follow_openai() -> None:
         {"messages": "hi"},
         {"messages": [{"content": "no role"}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-        {"messages": [{"role": "user", "content": "x"}], "n": 2},
+        {"messages": [{"role": "user", "content": "x"}], "n": 17},  # n is served, 1 to 16
         {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
         {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
         {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
@@ -119,7 +119,9 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
         ({"max_tokens": 2**32}, "'max_tokens' must be between"),  # the same for uint32
         ({"max_tokens": 0}, "'max_tokens' must be between 1"),  # 0 meant the 256-token default
         ({"max_completion_tokens": 0}, "'max_completion_tokens' must be between 1"),
-        ({"n": 0}, "'n' must be 1"),
+        ({"n": 0}, "'n' must be between 1 and 16"),
+        ({"n": 17}, "'n' must be between 1 and 16"),
+        ({"n": 2.5}, "'n' must be an integer"),
         ({"stream_options": "yes"}, "'stream_options' must be an object"),
         ({"frequency_penalty": "high"}, "'frequency_penalty' must be a number"),
         ({"presence_penalty": True}, "'presence_penalty' must be a number"),
@@ -353,3 +355,18 @@ def test_any_tools_json_is_a_turn_or_a_400_never_a_crash(tools: Any, choice: Any
         convert.chat_turn(request.turn)
     except InvalidArgument as exc:
         assert exc.message
+
+
+def test_n_choices_reach_the_proto_and_usage_counts_the_prompt_once() -> None:
+    parsed, request = oa.chat_request({**CHAT, "n": 3})
+    assert parsed.n == 3 and request.turn.sampling.n == 3
+    parsed, generate = oa.completion_request({"prompt": "p"})
+    assert parsed.n == 1 and not generate.sampling.HasField("n")
+    finals = [pb.Final(usage=pb.Usage(prompt_tokens=5, completion_tokens=c)) for c in (2, 3, 4)]
+    body = oa.chat_completion("rid", "m", ["a", "b", "c"], finals)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in body["choices"]] == ["a", "b", "c"]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}
+    assert oa.completions("rid", "m", ["x", "y", "z"], finals)["usage"]["completion_tokens"] == 9
+    assert oa.chat_chunk("rid", "m", {"content": "a"}, None, 1, index=2)["choices"][0]["index"] == 2
+    assert oa.usage_chunk("text_completion", "rid", "m", finals, 1)["usage"]["prompt_tokens"] == 5

@@ -184,6 +184,7 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
     STRUCTURED_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Maximum number of tokens to generate; 0 means the server default (256, or fewer where the prompt
@@ -218,6 +219,15 @@ class SamplingParams(_message.Message):
     """EOS and the stop strings are ignored until this many tokens have been generated (vLLM's
     min_tokens); 0 (default) disables it. At most max_tokens when max_tokens is set.
     """
+    n: _builtins.int
+    """Number of choices (OpenAI's n), 1 to 16; unset means 1, an explicit 0 is INVALID_ARGUMENT. The
+    prompt is prefilled once and the n sequences share its KV. Choice i (from 0) samples with seed
+    `seed + i` (mod 2^64) when `seed` is set, so a seeded request is deterministic and its choices
+    differ; greedy decoding gives n equal choices. Every frame of a stream carries its choice's
+    `index`; each choice ends with its own final frame (see GenerateResponse.index). n > 1 is refused
+    by Complete (use Generate). On a Chat stream the conversation remembers choice 0's reply as the
+    assistant message of the turn (the other choices are sent, not remembered).
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Generation stops before the first occurrence of any of these strings (at most 8, each 1 to 64
@@ -251,16 +261,21 @@ class SamplingParams(_message.Message):
         repetition_penalty: _builtins.float | None = ...,
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         min_tokens: _builtins.int = ...,
+        n: _builtins.int | None = ...,
         structured: Global___StructuredOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "structured", b"structured"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_n", b"_n", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "n", b"n", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "structured", b"structured"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "structured", b"structured", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_n", b"_n", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "structured", b"structured", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__n: _TypeAlias = _typing.Literal["n"]  # noqa: Y015
+    _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__n) -> _WhichOneofReturnType__n | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
@@ -496,19 +511,28 @@ class GenerateResponse(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id assigned by the gateway (also in the x-request-id trailing metadata)."""
     sequence: _builtins.int
     """Position of this frame in the stream, starting at 0, without gaps."""
     text: _builtins.str
     """Text produced since the previous frame."""
+    index: _builtins.int
+    """Choice this frame belongs to, 0 to n-1 (always 0 when n = 1). Order guarantees with n > 1:
+    `sequence` numbers every frame of the stream (all choices) without gaps; the frames of one choice
+    come in order; frames of different choices interleave in any order; each choice sends exactly one
+    frame with `final` (its finish reason; usage.prompt_tokens is the prompt, counted once per
+    request, usage.completion_tokens that choice's tokens), after its last text; the stream ends after
+    the n-th final frame.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids produced since the previous frame."""
 
     @_builtins.property
     def final(self) -> Global___Final:
-        """Set on the last frame only."""
+        """Set on the last frame of a choice (with n = 1, the last frame of the stream)."""
 
     def __init__(
         self,
@@ -518,10 +542,11 @@ class GenerateResponse(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         text: _builtins.str = ...,
         final: Global___Final | None = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["final", b"final"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "request_id", b"request_id", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "index", b"index", "request_id", b"request_id", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -821,6 +846,7 @@ class ChatResponse(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     turn: _builtins.int
     """Index of the turn this frame belongs to, starting at 0."""
@@ -830,6 +856,11 @@ class ChatResponse(_message.Message):
     """Text produced since the previous frame."""
     request_id: _builtins.str
     """Request id of the chat session."""
+    index: _builtins.int
+    """Choice this frame belongs to, 0 to n-1 of the turn's SamplingParams.n (always 0 when n = 1), with
+    GenerateResponse.index's order guarantees within a turn: each choice ends with its own final frame
+    and the turn ends after the n-th (`sequence` restarts at 0 only after it).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids produced since the previous frame."""
@@ -853,11 +884,12 @@ class ChatResponse(_message.Message):
         text: _builtins.str = ...,
         final: Global___Final | None = ...,
         request_id: _builtins.str = ...,
+        index: _builtins.int = ...,
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["final", b"final"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "request_id", b"request_id", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "index", b"index", "request_id", b"request_id", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -173,6 +173,7 @@ class WorkerResponse(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
     QUEUED_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """Position of this frame in the turn, starting at 0."""
     text: _builtins.str
@@ -183,13 +184,19 @@ class WorkerResponse(_message.Message):
     (sequence is 0). It tells the router the worker is alive, so time spent queued or prefilling is
     not mistaken for a stall.
     """
+    index: _builtins.int
+    """Choice this frame belongs to, 0 to n-1 of the start's SamplingParams.n (0 when n = 1). With
+    n > 1, `sequence` numbers the frames of all choices together, each choice's frames come in order,
+    each choice ends with its own `final` frame (prompt_tokens of the shared prompt,
+    completion_tokens of that choice) and the turn ends after the n-th final frame.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids produced since the previous frame."""
 
     @_builtins.property
     def final(self) -> Global___WorkerFinal:
-        """Set on the last frame of a turn."""
+        """Set on the last frame of a choice; with SamplingParams.n = 1, the last frame of the turn."""
 
     def __init__(
         self,
@@ -199,10 +206,11 @@ class WorkerResponse(_message.Message):
         text: _builtins.str = ...,
         final: Global___WorkerFinal | None = ...,
         queued: _builtins.bool = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["final", b"final"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "queued", b"queued", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "index", b"index", "queued", b"queued", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
