@@ -9,6 +9,7 @@ stand-ins that record what they were given and report themselves started and hea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import signal
@@ -141,7 +142,8 @@ async def capture_up(argv: list[str] | None = None) -> Captured:
         mock.patch.object(processes, "wait_redis", mock.AsyncMock(side_effect=redis_ready)),
         mock.patch.object(mesh, "FrontDoor", RecordingFrontDoor),
     ):
-        running = real_mesh(captured.config, sink=lambda name, line: None)
+        # No supervision: the recorded children are no OS processes to watch (the topology is the same).
+        running = real_mesh(dataclasses.replace(captured.config, supervise=False), sink=lambda name, line: None)
         await running.start()
         await running.stop()
     return captured
