@@ -96,7 +96,8 @@ return st
 _CLOSE = """
 if redis.call('HGET', KEYS[1], 'status') ~= 'finalizing' then return 0 end
 local ending = redis.call('HGET', KEYS[1], 'ending')
-redis.call('HSET', KEYS[1], 'status', ending, ending .. '_at', ARGV[1], 'output_file_id', ARGV[2], 'error_file_id', ARGV[3])
+redis.call('HSET', KEYS[1], 'status', ending, ending .. '_at', ARGV[1])
+redis.call('HSET', KEYS[1], 'output_file_id', ARGV[2], 'error_file_id', ARGV[3])
 local left = redis.call('DECRBY', KEYS[2], redis.call('HGET', KEYS[1], 'total'))
 if left < 0 then redis.call('SET', KEYS[2], 0) end
 return 1
