@@ -3,7 +3,7 @@
 =============== ==========================================================
 scope           grants
 =============== ==========================================================
-``inference``   Generate, Complete, Chat and ListModels (the default)
+``inference``   Generate, Complete, Chat, ListModels, Files and Batches (the default)
 ``models:read`` ListModels only (dashboards, health checkers)
 ``*``           everything, including scopes added later
 =============== ==========================================================
@@ -32,6 +32,7 @@ _GRANTS: dict[str, frozenset[str]] = {
     "Complete": frozenset({INFERENCE, ALL}),
     "Chat": frozenset({INFERENCE, ALL}),
     "ListModels": frozenset({INFERENCE, MODELS_READ, ALL}),
+    "Batches": frozenset({INFERENCE, ALL}),  # every Files and Batches call
 }
 
 

@@ -223,7 +223,7 @@ class BatchStore:
     """Batch records, the work stream and results (see the module docstring)."""
 
     def __init__(self, redis: AnyRedis, files: FileStore | None = None) -> None:
-        self._redis = redis
+        self._redis: Any = redis  # redis-py's reply types are unions of everything a command may return
         self.files = files or FileStore(redis)
         self._create = redis.register_script(_CREATE)
         self._record = redis.register_script(_RECORD)
@@ -300,7 +300,7 @@ class BatchStore:
             raise NotFound(f"no batch with id {batch_id!r}; GET /v1/batches lists your batches")
         return BatchRecord.from_hash(batch_id, h)
 
-    async def list(self, tenant: str, *, limit: int = 20, after: str = "") -> tuple[list[BatchRecord], bool]:
+    async def page(self, tenant: str, *, limit: int = 20, after: str = "") -> tuple[list[BatchRecord], bool]:
         """The tenant's batches, newest first, after the batch ``after``; and whether more follow."""
         index = f"{batch_tenant_prefix(tenant)}:batches"
         start = 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from services.common.errors import NotFound, ResourceExhausted
 from services.store.connection import AnyRedis
@@ -56,7 +57,7 @@ class FileStore:
     """The Files API's state in Redis (see the module docstring)."""
 
     def __init__(self, redis: AnyRedis) -> None:
-        self._redis = redis
+        self._redis: Any = redis  # redis-py's reply types are unions of everything a command may return
         self._create = redis.register_script(_CREATE)
         self._delete = redis.register_script(_DELETE)
 
@@ -107,7 +108,7 @@ class FileStore:
         if not int(await self._delete(keys=self._keys(tenant, file_id), args=[file_id])):
             raise NotFound(f"no file with id {file_id!r}; GET /v1/files lists your files")
 
-    async def list(
+    async def page(
         self, tenant: str, *, purpose: str = "", limit: int = 10_000, after: str = ""
     ) -> tuple[list[FileRecord], bool]:
         """The tenant's files, newest first, after the file ``after`` (a page); and whether more follow."""

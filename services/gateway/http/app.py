@@ -28,9 +28,10 @@ from aiohttp.web_protocol import RequestPayloadError
 from services.common import metadata as md
 from services.common import tracing
 from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
+from services.common.pb.meshserve.v1 import batch_pb2_grpc, inference_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.gateway.http import openai_api as oa
+from services.gateway.http.batches import BatchRoutes, add_routes
 from services.gateway.http.metrics import metrics_middleware
 
 log = structlog.get_logger(__name__)
@@ -43,7 +44,9 @@ MAX_CREDENTIAL_CHARS = 8192
 CHAT_END_WAIT_S = 1.0
 """After a chat turn's final frame, how long the adapter waits for the gateway to end the call itself."""
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
-ENDPOINTS = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models and GET /v1/models/{id}"
+ENDPOINTS = (
+    "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, /v1/files and /v1/batches"
+)
 
 
 def _grpc_error(exc: grpc.aio.AioRpcError) -> MeshError:
@@ -348,8 +351,14 @@ async def _sse_error(response: web.StreamResponse, exc: MeshError | grpc.aio.Aio
     return response
 
 
-def build_app(gateway: inference_pb2_grpc.InferenceStub, max_body_bytes: int = 4 * 1024 * 1024) -> web.Application:
-    """The aiohttp application: routes of the OpenAI API plus ``/healthz``."""
+def build_app(
+    gateway: inference_pb2_grpc.InferenceStub,
+    max_body_bytes: int = 4 * 1024 * 1024,
+    batches: batch_pb2_grpc.BatchesStub | None = None,
+    max_file_bytes: int = 8 * 1024 * 1024,
+) -> web.Application:
+    """The aiohttp application: routes of the OpenAI API plus ``/healthz`` (and, given the gateway's
+    Batches stub, ``/v1/files`` and ``/v1/batches``: services/gateway/http/batches.py)."""
     handlers = OpenAIApp(gateway)
     app = web.Application(client_max_size=max_body_bytes, middlewares=[metrics_middleware, errors_middleware])
     app[MAX_BODY_KEY] = max_body_bytes
@@ -358,4 +367,6 @@ def build_app(gateway: inference_pb2_grpc.InferenceStub, max_body_bytes: int = 4
     app.router.add_get("/v1/models/{model:.+}", handlers.model)  # ids such as "org/name" hold a slash
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
+    if batches is not None:
+        add_routes(app, BatchRoutes(batches, handlers._metadata, handlers._json, max_file_bytes))
     return app

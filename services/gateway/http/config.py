@@ -24,3 +24,6 @@ class HttpAdapterSettings(ServiceSettings):
     """gRPC target of the gateway's `meshserve.v1.Inference` service (any grpc target string)."""
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     """Largest accepted request body; bigger bodies get 413."""
+    max_file_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    """Largest file a POST /v1/files upload may carry (the gateway's MESHSERVE_GATEWAY_BATCH_MAX_FILE_BYTES
+    applies too; keep them equal)."""

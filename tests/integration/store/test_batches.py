@@ -76,8 +76,8 @@ async def test_files_quota_and_isolation(store: BatchStore) -> None:
         await files.get("other", f.id)  # another tenant's file does not exist for it
     with pytest.raises(NotFound):
         await files.content("other", f.id)
-    assert [x.id for x in (await files.list("acme"))[0]] == [f.id]
-    assert (await files.list("other"))[0] == []
+    assert [x.id for x in (await files.page("acme"))[0]] == [f.id]
+    assert (await files.page("other"))[0] == []
     await files.delete("acme", f.id)
     assert await files.used_bytes("acme") == 0
 
