@@ -364,12 +364,14 @@ class BatchStore:
         pipe.xdel(BATCH_WORK_STREAM, item.entry_id)
         await pipe.execute()
 
-    async def retry_later(self, item: WorkItem) -> int:
-        """Queue the line again (at the stream's end) and drop this entry; returns its attempts so far."""
-        tries = await self._redis.hincrby(self._key(item.tenant, item.batch_id, ":tries"), str(item.index), 1)
+    async def count_attempt(self, item: WorkItem) -> int:
+        """Count one failed run of the line; returns its failed runs so far."""
+        return int(await self._redis.hincrby(self._key(item.tenant, item.batch_id, ":tries"), str(item.index), 1))
+
+    async def requeue(self, item: WorkItem) -> None:
+        """Queue the line again (at the stream's end) and drop this entry."""
         await self._enqueue(item.tenant, item.batch_id, [item.index])
         await self.ack(item)
-        return int(tries)
 
     async def line(self, item: WorkItem) -> tuple[str, str | None]:
         """(the batch's status, the line's raw JSON); ("", None) when the batch is gone."""
