@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import structlog
 from prometheus_client import Counter, Gauge
+from redis.exceptions import RedisError
 
 from services.batch import lines
 from services.batch.capacity import Capacity
@@ -78,9 +79,9 @@ class Runner:
                     break
                 try:
                     item = await self._next()
-                except Exception:
+                except (RedisError, OSError) as exc:
                     await self._capacity.release()
-                    log.exception("batch_read_failed")
+                    log.warning("batch_redis_unreachable", error=type(exc).__name__)
                     await asyncio.sleep(1.0)
                     continue
                 if item is None:
@@ -116,6 +117,8 @@ class Runner:
             await asyncio.sleep(period_s)
             try:
                 await step()
+            except (RedisError, OSError) as exc:
+                log.warning("batch_redis_unreachable", step=step.__name__, error=type(exc).__name__)
             except Exception:
                 log.exception("batch_background_step_failed", step=step.__name__)
 
@@ -148,7 +151,9 @@ class Runner:
         IN_FLIGHT.inc()
         try:
             await self._line(item)
-        except Exception:  # Redis down, say: the entry stays pending and is taken over later
+        except (RedisError, OSError) as exc:  # the entry stays pending and is taken over later
+            log.warning("batch_redis_unreachable", batch_id=item.batch_id, index=item.index, error=type(exc).__name__)
+        except Exception:
             log.exception("batch_line_failed", batch_id=item.batch_id, index=item.index)
         finally:
             IN_FLIGHT.dec()
