@@ -70,7 +70,11 @@ async def test_killing_the_runner_and_a_worker_mid_batch_loses_and_duplicates_no
             assert time.monotonic() < deadline, f"batch still {done.status} ({done.request_counts}) after {BOUND_S} s"
             await asyncio.sleep(0.3)
         assert done.status == "completed"
-        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (LINES, LINES, 0)
+        assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (
+            LINES,
+            LINES,
+            0,
+        )
         content = await stub.GetFileContent(bpb.FileRef(file_id=done.output_file_id), metadata=auth())
         output = [json.loads(x) for x in content.content.splitlines()]
         ids = [o["custom_id"] for o in output]
