@@ -122,7 +122,7 @@ async def test_bad_lines_go_to_the_error_file(client: openai.AsyncOpenAI, runner
 
 async def test_quota_and_bad_requests_are_clear(client: openai.AsyncOpenAI, tiny: openai.AsyncOpenAI) -> None:
     upload = await tiny.files.create(file=("in.jsonl", _jsonl(4)), purpose="batch")
-    with pytest.raises(openai.RateLimitError, match="batch quota reached: 0 lines .* the limit is 3"):
+    with pytest.raises(openai.RateLimitError, match=r"batch quota reached: 0 lines .* the limit is 3"):
         await tiny.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
     with pytest.raises(openai.BadRequestError, match="purpose 'fine-tune' is not supported"):
         await client.files.create(file=("in.jsonl", _jsonl(1)), purpose="fine-tune")
