@@ -75,6 +75,7 @@ class Capacity:
         self._reserve = reserve_slots
         self._poll_s = poll_s
         self.in_flight = 0
+        self._started = 0
         self._started_since_view = 0
         self._view: View | None = None
         self._changed = asyncio.Condition()
@@ -82,10 +83,11 @@ class Capacity:
 
     async def poll_forever(self) -> None:
         while True:
+            asked_at = self._started  # lines started before the view was asked for are in it
             view = await self._read()
             async with self._changed:
                 self._view = view
-                self._started_since_view = 0
+                self._started_since_view = self._started - asked_at
                 self._changed.notify_all()
             await asyncio.sleep(self._poll_s)
 
@@ -116,6 +118,7 @@ class Capacity:
         async with self._changed:
             await self._changed.wait_for(self._may_start)
             self.in_flight += 1
+            self._started += 1
             self._started_since_view += 1
 
     async def release(self) -> None:
