@@ -121,7 +121,8 @@ async def _run(args: argparse.Namespace) -> int:
                 what = "error" if args.errors else "output"
                 print(f"meshserve batch: {_describe(batch)}; it has no {what} file (yet)", file=sys.stderr)
                 return 1
-            content = (await stub.GetFileContent(pb.FileRef(file_id=file_id), metadata=metadata)).content
+            call = stub.GetFileContent(pb.FileRef(file_id=file_id), metadata=metadata)
+            content = b"".join([piece.content async for piece in call])
             if args.output is not None:
                 args.output.write_bytes(content)
             else:

@@ -10,6 +10,8 @@ Served always; without a Redis (``MESHSERVE_GATEWAY_REDIS_URL``) every call is U
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import grpc
 import structlog
 
@@ -25,6 +27,8 @@ from services.store.files import FileRecord, FileStore
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Batches"].full_name
 PURPOSE = "batch"
+PIECE_BYTES = 1024 * 1024
+"""Bytes per GetFileContent message."""
 MAX_METADATA = 16
 """OpenAI's limit on a batch's metadata pairs (keys up to 64 characters, values up to 512)."""
 
@@ -110,10 +114,13 @@ class BatchesServicer(batch_pb2_grpc.BatchesServicer):
         files, more = await self._files.page(identity.tenant, purpose=request.purpose, limit=limit, after=request.after)
         return pb.ListFilesResponse(files=[file_pb(f) for f in files], has_more=more)
 
-    async def GetFileContent(self, request: pb.FileRef, context: grpc.aio.ServicerContext) -> pb.FileContent:
+    async def GetFileContent(
+        self, request: pb.FileRef, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.FileContent]:
         identity = await self._identify(context)
         _check_id("file_id", request.file_id)
-        return pb.FileContent(content=await self._files.content(identity.tenant, request.file_id))
+        async for piece in self._files.pieces(identity.tenant, request.file_id, PIECE_BYTES):
+            yield pb.FileContent(content=piece)
 
     async def DeleteFile(self, request: pb.FileRef, context: grpc.aio.ServicerContext) -> pb.DeleteFileResponse:
         identity = await self._identify(context)

@@ -75,8 +75,8 @@ async def test_killing_the_runner_and_a_worker_mid_batch_loses_and_duplicates_no
             LINES,
             0,
         )
-        content = await stub.GetFileContent(bpb.FileRef(file_id=done.output_file_id), metadata=auth())
-        output = [json.loads(x) for x in content.content.splitlines()]
+        call = stub.GetFileContent(bpb.FileRef(file_id=done.output_file_id), metadata=auth())
+        output = [json.loads(x) for x in b"".join([p.content async for p in call]).splitlines()]
         ids = [o["custom_id"] for o in output]
         assert sorted(ids) == sorted(f"line-{i}" for i in range(LINES)), "a line is missing or written twice"
         assert all(o["response"]["status_code"] == 200 and o["response"]["body"]["choices"][0]["text"] for o in output)

@@ -146,9 +146,21 @@ class BatchRoutes:
         reply = await self._stub.GetFile(self._file(request), metadata=self._metadata(request))
         return web.json_response(file_json(reply))
 
-    async def file_content(self, request: web.Request) -> web.Response:
-        reply = await self._stub.GetFileContent(self._file(request), metadata=self._metadata(request))
-        return web.Response(body=reply.content, content_type="application/octet-stream")
+    async def file_content(self, request: web.Request) -> web.StreamResponse:
+        call = self._stub.GetFileContent(self._file(request), metadata=self._metadata(request))
+        try:
+            pieces = aiter(call)
+            first = await anext(pieces, None)  # the gateway's error (404, ...) before any header is sent
+            response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            await response.prepare(request)
+            if first is not None:
+                await response.write(first.content)
+                async for piece in pieces:
+                    await response.write(piece.content)
+            await response.write_eof()
+            return response
+        finally:
+            call.cancel()
 
     async def delete_file(self, request: web.Request) -> web.Response:
         reply = await self._stub.DeleteFile(self._file(request), metadata=self._metadata(request))

@@ -70,6 +70,7 @@ async def test_files_quota_and_isolation(store: BatchStore) -> None:
     files: FileStore = store.files
     f = await files.create("acme", "in.jsonl", "batch", b"x" * 100, limit_bytes=150)
     assert (await files.get("acme", f.id)).bytes == 100
+    assert [len(p) async for p in files.pieces("acme", f.id, 40)] == [40, 40, 20]  # a large file is never one reply
     with pytest.raises(ResourceExhausted, match="storage quota"):
         await files.create("acme", "more.jsonl", "batch", b"x" * 100, limit_bytes=150)
     with pytest.raises(NotFound):

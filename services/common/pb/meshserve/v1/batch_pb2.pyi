@@ -154,6 +154,8 @@ Global___ListFilesResponse: _TypeAlias = ListFilesResponse  # noqa: Y015
 
 @_typing.final
 class FileContent(_message.Message):
+    """One piece of a file's bytes (at most 1 MiB; the pieces in order make the file)."""
+
     DESCRIPTOR: _descriptor.Descriptor
 
     CONTENT_FIELD_NUMBER: _builtins.int

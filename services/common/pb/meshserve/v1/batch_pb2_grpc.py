@@ -50,7 +50,7 @@ class BatchesStub:
                 request_serializer=meshserve_dot_v1_dot_batch__pb2.ListFilesRequest.SerializeToString,
                 response_deserializer=meshserve_dot_v1_dot_batch__pb2.ListFilesResponse.FromString,
                 _registered_method=True)
-        self.GetFileContent = channel.unary_unary(
+        self.GetFileContent = channel.unary_stream(
                 '/meshserve.v1.Batches/GetFileContent',
                 request_serializer=meshserve_dot_v1_dot_batch__pb2.FileRef.SerializeToString,
                 response_deserializer=meshserve_dot_v1_dot_batch__pb2.FileContent.FromString,
@@ -105,7 +105,8 @@ class BatchesServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetFileContent(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The file's bytes in pieces: an output file may be larger than one gRPC message.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -158,7 +159,7 @@ def add_BatchesServicer_to_server(servicer, server):
                     request_deserializer=meshserve_dot_v1_dot_batch__pb2.ListFilesRequest.FromString,
                     response_serializer=meshserve_dot_v1_dot_batch__pb2.ListFilesResponse.SerializeToString,
             ),
-            'GetFileContent': grpc.unary_unary_rpc_method_handler(
+            'GetFileContent': grpc.unary_stream_rpc_method_handler(
                     servicer.GetFileContent,
                     request_deserializer=meshserve_dot_v1_dot_batch__pb2.FileRef.FromString,
                     response_serializer=meshserve_dot_v1_dot_batch__pb2.FileContent.SerializeToString,
@@ -292,7 +293,7 @@ class Batches:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/meshserve.v1.Batches/GetFileContent',

@@ -39,7 +39,8 @@ class BatchesStub:
     CreateFile: _grpc.UnaryUnaryMultiCallable[_batch_pb2.CreateFileRequest, _batch_pb2.FileObject]
     GetFile: _grpc.UnaryUnaryMultiCallable[_batch_pb2.FileRef, _batch_pb2.FileObject]
     ListFiles: _grpc.UnaryUnaryMultiCallable[_batch_pb2.ListFilesRequest, _batch_pb2.ListFilesResponse]
-    GetFileContent: _grpc.UnaryUnaryMultiCallable[_batch_pb2.FileRef, _batch_pb2.FileContent]
+    GetFileContent: _grpc.UnaryStreamMultiCallable[_batch_pb2.FileRef, _batch_pb2.FileContent]
+    """The file's bytes in pieces: an output file may be larger than one gRPC message."""
     DeleteFile: _grpc.UnaryUnaryMultiCallable[_batch_pb2.FileRef, _batch_pb2.DeleteFileResponse]
     CreateBatch: _grpc.UnaryUnaryMultiCallable[_batch_pb2.CreateBatchRequest, _batch_pb2.BatchObject]
     GetBatch: _grpc.UnaryUnaryMultiCallable[_batch_pb2.BatchRef, _batch_pb2.BatchObject]
@@ -54,7 +55,8 @@ class BatchesAsyncStub(BatchesStub):
     CreateFile: _aio.UnaryUnaryMultiCallable[_batch_pb2.CreateFileRequest, _batch_pb2.FileObject]  # type: ignore[assignment]
     GetFile: _aio.UnaryUnaryMultiCallable[_batch_pb2.FileRef, _batch_pb2.FileObject]  # type: ignore[assignment]
     ListFiles: _aio.UnaryUnaryMultiCallable[_batch_pb2.ListFilesRequest, _batch_pb2.ListFilesResponse]  # type: ignore[assignment]
-    GetFileContent: _aio.UnaryUnaryMultiCallable[_batch_pb2.FileRef, _batch_pb2.FileContent]  # type: ignore[assignment]
+    GetFileContent: _aio.UnaryStreamMultiCallable[_batch_pb2.FileRef, _batch_pb2.FileContent]  # type: ignore[assignment]
+    """The file's bytes in pieces: an output file may be larger than one gRPC message."""
     DeleteFile: _aio.UnaryUnaryMultiCallable[_batch_pb2.FileRef, _batch_pb2.DeleteFileResponse]  # type: ignore[assignment]
     CreateBatch: _aio.UnaryUnaryMultiCallable[_batch_pb2.CreateBatchRequest, _batch_pb2.BatchObject]  # type: ignore[assignment]
     GetBatch: _aio.UnaryUnaryMultiCallable[_batch_pb2.BatchRef, _batch_pb2.BatchObject]  # type: ignore[assignment]
@@ -90,7 +92,8 @@ class BatchesServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _batch_pb2.FileRef,
         context: _ServicerContext,
-    ) -> _typing.Union[_batch_pb2.FileContent, _abc.Awaitable[_batch_pb2.FileContent]]: ...
+    ) -> _typing.Union[_abc.Iterator[_batch_pb2.FileContent], _abc.AsyncIterator[_batch_pb2.FileContent]]:
+        """The file's bytes in pieces: an output file may be larger than one gRPC message."""
 
     @_abc_1.abstractmethod
     def DeleteFile(
