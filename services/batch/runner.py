@@ -62,6 +62,7 @@ class Runner:
         self._running: dict[str, WorkItem] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._model = ""
+        self._claim_cursor = "0-0"
         self._stopping = asyncio.Event()
 
     async def run(self) -> None:
@@ -137,7 +138,7 @@ class Runner:
     async def _next(self) -> WorkItem | None:
         """A line another runner left behind (it died), else a new one (waiting up to a second)."""
         idle_ms = int(self._settings.claim_idle_s * 1000)
-        taken = await self._store.reclaim(self.consumer, idle_ms, 1)
+        self._claim_cursor, taken = await self._store.reclaim(self.consumer, idle_ms, 1, self._claim_cursor)
         if taken:
             log.info("batch_line_reclaimed", batch_id=taken[0].batch_id, index=taken[0].index)
             return taken[0]

@@ -347,10 +347,16 @@ class BatchStore:
         reply = await self._redis.xreadgroup(GROUP, consumer, {BATCH_WORK_STREAM: ">"}, count=count, block=block_ms)
         return [_item(eid, f) for _stream, entries in reply or () for eid, f in entries if f]
 
-    async def reclaim(self, consumer: str, min_idle_ms: int, count: int) -> list[WorkItem]:
-        """Entries another consumer has held for ``min_idle_ms`` without acknowledging (it died)."""
-        reply = await self._redis.xautoclaim(BATCH_WORK_STREAM, GROUP, consumer, min_idle_ms, "0-0", count=count)
-        return [_item(eid, f) for eid, f in reply[1] if f]
+    async def reclaim(
+        self, consumer: str, min_idle_ms: int, count: int, cursor: str = "0-0"
+    ) -> tuple[str, list[WorkItem]]:
+        """Entries another consumer has held for ``min_idle_ms`` without acknowledging (it died), from
+        ``cursor`` on in the pending list; returns where the next call goes on (``0-0``: the start
+        again: XAUTOCLAIM looks at a few entries per call, so a scan that always began at the start
+        would never reach a dead runner's entries behind many live ones)."""
+        reply = await self._redis.xautoclaim(BATCH_WORK_STREAM, GROUP, consumer, min_idle_ms, cursor, count=count)
+        following = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
+        return following, [_item(eid, f) for eid, f in reply[1] if f]
 
     async def touch(self, consumer: str, items: Iterable[WorkItem]) -> None:
         """Reset the idle time of entries still running here, so nobody reclaims them."""

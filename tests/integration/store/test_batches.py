@@ -119,9 +119,10 @@ async def test_a_dead_consumers_entries_are_reclaimed(store: BatchStore) -> None
     await make(store, "acme", 2)
     held = await store.read("dead", 10, 100)
     assert len(held) == 2
-    assert await store.reclaim("alive", 60_000, 10) == []  # not idle long enough
-    reclaimed = await store.reclaim("alive", 0, 10)
-    assert sorted(i.index for i in reclaimed) == [0, 1]
+    assert (await store.reclaim("alive", 60_000, 10))[1] == []  # not idle long enough
+    cursor, first = await store.reclaim("alive", 0, 1)
+    cursor, second = await store.reclaim("alive", 0, 1, cursor)
+    assert sorted(i.index for i in first + second) == [0, 1]
 
 
 async def test_sweep_expires_cancels_and_requeues(store: BatchStore, redis_url: str) -> None:
