@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import BodyPartReader, web
+from aiohttp.web_protocol import RequestPayloadError
 
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import batch_pb2 as pb
@@ -102,6 +103,22 @@ class BatchRoutes:
     async def create_file(self, request: web.Request) -> web.Response:
         if not request.content_type.startswith("multipart/"):
             raise InvalidArgument("upload files as multipart/form-data with the fields 'file' and 'purpose'")
+        try:
+            purpose, filename, content = await self._form(request)
+        except (ValueError, RequestPayloadError):  # aiohttp's refusals of a malformed multipart body
+            raise InvalidArgument(
+                "the multipart body could not be read (no boundary, or cut short); send multipart/form-data"
+                " with the fields 'file' and 'purpose'"
+            ) from None
+        if not content:
+            raise InvalidArgument("the 'file' field is missing or empty; upload JSONL, one request per line")
+        reply = await self._stub.CreateFile(
+            pb.CreateFileRequest(filename=filename, purpose=purpose, content=content), metadata=self._metadata(request)
+        )
+        return web.json_response(file_json(reply))
+
+    async def _form(self, request: web.Request) -> tuple[str, str, bytes]:
+        """(purpose, filename, file bytes) of an upload's multipart body."""
         reader = await request.multipart()
         purpose, filename, content = "", "", b""
         while (part := await reader.next()) is not None:
@@ -114,12 +131,7 @@ class BatchRoutes:
                 content = await self._read_file(part)
             else:
                 await part.release()
-        if not content:
-            raise InvalidArgument("the 'file' field is missing or empty; upload JSONL, one request per line")
-        reply = await self._stub.CreateFile(
-            pb.CreateFileRequest(filename=filename, purpose=purpose, content=content), metadata=self._metadata(request)
-        )
-        return web.json_response(file_json(reply))
+        return purpose, filename, content
 
     async def _read_file(self, part: BodyPartReader) -> bytes:
         chunks: list[bytes] = []
