@@ -39,7 +39,8 @@ class BatchSettings(ServiceSettings):
     cancel_grace_s: float = Field(default=5.0, ge=0)
     """After a cancel, how long lines already running may finish and be counted."""
     max_attempts: int = Field(default=3, ge=1)
-    """Runs of a line that fails with a passing error (no worker, overloaded, timeout) before it is failed."""
+    """Runs of a line that fails with DEADLINE_EXCEEDED, CANCELLED or INTERNAL before that is its answer
+    (UNAVAILABLE and RESOURCE_EXHAUSTED, the mesh's state, are retried without limit)."""
     line_timeout_s: float = Field(default=600.0, gt=0)
     """Deadline of one line's request to the router."""
     consumer: str = ""

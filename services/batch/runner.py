@@ -6,7 +6,8 @@ Crash safety (services/store/batches.py has the store's side): an entry is ackno
 its result is written, so a runner killed at any point leaves its lines pending in the group, and
 another runner (or this one restarted) takes them over after ``claim_idle_s``; a line run twice
 writes one result. A line that fails with a passing error (no worker up, overloaded, deadline) is
-queued again, up to ``max_attempts`` runs; any other error is the line's answer (error file).
+queued again after a pause (UNAVAILABLE and RESOURCE_EXHAUSTED, the mesh's state, without limit;
+the others up to ``max_attempts`` runs); any other error is the line's answer (error file).
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ log = structlog.get_logger(__name__)
 LINES = Counter("meshserve_batch_lines_total", "Batch lines finished by this runner, by outcome.", ["outcome"])
 IN_FLIGHT = Gauge("meshserve_batch_lines_in_flight", "Batch lines this runner is running now.")
 PASSING = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "CANCELLED", "INTERNAL"})
-"""Statuses after which a line is run again (up to ``max_attempts``)."""
+"""Statuses after which a line is run again (up to ``max_attempts``; UNAVAILABLE and RESOURCE_EXHAUSTED
+without limit)."""
+RETRY_PAUSE_S = 1.0
+"""Pause (holding the line's capacity slot) before a failed line is queued again: a mesh that is down
+is not asked again at once, and the lines behind wait with it."""
 
 
 class Runner:
@@ -178,10 +183,15 @@ class Runner:
             out, ok = lines.failure(item.batch_id, item.index, custom_id, request_id, exc.code, exc.message), False
         except grpc.aio.AioRpcError as exc:
             code = exc.code().name
-            if code in PASSING and await self._store.count_attempt(item) < self._settings.max_attempts:
+            # No worker or router reachable, or the mesh overloaded, is not the line's fault: it waits
+            # and runs again, uncounted (the completion window bounds the wait); the other passing
+            # errors count against MAX_ATTEMPTS.
+            waits = code in ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
+            if waits or (code in PASSING and await self._store.count_attempt(item) < self._settings.max_attempts):
+                log.warning("batch_line_retried", code=code, detail=exc.details())
+                await asyncio.sleep(md.retry_after_ms(exc.trailing_metadata()) / 1000 if waits else RETRY_PAUSE_S)
                 await self._store.requeue(item)
                 LINES.labels("retried").inc()
-                log.warning("batch_line_retried", code=code, detail=exc.details())
                 return
             message = exc.details() or "the request failed"
             out, ok = lines.failure(item.batch_id, item.index, custom_id, request_id, code, message), False

@@ -156,3 +156,18 @@ async def test_cancel(client: openai.AsyncOpenAI, redis_srv: RedisServer) -> Non
         await redis.hset(BatchStore._key("acme", finished.id), "status", "completed")
         await redis.aclose()
         await client.batches.cancel(finished.id)
+
+
+async def test_lines_wait_out_a_mesh_with_no_worker(
+    client: openai.AsyncOpenAI, runner: Runner, router: FakeRouter
+) -> None:
+    router.mode = "unavailable"  # as a router with no healthy worker answers
+    upload = await client.files.create(file=("in.jsonl", _jsonl(2, prefix="u")), purpose="batch")
+    batch = await client.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+    await asyncio.sleep(2.5)  # more than MAX_ATTEMPTS runs of each line, had they been counted
+    waiting = await client.batches.retrieve(batch.id)
+    assert waiting.status == "in_progress" and waiting.request_counts is not None
+    assert (waiting.request_counts.completed, waiting.request_counts.failed) == (0, 0)
+    router.mode = "ok"
+    done = await _until(client, batch.id, "completed")
+    assert done.request_counts is not None and (done.request_counts.completed, done.request_counts.failed) == (2, 0)
