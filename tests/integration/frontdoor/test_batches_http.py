@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import sys
 import time
+from asyncio.subprocess import PIPE
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import openai
@@ -171,3 +174,28 @@ async def test_lines_wait_out_a_mesh_with_no_worker(
     router.mode = "ok"
     done = await _until(client, batch.id, "completed")
     assert done.request_counts is not None and (done.request_counts.completed, done.request_counts.failed) == (2, 0)
+
+
+async def _cli(*args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "batch", *args, stdout=PIPE, stderr=PIPE
+    )
+    out, err = await proc.communicate()
+    return int(proc.returncode or 0), out.decode(), err.decode()
+
+
+async def test_the_cli_submits_waits_and_prints_the_results(stack: Stack, runner: Runner, tmp_path: Path) -> None:
+    requests = tmp_path / "in.jsonl"
+    requests.write_bytes(_jsonl(2, prefix="cli").getvalue())
+    where = ("--address", stack.gateway_address, "--api-key", API_KEY)
+    code, out, err = await _cli(*where, "submit", str(requests), "--wait")
+    assert code == 0, err
+    batch_id = out.strip()
+    assert batch_id.startswith("batch_") and "completed: 2/2 completed, 0 failed" in err and "line/s" in err  # the bar
+    code, out, err = await _cli(*where, "results", batch_id)
+    assert code == 0, err
+    assert [json.loads(x)["custom_id"] for x in out.splitlines()] == ["cli0", "cli1"]
+    code, out, err = await _cli(*where, "results", batch_id, "--errors")
+    assert code == 1 and "has no error file" in err
+    code, out, err = await _cli(*where, "cancel", "batch_nope")
+    assert code == 1 and "NOT_FOUND: no batch with id 'batch_nope'" in err
