@@ -16,7 +16,8 @@ request). Lines also run at priority 0, the lowest class, so a batch line waitin
 queue is served after any waiting interactive request of a higher class.
 
 When no router answers the view (a router too old to serve it, say), the runner runs one line at a
-time rather than guess.
+time rather than guess. The view is read only while a line waits or runs: an idle runner asks the
+routers nothing.
 """
 
 from __future__ import annotations
@@ -78,18 +79,28 @@ class Capacity:
         self._started = 0
         self._started_since_view = 0
         self._view: View | None = None
+        self._viewed = False  # a view (or the lack of one) newer than the last idle time
+        self._waiting = 0
+        self._wanted = asyncio.Event()
         self._changed = asyncio.Condition()
         self._warned = False
 
     async def poll_forever(self) -> None:
+        """Read the view every ``poll_s`` while a line waits or runs; an idle runner asks nothing of the
+        routers (and its next line waits for a fresh view)."""
         while True:
+            await self._wanted.wait()
             asked_at = self._started  # lines started before the view was asked for are in it
             view = await self._read()
             async with self._changed:
                 self._view = view
+                self._viewed = True
                 self._started_since_view = self._started - asked_at
                 self._changed.notify_all()
             await asyncio.sleep(self._poll_s)
+            if self.in_flight == 0 and self._waiting == 0:
+                self._wanted.clear()
+                self._viewed = False
 
     async def _read(self) -> View | None:
         replies = []
@@ -107,7 +118,7 @@ class Capacity:
         return combine(replies) if replies else None
 
     def _may_start(self) -> bool:
-        if self.in_flight >= self._max:
+        if self.in_flight >= self._max or not self._viewed:
             return False
         view = self._view
         if view is None:  # no view: one line at a time
@@ -116,7 +127,12 @@ class Capacity:
 
     async def acquire(self) -> None:
         async with self._changed:
-            await self._changed.wait_for(self._may_start)
+            self._waiting += 1
+            self._wanted.set()
+            try:
+                await self._changed.wait_for(self._may_start)
+            finally:
+                self._waiting -= 1
             self.in_flight += 1
             self._started += 1
             self._started_since_view += 1

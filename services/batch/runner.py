@@ -1,4 +1,4 @@
-"""The runner loop: take a line from the work stream when :class:`Capacity` allows, run it through a
+"""The runner loop: take a line from the work stream, wait until :class:`Capacity` allows, run it through a
 router's ``meshserve.v1.Inference`` (internal credential, the batch's tenant, priority 0), write its
 result once, acknowledge the entry.
 
@@ -81,18 +81,19 @@ class Runner:
         log.info("batch_runner_started", consumer=self.consumer)
         try:
             while not self._stopping.is_set():
-                if not await self._slot():
-                    break
                 try:
                     item = await self._next()
                 except (RedisError, OSError) as exc:
-                    await self._capacity.release()
                     log.warning("batch_redis_unreachable", error=type(exc).__name__)
                     await asyncio.sleep(1.0)
                     continue
                 if item is None:
-                    await self._capacity.release()
                     continue
+                # Holding the entry while the capacity is busy (touched, so nobody takes it over);
+                # stopped meanwhile, it stays pending for another runner.
+                self._running[item.entry_id] = item
+                if not await self._slot():
+                    break
                 task = asyncio.create_task(self._run_line(item))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)

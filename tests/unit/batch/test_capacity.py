@@ -74,8 +74,39 @@ async def test_lines_start_only_in_free_slots_above_the_reserve() -> None:
 
 async def test_without_a_view_one_line_at_a_time() -> None:
     capacity = Capacity([], (), max_in_flight=8, reserve_slots=0, poll_s=0.01)
-    await capacity.acquire()
-    with pytest.raises(TimeoutError):
-        await asyncio.wait_for(capacity.acquire(), 0.05)
-    await capacity.release()
-    await asyncio.wait_for(capacity.acquire(), 1)
+    poller = asyncio.create_task(capacity.poll_forever())
+    try:
+        await asyncio.wait_for(capacity.acquire(), 1)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(capacity.acquire(), 0.05)
+        await capacity.release()
+        await asyncio.wait_for(capacity.acquire(), 1)
+    finally:
+        poller.cancel()
+
+
+async def test_an_idle_runner_asks_the_routers_nothing() -> None:
+    admin = FakeRouterAdmin()
+    calls = 0
+    answer = admin.ListReplicas
+
+    async def counted(request, **options):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        return await answer(request, **options)
+
+    admin.ListReplicas = counted  # type: ignore[method-assign]
+    capacity = Capacity([admin], (), max_in_flight=8, reserve_slots=0, poll_s=0.01)  # type: ignore[list-item]
+    admin.capacity = capacity
+    poller = asyncio.create_task(capacity.poll_forever())
+    try:
+        await asyncio.wait_for(capacity.acquire(), 1)  # waits for a fresh view
+        await capacity.release()
+        await asyncio.sleep(0.05)
+        idle = calls
+        await asyncio.sleep(0.1)
+        assert calls == idle  # nothing waits or runs: no polling
+        await asyncio.wait_for(capacity.acquire(), 1)
+        assert calls > idle
+    finally:
+        poller.cancel()
