@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "report": ("benchmarks.report", "write docs/benchmarks/README.md from the benchmarks' JSON files"),
     "spec": ("benchmarks.cloud.spec", "cloud engine: speculative decoding speed-up/acceptance, TP=3 vs TP=1"),
     "tp-prefix": ("benchmarks.cloud.tp_prefix", "TTFT with prefix KV through Redis between a TP=3 worker and TP=1"),
+    "batch": ("benchmarks.batch.priority", "interactive TTFT p99 with and without a batch running (issue 28)"),
     "edge": (
         "benchmarks.edge.mesh",
         "edge tier: single-stream roofline share, 16 vs 1 stream scaling, memory per stream",

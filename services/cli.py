@@ -1,5 +1,5 @@
 """The ``meshserve`` command: ``models prepare`` (and ``versions``/``rollout``/``rollback``), ``chat``,
-``up``, ``bench``, ``keys``, ``cache``, and the
+``up``, ``bench``, ``keys``, ``cache``, ``batch``, and the
 container entry points ``serve``, ``health`` and ``frontdoor``.
 
 ``up`` and ``bench`` hand their arguments to :func:`services.local.up.main` and
@@ -22,6 +22,7 @@ _DELEGATED = {
     "serve": ("services.local.launch", "serve_main"),
     "health": ("services.local.launch", "health_main"),
     "frontdoor": ("services.controlplane.serve", "main"),
+    "batch": ("services.batch.cli", "main"),
 }
 
 
@@ -86,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser("serve", help="run one service in the foreground (container entry point)", add_help=False)
     commands.add_parser("health", help="exit 0 if a gRPC service reports SERVING (healthchecks)", add_help=False)
     commands.add_parser("frontdoor", help="run Envoy + the OpenAI HTTP adapter before the gateways", add_help=False)
+    commands.add_parser("batch", help="submit, watch, cancel batches and fetch their results", add_help=False)
     return parser
 
 

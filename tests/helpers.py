@@ -28,6 +28,8 @@ class RedisServer:
     port: int
     dir: str
     proc: subprocess.Popen[bytes] | None = None
+    extra_args: tuple[str, ...] = ()
+    """More redis-server options (later ones win), e.g. ``("--appendonly", "yes")`` for persistence."""
 
     @property
     def url(self) -> str:
@@ -54,6 +56,7 @@ class RedisServer:
                 "256mb",
                 "--maxmemory-policy",
                 "allkeys-lru",
+                *self.extra_args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

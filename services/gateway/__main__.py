@@ -10,11 +10,13 @@ import structlog
 
 from services.common.errors import ConfigError
 from services.common.logging import configure_logging
-from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.pb.meshserve.v1 import batch_pb2_grpc, inference_pb2_grpc
 from services.common.serving import MAX_MESSAGE_BYTES, RunningServer, start_server
 from services.common.settings import load_settings
 from services.gateway.admission import Gate
 from services.gateway.auth import ApiKeyAuthenticator, parse_api_keys
+from services.gateway.batches import SERVICE_NAME as BATCHES_SERVICE_NAME
+from services.gateway.batches import BatchesServicer
 from services.gateway.config import GatewaySettings
 from services.gateway.decoding import GuardedServer
 from services.gateway.identity import Authenticator
@@ -25,6 +27,7 @@ from services.gateway.ratelimit import RateLimiter
 from services.gateway.remote_router import RemoteRouter
 from services.gateway.servicer import SERVICE_NAME, GatewayServicer
 from services.router.config import RouterSettings
+from services.store.batches import BatchStore
 from services.store.connection import AnyRedis, redis_from_url
 from services.store.pipelined import PipelinedRedis, supports
 
@@ -122,18 +125,30 @@ async def start_gateway(
         )
         remote = RemoteRouter(inference_pb2_grpc.InferenceStub(channel), settings.internal_token)
     servicer = GatewayServicer(settings, gate, remote)  # embedded: the router is set once it has started
+    # Files and batches: their own pool, with time for a file's bytes (the limiter's calls have 0.25 s).
+    batch_redis = redis_from_url(settings.redis_url, 5.0, read_timeout_s=10.0) if settings.redis_url else None
+    batches = BatchesServicer(settings, gate, BatchStore(batch_redis) if batch_redis is not None else None)
+
+    def register(server: grpc.aio.Server) -> None:
+        inference_pb2_grpc.add_InferenceServicer_to_server(servicer, GuardedServer(server))  # type: ignore[arg-type]
+        batch_pb2_grpc.add_BatchesServicer_to_server(batches, GuardedServer(server))  # type: ignore[arg-type]
+
     try:
         running = await start_server(
             settings,
-            register=lambda server: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, GuardedServer(server)),  # type: ignore[arg-type]
-            service_names=[SERVICE_NAME],
+            register=register,
+            service_names=[SERVICE_NAME, BATCHES_SERVICE_NAME],
             serving=not settings.embed_router,
         )
     except BaseException:
         if channel is not None:
             await channel.close()
+        if batch_redis is not None:
+            await batch_redis.aclose()
         await gate.close()
         raise
+    if batch_redis is not None:
+        running.on_stop.append(batch_redis.aclose)
     where = settings.router_address
     if channel is not None:
         running.on_stop.append(channel.close)

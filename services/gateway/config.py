@@ -113,6 +113,16 @@ class GatewaySettings(StreamingSettings):
     """Default tenant policy: longest prompt, in estimated tokens (0 = unlimited)."""
     priority_class: int = Field(default=5, ge=0, le=9)
     """Default tenant policy: highest routing priority a request may ask for."""
+    batch_lines_in_flight: int = Field(default=50_000, ge=0)
+    """Default tenant policy: most lines of a tenant's unfinished batches at once (0 = unlimited)."""
+    batch_file_bytes: int = Field(default=256 * 1024 * 1024, ge=0)
+    """Default tenant policy: most bytes of files (Files API) a tenant stores (0 = unlimited)."""
+    batch_max_file_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=15 * 1024 * 1024)
+    """Largest file one upload may hold (below the 16 MiB gRPC message limit)."""
+    batch_max_lines: int = Field(default=50_000, ge=1)
+    """Most requests in one batch input file."""
+    batch_max_window_s: int = Field(default=86_400, ge=1)
+    """Longest completion window a batch may ask for (OpenAI's only value is "24h")."""
     tenant_policies: dict[str, dict[str, int]] = Field(default_factory=dict)
     """Per-tenant overrides, e.g. `{"acme": {"requests_per_minute": 60, "max_tokens": 512}}` (JSON in env)."""
 
@@ -126,6 +136,8 @@ class GatewaySettings(StreamingSettings):
             max_prompt_tokens=self.max_prompt_tokens,
             max_tokens=self.max_tokens_limit,
             priority=self.priority_class,
+            batch_lines_in_flight=self.batch_lines_in_flight,
+            batch_file_bytes=self.batch_file_bytes,
         )
         return PolicyBook(default, self.tenant_policies)
 

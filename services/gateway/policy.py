@@ -25,6 +25,8 @@ POLICY_FIELDS = (
     "max_prompt_tokens",
     "max_tokens",
     "priority",
+    "batch_lines_in_flight",
+    "batch_file_bytes",
 )
 _BYTES_PER_TOKEN = 3
 _MESSAGE_OVERHEAD = 4
@@ -43,6 +45,10 @@ class TenantPolicy:
     max_tokens: int = 4096
     priority: int = 5
     """Highest routing priority (0-9) this tenant may ask for; higher asks are lowered to it."""
+    batch_lines_in_flight: int = 50_000
+    """Most lines of this tenant's unfinished batches at once (0 = unlimited); a bigger batch is refused."""
+    batch_file_bytes: int = 256 * 1024 * 1024
+    """Most bytes of files this tenant stores (uploads and batch outputs; 0 = unlimited)."""
 
     @property
     def burst(self) -> int:

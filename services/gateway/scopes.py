@@ -3,7 +3,7 @@
 =============== ==========================================================
 scope           grants
 =============== ==========================================================
-``inference``   Generate, Complete, Chat, Embed and ListModels (the default)
+``inference``   Generate, Complete, Chat, Embed, ListModels, Files and Batches (the default)
 ``models:read`` ListModels only (dashboards, health checkers)
 ``*``           everything, including scopes added later
 =============== ==========================================================
@@ -37,6 +37,7 @@ _GRANTS: dict[str, frozenset[str]] = {
     "Chat": frozenset({INFERENCE, ALL}),
     "Embed": frozenset({INFERENCE, ALL}),
     "ListModels": frozenset({INFERENCE, MODELS_READ, ALL}),
+    "Batches": frozenset({INFERENCE, ALL}),  # every Files and Batches call
 }
 
 

@@ -22,6 +22,7 @@ SERVICES: dict[str, str] = {
     "gateway-http": "services.gateway.http",
     "router": "services.router",
     "cache": "services.cache",
+    "batch": "services.batch",
     "edge-worker": "services.edge_worker",
     "gpu-worker": "services.gpu_worker",
 }

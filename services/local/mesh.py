@@ -1,7 +1,8 @@
 """`meshserve up`: the whole mesh as local processes, health-gated, one merged log, clean stop.
 
 Topology (defaults): redis-server (unless a Redis URL is given; started with ``--maxmemory`` and
-``allkeys-lru``, see docs/cache.md), router, 2 edge workers, 1 cloud worker, cache admin, gateway.
+``allkeys-lru``, see docs/cache.md), router, 2 edge workers, 1 cloud worker, cache admin, gateway,
+one batch runner.
 Every service binds port 0 on loopback; its ``service_started`` log line tells us
 the port, and we wait on its gRPC health before starting what depends on it. The router starts
 first with no static worker list: the workers are given its address and register themselves by
@@ -88,6 +89,8 @@ class MeshConfig:
     tls_cert: str = ""
     """PEM certificate for Envoy's listener; with ``tls_key`` the front door speaks only TLS."""
     tls_key: str = ""
+    batch_runners: int = 1
+    """Batch runners (``services.batch``): they run the lines of /v1/batches batches in free capacity."""
     embed_router: bool = True
     """Run the router inside the gateway's process (the default; MESHSERVE_GATEWAY_EMBED_ROUTER,
     docs/gateway.md): no router process, the gateway starts first and the workers register with its
@@ -340,6 +343,17 @@ class Mesh:
                 await asyncio.gather(*(g.spawn() for g in gateways))
                 await asyncio.gather(*(g.wait_started(timeout) for g in gateways))
             await asyncio.gather(*(g.wait_serving(timeout) for g in gateways))
+            runners = [  # each names itself in the consumer group by host and pid
+                self._service(
+                    name,
+                    "services.batch",
+                    MESHSERVE_BATCH_REDIS_URL=self.redis_url,
+                    MESHSERVE_BATCH_ROUTER_ADDRESSES=routers,
+                )
+                for name in ["batch", *(f"batch-{i}" for i in range(1, cfg.batch_runners))]
+            ]
+            await asyncio.gather(*(r.spawn() for r in runners))
+            await asyncio.gather(*(r.wait_started(timeout) for r in runners))
             if cfg.envoy:  # last: Envoy only takes traffic once everything behind it serves
                 self.front_door = FrontDoor(
                     self.gateway_addresses,
@@ -418,7 +432,8 @@ class Mesh:
             self.front_door = None
         gateways = self._gateway_names()
         embedded = self.config.embed_router
-        first = ["cache"] if embedded else [*gateways, "cache"]
+        runners = [n for n in self.processes if n == "batch" or n.startswith("batch-")]
+        first = [*runners, "cache"] if embedded else [*runners, *gateways, "cache"]
         await asyncio.gather(*(self.processes[n].stop() for n in first if n in self.processes))
         last = ["router", *gateways] if embedded else ["router"]
         await asyncio.gather(*(p.stop() for n, p in self.processes.items() if n not in (*first, *last)))

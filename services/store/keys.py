@@ -267,3 +267,18 @@ def stored_response_key(scope: str, response_id: str) -> str:
     if not _SCOPE.match(scope):
         raise ValueError(f"not a tenant scope digest: {scope!r}")
     return f"{NAMESPACE}:{{s|{scope}}}:resp:{response_id}"
+
+
+# Files and batches (services/store/files.py, batches.py). Everything of one tenant's files and
+# batches shares one hash tag, ``{B|<scope digest>}`` (one slot: a batch's results, its counters and
+# the tenant's quota counters change together in one script); the work stream every batch runner
+# reads and the set of live batches are global, under ``{batchq}``.
+BATCH_WORK_STREAM = f"{NAMESPACE}:{{batchq}}:work"
+"""Stream of batch lines to run (consumer group ``runners``)."""
+BATCH_ACTIVE = f"{NAMESPACE}:{{batchq}}:active"
+"""Sorted set of live batches (``<tenant>\\t<batch id>``, by creation time) that runners sweep."""
+
+
+def batch_tenant_prefix(tenant: str) -> str:
+    """Prefix of every key of ``tenant``'s files and batches (the tenant never in clear)."""
+    return f"{NAMESPACE}:{{B|{scope_tag(tenant, False)}}}"

@@ -68,6 +68,8 @@ ROUTER_ENV = {
     "MESHSERVE_ROUTER_EJECT_MAX_S": "2",
     "MESHSERVE_ROUTER_READMIT_S": "0",
     "MESHSERVE_ROUTER_HEALTH_TIMEOUT_S": "1",
+    # The batch runner (test_batch_faults.py): a dead runner's lines are taken over after 3 s, not 30.
+    "MESHSERVE_BATCH_CLAIM_IDLE_S": "3",
 }
 
 

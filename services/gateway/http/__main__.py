@@ -19,7 +19,7 @@ from services.common.errors import ConfigError
 from services.common.grpc_compat import patch_grpc_aio
 from services.common.logging import configure_logging
 from services.common.metrics import start_metrics_server
-from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.pb.meshserve.v1 import batch_pb2_grpc, inference_pb2_grpc
 from services.common.serving import grpc_options
 from services.common.settings import load_settings
 from services.gateway.http.app import build_app
@@ -44,7 +44,13 @@ async def serve(settings: HttpAdapterSettings) -> tuple[web.AppRunner, int, grpc
         store = ResponseStore.from_url(
             settings.redis_url, ttl_s=settings.responses_ttl_s, timeout_s=settings.redis_timeout_s
         )
-    app = build_app(inference_pb2_grpc.InferenceStub(channel), settings.max_body_bytes, store)
+    app = build_app(
+        inference_pb2_grpc.InferenceStub(channel),
+        settings.max_body_bytes,
+        store,
+        batch_pb2_grpc.BatchesStub(channel),
+        settings.max_file_bytes,
+    )
     # handler_cancellation: a client that hangs up cancels its handler, hence the gRPC call upstream.
     # Header limits above Envoy's (60 KiB for all headers): Envoy rejects oversized headers with 431;
     # with aiohttp's 8 KiB default, a 9-60 KiB header passed Envoy and made aiohttp log a traceback.

@@ -35,9 +35,10 @@ from aiohttp.web_protocol import RequestPayloadError
 from services.common import metadata as md
 from services.common import tracing
 from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
+from services.common.pb.meshserve.v1 import batch_pb2_grpc, inference_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.gateway.http import openai_api as oa
+from services.gateway.http.batches import BatchRoutes, add_routes
 from services.gateway.http.embeddings import EmbeddingRoutes
 from services.gateway.http.metrics import metrics_middleware
 from services.gateway.http.responses import ResponseRoutes
@@ -55,7 +56,7 @@ CHAT_END_WAIT_S = 1.0
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
 ENDPOINTS = (
     "POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/responses,"
-    " GET|DELETE /v1/responses/{id}, GET /v1/models and GET /v1/models/{id}"
+    " GET|DELETE /v1/responses/{id}, GET /v1/models, GET /v1/models/{id}, /v1/files and /v1/batches"
 )
 
 
@@ -406,9 +407,12 @@ def build_app(
     gateway: inference_pb2_grpc.InferenceStub,
     max_body_bytes: int = 4 * 1024 * 1024,
     responses: ResponseStore | None = None,
+    batches: batch_pb2_grpc.BatchesStub | None = None,
+    max_file_bytes: int = 8 * 1024 * 1024,
 ) -> web.Application:
     """The aiohttp application: routes of the OpenAI API plus ``/healthz``; ``responses`` keeps the
-    stored responses of ``/v1/responses`` (None: none kept)."""
+    stored responses of ``/v1/responses`` (None: none kept); given the gateway's Batches stub,
+    ``/v1/files`` and ``/v1/batches`` (services/gateway/http/batches.py)."""
     handlers = OpenAIApp(gateway)
     app = web.Application(client_max_size=max_body_bytes, middlewares=[metrics_middleware, errors_middleware])
     app[MAX_BODY_KEY] = max_body_bytes
@@ -426,4 +430,6 @@ def build_app(
             await store.close()
 
         app.on_cleanup.append(close_store)
+    if batches is not None:
+        add_routes(app, BatchRoutes(batches, handlers._metadata, handlers._json, max_file_bytes))
     return app

@@ -36,3 +36,6 @@ class HttpAdapterSettings(ServiceSettings):
     answer 404. OpenAI keeps them 30 days."""
 
     _check_redis_url = field_validator("redis_url")(check_redis_url)
+    max_file_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    """Largest file a POST /v1/files upload may carry (the gateway's MESHSERVE_GATEWAY_BATCH_MAX_FILE_BYTES
+    applies too; keep them equal)."""

@@ -126,7 +126,7 @@ async def start_gateway(router_port: int, redis_url: str = "") -> RunningServer:
         router_address=f"127.0.0.1:{router_port}",
         api_keys=f"acme:{hash_api_key(API_KEY)},tiny:{hash_api_key(TINY_KEY)}",
         redis_url=redis_url,
-        tenant_policies={"tiny": {"requests_per_minute": 1, "request_burst": 1}},
+        tenant_policies={"tiny": {"requests_per_minute": 1, "request_burst": 1, "batch_lines_in_flight": 3}},
         internal_token=INTERNAL_TOKEN,
         shutdown_grace_s=0.5,
     )

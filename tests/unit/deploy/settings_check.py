@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic_settings import BaseSettings
 
+from services.batch.config import BatchSettings
 from services.cache.config import CacheSettings
 from services.common.tracing import TracingSettings
 from services.edge_worker.config import EdgeWorkerSettings
@@ -17,6 +18,7 @@ SETTINGS: list[type[BaseSettings]] = [
     HttpAdapterSettings,  # the front door's adapters (started by `meshserve frontdoor` with its env)
     RouterSettings,
     CacheSettings,
+    BatchSettings,
     EdgeWorkerSettings,
     GpuWorkerSettings,
     TracingSettings,

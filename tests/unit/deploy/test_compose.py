@@ -69,7 +69,7 @@ def test_every_container_command_is_a_meshserve_entry_point() -> None:
         checked += 1
         if "healthcheck" in service:
             assert commands.parse(service["healthcheck"]["test"][1:]).subcommand == "health", name
-    assert checked == 7  # models, edge-0, edge-1, cloud-0, gateway (router inside), cache, envoy
+    assert checked == 8  # models, edge-0, edge-1, cloud-0, gateway (router inside), cache, batch, envoy
 
 
 def test_the_gpu_override_reserves_one_gpu_per_tp_rank() -> None:

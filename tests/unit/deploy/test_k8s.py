@@ -84,7 +84,7 @@ def test_the_schema_validation_catches_mistakes(built: list[dict[str, Any]]) -> 
 
 
 def test_deployments_and_the_tp_statefulset(built: list[dict[str, Any]]) -> None:
-    for name in ("gateway", "cache", "edge-worker", "frontdoor"):
+    for name in ("gateway", "cache", "batch", "edge-worker", "frontdoor"):
         _find(built, "Deployment", name)
     assert not [r for r in built if r["metadata"]["name"] == "router"]  # it runs inside the gateways
     tp = _find(built, "StatefulSet", "gpu-worker")
@@ -103,7 +103,7 @@ def test_every_command_is_a_meshserve_entry_point(built: list[dict[str, Any]]) -
             parsed = commands.parse([_expand(a, env) for a in container["command"]])
             if parsed.subcommand == "serve":
                 served.add(parsed.args.service)
-    assert served == {"gateway", "cache", "edge-worker", "gpu-worker"}
+    assert served == {"gateway", "cache", "batch", "edge-worker", "gpu-worker"}
 
 
 def test_every_setting_is_a_field_of_its_service(built: list[dict[str, Any]]) -> None:
@@ -334,6 +334,7 @@ def test_every_worker_registers_with_every_gateway_replica(built: list[dict[str,
 K8S_OF_COMPOSE = {
     "gateway": "gateway",  # with its router (router-config)
     "cache": "cache",
+    "batch": "batch",
     "edge-0": "edge-worker",
     "cloud-0": "gpu-worker",
 }
@@ -356,7 +357,7 @@ def test_kubernetes_sets_what_compose_and_up_set(built: list[dict[str, Any]]) ->
         k8s_env = _container_env(built, container)
         for key, value in compose_model.service_env(compose[service]).items():
             assert key in k8s_env, f"{workload}: compose sets {key}, Kubernetes does not"
-            field = re.sub(r"^MESHSERVE_(GATEWAY|ROUTER|CACHE|EDGE_WORKER|GPU_WORKER)_", "", key)
+            field = re.sub(r"^MESHSERVE_(GATEWAY|ROUTER|CACHE|BATCH|EDGE_WORKER|GPU_WORKER)_", "", key)
             if field not in PER_ENVIRONMENT and key != "MESHSERVE_MODELS_DIR":
                 assert k8s_env[key] == value, f"{workload}: {key}"
 

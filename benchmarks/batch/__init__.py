@@ -1,0 +1,1 @@
+"""Batch API benchmarks: interactive latency while a batch runs (``priority``)."""
