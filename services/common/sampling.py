@@ -51,6 +51,9 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_TOKEN_ID = 2**31 - 1
 """Largest token id a ``logit_bias`` key may name before the model's vocabulary is known (the router
 and the workers then check it against the vocabulary: :meth:`SamplingParams.fit`)."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token a request may ask for with ``top_logprobs`` (OpenAI's chat limit; its
+legacy completions allow 5, which the HTTP adapter checks)."""
 CHAT_REPETITION_PENALTY = 1.15
 """``repetition_penalty`` of a chat turn that does not set one (generate requests get 1, off).
 
@@ -111,6 +114,10 @@ class SamplingParams:
     biases in [-100, 100], at most 300 entries."""
     min_tokens: int = 0
     """EOS and the stop strings are ignored until this many tokens have been generated (vLLM's)."""
+    logprobs: bool = False
+    """Return each generated token's logprob (:mod:`services.common.logprobs` says of which distribution)."""
+    top_logprobs: int = 0
+    """With ``logprobs``: also the this-many most likely tokens at each position, 0 to 20."""
 
     @property
     def penalized(self) -> bool:
@@ -156,6 +163,8 @@ class SamplingParams:
             out["logit_bias"] = [[int(t), _round(b)] for t, b in self.logit_bias]
         if self.min_tokens:
             out["min_tokens"] = int(self.min_tokens)
+        if self.logprobs:  # the router never caches these answers; the key still differs (collapsing)
+            out["logprobs"] = int(self.top_logprobs)
         if self.greedy:
             out["temperature"] = 0
             return out
@@ -220,6 +229,8 @@ def resolve_sampling(
     repetition_penalty: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
     min_tokens: int = 0,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
     chat: bool = False,
     limits: SamplingLimits = MESH_LIMITS,
 ) -> SamplingParams:
@@ -295,6 +306,12 @@ def resolve_sampling(
         raise InvalidArgument(
             f"sampling.min_tokens is {min_tokens}, above the limit of {limits.max_tokens}; ask for fewer"
         )
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(
+            f"sampling.top_logprobs must be between 0 and {MAX_TOP_LOGPROBS} (got {top_logprobs}); ask for fewer"
+        )
+    if top_logprobs and not logprobs:
+        raise InvalidArgument("sampling.top_logprobs needs sampling.logprobs; set logprobs to true or drop top_logprobs")
     return SamplingParams(
         max_tokens=int(max_tokens),
         temperature=float(temperature),
@@ -307,6 +324,8 @@ def resolve_sampling(
         repetition_penalty=float(repetition_penalty),
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in bias.items() if b != 0.0)),
         min_tokens=int(min_tokens),
+        logprobs=bool(logprobs),
+        top_logprobs=int(top_logprobs),
     )
 
 

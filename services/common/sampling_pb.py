@@ -29,6 +29,8 @@ def from_pb(
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else None,
         logit_bias=dict(msg.logit_bias),
         min_tokens=msg.min_tokens,
+        logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
         chat=chat,
         limits=limits,
     )
@@ -46,6 +48,8 @@ def to_pb(params: SamplingParams) -> inference_pb2.SamplingParams:
         repetition_penalty=params.repetition_penalty,  # always set: the receiver applies no default again
         logit_bias=dict(params.logit_bias),
         min_tokens=params.min_tokens,
+        logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs,
     )
     if params.seed is not None:
         msg.seed = params.seed

@@ -39,7 +39,7 @@ from tokenizers import Tokenizer
 from services.common.sampling import SamplingParams
 from services.edge_worker.graph import load_session
 from services.edge_worker.kvslots import KvSlots
-from services.edge_worker.sampler import pick
+from services.edge_worker.sampler import logprobs, pick
 from services.edge_worker.sequence import BatchedSequence
 from services.worker.types import EngineInfo, KVUsage, StepInterrupted
 
@@ -254,7 +254,11 @@ class BatchedEngine:
         if seq.kv_len < len(seq.tokens):
             carry.append(seq)  # more of its context to feed before it may choose a token
             return
-        token = pick(logits, seq.sampling, seq.rng, seq.penalties)
+        if seq.penalties is not None:  # the step's own row, read once: adjusted in place
+            logits = seq.penalties.apply(logits, in_place=True)
+        token = pick(logits, seq.sampling, seq.rng)
+        if seq.sampling.logprobs:  # of the distribution it was drawn from: penalties applied
+            seq.last_logprobs = logprobs(logits, token, seq.sampling.top_logprobs)
         if seq.penalties is not None:
             seq.penalties.record(token)
         seq.tokens.append(token)

@@ -179,6 +179,11 @@ class OgEngine:
     def check_sampling(self, sampling: SamplingParams) -> None:
         """Refuse (InvalidArgument) what this engine cannot apply; the worker calls it for every turn."""
         _refuse_penalties(sampling)
+        if sampling.logprobs:  # og's generator exposes no logits of the token it chose
+            raise InvalidArgument(
+                "this edge worker runs the onnxruntime-genai engine, which returns no logprobs; remove "
+                "logprobs / top_logprobs or use the batched edge engine (MESHSERVE_EDGE_WORKER_ENGINE=batched)"
+            )
 
     def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> OgSequence:
         return OgSequence(self._model, token_ids, sampling, replay=replay)

@@ -28,6 +28,7 @@ from services.worker.sessions import ChatSession, ChatSessions, HeldPrefix
 from services.worker.slots import Admission
 from services.worker.stats import WorkerCounters
 from services.worker.stops import StopStringMatcher
+from services.worker.token_texts import TokenTexts
 from services.worker.types import (
     QUEUED,
     Engine,
@@ -85,6 +86,7 @@ def run_sequence(
     counters: WorkerCounters,
     session: ChatSession | None = None,
     interrupter: PrefillInterrupter | None = None,
+    texts: TokenTexts | None = None,
 ) -> FinalEvent:
     """Generate one turn (blocking; call from a worker thread). Returns the final event.
 
@@ -94,6 +96,8 @@ def run_sequence(
     ``min_tokens``, before which stop strings are not looked for (the engine's sampler bans EOS).
     With a ``session`` the sequence is handed back to it afterwards (KV kept for the next turn),
     unless its prefill was interrupted by a cancel (``interrupter``): then it is closed.
+    With ``sampling.logprobs`` every token event carries the sequence's ``last_logprobs``, its token
+    texts from ``texts`` (the runner's cache of them).
     """
     context = request.prompt_ids + request.resume_ids
     sampling = request.sampling
@@ -111,6 +115,8 @@ def run_sequence(
     generated: list[int] = []
     interrupt = getattr(seq, "interrupt", None) if interrupter is not None else None
     interrupted = False  # the sequence may carry the interrupt: never keep it for another turn
+    if sampling.logprobs and texts is None:
+        texts = TokenTexts(engine.tokenizer)
     try:
         while True:
             if stop_flag.is_set():
@@ -144,7 +150,10 @@ def run_sequence(
                 text, stopped = stops.pass_through(detok.add(token)), False
             else:
                 text, stopped = stops.feed(detok.add(token))
-            emit(TokenEvent((token,), text))
+            if texts is not None:
+                emit(TokenEvent((token,), text, (texts.entry(seq.last_logprobs),)))  # type: ignore[attr-defined]
+            else:
+                emit(TokenEvent((token,), text))
             if stopped:
                 reason = FinishReason.STOP_STRING
                 break
@@ -182,13 +191,15 @@ def _coalesce(first: TokenEvent, queue: asyncio.Queue[TokenEvent | None] | Feed[
     """
     ids = list(first.token_ids)
     texts = [first.text]
+    logprobs = list(first.logprobs)
     waiting = queue._queue  # type: ignore[union-attr]  # a peek; asyncio.Queue has no public one
     while waiting and waiting[0] is not None:
         event = queue.get_nowait()
         assert event is not None
         ids.extend(event.token_ids)
         texts.append(event.text)
-    return TokenEvent(tuple(ids), "".join(texts))
+        logprobs.extend(event.logprobs)
+    return TokenEvent(tuple(ids), "".join(texts), tuple(logprobs))
 
 
 class Turn:
@@ -255,7 +266,14 @@ class Turn:
             def work() -> FinalEvent:
                 try:
                     return run_sequence(
-                        runner.engine, self.request, self._stop, emit, runner.counters, self.session, self._interrupter
+                        runner.engine,
+                        self.request,
+                        self._stop,
+                        emit,
+                        runner.counters,
+                        self.session,
+                        self._interrupter,
+                        runner.token_texts() if self.request.sampling.logprobs else None,
                     )
                 finally:
                     emit(None)
@@ -341,6 +359,13 @@ class Runner:
         self.counters = WorkerCounters()
         self.executor = ThreadPoolExecutor(max_workers=max_active, thread_name_prefix=f"{name}-seq")
         self.running: dict[asyncio.Future[FinalEvent], Turn] = {}
+        self._texts: TokenTexts | None = None
+
+    def token_texts(self) -> TokenTexts:
+        """The engine's token texts and bytes (logprobs frames), built on first use and kept."""
+        if self._texts is None:
+            self._texts = TokenTexts(self.engine.tokenizer)
+        return self._texts
 
     def turn(self, request: GenerationRequest, session: ChatSession | None = None) -> Turn:
         """A new turn; it counts as started once accepted (admitted or queued) by ``events()``.

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeshserve/v1/inference.proto\x12\x0cmeshserve.v1\"\xf5\x02\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x19\n\x11\x66requency_penalty\x18\x14 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x15 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x16 \x01(\x02H\x01\x88\x01\x01\x12?\n\nlogit_bias\x18\x17 \x03(\x0b\x32+.meshserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x18 \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"u\n\x0eRoutingOptions\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x10\n\x08priority\x18\x02 \x01(\r\x12/\n\x0c\x63\x61\x63he_policy\x18\x03 \x01(\x0e\x32\x19.meshserve.v1.CachePolicy\"\x8f\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12-\n\x07routing\x18\x04 \x01(\x0b\x32\x1c.meshserve.v1.RoutingOptions\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"c\n\tRouteInfo\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\tcache_hit\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x86\x01\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12&\n\x05route\x18\x03 \x01(\x0b\x32\x17.meshserve.v1.RouteInfo\"}\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\"\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x13.meshserve.v1.Final\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa5\x01\n\x08\x43hatTurn\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12-\n\x07routing\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.RoutingOptions\x12\r\n\x05model\x18\x04 \x01(\t\"\x08\n\x06\x43\x61ncel\"g\n\x0b\x43hatRequest\x12&\n\x04turn\x18\x01 \x01(\x0b\x32\x16.meshserve.v1.ChatTurnH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.meshserve.v1.CancelH\x00\x42\x08\n\x06\x61\x63tion\"\x87\x01\n\x0c\x43hatResponse\x12\x0c\n\x04turn\x18\x01 \x01(\r\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\"\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x13.meshserve.v1.Final\x12\x12\n\nrequest_id\x18\x06 \x01(\t\"\x13\n\x11ListModelsRequest\"R\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12!\n\x05tiers\x18\x02 \x03(\x0e\x32\x12.meshserve.v1.Tier\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.meshserve.v1.ModelInfo*J\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_AUTO\x10\x01\x12\r\n\tTIER_EDGE\x10\x02\x12\x0e\n\nTIER_CLOUD\x10\x03*}\n\x0b\x43\x61\x63hePolicy\x12\x1c\n\x18\x43\x41\x43HE_POLICY_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41\x43HE_POLICY_USE\x10\x01\x12\x17\n\x13\x43\x41\x43HE_POLICY_BYPASS\x10\x02\x12!\n\x1d\x43\x41\x43HE_POLICY_SHAREABLE_PREFIX\x10\x03*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xb7\x02\n\tInference\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12\x41\n\x04\x43hat\x12\x19.meshserve.v1.ChatRequest\x1a\x1a.meshserve.v1.ChatResponse(\x01\x30\x01\x12I\n\x08\x43omplete\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse\x12O\n\nListModels\x12\x1f.meshserve.v1.ListModelsRequest\x1a .meshserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeshserve/v1/inference.proto\x12\x0cmeshserve.v1\"\x9d\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x19\n\x11\x66requency_penalty\x18\x14 \x01(\x02\x12\x18\n\x10presence_penalty\x18\x15 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x16 \x01(\x02H\x01\x88\x01\x01\x12?\n\nlogit_bias\x18\x17 \x03(\x0b\x32+.meshserve.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x18 \x01(\r\x12\x10\n\x08logprobs\x18\x19 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x1a \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"u\n\x0eRoutingOptions\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x10\n\x08priority\x18\x02 \x01(\r\x12/\n\x0c\x63\x61\x63he_policy\x18\x03 \x01(\x0e\x32\x19.meshserve.v1.CachePolicy\"\x8f\x01\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12-\n\x07routing\x18\x04 \x01(\x0b\x32\x1c.meshserve.v1.RoutingOptions\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"c\n\tRouteInfo\x12 \n\x04tier\x18\x01 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x11\n\tcache_hit\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\"\x86\x01\n\x05\x46inal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x02 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12&\n\x05route\x18\x03 \x01(\x0b\x32\x17.meshserve.v1.RouteInfo\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"\x85\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x18.meshserve.v1.TopLogprob\"\xab\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\"\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x13.meshserve.v1.Final\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa5\x01\n\x08\x43hatTurn\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\x12.\n\x08sampling\x18\x02 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12-\n\x07routing\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.RoutingOptions\x12\r\n\x05model\x18\x04 \x01(\t\"\x08\n\x06\x43\x61ncel\"g\n\x0b\x43hatRequest\x12&\n\x04turn\x18\x01 \x01(\x0b\x32\x16.meshserve.v1.ChatTurnH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.meshserve.v1.CancelH\x00\x42\x08\n\x06\x61\x63tion\"\xb5\x01\n\x0c\x43hatResponse\x12\x0c\n\x04turn\x18\x01 \x01(\r\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\"\n\x05\x66inal\x18\x05 \x01(\x0b\x32\x13.meshserve.v1.Final\x12\x12\n\nrequest_id\x18\x06 \x01(\t\x12,\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\"R\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12!\n\x05tiers\x18\x02 \x03(\x0e\x32\x12.meshserve.v1.Tier\x12\x16\n\x0e\x63ontext_length\x18\x03 \x01(\r\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.meshserve.v1.ModelInfo*J\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\r\n\tTIER_AUTO\x10\x01\x12\r\n\tTIER_EDGE\x10\x02\x12\x0e\n\nTIER_CLOUD\x10\x03*}\n\x0b\x43\x61\x63hePolicy\x12\x1c\n\x18\x43\x41\x43HE_POLICY_UNSPECIFIED\x10\x00\x12\x14\n\x10\x43\x41\x43HE_POLICY_USE\x10\x01\x12\x17\n\x13\x43\x41\x43HE_POLICY_BYPASS\x10\x02\x12!\n\x1d\x43\x41\x43HE_POLICY_SHAREABLE_PREFIX\x10\x03*\x9b\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x32\xb7\x02\n\tInference\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12\x41\n\x04\x43hat\x12\x19.meshserve.v1.ChatRequest\x1a\x1a.meshserve.v1.ChatResponse(\x01\x30\x01\x12I\n\x08\x43omplete\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse\x12O\n\nListModels\x12\x1f.meshserve.v1.ListModelsRequest\x1a .meshserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,44 +33,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_TIER']._serialized_start=1768
-  _globals['_TIER']._serialized_end=1842
-  _globals['_CACHEPOLICY']._serialized_start=1844
-  _globals['_CACHEPOLICY']._serialized_end=1969
-  _globals['_FINISHREASON']._serialized_start=1972
-  _globals['_FINISHREASON']._serialized_end=2127
+  _globals['_TIER']._serialized_start=2122
+  _globals['_TIER']._serialized_end=2196
+  _globals['_CACHEPOLICY']._serialized_start=2198
+  _globals['_CACHEPOLICY']._serialized_end=2323
+  _globals['_FINISHREASON']._serialized_start=2326
+  _globals['_FINISHREASON']._serialized_end=2481
   _globals['_SAMPLINGPARAMS']._serialized_start=47
-  _globals['_SAMPLINGPARAMS']._serialized_end=420
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=340
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=388
-  _globals['_ROUTINGOPTIONS']._serialized_start=422
-  _globals['_ROUTINGOPTIONS']._serialized_end=539
-  _globals['_GENERATEREQUEST']._serialized_start=542
-  _globals['_GENERATEREQUEST']._serialized_end=685
-  _globals['_USAGE']._serialized_start=687
-  _globals['_USAGE']._serialized_end=766
-  _globals['_ROUTEINFO']._serialized_start=768
-  _globals['_ROUTEINFO']._serialized_end=867
-  _globals['_FINAL']._serialized_start=870
-  _globals['_FINAL']._serialized_end=1004
-  _globals['_GENERATERESPONSE']._serialized_start=1006
-  _globals['_GENERATERESPONSE']._serialized_end=1131
-  _globals['_CHATMESSAGE']._serialized_start=1133
-  _globals['_CHATMESSAGE']._serialized_end=1177
-  _globals['_CHATTURN']._serialized_start=1180
-  _globals['_CHATTURN']._serialized_end=1345
-  _globals['_CANCEL']._serialized_start=1347
-  _globals['_CANCEL']._serialized_end=1355
-  _globals['_CHATREQUEST']._serialized_start=1357
-  _globals['_CHATREQUEST']._serialized_end=1460
-  _globals['_CHATRESPONSE']._serialized_start=1463
-  _globals['_CHATRESPONSE']._serialized_end=1598
-  _globals['_LISTMODELSREQUEST']._serialized_start=1600
-  _globals['_LISTMODELSREQUEST']._serialized_end=1619
-  _globals['_MODELINFO']._serialized_start=1621
-  _globals['_MODELINFO']._serialized_end=1703
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1705
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1766
-  _globals['_INFERENCE']._serialized_start=2130
-  _globals['_INFERENCE']._serialized_end=2441
+  _globals['_SAMPLINGPARAMS']._serialized_end=460
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=380
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=428
+  _globals['_ROUTINGOPTIONS']._serialized_start=462
+  _globals['_ROUTINGOPTIONS']._serialized_end=579
+  _globals['_GENERATEREQUEST']._serialized_start=582
+  _globals['_GENERATEREQUEST']._serialized_end=725
+  _globals['_USAGE']._serialized_start=727
+  _globals['_USAGE']._serialized_end=806
+  _globals['_ROUTEINFO']._serialized_start=808
+  _globals['_ROUTEINFO']._serialized_end=907
+  _globals['_FINAL']._serialized_start=910
+  _globals['_FINAL']._serialized_end=1044
+  _globals['_TOPLOGPROB']._serialized_start=1046
+  _globals['_TOPLOGPROB']._serialized_end=1129
+  _globals['_TOKENLOGPROB']._serialized_start=1132
+  _globals['_TOKENLOGPROB']._serialized_end=1265
+  _globals['_GENERATERESPONSE']._serialized_start=1268
+  _globals['_GENERATERESPONSE']._serialized_end=1439
+  _globals['_CHATMESSAGE']._serialized_start=1441
+  _globals['_CHATMESSAGE']._serialized_end=1485
+  _globals['_CHATTURN']._serialized_start=1488
+  _globals['_CHATTURN']._serialized_end=1653
+  _globals['_CANCEL']._serialized_start=1655
+  _globals['_CANCEL']._serialized_end=1663
+  _globals['_CHATREQUEST']._serialized_start=1665
+  _globals['_CHATREQUEST']._serialized_end=1768
+  _globals['_CHATRESPONSE']._serialized_start=1771
+  _globals['_CHATRESPONSE']._serialized_end=1952
+  _globals['_LISTMODELSREQUEST']._serialized_start=1954
+  _globals['_LISTMODELSREQUEST']._serialized_end=1973
+  _globals['_MODELINFO']._serialized_start=1975
+  _globals['_MODELINFO']._serialized_end=2057
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2059
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2120
+  _globals['_INFERENCE']._serialized_start=2484
+  _globals['_INFERENCE']._serialized_end=2795
 # @@protoc_insertion_point(module_scope)
