@@ -19,7 +19,9 @@ def to_pb(entries: Iterable[TokenLogprob]) -> list[inference_pb2.TokenLogprob]:
             token_bytes=e.token_bytes,
             logprob=e.logprob,
             top_logprobs=[
-                inference_pb2.TopLogprob(token_id=t.token_id, token=t.token, token_bytes=t.token_bytes, logprob=t.logprob)
+                inference_pb2.TopLogprob(
+                    token_id=t.token_id, token=t.token, token_bytes=t.token_bytes, logprob=t.logprob
+                )
                 for t in e.top
             ],
         )

@@ -311,7 +311,9 @@ def resolve_sampling(
             f"sampling.top_logprobs must be between 0 and {MAX_TOP_LOGPROBS} (got {top_logprobs}); ask for fewer"
         )
     if top_logprobs and not logprobs:
-        raise InvalidArgument("sampling.top_logprobs needs sampling.logprobs; set logprobs to true or drop top_logprobs")
+        raise InvalidArgument(
+            "sampling.top_logprobs needs sampling.logprobs; set logprobs to true or drop top_logprobs"
+        )
     return SamplingParams(
         max_tokens=int(max_tokens),
         temperature=float(temperature),

@@ -45,8 +45,9 @@ class AnswerKeys:
         )
 
     def cache_key(self, req: TurnRequest, tier: TierName) -> str | None:
-        """:meth:`key`, or None when ``req`` must not use the cache (bypass, sampled, cache off)."""
-        if not (req.use_cache and self.cache.enabled and req.sampling.deterministic):
+        """:meth:`key`, or None when ``req`` must not use the cache (bypass, sampled, cache off, logprobs:
+        entries hold no logprobs, so such a request is neither answered from nor stored in the cache)."""
+        if not (req.use_cache and self.cache.enabled and req.sampling.deterministic) or req.sampling.logprobs:
             return None
         return self.key(req, tier)
 

@@ -30,6 +30,7 @@ from functools import partial
 
 from services.common import tracing
 from services.common.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted
+from services.common.logprobs import TokenLogprob
 from services.common.metrics import REQUEST_DURATION, TOKENS
 from services.common.sampling import SamplingParams
 from services.router.core import SERVICE, Router, Session
@@ -149,16 +150,18 @@ class RouterAPI:
         """:meth:`generate`'s events as one: all the output in one chunk, and the Done."""
         token_ids: list[int] = []
         texts: list[str] = []
+        logprobs: list[TokenLogprob] = []
         done: Done | None = None
         async with aclosing(self.generate(request, admission, deadline=deadline)) as events:
             async for event in events:
                 if isinstance(event, Chunk):
                     token_ids.extend(event.token_ids)
                     texts.append(event.text)
+                    logprobs.extend(event.logprobs)
                 else:
                     done = event
         assert done is not None  # a turn always ends with its Done
-        return Chunk(token_ids, "".join(texts)), done
+        return Chunk(token_ids, "".join(texts), tuple(logprobs)), done
 
     def chat(self, *, tenant: str = "", request_id: str = "", deadline: float | None = None) -> ChatSession:
         """A chat session: send it turns, read its events (see :class:`ChatSession`)."""

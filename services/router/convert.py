@@ -4,7 +4,7 @@ and the gateway's client of a remote router (services/gateway/remote_router.py).
 
 from __future__ import annotations
 
-from services.common import sampling_pb
+from services.common import logprobs_pb, sampling_pb
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import SamplingParams
@@ -137,7 +137,7 @@ def done_pb(done: Done) -> inference_pb2.Final:
 def event(frame: inference_pb2.GenerateResponse | inference_pb2.ChatResponse) -> Event:
     """The event a response frame carries (its request id and sequence number are the transport's)."""
     if not frame.HasField("final"):
-        return Chunk(list(frame.token_ids), frame.text)
+        return Chunk(list(frame.token_ids), frame.text, logprobs_pb.from_pb(frame.logprobs))
     final = frame.final
     route = Route(_TIER_FROM_PB.get(final.route.tier), final.route.worker_id, final.route.cache_hit, final.route.reason)
     return Done(int(final.finish_reason), final.usage.prompt_tokens, final.usage.completion_tokens, route)

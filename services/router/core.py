@@ -397,7 +397,7 @@ class Router:
                 progress.tokens.extend(frame.token_ids)
                 progress.tiers.add(choice.tier)
                 progress.text.append(frame.text)
-                yield Chunk(list(frame.token_ids), frame.text)
+                yield Chunk(list(frame.token_ids), frame.text, frame.logprobs)
             if frame.final is not None:
                 if not progress.tokens:
                     ROUTE_DECISIONS.labels(tier, choice.reason).inc()

@@ -14,6 +14,7 @@ from contextlib import aclosing
 import grpc
 import structlog
 
+from services.common import logprobs_pb
 from services.common.coalesce import FlushWindow, coalesced
 from services.common.errors import MeshError
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
@@ -49,7 +50,11 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
             async for event in events:
                 if isinstance(event, Chunk):
                     yield inference_pb2.GenerateResponse(
-                        request_id=request_id, sequence=seq, token_ids=event.token_ids, text=event.text
+                        request_id=request_id,
+                        sequence=seq,
+                        token_ids=event.token_ids,
+                        text=event.text,
+                        logprobs=logprobs_pb.to_pb(event.logprobs),
                     )
                 else:
                     yield inference_pb2.GenerateResponse(
@@ -65,7 +70,11 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
             generation = convert.generation(request, tenant=tenant, request_id=request_id)
         chunk, done = await self._api.complete(generation, deadline=deadline)
         return inference_pb2.GenerateResponse(
-            request_id=request_id, token_ids=chunk.token_ids, text=chunk.text, final=convert.done_pb(done)
+            request_id=request_id,
+            token_ids=chunk.token_ids,
+            text=chunk.text,
+            final=convert.done_pb(done),
+            logprobs=logprobs_pb.to_pb(chunk.logprobs),
         )
 
     async def Chat(
@@ -85,7 +94,11 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                         async for event in events:
                             if isinstance(event, Chunk):
                                 frame = inference_pb2.ChatResponse(
-                                    turn=turn, sequence=seq, token_ids=event.token_ids, text=event.text
+                                    turn=turn,
+                                    sequence=seq,
+                                    token_ids=event.token_ids,
+                                    text=event.text,
+                                    logprobs=logprobs_pb.to_pb(event.logprobs),
                                 )
                             else:
                                 frame = inference_pb2.ChatResponse(

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol
 
+from services.common.logprobs import TokenLogprob
 from services.common.sampling import SamplingParams
 from services.router.policy import TierName
 
@@ -105,6 +106,8 @@ class Chunk:
 
     token_ids: Sequence[int]
     text: str
+    logprobs: Sequence[TokenLogprob] = ()
+    """With ``sampling.logprobs``: one entry per token id, in order (empty otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ class TurnEvent:
 def merge(first: Event, then: Event) -> Chunk | None:
     """Two chunks that waited for the writer, as one (a Done stays an event of its own)."""
     if isinstance(first, Chunk) and isinstance(then, Chunk):
-        return Chunk([*first.token_ids, *then.token_ids], first.text + then.text)
+        return Chunk([*first.token_ids, *then.token_ids], first.text + then.text, (*first.logprobs, *then.logprobs))
     return None
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.common import errors
+from services.common.logprobs import TokenLogprob
 from services.common.sampling import SamplingParams
 from services.router.registry import Replica
 
@@ -61,6 +62,8 @@ class Frame:
     text: str
     queued: bool = False
     final: TurnFinal | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """With ``sampling.logprobs``: one entry per token id (the worker filled in their texts)."""
 
 
 class WorkerFailed(Exception):

@@ -62,7 +62,8 @@ class TokenTexts:
     def entry(self, sampled: SampledLogprobs) -> TokenLogprob:
         """The frame's entry for one sampled token."""
         text, raw = self.get(sampled.token_id)
-        return TokenLogprob(sampled.token_id, text, raw, sampled.logprob, self._top(sampled.top_ids, sampled.top_logprobs))
+        top = self._top(sampled.top_ids, sampled.top_logprobs)
+        return TokenLogprob(sampled.token_id, text, raw, sampled.logprob, top)
 
     def _top(self, ids: Sequence[int], logprobs: Sequence[float]) -> tuple[TopLogprob, ...]:
         out = []

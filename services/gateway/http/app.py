@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -180,6 +180,7 @@ class OpenAIApp:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         parsed, turn = oa.chat_request(await self._json(request))
+        with_logprobs = turn.turn.sampling.logprobs
         call = self._gateway.Chat(metadata=self._metadata(request))
         try:
             await call.write(turn)
@@ -189,8 +190,8 @@ class OpenAIApp:
             request_id = await _request_id(call)
             model = await self._served_model(parsed.model, request)
             if not parsed.stream:
-                text, final = await _collect(first, frames)
-                body = oa.chat_completion(request_id, model, text, final)
+                text, final, entries = await _collect(first, frames)
+                body = oa.chat_completion(request_id, model, text, final, entries if with_logprobs else None)
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
             response = await _sse_start(request, request_id)
@@ -199,11 +200,12 @@ class OpenAIApp:
             await _sse(response, oa.chat_chunk(request_id, model, role, None, created, usage))
             try:
                 end: pb.Final | None = None
-                async for text, last in _prepend(first, frames):
+                async for text, last, logprobs in _prepend(first, frames):
                     end = last
-                    if text:
+                    if text or logprobs:  # a token may come with no text yet (part of a character)
                         delta = {"content": text}
-                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage))
+                        lp = logprobs if with_logprobs else None
+                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, lp))
                 if end is not None:
                     chunk = oa.chat_chunk(request_id, model, {}, oa.finish_reason(end), created, usage)
                     await _sse(response, chunk)
@@ -222,7 +224,8 @@ class OpenAIApp:
         if not parsed.stream:
             reply = await self._gateway.Complete(generate, metadata=metadata)
             model = await self._served_model(parsed.model, request)
-            body = oa.completion(reply.request_id, model, reply.text, reply.final)
+            logprobs = oa.completion_logprobs(reply.logprobs) if generate.sampling.logprobs else None
+            body = oa.completion(reply.request_id, model, reply.text, reply.final, logprobs=logprobs)
             return web.json_response(body, headers={md.REQUEST_ID: reply.request_id})
         call = self._gateway.Generate(generate, metadata=metadata)
         try:
@@ -233,10 +236,17 @@ class OpenAIApp:
             model = await self._served_model(parsed.model, request)
             created = int(time.time())
             response = await _sse_start(request, request_id)
+            offset = 0  # characters of token text sent so far (text_offset)
             try:
-                async for text, final in _prepend(first, frames):
-                    if text or final is not None:
-                        chunk = oa.completion(request_id, model, text, final, created, False, parsed.include_usage)
+                async for text, final, entries in _prepend(first, frames):
+                    if text or entries or final is not None:
+                        logprobs = None
+                        if generate.sampling.logprobs:
+                            logprobs = oa.completion_logprobs(entries, offset)
+                            offset += sum(len(e.token) for e in entries)
+                        chunk = oa.completion(
+                            request_id, model, text, final, created, False, parsed.include_usage, logprobs
+                        )
                         await _sse(response, chunk)
                     if final is not None and parsed.include_usage:
                         usage = oa.usage_chunk("text_completion", request_id, model, final, created)
@@ -254,7 +264,8 @@ def _not_found(model: str) -> MeshError:
     return error
 
 
-Frame = tuple[str, pb.Final | None]
+Frame = tuple[str, pb.Final | None, Sequence[pb.TokenLogprob]]
+"""A frame's text, its final (last frame only) and its tokens' logprobs (empty unless asked for)."""
 
 
 async def _chat_frames(call: Any) -> AsyncIterator[Frame]:
@@ -266,7 +277,7 @@ async def _chat_frames(call: Any) -> AsyncIterator[Frame]:
     """
     async for frame in call:
         final = frame.final if frame.HasField("final") else None
-        yield frame.text, final
+        yield frame.text, final, frame.logprobs
         if final is not None:
             break
     try:
@@ -282,7 +293,7 @@ async def _generate_frames(call: Any, request_ids: list[str]) -> AsyncIterator[F
     async for frame in call:
         if not request_ids and frame.request_id:
             request_ids.append(frame.request_id)
-        yield frame.text, frame.final if frame.HasField("final") else None
+        yield frame.text, frame.final if frame.HasField("final") else None, frame.logprobs
 
 
 async def _first(frames: AsyncIterator[Frame]) -> Frame | None:
@@ -300,15 +311,17 @@ async def _prepend(first: Frame | None, frames: AsyncIterator[Frame]) -> AsyncIt
             yield frame
 
 
-async def _collect(first: Frame | None, frames: AsyncIterator[Frame]) -> tuple[str, pb.Final]:
+async def _collect(first: Frame | None, frames: AsyncIterator[Frame]) -> tuple[str, pb.Final, list[pb.TokenLogprob]]:
     parts: list[str] = []
+    logprobs: list[pb.TokenLogprob] = []
     final = None
-    async for text, last in _prepend(first, frames):
+    async for text, last, entries in _prepend(first, frames):
         parts.append(text)
+        logprobs.extend(entries)
         final = last
     if final is None:
         raise MeshError("the stream ended without a final frame; retry, and report it if it persists")
-    return "".join(parts), final
+    return "".join(parts), final, logprobs
 
 
 async def _request_id(call: Any) -> str:

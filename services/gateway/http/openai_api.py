@@ -18,12 +18,13 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.sampling import MAX_SEED
+from services.common.sampling import MAX_SEED, MAX_TOP_LOGPROBS
 
 OWNED_BY = "meshserve"
 
@@ -52,10 +53,12 @@ _ERROR_CODE = {
     "RESOURCE_EXHAUSTED": "rate_limit_exceeded",
 }
 UINT32_MAX = 2**32 - 1
+MAX_COMPLETION_LOGPROBS = 5
+"""Largest ``logprobs`` of a legacy completion (OpenAI's limit; chat's ``top_logprobs`` goes to 20)."""
+MIN_LOGPROB = -9999.0
+"""A logprob of -inf (a token the penalties banned) is sent as this, as OpenAI does: JSON has no -inf."""
 _UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = (
     # (field, values that change nothing, why it is refused otherwise)
-    ("logprobs", (False, 0), "logprobs are not supported"),
-    ("top_logprobs", (0,), "logprobs are not supported"),
     ("echo", (False,), "echo is not supported"),
     ("tools", ([],), "tool calls are not supported"),
     ("tool_choice", ("none", "auto"), "tool calls are not supported"),
@@ -251,9 +254,36 @@ def _content(message: dict[str, Any]) -> str:
     raise InvalidArgument("message 'content' must be a string or a list of text parts")
 
 
+def _chat_logprobs(body: dict[str, Any], sampling: pb.SamplingParams) -> None:
+    """Chat's ``logprobs`` (true/false) and ``top_logprobs`` (0 to 20, needs ``logprobs``: OpenAI's rule)."""
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise InvalidArgument(f"'logprobs' must be true or false (got {_show(wanted)})")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    if top and not wanted:
+        raise InvalidArgument(
+            "'top_logprobs' needs 'logprobs' set to true; add \"logprobs\": true or drop top_logprobs"
+        )
+    sampling.logprobs = bool(wanted)
+    sampling.top_logprobs = top
+
+
+def _completion_logprobs(body: dict[str, Any], sampling: pb.SamplingParams) -> None:
+    """A legacy completion's ``logprobs``: how many alternatives per token, 0 to 5 (null: off)."""
+    if body.get("top_logprobs") not in (None, 0):
+        raise InvalidArgument(
+            "'top_logprobs' is a chat completions field; a completion takes an integer 'logprobs' (0 to 5)"
+        )
+    top = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    if top is not None:
+        sampling.logprobs = True
+        sampling.top_logprobs = top
+
+
 def chat_request(body: dict[str, Any]) -> tuple[Parsed, pb.ChatRequest]:
     """An OpenAI chat completion request as the one turn of a Chat stream."""
     parsed, sampling = _common(body)
+    _chat_logprobs(body, sampling)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("'messages' must be a non-empty list of {'role': ..., 'content': ...}")
@@ -269,6 +299,7 @@ def chat_request(body: dict[str, Any]) -> tuple[Parsed, pb.ChatRequest]:
 def completion_request(body: dict[str, Any]) -> tuple[Parsed, pb.GenerateRequest]:
     """An OpenAI (legacy) completion request as a GenerateRequest."""
     parsed, sampling = _common(body)
+    _completion_logprobs(body, sampling)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -286,7 +317,56 @@ def usage(final: pb.Final) -> dict[str, int]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens}
 
 
-def chat_completion(request_id: str, model: str, text: str, final: pb.Final) -> dict[str, Any]:
+def _logprob(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
+
+
+def chat_logprobs(entries: Sequence[pb.TokenLogprob]) -> dict[str, Any]:
+    """A choice's ``logprobs`` for chat (a whole answer's, or one chunk's tokens)."""
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": _logprob(e.logprob),
+                "bytes": list(e.token_bytes),
+                "top_logprobs": [
+                    {"token": t.token, "logprob": _logprob(t.logprob), "bytes": list(t.token_bytes)}
+                    for t in e.top_logprobs
+                ],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: Sequence[pb.TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """A legacy completion's ``logprobs``: parallel lists. ``top_logprobs`` maps each alternative's text to
+    its logprob, the sampled token included (OpenAI: up to logprobs + 1 entries); ``text_offset`` is each
+    token's character offset in the generated text (``offset``: characters of it sent in earlier chunks)."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for e in entries:
+        tokens.append(e.token)
+        offsets.append(offset)
+        offset += len(e.token)
+    top: list[dict[str, float]] = []
+    for e in entries:
+        alternatives = {t.token: _logprob(t.logprob) for t in e.top_logprobs}
+        alternatives.setdefault(e.token, _logprob(e.logprob))
+        top.append(alternatives)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(e.logprob) for e in entries],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_completion(
+    request_id: str, model: str, text: str, final: pb.Final, logprobs: Sequence[pb.TokenLogprob] | None = None
+) -> dict[str, Any]:
+    """A whole chat answer; ``logprobs`` None: the request asked for none (``"logprobs": null``)."""
     return {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion",
@@ -296,7 +376,7 @@ def chat_completion(request_id: str, model: str, text: str, final: pb.Final) -> 
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": None if logprobs is None else chat_logprobs(logprobs),
                 "finish_reason": finish_reason(final),
             }
         ],
@@ -311,14 +391,23 @@ def chat_chunk(
     finish: str | None = None,
     created: int = 0,
     include_usage: bool = False,
+    logprobs: Sequence[pb.TokenLogprob] | None = None,
 ) -> dict[str, Any]:
-    """One streamed chunk; with ``include_usage`` it has ``"usage": null``, as OpenAI's chunks before the last."""
+    """One streamed chunk; with ``include_usage`` it has ``"usage": null``, as OpenAI's chunks before the last.
+    ``logprobs``: the chunk's tokens' (None: ``"logprobs": null``)."""
     chunk: dict[str, Any] = {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        "choices": [
+            {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+                "finish_reason": finish,
+            }
+        ],
     }
     if include_usage:
         chunk["usage"] = None
@@ -333,11 +422,12 @@ def completion(
     created: int = 0,
     with_usage: bool = True,
     null_usage: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A whole completion, or (``final`` None / ``with_usage`` False) one streamed chunk of one.
 
     ``null_usage``: a chunk of a stream with ``include_usage`` carries ``"usage": null`` (the last
-    chunk, from :func:`usage_chunk`, carries the counts).
+    chunk, from :func:`usage_chunk`, carries the counts). ``logprobs``: :func:`completion_logprobs`.
     """
     body: dict[str, Any] = {
         "id": f"cmpl-{request_id}",
@@ -345,7 +435,12 @@ def completion(
         "created": created or int(time.time()),
         "model": model,
         "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(final) if final else None}
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(final) if final else None,
+            }
         ],
     }
     if final is not None and with_usage:
