@@ -3,7 +3,8 @@
 Uses transformers' own logits warpers in ``generate``'s order and a per-sequence
 ``torch.Generator``, so a seed reproduces its tokens whatever else shares the batch. The sequence's
 penalties, ``logit_bias`` and ``min_tokens`` (:mod:`services.worker.penalties`) adjust its row first;
-the device sampler applies the same numbers from :attr:`Sampler.penalties`.
+the device sampler applies the same numbers from :attr:`Sampler.penalties`. A sequence that asks for
+logprobs gets them from that adjusted row (:attr:`Sampler.last_logprobs`), on the row's device.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from services.common.logprobs import SampledLogprobs
 from services.common.sampling import SamplingParams
-from services.gpu_worker.device_sampler import RowSampling
+from services.gpu_worker.device_sampler import RowSampling, tokens_and_logprobs
 from services.worker.penalties import Penalties, penalties_for
 
 _NO_IDS = cast(torch.LongTensor, torch.zeros(1, 1, dtype=torch.long))
@@ -35,6 +37,10 @@ class Sampler:
         """The sequence's penalties (None: none asked for); :meth:`record` keeps them current."""
         self.row = RowSampling.from_config(sampling)
         """The same parameters for the device sampler (engines running static decode steps use it)."""
+        self.top: int | None = sampling.top_logprobs if sampling.logprobs else None
+        """Alternatives per token for its logprobs (None: it asked for no logprobs)."""
+        self.last_logprobs: SampledLogprobs | None = None
+        """The logprobs of the token :meth:`pick` chose last (when ``top`` is not None)."""
         self._warpers = LogitsProcessorList()
         self._rng: torch.Generator | None = None
         if not self.greedy:
@@ -60,10 +66,15 @@ class Sampler:
         if self.penalties is not None:
             logits = apply_penalties(logits, self.penalties)
         if self.greedy:
-            return int(torch.argmax(logits, dim=-1).item())
-        scores = self._warpers(_NO_IDS, logits.cpu())
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, num_samples=1, generator=self._rng).item())
+            token = int(torch.argmax(logits, dim=-1).item())
+        else:
+            scores = self._warpers(_NO_IDS, logits.cpu())
+            probs = torch.softmax(scores, dim=-1)
+            token = int(torch.multinomial(probs, num_samples=1, generator=self._rng).item())
+        if self.top is not None:
+            chosen = torch.tensor([token], dtype=torch.int64, device=logits.device)
+            self.last_logprobs = tokens_and_logprobs(chosen, logits, [self.top])[1][0]
+        return token
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:
