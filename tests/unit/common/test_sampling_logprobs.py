@@ -12,9 +12,9 @@ from services.common.sampling import MAX_TOP_LOGPROBS, resolve_sampling
 
 def test_bounds_name_the_field() -> None:
     assert resolve_sampling(logprobs=True, top_logprobs=MAX_TOP_LOGPROBS).top_logprobs == 20
-    with pytest.raises(InvalidArgument, match="sampling.top_logprobs must be between 0 and 20"):
+    with pytest.raises(InvalidArgument, match=r"sampling\.top_logprobs must be between 0 and 20"):
         resolve_sampling(logprobs=True, top_logprobs=21)
-    with pytest.raises(InvalidArgument, match="sampling.top_logprobs needs sampling.logprobs"):
+    with pytest.raises(InvalidArgument, match=r"sampling\.top_logprobs needs sampling\.logprobs"):
         resolve_sampling(top_logprobs=2)
 
 
