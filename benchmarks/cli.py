@@ -1,7 +1,7 @@
 """``meshserve bench [SUBCOMMAND]``: the benchmark suites.
 
-``meshserve bench load|soak|gateways|relay|cancel|report|spec|tp-prefix|edge ...`` run the harness of issue 9 and the
-cloud engine's speculative/TP benchmark (each has
+``meshserve bench load|soak|gateways|relay|cancel|report|spec|tp-prefix|edge|edge-logprobs ...`` run the harness
+of issue 9, the cloud engine's speculative/TP benchmark and the edge tier's (each has
 ``-h``); anything else (``meshserve bench``, ``meshserve bench --only cloud``, ...) goes to
 :func:`benchmarks.mesh.run.main`, the mesh-overhead benchmark, unchanged.
 """
@@ -24,6 +24,10 @@ SUBCOMMANDS = {
     "edge": (
         "benchmarks.edge.mesh",
         "edge tier: single-stream roofline share, 16 vs 1 stream scaling, memory per stream",
+    ),
+    "edge-logprobs": (
+        "benchmarks.edge.logprobs",
+        "edge tier: per-token CPU at 16 streams with top_logprobs=5 vs without",
     ),
 }
 
