@@ -46,3 +46,12 @@ def test_logprobs_are_of_the_penalised_row() -> None:
     got = logprobs(adjusted, token, 2)
     assert token == 2 and list(got.top_ids) == [2, 3]
     assert got.logprob == pytest.approx(reference(adjusted)[2], abs=1e-6)
+
+
+def test_a_peaked_row_still_lists_the_top_tokens() -> None:
+    """Fewer than ``top`` logits near the maximum: the partial sort falls back to the whole row."""
+    row = np.zeros(1000, dtype=np.float32)
+    row[7], row[3], row[500] = 60.0, -1.0, 0.5
+    got = logprobs(row, 7, 3)
+    assert list(got.top_ids)[:2] == [7, 500] and row[got.top_ids[2]] == 0  # then one of the tied zeros
+    np.testing.assert_allclose(got.top_logprobs, reference(row)[[7, 500, 0]], atol=1e-5)
