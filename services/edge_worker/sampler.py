@@ -51,13 +51,13 @@ _TOP_WINDOW = 16.0
 
 def logprobs(logits: np.ndarray, token: int, top: int) -> SampledLogprobs:
     """``token``'s log-softmax over one row of logits ``[vocab]`` (the row :func:`pick` chose from, its
-        penalties applied) and the ``top`` most likely tokens, most likely first (equal logits listed by id;
+    penalties applied) and the ``top`` most likely tokens, most likely first (equal logits listed by id;
     which of several tied at the ``top``-th place make the list is unspecified, as with ``torch.topk``).
 
-        Two passes over the row (the shift by its maximum, then exp in place; float32, numpy's pairwise sum)
-        and, for ``top`` > 0, a partial sort of only the logits within :data:`_TOP_WINDOW` of the maximum
-        when at least ``top`` lie there (then the top ``top`` are all among them: exact), else of the whole
-        row. Paid only by rows that ask.
+    Two passes over the row (the shift by its maximum, then exp in place; float32, numpy's pairwise sum)
+    and, for ``top`` > 0, a partial sort of only the logits within :data:`_TOP_WINDOW` of the maximum
+    when at least ``top`` lie there (then the top ``top`` are all among them: exact), else of the whole
+    row. Paid only by rows that ask.
     """
     row = logits if logits.dtype == np.float32 else logits.astype(np.float32)
     shifted = row - row.max()
