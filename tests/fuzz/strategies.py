@@ -114,6 +114,7 @@ BIASES: dict[str, Any] = {
         st.dictionaries(_token_id, st.floats(-100, 100, width=32), max_size=3)
     ),
     "meshserve.v1.SamplingParams.min_tokens": _mostly(st.integers(0, 4)),
+    "meshserve.v1.SamplingParams.top_logprobs": _mostly(st.integers(0, 20)),
     "meshserve.v1.RoutingOptions.priority": _mostly(st.integers(0, 9)),
     "meshserve.v1.RoutingOptions.tier": _mostly(st.sampled_from([0, 1, 2, 3])),
     "meshserve.v1.RoutingOptions.cache_policy": _mostly(st.sampled_from([0, 1, 2, 3])),
