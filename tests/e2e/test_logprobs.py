@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator
 
+import grpc
 import openai
 import pytest
 
@@ -65,6 +66,20 @@ async def test_a_request_with_logprobs_is_never_answered_from_a_cache_entry_with
     for _ in range(2):  # nor stored: the second is computed again
         reply = await gateway.Complete(asking, metadata=auth())
         assert not reply.final.route.cache_hit and len(reply.logprobs) == len(reply.token_ids) > 0
+
+
+@pytest.mark.parametrize(
+    ("sampling", "needle"),
+    [
+        (pb.SamplingParams(logprobs=True, top_logprobs=21), "sampling.top_logprobs must be between 0 and 20"),
+        (pb.SamplingParams(top_logprobs=2), "sampling.top_logprobs needs sampling.logprobs"),
+    ],
+)
+async def test_grpc_bounds_are_invalid_argument_naming_the_field(gateway, sampling, needle: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await gateway.Complete(pb.GenerateRequest(prompt=PROMPT, sampling=sampling), metadata=auth())
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle in (info.value.details() or "")
 
 
 # -- the official openai client through Envoy ------------------------------------------------------------
