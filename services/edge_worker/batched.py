@@ -39,7 +39,7 @@ from tokenizers import Tokenizer
 from services.common.sampling import SamplingParams
 from services.edge_worker.graph import load_session
 from services.edge_worker.kvslots import KvSlots
-from services.edge_worker.sampler import logprobs, pick
+from services.edge_worker.sampler import pick
 from services.edge_worker.sequence import BatchedSequence
 from services.worker.types import EngineInfo, KVUsage, StepInterrupted
 
@@ -257,8 +257,8 @@ class BatchedEngine:
         if seq.penalties is not None:  # the step's own row, read once: adjusted in place
             logits = seq.penalties.apply(logits, in_place=True)
         token = pick(logits, seq.sampling, seq.rng)
-        if seq.sampling.logprobs:  # of the distribution it was drawn from: penalties applied
-            seq.last_logprobs = logprobs(logits, token, seq.sampling.top_logprobs)
+        if seq.sampling.logprobs:  # of the row it was drawn from (penalties applied), computed by its thread
+            seq.logprob_row = np.array(logits, dtype=np.float32, copy=True)
         if seq.penalties is not None:
             seq.penalties.record(token)
         seq.tokens.append(token)

