@@ -258,7 +258,10 @@ class BatchedEngine:
             logits = seq.penalties.apply(logits, in_place=True)
         token = pick(logits, seq.sampling, seq.rng)
         if seq.sampling.logprobs:  # of the row it was drawn from (penalties applied), computed by its thread
-            seq.logprob_row = np.array(logits, dtype=np.float32, copy=True)
+            if seq.logprob_row is None or seq.logprob_row.shape != logits.shape:
+                seq.logprob_row = np.empty(logits.shape, dtype=np.float32)
+            np.copyto(seq.logprob_row, logits)
+            seq.logprob_ready = True
         if seq.penalties is not None:
             seq.penalties.record(token)
         seq.tokens.append(token)

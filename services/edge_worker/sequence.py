@@ -74,9 +74,10 @@ class BatchedSequence:
         self.last_logprobs: SampledLogprobs | None = None
         """With ``sampling.logprobs``: the token ``step`` returned last, its logprob and top alternatives."""
         self.logprob_row: np.ndarray | None = None
-        """With ``sampling.logprobs``: a copy of the row the batch thread chose the token from; ``step``
-        computes the logprobs from it on this sequence's own thread, off the batch thread (which would
-        otherwise hold every row's next step for some 0.3 ms per asking row)."""
+        """With ``sampling.logprobs``: the sequence's scratch row, where the batch thread copies the row it
+        chose the token from (``logprob_ready``); ``step`` computes the logprobs from it, in place, on this
+        sequence's own thread, off the batch thread (which every row of a step waits on)."""
+        self.logprob_ready = False
 
     def _penalties(self, sampling: SamplingParams, prompt_len: int) -> Penalties | None:
         penalties = penalties_for(sampling, self.tokens[:prompt_len], self._engine.info.eos_token_ids)
@@ -95,9 +96,9 @@ class BatchedSequence:
         if isinstance(result, BaseException):
             raise result
         assert result is not None
-        row, self.logprob_row = self.logprob_row, None
-        if row is not None:
-            self.last_logprobs = logprobs(row, result, self.sampling.top_logprobs)
+        if self.logprob_ready and self.logprob_row is not None:  # the batch thread is done with it until submit
+            self.logprob_ready = False
+            self.last_logprobs = logprobs(self.logprob_row, result, self.sampling.top_logprobs, in_place=True)
         return result
 
     def finish(self, result: int | BaseException) -> None:

@@ -29,6 +29,9 @@ def test_logprobs_equal_a_reference_log_softmax(top: int) -> None:
     np.testing.assert_allclose(got.top_logprobs, want[order], atol=1e-5)
     assert list(got.top_logprobs) == sorted(got.top_logprobs, reverse=True)
     assert sum(np.exp(want)) == pytest.approx(1.0)
+    scratch = row.copy()
+    again = logprobs(scratch, token, top, in_place=True)  # the engine's way: in the sequence's scratch row
+    assert (again.logprob, list(again.top_ids)) == (got.logprob, list(got.top_ids))
 
 
 def test_ties_are_listed_by_id_and_a_sampled_token_need_not_be_the_best() -> None:
