@@ -39,7 +39,7 @@ from tokenizers import Tokenizer
 from services.common.sampling import SamplingParams
 from services.edge_worker.graph import load_session
 from services.edge_worker.kvslots import KvSlots
-from services.edge_worker.sampler import pick
+from services.edge_worker.sampler import logprobs_rows, pick
 from services.edge_worker.sequence import BatchedSequence
 from services.worker.types import EngineInfo, KVUsage, StepInterrupted
 
@@ -231,17 +231,24 @@ class BatchedEngine:
         done: list[tuple[BatchedSequence, int]] = []
         carry: list[BatchedSequence] = []
         decode: list[BatchedSequence] = []
+        asking: list[tuple[BatchedSequence, int, np.ndarray]] = []  # rows that want their logprobs
         for seq in batch:
             if seq.prefill_end - seq.kv_len >= 2:
                 logits = self._prefill(seq)
-                self._after(seq, logits, done, carry)
+                self._after(seq, logits, done, carry, asking)
             else:
                 decode.append(seq)
         if decode:
             decode = self._place(decode)
             logits = self._decode(decode)
             for row, seq in enumerate(decode):
-                self._after(seq, logits[row], done, carry)
+                self._after(seq, logits[row], done, carry, asking)
+        if asking:  # one whole-batch computation for the rows that ask (sampler.logprobs_rows)
+            rows = np.stack([row for _, _, row in asking]).astype(np.float32, copy=False)
+            tops = [seq.sampling.top_logprobs for seq, _, _ in asking]
+            found = logprobs_rows(rows, [token for _, token, _ in asking], tops)
+            for (seq, _, _), entry in zip(asking, found, strict=True):
+                seq.last_logprobs = entry
         return done, carry
 
     def _after(
@@ -250,6 +257,7 @@ class BatchedEngine:
         logits: np.ndarray,
         done: list[tuple[BatchedSequence, int]],
         carry: list[BatchedSequence],
+        asking: list[tuple[BatchedSequence, int, np.ndarray]],
     ) -> None:
         if seq.kv_len < len(seq.tokens):
             carry.append(seq)  # more of its context to feed before it may choose a token
@@ -257,11 +265,8 @@ class BatchedEngine:
         if seq.penalties is not None:  # the step's own row, read once: adjusted in place
             logits = seq.penalties.apply(logits, in_place=True)
         token = pick(logits, seq.sampling, seq.rng)
-        if seq.sampling.logprobs:  # of the row it was drawn from (penalties applied), computed by its thread
-            if seq.logprob_row is None or seq.logprob_row.shape != logits.shape:
-                seq.logprob_row = np.empty(logits.shape, dtype=np.float32)
-            np.copyto(seq.logprob_row, logits)
-            seq.logprob_ready = True
+        if seq.sampling.logprobs:  # of the row it was drawn from (penalties applied): after the step's rows
+            asking.append((seq, token, logits))
         if seq.penalties is not None:
             seq.penalties.record(token)
         seq.tokens.append(token)

@@ -15,7 +15,7 @@ import numpy as np
 
 from services.common.logprobs import SampledLogprobs
 from services.common.sampling import SamplingParams
-from services.edge_worker.sampler import logprobs, rng_for
+from services.edge_worker.sampler import rng_for
 from services.worker.penalties import Penalties, penalties_for
 from services.worker.types import EngineInfo
 
@@ -72,12 +72,8 @@ class BatchedSequence:
         self.prefill_tokens = len(self.tokens)
         """Tokens the next ``step`` computes before its token (the context, or a chat turn's new part)."""
         self.last_logprobs: SampledLogprobs | None = None
-        """With ``sampling.logprobs``: the token ``step`` returned last, its logprob and top alternatives."""
-        self.logprob_row: np.ndarray | None = None
-        """With ``sampling.logprobs``: the sequence's scratch row, where the batch thread copies the row it
-        chose the token from (``logprob_ready``); ``step`` computes the logprobs from it, in place, on this
-        sequence's own thread, off the batch thread (which every row of a step waits on)."""
-        self.logprob_ready = False
+        """With ``sampling.logprobs``: the token ``step`` returned last, its logprob and top alternatives (set
+        by the batch thread before it hands the token over)."""
 
     def _penalties(self, sampling: SamplingParams, prompt_len: int) -> Penalties | None:
         penalties = penalties_for(sampling, self.tokens[:prompt_len], self._engine.info.eos_token_ids)
@@ -96,9 +92,6 @@ class BatchedSequence:
         if isinstance(result, BaseException):
             raise result
         assert result is not None
-        if self.logprob_ready and self.logprob_row is not None:  # the batch thread is done with it until submit
-            self.logprob_ready = False
-            self.last_logprobs = logprobs(self.logprob_row, result, self.sampling.top_logprobs, in_place=True)
         return result
 
     def finish(self, result: int | BaseException) -> None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from services.common.sampling import SamplingParams
-from services.edge_worker.sampler import logprobs, pick
+from services.edge_worker.sampler import logprobs, logprobs_rows, pick
 from services.worker.penalties import Penalties
 
 
@@ -29,9 +29,18 @@ def test_logprobs_equal_a_reference_log_softmax(top: int) -> None:
     np.testing.assert_allclose(got.top_logprobs, want[order], atol=1e-5)
     assert list(got.top_logprobs) == sorted(got.top_logprobs, reverse=True)
     assert sum(np.exp(want)) == pytest.approx(1.0)
-    scratch = row.copy()
-    again = logprobs(scratch, token, top, in_place=True)  # the engine's way: in the sequence's scratch row
-    assert (again.logprob, list(again.top_ids)) == (got.logprob, list(got.top_ids))
+    assert np.array_equal(row, np.random.default_rng(7).standard_normal(49152).astype(np.float32) * 4)  # untouched
+
+
+def test_a_batch_of_rows_with_different_tops_equals_each_row_alone() -> None:
+    rows = np.random.default_rng(1).standard_normal((4, 3000)).astype(np.float32) * 3
+    tokens, tops = [5, 17, 2999, 0], [0, 3, 20, 1]
+    together = logprobs_rows(rows.copy(), tokens, tops)
+    for i in range(4):
+        alone = logprobs(rows[i], tokens[i], tops[i])
+        assert list(together[i].top_ids) == list(alone.top_ids) and len(alone.top_ids) == tops[i]
+        assert together[i].logprob == pytest.approx(reference(rows[i])[tokens[i]], abs=1e-5)
+        np.testing.assert_allclose(together[i].top_logprobs, alone.top_logprobs, atol=1e-6)
 
 
 def test_ties_are_listed_by_id_and_a_sampled_token_need_not_be_the_best() -> None:
