@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -121,6 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{extra:+.1f} % (target <= +{TARGET_PCT:g} %): {verdict}"
     )
     report = {
+        "date": began,
+        "command": "meshserve bench edge-logprobs " + " ".join(argv if argv is not None else sys.argv[1:]),
         "started": began,
         "streams": args.streams,
         "max_tokens": args.max_tokens,
