@@ -1,7 +1,7 @@
 """``meshserve bench [SUBCOMMAND]``: the benchmark suites.
 
-``meshserve bench load|soak|gateways|relay|cancel|report|spec|tp-prefix|edge|edge-n ...`` run the harness of
-issue 9 and the cloud engine's speculative/TP benchmark (each has
+``meshserve bench load|soak|gateways|relay|cancel|report|spec|tp-prefix|edge|edge-n|edge-logprobs|edge-structured``
+``...`` run the harness of issue 9, the cloud engine's speculative/TP benchmark and the edge tier's (each has
 ``-h``); anything else (``meshserve bench``, ``meshserve bench --only cloud``, ...) goes to
 :func:`benchmarks.mesh.run.main`, the mesh-overhead benchmark, unchanged.
 """
@@ -31,6 +31,10 @@ SUBCOMMANDS = {
         "edge tier: per-token CPU at 16 streams with a JSON-schema constraint vs without",
     ),
     "edge-n": ("benchmarks.edge.n_choices", "edge tier: n=4 choices vs four separate requests, time to the last token"),
+    "edge-logprobs": (
+        "benchmarks.edge.logprobs",
+        "edge tier: per-token CPU at 16 streams with top_logprobs=5 vs without",
+    ),
 }
 
 

@@ -126,6 +126,10 @@ TABLES: dict[str, list[Row]] = {
         Row("aggregate tok/s at 16 streams / at 1 stream", "edge.json", "≥ 4x",
             lambda d: _edge_round(d, 16) / _edge_round(d, 1), "x", lambda v: v >= 4.0, _EDGE),
     ],
+    "Edge tier: logprobs (issue 24)": [
+        Row("per-token CPU at 16 streams, top_logprobs=5 vs without", "edge_logprobs.json", "≤ +5 %",
+            lambda d: float(d["cpu_overhead_pct"]), "%", lambda v: v <= 5.0, "meshserve bench edge-logprobs"),
+    ],
     "Cloud tier vs transformers (issue 7)": [
         Row("tok/s at 16 streams / transformers generate_batch", "cloud.json", "≥ 2.5x",
             lambda d: _dig(d, "throughput", "16", "ours", "tokens_per_s")

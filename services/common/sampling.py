@@ -55,6 +55,9 @@ and the workers then check it against the vocabulary: :meth:`SamplingParams.fit`
 MAX_CHOICES = 16
 """Most choices (``n``) per request: the n sequences share the prompt's KV, and each needs a generation
 slot of the worker (an edge worker runs 16 rows per decode call)."""
+MAX_TOP_LOGPROBS = 20
+"""Most alternatives per token a request may ask for with ``top_logprobs`` (OpenAI's chat limit; its
+legacy completions allow 5, which the HTTP adapter checks)."""
 CHAT_REPETITION_PENALTY = 1.15
 """``repetition_penalty`` of a chat turn that does not set one (generate requests get 1, off).
 
@@ -115,6 +118,10 @@ class SamplingParams:
     biases in [-100, 100], at most 300 entries."""
     min_tokens: int = 0
     """EOS and the stop strings are ignored until this many tokens have been generated (vLLM's)."""
+    logprobs: bool = False
+    """Return each generated token's logprob (:mod:`services.common.logprobs` says of which distribution)."""
+    top_logprobs: int = 0
+    """With ``logprobs``: also the this-many most likely tokens at each position, 0 to 20."""
     structured: Constraint | None = None
     """Structured output: the generated text must match this JSON schema / JSON object / regex /
     grammar (:mod:`services.common.constraints`); the worker masks each step's logits to it."""
@@ -178,6 +185,8 @@ class SamplingParams:
             out["structured"] = self.structured.canonical()
         if self.n != 1:
             out["n"] = int(self.n)
+        if self.logprobs:  # the router never caches these answers; the key still differs (collapsing)
+            out["logprobs"] = int(self.top_logprobs)
         if self.greedy:
             out["temperature"] = 0
             return out
@@ -244,6 +253,8 @@ def resolve_sampling(
     min_tokens: int = 0,
     structured: Constraint | None = None,
     n: int = 1,
+    logprobs: bool = False,
+    top_logprobs: int = 0,
     chat: bool = False,
     limits: SamplingLimits = MESH_LIMITS,
 ) -> SamplingParams:
@@ -327,6 +338,14 @@ def resolve_sampling(
         )
     if not 1 <= n <= MAX_CHOICES:
         raise InvalidArgument(f"sampling.n must be between 1 and {MAX_CHOICES} (got {n}); ask for fewer choices")
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(
+            f"sampling.top_logprobs must be between 0 and {MAX_TOP_LOGPROBS} (got {top_logprobs}); ask for fewer"
+        )
+    if top_logprobs and not logprobs:
+        raise InvalidArgument(
+            "sampling.top_logprobs needs sampling.logprobs; set logprobs to true or drop top_logprobs"
+        )
     return SamplingParams(
         max_tokens=int(max_tokens),
         temperature=float(temperature),
@@ -341,6 +360,8 @@ def resolve_sampling(
         min_tokens=int(min_tokens),
         structured=structured,
         n=int(n),
+        logprobs=bool(logprobs),
+        top_logprobs=int(top_logprobs),
     )
 
 

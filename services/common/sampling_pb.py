@@ -32,6 +32,8 @@ def from_pb(
         min_tokens=msg.min_tokens,
         structured=structured_from_pb(msg.structured) if msg.HasField("structured") else None,
         n=msg.n if msg.HasField("n") else 1,
+        logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
         chat=chat,
         limits=limits,
     )
@@ -49,6 +51,8 @@ def to_pb(params: SamplingParams) -> inference_pb2.SamplingParams:
         repetition_penalty=params.repetition_penalty,  # always set: the receiver applies no default again
         logit_bias=dict(params.logit_bias),
         min_tokens=params.min_tokens,
+        logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs,
     )
     if params.seed is not None:
         msg.seed = params.seed

@@ -40,7 +40,7 @@ from services.common.errors import InvalidArgument
 from services.common.sampling import SamplingParams
 from services.edge_worker.graph import load_session
 from services.edge_worker.kvslots import KvSlots
-from services.edge_worker.sampler import pick
+from services.edge_worker.sampler import logprobs, logprobs_rows, pick
 from services.edge_worker.sequence import BatchedSequence
 from services.worker.grammar import GrammarCompiler, TokenConstraint
 from services.worker.types import EngineInfo, KVUsage, StepInterrupted
@@ -279,17 +279,24 @@ class BatchedEngine:
         done: list[tuple[BatchedSequence, int]] = []
         carry: list[BatchedSequence] = []
         decode: list[BatchedSequence] = []
+        asking: list[tuple[BatchedSequence, int, np.ndarray]] = []  # rows that want their logprobs
         for seq in batch:
             if seq.prefill_end - seq.kv_len >= 2:
                 logits = self._prefill(seq)
-                self._after(seq, logits, done, carry, batch)
+                self._after(seq, logits, done, carry, batch, asking)
             else:
                 decode.append(seq)
         if decode:
             decode = self._place(decode)
             logits = self._decode(decode)
             for row, seq in enumerate(decode):
-                self._after(seq, logits[row], done, carry, batch)
+                self._after(seq, logits[row], done, carry, batch, asking)
+        if asking:  # one whole-batch computation for the rows that ask (sampler.logprobs_rows)
+            rows = np.stack([row for _, _, row in asking]).astype(np.float32, copy=False)
+            tops = [seq.sampling.top_logprobs for seq, _, _ in asking]
+            found = logprobs_rows(rows, [token for _, token, _ in asking], tops)
+            for (seq, _, _), entry in zip(asking, found, strict=True):
+                seq.last_logprobs = entry
         return done, carry
 
     def _after(
@@ -299,15 +306,22 @@ class BatchedEngine:
         done: list[tuple[BatchedSequence, int]],
         carry: list[BatchedSequence],
         batch: list[BatchedSequence],
+        asking: list[tuple[BatchedSequence, int, np.ndarray]],
     ) -> None:
         if seq.kv_len < len(seq.tokens):
             carry.append(seq)  # more of its context to feed before it may choose a token
             return
-        if seq.forks:
+        if seq.forks:  # before the row is adjusted: each choice applies its own penalties
             forks, seq.forks = seq.forks, []
             for fork in forks:
                 self._fork(seq, fork, logits, batch)
-        token = pick(logits, seq.sampling, seq.rng, seq.penalties, seq.constraint)
+        if seq.penalties is not None:  # the step's own row, read once: adjusted in place
+            logits = seq.penalties.apply(logits, in_place=True)
+        # Logprobs are of the row after the penalties, before the grammar's mask (which edits the row).
+        row = logits.copy() if seq.sampling.logprobs and seq.constraint is not None else logits
+        token = pick(logits, seq.sampling, seq.rng, None, seq.constraint)
+        if seq.sampling.logprobs:  # of the row it was drawn from (penalties applied): after the step's rows
+            asking.append((seq, token, row))
         if seq.penalties is not None:
             seq.penalties.record(token)
         if seq.constraint is not None:
@@ -333,7 +347,13 @@ class BatchedEngine:
             fork.prefill_end = max(fork.prefill_end, fork.kv_len)
             fork.prefill_tokens = 0
             fork.last_used = source.last_used
-            token = pick(logits.copy(), fork.sampling, fork.rng, fork.penalties, fork.constraint)  # edits the row
+            row = logits.copy()  # the source's row, before its own penalties: this choice applies its own
+            if fork.penalties is not None:
+                row = fork.penalties.apply(row, in_place=True)
+            kept = row.copy() if fork.sampling.logprobs else None
+            token = pick(row, fork.sampling, fork.rng, None, fork.constraint)
+            if kept is not None:
+                fork.last_logprobs = logprobs(kept, token, fork.sampling.top_logprobs)
             if fork.penalties is not None:
                 fork.penalties.record(token)
             if fork.constraint is not None:

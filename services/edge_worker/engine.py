@@ -185,6 +185,11 @@ class OgEngine:
                 "sampling.structured (response_format) needs the batched edge engine; this worker runs the og "
                 "engine (MESHSERVE_EDGE_WORKER_ENGINE=og): send the request without it or to the cloud tier"
             )
+        if sampling.logprobs:  # og's generator exposes no logits of the token it chose
+            raise InvalidArgument(
+                "this edge worker runs the onnxruntime-genai engine, which returns no logprobs; remove "
+                "logprobs / top_logprobs or use the batched edge engine (MESHSERVE_EDGE_WORKER_ENGINE=batched)"
+            )
 
     def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> OgSequence:
         return OgSequence(self._model, token_ids, sampling, replay=replay)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from services.common.logprobs import SampledLogprobs
 from services.common.sampling import SamplingParams
 from services.edge_worker.sampler import rng_for
 from services.worker.grammar import TokenConstraint
@@ -90,6 +91,9 @@ class BatchedSequence:
         self._result: int | BaseException | None = None
         self.prefill_tokens = len(self.tokens)
         """Tokens the next ``step`` computes before its token (the context, or a chat turn's new part)."""
+        self.last_logprobs: SampledLogprobs | None = None
+        """With ``sampling.logprobs``: the token ``step`` returned last, its logprob and top alternatives (set
+        by the batch thread before it hands the token over)."""
 
     def _penalties(self, sampling: SamplingParams, prompt_len: int) -> Penalties | None:
         penalties = penalties_for(sampling, self.tokens[:prompt_len], self._engine.info.eos_token_ids)

@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator
 import grpc
 import structlog
 
+from services.common import logprobs_pb
 from services.common import metadata as md
 from services.common.interceptors import outbound_metadata
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
@@ -92,7 +93,7 @@ class RemoteRouter:
             call.cancel()
         done = convert.event(pb.GenerateResponse(final=reply.final))
         assert isinstance(done, Done)
-        return Chunk(list(reply.token_ids), reply.text), done
+        return Chunk(list(reply.token_ids), reply.text, logprobs=logprobs_pb.from_pb(reply.logprobs)), done
 
     async def list_models(self, *, deadline: float | None = None) -> list[ModelInfo]:
         call = self._stub.ListModels(pb.ListModelsRequest(), metadata=self._metadata(), timeout=_timeout(deadline))

@@ -23,8 +23,8 @@ from typing import Any
 import grpc
 import structlog
 
+from services.common import logprobs_pb, tracing
 from services.common import metadata as md
-from services.common import tracing
 from services.common.coalesce import coalesced
 from services.common.errors import DeadlineExceeded, InvalidArgument, MeshError, Unavailable
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
@@ -250,6 +250,8 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                                 text=event.text,
                                 index=event.index,
                             )
+                            if event.logprobs:
+                                frame.logprobs.extend(logprobs_pb.to_pb(event.logprobs))
                         else:
                             final = convert.done_pb(event)
                             observed.frame(0, final, ticket)
@@ -274,7 +276,13 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                 observed.frame(len(chunk.token_ids), final, ticket)
             finally:
                 self._settle_once_admitted(admission.decision)
-            return pb.GenerateResponse(request_id=request_id, token_ids=chunk.token_ids, text=chunk.text, final=final)
+            return pb.GenerateResponse(
+                request_id=request_id,
+                token_ids=chunk.token_ids,
+                text=chunk.text,
+                final=final,
+                logprobs=logprobs_pb.to_pb(chunk.logprobs),
+            )
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -398,6 +406,8 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
                             tool_calls=convert.tool_calls_pb(chunk.tool_calls),
                             index=chunk.index,
                         )
+                        if chunk.logprobs:
+                            frame.logprobs.extend(logprobs_pb.to_pb(chunk.logprobs))
                     else:
                         final = convert.done_pb(event.event)
                         observed.frame(0, final, turns[0] if turns else None)

@@ -28,6 +28,10 @@ Structured output (services/worker/grammar.py): a constrained row's allowed toke
 (int32 words, one bit per token) in a ``[max_rows, words]`` buffer, unpacked on the device and applied
 after the penalties (a disallowed token's logit becomes -inf); other rows' words are all ones, which
 leaves their logits bit-identical. A batch without any constrained row skips it (its own graph).
+
+Logprobs (:func:`tokens_and_logprobs`): for the rows that ask only, the log-softmax of the penalised
+logits, the chosen token's entry and a ``topk`` are computed on the device after the step, and fetched
+with the step's token ids in one device-to-host copy; a step without such rows runs as before.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from services.common.logprobs import SampledLogprobs
 from services.common.sampling import SamplingParams
 from services.worker.penalties import Penalties
 
@@ -263,9 +268,60 @@ def sample_rows(
 ) -> list[int]:
     """The eager steps' counterpart of the static step's sampling: ``logits`` ``[n, vocab]`` float32 on
     the device, one token id per row (one device-to-host copy)."""
+    return sample_rows_with_logprobs(logits, rows, steps, penalties, masks=masks)[0]
+
+
+def sample_rows_with_logprobs(
+    logits: Tensor,
+    rows: list[RowSampling],
+    steps: list[int],
+    penalties: list[Penalties | None] | None = None,
+    tops: list[int | None] | None = None,
+    masks: Sequence[np.ndarray | None] = (),
+) -> tuple[list[int], list[SampledLogprobs | None]]:
+    """:func:`sample_rows`, plus the logprobs of the rows whose ``tops`` entry is not None (that many
+    alternatives each): see :func:`tokens_and_logprobs`. Still one device-to-host copy."""
     buffers = SamplingBuffers(len(rows), logits.device)
     sampled = buffers.fill(rows, steps)
-    penalized = penalties is not None and buffers.fill_penalties(penalties, logits.shape[-1])
-    constrained = bool(masks) and buffers.fill_masks(masks, logits.shape[-1])
-    chosen = buffers.sample(logits, sampled=sampled, penalized=penalized, constrained=constrained)
-    return [int(t) for t in chosen.tolist()]
+    if penalties is not None and buffers.fill_penalties(penalties, logits.shape[-1]):
+        logits = buffers.penalize(logits)  # what the tokens are drawn from, and the logprobs are of
+    constrained = bool(masks) and buffers.fill_masks(masks, logits.shape[-1])  # the mask: after the logprobs
+    chosen = buffers.sample(logits, sampled=sampled, constrained=constrained)
+    return tokens_and_logprobs(chosen, logits, tops or [])
+
+
+def tokens_and_logprobs(
+    tokens: Tensor, logits: Tensor, tops: list[int | None]
+) -> tuple[list[int], list[SampledLogprobs | None]]:
+    """The step's token ids ``tokens`` ``[n]`` (int64, on the device) and, for each row ``i`` with
+    ``tops[i]`` not None, the logprob of its token under ``logits[i]`` (the penalised logits it was drawn
+    from) with its ``tops[i]`` most likely tokens, most likely first.
+
+    The log-softmax and ``topk`` run on the device over those rows only; ids and numbers travel back
+    together as one float64 tensor (ids below 2**53 are exact), so a step still makes one device-to-host
+    copy. Rows without an entry in ``tops`` (or ``tops`` shorter than the batch) get None.
+    """
+    n = tokens.shape[0]
+    wanted = [i for i, top in enumerate(tops[:n]) if top is not None]
+    if not wanted:
+        return [int(t) for t in tokens.tolist()], [None] * n
+    k = max(int(tops[i] or 0) for i in wanted)
+    index = torch.tensor(wanted, dtype=torch.int64, device=logits.device)
+    scores = torch.log_softmax(logits.index_select(0, index).to(torch.float32), dim=-1)
+    chosen = scores.gather(1, tokens.index_select(0, index)[:, None]).squeeze(1)
+    parts = [tokens.to(torch.float64), chosen.to(torch.float64)]
+    if k:
+        values, ids = scores.topk(min(k, scores.shape[-1]), dim=-1)
+        parts += [values.to(torch.float64).flatten(), ids.to(torch.float64).flatten()]
+    flat = torch.cat(parts).tolist()
+    ids_out = [int(t) for t in flat[:n]]
+    out: list[SampledLogprobs | None] = [None] * n
+    m = len(wanted)
+    width = min(k, scores.shape[-1])
+    for j, i in enumerate(wanted):
+        top = int(tops[i] or 0)
+        base = n + m + j * width
+        top_ids = [int(t) for t in flat[base + m * width : base + m * width + top]] if top else []
+        top_lps = flat[base : base + top] if top else []
+        out[i] = SampledLogprobs(ids_out[i], flat[n + j], top_ids, top_lps)
+    return ids_out, out

@@ -38,6 +38,7 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, GenerationConfig
 
 from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.logprobs import SampledLogprobs
 from services.common.sampling import SamplingParams
 from services.gpu_worker import embed as embedding
 from services.gpu_worker import kv_transfer
@@ -129,6 +130,8 @@ class CloudSequence:
         """Tokens this sequence ran through the model before its first token (known after it; a fork: 0)."""
         self._closed = False
         self._interrupted = False
+        self.last_logprobs: SampledLogprobs | None = None
+        """With ``sampling.logprobs``: those of the token ``step`` returned last."""
 
     def interrupt(self) -> None:
         """End the pending (or next) step with StepInterrupted after the scheduler step in flight (one
@@ -165,6 +168,7 @@ class CloudSequence:
         if first:
             engine.count_prefill(self.state)
             self.prefill_tokens = self.state.prefilled + len(self._replay)
+        self.last_logprobs = self.state.last_logprobs  # set by next_token when logprobs were asked for
         return token
 
     def close(self) -> None:

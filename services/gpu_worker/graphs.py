@@ -21,7 +21,10 @@ replayed (the recipe of vLLM's FULL_DECODE_ONLY, nano-vllm and SGLang):
   slots, context lengths, block tables ``[max_batch, max_width]``, the sampling parameters
   (device_sampler.py) and the chosen token ids. A step fills them (one host-to-device copy each),
   runs the step for a ``[:bucket]`` / ``[:bucket, :width]`` slice, and copies the ``[:n]`` chosen ids
-  to the host once (``.tolist()``). Sampling happens on the device inside the step.
+  to the host once (``.tolist()``). Sampling happens on the device inside the step. Rows that ask for
+  logprobs get them after the step, outside the graph, from the step's logits (a static tensor of
+  the graph's pool), on the device, fetched in that same one copy (device_sampler.py
+  ``tokens_and_logprobs``): a graph stays the same whether or not a row asks.
 * On CUDA each (bucket, width, sampled, penalized) step is captured as a ``torch.cuda.CUDAGraph`` the first
   time that width is needed, every bucket at once, largest first, into one shared memory pool,
   after one eager warm-up run per shape on a side stream (so nothing allocates or synchronises
@@ -46,7 +49,8 @@ import structlog
 import torch
 from torch import Tensor
 
-from services.gpu_worker.device_sampler import RowSampling, SamplingBuffers
+from services.common.logprobs import SampledLogprobs
+from services.gpu_worker.device_sampler import RowSampling, SamplingBuffers, tokens_and_logprobs
 from services.gpu_worker.model import KVCache, LlamaModel
 from services.gpu_worker.plan import Segment
 from services.worker.penalties import Penalties
@@ -90,6 +94,8 @@ def _ceil(values: list[int], n: int) -> int:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     out: Tensor
+    logits: Tensor
+    """The step's logits (before penalties), as the graph leaves them after each replay."""
 
 
 class StaticDecoder:
@@ -122,6 +128,7 @@ class StaticDecoder:
         self.tables = torch.full((max_batch, self.widths[-1]), pad_block, dtype=torch.int64, device=device)
         self.sampling = SamplingBuffers(max_batch, device)
         self.out = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self._logits: Tensor | None = None  # the last eager ``_run``'s (or capture's) logits
         self._graphs: dict[tuple[int, int, bool, bool, bool], _Graph] = {}
         self._pool: _POOL_HANDLE | None = None
         self.graph_bytes = 0
@@ -150,6 +157,20 @@ class StaticDecoder:
         """The next token of each segment (one device-to-host copy). ``rows``/``steps``/``penalties``/``masks``:
         each segment's sampling parameters, how many tokens its sequence has generated (the noise
         counter), its penalties and its structured-output bitmask (None, or an empty sequence: none)."""
+        return self.step_with_logprobs(segments, rows, steps, penalties, masks=masks)[0]
+
+    def step_with_logprobs(
+        self,
+        segments: Sequence[Segment],
+        rows: Sequence[RowSampling],
+        steps: Sequence[int],
+        penalties: Sequence[Penalties | None] = (),
+        tops: Sequence[int | None] = (),
+        masks: Sequence[np.ndarray | None] = (),
+    ) -> tuple[list[int], list[SampledLogprobs | None]]:
+        """:meth:`step`, plus the logprobs of the segments whose ``tops`` entry is not None (that many
+        alternatives each; see the module docstring), in the same device-to-host copy. Logprobs are of
+        the penalised logits, before the structured-output mask."""
         n = len(segments)
         bt = self.cache.block_tokens
         bucket = _ceil(self.buckets, n)
@@ -183,10 +204,18 @@ class StaticDecoder:
                 graph = self._graphs[key]
             graph.graph.replay()
             self.replays += 1
-            out = graph.out
+            out, logits = graph.out, graph.logits
         else:
             out = self._run(bucket, width, sampled, penalized, constrained)
-        return [int(t) for t in out[:n].tolist()]
+            assert self._logits is not None
+            logits = self._logits
+        if not any(top is not None for top in tops):
+            return [int(t) for t in out[:n].tolist()], [None] * n
+        with torch.inference_mode():
+            scores = logits[:n]
+            if penalized:  # the buffers still hold this step's penalties
+                scores = self.sampling.penalize(scores)
+            return tokens_and_logprobs(out[:n], scores, list(tops))
 
     @torch.inference_mode()
     def _run(
@@ -200,6 +229,7 @@ class StaticDecoder:
             self.tables[:bucket, :width],
             self.cache,
         )
+        self._logits = logits
         self.out[:bucket].copy_(
             self.sampling.sample(logits, sampled=sampled, penalized=penalized, constrained=constrained)
         )
@@ -243,7 +273,8 @@ class StaticDecoder:
             # thread_local: a speculative verify pass or a KV import on another thread may use CUDA meanwhile.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 out = self._run(bucket, width, sampled, penalized, constrained)
-            self._graphs[(bucket, width, sampled, penalized, constrained)] = _Graph(graph, out)
+            assert self._logits is not None
+            self._graphs[(bucket, width, sampled, penalized, constrained)] = _Graph(graph, out, self._logits)
         torch.cuda.synchronize(self.tokens.device)
         self.graph_bytes += torch.cuda.memory_reserved(self.tokens.device) - before
         log.info(

@@ -5,6 +5,8 @@ Uses transformers' own logits warpers in ``generate``'s order and a per-sequence
 penalties, ``logit_bias`` and ``min_tokens`` (:mod:`services.worker.penalties`) adjust its row first,
 then its structured-output constraint (:mod:`services.worker.grammar`) masks it; the device sampler
 applies the same numbers from :attr:`Sampler.penalties` and the same mask from :attr:`Sampler.constraint`.
+A sequence that asks for logprobs gets them from the row after the penalties, before the mask
+(:attr:`Sampler.last_logprobs`), on the row's device.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from services.common.logprobs import SampledLogprobs
 from services.common.sampling import SamplingParams
-from services.gpu_worker.device_sampler import RowSampling
+from services.gpu_worker.device_sampler import RowSampling, tokens_and_logprobs
 from services.worker.grammar import TokenConstraint
 from services.worker.penalties import Penalties, penalties_for
 
@@ -46,6 +49,10 @@ class Sampler:
         """The sequence's structured-output grammar state (None: unconstrained); :meth:`record` advances it."""
         self.row = RowSampling.from_config(sampling)
         """The same parameters for the device sampler (engines running static decode steps use it)."""
+        self.top: int | None = sampling.top_logprobs if sampling.logprobs else None
+        """Alternatives per token for its logprobs (None: it asked for no logprobs)."""
+        self.last_logprobs: SampledLogprobs | None = None
+        """The logprobs of the token :meth:`pick` chose last (when ``top`` is not None)."""
         self._warpers = LogitsProcessorList()
         self._rng: torch.Generator | None = None
         if not self.greedy:
@@ -77,14 +84,20 @@ class Sampler:
         """The next token from a ``[1, vocab]`` float32 logits row (the caller then calls :meth:`record`)."""
         if self.penalties is not None:
             logits = apply_penalties(logits, self.penalties)
+        adjusted = logits  # what the logprobs are of: penalties applied, before the grammar's mask
         if self.constraint is not None:
             allowed = torch.from_numpy(self.constraint.allowed()).to(logits.device)
             logits = logits.masked_fill(~allowed[None, : logits.shape[-1]], float("-inf"))
         if self.greedy:
-            return int(torch.argmax(logits, dim=-1).item())
-        scores = self._warpers(_NO_IDS, logits.cpu())
-        probs = torch.softmax(scores, dim=-1)
-        return int(torch.multinomial(probs, num_samples=1, generator=self._rng).item())
+            token = int(torch.argmax(logits, dim=-1).item())
+        else:
+            scores = self._warpers(_NO_IDS, logits.cpu())
+            probs = torch.softmax(scores, dim=-1)
+            token = int(torch.multinomial(probs, num_samples=1, generator=self._rng).item())
+        if self.top is not None:
+            chosen = torch.tensor([token], dtype=torch.int64, device=logits.device)
+            self.last_logprobs = tokens_and_logprobs(chosen, adjusted, [self.top])[1][0]
+        return token
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:

@@ -46,8 +46,9 @@ import torch
 from torch import Tensor
 
 from services.common.errors import ResourceExhausted, Unavailable
+from services.common.logprobs import SampledLogprobs
 from services.gpu_worker.blocks import BlockManager
-from services.gpu_worker.device_sampler import sample_rows
+from services.gpu_worker.device_sampler import sample_rows_with_logprobs
 from services.gpu_worker.graphs import StaticDecoder
 from services.gpu_worker.model import KVCache
 from services.gpu_worker.plan import Segment
@@ -83,6 +84,10 @@ class SeqState:
     """Leading blocks registered under their chain keys."""
     generated: int = 0
     out: deque[int] = field(default_factory=deque)
+    out_logprobs: deque[SampledLogprobs] = field(default_factory=deque)
+    """With logprobs asked for (``sampler.top`` not None): those of ``out``'s tokens, in step."""
+    last_logprobs: SampledLogprobs | None = None
+    """Those of the token ``Scheduler.next_token`` returned last (the consumer's; logprobs asked for)."""
     admitted: bool = False
     done: bool = False
     closed: bool = False
@@ -218,6 +223,8 @@ class Scheduler:
                 raise seq.error
             if seq.out and not seq.closed:
                 token = seq.out.popleft()
+                if seq.out_logprobs:
+                    seq.last_logprobs = seq.out_logprobs.popleft()
                 self.cond.notify_all()  # room in the lookahead window
                 return token
             return None
@@ -292,18 +299,18 @@ class Scheduler:
                 self.in_flight = {id(s) for s, _ in plan}
                 self.cond.notify_all()  # admissions happened: waiters on ``admitted`` may go on
             try:
-                logits, tokens = self._run(plan)
+                logits, tokens, logprobs = self._run(plan)
                 error: BaseException | None = None
             except BaseException as exc:  # a failed step fails its sequences, not the worker
                 log.error("gpu_step_failed", exc_info=exc)
-                logits, tokens, error = [], None, exc
+                logits, tokens, logprobs, error = [], None, None, exc
             with self.cond:
                 self.in_flight = set()
                 if error is not None:
                     for seq, _ in plan:
                         seq.error = error
                 else:
-                    self._commit(plan, logits, tokens)
+                    self._commit(plan, logits, tokens, logprobs)
                 self.steps_total += 1
                 for seq, _ in plan:
                     if seq.wake is not None:
@@ -312,23 +319,28 @@ class Scheduler:
             if self.on_step is not None:
                 self.on_step(len(plan), sum(len(seg.token_ids) for _, seg in plan))
 
-    def _run(self, plan: list[tuple[SeqState, Segment]]) -> tuple[list[Tensor], list[int] | None]:
+    def _run(
+        self, plan: list[tuple[SeqState, Segment]]
+    ) -> tuple[list[Tensor], list[int] | None, list[SampledLogprobs | None] | None]:
         """One model step: per-segment logits (eager), and each segment's next token when the device
-        sampler chose it (static decode on); the sequences that need no token ignore theirs."""
+        sampler chose it (static decode on), with the logprobs of the segments that asked for them
+        (computed on the device, fetched in the same copy); the sequences that need no token ignore theirs."""
         segments = [seg for _, seg in plan]
         static = self.static
         if static is None:
-            return self.forward(segments), None
+            return self.forward(segments), None, None
         rows = [seq.sampler.row for seq, _ in plan]
         steps = [seq.generated for seq, _ in plan]
         penalties = [seq.sampler.penalties for seq, _ in plan]
+        tops = [seq.sampler.top for seq, _ in plan]
         # A row that needs no token now (prefill chunk, replay) still gets its grammar's mask: harmless.
         # A prefill that ends with forks to make needs its logits row (a static step returns none).
         masks = [seq.sampler.mask() for seq, _ in plan]
         if static.fits(segments) and not any(seq.forks for seq, _ in plan):
-            return [], static.step(segments, rows, steps, penalties, masks)
+            return [], *static.step_with_logprobs(segments, rows, steps, penalties, tops, masks=masks)
         logits = self.forward(segments)
-        return logits, sample_rows(torch.cat([row[-1:] for row in logits]), rows, steps, penalties, masks)
+        last = torch.cat([row[-1:] for row in logits])
+        return logits, *sample_rows_with_logprobs(last, rows, steps, penalties, tops, masks=masks)
 
     def _run_imports(self) -> None:
         while self.imports:
@@ -415,18 +427,32 @@ class Scheduler:
             budget -= n
         return plan
 
-    def _commit(self, plan: list[tuple[SeqState, Segment]], logits: list[Tensor], tokens: list[int] | None) -> None:
+    def _commit(
+        self,
+        plan: list[tuple[SeqState, Segment]],
+        logits: list[Tensor],
+        tokens: list[int] | None,
+        logprobs: list[SampledLogprobs | None] | None = None,
+    ) -> None:
         for i, (seq, seg) in enumerate(plan):
             try:
                 if tokens is not None:
-                    self._advance(seq, len(seg.token_ids), logits[i] if logits else None, tokens[i])
+                    row = logits[i] if logits else None
+                    self._advance(seq, len(seg.token_ids), row, tokens[i], logprobs[i] if logprobs else None)
                 else:
                     self._advance(seq, len(seg.token_ids), logits[i])
             except Exception as exc:  # e.g. a sampling error: that sequence fails, the others go on
                 log.error("gpu_sequence_failed", exc_info=exc)
                 seq.error = exc
 
-    def _advance(self, seq: SeqState, n: int, row: Tensor | None, chosen: int | None = None) -> None:
+    def _advance(
+        self,
+        seq: SeqState,
+        n: int,
+        row: Tensor | None,
+        chosen: int | None = None,
+        logprobs: SampledLogprobs | None = None,
+    ) -> None:
         if seq.computed < seq.prompt_len:
             seq.prefilled += n
         seq.computed += n
@@ -446,7 +472,10 @@ class Scheduler:
         if chosen is None:
             assert row is not None, "an eager step returns logits for every segment"
             chosen = seq.sampler.pick(row[-1:])
+            logprobs = seq.sampler.last_logprobs
         token = chosen
+        if seq.sampler.top is not None and logprobs is not None:
+            seq.out_logprobs.append(logprobs)
         seq.sampler.record(token)
         seq.generated += 1
         seq.out.append(token)
@@ -470,12 +499,16 @@ class Scheduler:
                 self.cache.copy_block(source.blocks[full], own[0])
             fork.computed = source.computed
             fork.admitted = True
+            sampler = fork.sampler
             if self.static is not None:  # the static step's sampler, as the source's first token was chosen
-                token = sample_rows(row[-1:], [fork.sampler.row], [0], [fork.sampler.penalties], [fork.sampler.mask()])[
-                    0
-                ]
+                (token,), (first,) = sample_rows_with_logprobs(
+                    row[-1:], [sampler.row], [0], [sampler.penalties], [sampler.top], masks=[sampler.mask()]
+                )
             else:
-                token = fork.sampler.pick(row[-1:])
+                token = sampler.pick(row[-1:])
+                first = sampler.last_logprobs
+            if sampler.top is not None and first is not None:
+                fork.out_logprobs.append(first)
         except Exception as exc:  # that choice fails, the others go on
             log.error("gpu_fork_failed", exc_info=exc)
             fork.error = exc

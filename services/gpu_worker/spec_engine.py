@@ -133,6 +133,6 @@ class SpeculativeEngine:
     def start(
         self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()
     ) -> SpeculativeSequence | CloudSequence:
-        if greedy_only(sampling) and not replay:
+        if greedy_only(sampling) and not replay and not sampling.logprobs:  # logprobs: the scheduler computes them
             return SpeculativeSequence(self, token_ids, sampling)
         return self.engine.start(token_ids, sampling, replay)

@@ -46,8 +46,10 @@ class AnswerKeys:
         )
 
     def cache_key(self, req: TurnRequest, tier: TierName) -> str | None:
-        """:meth:`key`, or None when ``req`` must not use the cache (bypass, sampled, n > 1, cache off)."""
-        if not (req.use_cache and self.cache.enabled and req.sampling.deterministic) or req.sampling.n > 1:
+        """:meth:`key`, or None when ``req`` must not use the cache (bypass, sampled, n > 1, cache off,
+        logprobs: entries hold no logprobs, so such a request is neither answered from nor stored in the cache)."""
+        sampling = req.sampling
+        if not (req.use_cache and self.cache.enabled and sampling.deterministic) or sampling.n > 1 or sampling.logprobs:
             return None
         return self.key(req, tier)
 

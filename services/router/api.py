@@ -46,6 +46,7 @@ import structlog
 
 from services.common import tracing
 from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
+from services.common.logprobs import TokenLogprob
 from services.common.metrics import REQUEST_DURATION, TOKENS
 from services.common.sampling import SamplingParams
 from services.router.core import SERVICE, Router, Session
@@ -216,16 +217,18 @@ class RouterAPI:
             )
         token_ids: list[int] = []
         texts: list[str] = []
+        logprobs: list[TokenLogprob] = []
         done: Done | None = None
         async with aclosing(self.generate(request, admission, deadline=deadline)) as events:
             async for event in events:
                 if isinstance(event, Chunk):
                     token_ids.extend(event.token_ids)
                     texts.append(event.text)
+                    logprobs.extend(event.logprobs)
                 else:
                     done = event
         assert done is not None  # a turn always ends with its Done
-        return Chunk(token_ids, "".join(texts)), done
+        return Chunk(token_ids, "".join(texts), logprobs=tuple(logprobs)), done
 
     async def embed(self, query: EmbedQuery, *, deadline: float | None = None) -> Embeddings:
         """Embed ``query``'s inputs (texts tokenized here, no chat template) on a cloud replica
@@ -547,7 +550,7 @@ def _parsed(parser: ToolCallParser, event: Event) -> list[Event]:
     ends a turn that called tools with TOOL_CALLS (as OpenAI's ``finish_reason: "tool_calls"``)."""
     if isinstance(event, Chunk):
         content, deltas = parser.feed(event.text)
-        return [Chunk(event.token_ids, content, deltas)]
+        return [Chunk(event.token_ids, content, deltas, event.index, event.logprobs)]
     content, deltas = parser.finish()
     out: list[Event] = [Chunk((), content, deltas)] if content or deltas else []
     if parser.calls and event.finish_reason in (FinishReason.STOP, FinishReason.STOP_STRING):

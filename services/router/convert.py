@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from services.common import sampling_pb
+from services.common import logprobs_pb, sampling_pb
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import SamplingParams
@@ -236,7 +236,7 @@ def event(frame: inference_pb2.GenerateResponse | inference_pb2.ChatResponse, la
     if not frame.HasField("final"):
         calls = getattr(frame, "tool_calls", ())  # a GenerateResponse has none
         deltas = tuple(ToolCallDelta(d.index, d.id, d.name, d.arguments) for d in calls)
-        return Chunk(list(frame.token_ids), frame.text, deltas, frame.index)
+        return Chunk(list(frame.token_ids), frame.text, deltas, frame.index, logprobs_pb.from_pb(frame.logprobs))
     final = frame.final
     route = Route(_TIER_FROM_PB.get(final.route.tier), final.route.worker_id, final.route.cache_hit, final.route.reason)
     return Done(

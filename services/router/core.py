@@ -484,7 +484,7 @@ class Router:
                 progress.tokens.extend(frame.token_ids)
                 progress.tiers.add(choice.tier)
                 progress.text.append(frame.text)
-                yield Chunk(list(frame.token_ids), frame.text, index=frame.index)
+                yield Chunk(list(frame.token_ids), frame.text, index=frame.index, logprobs=frame.logprobs)
             if frame.final is not None:
                 if not progress.tokens and not progress.finals:
                     ROUTE_DECISIONS.labels(tier, choice.reason).inc()

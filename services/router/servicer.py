@@ -14,6 +14,7 @@ from contextlib import aclosing
 import grpc
 import structlog
 
+from services.common import logprobs_pb
 from services.common.coalesce import FlushWindow, coalesced
 from services.common.errors import MeshError
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
@@ -54,6 +55,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                         token_ids=event.token_ids,
                         text=event.text,
                         index=event.index,
+                        logprobs=logprobs_pb.to_pb(event.logprobs),
                     )
                 else:
                     yield inference_pb2.GenerateResponse(
@@ -69,7 +71,11 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
             generation = convert.generation(request, tenant=tenant, request_id=request_id)
         chunk, done = await self._api.complete(generation, deadline=deadline)
         return inference_pb2.GenerateResponse(
-            request_id=request_id, token_ids=chunk.token_ids, text=chunk.text, final=convert.done_pb(done)
+            request_id=request_id,
+            token_ids=chunk.token_ids,
+            text=chunk.text,
+            final=convert.done_pb(done),
+            logprobs=logprobs_pb.to_pb(chunk.logprobs),
         )
 
     async def Chat(
@@ -95,6 +101,7 @@ class RouterServicer(inference_pb2_grpc.InferenceServicer):
                                     text=event.text,
                                     tool_calls=convert.tool_calls_pb(event.tool_calls),
                                     index=event.index,
+                                    logprobs=logprobs_pb.to_pb(event.logprobs),
                                 )
                             else:
                                 frame = inference_pb2.ChatResponse(

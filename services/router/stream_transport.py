@@ -31,8 +31,8 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
+from services.common import logprobs_pb, sampling_pb
 from services.common import metadata as md
-from services.common import sampling_pb
 from services.common.interceptors import outbound_metadata
 from services.common.muxwire import HELLO_TIMEOUT_S, MAGIC, FrameProtocol, messages
 from services.common.pb.meshserve.internal.v1 import worker_pb2
@@ -73,7 +73,7 @@ def _start_pb(start: TurnStart) -> worker_pb2.WorkerStart:
 
 def _frame(r: worker_pb2.WorkerResponse) -> Frame:
     if not r.HasField("final"):
-        return Frame(r.sequence, list(r.token_ids), r.text, r.queued, None, r.index)
+        return Frame(r.sequence, list(r.token_ids), r.text, r.queued, None, r.index, logprobs_pb.from_pb(r.logprobs))
     f = r.final
     reason = f.finish_reason or inference_pb2.FINISH_REASON_STOP
     return Frame(

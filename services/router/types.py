@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, Protocol
 
+from services.common.logprobs import TokenLogprob
 from services.common.sampling import SamplingParams
 from services.router.policy import TierName
 from services.router.tools import Tool, ToolCall, ToolCallDelta, ToolChoice
@@ -135,6 +136,8 @@ class Chunk:
     """Tool-call deltas these tokens completed (chat turns with tools); their markup is not in ``text``."""
     index: int = 0
     """The choice (0 to n-1 of ``SamplingParams.n``) the tokens belong to."""
+    logprobs: Sequence[TokenLogprob] = ()
+    """With ``sampling.logprobs``: one entry per token id, in order (empty otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +194,13 @@ def merge(first: Event, then: Event) -> Chunk | None:
     """Two chunks that waited for the writer, as one (a Done stays an event of its own)."""
     if isinstance(first, Chunk) and isinstance(then, Chunk) and first.index == then.index:
         calls = merge_deltas(first.tool_calls, then.tool_calls) if then.tool_calls else first.tool_calls
-        return Chunk([*first.token_ids, *then.token_ids], first.text + then.text, calls, first.index)
+        return Chunk(
+            [*first.token_ids, *then.token_ids],
+            first.text + then.text,
+            calls,
+            first.index,
+            (*first.logprobs, *then.logprobs),
+        )
     return None
 
 

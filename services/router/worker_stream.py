@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.common import errors
+from services.common.logprobs import TokenLogprob
 from services.common.sampling import SamplingParams
 from services.router.registry import Replica
 
@@ -64,6 +65,8 @@ class Frame:
     index: int = 0
     """The choice the frame belongs to (0 to n-1 of ``SamplingParams.n``); with n > 1 each choice
     ends with its own ``final`` and the turn with the n-th."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """With ``sampling.logprobs``: one entry per token id (the worker filled in their texts)."""
 
 
 class WorkerFailed(Exception):

@@ -29,6 +29,7 @@ from services.worker.sessions import ChatSession, ChatSessions, HeldPrefix
 from services.worker.slots import Admission
 from services.worker.stats import WorkerCounters
 from services.worker.stops import StopStringMatcher
+from services.worker.token_texts import TokenTexts
 from services.worker.types import (
     QUEUED,
     Engine,
@@ -88,6 +89,7 @@ def run_sequence(
     interrupter: PrefillInterrupter | None = None,
     opened: EngineSequence | None = None,
     index: int = 0,
+    texts: TokenTexts | None = None,
 ) -> FinalEvent:
     """Generate one turn (blocking; call from a worker thread). Returns the final event.
 
@@ -99,7 +101,8 @@ def run_sequence(
     unless its prefill was interrupted by a cancel (``interrupter``): then it is closed.
 
     ``opened``: a sequence already started for this turn (choice ``index`` of an n-choice turn, from
-    :func:`start_choices`); its events carry ``index``.
+    :func:`start_choices`); its events carry ``index``. With ``sampling.logprobs`` every token event
+    carries the sequence's ``last_logprobs``, its token texts from ``texts`` (the runner's cache of them).
     """
     context = request.prompt_ids + request.resume_ids
     sampling = request.sampling
@@ -120,6 +123,8 @@ def run_sequence(
     generated: list[int] = []
     interrupt = getattr(seq, "interrupt", None) if interrupter is not None else None
     interrupted = False  # the sequence may carry the interrupt: never keep it for another turn
+    if sampling.logprobs and texts is None:
+        texts = TokenTexts(engine.tokenizer)
     try:
         while True:
             if stop_flag.is_set():
@@ -153,7 +158,11 @@ def run_sequence(
                 text, stopped = stops.pass_through(detok.add(token)), False
             else:
                 text, stopped = stops.feed(detok.add(token))
-            emit(TokenEvent((token,), text, index))
+            if texts is not None:
+                entry = texts.entry(seq.last_logprobs)  # type: ignore[attr-defined]
+                emit(TokenEvent((token,), text, index=index, logprobs=(entry,)))
+            else:
+                emit(TokenEvent((token,), text, index=index))
             if stopped:
                 reason = FinishReason.STOP_STRING
                 break
@@ -210,26 +219,30 @@ def _coalesce(first: TokenEvent, queue: asyncio.Queue[TokenEvent | None] | Feed[
     """
     ids = list(first.token_ids)
     texts = [first.text]
+    logprobs = list(first.logprobs)
     waiting = queue._queue  # type: ignore[union-attr]  # a peek; asyncio.Queue has no public one
     while waiting and waiting[0] is not None:
         event = queue.get_nowait()
         assert event is not None
         ids.extend(event.token_ids)
         texts.append(event.text)
-    return TokenEvent(tuple(ids), "".join(texts))
+        logprobs.extend(event.logprobs)
+    return TokenEvent(tuple(ids), "".join(texts), logprobs=tuple(logprobs))
 
 
 def _coalesce_choice(first: TokenEvent, queue: Feed[TokenEvent | FinalEvent | BaseException]) -> TokenEvent:
     """``first`` merged with the token events of the same choice waiting right behind it in ``queue``."""
     ids = list(first.token_ids)
     texts = [first.text]
+    logprobs = list(first.logprobs)
     waiting = queue._queue  # type: ignore[attr-defined]  # a peek
     while waiting and isinstance(waiting[0], TokenEvent) and waiting[0].index == first.index:
         event = queue.get_nowait()
         assert isinstance(event, TokenEvent)
         ids.extend(event.token_ids)
         texts.append(event.text)
-    return TokenEvent(tuple(ids), "".join(texts), first.index)
+        logprobs.extend(event.logprobs)
+    return TokenEvent(tuple(ids), "".join(texts), index=first.index, logprobs=tuple(logprobs))
 
 
 class Turn:
@@ -327,6 +340,7 @@ class Turn:
                         self._interrupters[index],
                         opened=seq,
                         index=index,
+                        texts=runner.token_texts() if request.sampling.logprobs else None,
                     )
                 except BaseException as exc:
                     emit(exc)
@@ -416,7 +430,14 @@ class Turn:
             def work() -> FinalEvent:
                 try:
                     return run_sequence(
-                        runner.engine, self.request, self._stop, emit, runner.counters, self.session, self._interrupter
+                        runner.engine,
+                        self.request,
+                        self._stop,
+                        emit,
+                        runner.counters,
+                        self.session,
+                        self._interrupter,
+                        texts=runner.token_texts() if self.request.sampling.logprobs else None,
                     )
                 finally:
                     emit(None)
@@ -502,6 +523,13 @@ class Runner:
         self.counters = WorkerCounters()
         self.executor = ThreadPoolExecutor(max_workers=max_active, thread_name_prefix=f"{name}-seq")
         self.running: dict[asyncio.Future[FinalEvent], Turn] = {}
+        self._texts: TokenTexts | None = None
+
+    def token_texts(self) -> TokenTexts:
+        """The engine's token texts and bytes (logprobs frames), built on first use and kept."""
+        if self._texts is None:
+            self._texts = TokenTexts(self.engine.tokenizer)
+        return self._texts
 
     def turn(self, request: GenerationRequest, session: ChatSession | None = None) -> Turn:
         """A new turn; it counts as started once accepted (admitted or queued) by ``events()``.

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from services.common import metrics, sampling_pb
+from services.common import logprobs_pb, metrics, sampling_pb
 from services.common.errors import FailedPrecondition, InvalidArgument, MeshError, ResourceExhausted
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
@@ -295,9 +295,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     else:
                         metrics.INTER_TOKEN.labels(**labels).observe(now - last)
                     last = now
-                    yield worker_pb2.WorkerResponse(
+                    frame = worker_pb2.WorkerResponse(
                         sequence=sequence, token_ids=event.token_ids, text=event.text, index=event.index
                     )
+                    if event.logprobs:
+                        frame.logprobs.extend(logprobs_pb.to_pb(event.logprobs))
+                    yield frame
                     sequence += 1
         except MeshError as exc:
             status = exc.code

@@ -34,6 +34,7 @@ from enum import StrEnum
 from typing import Protocol
 
 from services.common.errors import InvalidArgument
+from services.common.logprobs import TokenLogprob
 from services.common.sampling import SamplingParams
 
 
@@ -71,6 +72,8 @@ class TokenEvent:
     text: str
     index: int = 0
     """The choice they belong to (0 to n-1 of ``SamplingParams.n``)."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """With ``sampling.logprobs``: one entry per token id, in order (empty otherwise)."""
 
 
 @dataclass(frozen=True)
@@ -151,6 +154,10 @@ class EngineSequence(Protocol):
     :class:`StepInterrupted` as soon as the model call in progress (one prefill chunk) has ended.
     The runner uses it for the first step only, whose prefill of a long context can take seconds;
     the sequence is closed afterwards.
+
+    A sequence whose sampling asks for ``logprobs`` sets ``last_logprobs``
+    (:class:`~services.common.logprobs.SampledLogprobs`) in every ``step`` to the token it returns;
+    an engine that cannot refuses such turns in ``check_sampling``.
     """
 
     def step(self) -> int:

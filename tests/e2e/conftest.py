@@ -54,3 +54,11 @@ def auth(key: str = API_KEY) -> tuple[tuple[str, str], ...]:
 async def worker_stub(address: str) -> tuple[grpc.aio.Channel, worker_pb2_grpc.WorkerStub]:
     channel = grpc.aio.insecure_channel(address)
     return channel, worker_pb2_grpc.WorkerStub(channel)
+
+
+@pytest.fixture(scope="session")
+async def door(mesh: Mesh) -> AsyncIterator[FrontDoor]:
+    """Envoy + the OpenAI adapter in front of the shared mesh, once per session (a module that defines its
+    own ``door`` keeps it)."""
+    async with FrontDoor([mesh.gateway_address], _sink) as running:
+        yield running

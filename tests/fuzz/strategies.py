@@ -115,6 +115,7 @@ BIASES: dict[str, Any] = {
     ),
     "meshserve.v1.SamplingParams.min_tokens": _mostly(st.integers(0, 4)),
     "meshserve.v1.SamplingParams.n": _mostly(st.integers(1, 3)),
+    "meshserve.v1.SamplingParams.top_logprobs": _mostly(st.integers(0, 20)),
     "meshserve.v1.RoutingOptions.priority": _mostly(st.integers(0, 9)),
     "meshserve.v1.RoutingOptions.tier": _mostly(st.sampled_from([0, 1, 2, 3])),
     "meshserve.v1.RoutingOptions.cache_policy": _mostly(st.sampled_from([0, 1, 2, 3])),

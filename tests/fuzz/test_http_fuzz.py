@@ -77,7 +77,8 @@ _common = {
     "logit_bias": _mostly(st.dictionaries(st.integers(0, 49151).map(str), st.floats(-100, 100), max_size=3)),
     "min_tokens": _mostly(st.integers(0, 4)),
     "user": ANY_JSON,
-    "logprobs": ANY_JSON,
+    "logprobs": _mostly(st.one_of(st.booleans(), st.integers(0, 5))),  # chat: a boolean; completions: 0-5
+    "top_logprobs": _mostly(st.integers(0, 20)),
     "tools": ANY_JSON,
     "echo": ANY_JSON,
 }

@@ -194,6 +194,7 @@ class OpenAIApp:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         parsed, turn = oa.chat_request(await self._json(request))
+        with_logprobs = turn.turn.sampling.logprobs
         call = self._gateway.Chat(metadata=self._metadata(request))
         try:
             await call.write(turn)
@@ -203,8 +204,8 @@ class OpenAIApp:
             request_id = await _request_id(call)
             model = await self._served_model(parsed.model, request)
             if not parsed.stream:
-                texts, finals, calls = await _collect(first, frames, parsed.n)
-                body = oa.chat_completion(request_id, model, texts, finals, calls)
+                texts, finals, calls, entries = await _collect(first, frames, parsed.n)
+                body = oa.chat_completion(request_id, model, texts, finals, calls, entries if with_logprobs else None)
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
             response = await _sse_start(request, request_id)
@@ -220,18 +221,18 @@ class OpenAIApp:
                 role = None
             try:
                 ends: list[pb.Final] = []
-                async for text, last, deltas, index in _prepend(first, frames):
+                async for text, last, deltas, index, logprobs in _prepend(first, frames):
+                    lp = logprobs if with_logprobs else None
                     if role is not None and deltas and not text:
                         delta: dict[str, Any] = {**role, "content": None, "tool_calls": oa.tool_call_deltas(deltas)}
-                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index))
-                        role = None
-                        deltas = ()
-                    if role is not None and (text or last is not None):
+                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index, lp))
+                        role, deltas, lp = None, (), None
+                    if role is not None and (text or logprobs or last is not None):
                         await _sse(response, oa.chat_chunk(request_id, model, role, None, created, usage, index))
                         role = None
-                    if text:
+                    if text or lp:  # a token may come with no text yet (part of a character)
                         delta = {"content": text}
-                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index))
+                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index, lp))
                     if deltas:
                         delta = {"tool_calls": oa.tool_call_deltas(deltas)}
                         await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index))
@@ -254,7 +255,8 @@ class OpenAIApp:
         if not parsed.stream and parsed.n == 1:
             reply = await self._gateway.Complete(generate, metadata=metadata)
             model = await self._served_model(parsed.model, request)
-            body = oa.completion(reply.request_id, model, reply.text, reply.final)
+            logprobs = oa.completion_logprobs(reply.logprobs) if generate.sampling.logprobs else None
+            body = oa.completion(reply.request_id, model, reply.text, reply.final, logprobs=logprobs)
             return web.json_response(body, headers={md.REQUEST_ID: reply.request_id})
         call = self._gateway.Generate(generate, metadata=metadata)
         try:
@@ -264,17 +266,23 @@ class OpenAIApp:
             request_id = ids[0] if ids else await _request_id(call)
             model = await self._served_model(parsed.model, request)
             if not parsed.stream:  # n > 1 choices: Complete returns one
-                texts, finals, _ = await _collect(first, frames, parsed.n)
-                body = oa.completions(request_id, model, texts, finals)
+                texts, finals, _, per_choice = await _collect(first, frames, parsed.n)
+                wanted = generate.sampling.logprobs
+                body = oa.completions(request_id, model, texts, finals, list(per_choice) if wanted else None)
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
             response = await _sse_start(request, request_id)
             try:
                 ends: list[pb.Final] = []
-                async for text, final, _, index in _prepend(first, frames):
-                    if text or final is not None:
+                offsets = [0] * parsed.n  # per choice: characters of token text sent so far (text_offset)
+                async for text, final, _, index, entries in _prepend(first, frames):
+                    if text or entries or final is not None:
+                        logprobs = None
+                        if generate.sampling.logprobs:
+                            logprobs = oa.completion_logprobs(entries, offsets[index])
+                            offsets[index] += sum(len(e.token) for e in entries)
                         chunk = oa.completion(
-                            request_id, model, text, final, created, False, parsed.include_usage, index=index
+                            request_id, model, text, final, created, False, parsed.include_usage, logprobs, index
                         )
                         await _sse(response, chunk)
                     if final is not None:
@@ -295,8 +303,9 @@ def _not_found(model: str) -> MeshError:
     return error
 
 
-Frame = tuple[str, pb.Final | None, Sequence[pb.ToolCallDelta], int]
-"""A frame's text, its final (on a choice's last frame), its tool-call deltas (chat only), the choice index."""
+Frame = tuple[str, pb.Final | None, Sequence[pb.ToolCallDelta], int, Sequence[pb.TokenLogprob]]
+"""A frame's text, its final (on a choice's last frame), its tool-call deltas (chat only), the choice
+index, and its tokens' logprobs (empty unless asked for)."""
 
 
 async def _chat_frames(call: Any, n: int = 1) -> AsyncIterator[Frame]:
@@ -310,7 +319,7 @@ async def _chat_frames(call: Any, n: int = 1) -> AsyncIterator[Frame]:
     left = n
     async for frame in call:
         final = frame.final if frame.HasField("final") else None
-        yield frame.text, final, frame.tool_calls, frame.index
+        yield frame.text, final, frame.tool_calls, frame.index, frame.logprobs
         if final is not None:
             left -= 1
             if left == 0:
@@ -328,7 +337,7 @@ async def _generate_frames(call: Any, request_ids: list[str]) -> AsyncIterator[F
     async for frame in call:
         if not request_ids and frame.request_id:
             request_ids.append(frame.request_id)
-        yield frame.text, frame.final if frame.HasField("final") else None, (), frame.index
+        yield frame.text, frame.final if frame.HasField("final") else None, (), frame.index, frame.logprobs
 
 
 async def _first(frames: AsyncIterator[Frame]) -> Frame | None:
@@ -348,22 +357,24 @@ async def _prepend(first: Frame | None, frames: AsyncIterator[Frame]) -> AsyncIt
 
 async def _collect(
     first: Frame | None, frames: AsyncIterator[Frame], n: int = 1
-) -> tuple[list[str], list[pb.Final], list[list[pb.ToolCallDelta]]]:
-    """Each choice's whole text, final frame and tool-call deltas, by choice index."""
+) -> tuple[list[str], list[pb.Final], list[list[pb.ToolCallDelta]], list[list[pb.TokenLogprob]]]:
+    """Each choice's whole text, final frame, tool-call deltas and logprobs, by choice index."""
     parts: list[list[str]] = [[] for _ in range(n)]
     calls: list[list[pb.ToolCallDelta]] = [[] for _ in range(n)]
+    logprobs: list[list[pb.TokenLogprob]] = [[] for _ in range(n)]
     finals: list[pb.Final | None] = [None] * n
-    async for text, last, deltas, index in _prepend(first, frames):
+    async for text, last, deltas, index, entries in _prepend(first, frames):
         if not 0 <= index < n:
             raise MeshError(f"the gateway sent choice {index} of {n}; retry, and report it if it persists")
         parts[index].append(text)
         calls[index].extend(deltas)
+        logprobs[index].extend(entries)
         if last is not None:
             finals[index] = last
     done = [f for f in finals if f is not None]
     if len(done) < n:
         raise MeshError("the stream ended without a final frame; retry, and report it if it persists")
-    return ["".join(p) for p in parts], done, calls
+    return ["".join(p) for p in parts], done, calls, logprobs
 
 
 async def _request_id(call: Any) -> str:

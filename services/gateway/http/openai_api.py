@@ -34,7 +34,7 @@ from typing import Any, cast
 from services.common.constraints import Constraint, check_constraint, json_schema_constraint
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.sampling import MAX_CHOICES, MAX_SEED
+from services.common.sampling import MAX_CHOICES, MAX_SEED, MAX_TOP_LOGPROBS
 from services.common.sampling_pb import structured_to_pb
 
 OWNED_BY = "meshserve"
@@ -65,10 +65,12 @@ _ERROR_CODE = {
     "RESOURCE_EXHAUSTED": "rate_limit_exceeded",
 }
 UINT32_MAX = 2**32 - 1
+MAX_COMPLETION_LOGPROBS = 5
+"""Largest ``logprobs`` of a legacy completion (OpenAI's limit; chat's ``top_logprobs`` goes to 20)."""
+MIN_LOGPROB = -9999.0
+"""A logprob of -inf (a token the penalties banned) is sent as this, as OpenAI does: JSON has no -inf."""
 _UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = (
     # (field, values that change nothing, why it is refused otherwise)
-    ("logprobs", (False, 0), "logprobs are not supported"),
-    ("top_logprobs", (0,), "logprobs are not supported"),
     ("echo", (False,), "echo is not supported"),
     ("functions", ([],), "the legacy 'functions' are not supported (send 'tools')"),
     ("function_call", ("none", "auto"), "the legacy 'function_call' is not supported (send 'tool_choice')"),
@@ -389,9 +391,36 @@ def _message(message: dict[str, Any], i: int, turn: pb.ChatTurn) -> None:
         )
 
 
+def _chat_logprobs(body: dict[str, Any], sampling: pb.SamplingParams) -> None:
+    """Chat's ``logprobs`` (true/false) and ``top_logprobs`` (0 to 20, needs ``logprobs``: OpenAI's rule)."""
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise InvalidArgument(f"'logprobs' must be true or false (got {_show(wanted)})")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    if top and not wanted:
+        raise InvalidArgument(
+            "'top_logprobs' needs 'logprobs' set to true; add \"logprobs\": true or drop top_logprobs"
+        )
+    sampling.logprobs = bool(wanted)
+    sampling.top_logprobs = top
+
+
+def _completion_logprobs(body: dict[str, Any], sampling: pb.SamplingParams) -> None:
+    """A legacy completion's ``logprobs``: how many alternatives per token, 0 to 5 (null: off)."""
+    if body.get("top_logprobs") not in (None, 0):
+        raise InvalidArgument(
+            "'top_logprobs' is a chat completions field; a completion takes an integer 'logprobs' (0 to 5)"
+        )
+    top = _int(body, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
+    if top is not None:
+        sampling.logprobs = True
+        sampling.top_logprobs = top
+
+
 def chat_request(body: dict[str, Any]) -> tuple[Parsed, pb.ChatRequest]:
     """An OpenAI chat completion request as the one turn of a Chat stream."""
     parsed, sampling = _common(body)
+    _chat_logprobs(body, sampling)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidArgument("'messages' must be a non-empty list of {'role': ..., 'content': ...}")
@@ -434,6 +463,7 @@ def tool_calls(deltas: Sequence[pb.ToolCallDelta]) -> list[dict[str, Any]]:
 def completion_request(body: dict[str, Any]) -> tuple[Parsed, pb.GenerateRequest]:
     """An OpenAI (legacy) completion request as a GenerateRequest."""
     parsed, sampling = _common(body)
+    _completion_logprobs(body, sampling)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -454,20 +484,71 @@ def usage(final: pb.Final | list[pb.Final]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def _logprob(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB
+
+
+def chat_logprobs(entries: Sequence[pb.TokenLogprob]) -> dict[str, Any]:
+    """A choice's ``logprobs`` for chat (a whole answer's, or one chunk's tokens)."""
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": _logprob(e.logprob),
+                "bytes": list(e.token_bytes),
+                "top_logprobs": [
+                    {"token": t.token, "logprob": _logprob(t.logprob), "bytes": list(t.token_bytes)}
+                    for t in e.top_logprobs
+                ],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def completion_logprobs(entries: Sequence[pb.TokenLogprob], offset: int = 0) -> dict[str, Any]:
+    """A legacy completion's ``logprobs``: parallel lists. ``top_logprobs`` maps each alternative's text to
+    its logprob, the sampled token included (OpenAI: up to logprobs + 1 entries); ``text_offset`` is each
+    token's character offset in the generated text (``offset``: characters of it sent in earlier chunks)."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    for e in entries:
+        tokens.append(e.token)
+        offsets.append(offset)
+        offset += len(e.token)
+    top: list[dict[str, float]] = []
+    for e in entries:
+        alternatives = {t.token: _logprob(t.logprob) for t in e.top_logprobs}
+        alternatives.setdefault(e.token, _logprob(e.logprob))
+        top.append(alternatives)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [_logprob(e.logprob) for e in entries],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
 def chat_completion(
     request_id: str,
     model: str,
     text: str | list[str],
     final: pb.Final | list[pb.Final],
     calls: Sequence[pb.ToolCallDelta] | Sequence[Sequence[pb.ToolCallDelta]] = (),
+    logprobs: Sequence[pb.TokenLogprob] | Sequence[Sequence[pb.TokenLogprob]] | None = None,
 ) -> dict[str, Any]:
-    """A whole chat completion: one choice (``text``, ``final``, its tool-call deltas ``calls``), or n
-    choices (lists by choice index, ``calls`` then a list of each choice's deltas); with tool calls,
-    ``content`` is null when the answer had no text (as OpenAI's)."""
+    """A whole chat completion: one choice (``text``, ``final``, its tool-call deltas ``calls``, its
+    ``logprobs`` entries), or n choices (lists by choice index, ``calls`` and ``logprobs`` then lists of
+    each choice's); with tool calls, ``content`` is null when the answer had no text (as OpenAI's);
+    ``logprobs`` None: the request asked for none (``"logprobs": null``)."""
     texts = text if isinstance(text, list) else [text]
     finals = final if isinstance(final, list) else [final]
     per_choice = cast(list[Sequence[pb.ToolCallDelta]], list(calls) if isinstance(text, list) else [calls])
     per_choice += [()] * (len(texts) - len(per_choice))
+    entries: list[Sequence[pb.TokenLogprob] | None] = [None] * len(texts)
+    if logprobs is not None:
+        entries = cast(list[Sequence[pb.TokenLogprob] | None], list(logprobs) if isinstance(text, list) else [logprobs])
 
     def message(i: int, t: str) -> dict[str, Any]:
         out: dict[str, Any] = {"role": "assistant", "content": t}
@@ -485,7 +566,7 @@ def chat_completion(
             {
                 "index": i,
                 "message": message(i, t),
-                "logprobs": None,
+                "logprobs": None if entries[i] is None else chat_logprobs(entries[i] or ()),
                 "finish_reason": finish_reason(f),
             }
             for i, (t, f) in enumerate(zip(texts, finals, strict=True))
@@ -502,15 +583,23 @@ def chat_chunk(
     created: int = 0,
     include_usage: bool = False,
     index: int = 0,
+    logprobs: Sequence[pb.TokenLogprob] | None = None,
 ) -> dict[str, Any]:
     """One streamed chunk of choice ``index``; with ``include_usage`` it has ``"usage": null``, as OpenAI's
-    chunks before the last."""
+    chunks before the last. ``logprobs``: the chunk's tokens' (None: ``"logprobs": null``)."""
     chunk: dict[str, Any] = {
         "id": f"chatcmpl-{request_id}",
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": None if logprobs is None else chat_logprobs(logprobs),
+                "finish_reason": finish,
+            }
+        ],
     }
     if include_usage:
         chunk["usage"] = None
@@ -525,13 +614,14 @@ def completion(
     created: int = 0,
     with_usage: bool = True,
     null_usage: bool = False,
+    logprobs: dict[str, Any] | None = None,
     index: int = 0,
 ) -> dict[str, Any]:
     """A whole completion, or (``final`` None / ``with_usage`` False) one streamed chunk of one, of choice
     ``index``.
 
     ``null_usage``: a chunk of a stream with ``include_usage`` carries ``"usage": null`` (the last
-    chunk, from :func:`usage_chunk`, carries the counts).
+    chunk, from :func:`usage_chunk`, carries the counts). ``logprobs``: :func:`completion_logprobs`.
     """
     body: dict[str, Any] = {
         "id": f"cmpl-{request_id}",
@@ -539,7 +629,12 @@ def completion(
         "created": created or int(time.time()),
         "model": model,
         "choices": [
-            {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason(final) if final else None}
+            {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(final) if final else None,
+            }
         ],
     }
     if final is not None and with_usage:
@@ -549,11 +644,23 @@ def completion(
     return body
 
 
-def completions(request_id: str, model: str, texts: list[str], finals: list[pb.Final]) -> dict[str, Any]:
-    """A whole completion of n choices (by choice index); usage as :func:`usage` counts n finals."""
+def completions(
+    request_id: str,
+    model: str,
+    texts: list[str],
+    finals: list[pb.Final],
+    logprobs: Sequence[Sequence[pb.TokenLogprob]] | None = None,
+) -> dict[str, Any]:
+    """A whole completion of n choices (by choice index); usage as :func:`usage` counts n finals;
+    ``logprobs``: each choice's entries (None: the request asked for none)."""
     body = completion(request_id, model, "", None)
     body["choices"] = [
-        {"index": i, "text": t, "logprobs": None, "finish_reason": finish_reason(f)}
+        {
+            "index": i,
+            "text": t,
+            "logprobs": None if logprobs is None else completion_logprobs(logprobs[i]),
+            "finish_reason": finish_reason(f),
+        }
         for i, (t, f) in enumerate(zip(texts, finals, strict=True))
     ]
     body["usage"] = usage(finals)

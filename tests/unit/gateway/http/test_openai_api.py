@@ -54,7 +54,8 @@ def test_defaults_follow_openai() -> None:
         {"messages": [{"content": "no role"}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         {"messages": [{"role": "user", "content": "x"}], "n": 17},  # n is served, 1 to 16
-        {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+        {"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"},
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
         {"messages": [{"role": "user", "content": "x"}], "temperature": "hot"},
         {"messages": [{"role": "user", "content": "x"}], "max_tokens": -1},
         {"messages": [{"role": "user", "content": "x"}], "stop": [1]},
@@ -145,7 +146,9 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
         ({"parallel_tool_calls": "yes"}, "'parallel_tool_calls' must be true or false"),
         ({"modalities": ["text", "audio"]}, "only text output"),
         ({"audio": {"voice": "alloy"}}, "audio output is not supported"),
-        ({"logprobs": True}, "logprobs are not supported"),
+        ({"logprobs": 1}, "'logprobs' must be true or false"),
+        ({"logprobs": True, "top_logprobs": 21}, "'top_logprobs' must be between 0 and 20"),
+        ({"top_logprobs": 3}, "'top_logprobs' needs 'logprobs' set to true"),
     ],
 )
 def test_fields_that_would_change_the_answer_or_do_not_fit_are_refused(extra: dict[str, object], why: str) -> None:
@@ -370,3 +373,58 @@ def test_n_choices_reach_the_proto_and_usage_counts_the_prompt_once() -> None:
     assert oa.completions("rid", "m", ["x", "y", "z"], finals)["usage"]["completion_tokens"] == 9
     assert oa.chat_chunk("rid", "m", {"content": "a"}, None, 1, index=2)["choices"][0]["index"] == 2
     assert oa.usage_chunk("text_completion", "rid", "m", finals, 1)["usage"]["prompt_tokens"] == 5
+
+
+def test_logprobs_fields_become_sampling_fields() -> None:
+    _, chat = oa.chat_request({**CHAT, "logprobs": True, "top_logprobs": 20})
+    assert chat.turn.sampling.logprobs and chat.turn.sampling.top_logprobs == 20
+    _, plain = oa.chat_request({**CHAT, "logprobs": False, "top_logprobs": 0})
+    assert not plain.turn.sampling.logprobs
+    _, completion = oa.completion_request({"prompt": "p", "logprobs": 0})
+    assert completion.sampling.logprobs and completion.sampling.top_logprobs == 0
+    _, completion = oa.completion_request({"prompt": "p", "logprobs": 5})
+    assert completion.sampling.top_logprobs == 5
+    for body, needle in (
+        ({"prompt": "p", "logprobs": 6}, "'logprobs' must be between 0 and 5"),
+        ({"prompt": "p", "logprobs": True}, "'logprobs' must be an integer"),
+        ({"prompt": "p", "top_logprobs": 2}, "'top_logprobs' is a chat completions field"),
+    ):
+        with pytest.raises(InvalidArgument, match=needle):
+            oa.completion_request(body)
+
+
+def _entries() -> list[pb.TokenLogprob]:
+    hello = pb.TokenLogprob(token_id=1, token="Hi", token_bytes=b"Hi", logprob=-0.25)
+    hello.top_logprobs.add(token_id=1, token="Hi", token_bytes=b"Hi", logprob=-0.25)
+    hello.top_logprobs.add(token_id=2, token=" yo", token_bytes=b" yo", logprob=float("-inf"))
+    part = pb.TokenLogprob(token_id=3, token="bytes:\\xe6", token_bytes=b"\xe6", logprob=-1.5)
+    return [hello, part]
+
+
+def test_chat_logprobs_have_openai_s_shape() -> None:
+    body = oa.chat_completion("r", "m", "Hi", pb.Final(), _entries())
+    content = body["choices"][0]["logprobs"]["content"]
+    assert body["choices"][0]["logprobs"]["refusal"] is None
+    assert content[0] == {
+        "token": "Hi",
+        "logprob": -0.25,
+        "bytes": [72, 105],
+        "top_logprobs": [
+            {"token": "Hi", "logprob": -0.25, "bytes": [72, 105]},
+            {"token": " yo", "logprob": -9999.0, "bytes": [32, 121, 111]},  # -inf: OpenAI's floor
+        ],
+    }
+    assert content[1]["bytes"] == [0xE6] and content[1]["top_logprobs"] == []
+    assert oa.chat_completion("r", "m", "Hi", pb.Final())["choices"][0]["logprobs"] is None
+    chunk = oa.chat_chunk("r", "m", {"content": "Hi"}, None, 0, False, _entries()[:1])
+    assert chunk["choices"][0]["logprobs"]["content"][0]["token"] == "Hi"
+
+
+def test_completion_logprobs_have_openai_s_shape() -> None:
+    got = oa.completion_logprobs(_entries(), offset=4)
+    assert got == {
+        "tokens": ["Hi", "bytes:\\xe6"],
+        "token_logprobs": [-0.25, -1.5],
+        "top_logprobs": [{"Hi": -0.25, " yo": -9999.0}, {"bytes:\\xe6": -1.5}],  # the sampled token always in
+        "text_offset": [4, 6],
+    }

@@ -184,6 +184,8 @@ class SamplingParams(_message.Message):
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     LOGIT_BIAS_FIELD_NUMBER: _builtins.int
     MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
     STRUCTURED_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
@@ -218,6 +220,16 @@ class SamplingParams(_message.Message):
     min_tokens: _builtins.int
     """EOS and the stop strings are ignored until this many tokens have been generated (vLLM's
     min_tokens); 0 (default) disables it. At most max_tokens when max_tokens is set.
+    """
+    logprobs: _builtins.bool
+    """Return the log probability of every generated token (in the frames' `logprobs`), as OpenAI's
+    logprobs: the log-softmax of the distribution the token was drawn from, after logit_bias and the
+    penalties, before temperature / top-k / top-p (docs/gateway.md "Logprobs"). Off by default; a
+    request with it is never answered from a response-cache entry made without it.
+    """
+    top_logprobs: _builtins.int
+    """Also return, for every generated token, the this-many most likely tokens of that distribution
+    (most likely first), 0 to 20; needs logprobs.
     """
     n: _builtins.int
     """Number of choices (OpenAI's n), 1 to 16; unset means 1, an explicit 0 is INVALID_ARGUMENT. The
@@ -261,12 +273,14 @@ class SamplingParams(_message.Message):
         repetition_penalty: _builtins.float | None = ...,
         logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
         min_tokens: _builtins.int = ...,
+        logprobs: _builtins.bool = ...,
+        top_logprobs: _builtins.int = ...,
         n: _builtins.int | None = ...,
         structured: Global___StructuredOutput | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_n", b"_n", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "n", b"n", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "structured", b"structured"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_n", b"_n", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "structured", b"structured", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_n", b"_n", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "structured", b"structured", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__n: _TypeAlias = _typing.Literal["n"]  # noqa: Y015
     _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
@@ -501,6 +515,84 @@ class Final(_message.Message):
 Global___Final: _TypeAlias = Final  # noqa: Y015
 
 @_typing.final
+class TopLogprob(_message.Message):
+    """One of the most likely tokens at a position (SamplingParams.top_logprobs)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    TOKEN_BYTES_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """Token id."""
+    token: _builtins.str
+    """The token's text as the tokenizer decodes it alone; a token that is not whole UTF-8 (part of a
+    multi-byte character) is shown as "bytes:" followed by \\xNN escapes of its bytes (OpenAI's way).
+    """
+    token_bytes: _builtins.bytes
+    """The token's exact UTF-8 bytes (several tokens may together make one character)."""
+    logprob: _builtins.float
+    """Natural log of its probability."""
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        token: _builtins.str = ...,
+        token_bytes: _builtins.bytes = ...,
+        logprob: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token", b"token", "token_bytes", b"token_bytes", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopLogprob: _TypeAlias = TopLogprob  # noqa: Y015
+
+@_typing.final
+class TokenLogprob(_message.Message):
+    """Log probability of one generated token (SamplingParams.logprobs), in the order of token_ids."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    TOKEN_BYTES_FIELD_NUMBER: _builtins.int
+    LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    """Token id (the same as in token_ids)."""
+    token: _builtins.str
+    """The token's text as the tokenizer decodes it alone (see TopLogprob.token)."""
+    token_bytes: _builtins.bytes
+    """The token's exact UTF-8 bytes."""
+    logprob: _builtins.float
+    """Natural log of its probability."""
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TopLogprob]:
+        """The top_logprobs most likely tokens at this position, most likely first (empty when
+        top_logprobs is 0).
+        """
+
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        token: _builtins.str = ...,
+        token_bytes: _builtins.bytes = ...,
+        logprob: _builtins.float = ...,
+        top_logprobs: _abc.Iterable[Global___TopLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "token", b"token", "token_bytes", b"token_bytes", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenLogprob: _TypeAlias = TokenLogprob  # noqa: Y015
+
+@_typing.final
 class GenerateResponse(_message.Message):
     """One frame of a streamed response (also the whole response of Complete)."""
 
@@ -511,6 +603,7 @@ class GenerateResponse(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TEXT_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id assigned by the gateway (also in the x-request-id trailing metadata)."""
@@ -534,6 +627,10 @@ class GenerateResponse(_message.Message):
     def final(self) -> Global___Final:
         """Set on the last frame of a choice (with n = 1, the last frame of the stream)."""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """With SamplingParams.logprobs: one entry per id of token_ids, in order (empty otherwise)."""
+
     def __init__(
         self,
         *,
@@ -542,11 +639,12 @@ class GenerateResponse(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         text: _builtins.str = ...,
         final: Global___Final | None = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["final", b"final"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "index", b"index", "request_id", b"request_id", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "index", b"index", "logprobs", b"logprobs", "request_id", b"request_id", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -846,6 +944,7 @@ class ChatResponse(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
     TOOL_CALLS_FIELD_NUMBER: _builtins.int
     turn: _builtins.int
@@ -870,6 +969,10 @@ class ChatResponse(_message.Message):
         """Set on the last frame of a turn."""
 
     @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """With SamplingParams.logprobs: one entry per id of token_ids, in order (empty otherwise)."""
+
+    @_builtins.property
     def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCallDelta]:
         """Tool calls produced since the previous frame (turns with tools only); the markup of the calls is
         not in `text`, which holds only the answer's content.
@@ -884,12 +987,13 @@ class ChatResponse(_message.Message):
         text: _builtins.str = ...,
         final: Global___Final | None = ...,
         request_id: _builtins.str = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         index: _builtins.int = ...,
         tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["final", b"final"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "index", b"index", "request_id", b"request_id", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "turn", b"turn"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "index", b"index", "logprobs", b"logprobs", "request_id", b"request_id", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "turn", b"turn"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -173,6 +173,7 @@ class WorkerResponse(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     FINAL_FIELD_NUMBER: _builtins.int
     QUEUED_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """Position of this frame in the turn, starting at 0."""
@@ -198,6 +199,12 @@ class WorkerResponse(_message.Message):
     def final(self) -> Global___WorkerFinal:
         """Set on the last frame of a choice; with SamplingParams.n = 1, the last frame of the turn."""
 
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_inference_pb2.TokenLogprob]:
+        """With sampling.logprobs: one entry per id of token_ids, in order, token text and bytes filled in by
+        the worker (which holds the tokenizer), so nothing further in needs one.
+        """
+
     def __init__(
         self,
         *,
@@ -206,11 +213,12 @@ class WorkerResponse(_message.Message):
         text: _builtins.str = ...,
         final: Global___WorkerFinal | None = ...,
         queued: _builtins.bool = ...,
+        logprobs: _abc.Iterable[_inference_pb2.TokenLogprob] | None = ...,
         index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["final", b"final"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "index", b"index", "queued", b"queued", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["final", b"final", "index", b"index", "logprobs", b"logprobs", "queued", b"queued", "sequence", b"sequence", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
