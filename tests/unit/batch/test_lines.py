@@ -28,7 +28,7 @@ def test_chat_and_completion_bodies_run_at_priority_zero() -> None:
     [
         ({"prompt": "x", "stream": True}, "'stream' must be false in a batch"),
         ({"prompt": "x", "max_tokens": 65}, "max_tokens"),
-        ({"prompt": "x", "logprobs": True}, "logprobs are not supported"),
+        ({"prompt": "x", "logprobs": True}, "'logprobs' must be an integer"),
         ({"prompt": ""}, "prompt is empty"),
     ],
 )

@@ -402,7 +402,7 @@ def _entries() -> list[pb.TokenLogprob]:
 
 
 def test_chat_logprobs_have_openai_s_shape() -> None:
-    body = oa.chat_completion("r", "m", "Hi", pb.Final(), _entries())
+    body = oa.chat_completion("r", "m", "Hi", pb.Final(), logprobs=_entries())
     content = body["choices"][0]["logprobs"]["content"]
     assert body["choices"][0]["logprobs"]["refusal"] is None
     assert content[0] == {
@@ -416,7 +416,7 @@ def test_chat_logprobs_have_openai_s_shape() -> None:
     }
     assert content[1]["bytes"] == [0xE6] and content[1]["top_logprobs"] == []
     assert oa.chat_completion("r", "m", "Hi", pb.Final())["choices"][0]["logprobs"] is None
-    chunk = oa.chat_chunk("r", "m", {"content": "Hi"}, None, 0, False, _entries()[:1])
+    chunk = oa.chat_chunk("r", "m", {"content": "Hi"}, None, 0, False, logprobs=_entries()[:1])
     assert chunk["choices"][0]["logprobs"]["content"][0]["token"] == "Hi"
 
 
