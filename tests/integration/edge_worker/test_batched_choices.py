@@ -69,3 +69,43 @@ def test_closing_the_first_choice_before_its_prefill_fails_the_others_at_once(en
 def test_more_choices_than_rows_is_a_clear_error(engine: BatchedEngine) -> None:
     with pytest.raises(InvalidArgument, match="at most 4 choices"):
         engine.start_n([1, 2, 3], SamplingParams(max_tokens=4, n=5), 5)
+
+
+def test_sampled_choices_each_keep_their_own_grammar_and_logprobs(engine: BatchedEngine) -> None:
+    """n with structured output and logprobs: every choice (forks included) is held to the regex by its
+    own grammar state and reports one logprob entry per token it generated."""
+    import re
+
+    from services.common.constraints import check_constraint
+
+    prompt = chat(engine, "What is today's date?")
+    sampling = SamplingParams(
+        max_tokens=12,
+        temperature=1.0,
+        seed=3,
+        n=3,
+        structured=check_constraint("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"),
+        logprobs=True,
+        top_logprobs=2,
+    )
+    seqs = engine.start_n(prompt, sampling, 3)
+    entries: list[list[object]] = [[] for _ in seqs]
+
+    def run(i: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(12):
+            token = seqs[i].step()
+            if token in engine.info.eos_token_ids:
+                break
+            out.append(token)
+            entries[i].append(seqs[i].last_logprobs)
+        return out
+
+    try:
+        outputs = together([partial(run, i) for i in range(3)])
+    finally:
+        for seq in seqs:
+            seq.close()
+    for out, got in zip(outputs, entries, strict=True):
+        assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", engine.tokenizer.decode(out))
+        assert len(got) == len(out) and all(e is not None and len(e.top_ids) == 2 for e in got)  # type: ignore[attr-defined]

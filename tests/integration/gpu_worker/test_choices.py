@@ -96,3 +96,50 @@ def test_forks_of_a_first_choice_closed_before_its_first_step_fail_at_once(cloud
     with pytest.raises(Exception, match="prefill did not complete"):
         seqs[1].step()
     seqs[1].close()
+
+
+def test_sampled_choices_each_keep_their_own_grammar_and_logprobs(cloud: CloudEngine) -> None:
+    """n with structured output and logprobs (eager and static steps): every choice, the forks' first
+    token included, is held to the regex by its own grammar state and reports one logprob per token."""
+    import re
+
+    from services.common.constraints import check_constraint
+
+    pattern = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
+    sampling = SamplingParams(
+        max_tokens=12,
+        temperature=1.0,
+        seed=3,
+        n=3,
+        structured=check_constraint("regex", pattern),
+        logprobs=True,
+        top_logprobs=2,
+    )
+    seqs = cloud.start_n(encode(cloud, STORY), sampling, 3)
+    outputs: list[list[int]] = [[] for _ in seqs]
+    entries: list[list[object]] = [[] for _ in seqs]
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(12):
+                token = seqs[i].step()
+                if token in cloud.info.eos_token_ids:
+                    break
+                outputs[i].append(token)
+                entries[i].append(seqs[i].last_logprobs)
+        except BaseException as exc:  # re-raised in the test's thread
+            errors.append(exc)
+        finally:
+            seqs[i].close()
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    for out, got in zip(outputs, entries, strict=True):
+        assert re.fullmatch(pattern, cloud.tokenizer.decode(out))
+        assert len(got) == len(out) and all(e is not None and len(e.top_ids) == 2 for e in got)  # type: ignore[attr-defined]
