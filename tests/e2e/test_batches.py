@@ -52,7 +52,8 @@ async def test_a_chat_batch_runs_to_completion_with_an_error_file(client: openai
         _line(f"q{i}", {"messages": [{"role": "user", "content": f"Name colour number {i}."}], "max_tokens": 6})
         for i in range(3)
     ]
-    bad = _line("bad", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "logprobs": True})
+    too_many = {"logprobs": True, "top_logprobs": 21}  # above the limit of 20: a 400 naming top_logprobs
+    bad = _line("bad", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, **too_many})
     upload = await client.files.create(file=("in.jsonl", io.BytesIO("\n".join([*good, bad]).encode())), purpose="batch")
     assert upload.purpose == "batch" and upload.bytes > 0
     batch = await client.batches.create(
