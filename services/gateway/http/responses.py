@@ -2,13 +2,22 @@
 
 A request becomes the one turn of a gRPC Chat call to the gateway: ``instructions`` as a system
 message, then the stored conversation of ``previous_response_id`` (its inputs and outputs, not its
-instructions, as OpenAI does), then ``input`` (a string, or a list of text messages). The answer is
-a ``response`` object with one output message, or (``stream``) the Responses events in OpenAI's
-order: ``response.created``, ``response.in_progress``, ``response.output_item.added``,
-``response.content_part.added``, ``response.output_text.delta``..., ``response.output_text.done``,
-``response.content_part.done``, ``response.output_item.done``, then ``response.completed`` (or
-``response.incomplete`` when ``max_output_tokens`` cut it short); an error after the stream started
-is an ``error`` event.
+instructions, as OpenAI does), then ``input`` (a string, or a list of items: text messages,
+``function_call`` items (an assistant message's tool calls) and ``function_call_output`` items
+(``tool`` messages)). ``tools`` (Responses' flat function tools), ``tool_choice`` and
+``parallel_tool_calls`` become the turn's tools (openai_api.py's ``_tools`` on the chat shape);
+``text.format`` (``json_object``, ``json_schema``) its ``SamplingParams.structured`` (the checks of
+services/common/constraints.py, so a bad schema is a 400 naming ``text.format``); ``top_logprobs`` with
+``include: ["message.output_text.logprobs"]`` its logprobs.
+
+The answer is a ``response`` object whose output is a ``message`` item for the answer's text and one
+``function_call`` item per tool call, in the order the model produced them; or (``stream``) the
+Responses events in OpenAI's order: ``response.created``, ``response.in_progress``, then per item
+``response.output_item.added``, for a message ``response.content_part.added``,
+``response.output_text.delta``..., ``response.output_text.done``, ``response.content_part.done``, for a
+function call ``response.function_call_arguments.delta``..., ``response.function_call_arguments.done``,
+then ``response.output_item.done``; last ``response.completed`` (or ``response.incomplete`` when
+``max_output_tokens`` cut it short). An error after the stream started is an ``error`` event.
 
 Stored responses (``store``, default true) are kept in Redis per tenant for ``responses_ttl_s``
 (services/store/responses.py). The adapter never knows the tenant: the gateway, which authenticates,
@@ -17,10 +26,9 @@ trailers of a ListModels call for GET and DELETE), and records live under it, so
 is simply not found (404). Without a Redis URL nothing is stored and ``previous_response_id`` is
 refused.
 
-Not yet supported (400 naming the field): ``tools`` and a ``text.format`` other than ``text``
-(structured output and tool calls come with their own work), and the fields of features meshserve
-does not have (``background``, ``conversation``, ``prompt``, ``include``, ``top_logprobs``,
-``reasoning``, ``truncation: auto``).
+Refused (400 naming the field): tools other than functions (``web_search``, ``file_search``, ...), and
+the fields of features meshserve does not have (``background``, ``conversation``, ``prompt``,
+``include`` other than ``message.output_text.logprobs``, ``reasoning``, ``truncation: auto``).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +45,11 @@ import grpc
 from aiohttp import web
 
 from services.common import metadata as md
+from services.common.constraints import Constraint, check_constraint, json_schema_constraint
 from services.common.errors import InvalidArgument, MeshError, PermissionDenied
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.sampling import MAX_TOP_LOGPROBS
+from services.common.sampling_pb import structured_to_pb
 from services.common.status_errors import Upstream, from_rpc_error
 from services.gateway.http import openai_api as oa
 from services.store.responses import ResponseStore
@@ -46,21 +57,18 @@ from services.store.responses import ResponseStore
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_METADATA_KEYS = 16
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
 CHAT_END_WAIT_S = 1.0
 """After the turn's final frame, how long to wait for the gateway to end the Chat call itself."""
 _ID = re.compile(r"^resp_[0-9a-f]{1,64}$")
 _NEUTRAL: tuple[tuple[str, tuple[object, ...], str], ...] = (
     # (field, values that change nothing, why it is refused otherwise)
-    ("tools", ([],), "tools are not yet supported on /v1/responses"),
-    ("tool_choice", ("auto", "none"), "tools are not yet supported on /v1/responses"),
     ("background", (False,), "background responses are not supported"),
     ("conversation", (), "conversations are not supported; chain responses with previous_response_id"),
     ("prompt", (), "prompt templates are not supported"),
-    ("include", ([],), "include is not supported"),
-    ("top_logprobs", (0,), "logprobs are not yet supported on /v1/responses"),
     ("reasoning", ({},), "reasoning options are not supported"),
     ("truncation", ("disabled",), "only truncation 'disabled' is supported"),
-    ("max_tool_calls", (), "tools are not yet supported on /v1/responses"),
+    ("max_tool_calls", (), "max_tool_calls is not supported (tool_choice 'none' allows no calls)"),
 )
 
 
@@ -69,8 +77,8 @@ class ResponsesRequest:
     """A parsed Responses request."""
 
     model: str
-    messages: list[dict[str, str]]
-    """The new input messages (role, content)."""
+    messages: list[dict[str, Any]]
+    """The new input as chat messages (openai_api.py's chat shape: role, content, tool_calls, tool_call_id)."""
     instructions: str | None
     sampling: pb.SamplingParams
     stream: bool
@@ -80,6 +88,14 @@ class ResponsesRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     max_output_tokens: int | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    """The function tools, echoed in the response (Responses' FunctionTool shape)."""
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    tool_turn: pb.ChatTurn = field(default_factory=pb.ChatTurn)
+    """The turn's ``tools`` and ``tool_choice`` (no messages): copied into the Chat turn."""
+    text_format: dict[str, Any] = field(default_factory=lambda: {"type": "text"})
+    top_logprobs: int = 0
 
 
 def _refuse(body: dict[str, Any]) -> None:
@@ -87,51 +103,188 @@ def _refuse(body: dict[str, Any]) -> None:
         value = body.get(name)
         if value is not None and not oa._is_neutral(value, neutral):
             raise InvalidArgument(f"'{name}': {why} by meshserve; remove it from the request")
+
+
+def _text_format(body: dict[str, Any]) -> tuple[dict[str, Any], Constraint | None]:
+    """``text.format``: ``text`` (none), ``json_object``, or ``json_schema`` (``name``, ``schema``,
+    ``strict``, ``description``; flat, unlike chat's ``response_format``). The output is held to the
+    schema whatever ``strict`` says, as on the chat path. Returns the format to echo and the constraint."""
     text = body.get("text")
-    if text is not None:
-        fmt = text.get("format") if isinstance(text, dict) else None
-        kind = fmt.get("type") if isinstance(fmt, dict) else None
-        if not isinstance(text, dict) or (fmt is not None and kind != "text"):
+    if text is None:
+        return {"type": "text"}, None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict) or (fmt is not None and not isinstance(fmt, dict)):
+        raise InvalidArgument("'text' must be an object such as {'format': {'type': 'json_object'}}")
+    kind = (fmt or {}).get("type", "text")
+    if fmt is None or kind == "text":
+        return {"type": "text"}, None
+    if kind == "json_object":
+        return {"type": "json_object"}, check_constraint("json_object", field="text.format")
+    if kind != "json_schema":
+        raise InvalidArgument(
+            f"'text.format' of type {oa._show(kind)} is not supported; use 'text', 'json_object' or 'json_schema'"
+        )
+    name = fmt.get("name")
+    if not isinstance(name, str) or not 1 <= len(name) <= 64:
+        raise InvalidArgument("'text.format.name' must be a string of 1 to 64 characters")
+    strict = fmt.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise InvalidArgument("'text.format.strict' must be true or false")
+    description = fmt.get("description")
+    if description is not None and not isinstance(description, str):
+        raise InvalidArgument("'text.format.description' must be a string")
+    schema = fmt.get("schema")
+    if schema is None:
+        raise InvalidArgument("'text.format.schema' is missing; send the JSON Schema object")
+    constraint = json_schema_constraint(schema, field="text.format.schema")
+    echo = {"type": "json_schema", "name": name, "schema": schema, "strict": strict, "description": description}
+    return echo, constraint
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | dict[str, Any], bool, pb.ChatTurn]:
+    """Responses' ``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked here under their
+    Responses names, then put into a turn by the chat path's ``_tools`` (the router checks the limits).
+    Returns the tools, choice and parallel flag to echo, and the turn holding them."""
+    tools = body.get("tools")
+    if tools is None:
+        tools = []
+    if not isinstance(tools, list):
+        raise InvalidArgument("'tools' must be a list of {'type': 'function', 'name': ..., 'parameters': {...}}")
+    echo: list[dict[str, Any]] = []
+    chat: list[dict[str, Any]] = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
             raise InvalidArgument(
-                f"'text.format' of type {oa._show(kind)} is not yet supported on /v1/responses"
-                " (only {'type': 'text'}); remove it from the request"
+                f"'tools[{i}]' of type {oa._show(kind)} is not supported by meshserve; only function tools"
+                " {'type': 'function', 'name': ..., 'parameters': {...}} are"
             )
+        assert isinstance(tool, dict)
+        name = tool.get("name")
+        if not isinstance(name, str):
+            raise InvalidArgument(f"'tools[{i}].name' must be a string: the function's name")
+        description = tool.get("description")
+        if description is not None and not isinstance(description, str):
+            raise InvalidArgument(f"'tools[{i}].description' must be a string")
+        parameters = tool.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise InvalidArgument(f"'tools[{i}].parameters' must be a JSON Schema object")
+        strict = tool.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise InvalidArgument(f"'tools[{i}].strict' must be true or false")
+        function = {"name": name, "description": description, "parameters": parameters}
+        chat.append({"type": "function", "function": function})
+        echo.append({"type": "function", **function, "strict": strict})
+    choice = body.get("tool_choice")
+    chat_choice: object = choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise InvalidArgument(
+                "'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}"
+                " (only function tools are supported)"
+            )
+        chat_choice = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice is not None and choice not in ("auto", "none", "required"):
+        raise InvalidArgument("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}")
+    parallel = body.get("parallel_tool_calls")
+    turn = pb.ChatTurn()
+    oa._tools({"tools": chat, "tool_choice": chat_choice, "parallel_tool_calls": parallel}, turn)
+    shown: str | dict[str, Any] = choice if choice is not None else "auto"
+    if isinstance(choice, dict):
+        shown = {"type": "function", "name": choice["name"]}
+    return echo, shown, parallel is not False, turn
 
 
-def _content(item: dict[str, Any], where: str) -> str:
-    content = item.get("content")
+def _logprobs(body: dict[str, Any], sampling: pb.SamplingParams) -> int:
+    """``include`` (only ``message.output_text.logprobs``) and ``top_logprobs`` (0 to 20, needs it)."""
+    include = body.get("include")
+    if include is None:
+        include = []
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise InvalidArgument(f"'include' must be a list of strings such as [{LOGPROBS_INCLUDE!r}]")
+    other = [x for x in include if x != LOGPROBS_INCLUDE]
+    if other:
+        raise InvalidArgument(
+            f"'include' value {oa._show(other[0])} is not supported by meshserve; only {LOGPROBS_INCLUDE!r} is"
+        )
+    top = oa._int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    wanted = LOGPROBS_INCLUDE in include
+    if top and not wanted:
+        raise InvalidArgument(
+            f"'top_logprobs' needs 'include': [{LOGPROBS_INCLUDE!r}] to return them; add it or drop top_logprobs"
+        )
+    sampling.logprobs = wanted
+    sampling.top_logprobs = top
+    return top
+
+
+def _content(item: dict[str, Any], where: str, name: str = "content") -> str:
+    content = item.get(name)
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise InvalidArgument(f"'{where}.content' must be a string or a list of text parts")
+        raise InvalidArgument(f"'{where}.{name}' must be a string or a list of text parts")
     parts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else None
             raise InvalidArgument(
-                f"'{where}.content[{j}]' of type {oa._show(kind)} is not supported; send text parts"
+                f"'{where}.{name}[{j}]' of type {oa._show(kind)} is not supported; send text parts"
                 " {'type': 'input_text', 'text': ...} (images, audio and files are not supported)"
             )
         parts.append(part["text"])
     return "".join(parts)
 
 
-def _input(value: object) -> list[dict[str, str]]:
+def _field(item: dict[str, Any], name: str, where: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str) or not value:
+        raise InvalidArgument(f"'{where}.{name}' must be a non-empty string")
+    return value
+
+
+def _function_call(item: dict[str, Any], where: str, messages: list[dict[str, Any]]) -> None:
+    """A ``function_call`` item: a call of the assistant's, joined to the assistant message just before it
+    (a message with text, or the calls before it: parallel calls are one chat message)."""
+    arguments = item.get("arguments")
+    if not isinstance(arguments, str):
+        raise InvalidArgument(f"'{where}.arguments' must be a string: the call's JSON arguments")
+    call = {
+        "id": _field(item, "call_id", where),
+        "type": "function",
+        "function": {"name": _field(item, "name", where), "arguments": arguments},
+    }
+    last = messages[-1] if messages else None
+    if last is None or last["role"] != "assistant":
+        last = {"role": "assistant", "content": ""}
+        messages.append(last)
+    last.setdefault("tool_calls", []).append(call)
+
+
+def _input(value: object) -> list[dict[str, Any]]:
     if isinstance(value, str):
         if not value:
             raise InvalidArgument("'input' is an empty string; send some text")
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise InvalidArgument("'input' must be a string or a non-empty list of messages {'role': ..., 'content': ...}")
-    messages = []
+    messages: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise InvalidArgument(f"'{where}' must be a message object {{'role': ..., 'content': ...}}")
-        if item.get("type", "message") != "message":
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            _function_call(item, where, messages)
+            continue
+        if kind == "function_call_output":
+            output = _content(item, where, "output")
+            messages.append({"role": "tool", "content": output, "tool_call_id": _field(item, "call_id", where)})
+            continue
+        if kind != "message":
             raise InvalidArgument(
-                f"'{where}.type' is {oa._show(item.get('type'))}; only 'message' items are supported"
-                " (tool calls and their outputs are not yet supported on /v1/responses)"
+                f"'{where}.type' is {oa._show(kind)}; only 'message', 'function_call' and"
+                " 'function_call_output' items are supported"
             )
         role = item.get("role")
         if role not in ROLES:
@@ -170,6 +323,11 @@ def parse(body: dict[str, Any]) -> ResponsesRequest:
     temperature = oa._number(body, "temperature", 1.0)
     top_p = oa._number(body, "top_p", 0.0)
     sampling = pb.SamplingParams(max_tokens=max_output or 0, temperature=temperature, top_p=top_p)
+    text_format, structured = _text_format(body)
+    if structured is not None:
+        sampling.structured.CopyFrom(structured_to_pb(structured))
+    top_logprobs = _logprobs(body, sampling)
+    tools, tool_choice, parallel, tool_turn = _tools(body)
     return ResponsesRequest(
         model=model,
         messages=_input(body.get("input")),
@@ -182,6 +340,12 @@ def parse(body: dict[str, Any]) -> ResponsesRequest:
         temperature=temperature,
         top_p=top_p or 1.0,
         max_output_tokens=max_output,
+        tools=tools,
+        tool_choice=tool_choice,
+        parallel_tool_calls=parallel,
+        tool_turn=tool_turn,
+        text_format=text_format,
+        top_logprobs=top_logprobs,
     )
 
 
@@ -202,14 +366,27 @@ def _incomplete(final: pb.Final | None) -> bool:
     return final is not None and final.finish_reason == pb.FINISH_REASON_LENGTH
 
 
-def output_message(message_id: str, text: str | None, status: str) -> dict[str, Any]:
-    """The one output item: an assistant message (no content yet while ``text`` is None)."""
-    content = [] if text is None else [output_text(text)]
+def output_message(message_id: str, text: str | None, status: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    """An assistant message output item (no content yet while ``text`` is None)."""
+    content = [] if text is None else [output_text(text, logprobs)]
     return {"id": message_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def function_call(call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    """A ``function_call`` output item (its ``id``: the call's id with OpenAI's ``fc_`` prefix)."""
+    item_id = "fc_" + call_id.removeprefix("call_")
+    return {
+        "id": item_id,
+        "type": "function_call",
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
 
 
 def response_object(
@@ -218,15 +395,15 @@ def response_object(
     model: str,
     created: int,
     *,
-    text: str | None = None,
+    output: list[dict[str, Any]] | None = None,
     final: pb.Final | None = None,
 ) -> dict[str, Any]:
-    """The ``response`` object: in progress (no ``final``) or finished."""
+    """The ``response`` object: in progress (no ``final``) or finished with its ``output`` items."""
     if final is None:
-        status, output = "in_progress", []
+        status, items = "in_progress", []
     else:
         status = "incomplete" if _incomplete(final) else "completed"
-        output = [output_message(_message_id(response_id), text or "", status)]
+        items = output or []
     return {
         "id": response_id,
         "object": "response",
@@ -237,21 +414,118 @@ def response_object(
         "instructions": request.instructions,
         "max_output_tokens": request.max_output_tokens,
         "model": model,
-        "output": output,
-        "parallel_tool_calls": True,
+        "output": items,
+        "parallel_tool_calls": request.parallel_tool_calls,
         "previous_response_id": request.previous_response_id,
         "reasoning": {"effort": None, "summary": None},
         "store": request.store,
         "temperature": request.temperature,
-        "text": {"format": {"type": "text"}},
-        "tool_choice": "auto",
-        "tools": [],
+        "text": {"format": request.text_format},
+        "tool_choice": request.tool_choice,
+        "tools": request.tools,
+        "top_logprobs": request.top_logprobs,
         "top_p": request.top_p,
         "truncation": "disabled",
         "usage": _usage(final),
         "user": None,
         "metadata": request.metadata,
     }
+
+
+class _Output:
+    """The output items of one answer, built from its frames in the order the model produced them: a
+    ``message`` item for a run of text, a ``function_call`` item per tool call. With ``events`` each step
+    is also streamed as OpenAI streams it."""
+
+    def __init__(self, response_id: str, events: _Events | None, with_logprobs: bool) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._events = events
+        self._message_id = _message_id(response_id)
+        self._with_logprobs = with_logprobs
+        self._open: dict[str, Any] | None = None
+        self._texts: list[str] = []
+        self._logprobs: list[dict[str, Any]] = []
+        self._calls: dict[int, tuple[int, dict[str, Any]]] = {}
+        """Tool-call index -> (output index, item)."""
+        self._messages = 0
+
+    async def _send(self, kind: str, **payload: Any) -> None:
+        if self._events is not None:
+            await self._events.send(kind, **payload)
+
+    def _where(self) -> dict[str, Any]:
+        assert self._open is not None
+        return {"output_index": len(self.items) - 1, "item_id": self._open["id"]}
+
+    async def text(self, delta: str, entries: Sequence[pb.TokenLogprob]) -> None:
+        logprobs = oa.chat_logprobs(entries)["content"] if self._with_logprobs and entries else []
+        if not delta:
+            if logprobs and self._open is not None and self._open["type"] == "message":
+                self._logprobs.extend(logprobs)
+            return
+        if self._open is None or self._open["type"] != "message":
+            await self._open_message()
+        self._texts.append(delta)
+        self._logprobs.extend(logprobs)
+        await self._send("response.output_text.delta", **self._where(), content_index=0, delta=delta, logprobs=logprobs)
+
+    async def _open_message(self) -> None:
+        await self._close("completed")
+        suffix = f"_{self._messages}" if self._messages else ""
+        self._messages += 1
+        self._open = output_message(self._message_id + suffix, None, "in_progress")
+        self.items.append(self._open)
+        self._texts, self._logprobs = [], []
+        await self._send("response.output_item.added", output_index=len(self.items) - 1, item=self._open)
+        await self._send("response.content_part.added", **self._where(), content_index=0, part=output_text(""))
+
+    async def call(self, delta: pb.ToolCallDelta) -> None:
+        if delta.id:
+            await self._close("completed")
+            self._open = function_call(delta.id, delta.name, "", "in_progress")
+            self.items.append(self._open)
+            self._calls[delta.index] = (len(self.items) - 1, self._open)
+            await self._send("response.output_item.added", output_index=len(self.items) - 1, item=self._open)
+        if delta.index not in self._calls:
+            raise MeshError("a tool call's arguments came before its name; retry, and report it if it persists")
+        index, item = self._calls[delta.index]
+        if delta.arguments:
+            item["arguments"] += delta.arguments
+            await self._send(
+                "response.function_call_arguments.delta", output_index=index, item_id=item["id"], delta=delta.arguments
+            )
+
+    async def _close(self, status: str) -> None:
+        item, self._open = self._open, None
+        if item is None:
+            return
+        where = {"output_index": self.items.index(item), "item_id": item["id"]}
+        item["status"] = status
+        if item["type"] == "message":
+            text = "".join(self._texts)
+            part = output_text(text, self._logprobs)
+            item["content"] = [part]
+            await self._send("response.output_text.done", **where, content_index=0, text=text, logprobs=self._logprobs)
+            await self._send("response.content_part.done", **where, content_index=0, part=part)
+        else:
+            await self._send("response.function_call_arguments.done", **where, arguments=item["arguments"])
+        await self._send("response.output_item.done", output_index=where["output_index"], item=item)
+
+    async def finish(self, status: str) -> None:
+        """Closes the last item with the answer's ``status``; an answer of nothing is one empty message."""
+        if not self.items:
+            await self._open_message()
+        await self._close(status)
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The answer as chat messages, for the stored conversation."""
+        messages: list[dict[str, Any]] = []
+        for item in self.items:
+            if item["type"] == "message":
+                messages.append({"role": "assistant", "content": item["content"][0]["text"]})
+            else:
+                _function_call(item, "output", messages)
+        return messages
 
 
 def _message_id(response_id: str) -> str:
@@ -331,7 +605,7 @@ class ResponseRoutes:
                 await call.read()
                 raise MeshError("the gateway sent no tenant for this call; retry, and report it if it persists")
             request_id = _header(headers, md.REQUEST_ID) or ""
-            history: list[dict[str, str]] = []
+            history: list[dict[str, Any]] = []
             if parsed.previous_response_id is not None:
                 assert self._store is not None
                 previous = None
@@ -340,50 +614,30 @@ class ResponseRoutes:
                 if previous is None:
                     raise not_found(parsed.previous_response_id)
                 history = list(previous["conversation"])
-            turn = pb.ChatTurn(model=parsed.model, sampling=parsed.sampling)
-            if parsed.instructions:
-                turn.messages.add(role="system", content=parsed.instructions)
-            for message in (*history, *parsed.messages):
-                turn.messages.add(role=message["role"], content=message["content"])
-            await call.write(pb.ChatRequest(turn=turn))
+            conversation = [*history, *parsed.messages]
+            await call.write(pb.ChatRequest(turn=_turn(parsed, conversation)))
             await call.done_writing()
             frames = _frames(call)
             first = await anext(frames, None)
             model = await self._app._served_model(parsed.model, request)
             response_id = "resp_" + request_id
             created = int(time.time())
-            conversation = [*history, *parsed.messages]
+            with_logprobs = parsed.sampling.logprobs
             if not parsed.stream:
-                text, final = await _collect(first, frames)
-                body = response_object(parsed, response_id, model, created, text=text, final=final)
-                await self._keep(parsed, scope, response_id, body, conversation, text)
+                out = _Output(response_id, None, with_logprobs)
+                final = await _answer(first, frames, out)
+                body = response_object(parsed, response_id, model, created, output=out.items, final=final)
+                await self._keep(parsed, scope, response_id, body, [*conversation, *out.conversation()])
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
             events = _Events(await _sse_start(request, request_id))
-            message_id = _message_id(response_id)
-            item: dict[str, Any] = {"output_index": 0, "item_id": message_id}
-            part = {"content_index": 0, **item}
             try:
                 pending = response_object(parsed, response_id, model, created)
                 await events.send("response.created", response=pending)
                 await events.send("response.in_progress", response=pending)
-                added = output_message(message_id, None, "in_progress")
-                await events.send("response.output_item.added", output_index=0, item=added)
-                await events.send("response.content_part.added", **part, part=output_text(""))
-                texts: list[str] = []
-                end: pb.Final | None = None
-                async for delta, last in _prepend(first, frames):
-                    end = last or end
-                    if delta:
-                        texts.append(delta)
-                        await events.send("response.output_text.delta", **part, delta=delta, logprobs=[])
-                if end is None:
-                    raise MeshError("the stream ended without a final frame; retry, and report it if it persists")
-                text = "".join(texts)
-                await events.send("response.output_text.done", **part, text=text, logprobs=[])
-                await events.send("response.content_part.done", **part, part=output_text(text))
-                body = response_object(parsed, response_id, model, created, text=text, final=end)
-                await events.send("response.output_item.done", output_index=0, item=body["output"][0])
-                await self._keep(parsed, scope, response_id, body, conversation, text)
+                out = _Output(response_id, events, with_logprobs)
+                end = await _answer(first, frames, out)
+                body = response_object(parsed, response_id, model, created, output=out.items, final=end)
+                await self._keep(parsed, scope, response_id, body, [*conversation, *out.conversation()])
                 await events.send(f"response.{body['status']}", response=body)
             except (MeshError, grpc.aio.AioRpcError) as exc:
                 error = exc if isinstance(exc, MeshError) else from_rpc_error(exc, Upstream.ROUTER)
@@ -399,24 +653,41 @@ class ResponseRoutes:
         scope: str,
         response_id: str,
         body: dict[str, Any],
-        conversation: list[dict[str, str]],
-        text: str,
+        conversation: list[dict[str, Any]],
     ) -> None:
         if parsed.store and self._store is not None:
-            record = {"response": body, "conversation": [*conversation, {"role": "assistant", "content": text}]}
-            await self._store.put(scope, response_id, record)
+            await self._store.put(scope, response_id, {"response": body, "conversation": conversation})
 
 
-Frame = tuple[str, pb.Final | None]
+def _turn(parsed: ResponsesRequest, conversation: list[dict[str, Any]]) -> pb.ChatTurn:
+    """The Chat turn: the request's tools and sampling, ``instructions``, then the conversation (chat-shaped
+    messages; a ``tool`` message gets the name of the function whose call it answers)."""
+    turn = pb.ChatTurn()
+    turn.CopyFrom(parsed.tool_turn)
+    turn.model = parsed.model
+    turn.sampling.CopyFrom(parsed.sampling)
+    if parsed.instructions:
+        turn.messages.add(role="system", content=parsed.instructions)
+    names: dict[str, str] = {}
+    for i, message in enumerate(conversation):
+        for tool_call in message.get("tool_calls", ()):
+            names[tool_call["id"]] = tool_call["function"]["name"]
+        if message["role"] == "tool" and "name" not in message:
+            message = {**message, "name": names.get(message.get("tool_call_id", ""), "")}
+        oa._message(message, i, turn)
+    return turn
+
+
+Frame = tuple[str, pb.Final | None, Sequence[pb.ToolCallDelta], Sequence[pb.TokenLogprob]]
 
 
 async def _frames(call: Any) -> AsyncIterator[Frame]:
-    """(text, final) of the turn's frames; after the final frame, lets the half-closed call end before
-    returning (as the chat completions route does: cancelling it at once made the gateway record some
-    complete answers as CANCELLED)."""
+    """(text, final, tool-call deltas, logprobs) of the turn's frames; after the final frame, lets the
+    half-closed call end before returning (as the chat completions route does: cancelling it at once made
+    the gateway record some complete answers as CANCELLED)."""
     async for frame in call:
         final = frame.final if frame.HasField("final") else None
-        yield frame.text, final
+        yield frame.text, final, frame.tool_calls, frame.logprobs
         if final is not None:
             break
     try:
@@ -434,15 +705,18 @@ async def _prepend(first: Frame | None, frames: AsyncIterator[Frame]) -> AsyncIt
             yield frame
 
 
-async def _collect(first: Frame | None, frames: AsyncIterator[Frame]) -> tuple[str, pb.Final]:
-    texts: list[str] = []
+async def _answer(first: Frame | None, frames: AsyncIterator[Frame], out: _Output) -> pb.Final:
+    """Feeds the turn's frames to ``out`` and closes it; the final frame."""
     final = None
-    async for text, last in _prepend(first, frames):
-        texts.append(text)
+    async for text, last, calls, logprobs in _prepend(first, frames):
         final = last or final
+        await out.text(text, logprobs)
+        for delta in calls:
+            await out.call(delta)
     if final is None:
         raise MeshError("the stream ended without a final frame; retry, and report it if it persists")
-    return "".join(texts), final
+    await out.finish("incomplete" if _incomplete(final) else "completed")
+    return final
 
 
 async def _sse_start(request: web.Request, request_id: str) -> web.StreamResponse:
