@@ -119,3 +119,58 @@ async def test_openai_responses_plain_stream_and_chain(client: openai.AsyncOpenA
     # The chain's history counts in its prompt.
     assert second.usage.input_tokens > first.usage.input_tokens
     assert (await client.responses.retrieve(second.id)).output_text == second.output_text
+
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+
+
+async def test_openai_responses_json_schema_and_tool_calls(client: openai.AsyncOpenAI) -> None:
+    """Structured output and a required tool call on the real model (the output held to the schema), then the
+    call's result in the next turn by previous_response_id."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
+    fmt = {"type": "json_schema", "name": "colour", "schema": schema, "strict": True}
+    reply = await client.responses.create(
+        model="",
+        input="Name a colour.",
+        text={"format": fmt},
+        max_output_tokens=24,
+        temperature=0,  # type: ignore[typeddict-item]
+    )
+    assert reply.status == "completed"
+    jsonschema.validate(json.loads(reply.output_text), schema)
+
+    ask = {"model": "", "input": "What is the weather in Paris?", "tools": [WEATHER], "max_output_tokens": 48}
+    first = await client.responses.create(**ask, tool_choice="required", temperature=0)  # type: ignore[call-overload]
+    calls = [item for item in first.output if item.type == "function_call"]
+    assert calls and first.status == "completed"
+    for call in calls:
+        assert call.name == "get_weather" and call.call_id.startswith("call_")
+        jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    stream = await client.responses.create(**ask, tool_choice="required", temperature=0, stream=True)  # type: ignore[call-overload]
+    events = [event async for event in stream]
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type == "function_call"]
+    assert [(c.name, c.arguments) for c in done] == [(c.name, c.arguments) for c in calls]  # greedy: the same calls
+
+    outputs = [{"type": "function_call_output", "call_id": c.call_id, "output": "Sunny, 21 C"} for c in calls]
+    second = await client.responses.create(
+        **ask | {"input": outputs}, tool_choice="none", previous_response_id=first.id, temperature=0
+    )
+    assert second.output_text and [item.type for item in second.output] == ["message"]
+    # The chain is the conversation sent whole: the same prompt.
+    spelled = [
+        {"role": "user", "content": ask["input"]},
+        *({"type": "function_call", "call_id": c.call_id, "name": c.name, "arguments": c.arguments} for c in calls),
+        *outputs,
+    ]
+    whole = await client.responses.create(**ask | {"input": spelled}, tool_choice="none", temperature=0, store=False)
+    assert second.usage is not None and whole.usage is not None
+    assert second.usage.input_tokens == whole.usage.input_tokens and whole.output_text == second.output_text
