@@ -1,5 +1,7 @@
 """``/v1/responses`` with the official ``openai`` client through Envoy, the adapter (with its response store in
-the real Redis, a short TTL) and the real gateway, in front of the fake router: the request shapes, the
+the real Redis, a short TTL) and the real gateway, in front of a scripted router (the fake router, plus a tool
+call, JSON text and logprobs when the turn asks for them): the request shapes, structured output, function
+tools and their calls, logprobs, the
 streamed events, chains by ``previous_response_id``, tenant isolation, expiry, refusals; and the
 adapter-side refusals of ``/v1/embeddings``."""
 
