@@ -499,7 +499,7 @@ class _Output:
         item, self._open = self._open, None
         if item is None:
             return
-        where = {"output_index": self.items.index(item), "item_id": item["id"]}
+        where = {"output_index": next(i for i, x in enumerate(self.items) if x is item), "item_id": item["id"]}
         item["status"] = status
         if item["type"] == "message":
             text = "".join(self._texts)

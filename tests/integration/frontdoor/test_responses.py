@@ -1,9 +1,8 @@
 """``/v1/responses`` with the official ``openai`` client through Envoy, the adapter (with its response store in
 the real Redis, a short TTL) and the real gateway, in front of a scripted router (the fake router, plus a tool
-call, JSON text and logprobs when the turn asks for them): the request shapes, structured output, function
-tools and their calls, logprobs, the
-streamed events, chains by ``previous_response_id``, tenant isolation, expiry, refusals; and the
-adapter-side refusals of ``/v1/embeddings``."""
+call, JSON text or logprobs when the turn asks for them): the request shapes, the streamed events, structured
+output, function tools and their calls, logprobs, chains by ``previous_response_id``, tenant isolation,
+expiry, refusals; and the adapter-side refusals of ``/v1/embeddings``."""
 
 from __future__ import annotations
 
