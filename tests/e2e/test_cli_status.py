@@ -113,7 +113,7 @@ async def test_status_alone_watches_the_mesh_meshserve_up_started(redis_srv: Red
         assert f"router {recorded['router']} SERVING" in text
         assert "edge: 1/1 replicas healthy" in text and "cloud: no replicas" in text
         assert "response" in text and "traffic: requests" in text and "unreachable" not in text
-        assert "services: 3 supervised, 0 restarted" in text  # gateway, edge-0, cache (its Redis is given)
+        assert "services: 4 supervised, 0 restarted" in text  # gateway, edge-0, cache, batch (Redis is given)
 
         # kill -9 of a supervised service: `meshserve up` restarts it, and `status` says so.
         os.kill(int(recorded["services"]["cache"]["pid"]), signal.SIGKILL)
@@ -131,7 +131,7 @@ async def test_status_alone_watches_the_mesh_meshserve_up_started(redis_srv: Red
         out, _ = await asyncio.wait_for(proc.communicate(), 60)
         row = next(line for line in out.decode().splitlines() if line.startswith("│ cache "))
         assert "running" in row and "killed by SIGKILL" in row, out.decode()
-        assert "services: 3 supervised, 1 restarted" in out.decode()
+        assert "services: 4 supervised, 1 restarted" in out.decode()
     finally:
         up.send_signal(signal.SIGINT)
         await asyncio.wait_for(up.wait(), 60)

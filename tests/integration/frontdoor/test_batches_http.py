@@ -38,6 +38,23 @@ def _jsonl(n: int, body: dict[str, object] | None = None, prefix: str = "r") -> 
     return io.BytesIO("\n".join(lines).encode())
 
 
+class _Database7:
+    """The session's redis-server, database 7: the batch work stream here is this module's alone (the
+    e2e session mesh runs a batch runner on database 0 of the same server, which would take these lines)."""
+
+    def __init__(self, server: RedisServer) -> None:
+        self._server = server
+
+    @property
+    def url(self) -> str:
+        return self._server.url.rsplit("/", 1)[0] + "/7"
+
+
+@pytest.fixture(scope="module")
+def redis_srv(redis_srv: RedisServer) -> _Database7:  # the stack's and the runner's Redis
+    return _Database7(redis_srv)
+
+
 @pytest.fixture
 async def client(stack: Stack) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(base_url=stack.door.base_url, api_key=API_KEY, max_retries=0) as c:

@@ -91,6 +91,11 @@ async def open_models(tmp: Path, tokenizer: Tokenizer) -> AsyncIterator[Models]:
     server, api = await start_router_api(settings, tokenizer=tokenizer)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     await asyncio.wait_for(wait_serving(channel), 10)
+    # Serving means one worker is healthy: wait for all four (and their builds) on a loaded host.
+    deadline = asyncio.get_running_loop().time() + 30
+    while sum(1 for r in api.router.registry.replicas if r.healthy and r.report.model_version) < len(workers):
+        assert asyncio.get_running_loop().time() < deadline, "the fake workers did not all become healthy"
+        await asyncio.sleep(0.05)
     try:
         yield Models(
             api,
