@@ -34,12 +34,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 from redis.exceptions import ResponseError
 
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted
 from services.store.connection import AnyRedis
 from services.store.files import FileStore
 from services.store.keys import BATCH_ACTIVE, BATCH_WORK_STREAM, batch_tenant_prefix
+
+log = structlog.get_logger(__name__)
 
 GROUP = "runners"
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -344,8 +347,23 @@ class BatchStore:
 
     async def read(self, consumer: str, count: int, block_ms: int) -> list[WorkItem]:
         """New entries for ``consumer`` (waits up to ``block_ms`` for one)."""
-        reply = await self._redis.xreadgroup(GROUP, consumer, {BATCH_WORK_STREAM: ">"}, count=count, block=block_ms)
+        try:
+            reply = await self._redis.xreadgroup(GROUP, consumer, {BATCH_WORK_STREAM: ">"}, count=count, block=block_ms)
+        except ResponseError as exc:
+            if not await self._regrouped(exc):
+                raise
+            return []
         return [_item(eid, f) for _stream, entries in reply or () for eid, f in entries if f]
+
+    async def _regrouped(self, exc: ResponseError) -> bool:
+        """The work stream (and its group) is gone: Redis restarted without persistence, or was flushed.
+        Create them again, so runners take new lines at once (the lost entries' batches are lost with
+        them and expire); False for any other error."""
+        if "NOGROUP" not in str(exc):
+            return False
+        log.info("batch_work_group_recreated")
+        await self.ensure_group()
+        return True
 
     async def reclaim(
         self, consumer: str, min_idle_ms: int, count: int, cursor: str = "0-0"
@@ -354,7 +372,12 @@ class BatchStore:
         ``cursor`` on in the pending list; returns where the next call goes on (``0-0``: the start
         again: XAUTOCLAIM looks at a few entries per call, so a scan that always began at the start
         would never reach a dead runner's entries behind many live ones)."""
-        reply = await self._redis.xautoclaim(BATCH_WORK_STREAM, GROUP, consumer, min_idle_ms, cursor, count=count)
+        try:
+            reply = await self._redis.xautoclaim(BATCH_WORK_STREAM, GROUP, consumer, min_idle_ms, cursor, count=count)
+        except ResponseError as exc:
+            if not await self._regrouped(exc):
+                raise
+            return "0-0", []
         following = reply[0].decode() if isinstance(reply[0], bytes) else str(reply[0])
         return following, [_item(eid, f) for eid, f in reply[1] if f]
 

@@ -125,6 +125,23 @@ async def test_a_dead_consumers_entries_are_reclaimed(store: BatchStore) -> None
     assert sorted(i.index for i in first + second) == [0, 1]
 
 
+async def test_a_lost_work_stream_is_made_again_and_runners_go_on(store: BatchStore, redis_url: str) -> None:
+    """Redis restarted without persistence (or flushed): XREADGROUP / XAUTOCLAIM answer NOGROUP; the store
+    creates the stream and its group again instead of failing every read."""
+    from services.store.keys import BATCH_WORK_STREAM
+
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.delete(BATCH_WORK_STREAM)
+    finally:
+        await client.aclose()
+    assert await store.read("r1", 10, 10) == []
+    await store.ensure_group()  # already there again: BUSYGROUP is fine
+    assert await store.reclaim("r1", 0, 10) == ("0-0", [])
+    await make(store, "acme", 1)
+    assert [i.index for i in await store.read("r1", 10, 100)] == [0]
+
+
 async def test_sweep_expires_cancels_and_requeues(store: BatchStore, redis_url: str) -> None:
     expiring = await make(store, "acme", 2, window_s=0)
     item = (await store.read("r", 1, 100))[0]
