@@ -126,9 +126,17 @@ TABLES: dict[str, list[Row]] = {
         Row("aggregate tok/s at 16 streams / at 1 stream", "edge.json", "≥ 4x",
             lambda d: _edge_round(d, 16) / _edge_round(d, 1), "x", lambda v: v >= 4.0, _EDGE),
     ],
-    "Edge tier: logprobs (issue 24)": [
+    "Edge tier: logprobs, structured output, n (issue 24)": [
         Row("per-token CPU at 16 streams, top_logprobs=5 vs without", "edge_logprobs.json", "≤ +5 %",
             lambda d: float(d["cpu_overhead_pct"]), "%", lambda v: v <= 5.0, "meshserve bench edge-logprobs"),
+        Row("per-token CPU at 16 streams, JSON-schema constraint vs without", "edge_structured.json", "≤ +15 %",
+            lambda d: 100 * float(d["overhead"]), "%", lambda v: v <= 15.0, "meshserve bench edge-structured"),
+        Row("n=4 vs 4 separate requests, time to the last token (256-token prompt)", "edge_n.json", "≥ 1.5x",
+            lambda d: float(d["rows"][-1]["speedup"]), "x", lambda v: v >= 1.5, "meshserve bench edge-n"),
+    ],
+    "Batch inference (issue 28)": [
+        Row("interactive TTFT p99 rise while a batch runs", "batch.json", "≤ 10 %",
+            lambda d: 100 * float(d["rise"]), "%", lambda v: v <= 10.0, "meshserve bench batch"),
     ],
     "Cloud tier vs transformers (issue 7)": [
         Row("tok/s at 16 streams / transformers generate_batch", "cloud.json", "≥ 2.5x",
