@@ -59,6 +59,7 @@ def build_gate(settings: GatewaySettings) -> Gate:
         audience=settings.jwt_audience,
         issuer=settings.jwt_issuer,
         tenant_claim=settings.jwt_tenant_claim,
+        models_claim=settings.jwt_models_claim,
         leeway_s=settings.jwt_leeway_s,
     )
     store, limiter = None, None

@@ -99,6 +99,9 @@ class GatewaySettings(StreamingSettings):
     """Required `iss` of bearer JWTs ("" = not checked)."""
     jwt_tenant_claim: str = "tenant"
     """Claim of a bearer JWT that names the tenant."""
+    jwt_models_claim: str = "models"
+    """Claim of a bearer JWT that limits it to some model ids (a list of ids, or one space-separated
+    string); a token without it may use every served model (docs/gateway.md, *Authentication*)."""
     jwt_leeway_s: float = Field(default=30.0, ge=0)
     """Clock skew tolerated on `exp`/`nbf`."""
     requests_per_minute: int = Field(default=600, ge=0)
