@@ -1,6 +1,7 @@
 """Two versions of the default build on real edge workers (the real INT4 model, one worker per version,
 each reporting its own build id): a shadow of the same weights agrees with the primary on every
-greedy answer, and the response cache never serves one version's answer for the other."""
+greedy answer (of a Generate and of each chat turn), and the response cache never serves one
+version's answer for the other."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from services.router.api import RouterAPI
 from services.router.config import RouterSettings
 from services.router.rollout import RolloutPolicy
 from services.router.server import start_router_api
-from services.router.types import Generation, Routing
+from services.router.types import ChatMessage, ChatTurn, Done, Generation, Routing
 from services.worker.app import RunningWorker
 from tests.integration.router.harness import TOKEN
 
@@ -89,6 +90,27 @@ async def test_a_shadow_of_the_same_weights_agrees_with_the_primary(versions: Ro
             await asyncio.gather(*versions.shadows)
         v2 = rollout.counters["v2"]
         assert (v2.shadow_requests, v2.shadow_compared, v2.shadow_agreed) == (3, 3, 3)
+    finally:
+        rollout.set_policy(replace(rollout.policy, shadow=None))
+
+
+async def test_a_shadowed_chat_agrees_turn_by_turn_and_keeps_its_primary_stream(versions: RouterAPI) -> None:
+    rollout = versions.models.get("").rollout
+    rollout.set_policy(RolloutPolicy({"v1": 100, "v2": 0}, shadow="v2"))
+    v2 = rollout.counters["v2"]
+    before = (v2.shadow_requests, v2.shadow_compared, v2.shadow_agreed)
+    try:
+        chat = versions.chat(tenant="acme")
+        for question in ("The capital of France is", "And the capital of Italy is"):
+            await chat.send(ChatTurn([ChatMessage("user", question)], SamplingParams(max_tokens=6, temperature=0.0)))
+        await chat.end()
+        routes = [e.event.route for e in [e async for e in chat.events()] if isinstance(e.event, Done)]
+        await asyncio.gather(*versions.shadows)
+        assert [r.worker_id for r in routes] == ["edge-v1", "edge-v1"]  # the caller's turns: the primary's
+        # Turn 2 on the primary continued its chat stream (KV kept), its copy prefilled the whole
+        # conversation on v2: the same greedy text.
+        after = (v2.shadow_requests, v2.shadow_compared, v2.shadow_agreed)
+        assert tuple(a - b for a, b in zip(after, before, strict=True)) == (2, 2, 2)
     finally:
         rollout.set_policy(replace(rollout.policy, shadow=None))
 
