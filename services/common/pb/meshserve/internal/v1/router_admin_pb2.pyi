@@ -501,6 +501,8 @@ class ModelRollout(_message.Message):
     ROLLBACK_FIELD_NUMBER: _builtins.int
     VERSIONS_FIELD_NUMBER: _builtins.int
     ROLLBACKS_FIELD_NUMBER: _builtins.int
+    POLICY_EPOCH_FIELD_NUMBER: _builtins.int
+    POLICY_STORE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model id."""
     is_default: _builtins.bool
@@ -508,9 +510,16 @@ class ModelRollout(_message.Message):
     sticky: _builtins.str
     """"chat" (a chat keeps its version) or "tenant" (a tenant keeps its version)."""
     shadow: _builtins.str
-    """Version that gets a copy of each Generate (output discarded); empty: none."""
+    """Version that gets a copy of each Generate and chat turn (output discarded); empty: none."""
     primary: _builtins.str
     """The version a rollback returns to."""
+    policy_epoch: _builtins.int
+    """Epoch of the policy in force on this router (0: the models file's; each shared change adds one)."""
+    policy_store: _builtins.str
+    """Where the policy lives: "local" (this router only: no Redis), "shared" (Redis, every router
+    replica), "unreachable" (Redis does not answer: the last known policy is kept), "pending" (a
+    rollback applied here is not written to Redis yet).
+    """
     @_builtins.property
     def weights(self) -> _containers.RepeatedCompositeFieldContainer[Global___VersionWeight]:
         """Current weights, in the policy's order."""
@@ -539,10 +548,12 @@ class ModelRollout(_message.Message):
         rollback: Global___RollbackRule | None = ...,
         versions: _abc.Iterable[Global___VersionStatus] | None = ...,
         rollbacks: _abc.Iterable[Global___RollbackEventStatus] | None = ...,
+        policy_epoch: _builtins.int = ...,
+        policy_store: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["rollback", b"rollback"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_default", b"is_default", "model", b"model", "primary", b"primary", "rollback", b"rollback", "rollbacks", b"rollbacks", "shadow", b"shadow", "sticky", b"sticky", "versions", b"versions", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_default", b"is_default", "model", b"model", "policy_epoch", b"policy_epoch", "policy_store", b"policy_store", "primary", b"primary", "rollback", b"rollback", "rollbacks", b"rollbacks", "shadow", b"shadow", "sticky", b"sticky", "versions", b"versions", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
