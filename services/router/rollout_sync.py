@@ -17,7 +17,9 @@ model: the rollback wins over what was stored before it). A stored policy this r
 (it names a version its models file lacks) is logged (``rollout_store_policy_refused``) and skipped.
 Epochs never go back: a write is numbered above both the stored epoch and the writer's own, so a
 Redis that lost its data (restarted without persistence) does not leave the replicas ignoring the
-next change.
+next change; and a replica that finds a policy it holds (epoch above 0) missing from Redis writes it
+back (only if still missing: a newer write by another replica wins), so a router started later does
+not fall back to the models file's policy (``rollout_store_restored``).
 """
 
 from __future__ import annotations
@@ -77,10 +79,25 @@ class RolloutSync:
     async def refresh(self, models: list[str] | None = None) -> None:
         """Read the stored policies of ``models`` (None: all) and apply the newer ones; Unavailable
         when Redis does not answer."""
-        stored = await self._store.read(models or list(self._table.models))
+        names = models or list(self._table.models)
+        stored = await self._store.read(names)
         self._reachable()
         for entry in stored.values():
             self._apply(entry)
+        for name in names:
+            if name not in stored and self.epochs[name] > 0 and name not in self._pending:
+                await self._restore(name)
+
+    async def _restore(self, name: str) -> None:
+        """Write back a shared policy Redis lost (restarted without persistence, evicted), unless
+        another replica wrote one first: a router started now gets it rather than the models file's."""
+        policy = policy_to_json(self._table.models[name].rollout.policy)
+        held = self.epochs[name]
+        epoch = await self._store.write(name, policy, by=self._replica, reason="restore", floor=held, if_missing=True)
+        if epoch:
+            self.epochs[name] = epoch
+            ROLLOUT_EPOCH.labels(name).set(epoch)
+            self._log.warning("rollout_store_restored", model=name, epoch=epoch, held=held)
 
     async def publish(self, model: ServedModel, policy: RolloutPolicy) -> RolloutPolicy:
         """Write ``policy`` (checked: InvalidArgument changes nothing) as ``model``'s next epoch, then

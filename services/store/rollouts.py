@@ -38,6 +38,9 @@ from services.store.keys import ROLLOUT_CHANNEL, rollout_key
 log = structlog.get_logger(__name__)
 _UNAVAILABLE = "the rollout store (Redis) is unreachable"
 _WRITE = """
+if ARGV[8] == '1' and redis.call('EXISTS', KEYS[1]) == 1 then
+  return 0
+end
 local epoch = math.max(tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0'), tonumber(ARGV[7])) + 1
 redis.call('HSET', KEYS[1], 'epoch', epoch, 'policy', ARGV[1], 'by', ARGV[2], 'reason', ARGV[3], 'at', ARGV[4])
 redis.call('PUBLISH', ARGV[5], ARGV[6])
@@ -97,10 +100,21 @@ class RolloutStore:
                 log.warning("rollout_store_entry_malformed", model=model, error=str(exc)[:200])
         return out
 
-    async def write(self, model: str, policy: dict[str, Any], *, by: str, reason: str, floor: int = 0) -> int:
+    async def write(
+        self, model: str, policy: dict[str, Any], *, by: str, reason: str, floor: int = 0, if_missing: bool = False
+    ) -> int:
         """Store ``policy`` as ``model``'s next epoch (above the stored one and ``floor``) and announce
-        it; returns that epoch."""
-        args: list[str | int] = [json.dumps(policy), by, reason, f"{time.time():.3f}", ROLLOUT_CHANNEL, model, floor]
+        it; returns that epoch. ``if_missing``: only when ``model`` has no stored policy (else 0)."""
+        args: list[str | int] = [
+            json.dumps(policy),
+            by,
+            reason,
+            f"{time.time():.3f}",
+            ROLLOUT_CHANNEL,
+            model,
+            floor,
+            "1" if if_missing else "0",
+        ]
         return int(await self._bounded(self._write(keys=[rollout_key(model)], args=args)))
 
     def notices(self, poll_s: float) -> Notices:

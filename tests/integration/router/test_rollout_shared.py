@@ -265,10 +265,37 @@ async def test_with_redis_down_each_router_keeps_its_policy_and_shares_a_rollbac
         await eventually(lambda: _has(b, {"v1": 100, "v2": 0}), within_s=10)
         await eventually(lambda: _store(a, "shared"))
         assert store_up() == 1
-        # Redis lost its data; the epoch still went up (never below what the replicas held).
-        assert (await a.status()).policy_epoch == (await b.status()).policy_epoch == 2
-        for replica in (a, b):
+        # Redis lost its data; the epoch still went up (never below what the replicas held), and both
+        # hold the same one (b may have written its policy back first: the rollback came after it).
+        await eventually(lambda: _same_epoch(a, b))
+        assert (await a.status()).policy_epoch >= 2
+        # A router started now gets the shared policy (the rollback), not the models file's.
+        c = await start(own.url)
+        assert await c.weights() == {"v1": 100, "v2": 0}
+        for replica in (a, b, c):
             await replica.stop()
+
+
+async def test_a_policy_redis_lost_is_written_back_for_routers_started_later(start: Start, redis_url: str) -> None:
+    a = await start()
+    await a.set(v1=20, v3=80)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.delete(rollout_key(MODEL))  # evicted, or Redis restarted without persistence
+        await eventually(lambda: _stored(client))
+    finally:
+        await client.aclose()
+    assert (await a.status()).policy_epoch == 2  # written back above the epoch it held
+    later = await start()
+    assert await later.weights() == {"v1": 20, "v3": 80}
+
+
+async def _stored(client: aioredis.Redis) -> bool:
+    return bool(await client.exists(rollout_key(MODEL)))
+
+
+async def _same_epoch(a: Replica, b: Replica) -> bool:
+    return (await a.status()).policy_epoch == (await b.status()).policy_epoch
 
 
 async def _store(replica: Replica, state: str) -> bool:
