@@ -300,3 +300,23 @@ async def _same_epoch(a: Replica, b: Replica) -> bool:
 
 async def _store(replica: Replica, state: str) -> bool:
     return (await replica.status()).policy_store == state
+
+
+async def test_the_cli_through_one_router_changes_both_and_status_shows_the_epoch(
+    start: Start, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from rich.console import Console
+
+    from services.cli import main
+    from services.local.status import gather, render
+
+    a, b = await start(), await start()
+    common = ["--router", f"127.0.0.1:{a.server.port}", "--internal-token", TOKEN]
+    argv = ["models", "rollout", MODEL, "--weights", "v1=90,v2=10", *common]
+    assert await asyncio.to_thread(main, argv) == 0
+    assert "v1=90, v2=10; primary v1; sticky chat; policy epoch 1 (shared)" in capsys.readouterr().out
+    await eventually(lambda: _has(b, {"v1": 90, "v2": 10}))
+    view = await gather(f"127.0.0.1:{b.server.port}", token=TOKEN)
+    console = Console(width=200, record=True)
+    console.print(render(view))
+    assert "v1=90, v2=10; primary v1; sticky chat; policy epoch 1 (shared)" in console.export_text()
