@@ -258,6 +258,10 @@ async def test_static_keys_and_jwts_limited_to_models_may_use_only_those(mesh: G
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await chat.read()
     assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Embed(pb.EmbedRequest(model="fake-model", inputs=[pb.EmbedInput(text="hi")]), metadata=meta)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "may use other-model" in (err.value.details() or "")
     assert [s.method for s in mesh.router.seen if s.method != "Chat"] == []  # refused before the router
     # Limited to the served model: it is listed and served.
     allowed = token(models=["fake-model"])
