@@ -10,12 +10,13 @@ Served always; without a Redis (``MESHSERVE_GATEWAY_REDIS_URL``) every call is U
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 
 import grpc
 import structlog
 
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import InvalidArgument, PermissionDenied, Unavailable
 from services.common.pb.meshserve.v1 import batch_pb2 as pb
 from services.common.pb.meshserve.v1 import batch_pb2_grpc
 from services.gateway import scopes
@@ -140,6 +141,13 @@ class BatchesServicer(batch_pb2_grpc.BatchesServicer):
                 raise InvalidArgument("metadata keys may have 64 characters and values 512; shorten them")
         data = await self._files.content(identity.tenant, request.input_file_id)
         lines = parse_input(data, request.endpoint, max_lines=self._settings.batch_max_lines)
+        if identity.models:  # the runner calls with its own credential: the key's model limit is checked here
+            for number, line in enumerate(lines, 1):
+                model = json.loads(line.raw)["body"].get("model")
+                try:
+                    scopes.require_model(model if isinstance(model, str) else "", identity.models, identity.key_id)
+                except PermissionDenied as exc:
+                    raise PermissionDenied(f"request {number} ({line.custom_id[:64]!r}): {exc.message}") from None
         policy = self._gate.policy(identity)
         record = await self._store.create(
             identity.tenant,
