@@ -103,19 +103,20 @@ class RolloutSync:
         """Write ``policy`` (checked: InvalidArgument changes nothing) as ``model``'s next epoch, then
         apply it here; Unavailable (nothing changed anywhere) when Redis does not take it."""
         policy.check(model.rollout.versions, model.id)
-        try:
-            epoch = await self._store.write(
-                model.id, policy_to_json(policy), by=self._replica, reason="set", floor=self.epochs[model.id]
-            )
-        except Unavailable as exc:
-            self._unreachable(exc)
-            raise Unavailable(
-                "the rollout store (Redis) is unreachable, so the other router replicas would not see this "
-                "change; nothing was changed: retry when Redis answers (`meshserve models rollback` still works)"
-            ) from None
-        self._reachable()
-        self._pending.pop(model.id, None)  # the new policy supersedes a rollback not written yet
-        self._set(model, policy, epoch)
+        async with self._lock:  # a rollback being written cannot land after (and over) this change
+            try:
+                epoch = await self._store.write(
+                    model.id, policy_to_json(policy), by=self._replica, reason="set", floor=self.epochs[model.id]
+                )
+            except Unavailable as exc:
+                self._unreachable(exc)
+                raise Unavailable(
+                    "the rollout store (Redis) is unreachable, so the other router replicas would not see this "
+                    "change; nothing was changed: retry when Redis answers (`meshserve models rollback` still works)"
+                ) from None
+            self._reachable()
+            self._pending.pop(model.id, None)  # the new policy supersedes a rollback not written yet
+            self._set(model, policy, epoch)
         self._log.info("rollout_changed", model=model.id, epoch=epoch, **_fields(policy))
         return model.rollout.policy
 
