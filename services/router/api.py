@@ -203,7 +203,8 @@ class RouterAPI:
                         async for event in events:
                             obs.record(event)
                             if run.see(event) and shadow is not None:  # every choice's Done came
-                                self._start_shadow(model, shadow, replace(req, timeout=timeout), run.output())
+                                copy = _shadow_copy(req, timeout, event)
+                                self._start_shadow(model, shadow, copy, run.output())
                             yield event
                 finally:
                     await session.close()
@@ -480,7 +481,7 @@ class ChatSession:
                                 if run.see(event) and shadow is not None and not cancel.is_set():
                                     # The copy's own stand-alone stream: the chat's worker stream (and
                                     # the KV it keeps for the next turn) is the primary's alone.
-                                    copy = replace(req, timeout=timeout)
+                                    copy = _shadow_copy(req, timeout, event)
                                     api._start_shadow(model, shadow, copy, run.output())
                                 if parser is not None:
                                     for parsed in _parsed(parser, event):
@@ -566,6 +567,13 @@ class _VersionRun:
             ttft.observe(self.ttft)
         if self.role == "primary" and status != "CANCELLED":
             self.model.rollout.record(name, failed=status in SERVER_FAULTS, ttft_s=self.ttft)
+
+
+def _shadow_copy(req: TurnRequest, timeout: float | None, done: Event) -> TurnRequest:
+    """The shadow's request: the primary's, on the tier whose weights answered it (a chat's later turns
+    stay on their first turn's tier, which a stand-alone copy of a longer prompt would not pick)."""
+    tier = done.route.tier if isinstance(done, Done) and not done.route.cache_hit else None
+    return replace(req, timeout=timeout, hint=tier or req.hint)
 
 
 def _shadow_of(model: ServedModel, version: ServedVersion) -> str | None:
