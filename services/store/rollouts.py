@@ -83,7 +83,7 @@ class RolloutStore:
 
     async def read(self, models: Sequence[str]) -> dict[str, StoredPolicy]:
         """The stored policy of each of ``models`` that has one (a malformed entry is logged and skipped)."""
-        replies = await self._bounded(asyncio.gather(*(self._client.hgetall(rollout_key(m)) for m in models)))
+        replies = await self._bounded(self._read(models))
         out: dict[str, StoredPolicy] = {}
         for model, raw in zip(models, replies, strict=True):
             if not raw:
@@ -99,6 +99,12 @@ class RolloutStore:
             except (KeyError, ValueError) as exc:
                 log.warning("rollout_store_entry_malformed", model=model, error=str(exc)[:200])
         return out
+
+    async def _read(self, models: Sequence[str]) -> list[Any]:
+        async with self._client.pipeline(transaction=False) as pipe:  # one round trip, one connection
+            for model in models:
+                pipe.hgetall(rollout_key(model))
+            return list(await pipe.execute())
 
     async def write(
         self, model: str, policy: dict[str, Any], *, by: str, reason: str, floor: int = 0, if_missing: bool = False

@@ -85,3 +85,14 @@ async def test_an_unreachable_redis_is_unavailable() -> None:
             await store.notices(0.1).next()
     finally:
         await store.close()
+
+
+async def test_many_models_are_read_in_one_round_trip(store: RolloutStore) -> None:
+    """More models than the store's connection pool holds (8): one pipelined read, not one call each."""
+    names = [f"many-{i}" for i in range(20)]
+    for name in names[::2]:
+        await store.write(name, POLICY, by="r1", reason="set")
+    got = await store.read(names)
+    assert list(got) == names[::2] and all(p.epoch == 1 for p in got.values())
+    for name in names[::2]:  # the cluster node outlives the test
+        await store._client.delete(rollout_key(name))
