@@ -77,7 +77,8 @@ ROLLBACKS = Counter(
 )
 ROLLOUT_STORE_UP = Gauge(
     "meshserve_router_rollout_store_up",
-    "1 while the shared rollout store (Redis) answers; 0: this router keeps its last known policies.",
+    "1 while the shared rollout store (Redis) answers; 0: this router keeps its last known policies (or shares "
+    "none: no models file or no Redis).",
 )
 ROLLOUT_EPOCH = Gauge(
     "meshserve_router_rollout_policy_epoch",
