@@ -87,7 +87,10 @@ class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
     ) -> router_admin_pb2.PrefixLocationResponse:
         if request.tier not in _ASKED:
             raise InvalidArgument(f"unknown tier {request.tier}; use TIER_AUTO, TIER_EDGE or TIER_CLOUD")
-        where = await self._locator.locate(
+        model = self._models.get(request.model)
+        version = model.version(request.version)
+        locator = self._locator.scoped(version.router, model.context_length)
+        where = await locator.locate(
             text=request.text,
             messages=[{"role": m.role, "content": m.content} for m in request.messages],
             tenant=request.tenant,
@@ -110,6 +113,7 @@ class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
             redis_block_tokens=where.redis_block_tokens,
             model_id=where.model_id,
             model_version=where.model_version,
+            version=version.name,
         )
 
     async def ListRollouts(

@@ -309,6 +309,36 @@ async def test_a_bad_rollout_is_refused_and_changes_nothing(models: Models) -> N
     assert {w.version: w.weight for w in listed.models[0].weights}["v1"] == 100
 
 
+async def test_cache_where_answers_for_any_model_and_version(
+    models: Models, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cache.cli import main as cache_cli
+
+    async def where(**fields: str) -> admin_pb.PrefixLocationResponse:
+        req = admin_pb.PrefixLocationRequest(text="Hello there", tier=pb.TIER_EDGE, **fields)  # type: ignore[arg-type]
+        return await models.admin.PrefixLocation(req, metadata=ADMIN_META)
+
+    def seen(reply: admin_pb.PrefixLocationResponse) -> tuple[str, str, str, list[str]]:
+        return reply.model_id, reply.version, reply.model_version, [r.worker_id for r in reply.replicas]
+
+    assert seen(await where()) == (DEFAULT, "v1", "v1", ["w-v1"])  # the default model's primary
+    assert seen(await where(model=DEFAULT, version="v3")) == (DEFAULT, "v3", "build-3", ["w-v3"])
+    assert seen(await where(model="other-model")) == ("other-model", "b1", "b1", ["w-b1"])
+    await models.rollout(weights={"v1": 10, "v2": 90})  # v2 is now the primary
+    assert seen(await where()) == (DEFAULT, "v2", "v2", ["w-v2"])
+    for fields, named in (({"version": "v9"}, "v1, v2, v3"), ({"model": "nope"}, "other-model")):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await where(**fields)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and named in (err.value.details() or "")
+    argv = ["--internal-token", TOKEN, "where", "Hello there", "--tier", "edge", "--router"]
+    argv += [f"127.0.0.1:{models.server.port}", "--model", DEFAULT, "--version", "v3"]
+    capsys.readouterr()
+    assert await asyncio.to_thread(cache_cli, argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"model:  {DEFAULT} version v3" in lines and any(line.startswith("w-v3 ") for line in lines)
+    assert not any(line.startswith(("w-v1 ", "w-v2 ")) for line in lines)
+
+
 async def test_the_cli_changes_the_rollout_and_status_shows_it(
     models: Models, capsys: pytest.CaptureFixture[str]
 ) -> None:
