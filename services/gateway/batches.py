@@ -5,7 +5,8 @@ acts on its tenant's files and batches only (:mod:`services.store.files`, :mod:`
 The gateway only records batches and queues their lines; the batch runners (services/batch) run
 them. Quotas come from the tenant's policy: ``batch_file_bytes`` (files stored) and
 ``batch_lines_in_flight`` (lines of its unfinished batches); sizes from the gateway's settings.
-Served always; without a Redis (``MESHSERVE_GATEWAY_REDIS_URL``) every call is UNAVAILABLE, saying so.
+Served always; without a Redis (``MESHSERVE_GATEWAY_STATE_REDIS_URL``, else ``MESHSERVE_GATEWAY_REDIS_URL``)
+every call is UNAVAILABLE, saying so.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ class BatchesServicer(batch_pb2_grpc.BatchesServicer):
     @property
     def _store(self) -> BatchStore:
         if self._store_or_none is None:
-            raise Unavailable("files and batches need Redis; the operator must set MESHSERVE_GATEWAY_REDIS_URL")
+            raise Unavailable(
+                "files and batches need Redis; the operator must set MESHSERVE_GATEWAY_STATE_REDIS_URL or MESHSERVE_GATEWAY_REDIS_URL"
+            )
         return self._store_or_none
 
     @property
