@@ -71,7 +71,8 @@ class BatchesServicer(batch_pb2_grpc.BatchesServicer):
     def _store(self) -> BatchStore:
         if self._store_or_none is None:
             raise Unavailable(
-                "files and batches need Redis; the operator must set MESHSERVE_GATEWAY_STATE_REDIS_URL or MESHSERVE_GATEWAY_REDIS_URL"
+                "files and batches need Redis; the operator must set MESHSERVE_GATEWAY_STATE_REDIS_URL "
+                "or MESHSERVE_GATEWAY_REDIS_URL"
             )
         return self._store_or_none
 

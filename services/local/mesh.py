@@ -274,7 +274,6 @@ class Mesh:
         if not directory:
             self._state_tmp = tempfile.TemporaryDirectory(prefix="meshserve-state-")
             directory = self._state_tmp.name
-        Path(directory).mkdir(parents=True, exist_ok=True)
         self._state_lock = lock_dir(Path(directory))
         self.state_dir = directory
         self._state_redis, self.state_redis_url = await spawn_redis(
@@ -480,8 +479,9 @@ class Mesh:
     async def stop(self) -> None:
         """Stop in order: front door, gateways, cache, workers (in parallel; each finishes its streams
         and tells the router it leaves), router, the cache Redis, the state Redis. With the router in
-        the gateways' processes the gateways stop after the workers instead: their routers must be there to hear them leave
-        (new requests meanwhile get UNAVAILABLE: no worker left), and their streams finish first.
+        the gateways' processes the gateways stop after the workers instead: their routers must be
+        there to hear them leave (new requests meanwhile get UNAVAILABLE: no worker left), and their
+        streams finish first.
         Supervision ends first: nothing stopped here is restarted."""
         if self.supervisor is not None:
             await self.supervisor.close()
@@ -525,7 +525,8 @@ class Mesh:
 def lock_dir(directory: Path) -> IO[str]:
     """Hold an exclusive lock on ``directory`` (a ``meshserve.lock`` file in it) while the returned file
     is open: two Redis replaying and appending to one append-only file would corrupt it. RuntimeError
-    when another mesh holds it."""
+    when another mesh holds it. Makes ``directory`` when missing."""
+    directory.mkdir(parents=True, exist_ok=True)
     handle = (directory / "meshserve.lock").open("w")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -289,7 +290,7 @@ async def spawn_redis(
         raise RuntimeError("redis-server is not installed; run `make setup`")
     port = free_port()
     argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory]
-    persistent = ("--appendonly", "yes") in zip(args, args[1:], strict=False)  # it forks to rewrite its AOF
+    persistent = ("--appendonly", "yes") in itertools.pairwise(args)  # it forks to rewrite its AOF
     note = REDIS_STATE_OVERCOMMIT_NOTE if persistent else REDIS_OVERCOMMIT_NOTE
     proc = ServiceProcess(name, [*argv, *args], env, redis_sink(sink, note))
     await proc.spawn()
