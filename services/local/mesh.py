@@ -197,6 +197,11 @@ class Mesh:
         return self.front_door.base_url
 
     @property
+    def redis_processes(self) -> dict[str, ServiceProcess]:
+        """The Redis servers the mesh started, by process name ("redis", :data:`STATE_REDIS`)."""
+        return {p.name: p for p in (self._redis, self._state_redis) if p is not None}
+
+    @property
     def cache_address(self) -> str:
         return self.processes["cache"].address
 
@@ -280,16 +285,22 @@ class Mesh:
             directory, self.sink, self._env(), args=STATE_REDIS_ARGS, batch=self.config.redis_batch, name=STATE_REDIS
         )
 
+    async def start_redis(self) -> None:
+        """The first step of :meth:`start`: start the cache and the state Redis as configured (or take
+        the URLs given); sets ``redis_url`` and ``state_redis_url``. :meth:`stop` stops them."""
+        cfg = self.config
+        if not self.redis_url:
+            await self._start_redis()
+        if cfg.state_redis_url == "" or (cfg.state_redis_url is None and not cfg.redis_url):
+            await self._start_state_redis()
+        elif cfg.state_redis_url is None:  # a Redis was given: one Redis for the cache and the state
+            self.state_redis_url = self.redis_url
+
     async def start(self) -> Mesh:
         cfg = self.config
         timeout = cfg.start_timeout_s
         try:
-            if not self.redis_url:
-                await self._start_redis()
-            if cfg.state_redis_url == "" or (cfg.state_redis_url is None and not cfg.redis_url):
-                await self._start_state_redis()
-            elif cfg.state_redis_url is None:  # a Redis was given: one Redis for the cache and the state
-                self.state_redis_url = self.redis_url
+            await self.start_redis()
             router_env: dict[str, str | int] = {
                 "MESHSERVE_ROUTER_REDIS_URL": self.redis_url,
                 "MESHSERVE_ROUTER_EDGE_MAX_PROMPT_TOKENS": cfg.edge_max_prompt_tokens,
