@@ -250,15 +250,22 @@ STATE_REDIS_ARGS = (
     "--appendonly",
     "yes",
     "--appendfsync",
-    "everysec",
+    "always",
     "--maxmemory-policy",
     "noeviction",
 )
 """The state Redis of ``meshserve up`` (API keys, files, batches, stored responses): every write in an
-append-only file (AOF) in its ``--dir``, replayed on start, so a kill -9 of Redis loses nothing it
-acknowledged (``everysec``: written at once, fsynced each second: a crash of the machine itself may lose
-the last second); never evicts (``noeviction``: a write beyond a ``maxmemory`` fails instead of dropping
-a batch). No RDB snapshots: the AOF is the one copy (docs/architecture.md, *Cache and state Redis*)."""
+append-only file (AOF) in its ``--dir``, replayed on start; never evicts (``noeviction``: a write beyond
+a ``maxmemory`` fails instead of dropping a batch). No RDB snapshots: the AOF is the one copy.
+
+``appendfsync always``, not Redis's default ``everysec``: with ``everysec`` Redis postpones writing
+the file (up to 2 s) while an earlier background fsync is still running, and answers meanwhile, so a
+kill -9 of Redis on a busy disk can lose writes it acknowledged (tests/integration/local/
+test_state_redis.py lost a file upload that way once in ~20 runs on the shared test host). With
+``always`` the write and its fsync happen before any answer (one fsync per event-loop turn, shared by
+every command of that turn). This Redis carries no per-request traffic (the limiter and the caches are
+in the cache Redis), so the fsyncs cost batch lines and uploads a millisecond or so, nothing else
+(docs/architecture.md, *Cache and state Redis*)."""
 
 
 def redis_sink(sink: LogSink, note: str = REDIS_OVERCOMMIT_NOTE) -> LogSink:

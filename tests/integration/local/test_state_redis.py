@@ -53,7 +53,7 @@ async def test_the_state_redis_keeps_an_append_only_file_and_never_evicts(mesh_r
     try:
         assert mesh_redis.state_redis_url != mesh_redis.redis_url
         assert await _config(state, "appendonly") == "yes"
-        assert await _config(state, "appendfsync") == "everysec"
+        assert await _config(state, "appendfsync") == "always"
         assert await _config(state, "maxmemory-policy") == "noeviction"
         assert await _config(state, "save") == ""
         assert await _config(state, "dir") == str(tmp_path / "state")
@@ -178,3 +178,37 @@ async def test_two_meshes_cannot_share_a_state_directory(tmp_path: Path) -> None
     finally:
         await second.stop()
         await first.stop()
+
+
+async def test_while_the_state_redis_is_down_batch_calls_are_unavailable_not_internal(mesh_redis: Mesh) -> None:
+    state = aioredis.Redis.from_url(mesh_redis.state_redis_url)
+    try:
+        key, _record = await KeyStore(state).create(TENANT, name="ci")
+    finally:
+        await state.aclose()
+    meta = (("authorization", f"Bearer {key}"),)
+    proc = mesh_redis.redis_processes[STATE_REDIS]
+    async with _gateway(mesh_redis) as stub:
+        upload = await stub.CreateFile(
+            bpb.CreateFileRequest(filename="in.jsonl", purpose="batch", content=_input()), metadata=meta
+        )
+        await proc.kill()
+        ref = bpb.FileRef(file_id=upload.id)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.GetFile(ref, metadata=meta, timeout=10)
+        # The key itself is in the state Redis: the key store's outage answers (UNAVAILABLE), never 401.
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        await proc.respawn()
+        await wait_redis(mesh_redis.state_redis_url, 30)
+        codes = []
+        for _ in range(3):  # a pooled connection of the dead server fails once, as UNAVAILABLE
+            try:
+                got = await stub.GetFile(ref, metadata=meta, timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                codes.append(exc.code())
+                continue
+            assert got.id == upload.id
+            break
+        else:
+            raise AssertionError(f"no answer after the restart: {codes}")
+        assert set(codes) <= {grpc.StatusCode.UNAVAILABLE}, codes

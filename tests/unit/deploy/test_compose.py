@@ -153,7 +153,7 @@ def test_durable_state_lives_in_the_persistent_redis_and_caches_in_the_evicting_
     flags = dict(zip(state[1::2], state[2::2], strict=False))
     assert (flags["--appendonly"], flags["--appendfsync"], flags["--maxmemory-policy"]) == (
         "yes",
-        "everysec",
+        "always",
         "noeviction",
     )
     assert f"redis-state:{flags['--dir']}" in services["redis-state"]["volumes"]

@@ -211,7 +211,7 @@ def test_the_state_redis_runs_with_the_launchers_persistence(up: Captured, compo
     flags = _redis_flags(declared)
     assert (flags["--appendonly"], flags["--appendfsync"], flags["--maxmemory-policy"]) == (
         "yes",
-        "everysec",
+        "always",
         "noeviction",
     )
     assert "--maxmemory" not in flags  # noeviction with no limit: writes never fail for memory
