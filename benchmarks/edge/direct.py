@@ -28,7 +28,7 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
     # Variants, joined with '-': "batched-1row": a lone sequence decodes in one row
     # (MESHSERVE_EDGE_WORKER_BATCH_INVARIANT=false); "batched-nbitshead": the LM head as built
     # (LM_HEAD=nbits); "batched-spin": intra-op threads spin (INTRA_OP_SPINNING=true); "batched-adaptive":
-    # spinning or sleeping threads chosen per small call by measured time (ADAPTIVE_SPINNING=true).
+    # 2 threads sleeping / spinning or 1 thread, per small call by measured time (ADAPTIVE_THREADING=true).
     base, *variants = kind.split("-")
     unknown = set(variants) - {"1row", "nbitshead", "spin", "adaptive"}
     if base != "batched" or unknown:
@@ -41,7 +41,7 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
         batch_invariant="1row" not in variants,
         lm_head="nbits" if "nbitshead" in variants else "int8",
         spinning="spin" in variants,
-        adaptive_spinning="adaptive" in variants,
+        adaptive_threading="adaptive" in variants,
     )
 
 

@@ -27,6 +27,7 @@ longest common prefix whose KV exists and prefills only the rest, as the og engi
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -42,7 +43,7 @@ from services.edge_worker.graph import load_sessions
 from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.sampler import logprobs, logprobs_rows, pick
 from services.edge_worker.sequence import BatchedSequence
-from services.edge_worker.spin import SpinChooser
+from services.edge_worker.spin import SessionChooser
 from services.worker.grammar import GrammarCompiler, TokenConstraint
 from services.worker.types import EngineInfo, KVUsage, StepInterrupted
 
@@ -57,9 +58,10 @@ class BatchedEngine:
     ``lm_head``: ``int8`` (MLAS int8 GEMM, less CPU per row, same perplexity;
     :mod:`services.edge_worker.int8head`) or ``nbits`` (as built). ``spinning``: let idle intra-op threads
     spin between parallel sections (faster steps on an otherwise idle CPU, more CPU burnt).
-    ``adaptive_spinning`` (when ``spinning`` is off): a second session whose threads spin inside a call
-    (and sleep between calls) runs the decode calls of up to ``spin_max_rows`` rows whenever it
-    measures faster (:mod:`services.edge_worker.spin`); the graph is held twice in memory.
+    ``adaptive_threading`` (with ``spinning`` off and more than one thread): two more sessions, one
+    whose threads spin inside a call (and sleep between calls), one of a single thread; each decode call
+    of up to ``adaptive_max_rows`` rows runs on whichever of the three measures fastest now
+    (:mod:`services.edge_worker.spin`); the weights are held three times in memory.
     """
 
     def __init__(
@@ -75,16 +77,16 @@ class BatchedEngine:
         batch_invariant: bool = True,
         lm_head: str = "int8",
         spinning: bool = False,
-        adaptive_spinning: bool = False,
-        spin_max_rows: int = 4,
+        adaptive_threading: bool = False,
+        adaptive_max_rows: int = 4,
     ) -> None:
         config = json.loads((model_dir / "genai_config.json").read_text())["model"]
         decoder = config["decoder"]
 
-        def session_options(spin: bool, stop: bool) -> ort.SessionOptions:
+        def session_options(spin: bool, stop: bool, count: int = threads) -> ort.SessionOptions:
             options = ort.SessionOptions()
-            if threads:
-                options.intra_op_num_threads = threads
+            if count:
+                options.intra_op_num_threads = count
             options.inter_op_num_threads = 1
             # By default idle intra-op threads sleep instead of spinning: on a small shared CPU (the worker
             # sits next to the gateway and router) spinning cost ~1.6x CPU per token at 2 threads under
@@ -94,13 +96,15 @@ class BatchedEngine:
                 options.add_session_config_entry("session.force_spinning_stop", "1")
             return options
 
-        adaptive = adaptive_spinning and not spinning
-        wanted = [session_options(spinning, False)] + ([session_options(True, True)] if adaptive else [])
+        adaptive = adaptive_threading and not spinning and (threads or os.cpu_count() or 1) > 1
+        wanted = [session_options(spinning, False)]
+        if adaptive:  # the choices for small calls: these threads sleeping (above), spinning, one thread
+            wanted += [session_options(True, True), session_options(False, False, 1)]
         sessions = load_sessions(model_dir / decoder["filename"], wanted, lm_head=lm_head)
         self._session = sessions[0]
-        self._spin_session = sessions[1] if adaptive else None
-        self.spin = SpinChooser(max_rows=spin_max_rows) if adaptive else None
-        """Which session each small decode call runs on (None: always ``spinning``'s)."""
+        self._small_sessions = sessions
+        self.chooser = SessionChooser(len(sessions), max_rows=adaptive_max_rows) if adaptive else None
+        """Which session each small decode call runs on (None: always the first)."""
         eos = config.get("eos_token_id", [])
         self._info = EngineInfo(
             model_id=model_id,
@@ -453,8 +457,8 @@ class BatchedEngine:
         mask = np.zeros((rows, width), dtype=np.int64)
         for row, length in enumerate(lengths):
             mask[row, : length + 1] = 1
-        spin = self.spin is not None and self.spin.choose(rows)
-        session = self._spin_session if spin and self._spin_session is not None else self._session
+        mode = None if self.chooser is None else self.chooser.choose(rows)
+        session = self._session if mode is None else self._small_sessions[mode]
         io = self._kv.binding(session, 0, rows)
         id_array = np.array(ids, dtype=np.int64).reshape(rows, 1)
         io.bind_cpu_input("input_ids", id_array)
@@ -462,8 +466,8 @@ class BatchedEngine:
         io.bind_output("logits")  # unallocated again: its shape changes between runs
         start = time.perf_counter()
         session.run_with_iobinding(io)
-        if self.spin is not None:
-            self.spin.record(rows, spin, time.perf_counter() - start)
+        if self.chooser is not None and mode is not None:
+            self.chooser.record(rows, mode, time.perf_counter() - start)
         for seq in seqs:
             seq.kv_len += 1
         self.steps += 1

@@ -41,14 +41,14 @@ class EdgeWorkerSettings(WorkerSettings):
     intra_op_spinning: bool = False
     """Batched engine: idle intra-op threads spin instead of sleeping. Faster steps on an otherwise
     idle CPU; on a shared one it burns CPU the gateway and router need (docs/edge.md)."""
-    adaptive_spinning: bool = True
-    """Batched engine, with `intra_op_spinning` off: a second session of the model whose threads spin
-    inside a decode call (and sleep between calls) runs the calls of up to `spin_max_rows` sequences
-    whenever it measures faster than the sleeping one (a lone stream on an idle host), the sleeping
-    one otherwise (a loaded host, many streams). Same tokens either way; the model's weights are
-    held twice (~+120 MiB). Off: one session, threads sleep (docs/edge.md)."""
-    spin_max_rows: int = Field(default=4, ge=1, le=64)
-    """Batched engine: decode calls of more sequences than this always run on the sleeping session."""
+    adaptive_threading: bool = True
+    """Batched engine, with `intra_op_spinning` off and more than one thread: two more sessions of the
+    model, one whose threads spin inside a decode call (and sleep between calls), one of a single
+    thread; each decode call of up to `adaptive_max_rows` sequences runs on whichever of the three
+    measures fastest now (spinning on an idle host, one thread on a loaded one: docs/edge.md). Same
+    tokens either way; the model is held three times in memory. Off: one session."""
+    adaptive_max_rows: int = Field(default=4, ge=1, le=64)
+    """Batched engine: decode calls of more sequences than this always run on the main session."""
     prefill_chunk_tokens: int = Field(default=512, ge=16, le=8192)
     """Batched engine: prompt tokens per prefill call (bounds the logits buffer: 192 KB per token)."""
     chat_reserve_tokens: int = Field(default=512, ge=0)

@@ -1,14 +1,15 @@
-"""Adaptive thread spinning: per decode call, the session whose intra-op threads spin or the one whose sleep.
+"""Adaptive threading: per small decode call, the session (threads, spinning) that measures fastest now.
 
-onnxruntime fixes spinning per session (``session.intra_op.allow_spinning``), and neither setting wins
-everywhere on a small CPU (docs/edge.md): on an idle host a lone stream's two-row call takes ~15 %
-less wall time when the threads spin inside it (the ~300 parallel sections of a call hand over without
-a wake-up each), while on a loaded host a spinning thread waits on a preempted peer and the same call
-takes several times longer. The load is what other processes do, which the worker cannot see, so the
-engine keeps both sessions (same graph, same thread count: the same kernels and the same split of the
-work, so bit-identical outputs) and :class:`SpinChooser` picks one per call from the wall times it
-measured: the faster one by median over recent calls of that size, with the other one probed now and
-then, less and less often while it keeps losing.
+onnxruntime fixes a session's intra-op threads and their spinning (``session.intra_op.allow_spinning``)
+when it is made, and no one setting wins everywhere on a small CPU (docs/edge.md). A lone stream's
+two-row call on 2 cores: on an idle host threads that spin inside the call are fastest (the ~300
+parallel sections of a call hand over without a wake-up each); on a loaded host a spinning thread
+waits on a preempted peer and the call takes twice as long as with sleeping threads, and one thread
+alone is faster still (no peer to wait for). The load is other processes' work, which the worker
+cannot see, so the engine keeps one session per choice (same graph: the same kernels, and every output
+element computed whole by one thread, so bit-identical outputs) and :class:`SessionChooser` picks one
+per call from the wall times it measured: the fastest by median over recent calls of that size, with
+the others probed now and then, less and less often while the winner stays.
 """
 
 from __future__ import annotations
@@ -19,102 +20,100 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class _Arm:
-    times: deque[float]
+class _Size:
+    """The chooser's state for calls of one row count."""
 
-    def median(self) -> float | None:
-        return statistics.median(self.times) if self.times else None
-
-
-@dataclass
-class _Choice:
-    """The chooser's state for one call size."""
-
+    modes: int
     window: int
-    arms: dict[bool, _Arm] = field(default_factory=dict)
-    current: bool = True
+    times: list[deque[float]] = field(default_factory=list)
+    current: int = 0
     calls: int = 0
-    """Calls since the last probe ended."""
+    """Calls on ``current`` since the last probe ended (or the winner changed)."""
     interval: int = 0
-    """Calls between probes of the losing mode (doubles while it keeps losing)."""
+    """Calls between probes (doubles while the winner stays)."""
+    probe: int | None = None
+    """The mode being probed, if a probe is in progress."""
     probing: int = 0
-    """Calls left in the probe in progress (they run the other mode)."""
+    """Calls left in the probe in progress."""
+    next_probe: int = 0
+    """Which loser the next probe measures (round robin)."""
 
-    def arm(self, spin: bool) -> _Arm:
-        if spin not in self.arms:
-            self.arms[spin] = _Arm(deque(maxlen=self.window))
-        return self.arms[spin]
+    def __post_init__(self) -> None:
+        self.times = [deque(maxlen=self.window) for _ in range(self.modes)]
+
+    def median(self, mode: int) -> float:
+        return statistics.median(self.times[mode]) if self.times[mode] else float("inf")
 
 
-class SpinChooser:
-    """Chooses spinning or sleeping threads for each decode call of up to ``max_rows`` rows.
+class SessionChooser:
+    """Chooses one of ``modes`` sessions for each decode call of up to ``max_rows`` rows.
 
-    ``probe_every``: calls between probes of the losing mode at first; each probe that confirms the
-    winner doubles the gap, up to ``max_probe_every``, and a change of winner resets it.
-    ``probe_calls``: calls per probe. ``window``: recent calls per mode whose median is compared.
-    Calls of more rows always sleep (a large call is long enough that the wake-ups do not matter, and
-    spinning threads take the CPU that the other sequences' worker threads need).
+    Every mode is measured ``probe_calls`` times first; then calls go to the mode with the lowest
+    median of its last ``window`` calls. Every ``probe_every`` calls (doubling, up to
+    ``max_probe_every``, while a probe does not change the winner; back to ``probe_every`` when the
+    winner changes) the next losing mode runs ``probe_calls`` calls to refresh its measurement.
+    Calls of more rows are not chosen for (``choose`` returns None: the caller's default session).
     """
 
     def __init__(
         self,
+        modes: int,
         *,
         max_rows: int = 4,
-        probe_every: int = 16,
-        max_probe_every: int = 512,
+        probe_every: int = 32,
+        max_probe_every: int = 1024,
         probe_calls: int = 3,
         window: int = 9,
     ) -> None:
+        self.modes = modes
         self.max_rows = max_rows
         self.probe_every = max(1, probe_every)
         self.max_probe_every = max(self.probe_every, max_probe_every)
         self.probe_calls = max(1, probe_calls)
-        self.window = max(1, window)
-        self._choices: dict[int, _Choice] = {}
-        self.spun = 0
-        """Calls run on the spinning session so far."""
+        self.window = max(self.probe_calls, window)
+        self._sizes: dict[int, _Size] = {}
+        self.calls = [0] * modes
+        """Calls run on each mode so far."""
 
-    def choose(self, rows: int) -> bool:
-        """True: run this call of ``rows`` rows on the spinning session."""
+    def choose(self, rows: int) -> int | None:
+        """The mode for this call of ``rows`` rows (None: more than ``max_rows``)."""
         if rows > self.max_rows:
-            return False
-        state = self._choices.get(rows)
+            return None
+        state = self._sizes.get(rows)
         if state is None:
-            state = self._choices[rows] = _Choice(self.window, interval=self.probe_every)
-        for spin in (True, False):  # measure both before comparing
-            if len(state.arm(spin).times) < self.probe_calls:
-                return spin
-        if state.probing:
-            return not state.current
-        return state.current
+            state = self._sizes[rows] = _Size(self.modes, self.window, interval=self.probe_every)
+        for mode in range(self.modes):  # measure every mode before comparing
+            if len(state.times[mode]) < self.probe_calls:
+                return mode
+        return state.probe if state.probe is not None else state.current
 
-    def record(self, rows: int, spin: bool, seconds: float) -> None:
-        """The wall time of a call ``choose(rows)`` sent to the ``spin`` session."""
-        state = self._choices.get(rows)
-        if state is None or rows > self.max_rows:
+    def record(self, rows: int, mode: int, seconds: float) -> None:
+        """The wall time of a call that ``choose(rows)`` sent to ``mode``."""
+        state = self._sizes.get(rows)
+        if state is None:
             return
-        self.spun += spin
-        state.arm(spin).times.append(seconds)
-        if state.probing:
+        self.calls[mode] += 1
+        state.times[mode].append(seconds)
+        if state.probe is not None:
             state.probing -= 1
-            if state.probing:
+            if state.probing > 0:
                 return
+            state.probe = None
             state.calls = 0
-        elif spin == state.current:
-            state.calls += 1
-        self._decide(state)
-
-    def _decide(self, state: _Choice) -> None:
-        spin, sleep = state.arm(True).median(), state.arm(False).median()
-        if spin is None or sleep is None or len(state.arm(not state.current).times) < self.probe_calls:
-            return
-        best = spin < sleep
+            confirmed = True
+        elif any(len(times) < self.probe_calls for times in state.times):
+            return  # still measuring every mode once
+        else:
+            state.calls += mode == state.current
+            confirmed = False
+        best = min(range(self.modes), key=state.median)
         if best != state.current:
-            state.current = best
-            state.interval = self.probe_every
-            state.calls = 0
-        elif state.calls == 0:  # a probe just confirmed the winner: probe less often
+            state.current, state.calls, state.interval = best, 0, self.probe_every
+        elif confirmed:  # a probe found the winner still ahead: probe less often
             state.interval = min(2 * state.interval, self.max_probe_every)
-        if state.calls >= state.interval:
+        if state.calls >= state.interval and self.modes > 1:
+            losers = [m for m in range(self.modes) if m != state.current]
+            state.probe = losers[state.next_probe % len(losers)]
+            state.next_probe += 1
             state.probing = self.probe_calls
-            state.arm(not state.current).times.clear()  # the probe's calls replace the old ones
+            state.times[state.probe].clear()  # the probe's calls replace its old measurements
