@@ -25,21 +25,24 @@ class _Size:
 
     modes: int
     window: int
+    probe_every: int
     times: list[deque[float]] = field(default_factory=list)
     current: int = 0
-    calls: int = 0
-    """Calls on ``current`` since the last probe ended (or the winner changed)."""
-    interval: int = 0
-    """Calls between probes (doubles while the winner stays)."""
+    tick: int = 0
+    """Calls of this size so far (after every mode was measured once)."""
+    gap: list[int] = field(default_factory=list)
+    """Per mode: calls between its probes while it loses (doubles each time a probe confirms that)."""
+    due: list[int] = field(default_factory=list)
+    """Per mode: the ``tick`` of its next probe."""
     probe: int | None = None
     """The mode being probed, if a probe is in progress."""
     probing: int = 0
     """Calls left in the probe in progress."""
-    next_probe: int = 0
-    """Which loser the next probe measures (round robin)."""
 
     def __post_init__(self) -> None:
         self.times = [deque(maxlen=self.window) for _ in range(self.modes)]
+        self.gap = [self.probe_every] * self.modes
+        self.due = [self.probe_every] * self.modes
 
     def median(self, mode: int) -> float:
         return statistics.median(self.times[mode]) if self.times[mode] else float("inf")
@@ -49,9 +52,10 @@ class SessionChooser:
     """Chooses one of ``modes`` sessions for each decode call of up to ``max_rows`` rows.
 
     Every mode is measured ``probe_calls`` times first; then calls go to the mode with the lowest
-    median of its last ``window`` calls. Every ``probe_every`` calls (doubling, up to
-    ``max_probe_every``, while a probe does not change the winner; back to ``probe_every`` when the
-    winner changes) the next losing mode runs ``probe_calls`` calls to refresh its measurement.
+    median of its last ``window`` calls. Each losing mode is probed again (``probe_calls`` calls that
+    replace its old measurements) ``probe_every`` calls later, then after twice as many calls each time
+    a probe finds it still losing, up to ``max_probe_every``: a mode that is much slower under the
+    current load (spinning threads on a busy host: several times slower) costs less and less.
     Calls of more rows are not chosen for (``choose`` returns None: the caller's default session).
     """
 
@@ -61,7 +65,7 @@ class SessionChooser:
         *,
         max_rows: int = 4,
         probe_every: int = 32,
-        max_probe_every: int = 1024,
+        max_probe_every: int = 2048,
         probe_calls: int = 3,
         window: int = 9,
     ) -> None:
@@ -81,7 +85,7 @@ class SessionChooser:
             return None
         state = self._sizes.get(rows)
         if state is None:
-            state = self._sizes[rows] = _Size(self.modes, self.window, interval=self.probe_every)
+            state = self._sizes[rows] = _Size(self.modes, self.window, self.probe_every)
         for mode in range(self.modes):  # measure every mode before comparing
             if len(state.times[mode]) < self.probe_calls:
                 return mode
@@ -94,26 +98,25 @@ class SessionChooser:
             return
         self.calls[mode] += 1
         state.times[mode].append(seconds)
+        if state.probe is None and any(len(times) < self.probe_calls for times in state.times):
+            return  # still measuring every mode once
+        state.tick += 1
+        probed = None
         if state.probe is not None:
             state.probing -= 1
             if state.probing > 0:
                 return
-            state.probe = None
-            state.calls = 0
-            confirmed = True
-        elif any(len(times) < self.probe_calls for times in state.times):
-            return  # still measuring every mode once
-        else:
-            state.calls += mode == state.current
-            confirmed = False
+            probed, state.probe = state.probe, None
         best = min(range(self.modes), key=state.median)
-        if best != state.current:
-            state.current, state.calls, state.interval = best, 0, self.probe_every
-        elif confirmed:  # a probe found the winner still ahead: probe less often
-            state.interval = min(2 * state.interval, self.max_probe_every)
-        if state.calls >= state.interval and self.modes > 1:
-            losers = [m for m in range(self.modes) if m != state.current]
-            state.probe = losers[state.next_probe % len(losers)]
-            state.next_probe += 1
-            state.probing = self.probe_calls
-            state.times[state.probe].clear()  # the probe's calls replace its old measurements
+        if best != state.current:  # the old winner becomes a loser, probed soon
+            state.gap[state.current] = self.probe_every
+            state.due[state.current] = state.tick + self.probe_every
+            state.current = best
+        if probed is not None and probed != state.current:  # still losing: probe it less often
+            state.gap[probed] = min(2 * state.gap[probed], self.max_probe_every)
+            state.due[probed] = state.tick + state.gap[probed]
+        for other in range(self.modes):
+            if other != state.current and state.due[other] <= state.tick:
+                state.probe, state.probing = other, self.probe_calls
+                state.times[other].clear()  # the probe's calls replace its old measurements
+                return
