@@ -120,7 +120,15 @@ TABLES: dict[str, list[Row]] = {
         Row("KV block load p50 overhead", "cache.json", "≤ 10 %", lambda d: _dig(d, "kv", "load", "p50_overhead_pct"),
             "%", lambda v: v <= 10.0, "python -m benchmarks.cache.bench"),
     ],
-    "Edge tier: roofline and scaling (issue 6)": [
+    "Edge tier vs onnxruntime-genai and llama.cpp (issue 27)": [
+        Row("single stream through the mesh / onnxruntime-genai's single stream in-process, same run", "edge.json",
+            "≥ 1.0x", lambda d: d["targets"]["edge_single_stream_vs_ortgenai"]["ratio"], "x", lambda v: v >= 1.0,
+            _EDGE),
+        Row("16 streams through the mesh / llama.cpp (Q4_0 of the same GGUF) at 16 streams, same run", "edge.json",
+            "≥ 1.25x", lambda d: d["targets"]["edge_16_streams_vs_llamacpp"]["ratio"], "x", lambda v: v >= 1.25,
+            _EDGE),
+    ],
+    "Edge tier: roofline and scaling (issue 6; superseded by issue 27's targets above)": [
         Row("single stream, share of memory-bandwidth roofline", "edge.json", "≥ 50 %",
             lambda d: 100 * d["single_stream_roofline_share"], "%", lambda v: v >= 50.0, _EDGE),
         Row("aggregate tok/s at 16 streams / at 1 stream", "edge.json", "≥ 4x",

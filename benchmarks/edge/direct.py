@@ -27,9 +27,10 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
 
     # Variants, joined with '-': "batched-1row": a lone sequence decodes in one row
     # (MESHSERVE_EDGE_WORKER_BATCH_INVARIANT=false); "batched-nbitshead": the LM head as built
-    # (LM_HEAD=nbits); "batched-spin": intra-op threads spin (INTRA_OP_SPINNING=true).
+    # (LM_HEAD=nbits); "batched-spin": intra-op threads spin (INTRA_OP_SPINNING=true); "batched-adaptive":
+    # 2 threads sleeping / spinning or 1 thread, per small call by measured time (ADAPTIVE_THREADING=true).
     base, *variants = kind.split("-")
-    unknown = set(variants) - {"1row", "nbitshead", "spin"}
+    unknown = set(variants) - {"1row", "nbitshead", "spin", "adaptive"}
     if base != "batched" or unknown:
         raise ValueError(f"unknown engine kind {kind!r}")
     return BatchedEngine(
@@ -40,6 +41,7 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
         batch_invariant="1row" not in variants,
         lm_head="nbits" if "nbitshead" in variants else "int8",
         spinning="spin" in variants,
+        adaptive_threading="adaptive" in variants,
     )
 
 

@@ -15,9 +15,16 @@ sends greedy requests with the EDGE hint and the response cache bypassed, and re
   its one-row variant for a lone sequence) and the og engine interleaved, with CPU time per token
   (benchmarks/edge/direct.py).
 
-Writes ``docs/benchmarks/edge.{json,md}`` and ends with the two targets (roofline share >= 50 %,
-16 streams >= 4x one stream), judged. Numbers from a busy machine are not comparable with a quiet
-one: the load average at the start and end is recorded, re-run with nothing else running.
+* onnxruntime-genai's own single stream on the same INT4 model, in this process (``og.Generator``, its
+  default session options but the worker's thread count), one round after each single-stream mesh
+  round (``--ortgenai``, default on), and llama.cpp at 1 and 16 streams on the same GGUF requantized to
+  Q4_0 when a llama.cpp build is found (:mod:`benchmarks.edge.llamacpp`).
+
+Writes ``docs/benchmarks/edge.{json,md}`` and ends with issue 27's targets, judged: the mesh's single
+stream >= 1.0x onnxruntime-genai's (same run, interleaved), 16 streams >= 1.25x llama.cpp's 16-stream
+throughput (SKIPPED, with the reason, without a llama.cpp build); issue 6's roofline share and 16-vs-1
+ratio follow as references. Numbers from a busy machine are not comparable with a quiet one: the load
+average at the start and end is recorded, re-run with nothing else running.
 """
 
 from __future__ import annotations
@@ -29,7 +36,9 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -104,6 +113,37 @@ def _cpu_s(pid: int) -> float:
     return float(times.user + times.system)
 
 
+def ortgenai_model(model_dir: Path, threads: int) -> Any:
+    """onnxruntime-genai's model as a user would load it: its defaults, ``threads`` intra-op threads."""
+    import onnxruntime_genai as og
+
+    config = og.Config(str(model_dir))
+    config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    return og.Model(config)
+
+
+def ortgenai_round(model: Any, prompt: list[int], max_tokens: int) -> dict[str, float]:
+    """One greedy stream on ``og.Generator``: decode tokens/s as the mesh rounds count it (tokens after
+    the first over the time between the first and the last)."""
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + max_tokens, do_sample=False)
+    generator = og.Generator(model, params)
+    start = time.perf_counter()
+    generator.append_tokens(prompt)
+    stamps: list[float] = []
+    while len(stamps) < max_tokens and not generator.is_done():
+        generator.generate_next_token()
+        generator.get_next_tokens()
+        stamps.append(time.perf_counter())
+    return {
+        "tokens": len(stamps),
+        "ttft_ms": 1000 * (stamps[0] - start),
+        "decode_tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+    }
+
+
 async def _round(stub: inference_pb2_grpc.InferenceStub, streams: int, max_tokens: int, pid: int) -> dict[str, Any]:
     peak = _rss(pid)
     stop = asyncio.Event()
@@ -152,8 +192,16 @@ async def run(
     engine: str = "batched",
     repeats: int = 2,
     embed_router: bool = True,
+    ortgenai: bool = True,
 ) -> dict[str, Any]:
     edge_dir = model_paths().edge_dir
+    og_model = ortgenai_model(edge_dir, threads) if ortgenai else None
+    og_prompt: list[int] = []
+    if og_model is not None:
+        from tokenizers import Tokenizer
+
+        og_prompt = list(Tokenizer.from_file(str(edge_dir / "tokenizer.json")).encode(PROMPT).ids)
+        ortgenai_round(og_model, og_prompt, 4)  # warm-up
     per_token, total = weight_bytes_per_token(edge_dir)
     bandwidth = max(read_bandwidth_gbs(1), read_bandwidth_gbs(threads))
     config = MeshConfig(
@@ -169,6 +217,7 @@ async def run(
     )
     load_start = os.getloadavg()[0]
     samples: dict[int, list[dict[str, Any]]] = {n: [] for n in stream_counts}
+    og_rounds: list[dict[str, float]] = []
     async with Mesh(config, sink=lambda _name, _line: None) as mesh:
         proc = mesh.workers("edge")[0].proc
         assert proc is not None
@@ -180,6 +229,9 @@ async def run(
                 for n in stream_counts:
                     print(f"{n} streams (round {repeat + 1}/{repeats}) ...", file=sys.stderr, flush=True)
                     samples[n].append(await _round(stub, n, max_tokens, proc.pid))
+                    if n == 1 and og_model is not None:  # right after the mesh's single stream: same load
+                        print("onnxruntime-genai, 1 stream ...", file=sys.stderr, flush=True)
+                        og_rounds.append(ortgenai_round(og_model, og_prompt, max_tokens))
     rounds = [_median_round(samples[n]) for n in stream_counts]
     single = next(r for r in rounds if r["streams"] == 1)
     roofline = bandwidth * 1e9 / per_token
@@ -210,11 +262,50 @@ async def run(
         "round_samples": [s for n in stream_counts for s in samples[n]],
         "scaling_top_vs_single": top["aggregate_tokens_per_s"] / single["aggregate_tokens_per_s"],
         "cpu_scaling_top_vs_single": single["worker_cpu_ms_per_token"] / top["worker_cpu_ms_per_token"],
+        "ortgenai_rounds": og_rounds,
+        "ortgenai_decode_tokens_per_s": (
+            statistics.median(r["decode_tokens_per_s"] for r in og_rounds) if og_rounds else None
+        ),
     }
 
 
+def judged(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Issue 27's targets: ``{name: {"ratio", "target", "pass", ...}}`` or ``{name: {"skipped": why}}``."""
+    out: dict[str, dict[str, Any]] = {}
+    single = report["single_stream_decode_tokens_per_s"]
+    og = report.get("ortgenai_decode_tokens_per_s")
+    if og:
+        ratio = single / og
+        out["edge_single_stream_vs_ortgenai"] = {
+            "ratio": ratio,
+            "target": 1.0,
+            "pass": ratio >= 1.0,
+            "mesh_tokens_per_s": single,
+            "ortgenai_tokens_per_s": og,
+        }
+    else:
+        out["edge_single_stream_vs_ortgenai"] = {"skipped": "onnxruntime-genai not measured (--no-ortgenai)"}
+    top = report["rounds"][-1]
+    llama = report.get("llamacpp") or {"skipped": "llama.cpp not measured"}
+    theirs = next((r for r in llama.get("rounds", []) if r["streams"] == top["streams"]), None)
+    if theirs is not None:
+        ratio = top["aggregate_tokens_per_s"] / theirs["aggregate_tokens_per_s"]
+        out["edge_16_streams_vs_llamacpp"] = {
+            "ratio": ratio,
+            "target": 1.25,
+            "pass": ratio >= 1.25,
+            "streams": top["streams"],
+            "mesh_tokens_per_s": top["aggregate_tokens_per_s"],
+            "llamacpp_tokens_per_s": theirs["aggregate_tokens_per_s"],
+        }
+    else:
+        out["edge_16_streams_vs_llamacpp"] = {"skipped": llama.get("skipped", f"no {top['streams']}-stream round")}
+    return out
+
+
 def targets(report: dict[str, Any]) -> list[str]:
-    """The issue's two targets, judged, plus the load-robust CPU ratio behind the second."""
+    """Issue 27's two targets, judged (SKIPPED with the reason when a reference was not measured), then
+    issue 6's roofline share and 16-vs-1 ratio as references."""
     share = 100 * report["single_stream_roofline_share"]
     top = report["rounds"][-1]["streams"]
     scaling = report["scaling_top_vs_single"]
@@ -223,20 +314,38 @@ def targets(report: dict[str, Any]) -> list[str]:
     warning = (
         [
             f"WARNING: load average {machine['load_avg_1m']:.1f} on {machine['cpus']} CPUs: other jobs share the "
-            "CPU, so the bandwidth probe, the roofline share and the wall-clock ratio are not valid; re-run quiet"
+            "CPU, so the bandwidth probe, the roofline share and the wall-clock ratios are noisy; re-run quiet"
         ]
         if busy
         else []
     )
+    lines = [*warning]
+    found = report.get("targets") or judged(report)
+    single = found["edge_single_stream_vs_ortgenai"]
+    if "skipped" in single:
+        lines.append(f"TARGET edge_single_stream_vs_ortgenai: SKIPPED ({single['skipped']})")
+    else:
+        lines += [
+            f"TARGET edge_single_stream_vs_ortgenai: {single['ratio']:.2f}x (target >= 1.0x): "
+            + ("PASS" if single["pass"] else "FAIL"),
+            f"  (single-stream decode through the mesh {single['mesh_tokens_per_s']:.1f} tok/s vs onnxruntime-genai "
+            f"in-process {single['ortgenai_tokens_per_s']:.1f} tok/s, medians of interleaved rounds)",
+        ]
+    many = found["edge_16_streams_vs_llamacpp"]
+    if "skipped" in many:
+        lines.append(f"TARGET edge_16_streams_vs_llamacpp: SKIPPED ({many['skipped']})")
+    else:
+        lines += [
+            f"TARGET edge_16_streams_vs_llamacpp: {many['ratio']:.2f}x (target >= 1.25x): "
+            + ("PASS" if many["pass"] else "FAIL"),
+            f"  ({many['streams']} streams through the mesh {many['mesh_tokens_per_s']:.1f} tok/s vs llama.cpp Q4_0 "
+            f"{many['llamacpp_tokens_per_s']:.1f} tok/s, generated tokens over wall time, prefill included)",
+        ]
     return [
-        *warning,
-        f"TARGET single-stream decode / memory-bandwidth roofline: {share:.0f} % (target >= 50 %): "
-        + ("PASS" if share >= 50 else "FAIL"),
-        f"TARGET aggregate tok/s at {top} streams / 1 stream: {scaling:.2f}x (target >= 4x): "
-        + ("PASS" if scaling >= 4 else "FAIL"),
-        f"  (load-robust: tokens per worker CPU-second at {top} streams / 1 stream: "
-        f"{report['cpu_scaling_top_vs_single']:.2f}x; load average {report['machine']['load_avg_1m']:.1f}"
-        " at the start)",
+        *lines,
+        f"  (reference, issue 6: single-stream decode / memory-bandwidth roofline {share:.0f} %; aggregate tok/s at "
+        f"{top} streams / 1 stream {scaling:.2f}x; tokens per worker CPU-second at {top} / 1 stream "
+        f"{report['cpu_scaling_top_vs_single']:.2f}x; load average {machine['load_avg_1m']:.1f} at the start)",
     ]
 
 
@@ -282,6 +391,37 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _llamacpp(args: argparse.Namespace, counts: Sequence[int]) -> dict[str, Any]:
+    """llama.cpp at 1 and the largest stream count, or ``{"skipped": why}``."""
+    from tokenizers import Tokenizer
+
+    from benchmarks.edge import llamacpp
+    from services.models.sources import PrepareError, default_source
+
+    tools = llamacpp.find_tools(args.llama_cpp_bin)
+    if isinstance(tools, str):
+        return {"skipped": tools}
+    try:
+        source = default_source()
+    except PrepareError as exc:
+        return {"skipped": f"the shipped GGUF is not installed: {exc}"}
+    edge_dir = model_paths().edge_dir
+    prompt = len(Tokenizer.from_file(str(edge_dir / "tokenizer.json")).encode(PROMPT).ids)
+    print("llama.cpp ...", file=sys.stderr, flush=True)
+    try:
+        return llamacpp.measure(
+            tools,
+            Path(source.location),
+            args.llama_cpp_dir,
+            threads=args.threads,
+            prompt_tokens=prompt,
+            max_tokens=args.max_tokens,
+            streams=sorted({1, max(counts)}),
+        )
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return {"skipped": f"llama.cpp run failed: {exc}"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshserve bench edge", description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens per request (default 48)")
@@ -301,12 +441,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="the mesh with the router as its own process (meshserve up --split-router)",
     )
+    parser.add_argument(
+        "--ortgenai",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time onnxruntime-genai's single stream after each single-stream mesh round (issue 27's reference)",
+    )
+    parser.add_argument(
+        "--llama-cpp-bin",
+        type=Path,
+        default=None,
+        help="a llama.cpp build's bin directory (llama-batched-bench, llama-quantize); default: PATH",
+    )
+    parser.add_argument(
+        "--llama-cpp-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "meshserve-llamacpp",
+        help="where the Q4_0 GGUF for llama.cpp is written once",
+    )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     args = parser.parse_args(argv)
     counts = [int(n) for n in args.streams.split(",")]
     report = asyncio.run(
-        run(args.max_tokens, args.threads, counts, args.engine, args.mesh_repeats, embed_router=not args.split_router)
+        run(
+            args.max_tokens,
+            args.threads,
+            counts,
+            args.engine,
+            args.mesh_repeats,
+            embed_router=not args.split_router,
+            ortgenai=args.ortgenai,
+        )
     )
+    report["llamacpp"] = _llamacpp(args, counts)
     if args.direct:
         print("engines in-process ...", file=sys.stderr, flush=True)
         from tokenizers import Tokenizer
@@ -323,6 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             repeats=args.repeats,
         )
         report["machine"]["load_avg_1m_end"] = os.getloadavg()[0]
+    report["targets"] = judged(report)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "edge.json").write_text(json.dumps(report, indent=2) + "\n")
     (args.out / "edge.md").write_text(markdown(report))

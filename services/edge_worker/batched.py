@@ -27,6 +27,7 @@ longest common prefix whose KV exists and prefills only the rest, as the og engi
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -38,10 +39,11 @@ from tokenizers import Tokenizer
 
 from services.common.errors import InvalidArgument
 from services.common.sampling import SamplingParams
-from services.edge_worker.graph import load_session
+from services.edge_worker.graph import load_sessions
 from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.sampler import logprobs, logprobs_rows, pick
 from services.edge_worker.sequence import BatchedSequence
+from services.edge_worker.spin import SessionChooser
 from services.worker.grammar import GrammarCompiler, TokenConstraint
 from services.worker.types import EngineInfo, KVUsage, StepInterrupted
 
@@ -56,6 +58,10 @@ class BatchedEngine:
     ``lm_head``: ``int8`` (MLAS int8 GEMM, less CPU per row, same perplexity;
     :mod:`services.edge_worker.int8head`) or ``nbits`` (as built). ``spinning``: let idle intra-op threads
     spin between parallel sections (faster steps on an otherwise idle CPU, more CPU burnt).
+    ``adaptive_threading`` (with ``spinning`` off and more than one thread): two more sessions, one
+    whose threads spin inside a call (and sleep between calls), one of a single thread; each decode call
+    of up to ``adaptive_max_rows`` rows runs on whichever of the three measures fastest now
+    (:mod:`services.edge_worker.spin`); the weights are held three times in memory.
     """
 
     def __init__(
@@ -71,18 +77,34 @@ class BatchedEngine:
         batch_invariant: bool = True,
         lm_head: str = "int8",
         spinning: bool = False,
+        adaptive_threading: bool = False,
+        adaptive_max_rows: int = 4,
     ) -> None:
         config = json.loads((model_dir / "genai_config.json").read_text())["model"]
         decoder = config["decoder"]
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        # By default idle intra-op threads sleep instead of spinning: on a small shared CPU (the worker
-        # sits next to the gateway and router) spinning cost ~1.6x CPU per token at 2 threads under
-        # load; on an idle CPU it makes a step faster (docs/edge.md).
-        options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-        self._session = load_session(model_dir / decoder["filename"], options, lm_head=lm_head)
+
+        def session_options(spin: bool, stop: bool, count: int = threads) -> ort.SessionOptions:
+            options = ort.SessionOptions()
+            if count:
+                options.intra_op_num_threads = count
+            options.inter_op_num_threads = 1
+            # By default idle intra-op threads sleep instead of spinning: on a small shared CPU (the worker
+            # sits next to the gateway and router) spinning cost ~1.6x CPU per token at 2 threads under
+            # load; on an idle CPU it makes a step faster (docs/edge.md).
+            options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+            if stop:  # spin inside a call only: the threads sleep as soon as the call returns
+                options.add_session_config_entry("session.force_spinning_stop", "1")
+            return options
+
+        adaptive = adaptive_threading and not spinning and (threads or os.cpu_count() or 1) > 1
+        wanted = [session_options(spinning, False)]
+        if adaptive:  # the choices for small calls: these threads sleeping (above), spinning, one thread
+            wanted += [session_options(True, True), session_options(False, False, 1)]
+        sessions = load_sessions(model_dir / decoder["filename"], wanted, lm_head=lm_head)
+        self._session = sessions[0]
+        self._small_sessions = sessions
+        self.chooser = SessionChooser(len(sessions), max_rows=adaptive_max_rows) if adaptive else None
+        """Which session each small decode call runs on (None: always the first)."""
         eos = config.get("eos_token_id", [])
         self._info = EngineInfo(
             model_id=model_id,
@@ -435,12 +457,17 @@ class BatchedEngine:
         mask = np.zeros((rows, width), dtype=np.int64)
         for row, length in enumerate(lengths):
             mask[row, : length + 1] = 1
-        io = self._kv.binding(self._session, 0, rows)
+        mode = None if self.chooser is None else self.chooser.choose(rows)
+        session = self._session if mode is None else self._small_sessions[mode]
+        io = self._kv.binding(session, 0, rows)
         id_array = np.array(ids, dtype=np.int64).reshape(rows, 1)
         io.bind_cpu_input("input_ids", id_array)
         io.bind_cpu_input("attention_mask", mask)
         io.bind_output("logits")  # unallocated again: its shape changes between runs
-        self._session.run_with_iobinding(io)
+        start = time.perf_counter()
+        session.run_with_iobinding(io)
+        if self.chooser is not None and mode is not None:
+            self.chooser.record(rows, mode, time.perf_counter() - start)
         for seq in seqs:
             seq.kv_len += 1
         self.steps += 1

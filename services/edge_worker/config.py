@@ -41,6 +41,16 @@ class EdgeWorkerSettings(WorkerSettings):
     intra_op_spinning: bool = False
     """Batched engine: idle intra-op threads spin instead of sleeping. Faster steps on an otherwise
     idle CPU; on a shared one it burns CPU the gateway and router need (docs/edge.md)."""
+    adaptive_threading: bool = False
+    """Batched engine, with `intra_op_spinning` off and more than one thread: two more sessions of the
+    model, one whose threads spin inside a decode call (and sleep between calls), one of a single
+    thread; each decode call of up to `adaptive_max_rows` sequences runs on whichever of the three
+    measures fastest now (meant for: spinning on an idle host, one thread on a loaded one). Same
+    tokens either way; the prepacked weights are held three times (RSS ~+280 MiB). Off by default:
+    on the loaded build machine it was not reliably faster, and the idle-host case is unmeasured
+    (docs/edge.md, issue 27)."""
+    adaptive_max_rows: int = Field(default=4, ge=1, le=64)
+    """Batched engine: decode calls of more sequences than this always run on the main session."""
     prefill_chunk_tokens: int = Field(default=512, ge=16, le=8192)
     """Batched engine: prompt tokens per prefill call (bounds the logits buffer: 192 KB per token)."""
     chat_reserve_tokens: int = Field(default=512, ge=0)

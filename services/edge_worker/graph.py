@@ -58,17 +58,26 @@ def load_session(model_path: Path, options: ort.SessionOptions, *, lm_head: str 
     channels in fp32, found on the calibration text (needs the builder's 8-bit MatMulNBits head,
     ``models prepare --int4-lm-head int8``, the default).
     """
+    return load_sessions(model_path, [options], lm_head=lm_head)[0]
+
+
+def load_sessions(
+    model_path: Path, options: list[ort.SessionOptions], *, lm_head: str = "nbits"
+) -> list[ort.InferenceSession]:
+    """One session per ``options`` over the same edited graph (edited once; ``load_session``)."""
     if lm_head not in LM_HEADS:
         raise ValueError(f"lm_head {lm_head!r} is not one of {LM_HEADS}")
     model = onnx.load(str(model_path), load_external_data=False)
-    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
+    for each in options:
+        each.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
     outliers = None
     if lm_head == "int8":
         tokenizer = Tokenizer.from_file(str(model_path.parent / "tokenizer.json"))
         ids = tokenizer.encode(CALIBRATION_TEXT.read_text()).ids[:CALIBRATION_TOKENS]
         decoder = json.loads((model_path.parent / "genai_config.json").read_text())["model"]["decoder"]
-        outliers = outlier_channels(model, options, list(ids), int(decoder["head_size"]))
+        outliers = outlier_channels(model, options[0], list(ids), int(decoder["head_size"]))
     _last_positions(model)
     if lm_head == "int8" and not int8_lm_head(model, model_path.parent, outliers):
         raise ValueError(f"lm_head 'int8' needs an 8-bit MatMulNBits LM head, which {model_path} does not have")
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    graph = model.SerializeToString()
+    return [ort.InferenceSession(graph, each, providers=["CPUExecutionProvider"]) for each in options]

@@ -32,7 +32,7 @@ class KvSlots:
         self.capacity = min(capacity, max_capacity)
         self.bytes_per_token = 2 * layers * kv_heads * head_size * 4
         self._buffers = [self._zeros(self.capacity) for _ in range(2 * layers)]
-        self._bindings: dict[tuple[int, int], tuple[ort.IOBinding, list[np.ndarray]]] = {}
+        self._bindings: dict[tuple[int, int, int], tuple[ort.IOBinding, list[np.ndarray]]] = {}
 
     def _zeros(self, capacity: int) -> np.ndarray:
         kv_heads, head_size = self._shape
@@ -99,10 +99,10 @@ class KvSlots:
     def binding(self, session: ort.InferenceSession, first: int, count: int) -> ort.IOBinding:
         """An IOBinding with logits as output 0 and slots ``[first, first + count)`` as past and present.
 
-        Cached per row range until the capacity changes; callers bind ``input_ids`` and
+        Cached per session and row range until the capacity changes; callers bind ``input_ids`` and
         ``attention_mask`` before each run.
         """
-        key = (first, count)
+        key = (id(session), first, count)
         cached = self._bindings.get(key)
         if cached is not None:
             return cached[0]

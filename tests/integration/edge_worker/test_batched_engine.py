@@ -12,6 +12,7 @@ from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.sequence import BatchedSequence
+from services.edge_worker.spin import SessionChooser
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["Name three colours.", "What is the sea?", "Tell me a short story about a cat.", "Count to five."]
@@ -151,6 +152,20 @@ def test_the_lm_head_as_built_also_keeps_greedy_tokens_independent_of_the_batch(
         assert all(len(set(tokens)) > 1 for tokens in alone)  # it writes text, not one repeated token
     finally:
         engine.close()
+
+
+def test_adaptive_threading_switches_sessions_without_changing_a_token(engine: BatchedEngine) -> None:
+    prompts = [chat(engine, p) for p in PROMPTS[:3]]
+    alone = [generate(engine, p, 12) for p in prompts]
+    adaptive = BatchedEngine(model_paths().edge_dir, model_id="t", threads=2, max_batch=4, adaptive_threading=True)
+    try:
+        # A chooser that moves between the three sessions (2 threads sleeping / spinning, 1 thread) all the time.
+        adaptive.chooser = SessionChooser(3, probe_every=1, max_probe_every=1, probe_calls=1, window=1)
+        assert [generate(adaptive, p, 12) for p in prompts] == alone
+        assert together([lambda p=p: generate(adaptive, p, 12) for p in prompts]) == alone
+        assert all(calls > 3 for calls in adaptive.chooser.calls)  # every session ran decode calls
+    finally:
+        adaptive.close()
 
 
 PENALISED = SamplingParams(

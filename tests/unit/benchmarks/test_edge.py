@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from benchmarks import cli as bench_cli
-from benchmarks.edge.mesh import _median_round, markdown, targets
+from benchmarks.edge import llamacpp
+from benchmarks.edge.mesh import _median_round, judged, markdown, targets
 
 
 def _report(load: float, single: float, top: float, share: float) -> dict[str, Any]:
@@ -40,14 +41,58 @@ def test_median_round_takes_medians_and_the_peak_memory() -> None:
 
 
 def test_targets_are_judged_and_a_busy_machine_is_flagged() -> None:
-    quiet = targets(_report(load=0.3, single=50.0, top=210.0, share=0.52))
-    assert quiet[0].endswith("52 % (target >= 50 %): PASS")
-    assert quiet[1].endswith("4.20x (target >= 4x): PASS")
-    assert "4.00x" in quiet[2]
-    busy = targets(_report(load=9.0, single=50.0, top=150.0, share=0.45))
-    assert busy[0].startswith("WARNING: load average 9.0 on 2 CPUs")
-    assert busy[1].endswith("45 % (target >= 50 %): FAIL") and busy[2].endswith("3.00x (target >= 4x): FAIL")
-    assert "- TARGET aggregate tok/s at 16 streams / 1 stream: 3.00x" in markdown(_report(9.0, 50.0, 150.0, 0.45))
+    report = _report(load=0.3, single=50.0, top=210.0, share=0.52)
+    report["ortgenai_decode_tokens_per_s"] = 50.0
+    report["llamacpp"] = {"rounds": [{"streams": 1, "aggregate_tokens_per_s": 100.0},
+                                     {"streams": 16, "aggregate_tokens_per_s": 160.0}]}  # fmt: skip
+    quiet = targets(report)
+    assert quiet[0] == "TARGET edge_single_stream_vs_ortgenai: 1.04x (target >= 1.0x): PASS"
+    assert "through the mesh 52.0 tok/s vs onnxruntime-genai in-process 50.0 tok/s" in quiet[1]
+    assert quiet[2] == "TARGET edge_16_streams_vs_llamacpp: 1.31x (target >= 1.25x): PASS"
+    assert "210.0 tok/s vs llama.cpp Q4_0 160.0 tok/s" in quiet[3]
+    assert "roofline 52 %" in quiet[4] and "16 streams / 1 stream 4.20x" in quiet[4] and "4.00x" in quiet[4]
+    busy = _report(load=9.0, single=50.0, top=150.0, share=0.45)
+    busy["ortgenai_decode_tokens_per_s"] = 60.0
+    busy["llamacpp"] = {"skipped": "no llama.cpp build found: no llama-batched-bench on PATH"}
+    lines = targets(busy)
+    assert lines[0].startswith("WARNING: load average 9.0 on 2 CPUs")
+    assert lines[1] == "TARGET edge_single_stream_vs_ortgenai: 0.75x (target >= 1.0x): FAIL"
+    assert lines[3] == (
+        "TARGET edge_16_streams_vs_llamacpp: SKIPPED (no llama.cpp build found: no llama-batched-bench on PATH)"
+    )
+    assert "- TARGET edge_single_stream_vs_ortgenai: 0.75x" in markdown(busy)
+    unmeasured = targets(_report(load=0.3, single=50.0, top=150.0, share=0.45))
+    assert unmeasured[0].startswith("TARGET edge_single_stream_vs_ortgenai: SKIPPED (")
+    assert unmeasured[1] == "TARGET edge_16_streams_vs_llamacpp: SKIPPED (llama.cpp not measured)"
+
+
+def test_judged_targets_are_stored_for_the_report() -> None:
+    report = _report(load=0.3, single=50.0, top=210.0, share=0.52)
+    report["ortgenai_decode_tokens_per_s"] = 100.0
+    found = judged(report)
+    assert found["edge_single_stream_vs_ortgenai"]["ratio"] == pytest.approx(0.52)
+    assert found["edge_single_stream_vs_ortgenai"]["pass"] is False
+    assert found["edge_16_streams_vs_llamacpp"] == {"skipped": "llama.cpp not measured"}
+
+
+def test_llamacpp_tools_are_looked_for_and_their_table_parsed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert llamacpp.find_tools(None) == (
+        "no llama.cpp build found: no llama-batched-bench on PATH (or pass --llama-cpp-bin DIR)"
+    )
+    assert "in " + str(tmp_path) in str(llamacpp.find_tools(tmp_path))
+    for name in ("llama-batched-bench", "llama-quantize"):
+        (tmp_path / name).write_text("")
+    assert llamacpp.find_tools(tmp_path) == (tmp_path / "llama-batched-bench", tmp_path / "llama-quantize")
+    table = """
+main: n_kv_max = 1088, n_batch = 2048
+|    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s |      T s |    S t/s |
+|-------|--------|------|--------|----------|----------|----------|----------|----------|----------|
+|    16 |     48 |    1 |     64 |    0.030 |   533.33 |    0.320 |   150.00 |    0.350 |   182.86 |
+|    16 |     48 |   16 |   1024 |    0.500 |   512.00 |    2.500 |   307.20 |    3.000 |   341.33 |
+"""
+    rows = llamacpp.parse_table(table)
+    assert [(r["B"], r["S_TG t/s"]) for r in rows] == [(1.0, 150.0), (16.0, 307.2)]
 
 
 def test_meshserve_bench_edge_is_wired() -> None:

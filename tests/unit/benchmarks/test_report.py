@@ -37,6 +37,19 @@ def test_report_reads_numbers_judges_them_and_names_the_command(tmp_path: Path) 
     assert "`python -m benchmarks.edge.mesh`" in scaling  # the file named no command: the default one
 
 
+def test_issue_27_edge_targets_are_read_from_the_judged_targets(tmp_path: Path) -> None:
+    targets = {
+        "edge_single_stream_vs_ortgenai": {"ratio": 0.93},
+        "edge_16_streams_vs_llamacpp": {"skipped": "no build"},
+    }
+    _write(tmp_path, "edge.json", {"date": "2026-01-01", "targets": targets})
+    text = generate(tmp_path)
+    single = _row(text, "single stream through the mesh / onnxruntime-genai's single stream in-process, same run")
+    assert "0.93x" in single and "**fail**" in single
+    many = _row(text, "16 streams through the mesh / llama.cpp (Q4_0 of the same GGUF) at 16 streams, same run")
+    assert f"{NOT_MEASURED} (no such number in edge.json)" in many  # skipped: never a number
+
+
 def test_missing_files_and_numbers_are_shown_as_not_measured(tmp_path: Path) -> None:
     _write(tmp_path, "cloud.json", {"date": "2026-01-01", "throughput": {"16": {"ours": {"tokens_per_s": 5.0}}}})
     text = generate(tmp_path)

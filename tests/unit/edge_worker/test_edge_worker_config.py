@@ -49,6 +49,15 @@ def test_lm_head_and_spinning_options(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INTRA_OP_SPINNING", "true")
     settings = load_settings(EdgeWorkerSettings)
     assert (settings.lm_head, settings.intra_op_spinning) == ("nbits", True)
+    assert (defaults.adaptive_threading, defaults.adaptive_max_rows) == (False, 4)
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_ADAPTIVE_THREADING", "true")
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_ADAPTIVE_MAX_ROWS", "2")
+    settings = load_settings(EdgeWorkerSettings)
+    assert (settings.adaptive_threading, settings.adaptive_max_rows) == (True, 2)
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_ADAPTIVE_MAX_ROWS", "0")
+    with pytest.raises(ConfigError, match="MESHSERVE_EDGE_WORKER_ADAPTIVE_MAX_ROWS"):
+        load_settings(EdgeWorkerSettings)
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_ADAPTIVE_MAX_ROWS", "4")
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_LM_HEAD", "fp8")
     with pytest.raises(ConfigError, match="MESHSERVE_EDGE_WORKER_LM_HEAD"):
         load_settings(EdgeWorkerSettings)
