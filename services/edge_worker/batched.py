@@ -56,6 +56,7 @@ class BatchedEngine:
     ``lm_head``: ``int8`` (MLAS int8 GEMM, less CPU per row, same perplexity;
     :mod:`services.edge_worker.int8head`) or ``nbits`` (as built). ``spinning``: let idle intra-op threads
     spin between parallel sections (faster steps on an otherwise idle CPU, more CPU burnt).
+    ``load_cache_dir``: where the edited graph is kept for the next start (:mod:`services.edge_worker.load_cache`).
     """
 
     def __init__(
@@ -71,6 +72,7 @@ class BatchedEngine:
         batch_invariant: bool = True,
         lm_head: str = "int8",
         spinning: bool = False,
+        load_cache_dir: Path | None = None,
     ) -> None:
         config = json.loads((model_dir / "genai_config.json").read_text())["model"]
         decoder = config["decoder"]
@@ -82,7 +84,9 @@ class BatchedEngine:
         # sits next to the gateway and router) spinning cost ~1.6x CPU per token at 2 threads under
         # load; on an idle CPU it makes a step faster (docs/edge.md).
         options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-        self._session = load_session(model_dir / decoder["filename"], options, lm_head=lm_head)
+        self._session = load_session(
+            model_dir / decoder["filename"], options, lm_head=lm_head, cache_dir=load_cache_dir
+        )
         eos = config.get("eos_token_id", [])
         self._info = EngineInfo(
             model_id=model_id,

@@ -31,6 +31,7 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
         batch_invariant=settings.batch_invariant,
         lm_head=settings.lm_head,
         spinning=settings.intra_op_spinning,
+        load_cache_dir=settings.resolved_load_cache_dir(),
     )
 
 
