@@ -206,6 +206,7 @@ class CloudEngine:
         kv_io: KVBlockIO | None = None,
         decode_graphs: str = "auto",
         max_batch: int = 32,
+        load_cache_dir: Path | None = None,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)  # process-wide: one worker per process
@@ -220,6 +221,7 @@ class CloudEngine:
             shard=shard,
             all_reduce=all_reduce,
             allow_download=allow_download,
+            cache_dir=load_cache_dir,
         )
         cfg = self.model.config
         self.block_tokens = block_tokens

@@ -40,20 +40,25 @@ Public API (used by the scheduler, and by tensor parallelism / speculative decod
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import structlog
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from services.gpu_worker import weights_cache
 from services.gpu_worker.packed import Linear, Packer, can_prepack
 from services.gpu_worker.plan import Segment, StepPlan
+
+log = structlog.get_logger(__name__)
 
 AllReduce = Callable[[Tensor], None]
 """Sum a tensor over the tensor-parallel group, in place."""
@@ -256,7 +261,10 @@ class LlamaModel:
         shard: Shard = Shard(),
         all_reduce: AllReduce | None = None,
         prepack: bool | None = None,
+        fused: Mapping[str, Tensor] | None = None,
     ) -> None:
+        """``fused``: q/k/v and gate/up weights already concatenated (``fused_weights()`` of an earlier
+        load, weights_cache.py), used where they equal the concatenation of ``weights``."""
         shard.check(config)
         # None: prepack where it helps (CPU float32, packed.py); it keeps a second copy of the weights.
         pack = can_prepack(device, dtype) if prepack is None else prepack and can_prepack(device, dtype)
@@ -283,19 +291,24 @@ class LlamaModel:
         head = self.embed if config.tied or "lm_head.weight" not in weights else get("lm_head.weight")
         self.lm_head = Linear(head, prepack=pack, single_row_packed=True, packer=self.packer)
         self.layers: list[_Layer] = []
+        self.fused_built = False
+        """Whether any fused weight was concatenated here (not taken from ``fused``)."""
         for i in range(config.layers):
             p = f"model.layers.{i}."
             q, k, v = (get(p + f"self_attn.{n}_proj.weight") for n in "qkv")
             gate, up = get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")
+            qkv, built_qkv = weights_cache.fused(p + "qkv", (q[heads], k[kv], v[kv]), fused)
+            gate_up, built_gate_up = weights_cache.fused(p + "gate_up", (gate[mlp], up[mlp]), fused)
+            self.fused_built |= built_qkv or built_gate_up
             self.layers.append(
                 _Layer(
                     ln1=get(p + "input_layernorm.weight"),
-                    wqkv=Linear(torch.cat((q[heads], k[kv], v[kv])).contiguous(), prepack=pack, packer=self.packer),
+                    wqkv=Linear(qkv, prepack=pack, packer=self.packer),
                     wo=Linear(
                         get(p + "self_attn.o_proj.weight")[:, heads].contiguous(), prepack=pack, packer=self.packer
                     ),
                     ln2=get(p + "post_attention_layernorm.weight"),
-                    w_gate_up=Linear(torch.cat((gate[mlp], up[mlp])).contiguous(), prepack=pack, packer=self.packer),
+                    w_gate_up=Linear(gate_up, prepack=pack, packer=self.packer),
                     w_down=Linear(
                         get(p + "mlp.down_proj.weight")[:, mlp].contiguous(), prepack=pack, packer=self.packer
                     ),
@@ -321,18 +334,51 @@ class LlamaModel:
         all_reduce: AllReduce | None = None,
         allow_download: bool = False,
         prepack: bool | None = None,
+        cache_dir: Path | None = None,
     ) -> LlamaModel:
-        """Load from an HF directory (safetensors) or a hub id (cached, or downloaded if allowed)."""
+        """Load from an HF directory (safetensors) or a hub id (cached, or downloaded if allowed).
+
+        ``cache_dir``: keep the fused weights there and map them on later loads (weights_cache.py; a
+        CPU model of a safetensors directory only: on a GPU they are copied to the device anyway)."""
         directory = Path(path)
         config = LlamaConfig.from_pretrained(path, allow_download=allow_download)
+        cache_file = cached = None
         if directory.is_dir() and any(directory.glob("*.safetensors")):
             weights = _read_safetensors(directory)
+            if cache_dir is not None and device.type == "cpu":
+                files = sorted(directory.glob("*.safetensors"))
+                identity = {"config": dataclasses.asdict(config), "shard": dataclasses.asdict(shard), "dtype": dtype}
+                key = weights_cache.cache_key(files, identity)
+                cache_file = cache_dir / f"{key}.safetensors"
+                cached = weights_cache.read(cache_file)
         else:
             from transformers import AutoModelForCausalLM
 
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=not allow_download)
             weights = dict(hf.state_dict())
-        return cls(config, weights, device=device, dtype=dtype, shard=shard, all_reduce=all_reduce, prepack=prepack)
+        model = cls(
+            config,
+            weights,
+            device=device,
+            dtype=dtype,
+            shard=shard,
+            all_reduce=all_reduce,
+            prepack=prepack,
+            fused=cached,
+        )
+        if cache_file is not None:
+            log.info("cloud_weights_cache", hit=not model.fused_built, path=str(cache_file))
+            if model.fused_built:
+                weights_cache.write(cache_file, model.fused_weights())
+        return model
+
+    def fused_weights(self) -> dict[str, Tensor]:
+        """The q/k/v and gate/up weights as concatenated (the ``fused`` argument of a later load)."""
+        out: dict[str, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            out[f"model.layers.{i}.qkv"] = layer.wqkv.weight
+            out[f"model.layers.{i}.gate_up"] = layer.w_gate_up.weight
+        return out
 
     def new_cache(self, num_blocks: int, block_tokens: int, dtype: torch.dtype) -> KVCache:
         shape = (num_blocks * block_tokens, self.local_kv_heads, self.config.head_dim)
