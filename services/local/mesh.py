@@ -110,6 +110,11 @@ class MeshConfig:
     """Restart a child that exits on its own (``meshserve up``; services/local/supervise.py). Off for
     tests that kill a service to watch the mesh without it."""
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    warm_spares: bool = True
+    """With ``supervise``: each worker (edge, cloud without torchrun) keeps a warm spare, a process that
+    has done the worker's imports (torch, onnxruntime: most of a restart on a loaded machine) and
+    waits; a restart runs the worker in it (services/local/child.py). Costs one idle process per
+    worker (~150-400 MB)."""
 
 
 class Mesh:
@@ -392,7 +397,8 @@ class Mesh:
 
         for name, proc in self.processes.items():
             worker = name.startswith(("edge-", "cloud-"))
-            sup.watch(proc, serving, None if worker else pin(self._port_env[name]))
+            spare = worker and self.config.warm_spares
+            sup.watch(proc, serving, None if worker else pin(self._port_env[name]), standby=spare)
         if self._redis is not None:
             url, batch = self.redis_url, self.config.redis_batch
 
