@@ -111,10 +111,10 @@ class MeshConfig:
     tests that kill a service to watch the mesh without it."""
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     warm_spares: bool = True
-    """With ``supervise``: each worker (edge, cloud without torchrun) keeps a warm spare, a process that
-    has done the worker's imports (torch, onnxruntime: most of a restart on a loaded machine) and
-    waits; a restart runs the worker in it (services/local/child.py). Costs one idle process per
-    worker (~150-400 MB)."""
+    """With ``supervise``: each Python service (workers, gateways, cache, batch runners, HTTP adapters; not
+    a cloud worker under torchrun) keeps a warm spare, a process that has done its imports (torch,
+    onnxruntime, grpc: most of a restart on a loaded machine) and waits; a restart runs the service in
+    it (services/local/child.py). Costs one idle process per service (~80-400 MB each)."""
 
 
 class Mesh:
@@ -383,6 +383,7 @@ class Mesh:
         environment it started with; all but the workers keep their gRPC port (pinned here)."""
         sup = self.supervisor = Supervisor(self.sink, self.config.restart_policy, on_change=self._changed)
         timeout = self.config.restart_policy.ready_timeout_s
+        spares = self.config.warm_spares  # for the `python -m` services (ServiceProcess.can_stand_by)
 
         async def serving(proc: ServiceProcess) -> None:
             await proc.wait_started(timeout)
@@ -397,8 +398,7 @@ class Mesh:
 
         for name, proc in self.processes.items():
             worker = name.startswith(("edge-", "cloud-"))
-            spare = worker and self.config.warm_spares
-            sup.watch(proc, serving, None if worker else pin(self._port_env[name]), standby=spare)
+            sup.watch(proc, serving, None if worker else pin(self._port_env[name]), standby=spares)
         if self._redis is not None:
             url, batch = self.redis_url, self.config.redis_batch
 
@@ -419,7 +419,7 @@ class Mesh:
 
             sup.watch(envoy.process, envoy_ready)  # its bootstrap holds its ports
             for adapter in self.front_door.adapters:
-                sup.watch(adapter, adapter_ready, pin("MESHSERVE_GATEWAY_HTTP_PORT"))
+                sup.watch(adapter, adapter_ready, pin("MESHSERVE_GATEWAY_HTTP_PORT"), standby=spares)
 
     def _changed(self) -> None:
         if self.on_change is not None:
