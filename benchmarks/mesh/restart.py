@@ -201,9 +201,10 @@ ROOT = Path(__file__).resolve().parents[2]
 async def measure_phases(before: Path | None, rounds: int) -> dict[str, Any]:
     trees = {"after": ROOT, **({"before": before} if before else {})}
     runs: dict[str, dict[str, list[dict[str, float]]]] = {m: {t: [] for t in trees} for m in PHASE_ENV}
-    for _ in range(rounds):
+    for round_ in range(rounds):
         for module, env in PHASE_ENV.items():
-            for tree, root in trees.items():  # alternately: both see the same machine
+            order = list(trees.items())
+            for tree, root in order[::-1] if round_ % 2 else order:  # alternately, ABBA: the same machine
                 phases = await _start_phases(root, module, env)
                 phases["load"] = float(_load().split()[0])
                 runs[module][tree].append(phases)

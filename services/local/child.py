@@ -56,6 +56,9 @@ def wait_and_run(argv: list[str]) -> None:
     os.environ.clear()
     os.environ.update(json.loads(line)["env"])
     sys.argv = [argv[0]]
+    # runpy executes __main__.py itself (its own imports are loaded); its entry as an imported module
+    # would make runpy warn that the module is already in sys.modules.
+    sys.modules.pop(f"{module}.__main__", None)
     runpy.run_module(module, run_name="__main__", alter_sys=True)
     sys.exit(0)
 

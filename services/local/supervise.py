@@ -18,7 +18,7 @@ the mesh, and the cap keeps a broken service from eating the CPU the others need
 
 Warm spares (``standby``): a restart runs the service in a spare process that has already done its
 imports (``ServiceProcess.start_standby``, services/local/child.py), started when the watch begins
-and again once a restarted service serves; the mesh gives one to each worker.
+and again once a restarted service serves; the mesh gives one to each Python service.
 
 Stopping: :meth:`Supervisor.close` cancels every watch (a restart under way included, its new
 process stopped) before the mesh stops its children, so Ctrl-C never races a restart.
