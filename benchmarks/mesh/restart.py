@@ -27,6 +27,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -286,7 +287,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     result: dict[str, Any] = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "command": "python -m benchmarks.mesh.restart " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": shlex.join(
+            ["python", "-m", "benchmarks.mesh.restart", *(argv if argv is not None else sys.argv[1:])]
+        ),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "target_s": TARGET_S,
