@@ -33,8 +33,8 @@ from torch import Tensor
 
 log = structlog.get_logger(__name__)
 
-KEEP = 2
-"""Files kept in the cache directory (the newest)."""
+KEEP = 4
+"""Files kept in the cache directory (the newest): one per tensor-parallel rank, say."""
 
 
 def cache_key(checkpoint: Sequence[Path], identity: Mapping[str, object]) -> str:
