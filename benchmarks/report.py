@@ -202,6 +202,15 @@ TABLES: dict[str, list[Row]] = {
         Row("LiteLLM proxy, added p99", "gateways.json", "(LiteLLM publishes p99 13 ms)",
             lambda d: _dig(d, "added_ms", "litellm", "p99"), "ms", None, "meshserve bench gateways"),
     ],
+    "Self-healing local mesh: back after kill -9 under load, median of rounds (issue 26)": [
+        *(
+            Row(f"{label} back serving", "restart.json", "≤ 10 s",
+                lambda d, key=key: _dig(d, "restarts", "services", key, "back_s_median"), "s",
+                lambda v: v <= 10.0, "python -m benchmarks.mesh.restart --rounds 2")
+            for key, label in (("edge", "edge worker"), ("cloud-0", "cloud worker"), ("cache", "cache service"),
+                               ("redis", "Redis"), ("gateway", "gateway (router inside)"))
+        ),
+    ],
     "Soak (issue 9)": [
         Row("largest RSS / open-fd growth, baseline window → final window", "soak.json", "≤ 5 %",
             lambda d: max(r["growth_pct"] for r in d["verdict"]["series"].values()), "%", lambda v: v <= 5.0,

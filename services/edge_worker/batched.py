@@ -62,6 +62,7 @@ class BatchedEngine:
     whose threads spin inside a call (and sleep between calls), one of a single thread; each decode call
     of up to ``adaptive_max_rows`` rows runs on whichever of the three measures fastest now
     (:mod:`services.edge_worker.spin`); the weights are held three times in memory.
+    ``load_cache_dir``: where the edited graph is kept for the next start (:mod:`services.edge_worker.load_cache`).
     """
 
     def __init__(
@@ -79,6 +80,7 @@ class BatchedEngine:
         spinning: bool = False,
         adaptive_threading: bool = False,
         adaptive_max_rows: int = 4,
+        load_cache_dir: Path | None = None,
     ) -> None:
         config = json.loads((model_dir / "genai_config.json").read_text())["model"]
         decoder = config["decoder"]
@@ -100,7 +102,7 @@ class BatchedEngine:
         wanted = [session_options(spinning, False)]
         if adaptive:  # the choices for small calls: these threads sleeping (above), spinning, one thread
             wanted += [session_options(True, True), session_options(False, False, 1)]
-        sessions = load_sessions(model_dir / decoder["filename"], wanted, lm_head=lm_head)
+        sessions = load_sessions(model_dir / decoder["filename"], wanted, lm_head=lm_head, cache_dir=load_cache_dir)
         self._session = sessions[0]
         self._small_sessions = sessions
         self.chooser = SessionChooser(len(sessions), max_rows=adaptive_max_rows) if adaptive else None

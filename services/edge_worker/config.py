@@ -10,6 +10,7 @@ from pydantic_settings import SettingsConfigDict
 
 from services.common.errors import ConfigError
 from services.common.model_paths import model_paths
+from services.common.settings import default_models_dir
 from services.worker.settings import WorkerSettings
 
 
@@ -51,6 +52,13 @@ class EdgeWorkerSettings(WorkerSettings):
     (docs/edge.md, issue 27)."""
     adaptive_max_rows: int = Field(default=4, ge=1, le=64)
     """Batched engine: decode calls of more sequences than this always run on the main session."""
+    load_cache: bool = True
+    """Batched engine: keep the edited decoder graph (the int8 LM head and its calibration, ~1.6 s of CPU
+    per start) in ``load_cache_dir`` and use it on later starts; a stale or corrupt entry is never used
+    (docs/edge.md, *Startup*)."""
+    load_cache_dir: Path | None = None
+    """Where ``load_cache`` keeps it; empty uses `load-cache/edge` next to the models directory
+    (`~/.cache/meshserve/load-cache/edge`)."""
     prefill_chunk_tokens: int = Field(default=512, ge=16, le=8192)
     """Batched engine: prompt tokens per prefill call (bounds the logits buffer: 192 KB per token)."""
     chat_reserve_tokens: int = Field(default=512, ge=0)
@@ -58,6 +66,11 @@ class EdgeWorkerSettings(WorkerSettings):
     (the builder's CPU model preallocates KV up to a generator's max_length: ~46 KB per token for
     SmolLM2-135M). A later turn that does not fit starts a fresh sequence. The batched engine grows
     KV slots on demand instead."""
+
+    def resolved_load_cache_dir(self) -> Path | None:
+        if not self.load_cache:
+            return None
+        return self.load_cache_dir or default_models_dir().parent / "load-cache" / "edge"
 
     def resolved_model_dir(self) -> Path:
         return self.model_dir or model_paths(self.model_id).edge_dir

@@ -9,6 +9,7 @@ last row is the same as in the full graph (and a decode row, length 1, is unchan
 
 The edit is a ``Slice`` in front of the LM head, made in memory at load time: the prepared model on
 disk (and onnxruntime-genai's use of it) is unchanged; the weights are read from the model directory.
+The edited graph is kept in a cache directory for the next start (:mod:`services.edge_worker.load_cache`).
 ``lm_head="int8"`` also moves the head onto onnxruntime's int8 GEMM (:mod:`services.edge_worker.int8head`).
 """
 
@@ -20,11 +21,16 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import structlog
 from onnx import helper, numpy_helper
 from tokenizers import Tokenizer
 
-from services.edge_worker.int8head import CALIBRATION_TOKENS, int8_lm_head, outlier_channels
+from services.edge_worker import int8head
+from services.edge_worker.int8head import CALIBRATION_TOKENS, OUTLIER_CHANNELS, int8_lm_head, outlier_channels
+from services.edge_worker.load_cache import GraphCache, graph_key
 from services.models.biascorrect import CALIBRATION_TEXT
+
+log = structlog.get_logger(__name__)
 
 LAST_POSITIONS = 2
 
@@ -51,33 +57,64 @@ def _last_positions(model: onnx.ModelProto) -> None:
 LM_HEADS = ("nbits", "int8")
 
 
-def load_session(model_path: Path, options: ort.SessionOptions, *, lm_head: str = "nbits") -> ort.InferenceSession:
+def load_session(
+    model_path: Path, options: ort.SessionOptions, *, lm_head: str = "nbits", cache_dir: Path | None = None
+) -> ort.InferenceSession:
     """An onnxruntime session of ``model_path`` whose ``logits`` are ``[batch, min(2, seq), vocab]``.
 
     ``lm_head``: ``nbits`` runs the head as built; ``int8`` on MLAS' int8 GEMM with its outlier
     channels in fp32, found on the calibration text (needs the builder's 8-bit MatMulNBits head,
-    ``models prepare --int4-lm-head int8``, the default).
+    ``models prepare --int4-lm-head int8``, the default). ``cache_dir``: keep the edited graph there
+    and use it on later loads (:mod:`services.edge_worker.load_cache`); None edits it every time.
     """
-    return load_sessions(model_path, [options], lm_head=lm_head)[0]
+    return load_sessions(model_path, [options], lm_head=lm_head, cache_dir=cache_dir)[0]
 
 
 def load_sessions(
-    model_path: Path, options: list[ort.SessionOptions], *, lm_head: str = "nbits"
+    model_path: Path, options: list[ort.SessionOptions], *, lm_head: str = "nbits", cache_dir: Path | None = None
 ) -> list[ort.InferenceSession]:
-    """One session per ``options`` over the same edited graph (edited once; ``load_session``)."""
+    """One session per ``options`` over the same edited graph (edited or read from the cache once, with
+    ``options[0]``'s threads for the calibration run; ``load_session``)."""
     if lm_head not in LM_HEADS:
         raise ValueError(f"lm_head {lm_head!r} is not one of {LM_HEADS}")
-    model = onnx.load(str(model_path), load_external_data=False)
     for each in options:
         each.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
+    graph: bytes | None = None
+    if cache_dir is not None:
+        cache, key = GraphCache(cache_dir), _cache_key(model_path, lm_head, options[0])
+        graph = cache.get(key)
+        log.info("edge_graph_cache", hit=graph is not None, entry=str(cache_dir / f"{key}.onnx"))
+    if graph is None:
+        graph = edited_graph(model_path, options[0], lm_head=lm_head)
+        if cache_dir is not None:
+            cache.put(key, graph, model_path.parent)
+    return [ort.InferenceSession(graph, each, providers=["CPUExecutionProvider"]) for each in options]
+
+
+def edited_graph(model_path: Path, options: ort.SessionOptions, *, lm_head: str) -> bytes:
+    """The serialized graph :func:`load_session` runs (``options`` must name the external data folder)."""
+    model = onnx.load(str(model_path), load_external_data=False)
     outliers = None
     if lm_head == "int8":
         tokenizer = Tokenizer.from_file(str(model_path.parent / "tokenizer.json"))
         ids = tokenizer.encode(CALIBRATION_TEXT.read_text()).ids[:CALIBRATION_TOKENS]
         decoder = json.loads((model_path.parent / "genai_config.json").read_text())["model"]["decoder"]
-        outliers = outlier_channels(model, options[0], list(ids), int(decoder["head_size"]))
+        outliers = outlier_channels(model, options, list(ids), int(decoder["head_size"]))
     _last_positions(model)
     if lm_head == "int8" and not int8_lm_head(model, model_path.parent, outliers):
         raise ValueError(f"lm_head 'int8' needs an 8-bit MatMulNBits LM head, which {model_path} does not have")
-    graph = model.SerializeToString()
-    return [ort.InferenceSession(graph, each, providers=["CPUExecutionProvider"]) for each in options]
+    return model.SerializeToString()
+
+
+def _cache_key(model_path: Path, lm_head: str, options: ort.SessionOptions) -> str:
+    settings = {
+        "lm_head": lm_head,
+        # the calibration run's threads: a different split of its sums could rank a near-tie differently
+        "intra_op_threads": options.intra_op_num_threads,
+        "last_positions": LAST_POSITIONS,
+        "outlier_channels": OUTLIER_CHANNELS,
+        "calibration_tokens": CALIBRATION_TOKENS,
+    }
+    versions = {"onnx": onnx.__version__, "onnxruntime": ort.__version__, "numpy": np.__version__}
+    sources = [Path(__file__), Path(int8head.__file__), CALIBRATION_TEXT]
+    return graph_key(model_path, settings=settings, sources=sources, versions=versions)

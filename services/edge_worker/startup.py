@@ -33,6 +33,7 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
         spinning=settings.intra_op_spinning,
         adaptive_threading=settings.adaptive_threading,
         adaptive_max_rows=settings.adaptive_max_rows,
+        load_cache_dir=settings.resolved_load_cache_dir(),
     )
 
 

@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.errors import ConfigError
 from services.common.model_paths import model_paths
+from services.common.settings import default_models_dir
 from services.worker.settings import WorkerSettings
 
 
@@ -27,6 +28,13 @@ class GpuWorkerSettings(WorkerSettings):
     """Weights/activations dtype; auto is float32 on CPU, bfloat16 on CUDA (float16 where bf16 is unsupported)."""
     allow_download: bool = False
     """Let a hub id in ``model`` be downloaded when it is not in the local HF cache (off: offline only)."""
+    load_cache: bool = True
+    """CPU: keep the fused q/k/v and gate/up weights (~280 MB for SmolLM2-135M) in ``load_cache_dir`` and
+    map them on later starts instead of concatenating them again (~1-4 s); a cached tensor is used only
+    if it equals what it stands for (docs/cloud.md, *Startup*)."""
+    load_cache_dir: Path | None = None
+    """Where ``load_cache`` keeps them; empty uses `load-cache/cloud` next to the models directory
+    (`~/.cache/meshserve/load-cache/cloud`)."""
     max_active_sequences: int = Field(default=32, ge=1, le=256)
     """Sequences generating at once (one continuous batch); more wait in the queue."""
     kv_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
@@ -87,6 +95,11 @@ class GpuWorkerSettings(WorkerSettings):
                 "MESHSERVE_GPU_WORKER_DRAFT_MODEL, or turn MESHSERVE_GPU_WORKER_SPECULATIVE off"
             )
         return str(path)
+
+    def resolved_load_cache_dir(self) -> Path | None:
+        if not self.load_cache:
+            return None
+        return self.load_cache_dir or default_models_dir().parent / "load-cache" / "cloud"
 
     def resolved_model(self) -> str:
         return self.model or str(model_paths(self.model_id).hf_dir)

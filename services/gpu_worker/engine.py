@@ -26,6 +26,7 @@ padding rows' block, outside the block manager.
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -35,7 +36,6 @@ import structlog
 import torch
 from prometheus_client import Counter
 from tokenizers import Tokenizer
-from transformers import AutoTokenizer, GenerationConfig
 
 from services.common.errors import FailedPrecondition, InvalidArgument
 from services.common.logprobs import SampledLogprobs
@@ -206,6 +206,7 @@ class CloudEngine:
         kv_io: KVBlockIO | None = None,
         decode_graphs: str = "auto",
         max_batch: int = 32,
+        load_cache_dir: Path | None = None,
     ) -> None:
         if threads:
             torch.set_num_threads(threads)  # process-wide: one worker per process
@@ -220,6 +221,7 @@ class CloudEngine:
             shard=shard,
             all_reduce=all_reduce,
             allow_download=allow_download,
+            cache_dir=load_cache_dir,
         )
         cfg = self.model.config
         self.block_tokens = block_tokens
@@ -511,18 +513,29 @@ def _load_tokenizer(model: str, allow_download: bool) -> Tokenizer:
     tokenizer_file = Path(model) / "tokenizer.json"
     if tokenizer_file.is_file():
         return Tokenizer.from_file(str(tokenizer_file))
+    from transformers import AutoTokenizer  # a hub id: seconds to import, only when needed
+
     return AutoTokenizer.from_pretrained(model, local_files_only=not allow_download).backend_tokenizer
 
 
 def _eos_ids(model: str, allow_download: bool) -> set[int]:
-    from transformers import AutoConfig
+    """The EOS ids of config.json and generation_config.json: read as JSON from a model directory (as
+    transformers reads them, without its seconds of import), through transformers for a hub id."""
+    sources: list[object] = []
+    directory = Path(model)
+    if (directory / "config.json").is_file():
+        for name in ("config.json", "generation_config.json"):
+            if (directory / name).is_file():
+                sources.append(json.loads((directory / name).read_text()).get("eos_token_id"))
+    else:
+        from transformers import AutoConfig, GenerationConfig
 
+        sources.append(AutoConfig.from_pretrained(model, local_files_only=not allow_download).eos_token_id)
+        try:
+            sources.append(GenerationConfig.from_pretrained(model, local_files_only=not allow_download).eos_token_id)
+        except OSError:  # no generation_config.json
+            pass
     eos: set[int] = set()
-    sources: list[object] = [AutoConfig.from_pretrained(model, local_files_only=not allow_download).eos_token_id]
-    try:
-        sources.append(GenerationConfig.from_pretrained(model, local_files_only=not allow_download).eos_token_id)
-    except OSError:  # no generation_config.json
-        pass
     for source in sources:
         if source is not None:
             eos.update(source if isinstance(source, list) else [int(source)])  # type: ignore[call-overload]

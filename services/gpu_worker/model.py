@@ -11,7 +11,8 @@ against ``generate``.
 
 Public API (used by the scheduler, and by tensor parallelism / speculative decoding on top):
 
-* ``LlamaConfig.from_hf(config)`` — the shape of the model; ``Shard(rank, world)`` — which slice a
+* ``LlamaConfig.from_pretrained(path)`` (``from_hf(config)`` for a transformers config) — the shape
+  of the model; ``Shard(rank, world)`` — which slice a
   rank holds. ``Shard.check(config)`` raises ValueError unless ``world`` divides the attention
   heads, the KV heads and the MLP width (SmolLM2: 9/3 heads, so TP=1 or 3).
 * ``LlamaModel.load(path, device=, dtype=, shard=, all_reduce=, allow_download=, prepack=)`` — weights
@@ -39,17 +40,25 @@ Public API (used by the scheduler, and by tensor parallelism / speculative decod
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+import structlog
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from services.gpu_worker.packed import Linear, can_prepack
+from services.gpu_worker import weights_cache
+from services.gpu_worker.packed import Linear, Packer, can_prepack
 from services.gpu_worker.plan import Segment, StepPlan
+
+log = structlog.get_logger(__name__)
 
 AllReduce = Callable[[Tensor], None]
 """Sum a tensor over the tensor-parallel group, in place."""
@@ -107,6 +116,60 @@ class LlamaConfig:
             inv_freq=tuple(float(x) for x in rope.inv_freq.tolist()),
             rope_scaling=float(rope.attention_scaling),
         )
+
+    @classmethod
+    def from_config_json(cls, data: dict[str, Any]) -> LlamaConfig | None:
+        """From a Llama ``config.json`` with the default RoPE, without importing transformers; None
+        for anything else (another model type, scaled RoPE: :meth:`from_pretrained` asks transformers).
+
+        Why: importing transformers' Llama config and rotary embedding costs ~3 s of CPU at every
+        start, most of a restarted cloud worker's time (docs/cloud.md, *Startup*). The defaults are
+        ``transformers.LlamaConfig``'s and ``inv_freq`` is its ``compute_default_rope_parameters``,
+        term for term (a test compares this with :meth:`from_hf`).
+        """
+        c = data
+        if c.get("model_type") != "llama" or c.get("attention_bias") or c.get("mlp_bias"):
+            return None
+        rope = c.get("rope_parameters") or {}
+        if not isinstance(rope, dict) or rope.get("rope_type", "default") != "default" or c.get("rope_scaling"):
+            return None
+        theta = float(rope.get("rope_theta", c.get("rope_theta", 10_000.0)))
+
+        def num(key: str, default: Any) -> Any:  # a null in config.json means the default, as in transformers
+            value = c.get(key)
+            return default if value is None else value
+
+        heads = int(num("num_attention_heads", 32))
+        hidden = int(num("hidden_size", 4096))
+        head_dim = int(num("head_dim", hidden // heads))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return cls(
+            hidden=hidden,
+            layers=int(num("num_hidden_layers", 32)),
+            heads=heads,
+            kv_heads=int(num("num_key_value_heads", heads)),
+            head_dim=head_dim,
+            intermediate=int(num("intermediate_size", 11008)),
+            vocab=int(num("vocab_size", 32000)),
+            eps=float(num("rms_norm_eps", 1e-6)),
+            max_positions=int(num("max_position_embeddings", 2048)),
+            tied=bool(num("tie_word_embeddings", False)),
+            inv_freq=tuple(float(x) for x in inv_freq.tolist()),
+            rope_scaling=1.0,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, allow_download: bool = False) -> LlamaConfig:
+        """The config of an HF directory or hub id: :meth:`from_config_json` where it applies, else
+        through ``transformers.AutoConfig`` and :meth:`from_hf`."""
+        config_file = Path(path) / "config.json"
+        if config_file.is_file():
+            config = cls.from_config_json(json.loads(config_file.read_text()))
+            if config is not None:
+                return config
+        from transformers import AutoConfig
+
+        return cls.from_hf(AutoConfig.from_pretrained(path, local_files_only=not allow_download))
 
     def kv_bytes_per_token(self, dtype: torch.dtype, world: int = 1) -> int:
         """KV bytes one token occupies on one rank."""
@@ -198,7 +261,10 @@ class LlamaModel:
         shard: Shard = Shard(),
         all_reduce: AllReduce | None = None,
         prepack: bool | None = None,
+        fused: Mapping[str, Tensor] | None = None,
     ) -> None:
+        """``fused``: q/k/v and gate/up weights already concatenated (``fused_weights()`` of an earlier
+        load, weights_cache.py), used where they equal the concatenation of ``weights``."""
         shard.check(config)
         # None: prepack where it helps (CPU float32, packed.py); it keeps a second copy of the weights.
         pack = can_prepack(device, dtype) if prepack is None else prepack and can_prepack(device, dtype)
@@ -217,25 +283,38 @@ class LlamaModel:
             return weights[name].to(device=device, dtype=dtype)
 
         heads, kv, mlp = shard.part(config.heads * d), shard.part(config.kv_heads * d), shard.part(config.intermediate)
+        # Packed in the background (packed.py: the model serves before ~1 s of reordering is done), the
+        # LM head first: every step needs it, even a one-row one.
+        self.packer = Packer()
+        self.embed = get("model.embed_tokens.weight")
+        self.norm = get("model.norm.weight")
+        head = self.embed if config.tied or "lm_head.weight" not in weights else get("lm_head.weight")
+        self.lm_head = Linear(head, prepack=pack, single_row_packed=True, packer=self.packer)
         self.layers: list[_Layer] = []
+        self.fused_built = False
+        """Whether any fused weight was concatenated here (not taken from ``fused``)."""
         for i in range(config.layers):
             p = f"model.layers.{i}."
             q, k, v = (get(p + f"self_attn.{n}_proj.weight") for n in "qkv")
             gate, up = get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")
+            qkv, built_qkv = weights_cache.fused(p + "qkv", (q[heads], k[kv], v[kv]), fused)
+            gate_up, built_gate_up = weights_cache.fused(p + "gate_up", (gate[mlp], up[mlp]), fused)
+            self.fused_built |= built_qkv or built_gate_up
             self.layers.append(
                 _Layer(
                     ln1=get(p + "input_layernorm.weight"),
-                    wqkv=Linear(torch.cat((q[heads], k[kv], v[kv])).contiguous(), prepack=pack),
-                    wo=Linear(get(p + "self_attn.o_proj.weight")[:, heads].contiguous(), prepack=pack),
+                    wqkv=Linear(qkv, prepack=pack, packer=self.packer),
+                    wo=Linear(
+                        get(p + "self_attn.o_proj.weight")[:, heads].contiguous(), prepack=pack, packer=self.packer
+                    ),
                     ln2=get(p + "post_attention_layernorm.weight"),
-                    w_gate_up=Linear(torch.cat((gate[mlp], up[mlp])).contiguous(), prepack=pack),
-                    w_down=Linear(get(p + "mlp.down_proj.weight")[:, mlp].contiguous(), prepack=pack),
+                    w_gate_up=Linear(gate_up, prepack=pack, packer=self.packer),
+                    w_down=Linear(
+                        get(p + "mlp.down_proj.weight")[:, mlp].contiguous(), prepack=pack, packer=self.packer
+                    ),
                 )
             )
-        self.embed = get("model.embed_tokens.weight")
-        self.norm = get("model.norm.weight")
-        head = self.embed if config.tied or "lm_head.weight" not in weights else get("lm_head.weight")
-        self.lm_head = Linear(head, prepack=pack, single_row_packed=True)
+        self.packer.start()
         positions = torch.arange(config.max_positions, dtype=torch.float32)
         freqs = positions[:, None] * torch.tensor(config.inv_freq, dtype=torch.float32)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -255,28 +334,58 @@ class LlamaModel:
         all_reduce: AllReduce | None = None,
         allow_download: bool = False,
         prepack: bool | None = None,
+        cache_dir: Path | None = None,
     ) -> LlamaModel:
-        """Load from an HF directory (safetensors) or a hub id (cached, or downloaded if allowed)."""
-        from transformers import AutoConfig
+        """Load from an HF directory (safetensors) or a hub id (cached, or downloaded if allowed).
 
+        ``cache_dir``: keep the fused weights there and map them on later loads (weights_cache.py; a
+        CPU model of a safetensors directory only: on a GPU they are copied to the device anyway)."""
         directory = Path(path)
-        hf_config = AutoConfig.from_pretrained(path, local_files_only=not allow_download)
-        config = LlamaConfig.from_hf(hf_config)
+        config = LlamaConfig.from_pretrained(path, allow_download=allow_download)
+        cache_file = cached = None
         if directory.is_dir() and any(directory.glob("*.safetensors")):
             weights = _read_safetensors(directory)
+            if cache_dir is not None and device.type == "cpu":
+                files = sorted(directory.glob("*.safetensors"))
+                identity = {"config": dataclasses.asdict(config), "shard": dataclasses.asdict(shard), "dtype": dtype}
+                key = weights_cache.cache_key(files, identity)
+                cache_file = cache_dir / f"{key}.safetensors"
+                cached = weights_cache.read(cache_file)
         else:
             from transformers import AutoModelForCausalLM
 
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=not allow_download)
             weights = dict(hf.state_dict())
-        return cls(config, weights, device=device, dtype=dtype, shard=shard, all_reduce=all_reduce, prepack=prepack)
+        model = cls(
+            config,
+            weights,
+            device=device,
+            dtype=dtype,
+            shard=shard,
+            all_reduce=all_reduce,
+            prepack=prepack,
+            fused=cached,
+        )
+        if cache_file is not None:
+            log.info("cloud_weights_cache", hit=not model.fused_built, path=str(cache_file))
+            if model.fused_built:
+                weights_cache.write(cache_file, model.fused_weights())
+        return model
+
+    def fused_weights(self) -> dict[str, Tensor]:
+        """The q/k/v and gate/up weights as concatenated (the ``fused`` argument of a later load)."""
+        out: dict[str, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            out[f"model.layers.{i}.qkv"] = layer.wqkv.weight
+            out[f"model.layers.{i}.gate_up"] = layer.w_gate_up.weight
+        return out
 
     def new_cache(self, num_blocks: int, block_tokens: int, dtype: torch.dtype) -> KVCache:
         shape = (num_blocks * block_tokens, self.local_kv_heads, self.config.head_dim)
         n = self.config.layers
         return KVCache(
-            k=[torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n)],
-            v=[torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(n)],
+            k=[_zeros(shape, dtype, self.device) for _ in range(n)],
+            v=[_zeros(shape, dtype, self.device) for _ in range(n)],
             block_tokens=block_tokens,
         )
 
@@ -427,6 +536,19 @@ class LlamaModel:
         hidden = self._rms(x, self.norm).float().view(b, width, cfg.hidden)
         weights = valid.to(torch.float32)[:, :, None]
         return (hidden * weights).sum(dim=1) / lengths.to(torch.float32)[:, None]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``torch.zeros``, whose pages on CPU the kernel zeroes when first touched instead of now.
+
+    Why: ``torch.zeros`` writes every byte of the KV budget (512 MiB by default) at start, ~0.5 s of
+    CPU on an idle machine and seconds on a loaded one, before a restarted worker serves; ``calloc``
+    (numpy's zeros) maps fresh zero pages, filled as the cache is used.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _read_safetensors(directory: Path) -> dict[str, Tensor]:

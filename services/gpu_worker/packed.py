@@ -16,6 +16,8 @@ Results match ``F.linear`` to float32 rounding (a different summation order).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -34,18 +36,72 @@ def _packed_linear(x: Tensor, packed: Tensor) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
+class Packer:
+    """Prepacks :class:`Linear` weights on a background thread, so a model serves before they are done.
+
+    Why: reordering the weights of SmolLM2-135M takes ~1 s of CPU (more on a loaded machine), a fifth of
+    a cloud worker's start (docs/cloud.md, *Startup*). A call that needs a packed weight not made yet
+    waits for the packer (:meth:`wait`) rather than computing with the plain one, so results never
+    depend on how far the packing has got. Single-row calls (decode of one sequence) use the plain
+    weight anyway and never wait.
+    """
+
+    def __init__(self) -> None:
+        self._pending: list[Linear] = []
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def add(self, linear: Linear) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the packer has started")
+        self._pending.append(linear)
+
+    def start(self) -> None:
+        """Pack what was added, in order, on a daemon thread (put the layers needed first first)."""
+        self._thread = threading.Thread(target=self._run, name="prepack", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for linear in self._pending:
+                linear.packed = _pack(linear.weight, Linear.ROWS_HINT)
+        finally:  # a failure leaves the rest unpacked (the plain weight), never a caller waiting forever
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        self._done.wait()
+
+
 class Linear:
-    """``y = x @ weight.T``; rows > 1 (or every row, with ``single_row_packed``) use the packed weight."""
+    """``y = x @ weight.T``; rows > 1 (or every row, with ``single_row_packed``) use the packed weight.
+
+    ``packer``: pack the weight there (in the background) instead of now; a call that needs the packed
+    weight before it is made waits for the packer.
+    """
 
     ROWS_HINT = 8
     """oneDNN picks its blocking for about this many rows: verify passes and small batches."""
 
-    def __init__(self, weight: Tensor, *, prepack: bool, single_row_packed: bool = False) -> None:
+    def __init__(
+        self, weight: Tensor, *, prepack: bool, single_row_packed: bool = False, packer: Packer | None = None
+    ) -> None:
         self.weight = weight
-        self.packed = _pack(weight, self.ROWS_HINT) if prepack else None
+        self.packed: Tensor | None = None
+        self._packer = packer if prepack else None
+        if prepack and packer is None:
+            self.packed = _pack(weight, self.ROWS_HINT)
+        elif packer is not None and prepack:
+            packer.add(self)
         self._min_rows = 1 if single_row_packed else 2
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.packed is not None and x.shape[0] >= self._min_rows:
-            return _packed_linear(x, self.packed)
+        if x.shape[0] >= self._min_rows:
+            if self.packed is None and self._packer is not None:
+                self._packer.wait()
+            if self.packed is not None:
+                return _packed_linear(x, self.packed)
         return F.linear(x, self.weight)

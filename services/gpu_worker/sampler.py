@@ -12,22 +12,19 @@ A sequence that asks for logprobs gets them from the row after the penalties, be
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from services.common.logprobs import SampledLogprobs
 from services.common.sampling import SamplingParams
 from services.gpu_worker.device_sampler import RowSampling, tokens_and_logprobs
 from services.worker.grammar import TokenConstraint
 from services.worker.penalties import Penalties, penalties_for
+
+if TYPE_CHECKING:
+    from transformers.generation.logits_process import LogitsProcessorList
 
 _NO_IDS = cast(torch.LongTensor, torch.zeros(1, 1, dtype=torch.long))
 
@@ -53,9 +50,19 @@ class Sampler:
         """Alternatives per token for its logprobs (None: it asked for no logprobs)."""
         self.last_logprobs: SampledLogprobs | None = None
         """The logprobs of the token :meth:`pick` chose last (when ``top`` is not None)."""
-        self._warpers = LogitsProcessorList()
+        self._warpers: LogitsProcessorList | None = None
         self._rng: torch.Generator | None = None
         if not self.greedy:
+            # Imported here, by the first sampled sequence's own thread (Engine.start): ~1 s of CPU that
+            # a restarting worker need not pay before it serves (docs/cloud.md, *Startup*).
+            from transformers.generation.logits_process import (
+                LogitsProcessorList,
+                TemperatureLogitsWarper,
+                TopKLogitsWarper,
+                TopPLogitsWarper,
+            )
+
+            self._warpers = LogitsProcessorList()
             if sampling.temperature != 1.0:
                 self._warpers.append(TemperatureLogitsWarper(sampling.temperature))
             if sampling.top_k > 0:
@@ -91,6 +98,7 @@ class Sampler:
         if self.greedy:
             token = int(torch.argmax(logits, dim=-1).item())
         else:
+            assert self._warpers is not None
             scores = self._warpers(_NO_IDS, logits.cpu())
             probs = torch.softmax(scores, dim=-1)
             token = int(torch.multinomial(probs, num_samples=1, generator=self._rng).item())

@@ -57,6 +57,7 @@ def build_engine(settings: GpuWorkerSettings) -> CloudEngine:
         allow_download=settings.allow_download,
         decode_graphs=settings.decode_graphs,
         max_batch=settings.max_active_sequences,
+        load_cache_dir=settings.resolved_load_cache_dir(),
         **tp_hooks,
     )
     if leader is not None:

@@ -47,9 +47,7 @@ def check_degree(config: LlamaConfig, world: int) -> None:
 
 def model_config(path: str, *, allow_download: bool = False) -> LlamaConfig:
     """The model's shape, read from its ``config.json`` (no weights loaded)."""
-    from transformers import AutoConfig
-
-    return LlamaConfig.from_hf(AutoConfig.from_pretrained(path, local_files_only=not allow_download))
+    return LlamaConfig.from_pretrained(path, allow_download=allow_download)
 
 
 def device_for(env: RankEnv, device: torch.device) -> torch.device:

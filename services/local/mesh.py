@@ -132,6 +132,11 @@ class MeshConfig:
     """Restart a child that exits on its own (``meshserve up``; services/local/supervise.py). Off for
     tests that kill a service to watch the mesh without it."""
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    warm_spares: bool = True
+    """With ``supervise``: each Python service (workers, gateways, cache, batch runners, HTTP adapters; not
+    a cloud worker under torchrun) keeps a warm spare, a process that has done its imports (torch,
+    onnxruntime, grpc: most of a restart on a loaded machine) and waits; a restart runs the service in
+    it (services/local/child.py). Costs one idle process per service (~80-400 MB each)."""
 
 
 class Mesh:
@@ -442,6 +447,7 @@ class Mesh:
         environment it started with; all but the workers keep their gRPC port (pinned here)."""
         sup = self.supervisor = Supervisor(self.sink, self.config.restart_policy, on_change=self._changed)
         timeout = self.config.restart_policy.ready_timeout_s
+        spares = self.config.warm_spares  # for the `python -m` services (ServiceProcess.can_stand_by)
 
         async def serving(proc: ServiceProcess) -> None:
             await proc.wait_started(timeout)
@@ -456,7 +462,7 @@ class Mesh:
 
         for name, proc in self.processes.items():
             worker = name.startswith(("edge-", "cloud-"))
-            sup.watch(proc, serving, None if worker else pin(self._port_env[name]))
+            sup.watch(proc, serving, None if worker else pin(self._port_env[name]), standby=spares)
         batch = self.config.redis_batch
 
         def answering(url: str) -> Callable[[ServiceProcess], Awaitable[None]]:
@@ -481,7 +487,7 @@ class Mesh:
 
             sup.watch(envoy.process, envoy_ready)  # its bootstrap holds its ports
             for adapter in self.front_door.adapters:
-                sup.watch(adapter, adapter_ready, pin("MESHSERVE_GATEWAY_HTTP_PORT"))
+                sup.watch(adapter, adapter_ready, pin("MESHSERVE_GATEWAY_HTTP_PORT"), standby=spares)
 
     def _changed(self) -> None:
         if self.on_change is not None:

@@ -42,6 +42,7 @@ class ServiceProcess:
         self._started = asyncio.Event()
         self._relay: asyncio.Task[None] | None = None
         self._port_from_log = False  # the port came from its service_started line (read again on respawn)
+        self._standby: asyncio.subprocess.Process | None = None
 
     @property
     def address(self) -> str:
@@ -64,13 +65,58 @@ class ServiceProcess:
         self._relay = asyncio.create_task(self._relay_logs())
 
     async def respawn(self) -> None:
-        """Start the same command again once it has exited (services/local/supervise.py). The port and
-        metrics port are read from its log again, unless the port was set by hand (Envoy's)."""
+        """Start the same command again once it has exited (services/local/supervise.py), in its warm
+        spare if it has one (:meth:`start_standby`). The port and metrics port are read from its log
+        again, unless the port was set by hand (Envoy's)."""
         if self._port_from_log:
             self.port = None
         self.metrics_port = None
         self._started = asyncio.Event()
+        spare, self._standby = self._standby, None
+        if spare is not None and spare.returncode is None and spare.stdin is not None:
+            try:
+                spare.stdin.write(json.dumps({"env": self.env}).encode() + b"\n")
+                await spare.stdin.drain()
+                spare.stdin.close()
+            except (BrokenPipeError, ConnectionResetError):  # it died meanwhile: start afresh
+                pass
+            else:
+                self.proc = spare
+                self._relay = asyncio.create_task(self._relay_logs())
+                return
         await self.spawn()  # the old relay ends by itself at the old pipe's end
+
+    @property
+    def can_stand_by(self) -> bool:
+        """A ``python -m MODULE`` service (no launcher such as torchrun in between) can have a warm spare."""
+        return len(self.argv) == 3 and self.argv[0] == sys.executable and self.argv[1] == "-m"
+
+    async def start_standby(self) -> None:
+        """Start a warm spare: a process that has imported the service's modules and waits to run it
+        (services/local/child.py, ``--standby``), so a restart skips the imports. One at a time."""
+        if not self.can_stand_by or (self._standby is not None and self._standby.returncode is None):
+            return
+        self._standby = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.local.child",
+            "--standby",
+            str(os.getpid()),
+            *self.argv,
+            env=self.env,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            limit=LOG_LINE_LIMIT,
+            start_new_session=True,
+        )
+
+    async def stop_standby(self) -> None:
+        spare, self._standby = self._standby, None
+        if spare is not None and spare.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                spare.kill()  # it holds nothing yet: no port, no model
+            await spare.wait()
 
     def kill_group(self) -> None:
         """SIGKILL whatever is left of its process group (children of an exited process: torchrun's ranks)."""
@@ -134,7 +180,8 @@ class ServiceProcess:
                 os.killpg(self.proc.pid, sig)
 
     async def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM (graceful drain), then SIGKILL after ``timeout_s``."""
+        """SIGTERM (graceful drain), then SIGKILL after ``timeout_s``; its warm spare goes too."""
+        await self.stop_standby()
         if self.proc is None:
             return
         self.signal(signal.SIGTERM)

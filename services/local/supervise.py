@@ -16,6 +16,10 @@ service keeps being restarted at the capped backoff meanwhile (as compose and Ku
 CrashLoopBackOff do): a fault that clears (a port freed, a disk emptied) heals without a restart of
 the mesh, and the cap keeps a broken service from eating the CPU the others need.
 
+Warm spares (``standby``): a restart runs the service in a spare process that has already done its
+imports (``ServiceProcess.start_standby``, services/local/child.py), started when the watch begins
+and again once a restarted service serves; the mesh gives one to each Python service.
+
 Stopping: :meth:`Supervisor.close` cancels every watch (a restart under way included, its new
 process stopped) before the mesh stops its children, so Ctrl-C never races a restart.
 """
@@ -119,13 +123,17 @@ class Supervisor:
         proc: ServiceProcess,
         ready: Ready,
         before_restart: BeforeRestart | None = None,
+        *,
+        standby: bool = False,
     ) -> None:
-        """Supervise ``proc`` (already started). ``before_restart`` may adjust it (pin its port) first."""
+        """Supervise ``proc`` (already started). ``before_restart`` may adjust it (pin its port) first.
+        ``standby``: keep a warm spare of it (``ServiceProcess.start_standby``), started now and again
+        after each restart once the restarted process serves (not while it loads: the CPU is its)."""
         if self._closed:
             raise RuntimeError("the supervisor is closed")
         self.records[proc.name] = ServiceRecord(pid=proc.proc.pid if proc.proc else None)
         self._tasks[proc.name] = asyncio.create_task(
-            self._watch(proc, ready, before_restart), name=f"watch-{proc.name}"
+            self._watch(proc, ready, before_restart, standby), name=f"watch-{proc.name}"
         )
 
     def snapshot(self) -> dict[str, dict[str, object]]:
@@ -147,9 +155,13 @@ class Supervisor:
         if self.on_change is not None:
             self.on_change()
 
-    async def _watch(self, proc: ServiceProcess, ready: Ready, before_restart: BeforeRestart | None) -> None:
+    async def _watch(
+        self, proc: ServiceProcess, ready: Ready, before_restart: BeforeRestart | None, standby: bool
+    ) -> None:
         record = self.records[proc.name]
         policy = self.policy
+        if standby:
+            await self._start_standby(proc)
         up_since = time.monotonic()
         unready = ""  # why the last restart did not serve (we killed it: that, not the signal, is its exit)
         while True:
@@ -210,6 +222,14 @@ class Supervisor:
                 asyncio.get_running_loop().call_later(policy.reset_after_s, self._settled, proc.name, up_since)
             self._log("service_restarted", "info", service=proc.name, pid=record.pid, restarts=record.restarts)
             self._changed()
+            if standby:
+                await self._start_standby(proc)
+
+    async def _start_standby(self, proc: ServiceProcess) -> None:
+        try:
+            await proc.start_standby()
+        except OSError as exc:  # no spare is no failure: the next restart starts a fresh process
+            self._log("service_standby_not_started", "warning", service=proc.name, error=str(exc))
 
     def _settled(self, name: str, restarted_at: float) -> None:
         """A service out of a crash loop: up ``reset_after_s`` since its restart at ``restarted_at``."""

@@ -112,7 +112,7 @@ class GrammarCompiler:
         timeout_s: float = COMPILE_TIMEOUT_S,
         cache_entries: int = GRAMMAR_CACHE_ENTRIES,
     ) -> None:
-        self._tokenizer_json = tokenizer.to_str()
+        self._hf_tokenizer = tokenizer  # serialized for llguidance on first use: ~0.1-0.6 s a start need not pay
         self.vocab_size = vocab_size
         self.eos_ids = tuple(sorted(eos_ids))
         self.timeout_s = timeout_s
@@ -129,7 +129,7 @@ class GrammarCompiler:
         with self._lock:
             if self._ll_tokenizer is None:
                 self._ll_tokenizer = llguidance.LLTokenizer(
-                    self._tokenizer_json, n_vocab=self.vocab_size, eos_token=list(self.eos_ids)
+                    self._hf_tokenizer.to_str(), n_vocab=self.vocab_size, eos_token=list(self.eos_ids)
                 )
             return self._ll_tokenizer
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from services.gpu_worker.packed import Linear, can_prepack
+from services.gpu_worker.packed import Linear, Packer, can_prepack
 
 
 def test_prepacking_is_for_cpu_float32_only() -> None:
@@ -30,3 +31,21 @@ def test_unpacked_layer_keeps_only_the_plain_weight() -> None:
     layer = Linear(torch.ones(4, 3), prepack=False)
     assert layer.packed is None
     assert layer(torch.ones(2, 3)).tolist() == [[3.0] * 4] * 2
+
+
+def test_a_background_packed_layer_waits_for_its_weight_and_equals_the_packed_one() -> None:
+    torch.manual_seed(1)
+    weight = torch.randn(96, 64)
+    pack = can_prepack(torch.device("cpu"), torch.float32)
+    packer = Packer()
+    deferred = [Linear(weight, prepack=pack, packer=packer, single_row_packed=s) for s in (False, True)]
+    now = [Linear(weight, prepack=pack, single_row_packed=s) for s in (False, True)]
+    assert all(layer.packed is None for layer in deferred)
+    packer.start()
+    x = torch.randn(5, 64)
+    for a, b in zip(deferred, now, strict=True):
+        assert torch.equal(a(x), b(x))  # waited for the packer, then the same kernel
+        assert torch.equal(a(x[:1]), b(x[:1]))
+    assert packer.done and all((layer.packed is not None) == pack for layer in deferred)
+    with pytest.raises(RuntimeError):
+        packer.add(Linear(weight, prepack=pack))

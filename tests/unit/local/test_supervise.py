@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import sys
 
 import pytest
 
@@ -139,3 +141,35 @@ async def test_nothing_is_restarted_once_the_supervisor_is_closed(when: str) -> 
     assert proc.proc is not None and proc.proc.returncode is not None
     with pytest.raises(RuntimeError, match="closed"):
         sup.watch(proc, noop_ready)
+
+
+async def test_a_restart_runs_in_the_warm_spare_with_the_current_environment() -> None:
+    log = Log()
+    env = {**os.environ, "SPARE_ECHO": "first"}
+    proc = ServiceProcess("spare", [sys.executable, "-m", "tests.unit.local.spare_service"], env, log)
+    assert proc.can_stand_by and not ServiceProcess("x", ["sh", "-c", "true"], {}, log).can_stand_by
+    await proc.spawn()
+    sup = Supervisor(log, FAST)
+    sup.watch(proc, noop_ready, standby=True)
+
+    def running() -> list[dict[str, object]]:
+        found = [json.loads(line) for name, line in log.lines if name == "spare" and line.startswith("{")]
+        return [e for e in found if e.get("event") == "spare_service_running"]
+
+    try:
+        await _until(lambda: proc._standby is not None and len(running()) == 1)
+        assert proc._standby is not None and proc.proc is not None
+        spare = proc._standby
+        proc.env["SPARE_ECHO"] = "second"  # as the mesh pins a port before a restart
+        proc.signal(signal.SIGKILL)
+        await _until(lambda: sup.records["spare"].restarts == 1 and sup.records["spare"].state == "running")
+        assert proc.proc.pid == spare.pid  # the spare became the service
+        await _until(lambda: len(running()) == 2)
+        assert running()[1] == {"event": "spare_service_running", "pid": spare.pid, "echo": "second"}
+        await _until(lambda: proc._standby is not None)  # and a new spare waits for the next restart
+        assert proc._standby is not None and proc._standby.pid != spare.pid
+        again = proc._standby
+    finally:
+        await sup.close()
+        await proc.stop(5)
+    assert again.returncode is not None and proc._standby is None  # stopping the service stops its spare
