@@ -123,6 +123,9 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     env = {"MESHSERVE_BATCH_MAX_IN_FLIGHT": str(args.runner_max_in_flight)}
     if args.slots_only:
         env["MESHSERVE_BATCH_HEADROOM"] = "false"
+    for setting in args.runner_env:
+        name, _, value = setting.partition("=")
+        env[f"MESHSERVE_BATCH_{name.upper()}"] = value
     config = MeshConfig(edge_workers=args.edge_workers, cloud_workers=0, batch_runners=1, envoy=False, extra_env=env)
     load_before = os.getloadavg()
     async with Mesh(config, sink=_quiet) as mesh, grpc.aio.insecure_channel(mesh.gateway_address) as channel:
@@ -200,6 +203,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "batch_max_tokens": args.batch_max_tokens,
         "runner_max_in_flight": args.runner_max_in_flight,
         "admission": "slots" if args.slots_only else "headroom",
+        "runner_env": list(args.runner_env),
         "baseline": _phase(base, base_err),
         "with_batch": _phase(loaded, loaded_err),
         "per_round": rounds,
@@ -258,7 +262,8 @@ def report(r: dict[str, object], command: str) -> str:
             f"{r['seconds_per_phase']} s per phase in {r['rounds']} rounds; {r['edge_workers']} edge workers, "
             "router in the gateway, one batch runner.",
             f"Batch: {r['batch_lines']} completions of {r['batch_max_tokens']} tokens; runner MAX_IN_FLIGHT "
-            f"{r['runner_max_in_flight']}, RESERVE_SLOTS 1, admission by {r['admission']}.",
+            f"{r['runner_max_in_flight']}, RESERVE_SLOTS 1, admission by {r['admission']}"
+            f"{''.join(', ' + s for s in r.get('runner_env', []))}.",  # type: ignore[attr-defined]
             "",
             "| phase | requests | errors | TTFT p50 ms | TTFT p99 ms |",
             "|---|---|---|---|---|",
@@ -298,6 +303,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--slots-only", action="store_true", help="the runner's admission by free slots alone (HEADROOM=false)"
+    )
+    parser.add_argument(
+        "--runner-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="another runner setting, e.g. HEADROOM_MAX_DEFER_S=60 (MESHSERVE_BATCH_ is added; repeatable)",
     )
     parser.add_argument("--batch-timeout-s", type=float, default=1800.0, help="stop waiting for the batch after this")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown report here")
