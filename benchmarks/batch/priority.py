@@ -158,7 +158,8 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 await asyncio.sleep(args.settle_s)  # the lines it had running end
                 a, a_err = await interactive(stub, f"a{r}", args.rate, slice_s, args.max_tokens)
                 before = await batches.GetBatch(bpb.BatchRef(batch_id=batch.id), metadata=AUTH)
-                _signal(runner, signal.SIGCONT)
+                if not args.control:
+                    _signal(runner, signal.SIGCONT)
                 b, b_err = await interactive(stub, f"b{r}", args.rate, slice_s, args.max_tokens)
                 after = await batches.GetBatch(bpb.BatchRef(batch_id=batch.id), metadata=AUTH)
                 lines_done = sum(
@@ -203,6 +204,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "batch_max_tokens": args.batch_max_tokens,
         "runner_max_in_flight": args.runner_max_in_flight,
         "admission": "slots" if args.slots_only else "headroom",
+        "control": args.control,
         "runner_env": list(args.runner_env),
         "baseline": _phase(base, base_err),
         "with_batch": _phase(loaded, loaded_err),
@@ -253,7 +255,8 @@ def report(r: dict[str, object], command: str) -> str:
     ]
     return "\n".join(
         [
-            f"## {r['date']}: {r['batch_lines']} lines, admission by {r['admission']}",
+            f"## {r['date']}: {r['batch_lines']} lines, admission by {r['admission']}"
+            + (", CONTROL: the runner paused in both phases (the method's noise)" if r.get("control") else ""),
             "",
             f"Command: `{command}` (host: {r['host']}, the shared 2-core machine; load average "
             f"{load['before']:.2f} before, {load['after_phases']:.2f} after the phases, {load['end']:.2f} at the end).",
@@ -303,6 +306,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--slots-only", action="store_true", help="the runner's admission by free slots alone (HEADROOM=false)"
+    )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="keep the runner paused in the 'with batch' slices too: the rise the method shows with no batch at all",
     )
     parser.add_argument(
         "--runner-env",
