@@ -325,7 +325,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the numbers here")
     args = parser.parse_args(argv)
     result = asyncio.run(run(args))
-    text = report(result, " ".join(["meshserve bench batch", *(argv or [])]))
+    result["command"] = " ".join(["meshserve bench batch", *(argv or [])])
+    text = report(result, str(result["command"]))
     print(text)
     if args.out is not None:
         if args.append and args.out.exists():
