@@ -1,4 +1,5 @@
-"""``meshserve cache where "<prompt>"``: which replicas, and Redis, hold how many of a prompt's KV blocks.
+"""``meshserve cache where "<prompt>"``: which replicas, and Redis, hold how many of a prompt's KV blocks
+(of the default model's primary version, or of ``--model`` and ``--version``).
 
 A thin client of ``RouterAdmin.PrefixLocation`` (the router knows what its workers hold and asks
 Redis once; see services/router/location.py). The router's address comes from ``--router``, else
@@ -38,6 +39,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--tier", choices=sorted(_TIERS), default="auto", help="replicas of this tier (default: the router's choice)"
     )
     p.add_argument("--chat", action="store_true", help="the prompt is a chat's user message (chat template applied)")
+    p.add_argument("--model", default="", help="the served model to look at (default: the router's default model)")
+    p.add_argument(
+        "--version", default="", help="that model's version, by its name in the models file (default: its primary)"
+    )
     p.add_argument(
         "--router",
         default="",
@@ -52,7 +57,11 @@ def router_address(args: argparse.Namespace) -> str:
 
 def request(args: argparse.Namespace) -> router_admin_pb2.PrefixLocationRequest:
     req = router_admin_pb2.PrefixLocationRequest(
-        tenant=args.tenant, shareable_prefix=args.shareable, tier=_TIERS[args.tier]
+        tenant=args.tenant,
+        shareable_prefix=args.shareable,
+        tier=_TIERS[args.tier],
+        model=args.model,
+        version=args.version,
     )
     if args.chat:
         req.messages.append(inference_pb2.ChatMessage(role="user", content=args.prompt))
@@ -76,6 +85,7 @@ def render(reply: router_admin_pb2.PrefixLocationResponse, as_json: bool = False
     tier = _TIER_NAMES.get(reply.tier, "?")
     blocks = f"{reply.prompt_blocks} full block{'' if reply.prompt_blocks == 1 else 's'}"
     lines = [
+        f"model:  {reply.model_id} version {reply.version or '-'}",
         f"prompt: {reply.prompt_tokens} tokens, {blocks} of {reply.block_tokens} tokens",
         f"tier:   {tier} ({reply.tier_reason})",
         "",

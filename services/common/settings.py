@@ -188,11 +188,24 @@ class ClientSettings(BaseSettings):
     gateway_redis_url: str = Field(default="", validation_alias="MESHSERVE_GATEWAY_REDIS_URL")
     """``meshserve keys --redis-url``: the Redis holding the gateway's keys ("" = the running mesh's,
     else redis://127.0.0.1:6379/0); the gateway reads the same variable for its own setting."""
+    gateway_state_redis_url: str = Field(default="", validation_alias="MESHSERVE_GATEWAY_STATE_REDIS_URL")
+    """``meshserve keys``: the gateway's state Redis, where its keys live when it has one of its own
+    (wins over ``gateway_redis_url``); the gateway reads the same variable for its own setting."""
     redis_url: str = Field(default="", validation_alias="REDIS_URL")
     """``meshserve up --redis-url``: a Redis for the mesh to use ("" = start redis-server)."""
+    state_redis_url: str = Field(default="", validation_alias="MESHSERVE_STATE_REDIS_URL")
+    """``meshserve up --state-redis-url``: the Redis of the mesh's durable state (keys, files, batches,
+    stored responses) ("" = start one with persistence when the mesh starts its cache Redis, else the
+    ``--redis-url`` Redis)."""
     state_file: str = Field(default="", validation_alias="MESHSERVE_STATE_FILE")
     """Where ``meshserve up`` records the running mesh's addresses ("" = ~/.cache/meshserve/mesh.json)."""
 
     @property
     def state_path(self) -> Path:
         return Path(self.state_file) if self.state_file else Path.home() / ".cache" / "meshserve" / "mesh.json"
+
+    @property
+    def state_redis_dir(self) -> Path:
+        """``meshserve up --state-dir``'s default: the state Redis's data directory, beside the state
+        file (``~/.cache/meshserve/mesh.redis-state``), so batches and keys outlive a mesh restart."""
+        return self.state_path.with_name(self.state_path.stem + ".redis-state")

@@ -59,13 +59,17 @@ def build_gate(settings: GatewaySettings) -> Gate:
         audience=settings.jwt_audience,
         issuer=settings.jwt_issuer,
         tenant_claim=settings.jwt_tenant_claim,
+        models_claim=settings.jwt_models_claim,
         leeway_s=settings.jwt_leeway_s,
     )
-    store, limiter = None, None
+    store, limiter, state_client = None, None, None
+    if settings.state_redis_url and settings.state_redis_url != settings.redis_url:  # keys in the state Redis
+        state_client = redis_client(settings.state_redis_url, settings.redis_timeout_s, settings.redis_max_connections)
+        store = KeyStore(state_client)
     if settings.redis_url:
         # one pool, closed by the limiter
         client = redis_client(settings.redis_url, settings.redis_timeout_s, settings.redis_max_connections)
-        store = KeyStore(client)
+        store = store or KeyStore(client)
         pipelined = None
         if settings.redis_pipelined and supports(settings.redis_url):
             pipelined = PipelinedRedis(
@@ -86,13 +90,16 @@ def build_gate(settings: GatewaySettings) -> Gate:
         )
     if limiter is None:
         log.warning("rate_limits_disabled", reason="MESHSERVE_GATEWAY_REDIS_URL is not set")
-    return Gate(
+    gate = Gate(
         authenticator,
         settings.policy_book(),
         limiter,
         refused_serial_s=settings.refused_serial_s,
         speculative_starts=settings.speculative_starts,
     )
+    if state_client is not None:
+        gate.on_close.append(state_client.aclose)
+    return gate
 
 
 async def serve(settings: GatewaySettings) -> RunningServer:
@@ -125,8 +132,9 @@ async def start_gateway(
         )
         remote = RemoteRouter(inference_pb2_grpc.InferenceStub(channel), settings.internal_token)
     servicer = GatewayServicer(settings, gate, remote)  # embedded: the router is set once it has started
-    # Files and batches: their own pool, with time for a file's bytes (the limiter's calls have 0.25 s).
-    batch_redis = redis_from_url(settings.redis_url, 5.0, read_timeout_s=10.0) if settings.redis_url else None
+    # Files and batches (durable state): their own pool, with time for a file's bytes (the limiter's
+    # calls have 0.25 s).
+    batch_redis = redis_from_url(settings.state_url, 5.0, read_timeout_s=10.0) if settings.state_url else None
     batches = BatchesServicer(settings, gate, BatchStore(batch_redis) if batch_redis is not None else None)
 
     def register(server: grpc.aio.Server) -> None:
@@ -162,7 +170,12 @@ async def start_gateway(
         running.on_stop.append(router_server.stop)  # after the gateway has drained its streams
         where = f"embedded (internal port {router_server.port})"
     running.on_stop.append(gate.close)
-    log.info("gateway_ready", router=where, redis=bool(settings.redis_url))
+    log.info(
+        "gateway_ready",
+        router=where,
+        redis=bool(settings.redis_url),
+        state_redis="shared" if settings.state_url == settings.redis_url else bool(settings.state_url),
+    )
     return running, gate
 
 

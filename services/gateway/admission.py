@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import structlog
@@ -84,6 +84,8 @@ class Gate:
         self._changed = asyncio.Condition()
         self.settled = 0
         """Settlements finished so far (tests wait on it with :meth:`wait_settled`)."""
+        self.on_close: list[Callable[[], Awaitable[object]]] = []
+        """Called by :meth:`close` after the limiter (the key store's own client, when in another Redis)."""
 
     async def identify(self, metadata: Iterable[tuple[str, str | bytes]]) -> Identity:
         with tracing.span("gateway.auth"):
@@ -206,3 +208,5 @@ class Gate:
         await self.drain()
         if self._limiter is not None:
             await self._limiter.close()
+        for close in self.on_close:
+            await close()

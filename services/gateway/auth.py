@@ -23,10 +23,12 @@ _WRONG = "invalid API key; check the key you were given"
 
 @dataclass(frozen=True)
 class ApiKey:
-    """One accepted key: the tenant it belongs to and the SHA-256 digest of the key."""
+    """One accepted key: the tenant it belongs to, the SHA-256 digest of the key and the model ids it
+    may use (empty: every one)."""
 
     tenant: str
     digest: bytes
+    models: tuple[str, ...] = ()
 
 
 def hash_api_key(key: str) -> str:
@@ -35,20 +37,29 @@ def hash_api_key(key: str) -> str:
 
 
 def parse_api_keys(spec: str) -> tuple[ApiKey, ...]:
-    """Parse ``tenant:sha256hex,tenant:sha256hex``; raises ValueError saying how to fix an entry."""
+    """Parse ``tenant:sha256hex[:model|model],...``; raises ValueError saying how to fix an entry.
+
+    The optional third part limits the key to those model ids (``|``-separated; a model id may hold
+    ``:``), as ``meshserve keys create --models`` limits a stored key."""
     keys: list[ApiKey] = []
     for number, raw in enumerate(spec.split(","), start=1):
         entry = raw.strip()
         if not entry:
             continue
-        tenant, sep, digest = entry.partition(":")
-        tenant, digest = tenant.strip(), digest.strip()
-        if not sep or not _TENANT.match(tenant) or not _HEX64.match(digest):
+        tenant, sep, rest = entry.partition(":")
+        tenant, rest = tenant.strip(), rest.strip()
+        digest, limited, listed = rest[:64], rest[64:65], rest[65:]
+        if not sep or not _TENANT.match(tenant) or not _HEX64.match(digest) or limited not in ("", ":"):
             raise ValueError(
-                f"api_keys entry {number} must be `tenant:sha256hex` (tenant of letters, digits, _ . -; "
-                "64 hex digits of the key's SHA-256)"
+                f"api_keys entry {number} must be `tenant:sha256hex` or `tenant:sha256hex:model|model` (tenant of "
+                "letters, digits, _ . -; 64 hex digits of the key's SHA-256; the model ids the key may use)"
             )
-        keys.append(ApiKey(tenant, bytes.fromhex(digest)))
+        models = tuple(m.strip() for m in listed.split("|") if m.strip())
+        if limited and not models:
+            raise ValueError(
+                f"api_keys entry {number} ends with `:` but names no model; list them as a|b, or drop the `:`"
+            )
+        keys.append(ApiKey(tenant, bytes.fromhex(digest), models))
     return tuple(keys)
 
 
@@ -79,16 +90,20 @@ class ApiKeyAuthenticator:
 
     def tenant_for_key(self, key: str | None) -> str:
         """The tenant owning ``key``. Every configured digest is compared, so timing leaks nothing."""
+        return self.key_for(key).tenant
+
+    def key_for(self, key: str | None) -> ApiKey:
+        """The configured entry of ``key`` (tenant, model limit); every digest is compared, as above."""
         if not key:
             raise Unauthenticated(_MISSING)
         presented = hashlib.sha256(key.encode()).digest()
-        tenant = ""
+        found: ApiKey | None = None
         for candidate in self._keys:
-            if hmac.compare_digest(presented, candidate.digest) and not tenant:
-                tenant = candidate.tenant
-        if not tenant:
+            if hmac.compare_digest(presented, candidate.digest) and found is None:
+                found = candidate
+        if found is None:
             raise Unauthenticated(_WRONG)
-        return tenant
+        return found
 
     def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | Mapping[str, str]) -> str:
         """The tenant of the call whose invocation metadata is ``metadata``."""

@@ -5,17 +5,22 @@ acts on its tenant's files and batches only (:mod:`services.store.files`, :mod:`
 The gateway only records batches and queues their lines; the batch runners (services/batch) run
 them. Quotas come from the tenant's policy: ``batch_file_bytes`` (files stored) and
 ``batch_lines_in_flight`` (lines of its unfinished batches); sizes from the gateway's settings.
-Served always; without a Redis (``MESHSERVE_GATEWAY_REDIS_URL``) every call is UNAVAILABLE, saying so.
+Served always; without a Redis (``MESHSERVE_GATEWAY_STATE_REDIS_URL``, else ``MESHSERVE_GATEWAY_REDIS_URL``)
+every call is UNAVAILABLE, saying so.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import functools
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Concatenate, ParamSpec, TypeVar
 
 import grpc
 import structlog
+from redis.exceptions import RedisError
 
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import InvalidArgument, PermissionDenied, Unavailable
 from services.common.pb.meshserve.v1 import batch_pb2 as pb
 from services.common.pb.meshserve.v1 import batch_pb2_grpc
 from services.gateway import scopes
@@ -53,6 +58,28 @@ def batch_pb(b: BatchRecord) -> pb.BatchObject:
     return msg
 
 
+STORE_OUTAGE = "the file and batch store (Redis) is unavailable; retry in a few seconds"
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _store_errors(
+    method: Callable[Concatenate[BatchesServicer, P], Awaitable[R]],
+) -> Callable[Concatenate[BatchesServicer, P], Awaitable[R]]:
+    """A Redis that is down or restarting (the state Redis replaying its append-only file, say) makes
+    the call UNAVAILABLE, which clients retry, not INTERNAL with a traceback in the log."""
+
+    @functools.wraps(method)
+    async def call(self: BatchesServicer, *args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return await method(self, *args, **kwargs)
+        except (RedisError, OSError) as exc:
+            structlog.get_logger(__name__).warning("batch_store_unavailable", error=type(exc).__name__)
+            raise Unavailable(STORE_OUTAGE) from None
+
+    return call
+
+
 def _check_id(name: str, value: str) -> None:
     if not value or len(value) > 64 or not value.replace("-", "").replace("_", "").isalnum():
         raise InvalidArgument(f"{name} {value[:64]!r} is not an id this server gave out; pass the id you were given")
@@ -69,7 +96,10 @@ class BatchesServicer(batch_pb2_grpc.BatchesServicer):
     @property
     def _store(self) -> BatchStore:
         if self._store_or_none is None:
-            raise Unavailable("files and batches need Redis; the operator must set MESHSERVE_GATEWAY_REDIS_URL")
+            raise Unavailable(
+                "files and batches need Redis; the operator must set MESHSERVE_GATEWAY_STATE_REDIS_URL "
+                "or MESHSERVE_GATEWAY_REDIS_URL"
+            )
         return self._store_or_none
 
     @property
@@ -83,6 +113,7 @@ class BatchesServicer(batch_pb2_grpc.BatchesServicer):
         scopes.require("Batches", identity.scopes, identity.key_id)
         return identity
 
+    @_store_errors
     async def CreateFile(self, request: pb.CreateFileRequest, context: grpc.aio.ServicerContext) -> pb.FileObject:
         identity = await self._identify(context)
         if request.purpose != PURPOSE:
@@ -101,11 +132,13 @@ class BatchesServicer(batch_pb2_grpc.BatchesServicer):
         )
         return file_pb(record)
 
+    @_store_errors
     async def GetFile(self, request: pb.FileRef, context: grpc.aio.ServicerContext) -> pb.FileObject:
         identity = await self._identify(context)
         _check_id("file_id", request.file_id)
         return file_pb(await self._files.get(identity.tenant, request.file_id))
 
+    @_store_errors
     async def ListFiles(self, request: pb.ListFilesRequest, context: grpc.aio.ServicerContext) -> pb.ListFilesResponse:
         identity = await self._identify(context)
         if request.after:
@@ -119,15 +152,21 @@ class BatchesServicer(batch_pb2_grpc.BatchesServicer):
     ) -> AsyncIterator[pb.FileContent]:
         identity = await self._identify(context)
         _check_id("file_id", request.file_id)
-        async for piece in self._files.pieces(identity.tenant, request.file_id, PIECE_BYTES):
-            yield pb.FileContent(content=piece)
+        try:
+            async for piece in self._files.pieces(identity.tenant, request.file_id, PIECE_BYTES):
+                yield pb.FileContent(content=piece)
+        except (RedisError, OSError) as exc:  # as _store_errors, for a stream
+            structlog.get_logger(__name__).warning("batch_store_unavailable", error=type(exc).__name__)
+            raise Unavailable(STORE_OUTAGE) from None
 
+    @_store_errors
     async def DeleteFile(self, request: pb.FileRef, context: grpc.aio.ServicerContext) -> pb.DeleteFileResponse:
         identity = await self._identify(context)
         _check_id("file_id", request.file_id)
         await self._files.delete(identity.tenant, request.file_id)
         return pb.DeleteFileResponse(id=request.file_id, deleted=True)
 
+    @_store_errors
     async def CreateBatch(self, request: pb.CreateBatchRequest, context: grpc.aio.ServicerContext) -> pb.BatchObject:
         identity = await self._identify(context)
         _check_id("input_file_id", request.input_file_id)
@@ -140,6 +179,13 @@ class BatchesServicer(batch_pb2_grpc.BatchesServicer):
                 raise InvalidArgument("metadata keys may have 64 characters and values 512; shorten them")
         data = await self._files.content(identity.tenant, request.input_file_id)
         lines = parse_input(data, request.endpoint, max_lines=self._settings.batch_max_lines)
+        if identity.models:  # the runner calls with its own credential: the key's model limit is checked here
+            for number, line in enumerate(lines, 1):
+                model = json.loads(line.raw)["body"].get("model")
+                try:
+                    scopes.require_model(model if isinstance(model, str) else "", identity.models, identity.key_id)
+                except PermissionDenied as exc:
+                    raise PermissionDenied(f"request {number} ({line.custom_id[:64]!r}): {exc.message}") from None
         policy = self._gate.policy(identity)
         record = await self._store.create(
             identity.tenant,
@@ -154,11 +200,13 @@ class BatchesServicer(batch_pb2_grpc.BatchesServicer):
         structlog.get_logger(__name__).info("batch_created", batch_id=record.id, lines=record.total)
         return batch_pb(record)
 
+    @_store_errors
     async def GetBatch(self, request: pb.BatchRef, context: grpc.aio.ServicerContext) -> pb.BatchObject:
         identity = await self._identify(context)
         _check_id("batch_id", request.batch_id)
         return batch_pb(await self._store.get(identity.tenant, request.batch_id))
 
+    @_store_errors
     async def ListBatches(
         self, request: pb.ListBatchesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListBatchesResponse:
@@ -170,6 +218,7 @@ class BatchesServicer(batch_pb2_grpc.BatchesServicer):
         batches, more = await self._store.page(identity.tenant, limit=request.limit or 20, after=request.after)
         return pb.ListBatchesResponse(batches=[batch_pb(b) for b in batches], has_more=more)
 
+    @_store_errors
     async def CancelBatch(self, request: pb.BatchRef, context: grpc.aio.ServicerContext) -> pb.BatchObject:
         identity = await self._identify(context)
         _check_id("batch_id", request.batch_id)

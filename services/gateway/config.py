@@ -73,8 +73,15 @@ class GatewaySettings(StreamingSettings):
     bounds the tokens: `MESHSERVE_ROUTER_MAX_EMBED_TOKENS`)."""
 
     redis_url: str = ""
-    """Redis of the API-key store and the rate limiter ("" = neither: static keys/JWT only, no limits):
+    """Redis of the rate limiter (its buckets and stream leases: short-lived, may sit in a cache Redis),
+    and of the durable state unless `state_redis_url` is set ("" = neither: static keys/JWT only, no limits):
     redis://host:port/db, rediss://..., redis+sentinel://h:26379/master[/db] or redis+cluster://h:7000."""
+    state_redis_url: str = ""
+    """Redis of the gateway's durable state: the API keys of `meshserve keys`, and the files and batches
+    of the Files and Batches APIs ("" = `redis_url`, one Redis for everything). Point it at a Redis
+    with persistence (appendonly yes) and `maxmemory-policy noeviction`: a cache Redis (allkeys-lru)
+    may evict a key or a batch under memory pressure (docs/architecture.md, *Cache and state Redis*).
+    Same URL forms as `redis_url`."""
     redis_timeout_s: float = Field(default=0.25, gt=0)
     """Timeout of one Redis call of the key store or the limiter."""
     redis_max_connections: int = Field(default=128, ge=1)
@@ -99,6 +106,9 @@ class GatewaySettings(StreamingSettings):
     """Required `iss` of bearer JWTs ("" = not checked)."""
     jwt_tenant_claim: str = "tenant"
     """Claim of a bearer JWT that names the tenant."""
+    jwt_models_claim: str = "models"
+    """Claim of a bearer JWT that limits it to some model ids (a list of ids, or one space-separated
+    string); a token without it may use every served model (docs/gateway.md, *Authentication*)."""
     jwt_leeway_s: float = Field(default=30.0, ge=0)
     """Clock skew tolerated on `exp`/`nbf`."""
     requests_per_minute: int = Field(default=600, ge=0)
@@ -169,7 +179,12 @@ class GatewaySettings(StreamingSettings):
         PolicyBook(TenantPolicy(), value)  # raises ValueError naming the bad field
         return value
 
-    _check_redis_url = field_validator("redis_url")(check_redis_url)
+    _check_redis_url = field_validator("redis_url", "state_redis_url")(check_redis_url)
+
+    @property
+    def state_url(self) -> str:
+        """The Redis of the durable state (keys, files, batches): `state_redis_url`, else `redis_url`."""
+        return self.state_redis_url or self.redis_url
 
     @field_validator("api_keys")
     @classmethod

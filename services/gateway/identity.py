@@ -69,14 +69,16 @@ class Authenticator:
             raise Unauthenticated(_MISSING)
         if self._jwt is not None and looks_like_jwt(token):
             claims = self._jwt.verify(token)
-            return Identity(claims.tenant, f"jwt:{claims.subject}", "jwt", scopes.effective(claims.scopes))
+            jwt_id = f"jwt:{claims.subject}"
+            return Identity(claims.tenant, jwt_id, "jwt", scopes.effective(claims.scopes), models=claims.models)
         if self._static is not None:
             try:
-                tenant = self._static.tenant_for_key(token)
+                static = self._static.key_for(token)
             except Unauthenticated:
                 pass
             else:
-                return Identity(tenant, f"static:{hash_api_key(token)[:8]}", "static", (scopes.ALL,))
+                static_id = f"static:{hash_api_key(token)[:8]}"
+                return Identity(static.tenant, static_id, "static", (scopes.ALL,), models=static.models)
         key_id = key_id_of(token)
         if self._store is None or key_id is None:
             raise Unauthenticated(_WRONG)

@@ -4,7 +4,10 @@ Checks: signature, ``exp`` (required), ``nbf``, ``aud`` and ``iss`` when configu
 required), with a small leeway for clock skew. The algorithm is chosen by what is configured, never
 by the token alone: an HS256 token is only accepted with a shared secret, an RS256/ES256 one only
 with a JWKS key of that type (no ``none``, no RSA-key-as-HMAC-secret confusion). PyJWT compares
-HMAC signatures in constant time. The tenant comes from a configurable claim.
+HMAC signatures in constant time. The tenant comes from a configurable claim; so does the optional
+list of model ids the token may use (default claim ``models``: a list of ids, or one space-separated
+string; absent: every model), enforced as a stored key's ``--models`` is
+(:func:`services.gateway.scopes.require_model`).
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ def looks_like_jwt(token: str) -> bool:
 
 @dataclass(frozen=True)
 class JwtClaims:
-    """What a verified JWT grants: the tenant (from the configured claim), its subject and scopes."""
+    """What a verified JWT grants: the tenant (from the configured claim), its subject, scopes and the
+    model ids it may use (empty: every one)."""
 
     tenant: str
     subject: str
     scopes: tuple[str, ...]
+    models: tuple[str, ...] = ()
 
 
 class JwtVerifier:
@@ -50,6 +55,7 @@ class JwtVerifier:
         audience: str = "",
         issuer: str = "",
         tenant_claim: str = "tenant",
+        models_claim: str = "models",
         leeway_s: float = 30.0,
     ) -> None:
         self._secret = hs256_secret
@@ -62,6 +68,7 @@ class JwtVerifier:
         self._audience = audience or None
         self._issuer = issuer or None
         self._tenant_claim = tenant_claim
+        self._models_claim = models_claim
         self._leeway = leeway_s
 
     @classmethod
@@ -123,4 +130,19 @@ class JwtVerifier:
             raise Unauthenticated(_INVALID.format(why=f"its {self._tenant_claim!r} claim is not a tenant id"))
         scope = claims.get("scope", "")
         scopes = tuple(scope.split()) if isinstance(scope, str) else ()
-        return JwtClaims(tenant=tenant, subject=str(claims.get("sub", ""))[:128], scopes=scopes)
+        models = self._models(claims.get(self._models_claim))
+        return JwtClaims(tenant=tenant, subject=str(claims.get("sub", ""))[:128], scopes=scopes, models=models)
+
+    def _models(self, value: object) -> tuple[str, ...]:
+        """The token's model limit: a list of ids or one space-separated string; None: no limit."""
+        if value is None:
+            return ()
+        ids = value.split() if isinstance(value, str) else value
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(m, str) and m.strip() and len(m) <= 256 for m in ids)
+        ):
+            why = f"its {self._models_claim!r} claim must be a non-empty list of model ids (strings)"
+            raise Unauthenticated(_INVALID.format(why=why))
+        return tuple(m.strip() for m in ids)

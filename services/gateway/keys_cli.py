@@ -1,9 +1,10 @@
 """``meshserve keys create|list|revoke``: manage the API keys the gateway reads from Redis.
 
 The plaintext of a new key is printed once, by ``create``; Redis only ever holds its SHA-256.
-The Redis URL comes from ``--redis-url``, else ``MESHSERVE_GATEWAY_REDIS_URL``, else the Redis of the
-mesh ``meshserve up`` is running (recorded in its state file: it picks a free port at start), else
-``redis://127.0.0.1:6379/0``.
+Keys are durable state: they live in the gateway's state Redis. The Redis URL comes from
+``--redis-url``, else ``MESHSERVE_GATEWAY_STATE_REDIS_URL``, else ``MESHSERVE_GATEWAY_REDIS_URL``, else
+the state Redis of the mesh ``meshserve up`` is running (recorded in its state file: it picks a free
+port at start), else ``redis://127.0.0.1:6379/0``.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--redis-url",
         default=None,
-        help="Redis of the gateway (default: $MESHSERVE_GATEWAY_REDIS_URL, else the Redis of the mesh "
-        f"`meshserve up` runs, else {DEFAULT_REDIS_URL})",
+        help="the gateway's state Redis (default: $MESHSERVE_GATEWAY_STATE_REDIS_URL, else "
+        "$MESHSERVE_GATEWAY_REDIS_URL, else the state Redis of the mesh `meshserve up` runs, "
+        f"else {DEFAULT_REDIS_URL})",
     )
     actions = parser.add_subparsers(dest="keys_command", required=True, metavar="ACTION")
     create = actions.add_parser("create", help="create a key and print it (shown only this once)")
@@ -120,7 +122,14 @@ async def _run(args: argparse.Namespace) -> int:
 
 def default_redis_url() -> str:
     """The Redis to use when ``--redis-url`` is not given (see the module docstring)."""
-    return ClientSettings().gateway_redis_url or recorded("redis") or DEFAULT_REDIS_URL
+    settings = ClientSettings()
+    return (
+        settings.gateway_state_redis_url
+        or settings.gateway_redis_url
+        or recorded("state_redis")
+        or recorded("redis")
+        or DEFAULT_REDIS_URL
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -14,8 +14,9 @@ a key created without ``--scopes``, a JWT without a ``scope`` claim — gets ``i
 (``MESHSERVE_GATEWAY_API_KEYS``) are the operator's own and get ``*``.
 A credential without the scope a method needs is refused with PERMISSION_DENIED (HTTP 403).
 
-Models: a stored key may be limited to a list of model ids (``meshserve keys create --models a,b``);
-a request naming another model, or naming none (the mesh's default is not known here), is refused
+Models: a credential may be limited to a list of model ids: a stored key's (``meshserve keys create
+--models a,b``), a static key's (``tenant:sha256hex:a|b``), a JWT's (its ``models`` claim); a request
+naming another model, or naming none (the mesh's default is not known here), is refused
 with PERMISSION_DENIED, and ListModels shows only the key's models.
 """
 

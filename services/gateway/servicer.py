@@ -301,6 +301,7 @@ class GatewayServicer(inference_pb2_grpc.InferenceServicer):
         with observe("Embed", self._settings) as observed:
             request_id, identity = await self._admit(context, "Embed")
             validate_embed(request, self._limits)
+            scopes.require_model(request.model, identity.models, identity.key_id)
             deadline = time.monotonic() + self._timeout(context, self._settings.default_deadline_s)
             policy = self._gate.policy(identity)
             check_embed_inputs(policy, [item.text or len(item.token_ids) for item in request.inputs])

@@ -1,8 +1,10 @@
 """`meshserve up`: the whole mesh as local processes, health-gated, one merged log, clean stop.
 
-Topology (defaults): redis-server (unless a Redis URL is given; started with ``--maxmemory`` and
-``allkeys-lru``, see docs/cache.md), router, 2 edge workers, 1 cloud worker, cache admin, gateway,
-one batch runner.
+Topology (defaults): two redis-servers (unless a Redis URL is given): the cache Redis (response
+cache, KV prefix blocks, rate-limit buckets; ``--maxmemory`` and ``allkeys-lru``, no persistence, see
+docs/cache.md) and the state Redis (API keys, files, batches, stored responses: an append-only file,
+``noeviction``; :data:`~services.local.processes.STATE_REDIS_ARGS`), router, 2 edge workers, 1 cloud
+worker, cache admin, gateway, one batch runner.
 Every service binds port 0 on loopback; its ``service_started`` log line tells us
 the port, and we wait on its gRPC health before starting what depends on it. The router starts
 first with no static worker list: the workers are given its address and register themselves by
@@ -11,7 +13,8 @@ Ctrl-C (SIGINT) or SIGTERM stops everything, letting in-flight streams drain.
 
 With ``MeshConfig(supervise=True)`` (what ``meshserve up`` runs) a child that exits on its own is
 started again (services/local/supervise.py: exponential backoff, crash loops reported): the gateways,
-the cache service, the split router, Redis, Envoy and its HTTP adapters on the ports they had, so
+the cache service, the split router, both Redis (the state Redis replays its append-only file), Envoy
+and its HTTP adapters on the ports they had, so
 clients and Envoy reconnect; workers on fresh ports, registering again by heartbeat.
 
 :class:`Mesh` is also what the end-to-end tests and the benchmarks start, so they run exactly the
@@ -21,22 +24,26 @@ topology users get.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import yaml
 
 from services.common.model_paths import DEFAULT_MODEL_ID, ModelPaths, model_paths
 from services.controlplane.frontdoor import FrontDoor
 from services.local.processes import (
+    STATE_REDIS_ARGS,
     LogSink,
     ServiceProcess,
+    cache_redis_args,
     free_port,
     spawn_redis,
     stdout_sink,
@@ -48,6 +55,10 @@ from services.local.supervise import RestartPolicy, Supervisor
 
 DEV_API_KEY = "msk-local-dev-key"
 """API key of the local mesh's ``dev`` tenant (override with MESHSERVE_API_KEY)."""
+
+
+STATE_REDIS = "redis-state"
+"""The process name of the state Redis (``meshserve status``, the merged log)."""
 
 
 def api_key_hash(key: str) -> str:
@@ -66,9 +77,20 @@ class MeshConfig:
     router embedded each has its own router and every worker heartbeats to all of them."""
     gateway_port: int = 0
     redis_url: str = ""
-    """Use this Redis instead of starting one ("" = start redis-server on a free port)."""
+    """Use this Redis as the cache Redis instead of starting one ("" = start redis-server on a free port)."""
     redis_maxmemory: str = "512mb"
-    """``--maxmemory`` of the Redis we start (allkeys-lru evicts above it); the soak uses a small one."""
+    """``--maxmemory`` of the cache Redis we start (allkeys-lru evicts above it); the soak uses a small one."""
+    state_redis_url: str | None = None
+    """The Redis of the mesh's durable state: API keys, files, batches and stored /v1/responses (the
+    gateways' MESHSERVE_GATEWAY_STATE_REDIS_URL, the batch runners' and the HTTP adapters' Redis).
+    None: a redis-server of its own (:data:`~services.local.processes.STATE_REDIS_ARGS`: append-only
+    file, ``noeviction``) when the mesh starts its cache Redis (``redis_url`` ""), else ``redis_url``
+    itself (one Redis for both, as a deployment with a single Redis); "": start one in any case; a URL:
+    use that Redis."""
+    state_dir: str = ""
+    """Data directory of the state Redis the mesh starts (its append-only file); "" = a temporary one,
+    removed at stop. ``meshserve up`` keeps it beside its state file, so batches and keys outlive the
+    mesh. One mesh at a time may use a directory (a lock file in it says so)."""
     redis_batch: bool = True
     """Run the Redis we start under SCHED_BATCH, so that a command does not make it preempt the
     gateway that sent it (:func:`services.local.processes.yield_on_wakeup`)."""
@@ -120,8 +142,15 @@ class Mesh:
         self.sink = sink or stdout_sink()
         self.processes: dict[str, ServiceProcess] = {}
         self.redis_url = self.config.redis_url
+        self.state_redis_url = self.config.state_redis_url or ""
+        """The state Redis's URL (set by :meth:`start` when the mesh starts one or shares ``redis_url``)."""
+        self.state_dir = ""
+        """The data directory of the state Redis the mesh started ("" when it uses one given)."""
         self._redis: ServiceProcess | None = None
+        self._state_redis: ServiceProcess | None = None
+        self._state_lock: IO[str] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._state_tmp: tempfile.TemporaryDirectory[str] | None = None
         self.front_door: FrontDoor | None = None
         self._router_ports: list[int] = []  # the embedded routers' internal ports (``embed_router``)
         self._models_tmp: tempfile.TemporaryDirectory[str] | None = None  # the router's models file
@@ -168,6 +197,11 @@ class Mesh:
         return self.front_door.base_url
 
     @property
+    def redis_processes(self) -> dict[str, ServiceProcess]:
+        """The Redis servers the mesh started, by process name ("redis", :data:`STATE_REDIS`)."""
+        return {p.name: p for p in (self._redis, self._state_redis) if p is not None}
+
+    @property
     def cache_address(self) -> str:
         return self.processes["cache"].address
 
@@ -191,6 +225,8 @@ class Mesh:
             "router": self.router_address,
             "cache": self.cache_address,
             "redis": self.redis_url,
+            "state_redis": self.state_redis_url,
+            **({"state_dir": self.state_dir} if self.state_dir else {}),
             "metrics": metrics,
             **({"services": self.supervisor.snapshot()} if self.supervisor is not None else {}),
         }
@@ -227,17 +263,44 @@ class Mesh:
         if shutil.which("redis-server") is None:
             raise RuntimeError("redis-server is not installed; run `make setup` or pass --redis-url")
         self._tmp = tempfile.TemporaryDirectory(prefix="meshserve-redis-")
-        limits = ("--maxmemory", self.config.redis_maxmemory, "--maxmemory-policy", "allkeys-lru")
         self._redis, self.redis_url = await spawn_redis(
-            self._tmp.name, self.sink, self._env(), args=limits, batch=self.config.redis_batch
+            self._tmp.name,
+            self.sink,
+            self._env(),
+            args=cache_redis_args(self.config.redis_maxmemory),
+            batch=self.config.redis_batch,
         )
+
+    async def _start_state_redis(self) -> None:
+        """The state Redis: its append-only file in ``state_dir`` (replayed when it holds one)."""
+        if shutil.which("redis-server") is None:
+            raise RuntimeError("redis-server is not installed; run `make setup` or pass --state-redis-url")
+        directory = self.config.state_dir
+        if not directory:
+            self._state_tmp = tempfile.TemporaryDirectory(prefix="meshserve-state-")
+            directory = self._state_tmp.name
+        self._state_lock = lock_dir(Path(directory))
+        self.state_dir = directory
+        self._state_redis, self.state_redis_url = await spawn_redis(
+            directory, self.sink, self._env(), args=STATE_REDIS_ARGS, batch=self.config.redis_batch, name=STATE_REDIS
+        )
+
+    async def start_redis(self) -> None:
+        """The first step of :meth:`start`: start the cache and the state Redis as configured (or take
+        the URLs given); sets ``redis_url`` and ``state_redis_url``. :meth:`stop` stops them."""
+        cfg = self.config
+        if not self.redis_url:
+            await self._start_redis()
+        if cfg.state_redis_url == "" or (cfg.state_redis_url is None and not cfg.redis_url):
+            await self._start_state_redis()
+        elif cfg.state_redis_url is None:  # a Redis was given: one Redis for the cache and the state
+            self.state_redis_url = self.redis_url
 
     async def start(self) -> Mesh:
         cfg = self.config
         timeout = cfg.start_timeout_s
         try:
-            if not self.redis_url:
-                await self._start_redis()
+            await self.start_redis()
             router_env: dict[str, str | int] = {
                 "MESHSERVE_ROUTER_REDIS_URL": self.redis_url,
                 "MESHSERVE_ROUTER_EDGE_MAX_PROMPT_TOKENS": cfg.edge_max_prompt_tokens,
@@ -250,7 +313,8 @@ class Mesh:
                 router_env["MESHSERVE_ROUTER_MODELS_FILE"] = str(path)
             gateway_env: dict[str, str | int] = {
                 "MESHSERVE_GATEWAY_API_KEYS": f"dev:{api_key_hash(cfg.api_key)}",
-                "MESHSERVE_GATEWAY_REDIS_URL": self.redis_url,  # key store (`meshserve keys`) + rate limits
+                "MESHSERVE_GATEWAY_REDIS_URL": self.redis_url,  # rate limits
+                "MESHSERVE_GATEWAY_STATE_REDIS_URL": self.state_redis_url,  # keys (`meshserve keys`), files, batches
             }
             names = ["gateway", *(f"gateway-{i}" for i in range(1, cfg.gateways))]
             ports = [cfg.gateway_port, *([0] * (cfg.gateways - 1))]
@@ -347,7 +411,7 @@ class Mesh:
                 self._service(
                     name,
                     "services.batch",
-                    MESHSERVE_BATCH_REDIS_URL=self.redis_url,
+                    MESHSERVE_BATCH_REDIS_URL=self.state_redis_url,  # files, batches, the work stream
                     MESHSERVE_BATCH_ROUTER_ADDRESSES=routers,
                 )
                 for name in ["batch", *(f"batch-{i}" for i in range(1, cfg.batch_runners))]
@@ -361,8 +425,8 @@ class Mesh:
                     http_port=cfg.http_port,
                     tls_cert=cfg.tls_cert,
                     tls_key=cfg.tls_key,
-                    # the adapters keep the stored /v1/responses in the mesh's Redis
-                    env={"MESHSERVE_GATEWAY_HTTP_REDIS_URL": self.redis_url, **cfg.extra_env},
+                    # the adapters keep the stored /v1/responses in the mesh's state Redis
+                    env={"MESHSERVE_GATEWAY_HTTP_REDIS_URL": self.state_redis_url, **cfg.extra_env},
                     timeout_s=timeout,
                 )
                 await self.front_door.start()
@@ -393,15 +457,19 @@ class Mesh:
         for name, proc in self.processes.items():
             worker = name.startswith(("edge-", "cloud-"))
             sup.watch(proc, serving, None if worker else pin(self._port_env[name]))
-        if self._redis is not None:
-            url, batch = self.redis_url, self.config.redis_batch
+        batch = self.config.redis_batch
 
-            async def answering(proc: ServiceProcess) -> None:
-                await wait_redis(url, timeout)
+        def answering(url: str) -> Callable[[ServiceProcess], Awaitable[None]]:
+            async def ready(proc: ServiceProcess) -> None:
+                await wait_redis(url, timeout)  # the state Redis answers once it has replayed its AOF
                 if batch and proc.proc is not None:
                     yield_on_wakeup(proc.proc.pid)
 
-            sup.watch(self._redis, answering)  # its command line holds its port
+            return ready
+
+        for redis, url in ((self._redis, self.redis_url), (self._state_redis, self.state_redis_url)):
+            if redis is not None:
+                sup.watch(redis, answering(url))  # its command line holds its port (and its data dir)
         if self.front_door is not None:
             envoy = self.front_door.envoy
 
@@ -421,9 +489,10 @@ class Mesh:
 
     async def stop(self) -> None:
         """Stop in order: front door, gateways, cache, workers (in parallel; each finishes its streams
-        and tells the router it leaves), router, redis. With the router in the gateways' processes
-        the gateways stop after the workers instead: their routers must be there to hear them leave
-        (new requests meanwhile get UNAVAILABLE: no worker left), and their streams finish first.
+        and tells the router it leaves), router, the cache Redis, the state Redis. With the router in
+        the gateways' processes the gateways stop after the workers instead: their routers must be
+        there to hear them leave (new requests meanwhile get UNAVAILABLE: no worker left), and their
+        streams finish first.
         Supervision ends first: nothing stopped here is restarted."""
         if self.supervisor is not None:
             await self.supervisor.close()
@@ -441,9 +510,18 @@ class Mesh:
         if self._redis is not None:
             await self._redis.stop()
             self._redis = None
+        if self._state_redis is not None:  # SIGTERM: it flushes its append-only file before it exits
+            await self._state_redis.stop()
+            self._state_redis = None
+        if self._state_lock is not None:
+            self._state_lock.close()  # releases the lock
+            self._state_lock = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        if self._state_tmp is not None:
+            self._state_tmp.cleanup()
+            self._state_tmp = None
         if self._models_tmp is not None:
             self._models_tmp.cleanup()
             self._models_tmp = None
@@ -453,6 +531,23 @@ class Mesh:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+def lock_dir(directory: Path) -> IO[str]:
+    """Hold an exclusive lock on ``directory`` (a ``meshserve.lock`` file in it) while the returned file
+    is open: two Redis replaying and appending to one append-only file would corrupt it. RuntimeError
+    when another mesh holds it. Makes ``directory`` when missing."""
+    directory.mkdir(parents=True, exist_ok=True)
+    handle = (directory / "meshserve.lock").open("w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise RuntimeError(
+            f"the state directory {directory} is in use by another mesh; stop that one (`meshserve status` "
+            "shows it) or pass --state-dir with another directory"
+        ) from None
+    return handle
 
 
 def torchrun_launcher(ranks: int) -> list[str]:

@@ -111,6 +111,9 @@ def describe(m: router_admin_pb2.ModelRollout) -> str:
             f"; auto-rollback error_rate+{r.error_rate_margin:g} ttft_p99+{r.ttft_p99_margin_ms:g}ms"
             f" over {r.window_s:g}s (min {r.min_samples})"
         )
+    if m.policy_store and m.policy_store != "local":  # shared by the router replicas through Redis
+        store = {"unreachable": "Redis unreachable: last known", "pending": "rollback not shared yet"}
+        head += f"; policy epoch {m.policy_epoch} ({store.get(m.policy_store, m.policy_store)})"
     lines = [head]
     for v in m.versions:
         line = f"  {v.version:<12} build {v.build[:16]:<16} replicas {v.healthy_replicas}  requests {v.requests}"

@@ -17,7 +17,9 @@ What it shows, and where each figure comes from:
   (optional; ``--metrics name=url``);
 - restarts of the services ``meshserve up`` supervises (state, restart count, last exit reason such as
   ``killed by SIGKILL`` or ``exit code 1``, crash loops): its state file, which it rewrites whenever a
-  service exits or comes back (services/local/supervise.py). Shown only for the mesh of that file.
+  service exits or comes back (services/local/supervise.py). Shown only for the mesh of that file;
+- the mesh's two Redis roles, the cache Redis and the state Redis (keys, files, batches, stored
+  responses; its append-only file's directory), or one Redis for both: the same state file.
 
 Addresses default to those ``meshserve up`` records in its state file (:func:`state_path`), so
 ``meshserve status`` alone watches the local mesh. ``--once`` prints one frame and exits.
@@ -106,6 +108,8 @@ class MeshView:
     """The router's served models and their rollouts (shown when it serves more than one version)."""
     services: dict[str, dict[str, object]] = field(default_factory=dict)
     """Supervised services of ``meshserve up`` (its state file): name -> state, restarts, last_exit, ..."""
+    redis: dict[str, str] = field(default_factory=dict)
+    """The mesh's Redis by role (its state file): ``cache`` and ``state`` -> what the line shows."""
     taken_at: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
 
 
@@ -281,6 +285,8 @@ def render(view: MeshView) -> Group:
         figures = [f"requests {total}", f"errors {errors}"] + [f"{k} {v}" for k, v in view.counters.items()]
         figures += [f"{status} {n}" for status, n in sorted(view.requests.items()) if status != "OK"]
         parts.append(Text("traffic: " + " · ".join(figures)))
+    if view.redis:
+        parts.append(Text("redis: " + " · ".join(f"{role} {what}" for role, what in view.redis.items())))
     if view.services:
         parts.append(_services_table(view.services))
     for problem in view.problems:
@@ -307,6 +313,27 @@ def _services_table(services: dict[str, dict[str, object]]) -> Table:
             at[11:19] if len(at) >= 19 else at or "-",
         )
     return table
+
+
+def redis_roles(state: dict[str, object]) -> dict[str, str]:
+    """``cache`` and ``state`` -> the URL (with the password hidden) of each Redis role ``meshserve up``
+    recorded, the state Redis's data directory with it; one ``cache+state`` entry when one Redis holds both."""
+    cache, durable = str(state.get("redis") or ""), str(state.get("state_redis") or "")
+    if not cache:
+        return {}
+    if not durable or durable == cache:
+        return {"cache+state": _hide_password(cache)}
+    directory = state.get("state_dir")
+    return {
+        "cache": _hide_password(cache),
+        "state": _hide_password(durable) + (f" (append-only file in {directory})" if directory else ""),
+    }
+
+
+def _hide_password(url: str) -> str:
+    scheme, sep, rest = url.partition("://")
+    userinfo, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}***@{host}" if sep and at and userinfo else url
 
 
 def _supervised(state: dict[str, object]) -> dict[str, dict[str, object]]:
@@ -369,6 +396,7 @@ async def _run(args: argparse.Namespace) -> int:
             metrics = {str(k): str(v) for k, v in recorded.items()}
         last = await gather(router, cache=cache, metrics=metrics, token=args.internal_token, previous=last)
         last.services = _supervised(state)
+        last.redis = redis_roles(state)
         return render(last)
 
     if args.once:

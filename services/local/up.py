@@ -73,7 +73,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--redis-url",
         default=ClientSettings().redis_url,
-        help="use this Redis (default: $REDIS_URL, else start one on a free port)",
+        help="use this Redis as the cache Redis (default: $REDIS_URL, else start one on a free port); "
+        "given alone, it holds the mesh's state too",
+    )
+    p.add_argument(
+        "--state-redis-url",
+        default=ClientSettings().state_redis_url,
+        help="the Redis of the mesh's durable state: API keys, files, batches, stored responses (default: "
+        "$MESHSERVE_STATE_REDIS_URL, else the --redis-url Redis when given, else start one with an "
+        "append-only file in --state-dir)",
+    )
+    p.add_argument(
+        "--state-dir",
+        default=str(ClientSettings().state_redis_dir),
+        help="data directory of the state Redis started here (default: beside the state file, "
+        f"{ClientSettings().state_redis_dir}): batches and keys outlive the mesh",
     )
     p.add_argument("--edge-threads", type=int, default=1, help="intra-op threads per edge worker (default 1)")
     p.add_argument("--cloud-threads", type=int, default=2, help="intra-op threads per cloud worker (default 2)")
@@ -202,6 +216,8 @@ async def run_up(args: argparse.Namespace) -> int:
         gateways=args.gateways,
         gateway_port=args.port,
         redis_url=args.redis_url,
+        state_redis_url=args.state_redis_url or None,
+        state_dir=args.state_dir,
         api_key=api_key,
         edge_threads=args.edge_threads,
         cloud_threads=args.cloud_threads,
@@ -240,8 +256,14 @@ async def run_up(args: argparse.Namespace) -> int:
             )
             + f'  try: {cli} chat --address {mesh.gateway_address} "Tell me about the sea"\n'
             f"  cache admin: {cli} cache --address {mesh.cache_address} stats\n"
-            f"  API keys: {cli} keys create --tenant NAME (kept in this mesh's Redis)\n"
-            f"  metrics: {mesh.metrics_endpoints()}\n"
+            f"  API keys: {cli} keys create --tenant NAME (kept in this mesh's state Redis)\n"
+            + (
+                f"  state (keys, files, batches, stored responses): {mesh.state_redis_url}, "
+                f"append-only file in {mesh.state_dir}\n"
+                if mesh.state_dir
+                else ""
+            )
+            + f"  metrics: {mesh.metrics_endpoints()}\n"
             + (
                 f"  OpenAI-compatible HTTP (and gRPC) through Envoy: {mesh.http_base_url}\n"
                 if mesh.front_door is not None

@@ -1,6 +1,8 @@
 """meshserve.internal.v1.RouterAdmin as served by the router: its replica view (`meshserve status`),
 where a prompt's KV prefix is (`meshserve cache where`, answered by services/router/location.py), and
-each served model's rollout (`meshserve models rollout`; the domain is services/router/rollout.py)."""
+each served model's rollout (`meshserve models rollout`; the domain is services/router/rollout.py;
+with a shared store, services/router/rollout_sync.py, a change is written there and reaches every
+router replica)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import time
 import grpc
 import structlog
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, Unavailable
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2, router_admin_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.router.location import PrefixLocator, RedisAnswer
@@ -17,6 +19,7 @@ from services.router.models import ModelTable, ServedModel
 from services.router.policy import TierName
 from services.router.registry import Registry
 from services.router.rollout import RollbackRule, RolloutPolicy
+from services.router.rollout_sync import RolloutSync
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = router_admin_pb2.DESCRIPTOR.services_by_name["RouterAdmin"].full_name
@@ -37,10 +40,13 @@ _REDIS = {
 class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
     """The internal ``RouterAdmin`` service: lists the registry's replicas, locates prompt prefixes."""
 
-    def __init__(self, registry: Registry, locator: PrefixLocator, models: ModelTable) -> None:
+    def __init__(
+        self, registry: Registry, locator: PrefixLocator, models: ModelTable, sync: RolloutSync | None = None
+    ) -> None:
         self._registry = registry
         self._locator = locator
         self._models = models
+        self._sync = sync
 
     def register(self, server: grpc.aio.Server) -> None:
         router_admin_pb2_grpc.add_RouterAdminServicer_to_server(self, server)
@@ -81,7 +87,10 @@ class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
     ) -> router_admin_pb2.PrefixLocationResponse:
         if request.tier not in _ASKED:
             raise InvalidArgument(f"unknown tier {request.tier}; use TIER_AUTO, TIER_EDGE or TIER_CLOUD")
-        where = await self._locator.locate(
+        model = self._models.get(request.model)
+        version = model.version(request.version)
+        locator = self._locator.scoped(version.router, model.context_length)
+        where = await locator.locate(
             text=request.text,
             messages=[{"role": m.role, "content": m.content} for m in request.messages],
             tenant=request.tenant,
@@ -104,6 +113,7 @@ class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
             redis_block_tokens=where.redis_block_tokens,
             model_id=where.model_id,
             model_version=where.model_version,
+            version=version.name,
         )
 
     async def ListRollouts(
@@ -116,6 +126,11 @@ class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
         self, request: router_admin_pb2.SetRolloutRequest, context: grpc.aio.ServicerContext
     ) -> router_admin_pb2.ModelRollout:
         model = self._model(request.model)
+        if self._sync is not None:  # the fields not given keep the shared policy's, not a stale copy's
+            try:
+                await self._sync.refresh([model.id])
+            except Unavailable:
+                pass  # publish below says so
         old = model.rollout.policy
         weights = {w.version: w.weight for w in request.weights} if request.weights else dict(old.weights)
         if len(weights) != len(request.weights) and request.weights:
@@ -135,6 +150,9 @@ class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
         shadow = (request.shadow or None) if request.HasField("shadow") else old.shadow
         # The primary follows the weights: the heaviest version (a promoted canary becomes it).
         new = RolloutPolicy(weights, sticky=sticky, shadow=shadow, rollback=rule)  # type: ignore[arg-type]
+        if self._sync is not None:
+            await self._sync.publish(model, new)  # logs rollout_changed with its epoch
+            return self._status(model)
         model.rollout.set_policy(new)
         log.info(
             "rollout_changed",
@@ -151,7 +169,12 @@ class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
         self, request: router_admin_pb2.RollbackRequest, context: grpc.aio.ServicerContext
     ) -> router_admin_pb2.ModelRollout:
         model = self._model(request.model)
-        model.rollout.rollback("manual")
+        model.rollout.rollback("manual")  # here at once, whatever Redis does
+        if self._sync is not None:
+            try:
+                await self._sync.flush()
+            except Unavailable as exc:  # written when Redis is back (the status says it is pending)
+                log.warning("rollout_rollback_not_shared_yet", model=model.id, error=exc.message)
         return self._status(model)
 
     def _model(self, name: str) -> ServedModel:
@@ -204,4 +227,13 @@ class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
                 router_admin_pb2.RollbackEventStatus(version=e.version, to=e.to, reason=e.reason, age_s=now - e.at)
                 for e in rollout.rollbacks
             ],
+            policy_epoch=self._sync.epochs.get(model.id, 0) if self._sync is not None else 0,
+            policy_store=self._store_state(model.id),
         )
+
+    def _store_state(self, model: str) -> str:
+        if self._sync is None:
+            return "local"
+        if self._sync.pending(model):
+            return "pending"
+        return "shared" if self._sync.reachable else "unreachable"

@@ -11,9 +11,12 @@ Several models: the request's ``model`` (empty: the default one) names a served 
 (services/router/models.py); its rollout picks the version (services/router/rollout.py) once per
 Generate or once per chat (a chat never changes version), and the turn runs on that version's Router
 only (its replicas, caches and tokenizer). Each version's outcome and TTFT feed its rollout's
-automatic rollback. With a shadow version set, a copy of each Generate that succeeded runs there in
-the background (at most ``shadow_max_in_flight`` at once; more are shed), with no cache and no
-rate-limit charge; its output is discarded, its TTFT and agreement with the primary are counted.
+automatic rollback. With a shadow version set, a copy of each Generate and each chat turn that
+succeeded runs there in the background (at most ``shadow_max_in_flight`` at once; more are shed), with
+no cache and no rate-limit charge; its output is discarded, its TTFT and agreement with the primary
+are counted. A chat turn's copy is one stand-alone generation over the whole conversation so far (a
+fresh worker stream each turn): the primary's chat stream, and the KV its worker keeps between turns,
+are never touched by it.
 
 * :meth:`RouterAPI.generate`: one prompt -> :class:`Chunk` events and one :class:`Done`.
 * :meth:`RouterAPI.chat`: a :class:`ChatSession`; turns in, :class:`TurnEvent`\\ s out; the
@@ -192,16 +195,16 @@ class RouterAPI:
             )
             timeout = req.timeout = _time_left(deadline)
             session = Session()
-            shadow = model.rollout.policy.shadow
-            run = _VersionRun(model, version, "primary", keep_text=shadow is not None and shadow != version.name)
+            shadow = _shadow_of(model, version)
+            run = _VersionRun(model, version, "primary", keep_text=shadow is not None, choices=req.sampling.n)
             with run:
                 try:
                     async with aclosing(version.router.run_turn(req, session, None, admission)) as events:
                         async for event in events:
                             obs.record(event)
-                            run.see(event)
-                            if isinstance(event, Done) and run.text is not None and shadow is not None:
-                                self._start_shadow(model, shadow, replace(req, timeout=timeout), "".join(run.text))
+                            if run.see(event) and shadow is not None:  # every choice's Done came
+                                copy = _shadow_copy(req, timeout, event)
+                                self._start_shadow(model, shadow, copy, run.output())
                             yield event
                 finally:
                     await session.close()
@@ -345,7 +348,7 @@ class RouterAPI:
         task.add_done_callback(self.shadows.discard)
 
     async def _shadow(self, model: ServedModel, version: ServedVersion, req: TurnRequest, primary_text: str) -> None:
-        run = _VersionRun(model, version, "shadow", keep_text=True)
+        run = _VersionRun(model, version, "shadow", keep_text=True, choices=req.sampling.n)
         session = Session()
         outcome = "failed"
         try:
@@ -357,7 +360,7 @@ class RouterAPI:
             counters = model.rollout.counters[version.name]
             if req.sampling.deterministic:
                 counters.shadow_compared += 1
-                agreed = "".join(run.text) == primary_text
+                agreed = run.output() == primary_text
                 counters.shadow_agreed += agreed
                 outcome = "agreed" if agreed else "differed"
             else:
@@ -469,11 +472,18 @@ class ChatSession:
                             parallel=choice.parallel,
                             bare_json=named or choice.mode is ToolChoiceMode.REQUIRED,
                         )
-                    with _VersionRun(model, version, "primary") as run:
+                    shadow = _shadow_of(model, version)
+                    kept = shadow is not None
+                    with _VersionRun(model, version, "primary", keep_text=kept, choices=req.sampling.n) as run:
+                        timeout = req.timeout
                         async with aclosing(version.router.run_turn(req, session, cancel)) as events:
                             async for event in events:
                                 obs.record(event)
-                                run.see(event)
+                                if run.see(event) and shadow is not None and not cancel.is_set():
+                                    # The copy's own stand-alone stream: the chat's worker stream (and
+                                    # the KV it keeps for the next turn) is the primary's alone.
+                                    copy = _shadow_copy(req, timeout, event)
+                                    api._start_shadow(model, shadow, copy, run.output())
                                 if parser is not None:
                                     for parsed in _parsed(parser, event):
                                         reply.add(parsed)
@@ -504,23 +514,37 @@ class _VersionRun:
     a sample for the model's automatic rollback; the text when ``keep_text``. A context manager:
     leaving it with a MeshError records that status; a cancelled turn is no sample."""
 
-    def __init__(self, model: ServedModel, version: ServedVersion, role: str, *, keep_text: bool = False) -> None:
+    def __init__(
+        self, model: ServedModel, version: ServedVersion, role: str, *, keep_text: bool = False, choices: int = 1
+    ) -> None:
         self.model = model
         self.version = version
         self.role = role
         self.started = time.perf_counter()
         self.ttft: float | None = None
-        self.text: list[str] | None = [] if keep_text else None
+        self.text: dict[int, list[str]] | None = {} if keep_text else None
+        """Per choice index, its text (when ``keep_text``)."""
         self.done = False
+        self.dones = 0
+        self.choices = choices
 
-    def see(self, event: Event) -> None:
+    def see(self, event: Event) -> bool:
+        """Count ``event``; True at the turn's last Done (one per choice) when the text is kept."""
         if isinstance(event, Done):
             self.done = True  # a caller that stops reading after the Done closed a turn that succeeded
-        elif isinstance(event, Chunk):
+            self.dones += 1
+            return self.text is not None and self.dones == self.choices
+        if isinstance(event, Chunk):
             if self.ttft is None:
                 self.ttft = time.perf_counter() - self.started
             if self.text is not None:
-                self.text.append(event.text)
+                self.text.setdefault(event.index, []).append(event.text)
+        return False
+
+    def output(self) -> str:
+        """Every choice's text, in choice order (what a shadow's output is compared with)."""
+        text = self.text or {}
+        return "\0".join("".join(text[i]) for i in sorted(text))
 
     def __enter__(self) -> _VersionRun:
         return self
@@ -544,6 +568,19 @@ class _VersionRun:
             ttft.observe(self.ttft)
         if self.role == "primary" and status != "CANCELLED":
             self.model.rollout.record(name, failed=status in SERVER_FAULTS, ttft_s=self.ttft)
+
+
+def _shadow_copy(req: TurnRequest, timeout: float | None, done: Event) -> TurnRequest:
+    """The shadow's request: the primary's, on the tier whose weights answered it (a chat's later turns
+    stay on their first turn's tier, which a stand-alone copy of a longer prompt would not pick)."""
+    tier = done.route.tier if isinstance(done, Done) and not done.route.cache_hit else None
+    return replace(req, timeout=timeout, hint=tier or req.hint)
+
+
+def _shadow_of(model: ServedModel, version: ServedVersion) -> str | None:
+    """The version that gets a copy of a turn served by ``version`` (None: no shadow, or it is itself)."""
+    shadow = model.rollout.policy.shadow
+    return shadow if shadow is not None and shadow != version.name else None
 
 
 def _parsed(parser: ToolCallParser, event: Event) -> list[Event]:

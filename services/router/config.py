@@ -160,6 +160,13 @@ class RouterSettings(StreamingSettings):
     """A self-registered worker (WorkerRegistry.Heartbeat) is forgotten after this long without a heartbeat."""
     shadow_max_in_flight: int = Field(default=8, ge=0)
     """Shadow copies (a rollout's shadow version) running at once; more are shed, never delaying a caller."""
+    rollout_poll_s: float = Field(default=1.0, gt=0, le=60)
+    """With a models file and ``redis_url``: the rollout policies are shared by every router replica through
+    Redis (services/router/rollout_sync.py); a change announced on pub/sub is applied at once, and every
+    replica re-reads the policies at least this often (the bound when an announcement is lost)."""
+    rollout_store_timeout_s: float = Field(default=0.5, gt=0)
+    """Timeout of each call to the shared rollout store; a slower Redis counts as unreachable (the last known
+    policies are kept)."""
     max_queued_chat_turns: int = Field(default=8, ge=1)
     """Turns one Chat stream may send ahead of the turn in progress; one more ends the stream with
     RESOURCE_EXHAUSTED once that turn ends (the router stops reading the stream at once, so memory stays bounded)."""

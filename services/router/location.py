@@ -3,6 +3,9 @@
 Answers ``RouterAdmin.PrefixLocation`` (``meshserve cache where``) from what routing itself uses, so
 the answer is what the router acts on:
 
+* it is about one version of one served model (services/router/models.py; the admin service picks it:
+  the one asked for, else the default model's primary version, :meth:`PrefixLocator.scoped`): that
+  version's Router, its replicas only, its tokenizer and context;
 * the prompt is tokenized as the router's Inference service tokenizes it: a text with the tokenizer
   (Generate), a conversation through the chat template (Chat, whose turns carry the whole
   conversation so far);
@@ -101,6 +104,16 @@ class PrefixLocator:
         """Timeout of the Redis question: longer than the response cache's, this is no request's path."""
         self._max_blocks = max_blocks
 
+    def scoped(self, router: Router, context_length: int) -> PrefixLocator:
+        """The same locator over another router: one version of a served model (services/router/models.py)."""
+        return PrefixLocator(
+            router,
+            block_tokens=self._block,
+            context_length=context_length,
+            redis_timeout_s=self._redis_timeout,
+            max_blocks=self._max_blocks,
+        )
+
     async def tokenize(self, text: str, messages: Sequence[Mapping[str, str]]) -> list[int]:
         """Prompt token ids of ``text`` or of the conversation ``messages`` (exactly one must be given)."""
         if text and messages:
@@ -174,9 +187,10 @@ class PrefixLocator:
 
     def _redis_scope(self) -> tuple[str, str, int]:
         """(model id, model version, block tokens) of the KV the cloud workers export: from the first
-        cloud replica that reported them (healthy ones first), else the router's own."""
+        cloud replica of the router's version that reported them (healthy ones first), else the router's own."""
         router = self._router
-        cloud = [r for r in router.registry.replicas if r.tier is TierName.CLOUD]
+        serves = router.serves
+        cloud = [r for r in router.registry.replicas if r.tier is TierName.CLOUD and (serves is None or serves(r))]
         for r in sorted(cloud, key=lambda r: not r.healthy):
             if r.report.model_version and r.report.block_tokens > 0:
                 return r.report.model_id or router.model_id, r.report.model_version, r.report.block_tokens

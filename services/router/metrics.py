@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 ROUTE_DECISIONS = Counter(
     "meshserve_route_decisions_total",
@@ -74,4 +74,15 @@ ROLLBACKS = Counter(
     "meshserve_router_rollbacks_total",
     "Rollouts rolled back, by model, the version rolled back and trigger (manual, auto).",
     ["model", "version", "trigger"],
+)
+ROLLOUT_STORE_UP = Gauge(
+    "meshserve_router_rollout_store_up",
+    "1 while the shared rollout store (Redis) answers; 0: this router keeps its last known policies (or shares "
+    "none: no models file or no Redis).",
+)
+ROLLOUT_EPOCH = Gauge(
+    "meshserve_router_rollout_policy_epoch",
+    "Epoch of the rollout policy in force per model (0: the models file's); equal on every router replica once "
+    "a change has spread.",
+    ["model"],
 )

@@ -54,6 +54,14 @@ class ServedModel:
     def choose(self, tenant: str) -> ServedVersion:
         return self.versions[self.rollout.choose(tenant)]
 
+    def version(self, name: str) -> ServedVersion:
+        """The version named ``name`` (empty: the primary); NotFound names this model's versions."""
+        found = self.versions.get(name or self.rollout.policy.primary)
+        if found is None:
+            known = ", ".join(self.versions)
+            raise NotFound(f"model {self.id!r} has no version {name[:64]!r}; its versions are {known}")
+        return found
+
 
 class ModelTable:
     """Every served model by id; ``default`` serves requests that name none."""
@@ -77,7 +85,8 @@ class ModelTable:
         found = self.models.get(model or self.default)
         if found is None:
             served = ", ".join(self.models)
-            raise NotFound(f"unknown model {model!r}; ListModels shows the served models ({served})")
+            # The name is echoed cut short: a long one would not fit in a status message.
+            raise NotFound(f"unknown model {model[:64]!r}; ListModels shows the served models ({served})")
         return found
 
     def routers(self) -> list[Router]:

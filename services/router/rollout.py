@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from services.common.errors import InvalidArgument
 
@@ -56,9 +56,11 @@ class RollbackRule:
 
     def __post_init__(self) -> None:
         if self.error_rate_margin < 0 or self.ttft_p99_margin_s < 0:
-            raise InvalidArgument("rollback margins must be 0 or more; e.g. error_rate_margin 0.05, ttft 0.5 s")
+            raise InvalidArgument(
+                "rollback.error_rate_margin and rollback.ttft_p99_margin must be 0 or more; e.g. 0.05 and 500 ms"
+            )
         if self.window_s <= 0 or self.min_samples < 1:
-            raise InvalidArgument("rollback window_s must be above 0 and min_samples at least 1")
+            raise InvalidArgument("rollback.window_s must be above 0 and rollback.min_samples at least 1")
 
 
 @dataclass(frozen=True)
@@ -77,21 +79,26 @@ class RolloutPolicy:
             object.__setattr__(self, "primary", max(self.weights, key=lambda v: self.weights[v]))
 
     def check(self, versions: Sequence[str], model: str) -> RolloutPolicy:
-        """``self`` if it names only ``versions`` of ``model`` and sends traffic somewhere; else InvalidArgument."""
+        """``self`` if it names only ``versions`` of ``model`` and sends traffic somewhere; else
+        InvalidArgument whose message starts with the field at fault (``weights``, ``sticky``, ...)."""
         known = ", ".join(versions)
         for name, weight in self.weights.items():
             if name not in versions:
-                raise InvalidArgument(f"model {model!r} has no version {name!r}; its versions are {known}")
+                raise InvalidArgument(f"weights: model {model!r} has no version {name!r}; its versions are {known}")
             if weight < 0 or weight != int(weight):
-                raise InvalidArgument(f"weight of version {name!r} must be a whole number >= 0, not {weight}")
+                raise InvalidArgument(f"weights: version {name!r} needs a whole number >= 0, not {weight}")
         if sum(self.weights.values()) <= 0:
-            raise InvalidArgument(f"the weights of model {model!r} add up to 0; give at least one version weight")
+            raise InvalidArgument(f"weights: those of model {model!r} add up to 0; give at least one version weight")
         if self.sticky not in STICKY:
             raise InvalidArgument(f"sticky must be one of {', '.join(STICKY)}, not {self.sticky!r}")
         if self.shadow is not None and self.shadow not in versions:
-            raise InvalidArgument(f"model {model!r} has no version {self.shadow!r} to shadow; its versions are {known}")
+            raise InvalidArgument(
+                f"shadow: model {model!r} has no version {self.shadow!r} to shadow; its versions are {known}"
+            )
         if self.primary not in self.weights or self.weights[self.primary] <= 0:
-            raise InvalidArgument(f"the primary version {self.primary!r} of model {model!r} needs a weight above 0")
+            raise InvalidArgument(
+                f"primary: version {self.primary!r} of model {model!r} needs a weight above 0 (the heaviest is it)"
+            )
         return self
 
     def canaries(self) -> list[str]:
@@ -183,7 +190,7 @@ class Rollout:
         self.policy = policy.check(self.versions, model)
         self._rng = rng or random.Random()
         self._clock = clock
-        self._on_rollback = on_rollback
+        self._listeners: list[Callable[[RollbackEvent], object]] = [on_rollback] if on_rollback else []
         self._samples = {v: _Samples() for v in self.versions}
         self.counters = {v: VersionCounters() for v in self.versions}
         self.rollbacks: list[RollbackEvent] = []
@@ -215,9 +222,13 @@ class Rollout:
             event = RollbackEvent(self.model, canary, old.primary, reason, self._clock())
             self.rollbacks.append(event)
             del self.rollbacks[:-32]
-            if self._on_rollback is not None:
-                self._on_rollback(event)
+            for listener in self._listeners:
+                listener(event)
         return self.policy
+
+    def add_rollback_listener(self, listener: Callable[[RollbackEvent], object]) -> None:
+        """Also call ``listener`` after each rollback (with the new policy in place)."""
+        self._listeners.append(listener)
 
     def record(self, version: str, *, failed: bool, ttft_s: float | None) -> str | None:
         """Count one served request of ``version``; returns the reason when it triggers a rollback."""
@@ -264,6 +275,42 @@ class Rollout:
         if self.policy.rollback is not None:
             s.prune(self._clock() - self.policy.rollback.window_s)
         return len(s.items), s.error_rate(), s.ttft_p99()
+
+
+def policy_to_json(policy: RolloutPolicy) -> dict[str, Any]:
+    """``policy`` as a JSON object (the shared store's form; weights as pairs: their order matters)."""
+    rule = policy.rollback
+    return {
+        "weights": [[v, w] for v, w in policy.weights.items()],
+        "sticky": policy.sticky,
+        "shadow": policy.shadow,
+        "primary": policy.primary,
+        "rollback": None
+        if rule is None
+        else {
+            "error_rate_margin": rule.error_rate_margin,
+            "ttft_p99_margin_s": rule.ttft_p99_margin_s,
+            "window_s": rule.window_s,
+            "min_samples": rule.min_samples,
+        },
+    }
+
+
+def policy_from_json(data: Mapping[str, Any]) -> RolloutPolicy:
+    """The policy :func:`policy_to_json` wrote; InvalidArgument when ``data`` is not one (not yet
+    checked against a model's versions: :meth:`RolloutPolicy.check`)."""
+    try:
+        weights = {str(v): int(w) for v, w in data["weights"]}
+        rule = data.get("rollback")
+        return RolloutPolicy(
+            weights,
+            sticky=data.get("sticky", "chat"),
+            shadow=data.get("shadow") or None,
+            rollback=None if rule is None else RollbackRule(**rule),
+            primary=str(data.get("primary") or ""),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgument(f"a stored rollout policy is malformed ({exc}); set it again") from None
 
 
 def parse_weights(text: str) -> dict[str, int]:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
+import socket
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -26,10 +29,12 @@ from services.router.policy import ReplicaSelector, TierName
 from services.router.registry import Registry
 from services.router.registry_servicer import WorkerRegistryServicer
 from services.router.rollout import RollbackRule, Rollout, RolloutPolicy
+from services.router.rollout_sync import RolloutSync
 from services.router.servicer import RouterServicer
 from services.router.slo_queue import Admission
 from services.router.stream_transport import StreamTransport
 from services.store.response_cache import ResponseCache
+from services.store.rollouts import RolloutStore
 
 log = structlog.get_logger(__name__)
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
@@ -162,6 +167,12 @@ async def start_router_api(
     except InvalidArgument as exc:
         await registry.close()
         raise ConfigError(f"models_file {settings.models_file}: {exc.message}") from None
+    sync = None
+    if by_model and settings.redis_url:  # several versions: their policies are shared by the replicas
+        store = RolloutStore.from_url(settings.redis_url, timeout_s=settings.rollout_store_timeout_s)
+        replica = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        sync = RolloutSync(store, table, poll_s=settings.rollout_poll_s, replica=replica)
+        await sync.start()
     routers = table.routers()
     for tier in TierName:
         track_load(
@@ -185,7 +196,7 @@ async def start_router_api(
     registration = WorkerRegistryServicer(registry) if settings.accept_registrations else None
     # The replica view for `meshserve status`, prefix locations for `meshserve cache where`.
     locator = PrefixLocator(router, block_tokens=settings.prefix_block_tokens, context_length=settings.context_length)
-    admin = RouterAdminServicer(registry, locator, table)
+    admin = RouterAdminServicer(registry, locator, table, sync)
 
     def register(s: grpc.aio.Server) -> None:
         _register(s, servicer, registration)
@@ -207,6 +218,8 @@ async def start_router_api(
     async def close() -> None:
         for shadow in list(api.shadows):
             shadow.cancel()
+        if sync is not None:
+            await sync.close()
         for each in routers:
             await each.collapser.aclose()
         await transport.close()

@@ -269,6 +269,16 @@ def stored_response_key(scope: str, response_id: str) -> str:
     return f"{NAMESPACE}:{{s|{scope}}}:resp:{response_id}"
 
 
+# Rollout policies shared by the router replicas (services/store/rollouts.py): one hash per model.
+ROLLOUT_CHANNEL = f"{NAMESPACE}:rollouts"
+"""Pub/sub channel on which a changed rollout policy is announced (the message: the model id)."""
+
+
+def rollout_key(model_id: str) -> str:
+    """Hash of one model's shared rollout policy (services/store/rollouts.py): epoch, policy, by, reason."""
+    return f"{NAMESPACE}:{{rollout|{model_tag(model_id)}}}:policy"
+
+
 # Files and batches (services/store/files.py, batches.py). Everything of one tenant's files and
 # batches shares one hash tag, ``{B|<scope digest>}`` (one slot: a batch's results, its counters and
 # the tenant's quota counters change together in one script); the work stream every batch runner

@@ -97,6 +97,7 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
         worker_id=settings.resolved_worker_id(),
         default_max_tokens=settings.default_max_tokens,
         reporter=LoadReporter(runner, hasher, max_hot_blocks=settings.max_hot_blocks),
+        first_token_delay_s=settings.fault_first_token_delay_s,
     )
     server = await start_server(settings, servicer.register, [WORKER_SERVICE_NAME], internal=True, serving=False)
     admission = runner.admission
@@ -140,6 +141,8 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
         port=server.port,
         stream_port=servicer.stream_port,
     )
+    if settings.fault_first_token_delay_s:  # a test setting: say so, in case it was left on
+        log.warning("fault_injection_on", first_token_delay_s=settings.fault_first_token_delay_s)
     heartbeater = None
     if settings.router_address:  # registered only once it serves: the router probes health at once
         heartbeater = Heartbeater(

@@ -70,6 +70,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         worker_id: str,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         reporter: LoadReporter | None = None,
+        first_token_delay_s: float = 0.0,
     ) -> None:
         self.runner = runner
         self.service = service
@@ -81,6 +82,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.stream_port = 0
         """Port of the worker's stream transport (services/worker/mux_tcp.py), announced in the load report."""
         self.reporter = reporter or LoadReporter(runner, PrefixHasher(runner.engine.info.model_id, "", 16))
+        self.first_token_delay_s = first_token_delay_s
+        """Fault injection (``WorkerSettings.fault_first_token_delay_s``): 0 is off."""
 
     def register(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_WorkerServicer_to_server(self, server)
@@ -277,12 +280,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         status = "CANCELLED"
         sequence = 0
         finals = turn.request.sampling.n  # one final frame per choice; the turn ends after the last
+        delay = self.first_token_delay_s
         try:
             async with aclosing(turn.events()) as events:
                 async for event in events:
                     if isinstance(event, QueuedEvent):
                         yield _QUEUED
                         continue
+                    if delay:  # fault injection, off by default: the first frame comes late
+                        await asyncio.sleep(delay)
+                        delay = 0.0
                     now = time.perf_counter()
                     if isinstance(event, FinalEvent):
                         status = "CANCELLED" if event.reason is FinishReason.CANCELLED else "OK"

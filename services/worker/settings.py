@@ -62,6 +62,11 @@ class WorkerSettings(StreamingSettings):
     """Block size of the hot prefix block hashes in load reports (the router's prefix_block_tokens)."""
     max_hot_blocks: int = Field(default=1024, ge=0)
     """Most hot prefix block hashes (32 bytes each) one load report carries."""
+    fault_first_token_delay_s: float = Field(default=0.0, ge=0.0, le=60.0)
+    """Testing only (fault injection): hold back each turn's first frame this many seconds, as a slow
+    build would (the router sees the TTFT; the sequence itself runs at full speed). 0, the default, is
+    off; keep it under the router's stall_timeout_s. Shows the automatic rollback of a slow canary on
+    real workers (tests/integration/router/test_model_versions_real.py)."""
     stream_port: int = Field(default=0, ge=0, le=65535)
     """Port of the stream transport (plain TCP on ``host``; services/common/muxwire.py), where routers
     send every request stream: 0 picks a free port (announced in the load report). Routers must be

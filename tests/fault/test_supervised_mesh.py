@@ -1,6 +1,7 @@
 """``meshserve up``'s supervision under load: ``kill -9`` of each kind of service in turn (edge
-worker, cloud worker, cache service, gateway with its embedded router, Redis) in a mesh started as
-``meshserve up`` starts it (``MeshConfig(supervise=True)``, the default layout, its own Redis).
+worker, cloud worker, cache service, gateway with its embedded router, the cache Redis, the state
+Redis) in a mesh started as ``meshserve up`` starts it (``MeshConfig(supervise=True)``, the default
+layout, its own two Redis).
 
 Each kill lands while greedy streams run. The edge kill is the issue's scenario: 8 streams fill both
 edge replicas' slots, so the streams of the killed one must wait for a slot of the other (the same
@@ -15,7 +16,8 @@ an edge replica (the same build) and equal the undisturbed run, with ``route.rea
 streams on the killed cloud worker, whose build has no other replica, resume on the edge tier and say
 ``failover_cross_build``; a killed gateway ends its own streams with UNAVAILABLE and nothing else; the
 cache service and Redis are not on the request path of a stream (the rate limiter fails open), so
-every stream ends whole.
+every stream ends whole. A batch running while the state Redis is killed goes on once its supervisor
+has it back (it replays its append-only file): one result per input line, none lost, none twice.
 
 Kept short for CI (2 cores): one mesh, 4 streams of 24 tokens per kill (8 for the edge kill).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -32,10 +35,11 @@ import grpc
 import pytest
 from rich.console import Console
 
+from services.common.pb.meshserve.v1 import batch_pb2 as bpb
+from services.common.pb.meshserve.v1 import batch_pb2_grpc, inference_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.local.mesh import Mesh, MeshConfig
-from services.local.status import MeshView, gather, render
+from services.local.mesh import STATE_REDIS, Mesh, MeshConfig
+from services.local.status import MeshView, gather, redis_roles, render
 from tests.fault.conftest import (
     PROMPTS,
     ROUTER_ENV,
@@ -94,8 +98,7 @@ async def kill_9_and_wait_back(mesh: Mesh, name: str) -> float:
     assert mesh.supervisor is not None
     record = mesh.supervisor.records[name]
     restarts = record.restarts
-    proc = mesh._redis if name == "redis" else mesh.processes[name]
-    assert proc is not None
+    proc = mesh.redis_processes.get(name) or mesh.processes[name]
     began = time.monotonic()
     await proc.kill()
     while not (record.restarts > restarts and record.state == "running"):
@@ -167,7 +170,7 @@ async def test_a_killed_cloud_worker_comes_back_and_its_streams_resume_across_bu
     assert final.route.worker_id == "cloud-0" and final.route.reason == "hint", final.route
 
 
-@pytest.mark.parametrize("name", ["cache", "redis"])
+@pytest.mark.parametrize("name", ["cache", "redis", STATE_REDIS])
 async def test_a_killed_cache_service_or_redis_comes_back_and_no_stream_is_lost(
     up_stub: inference_pb2_grpc.InferenceStub, up_mesh: Mesh, name: str
 ) -> None:
@@ -181,6 +184,52 @@ async def test_a_killed_cache_service_or_redis_comes_back_and_no_stream_is_lost(
     again, done = await run_load(up_stub, prompts, MAX_TOKENS)  # and after it is back
     await finish(done)
     assert_equal_to_reference(again, expected)
+
+
+BATCH_LINES = 10
+
+
+async def test_a_batch_survives_a_kill_9_of_the_state_redis(up_mesh: Mesh) -> None:
+    lines = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": f"Name a colour ({i}).", "max_tokens": 8, "temperature": 0},
+        }
+        for i in range(BATCH_LINES)
+    ]
+    content = "\n".join(json.dumps(x) for x in lines).encode()
+    async with grpc.aio.insecure_channel(up_mesh.gateway_address) as channel:
+        stub = batch_pb2_grpc.BatchesStub(channel)
+        upload = await stub.CreateFile(
+            bpb.CreateFileRequest(filename="in.jsonl", purpose="batch", content=content), metadata=auth()
+        )
+        batch = await stub.CreateBatch(
+            bpb.CreateBatchRequest(input_file_id=upload.id, endpoint="/v1/completions", completion_window="1h"),
+            metadata=auth(),
+        )
+        deadline = time.monotonic() + 240
+        while (await stub.GetBatch(bpb.BatchRef(batch_id=batch.id), metadata=auth())).request_counts.completed < 2:
+            assert time.monotonic() < deadline, "the batch made no progress"
+            await asyncio.sleep(0.1)
+        await kill_9_and_wait_back(up_mesh, STATE_REDIS)
+        while True:  # the gateway's pool reconnects on the next call
+            try:
+                done = await stub.GetBatch(bpb.BatchRef(batch_id=batch.id), metadata=auth(), timeout=10)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                done = None
+            if done is not None and done.status in ("completed", "failed", "expired", "cancelled"):
+                break
+            assert time.monotonic() < deadline, f"batch not done: {done}"
+            await asyncio.sleep(0.3)
+        assert done.status == "completed", done
+        counts = done.request_counts
+        assert (counts.total, counts.completed, counts.failed) == (BATCH_LINES, BATCH_LINES, 0)
+        call = stub.GetFileContent(bpb.FileRef(file_id=done.output_file_id), metadata=auth())
+        output = [json.loads(x) for x in b"".join([p.content async for p in call]).splitlines()]
+        assert sorted(o["custom_id"] for o in output) == sorted(x["custom_id"] for x in lines)
 
 
 async def test_a_killed_gateway_comes_back_on_its_port_and_loses_only_its_own_streams(
@@ -217,9 +266,11 @@ def test_status_shows_each_restart_with_its_exit_reason(up_mesh: Mesh) -> None:
     """What `meshserve status` reads from the state file after the kills above."""
     services = up_mesh.describe()["services"]
     assert isinstance(services, dict)
-    view = MeshView(router=up_mesh.router_address, services=services)
+    view = MeshView(router=up_mesh.router_address, services=services, redis=redis_roles(up_mesh.describe()))
     out = io.StringIO()
-    Console(file=out, width=140).print(render(view))
+    Console(file=out, width=200).print(render(view))
+    assert f"cache {up_mesh.redis_url}" in out.getvalue()
+    assert f"state {up_mesh.state_redis_url} (append-only file in {up_mesh.state_dir})" in out.getvalue()
     killed = [name for name in BACK_S if name in services]
     assert killed, "no kill ran before this test"
     for name in killed:

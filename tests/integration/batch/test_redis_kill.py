@@ -1,5 +1,7 @@
 """A batch survives a kill -9 of Redis itself when persistence is on (AOF): the runner rides out the
 outage, Redis comes back from its append-only file, and every line ends with exactly one result.
+The Redis is the state Redis as `meshserve up` starts it (:meth:`Mesh.start_redis`: its flags, its
+data directory), restarted with the same command line as its supervisor would.
 A runner in this process, lines answered by a small stand-in router (no model needed here: what
 is under test is the store and the runner)."""
 
@@ -7,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -23,13 +25,13 @@ from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import RunningServer, start_server
 from services.common.settings import ServiceSettings
 from services.gateway.servicer import SERVICE_NAME
+from services.local.mesh import STATE_REDIS, Mesh, MeshConfig
+from services.local.processes import ServiceProcess, wait_redis
 from services.store.batches import BatchStore, parse_input
-from tests.helpers import RedisServer, free_port
 
 pytestmark = pytest.mark.integration
 TOKEN = "batch-redis-kill-token"
 LINES = 30
-DURABLE = ("--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction")
 
 
 class SlowRouter(inference_pb2_grpc.InferenceServicer):
@@ -45,14 +47,14 @@ class SlowRouter(inference_pb2_grpc.InferenceServicer):
 
 
 @pytest.fixture
-def durable_redis() -> Iterator[RedisServer]:
-    with tempfile.TemporaryDirectory() as tmp:
-        server = RedisServer(port=free_port(), dir=tmp, extra_args=DURABLE)
-        server.start()
-        try:
-            yield server
-        finally:
-            server.stop()
+async def durable_redis(tmp_path: Path) -> AsyncIterator[Mesh]:
+    """Only the state Redis of a mesh (the cache Redis is given: it plays no part here)."""
+    mesh = Mesh(MeshConfig(redis_url="redis://127.0.0.1:1/0", state_redis_url="", state_dir=str(tmp_path)))
+    try:
+        await mesh.start_redis()
+        yield mesh
+    finally:
+        await mesh.stop()
 
 
 @pytest.fixture
@@ -69,17 +71,19 @@ async def router() -> AsyncIterator[RunningServer]:
 
 
 async def test_a_kill_9_of_a_persistent_redis_loses_and_duplicates_nothing(
-    durable_redis: RedisServer, router: RunningServer
+    durable_redis: Mesh, router: RunningServer
 ) -> None:
+    url = durable_redis.state_redis_url
+    redis_proc: ServiceProcess = durable_redis.redis_processes[STATE_REDIS]
     settings = BatchSettings(
-        redis_url=durable_redis.url,
+        redis_url=url,
         router_addresses=f"127.0.0.1:{router.port}",
         internal_token=TOKEN,
         claim_idle_s=1,
         sweep_interval_s=0.2,
         shutdown_grace_s=1,
     )
-    client = aioredis.Redis.from_url(durable_redis.url)
+    client = aioredis.Redis.from_url(url)
     store = BatchStore(client)
     await store.ensure_group()
     rows = [
@@ -97,7 +101,7 @@ async def test_a_kill_9_of_a_persistent_redis_loses_and_duplicates_nothing(
         lines=lines,
     )
     channel = grpc.aio.insecure_channel(settings.routers()[0])
-    runner_redis = aioredis.Redis.from_url(durable_redis.url)
+    runner_redis = aioredis.Redis.from_url(url)
     capacity = Capacity([], (), max_in_flight=2, reserve_slots=0, poll_s=0.2)  # no view: one line at a time
     runner = Runner(settings, BatchStore(runner_redis), [inference_pb2_grpc.InferenceStub(channel)], capacity)
     task = asyncio.create_task(runner.run())
@@ -106,11 +110,10 @@ async def test_a_kill_9_of_a_persistent_redis_loses_and_duplicates_nothing(
         while (await store.get("acme", batch.id)).completed < 8:
             assert time.monotonic() < deadline, "the batch made no progress"
             await asyncio.sleep(0.02)
-        assert durable_redis.proc is not None
-        durable_redis.proc.kill()  # SIGKILL
-        durable_redis.proc.wait()
+        await redis_proc.kill()  # SIGKILL
         await asyncio.sleep(0.5)  # the runner meets the outage
-        durable_redis.start()  # same port and directory: replays the append-only file
+        await redis_proc.respawn()  # same command line (port, directory): replays the append-only file
+        await wait_redis(url, 30)
         while (done := await _get(store, batch.id)) is None or done.status != "completed":
             assert time.monotonic() < deadline, f"batch not completed: {done}"
             await asyncio.sleep(0.1)

@@ -29,6 +29,8 @@ INTERNAL_TOKEN = "frontdoor-test-token"
 API_KEY = "msk-frontdoor-test"
 TINY_KEY = "msk-frontdoor-tiny"
 """Key of tenant ``tiny``, whose real (Redis) rate limit admits one request per minute."""
+LIMITED_KEY = "msk-frontdoor-limited"
+"""Static key of tenant ``acme`` limited to the model ``other-model`` (not :data:`MODEL`)."""
 MODEL = "fake-model"
 WORDS = ["Hello", ",", " world"]
 LINGER_S = 0.3
@@ -124,7 +126,9 @@ async def start_gateway(router_port: int, redis_url: str = "") -> RunningServer:
         port=0,
         metrics_port=-1,
         router_address=f"127.0.0.1:{router_port}",
-        api_keys=f"acme:{hash_api_key(API_KEY)},tiny:{hash_api_key(TINY_KEY)}",
+        api_keys=(
+            f"acme:{hash_api_key(API_KEY)},tiny:{hash_api_key(TINY_KEY)},acme:{hash_api_key(LIMITED_KEY)}:other-model"
+        ),
         redis_url=redis_url,
         tenant_policies={"tiny": {"requests_per_minute": 1, "request_burst": 1, "batch_lines_in_flight": 3}},
         internal_token=INTERNAL_TOKEN,

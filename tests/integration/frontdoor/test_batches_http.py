@@ -26,7 +26,16 @@ from services.common.pb.meshserve.internal.v1 import router_admin_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.store.batches import BatchStore
 from tests.helpers import RedisServer
-from tests.integration.frontdoor.conftest import API_KEY, INTERNAL_TOKEN, TINY_KEY, WORDS, FakeRouter, Stack
+from tests.integration.frontdoor.conftest import (
+    API_KEY,
+    INTERNAL_TOKEN,
+    LIMITED_KEY,
+    MODEL,
+    TINY_KEY,
+    WORDS,
+    FakeRouter,
+    Stack,
+)
 
 pytestmark = pytest.mark.integration
 CHAT = "/v1/chat/completions"
@@ -157,6 +166,21 @@ async def test_quota_and_bad_requests_are_clear(client: openai.AsyncOpenAI, tiny
         await client.batches.retrieve("batch_nope")
     with pytest.raises(openai.BadRequestError, match="not an id this server gave out"):
         await client.batches.retrieve("batch_$$$")
+
+
+async def test_a_key_limited_to_models_may_batch_only_those(stack: Stack) -> None:
+    """The runner calls with its own credential: a key's model limit is checked when the batch is made."""
+    async with openai.AsyncOpenAI(base_url=stack.door.base_url, api_key=LIMITED_KEY, max_retries=0) as limited:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        for body in ({**chat, "model": MODEL}, chat):  # another model, or none (the default is not known)
+            upload = await limited.files.create(file=("in.jsonl", _jsonl(2, body)), purpose="batch")
+            with pytest.raises(openai.PermissionDeniedError, match=r"request 1 \('r0'\): .* may use other-model"):
+                await limited.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+        upload = await limited.files.create(
+            file=("ok.jsonl", _jsonl(2, {**chat, "model": "other-model"})), purpose="batch"
+        )
+        made = await limited.batches.create(input_file_id=upload.id, endpoint=CHAT, completion_window="24h")
+        await limited.batches.cancel(made.id)
 
 
 async def test_cancel(client: openai.AsyncOpenAI, redis_srv: RedisServer) -> None:

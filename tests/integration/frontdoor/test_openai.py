@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.gateway.keystore import KeyStore
-from tests.integration.frontdoor.conftest import API_KEY, MODEL, TINY_KEY, WORDS, FakeRouter, Stack
+from tests.integration.frontdoor.conftest import API_KEY, LIMITED_KEY, MODEL, TINY_KEY, WORDS, FakeRouter, Stack
 
 pytestmark = pytest.mark.integration
 TEXT = "".join(WORDS)
@@ -177,6 +177,19 @@ async def test_a_key_without_the_inference_scope_is_403_but_may_list_models(stac
         assert "inference scope" in info.value.message
         with pytest.raises(openai.PermissionDeniedError):
             await limited.completions.create(model=MODEL, prompt="hi", stream=True)
+
+
+async def test_a_static_key_limited_to_models_is_403_for_another_and_lists_only_its_own(stack: Stack) -> None:
+    """A static key's `:model|model` limit over HTTP: as a stored key's --models (OpenAI-shaped 403)."""
+    async with openai.AsyncOpenAI(base_url=stack.door.base_url, api_key=LIMITED_KEY, max_retries=0) as limited:
+        assert [m.id async for m in limited.models.list()] == []  # MODEL is not one of its models
+        with pytest.raises(openai.PermissionDeniedError) as info:
+            await limited.chat.completions.create(model=MODEL, messages=MESSAGES)  # type: ignore[arg-type]
+        assert info.value.status_code == 403
+        assert "may use other-model" in info.value.message
+        assert isinstance(info.value.body, dict) and info.value.body.get("type")  # the OpenAI error object
+        with pytest.raises(openai.PermissionDeniedError):
+            await limited.completions.create(model=MODEL, prompt="hi")
 
 
 def _gateway_requests(status: str) -> float:

@@ -24,6 +24,8 @@ from services.local.client import MeshClient, wait_for_health
 
 INTERNAL_TOKEN = "test-internal-token"
 KEYS = {"acme": "key-acme-123", "globex": "key-globex-456"}
+LIMITED_KEY = "key-limited-789"
+"""A static key limited to the model ``other-model`` (the fake router serves ``fake-model``)."""
 DEFAULT_DEADLINE_S = 42.0
 
 
@@ -129,6 +131,7 @@ class Stack:
 
 def gateway_settings(router_address: str, **overrides: object) -> GatewaySettings:
     keys = ",".join(f"{tenant}:{hash_api_key(key)}" for tenant, key in KEYS.items())
+    keys += f",limited:{hash_api_key(LIMITED_KEY)}:other-model"
     return GatewaySettings(
         host="127.0.0.1",
         port=0,

@@ -16,7 +16,7 @@ from services.gateway.identity import Authenticator
 from services.gateway.keycache import KeyRecordCache
 from services.gateway.keys_cli import main as keys_main
 from services.gateway.keystore import KeyStore
-from tests.integration.gateway.conftest import KEYS, Gateways, StartFn
+from tests.integration.gateway.conftest import KEYS, LIMITED_KEY, Gateways, StartFn
 
 pytestmark = pytest.mark.integration
 
@@ -231,6 +231,54 @@ async def test_a_key_limited_to_models_may_use_only_those(mesh: Gateways, store:
     assert [m.id for m in listed.models] == ["fake-model"]
     request = pb.GenerateRequest(prompt="hi", model="fake-model", sampling=pb.SamplingParams(max_tokens=4))
     await stub.Complete(request, metadata=((md.AUTHORIZATION, f"Bearer {allowed}"),))
+
+
+@pytest.mark.parametrize("source", ["static", "jwt", "jwt_string_claim"])
+async def test_static_keys_and_jwts_limited_to_models_may_use_only_those(mesh: Gateways, source: str) -> None:
+    """The same limit as a stored key's --models: a static key's `:model|model` part, a JWT's `models` claim."""
+    limited = {
+        "static": LIMITED_KEY,
+        "jwt": token(models=["other-model"]),
+        "jwt_string_claim": token(models="other-model third-model"),
+    }[source]
+    meta = ((md.AUTHORIZATION, f"Bearer {limited}"),)
+    stub = mesh.stubs[0]
+    assert (await stub.ListModels(pb.ListModelsRequest(), metadata=meta)).models == []  # fake-model is not its
+    mesh.router.seen.clear()
+    for model in ("fake-model", ""):
+        request = pb.GenerateRequest(prompt="hi", model=model, sampling=pb.SamplingParams(max_tokens=4))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Complete(request, metadata=meta)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "may use other-model" in (err.value.details() or "")
+    chat = stub.Chat(metadata=meta)
+    await chat.write(
+        pb.ChatRequest(turn=pb.ChatTurn(model="fake-model", messages=[pb.ChatMessage(role="user", content="hi")]))
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await chat.read()
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Embed(pb.EmbedRequest(model="fake-model", inputs=[pb.EmbedInput(text="hi")]), metadata=meta)
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "may use other-model" in (err.value.details() or "")
+    assert [s.method for s in mesh.router.seen if s.method != "Chat"] == []  # refused before the router
+    # Limited to the served model: it is listed and served.
+    allowed = token(models=["fake-model"])
+    listed = await stub.ListModels(pb.ListModelsRequest(), metadata=((md.AUTHORIZATION, f"Bearer {allowed}"),))
+    assert [m.id for m in listed.models] == ["fake-model"]
+    request = pb.GenerateRequest(prompt="hi", model="fake-model", sampling=pb.SamplingParams(max_tokens=4))
+    await stub.Complete(request, metadata=((md.AUTHORIZATION, f"Bearer {allowed}"),))
+
+
+@pytest.mark.parametrize("claim", [[], "", [3], {"a": 1}, 7])
+async def test_a_jwt_with_a_malformed_models_claim_is_unauthenticated(mesh: Gateways, claim: object) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await mesh.stubs[0].ListModels(
+            pb.ListModelsRequest(), metadata=((md.AUTHORIZATION, f"Bearer {token(models=claim)}"),)
+        )
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "'models' claim must be a non-empty list" in (err.value.details() or "")
 
 
 def test_keys_cli_creates_a_key_limited_to_models(redis_url: str, capsys: pytest.CaptureFixture[str]) -> None:

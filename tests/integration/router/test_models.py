@@ -213,6 +213,43 @@ async def test_shadow_output_never_reaches_the_caller(models: Models) -> None:
     assert v3_status.shadow_agreed == 0  # other weights answer other tokens: recorded as a disagreement
 
 
+async def test_chat_turns_are_shadowed_without_touching_the_primarys_chat(models: Models) -> None:
+    await models.rollout(shadow="v3")
+    v1, v3 = models.workers["v1"], models.workers["v3"]
+    before1, before3 = len(v1.starts), len(v3.starts)
+    listed = await models.admin.ListRollouts(admin_pb.ListRolloutsRequest(model=DEFAULT), metadata=ADMIN_META)
+    was = next(v for v in listed.models[0].versions if v.version == "v3")
+    chat = models.api.chat(tenant="shadowed")
+    for turn in range(2):
+        await chat.send(ChatTurn([ChatMessage("user", f"turn {turn}")], SamplingParams(max_tokens=3, temperature=0)))
+    await chat.end()
+    got: dict[int, list[int]] = {0: [], 1: []}
+    workers = []
+    async for event in chat.events():
+        if isinstance(event.event, Done):
+            workers.append(event.event.route.worker_id)
+        else:
+            got[event.turn].extend(event.event.token_ids)
+    await asyncio.gather(*models.api.shadows)
+    assert workers == ["w-v1", "w-v1"]
+    primary, copies = v1.starts[before1:], v3.starts[before3:]
+    assert len(primary) == 2 and len(copies) == 2  # each turn was copied to the shadow version...
+    # ...as a stand-alone generation over the same conversation: the primary's chat kept its one
+    # worker stream (its KV between turns), the copies each had their own.
+    assert len(set(v1.start_calls[before1:])) == 1
+    assert len(set(v3.start_calls[before3:])) == 2
+    copy_of = {tuple(c.prompt_token_ids): c for c in copies}  # the two copies may start in either order
+    assert copy_of.keys() == {tuple(p.prompt_token_ids) for p in primary}
+    for turn in (0, 1):  # the caller got the primary's tokens, never the shadow's
+        copy = copy_of[tuple(primary[turn].prompt_token_ids)]
+        assert got[turn] == v1.tokens(primary[turn]) != v3.tokens(copy)
+    listed = await models.admin.ListRollouts(admin_pb.ListRolloutsRequest(model=DEFAULT), metadata=ADMIN_META)
+    now = next(v for v in listed.models[0].versions if v.version == "v3")
+    assert now.shadow_requests - was.shadow_requests == 2
+    assert now.shadow_compared - was.shadow_compared == 2  # greedy: compared, recorded as disagreements
+    assert now.shadow_agreed == was.shadow_agreed
+
+
 async def test_rollback_under_load_fails_no_request(models: Models) -> None:
     await models.rollout(weights={"v1": 50, "v2": 50})
     for w in models.workers.values():
@@ -270,6 +307,36 @@ async def test_a_bad_rollout_is_refused_and_changes_nothing(models: Models) -> N
     listed = await models.admin.ListRollouts(admin_pb.ListRolloutsRequest(), metadata=ADMIN_META)
     assert [m.model for m in listed.models] == [DEFAULT, "other-model"]
     assert {w.version: w.weight for w in listed.models[0].weights}["v1"] == 100
+
+
+async def test_cache_where_answers_for_any_model_and_version(
+    models: Models, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from services.cache.cli import main as cache_cli
+
+    async def where(**fields: str) -> admin_pb.PrefixLocationResponse:
+        req = admin_pb.PrefixLocationRequest(text="Hello there", tier=pb.TIER_EDGE, **fields)  # type: ignore[arg-type]
+        return await models.admin.PrefixLocation(req, metadata=ADMIN_META)
+
+    def seen(reply: admin_pb.PrefixLocationResponse) -> tuple[str, str, str, list[str]]:
+        return reply.model_id, reply.version, reply.model_version, [r.worker_id for r in reply.replicas]
+
+    assert seen(await where()) == (DEFAULT, "v1", "v1", ["w-v1"])  # the default model's primary
+    assert seen(await where(model=DEFAULT, version="v3")) == (DEFAULT, "v3", "build-3", ["w-v3"])
+    assert seen(await where(model="other-model")) == ("other-model", "b1", "b1", ["w-b1"])
+    await models.rollout(weights={"v1": 10, "v2": 90})  # v2 is now the primary
+    assert seen(await where()) == (DEFAULT, "v2", "v2", ["w-v2"])
+    for fields, named in (({"version": "v9"}, "v1, v2, v3"), ({"model": "nope"}, "other-model")):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await where(**fields)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND and named in (err.value.details() or "")
+    argv = ["--internal-token", TOKEN, "where", "Hello there", "--tier", "edge", "--router"]
+    argv += [f"127.0.0.1:{models.server.port}", "--model", DEFAULT, "--version", "v3"]
+    capsys.readouterr()
+    assert await asyncio.to_thread(cache_cli, argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"model:  {DEFAULT} version v3" in lines and any(line.startswith("w-v3 ") for line in lines)
+    assert not any(line.startswith(("w-v1 ", "w-v2 ")) for line in lines)
 
 
 async def test_the_cli_changes_the_rollout_and_status_shows_it(

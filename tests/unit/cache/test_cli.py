@@ -44,6 +44,9 @@ def test_where_maps_to_a_prefix_location_request() -> None:
     chat = where.request(_parser().parse_args(["where", "Hi", "--chat"]))
     assert not chat.text and [(m.role, m.content) for m in chat.messages] == [("user", "Hi")]
     assert chat.tier == inference_pb2.TIER_AUTO
+    assert (chat.model, chat.version) == ("", "")  # the default model's primary version
+    scoped = where.request(_parser().parse_args(["where", "Hi", "--model", "student", "--version", "v2"]))
+    assert (scoped.model, scoped.version) == ("student", "v2")
 
 
 def test_where_without_a_router_says_how_to_fix(

@@ -102,7 +102,7 @@ def test_models_volume_is_prepared_before_any_model_reader_starts() -> None:
     prepare = commands.parse(compose_model.command(services["models"]))
     assert (prepare.subcommand, prepare.args.models_command) == ("models", "prepare")
     assert "models:/models" in services["models"]["volumes"]
-    assert doc["volumes"] == {"models": None}
+    assert doc["volumes"] == {"models": None, "redis-state": None}
     for name in ("edge-0", "edge-1", "cloud-0", "gateway"):  # the gateway's router reads the tokenizer
         assert services[name]["depends_on"]["models"] == {"condition": "service_completed_successfully"}
         assert "models:/models:ro" in services[name]["volumes"]
@@ -136,3 +136,35 @@ def test_the_versions_override_adds_a_pool_the_models_file_names(tmp_path: Any) 
     assert builds["int8"] == worker["MESHSERVE_EDGE_WORKER_MODEL_VERSION"]
     assert worker["MESHSERVE_EDGE_WORKER_MODEL_DIR"].endswith("/smollm2-135m-instruct/draft-int8")
     assert specs[0].rollout.weights == {"prepared": 100, "int8": 0}
+
+
+DURABLE_STATE = {
+    "MESHSERVE_GATEWAY_STATE_REDIS_URL",  # API keys, files, batches
+    "MESHSERVE_BATCH_REDIS_URL",  # files, batches, the work stream
+    "MESHSERVE_GATEWAY_HTTP_REDIS_URL",  # stored /v1/responses
+}
+"""The Redis settings that name durable state; every other one is a cache (response cache, KV prefix
+blocks, rate-limit buckets)."""
+
+
+def test_durable_state_lives_in_the_persistent_redis_and_caches_in_the_evicting_one() -> None:
+    services = compose_model.load()["services"]
+    state = compose_model.command(services["redis-state"])
+    flags = dict(zip(state[1::2], state[2::2], strict=False))
+    assert (flags["--appendonly"], flags["--appendfsync"], flags["--maxmemory-policy"]) == (
+        "yes",
+        "always",
+        "noeviction",
+    )
+    assert f"redis-state:{flags['--dir']}" in services["redis-state"]["volumes"]
+    cache = compose_model.command(services["redis"])
+    assert dict(zip(cache[1::2], cache[2::2], strict=False))["--maxmemory-policy"] == "allkeys-lru"
+    seen = set()
+    for name, service in services.items():
+        for key, value in compose_model.service_env(service).items() if "build" in service else ():
+            if key.endswith("REDIS_URL"):
+                want = "redis-state" if key in DURABLE_STATE else "redis"
+                assert value == f"redis://{want}:6379/0", f"{name}: {key}"
+                assert service["depends_on"][want] == {"condition": "service_healthy"}, f"{name} waits for {want}"
+                seen.add(key)
+    assert DURABLE_STATE <= seen

@@ -37,8 +37,13 @@ def _find(resources: list[dict[str, Any]], kind: str, name: str) -> dict[str, An
     return found
 
 
+THIRD_PARTY = {"redis-state"}
+"""Workloads of other images than meshserve's (no meshserve command, settings or gRPC health)."""
+
+
 def _workloads(resources: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [r for r in resources if kustomize.containers(r)]
+    """meshserve's workloads (see ``THIRD_PARTY``)."""
+    return [r for r in resources if kustomize.containers(r) and r["metadata"]["name"] not in THIRD_PARTY]
 
 
 def _container_env(resources: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
@@ -169,12 +174,13 @@ def test_drain_fits_in_the_termination_grace_period(built: list[dict[str, Any]])
 
 
 def test_selectors_match_pods(built: list[dict[str, Any]]) -> None:
-    pods = [w["spec"]["template"]["metadata"]["labels"] for w in _workloads(built)]
+    every = [r for r in built if kustomize.containers(r)]
+    pods = [w["spec"]["template"]["metadata"]["labels"] for w in every]
 
     def matches(selector: dict[str, str]) -> int:
         return sum(all(labels.get(k) == v for k, v in selector.items()) for labels in pods)
 
-    for workload in _workloads(built):
+    for workload in every:
         assert matches(workload["spec"]["selector"]["matchLabels"]) == 1
     for resource in built:
         if resource["kind"] == "Service":
@@ -206,6 +212,7 @@ def test_referenced_configmaps_and_secrets_exist(built: list[dict[str, Any]]) ->
                 assert ("Secret", volume["secret"]["secretName"]) in names
     secret = _find(built, "Secret", "meshserve-secrets")["stringData"]
     assert secret["redis-url"].startswith(("redis+sentinel://", "redis+cluster://"))
+    assert secret["state-redis-url"] == "redis://redis-state:6379/0"  # redis-state.yaml's Service
 
 
 def test_hpas_scale_on_exported_metrics_through_the_adapter_rules(built: list[dict[str, Any]]) -> None:
@@ -338,7 +345,7 @@ K8S_OF_COMPOSE = {
     "edge-0": "edge-worker",
     "cloud-0": "gpu-worker",
 }
-PER_ENVIRONMENT = {"ROUTER_ADDRESS", "REDIS_URL", "WORKER_ID"}
+PER_ENVIRONMENT = {"ROUTER_ADDRESS", "REDIS_URL", "STATE_REDIS_URL", "WORKER_ID"}
 """Settings whose value is where/who in each environment (addresses, identity): set in both, not equal.
 Kubernetes also sets more (advertise addresses, drain times sized to its grace periods)."""
 
@@ -384,3 +391,40 @@ def test_the_versions_overlay_adds_a_pool_its_models_file_names(tmp_path: Path) 
         and {v.name: v.build_id for v in specs[0].versions}["int8"] == worker_env["MESHSERVE_EDGE_WORKER_MODEL_VERSION"]
     )
     assert specs[0].rollout.weights == {"prepared": 100, "int8": 0}
+
+
+DURABLE_STATE = {
+    ("gateway", "MESHSERVE_GATEWAY_STATE_REDIS_URL"),  # API keys, files, batches
+    ("batch", "MESHSERVE_BATCH_REDIS_URL"),  # files, batches, the work stream
+    ("frontdoor", "MESHSERVE_GATEWAY_HTTP_REDIS_URL"),  # stored /v1/responses
+}
+
+
+def test_the_state_redis_keeps_an_append_only_file_on_a_volume_and_never_evicts(built: list[dict[str, Any]]) -> None:
+    """The state Redis runs as `meshserve up` runs it (the launcher's own flags), its data on a
+    persistent volume; the durable state's settings name it and the caches' settings do not."""
+    from services.local.processes import STATE_REDIS_ARGS
+
+    redis = _find(built, "StatefulSet", "redis-state")
+    assert redis["spec"]["replicas"] == 1
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    argv = container["command"]
+    flags = dict(zip(argv[1::2], argv[2::2], strict=False))
+    data = flags.pop("--dir")
+    assert argv[0] == "redis-server" and flags == dict(zip(STATE_REDIS_ARGS[::2], STATE_REDIS_ARGS[1::2], strict=True))
+    (claim,) = redis["spec"]["volumeClaimTemplates"]
+    assert {"name": claim["metadata"]["name"], "mountPath": data} in container["volumeMounts"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    service = _find(built, "Service", redis["spec"]["serviceName"])
+    assert [p["port"] for p in service["spec"]["ports"]] == [6379]
+    state_url = f"redis://{service['metadata']['name']}:6379/0"
+    seen = set()
+    for workload in _workloads(built):
+        for container in workload["spec"]["template"]["spec"]["containers"]:
+            env = _container_env(built, container)
+            for key, value in env.items():
+                if key.endswith("REDIS_URL"):
+                    durable = (workload["metadata"]["name"], key) in DURABLE_STATE
+                    assert (value == state_url) == durable, f"{workload['metadata']['name']}: {key}"
+                    seen.add((workload["metadata"]["name"], key))
+    assert DURABLE_STATE <= seen

@@ -23,6 +23,7 @@ import pytest
 
 from services.common.settings import DEFAULT_INTERNAL_TOKEN, ServiceSettings
 from services.controlplane.frontdoor import FrontDoor
+from services.local.mesh import STATE_REDIS
 from tests.unit.deploy import commands, compose_model
 from tests.unit.deploy.up_capture import Captured, capture_up
 
@@ -40,6 +41,8 @@ REPLICATED_ROUTERS = {"ROUTER_RESOLVE": "true"}
 """What compose adds to each worker: `up` lists every gateway's router port; in compose `gateway` is one
 DNS name for both replicas, which the worker re-resolves each heartbeat interval and heartbeats all."""
 COMMON_ONLY = {"MESHSERVE_MODELS_DIR": "/models"}
+REDIS = {"redis", STATE_REDIS}
+"""Third-party images: the cache Redis and the state Redis (no meshserve settings, no gRPC health)."""
 """The models volume (``up`` uses ~/.cache/meshserve/models)."""
 
 
@@ -71,15 +74,15 @@ def _prefixes(child_env: dict[str, str]) -> list[str]:
 def _embedded_router(child: Any) -> str | None:
     """The loopback address of the router inside this child (a gateway under plain `up`), if any."""
     env = child.env_delta()
-    if child.name == "redis" or len(_prefixes(env)) == 1:
+    if child.name in REDIS or len(_prefixes(env)) == 1:
         return None
     return f"127.0.0.1:{env[EMBEDDED_ROUTER + 'PORT']}"
 
 
 def _translator(up: Captured, compose: dict[str, Any]):  # type: ignore[no-untyped-def]
-    addresses = {f"127.0.0.1:{up.redis_port}": "redis:6379"}
+    addresses = {f"127.0.0.1:{up.redis_port}": "redis:6379", f"127.0.0.1:{up.state_redis_port}": "redis-state:6379"}
     for name, child in up.children.items():
-        if name == "redis":
+        if name in REDIS:
             continue
         env = compose_model.service_env(compose["services"][name])
         addresses[child.address] = f"{name}:{env[_prefix(child.env_delta()) + 'PORT']}"
@@ -125,7 +128,7 @@ def _launched(argv: list[str]) -> tuple[str, argparse.Namespace | None]:
 
 def test_same_commands(up: Captured, compose: dict[str, Any]) -> None:
     for name, child in up.children.items():
-        if name == "redis":
+        if name in REDIS:
             continue
         module, launcher = _launched(child.argv)
         parsed = commands.parse(compose_model.command(compose["services"][name]))
@@ -148,7 +151,7 @@ def test_command_comparison_understands_torchrun() -> None:
 def test_same_environment(up: Captured, compose: dict[str, Any]) -> None:
     translate = _translator(up, compose)
     for name, child in up.children.items():
-        if name == "redis":
+        if name in REDIS:
             continue
         launched = child.env_delta()
         declared = compose_model.service_env(compose["services"][name])
@@ -183,16 +186,73 @@ def test_same_environment(up: Captured, compose: dict[str, Any]) -> None:
         assert declared[prefix + "ROUTER_ADDRESS"] == "gateway:50052"
 
 
-def test_redis_runs_with_the_launchers_memory_policy(up: Captured, compose: dict[str, Any]) -> None:
-    def flags(argv: list[str]) -> dict[str, str]:
-        pairs = dict(zip(argv[1::2], argv[2::2], strict=False))
-        return {k: v for k, v in pairs.items() if k not in ("--port", "--bind", "--dir")}
+def _redis_flags(argv: list[str]) -> dict[str, str]:
+    pairs = dict(zip(argv[1::2], argv[2::2], strict=False))
+    return {k: v for k, v in pairs.items() if k not in ("--port", "--bind", "--dir")}
 
+
+def test_redis_runs_with_the_launchers_memory_policy(up: Captured, compose: dict[str, Any]) -> None:
     launched = up.children["redis"].argv
     declared = compose_model.command(compose["services"]["redis"])
     assert declared[0] == "redis-server" and launched[0].endswith("redis-server")
-    assert flags(declared) == flags(launched)
-    assert flags(declared)["--maxmemory-policy"] == "allkeys-lru"
+    assert _redis_flags(declared) == _redis_flags(launched)
+    assert _redis_flags(declared)["--maxmemory-policy"] == "allkeys-lru"
+    assert _redis_flags(declared)["--appendonly"] == "no"  # a cache: nothing on disk
+
+
+def test_the_state_redis_runs_with_the_launchers_persistence(up: Captured, compose: dict[str, Any]) -> None:
+    """Keys, files, batches and stored responses live in a Redis of their own that keeps an append-only
+    file on a volume and never evicts, in compose as under `meshserve up`."""
+    launched = up.children[STATE_REDIS].argv
+    service = compose["services"][STATE_REDIS]
+    declared = compose_model.command(service)
+    assert declared[0] == "redis-server" and launched[0].endswith("redis-server")
+    assert _redis_flags(declared) == _redis_flags(launched)
+    flags = _redis_flags(declared)
+    assert (flags["--appendonly"], flags["--appendfsync"], flags["--maxmemory-policy"]) == (
+        "yes",
+        "always",
+        "noeviction",
+    )
+    assert "--maxmemory" not in flags  # noeviction with no limit: writes never fail for memory
+    (volume,) = service["volumes"]
+    name, _, target = volume.partition(":")
+    assert (
+        target == declared[declared.index("--dir") + 1] and name in compose["volumes"]
+    )  # the AOF survives the container
+    assert up.config.state_dir and launched[launched.index("--dir") + 1] == up.config.state_dir
+    assert service["healthcheck"]["test"][:2] == ["CMD", "redis-cli"]
+    # Who gets which Redis: durable state to the state Redis, caches and rate limits to the cache Redis.
+    state, cache = f"127.0.0.1:{up.state_redis_port}", f"127.0.0.1:{up.redis_port}"
+    gateway = up.children["gateway"].env_delta()
+    assert state in gateway["MESHSERVE_GATEWAY_STATE_REDIS_URL"] and cache in gateway["MESHSERVE_GATEWAY_REDIS_URL"]
+    assert state in up.children["batch"].env_delta()["MESHSERVE_BATCH_REDIS_URL"]
+    assert up.front_door is not None and state in up.front_door["env"]["MESHSERVE_GATEWAY_HTTP_REDIS_URL"]
+    assert cache in gateway["MESHSERVE_ROUTER_REDIS_URL"]
+    assert cache in up.children["cloud-0"].env_delta()["MESHSERVE_GPU_WORKER_REDIS_URL"]
+    assert cache in up.children["cache"].env_delta()["MESHSERVE_CACHE_REDIS_URL"]
+    envoy = compose_model.service_env(compose["services"][FRONT_DOOR])
+    assert envoy["MESHSERVE_GATEWAY_HTTP_REDIS_URL"] == "redis://redis-state:6379/0"
+    for name in ("gateway", "batch", FRONT_DOOR):  # compose starts them once their state is there
+        assert compose["services"][name]["depends_on"][STATE_REDIS] == {"condition": "service_healthy"}, name
+
+
+async def test_a_given_redis_holds_the_state_too_unless_a_state_redis_is_given() -> None:
+    """`--redis-url` alone: one Redis for everything (as before the state Redis); `--state-redis-url`
+    names the state Redis; neither: both are started."""
+    shared = await capture_up(["--redis-url", "redis://127.0.0.1:6390/3"])
+    assert set(shared.children) & REDIS == set()
+    env = shared.children["gateway"].env_delta()
+    assert env["MESHSERVE_GATEWAY_STATE_REDIS_URL"] == env["MESHSERVE_GATEWAY_REDIS_URL"] == "redis://127.0.0.1:6390/3"
+    assert shared.children["batch"].env_delta()["MESHSERVE_BATCH_REDIS_URL"] == "redis://127.0.0.1:6390/3"
+    split = await capture_up(
+        ["--redis-url", "redis://127.0.0.1:6390/3", "--state-redis-url", "redis://127.0.0.1:6391/0"]
+    )
+    env = split.children["gateway"].env_delta()
+    assert env["MESHSERVE_GATEWAY_STATE_REDIS_URL"] == "redis://127.0.0.1:6391/0"
+    assert env["MESHSERVE_GATEWAY_REDIS_URL"] == "redis://127.0.0.1:6390/3"
+    assert split.front_door is not None
+    assert split.front_door["env"]["MESHSERVE_GATEWAY_HTTP_REDIS_URL"] == "redis://127.0.0.1:6391/0"
 
 
 def test_front_door_fronts_the_gateways(up: Captured, compose: dict[str, Any]) -> None:
@@ -226,7 +286,7 @@ def test_start_order_is_the_launchers(up: Captured, compose: dict[str, Any]) -> 
         return "serving" if "serving" in states else "started" if "started" in states else None
 
     for name, child in up.children.items():
-        if name == "redis":
+        if name in REDIS:
             continue
         given = translate(" ".join(child.env_delta().values()))
         needs = {other for other in up.children if re.search(rf"\b{other}:\d+", given)} - {name}
@@ -239,12 +299,13 @@ def test_start_order_is_the_launchers(up: Captured, compose: dict[str, Any]) -> 
             if dependency not in ONE_SHOT_OR_OPTIONAL:
                 waited = awaited(dependency, name)
                 assert waited is not None and condition == {"condition": conditions[waited]}, f"{name} -> {dependency}"
-    assert services[FRONT_DOOR]["depends_on"] == {"gateway": {"condition": "service_healthy"}}
+    healthy = {"condition": "service_healthy"}
+    assert services[FRONT_DOOR]["depends_on"] == {"gateway": healthy, STATE_REDIS: healthy}  # stored responses
 
 
 def test_healthchecks_ask_each_service_over_grpc_health(compose: dict[str, Any]) -> None:
     for name, service in compose["services"].items():
-        if name in ONE_SHOT_OR_OPTIONAL or name == "redis":
+        if name in ONE_SHOT_OR_OPTIONAL or name in REDIS:
             continue
         check = commands.parse(service["healthcheck"]["test"][1:])
         assert service["healthcheck"]["test"][0] == "CMD"
@@ -264,7 +325,7 @@ def test_stop_grace_outlasts_the_drain(compose: dict[str, Any]) -> None:
     """SIGKILL must not cut the drain short: stop_grace_period > shutdown_grace_s."""
     default_grace = ServiceSettings.model_fields["shutdown_grace_s"].default
     for name, service in compose["services"].items():
-        if name in ONE_SHOT_OR_OPTIONAL or name == "redis":
+        if name in ONE_SHOT_OR_OPTIONAL or name in REDIS:
             continue
         env = compose_model.service_env(service)
         grace = max([float(v) for k, v in env.items() if k.endswith("_SHUTDOWN_GRACE_S")] or [default_grace])
@@ -314,13 +375,13 @@ async def test_the_router_stops_after_the_workers_so_it_hears_them_leave() -> No
     # Split: the gateway stops first (no new calls; its streams drain), then the workers, then the router.
     split = (await capture_up(["--split-router"])).stop_order()
     assert split.index("gateway") < split.index("edge-0") < split.index("router")
-    assert split.index("cloud-0") < split.index("router") and split[-1] == "redis"
+    assert split.index("cloud-0") < split.index("router") and set(split[-2:]) == REDIS
     # Embedded: the gateway carries the router, so it stops after the workers.
     embedded = (await capture_up()).stop_order()
     assert "router" not in embedded
     for worker in ("edge-0", "edge-1", "cloud-0"):
         assert embedded.index("cache") < embedded.index(worker) < embedded.index("gateway")
-    assert embedded[-1] == "redis"
+    assert set(embedded[-2:]) == REDIS
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["embedded", "split"])

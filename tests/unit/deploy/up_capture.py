@@ -13,6 +13,7 @@ import dataclasses
 import itertools
 import os
 import signal
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
@@ -65,6 +66,11 @@ class Captured:
         argv = self.children["redis"].argv
         return int(argv[argv.index("--port") + 1])
 
+    @property
+    def state_redis_port(self) -> int:
+        argv = self.children[mesh.STATE_REDIS].argv
+        return int(argv[argv.index("--port") + 1])
+
 
 class _Stop(Exception):
     pass
@@ -80,8 +86,10 @@ async def capture_up(argv: list[str] | None = None) -> Captured:
             raise _Stop
 
     loop = asyncio.get_running_loop()
+    state = tempfile.TemporaryDirectory(prefix="meshserve-capture-")  # the state Redis's dir: not ~/.cache
     try:
         with (
+            mock.patch.dict(os.environ, {"MESHSERVE_STATE_FILE": f"{state.name}/mesh.json"}),
             mock.patch.object(up, "Mesh", ConfigProbe),
             mock.patch.object(up, "busy_port", return_value=None),  # a mesh running beside the tests is no matter
             mock.patch("builtins.print"),
@@ -129,8 +137,10 @@ async def capture_up(argv: list[str] | None = None) -> Captured:
         async def stop(self) -> None:
             pass
 
-    def redis_ready(url: str, timeout_s: float) -> None:
-        captured.events.append(("serving", "redis"))  # wait_redis: PING answered
+    def redis_ready(url: str, timeout_s: float) -> None:  # wait_redis: PING answered
+        port = url.split(":")[2].split("/")[0]
+        (name,) = [n for n, c in captured.children.items() if "--port" in c.argv and port in c.argv]
+        captured.events.append(("serving", name))
 
     async def health(address: str, timeout_s: float) -> None:  # the embedded router's own port
         captured.events.append(("serving", address))
@@ -144,6 +154,9 @@ async def capture_up(argv: list[str] | None = None) -> Captured:
     ):
         # No supervision: the recorded children are no OS processes to watch (the topology is the same).
         running = real_mesh(dataclasses.replace(captured.config, supervise=False), sink=lambda name, line: None)
-        await running.start()
-        await running.stop()
+        try:
+            await running.start()
+            await running.stop()
+        finally:
+            state.cleanup()
     return captured

@@ -27,7 +27,17 @@ def test_parse_entries_with_spaces_and_upper_case_hex() -> None:
     assert parse_api_keys("") == ()
 
 
-@pytest.mark.parametrize("spec", ["acme", f":{ACME}", "acme:abc", f"ac me:{ACME}", f"acme:{ACME}0", f"acme={ACME}"])
+def test_parse_an_entry_limited_to_models() -> None:
+    keys = parse_api_keys(f"acme:{ACME}:m1|org/m:2 , globex:{GLOBEX}")
+    assert [(k.tenant, k.models) for k in keys] == [("acme", ("m1", "org/m:2")), ("globex", ())]
+    assert ApiKeyAuthenticator(keys).key_for("acme-key").models == ("m1", "org/m:2")
+    with pytest.raises(ValueError, match="names no model"):
+        parse_api_keys(f"acme:{ACME}:")
+
+
+@pytest.mark.parametrize(
+    "spec", ["acme", f":{ACME}", "acme:abc", f"ac me:{ACME}", f"acme:{ACME}0", f"acme={ACME}", f"acme:{ACME}x"]
+)
 def test_parse_rejects_malformed_entries_with_a_fix(spec: str) -> None:
     with pytest.raises(ValueError, match="tenant:sha256hex"):
         parse_api_keys(spec)

@@ -77,6 +77,17 @@ def test_a_malformed_redis_url_is_a_config_error(monkeypatch: pytest.MonkeyPatch
     assert fix in str(err.value)
 
 
+def test_the_state_redis_defaults_to_the_redis_and_is_checked_like_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHSERVE_GATEWAY_REDIS_URL", "redis://cache:6379/0")
+    assert load_settings(GatewaySettings).state_url == "redis://cache:6379/0"  # one Redis for everything
+    monkeypatch.setenv("MESHSERVE_GATEWAY_STATE_REDIS_URL", "redis://state:6379/0")
+    settings = load_settings(GatewaySettings)
+    assert (settings.redis_url, settings.state_url) == ("redis://cache:6379/0", "redis://state:6379/0")
+    monkeypatch.setenv("MESHSERVE_GATEWAY_STATE_REDIS_URL", "http://state:6379")
+    with pytest.raises(ConfigError, match="MESHSERVE_GATEWAY_STATE_REDIS_URL: unsupported Redis URL scheme"):
+        load_settings(GatewaySettings)
+
+
 def test_every_gateway_setting_is_in_the_settings_table_of_the_docs() -> None:
     doc = (Path(__file__).parents[3] / "docs" / "gateway.md").read_text()
     section = doc[doc.index("## Settings") :]

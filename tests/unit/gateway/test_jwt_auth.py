@@ -55,6 +55,20 @@ def test_valid_tokens_of_each_algorithm_resolve_the_tenant(verifier: JwtVerifier
     assert looks_like_jwt(hs) and not looks_like_jwt("msk_0123456789ab_secret")
 
 
+def test_the_models_claim_limits_a_token_to_model_ids(verifier: JwtVerifier) -> None:
+    assert verifier.verify(jwt.encode(claims(), SECRET, algorithm="HS256")).models == ()
+    listed = jwt.encode(claims(models=["m1", "org/m2"]), SECRET, algorithm="HS256")
+    assert verifier.verify(listed).models == ("m1", "org/m2")
+    spaced = jwt.encode(claims(models="m1 m2"), SECRET, algorithm="HS256")
+    assert verifier.verify(spaced).models == ("m1", "m2")
+    other = JwtVerifier(hs256_secret=SECRET, audience="meshserve", models_claim="https://x/models")
+    named = jwt.encode(claims(**{"https://x/models": ["m3"]}), SECRET, algorithm="HS256")
+    assert other.verify(named).models == ("m3",)
+    for bad in ([], "", [""], [1], {"m": 1}, 5):
+        with pytest.raises(Unauthenticated, match="'models' claim must be a non-empty list"):
+            verifier.verify(jwt.encode(claims(models=bad), SECRET, algorithm="HS256"))
+
+
 @pytest.mark.parametrize(
     ("make", "why"),
     [

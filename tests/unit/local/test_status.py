@@ -123,3 +123,21 @@ def test_frame_shows_the_supervised_services_restarts_and_crash_loops() -> None:
     assert cells["gateway"] == ["running", "0", "-", "-"]
     assert cells["edge-0"] == ["running", "2", "killed by SIGKILL", "03:40:20"]
     assert cells["cache"] == ["crash loop", "7", "exit code 1", "03:41:02"]
+
+
+def test_the_redis_line_names_each_role_and_hides_passwords() -> None:
+    from services.local.status import redis_roles
+
+    two = {"redis": "redis://127.0.0.1:6001/0", "state_redis": "redis://:s3cret@127.0.0.1:6002/0", "state_dir": "/d"}
+    assert redis_roles(two) == {
+        "cache": "redis://127.0.0.1:6001/0",
+        "state": "redis://***@127.0.0.1:6002/0 (append-only file in /d)",
+    }
+    one = {"redis": "redis://u:pw@h:6379/0", "state_redis": "redis://u:pw@h:6379/0"}
+    assert redis_roles(one) == {"cache+state": "redis://***@h:6379/0"}
+    assert redis_roles({"redis": "redis://h:6379/0"}) == {"cache+state": "redis://h:6379/0"}  # an older state file
+    assert redis_roles({}) == {}
+    view = MeshView(router="r:1", redis=redis_roles(two))
+    out = io.StringIO()
+    Console(file=out, width=200).print(render(view))
+    assert "redis: cache redis://127.0.0.1:6001/0 · state redis://***@127.0.0.1:6002/0" in out.getvalue()

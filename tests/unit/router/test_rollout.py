@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections import Counter
 
@@ -15,6 +16,8 @@ from services.router.rollout import (
     RolloutPolicy,
     parse_weights,
     pick,
+    policy_from_json,
+    policy_to_json,
     tenant_point,
 )
 
@@ -147,3 +150,29 @@ def test_no_rule_no_rollback() -> None:
     _feed(r, "v1", 100, ttft=0.01)
     assert _feed(r, "v2", 100, ttft=5.0, failed_every=1) is None
     assert r.counters["v2"].requests == 100 and r.counters["v2"].errors == 100
+
+
+def test_a_policy_survives_its_json_form_with_the_order_of_its_weights() -> None:
+    """The shared store's form (services/store/rollouts.py): the weights' order decides pick()."""
+    rule = RollbackRule(error_rate_margin=0.1, ttft_p99_margin_s=0.3, window_s=30, min_samples=5)
+    policy = RolloutPolicy({"v3": 10, "v1": 80, "v2": 10}, sticky="tenant", shadow="v2", rollback=rule)
+    back = policy_from_json(json.loads(json.dumps(policy_to_json(policy), sort_keys=True)))
+    assert back == policy and list(back.weights) == ["v3", "v1", "v2"] and back.primary == "v1"
+    rolled = Rollout("m", VERSIONS, policy).rollback()
+    assert policy_from_json(policy_to_json(rolled)).primary == "v1"  # kept, not recomputed
+    for bad in ({}, {"weights": "v1"}, {"weights": [["v1"]]}, {"weights": [["v1", 1]], "rollback": {"x": 1}}):
+        with pytest.raises(InvalidArgument, match="stored rollout policy is malformed"):
+            policy_from_json(bad)
+
+
+def test_check_names_the_field_at_fault() -> None:
+    for policy, field in (
+        (RolloutPolicy({"v9": 1}), "weights:"),
+        (RolloutPolicy({"v1": 0}), "weights:"),
+        (RolloutPolicy({"v1": 1}, shadow="v9"), "shadow:"),
+        (RolloutPolicy({"v1": 1}, sticky="nope"), "sticky"),  # type: ignore[arg-type]
+        (RolloutPolicy({"v1": 1, "v2": 0}, primary="v2"), "primary:"),
+    ):
+        with pytest.raises(InvalidArgument) as err:
+            policy.check(VERSIONS, "m")
+        assert err.value.message.startswith(field)

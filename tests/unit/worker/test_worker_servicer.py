@@ -407,3 +407,14 @@ async def test_stats_announce_the_build_model_id_and_version_then_the_engines_ow
 async def test_an_engine_without_a_build_announces_none(harness: Any) -> None:
     _, stub = harness
     assert (await stats(stub)).build == ""  # the router then takes the tier for the build
+
+
+@pytest.mark.parametrize("harness", [{"fault_first_token_delay_s": 0.3}], indirect=True)
+async def test_the_injected_first_token_delay_holds_back_the_first_frame_only(harness: Any) -> None:
+    """The fault-injection knob (off by default) delays the turn's first frame; the answer is unchanged."""
+    assert load_settings(WorkerSettings).fault_first_token_delay_s == 0.0
+    _, stub = harness
+    began = time.perf_counter()
+    result = await generate(stub, PROMPT, max_tokens=3)
+    assert time.perf_counter() - began >= 0.3
+    assert (result.text, result.reason) == ("hello worldhello", pb.FINISH_REASON_LENGTH)

@@ -198,6 +198,8 @@ class PrefixLocationRequest(_message.Message):
     TENANT_FIELD_NUMBER: _builtins.int
     SHAREABLE_PREFIX_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """Prompt text, tokenized as Generate tokenizes its prompt. Set this or messages, not both."""
     tenant: _builtins.str
@@ -207,6 +209,14 @@ class PrefixLocationRequest(_message.Message):
     tier: _inference_pb2.Tier.ValueType
     """Tier whose replicas to report; TIER_UNSPECIFIED or TIER_AUTO: the tier the router would route
     this prompt to now.
+    """
+    model: _builtins.str
+    """Model whose replicas and KV to look at (ListRollouts lists the served ones); empty: the default
+    model. An unknown model is NOT_FOUND.
+    """
+    version: _builtins.str
+    """Version of that model (its name in the models file); empty: the model's primary version. An
+    unknown version is NOT_FOUND.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_inference_pb2.ChatMessage]:
@@ -220,10 +230,12 @@ class PrefixLocationRequest(_message.Message):
         tenant: _builtins.str = ...,
         shareable_prefix: _builtins.bool = ...,
         tier: _inference_pb2.Tier.ValueType = ...,
+        model: _builtins.str = ...,
+        version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "shareable_prefix", b"shareable_prefix", "tenant", b"tenant", "text", b"text", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "model", b"model", "shareable_prefix", b"shareable_prefix", "tenant", b"tenant", "text", b"text", "tier", b"tier", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -279,6 +291,7 @@ class PrefixLocationResponse(_message.Message):
     REDIS_BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     MODEL_ID_FIELD_NUMBER: _builtins.int
     MODEL_VERSION_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens of the prompt, as routing counts them."""
     block_tokens: _builtins.int
@@ -303,6 +316,10 @@ class PrefixLocationResponse(_message.Message):
     """Model id the Redis keys were built with (the cloud workers' reported model, else the router's)."""
     model_version: _builtins.str
     """Model version the Redis keys were built with (the cloud workers' reported one, else the router's)."""
+    version: _builtins.str
+    """The version (its name in the models file) whose replicas are listed: the one asked for, else the
+    model's primary.
+    """
     @_builtins.property
     def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefixHolder]:
         """Healthy replicas of the tier, in the router's order; empty when the tier has none."""
@@ -322,10 +339,11 @@ class PrefixLocationResponse(_message.Message):
         redis_block_tokens: _builtins.int = ...,
         model_id: _builtins.str = ...,
         model_version: _builtins.str = ...,
+        version: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_tokens", b"block_tokens", "model_id", b"model_id", "model_version", b"model_version", "prompt_blocks", b"prompt_blocks", "prompt_tokens", b"prompt_tokens", "redis", b"redis", "redis_block_tokens", b"redis_block_tokens", "redis_blocks", b"redis_blocks", "redis_checked_blocks", b"redis_checked_blocks", "replicas", b"replicas", "tier", b"tier", "tier_reason", b"tier_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_tokens", b"block_tokens", "model_id", b"model_id", "model_version", b"model_version", "prompt_blocks", b"prompt_blocks", "prompt_tokens", b"prompt_tokens", "redis", b"redis", "redis_block_tokens", b"redis_block_tokens", "redis_blocks", b"redis_blocks", "redis_checked_blocks", b"redis_checked_blocks", "replicas", b"replicas", "tier", b"tier", "tier_reason", b"tier_reason", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -501,6 +519,8 @@ class ModelRollout(_message.Message):
     ROLLBACK_FIELD_NUMBER: _builtins.int
     VERSIONS_FIELD_NUMBER: _builtins.int
     ROLLBACKS_FIELD_NUMBER: _builtins.int
+    POLICY_EPOCH_FIELD_NUMBER: _builtins.int
+    POLICY_STORE_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     """Model id."""
     is_default: _builtins.bool
@@ -508,9 +528,16 @@ class ModelRollout(_message.Message):
     sticky: _builtins.str
     """"chat" (a chat keeps its version) or "tenant" (a tenant keeps its version)."""
     shadow: _builtins.str
-    """Version that gets a copy of each Generate (output discarded); empty: none."""
+    """Version that gets a copy of each Generate and chat turn (output discarded); empty: none."""
     primary: _builtins.str
     """The version a rollback returns to."""
+    policy_epoch: _builtins.int
+    """Epoch of the policy in force on this router (0: the models file's; each shared change adds one)."""
+    policy_store: _builtins.str
+    """Where the policy lives: "local" (this router only: no Redis), "shared" (Redis, every router
+    replica), "unreachable" (Redis does not answer: the last known policy is kept), "pending" (a
+    rollback applied here is not written to Redis yet).
+    """
     @_builtins.property
     def weights(self) -> _containers.RepeatedCompositeFieldContainer[Global___VersionWeight]:
         """Current weights, in the policy's order."""
@@ -539,10 +566,12 @@ class ModelRollout(_message.Message):
         rollback: Global___RollbackRule | None = ...,
         versions: _abc.Iterable[Global___VersionStatus] | None = ...,
         rollbacks: _abc.Iterable[Global___RollbackEventStatus] | None = ...,
+        policy_epoch: _builtins.int = ...,
+        policy_store: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["rollback", b"rollback"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_default", b"is_default", "model", b"model", "primary", b"primary", "rollback", b"rollback", "rollbacks", b"rollbacks", "shadow", b"shadow", "sticky", b"sticky", "versions", b"versions", "weights", b"weights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["is_default", b"is_default", "model", b"model", "policy_epoch", b"policy_epoch", "policy_store", b"policy_store", "primary", b"primary", "rollback", b"rollback", "rollbacks", b"rollbacks", "shadow", b"shadow", "sticky", b"sticky", "versions", b"versions", "weights", b"weights"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
