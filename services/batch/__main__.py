@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import time
 
 import grpc
 import structlog
 
-from services.batch.capacity import Capacity
+from services.batch.capacity import Capacity, Headroom
 from services.batch.config import BatchSettings
 from services.batch.runner import Runner
 from services.common import metadata as md
@@ -33,12 +34,23 @@ log = structlog.get_logger(__name__)
 async def _main(settings: BatchSettings) -> None:
     redis = redis_from_url(settings.redis_url, 5.0, read_timeout_s=30.0, client_name="meshserve-batch")
     channels = [grpc.aio.insecure_channel(a, options=grpc_options()) for a in settings.routers()]
+    headroom = (
+        Headroom(
+            max_lines=settings.max_in_flight,
+            quiet_s=settings.headroom_quiet_s,
+            max_defer_s=settings.headroom_max_defer_s,
+            now=time.monotonic(),
+        )
+        if settings.headroom
+        else None
+    )
     capacity = Capacity(
         [router_admin_pb2_grpc.RouterAdminStub(c) for c in channels],
         ((md.INTERNAL_TOKEN, settings.internal_token),),
         max_in_flight=settings.max_in_flight,
         reserve_slots=settings.reserve_slots,
         poll_s=settings.capacity_poll_s,
+        headroom=headroom,
     )
     store = BatchStore(redis)
     runner = Runner(settings, store, [inference_pb2_grpc.InferenceStub(c) for c in channels], capacity)

@@ -18,12 +18,29 @@ queue is served after any waiting interactive request of a higher class.
 When no router answers the view (a router too old to serve it, say), the runner runs one line at a
 time rather than guess. The view is read only while a line waits or runs: an idle runner asks the
 routers nothing.
+
+A free slot is not free compute: on a CPU-bound tier every batch row in a worker's step, and every
+batch prefill, slows the interactive turns beside it. So, with a :class:`Headroom` (the runner's
+default), a line also needs the interactive work to be idle, measured from the same view: the
+routers' turns in flight, less this runner's own calls, are the interactive turns running now.
+
+* A line starts only after the routers have shown no interactive turn for ``quiet_s``.
+* The number of lines may grow by one per quiet view (additive increase, up to ``max_in_flight``)
+  and is halved by every view with interactive work (multiplicative decrease): a short idle gap
+  starts one line, not ``max_in_flight``, and a long one ramps up to the full rate.
+* No starvation: after ``max_defer_s`` without a start, one line may start alone even while
+  interactive turns run (a load that never leaves the workers idle still sees its batch end).
+
+Lines already running are not stopped; a line is one request, so they end in a turn's time.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -39,15 +56,19 @@ class View:
     free_slots: int
     queued: int
     replicas: int
+    in_flight: int = 0
+    """Turns the routers run now, on any replica: each router counts its own, so they add up."""
 
 
 def combine(replies: Sequence[router_admin_pb2.ListReplicasResponse]) -> View:
-    """The free slots and queue of the healthy replicas over every router's view."""
+    """The free slots and queue of the healthy replicas over every router's view, and the routers' turns."""
     used: dict[str, int] = {}
     size: dict[str, int] = {}
     queued: dict[str, int] = {}
+    in_flight = 0
     for reply in replies:
         for r in reply.replicas:
+            in_flight += r.in_flight
             if not r.healthy or r.kv_full:
                 continue
             key = r.worker_id or r.address
@@ -55,7 +76,46 @@ def combine(replies: Sequence[router_admin_pb2.ListReplicasResponse]) -> View:
             size[key] = max(size.get(key, 0), r.max_active_sequences)
             queued[key] = max(queued.get(key, 0), r.queue_depth)
     free = sum(max(0, size[k] - used[k]) for k in size)
-    return View(free_slots=free, queued=sum(queued.values()), replicas=len(size))
+    return View(free_slots=free, queued=sum(queued.values()), replicas=len(size), in_flight=in_flight)
+
+
+class Headroom:
+    """When interactive work leaves room for batch lines (see the module docstring); pure, the clock
+    passed in. ``observe`` takes each view's count of interactive turns; ``allows`` says whether one
+    more line may start with ``in_flight`` running."""
+
+    def __init__(self, *, max_lines: int, quiet_s: float, max_defer_s: float, now: float) -> None:
+        self.max_lines = max_lines
+        self.quiet_s = quiet_s
+        self.max_defer_s = max_defer_s
+        self.limit = 1
+        """Lines that may run now (AIMD, 1 to ``max_lines``)."""
+        self.busy = False
+        """The latest view showed interactive work."""
+        self.busy_at = -math.inf
+        """When interactive work was last seen."""
+        self.started_at = now
+        """When the last line started (the starvation clock; a new runner waits a full period too)."""
+
+    def observe(self, interactive: int, now: float) -> None:
+        self.busy = interactive > 0
+        if self.busy:
+            self.busy_at = now
+            self.limit = max(1, self.limit // 2)
+        elif self.quiet(now):
+            self.limit = min(self.max_lines, self.limit + 1)
+
+    def quiet(self, now: float) -> bool:
+        """The latest view showed no interactive turn, nor any view of the last ``quiet_s``."""
+        return not self.busy and now - self.busy_at >= self.quiet_s
+
+    def allows(self, in_flight: int, now: float) -> bool:
+        if self.quiet(now):
+            return in_flight < self.limit
+        return in_flight == 0 and now - self.started_at >= self.max_defer_s
+
+    def started(self, now: float) -> None:
+        self.started_at = now
 
 
 class Capacity:
@@ -69,7 +129,10 @@ class Capacity:
         max_in_flight: int,
         reserve_slots: int,
         poll_s: float,
+        headroom: Headroom | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``headroom``: also wait for interactive work to be idle (None: free slots only)."""
         self._admins = admins
         self._metadata = metadata
         self._max = max_in_flight
@@ -84,6 +147,19 @@ class Capacity:
         self._wanted = asyncio.Event()
         self._changed = asyncio.Condition()
         self._warned = False
+        self._headroom = headroom
+        self._clock = clock
+        self.calling = 0
+        """This runner's calls to the routers running now (their turns are in the routers' count)."""
+
+    @contextmanager
+    def call(self) -> Iterator[None]:
+        """Bracket a line's router call, so the view's turns less these are the interactive ones."""
+        self.calling += 1
+        try:
+            yield
+        finally:
+            self.calling -= 1
 
     async def poll_forever(self) -> None:
         """Read the view every ``poll_s`` while a line waits or runs; an idle runner asks nothing of the
@@ -91,8 +167,13 @@ class Capacity:
         while True:
             await self._wanted.wait()
             asked_at = self._started  # lines started before the view was asked for are in it
+            calling = self.calling
             view = await self._read()
             async with self._changed:
+                if view is not None and self._headroom is not None:
+                    # The fewer of our own calls, so that a call that ended meanwhile never hides an
+                    # interactive turn (too many counted only delays a line).
+                    self._headroom.observe(max(0, view.in_flight - min(calling, self.calling)), self._clock())
                 self._view = view
                 self._viewed = True
                 self._started_since_view = self._started - asked_at
@@ -123,7 +204,9 @@ class Capacity:
         view = self._view
         if view is None:  # no view: one line at a time
             return self.in_flight == 0
-        return view.queued == 0 and view.free_slots - self._started_since_view > self._reserve
+        if view.queued or view.free_slots - self._started_since_view <= self._reserve:
+            return False
+        return self._headroom is None or self._headroom.allows(self.in_flight, self._clock())
 
     async def acquire(self) -> None:
         async with self._changed:
@@ -136,6 +219,8 @@ class Capacity:
             self.in_flight += 1
             self._started += 1
             self._started_since_view += 1
+            if self._headroom is not None:
+                self._headroom.started(self._clock())
 
     async def release(self) -> None:
         async with self._changed:

@@ -29,6 +29,15 @@ class BatchSettings(ServiceSettings):
     than this many slots are free across the healthy replicas, and no replica has a queue."""
     capacity_poll_s: float = Field(default=0.2, gt=0)
     """How often the routers' replica view (RouterAdmin.ListReplicas) is read."""
+    headroom: bool = True
+    """Also wait for the interactive work to be idle (services/batch/capacity.py, docs/batch.md): a line
+    starts only after the routers have run no interactive turn for ``HEADROOM_QUIET_S``, and the lines
+    running grow by one per quiet view and halve at every busy one. False: free slots alone decide."""
+    headroom_quiet_s: float = Field(default=0.5, ge=0)
+    """How long the routers must have run no interactive turn before a line starts."""
+    headroom_max_defer_s: float = Field(default=30.0, gt=0)
+    """No starvation: after this long without a line started, one line starts alone even while
+    interactive turns run (a load that never leaves the workers idle still sees its batch end)."""
     claim_idle_s: float = Field(default=30.0, gt=0)
     """A line held this long by a runner that stopped acknowledging (it died) is taken over; a live
     runner refreshes its lines' idle time every third of this."""

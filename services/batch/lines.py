@@ -32,10 +32,12 @@ def request_for(url: str, body: dict[str, Any], limits: Limits) -> pb.ChatReques
     if url == CHAT:
         _, chat = oa.chat_request(body)
         chat.turn.routing.priority = BATCH_PRIORITY
+        chat.turn.routing.background = True
         validate_chat_request(chat, limits)
         return chat
     _, generate = oa.completion_request(body)
     generate.routing.priority = BATCH_PRIORITY
+    generate.routing.background = True
     validate_generate(generate, limits)
     return generate
 

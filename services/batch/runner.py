@@ -229,20 +229,21 @@ class Runner:
         router = self._router()
         served = model if isinstance(model, str) and model else await self._served_model(router, metadata)
         timeout = self._settings.line_timeout_s
-        if isinstance(request, pb.GenerateRequest):
-            reply = await router.Complete(request, metadata=metadata, timeout=timeout)
-            return oa.completion(request_id, served, reply.text, reply.final)
-        call = router.Chat(metadata=metadata, timeout=timeout)
-        try:
-            await call.write(request)
-            await call.done_writing()
-            parts: list[str] = []
-            async for frame in call:
-                parts.append(frame.text)
-                if frame.HasField("final"):
-                    return oa.chat_completion(request_id, served, "".join(parts), frame.final)
-        finally:
-            call.cancel()
+        with self._capacity.call():  # the routers' turns less these are the interactive ones
+            if isinstance(request, pb.GenerateRequest):
+                reply = await router.Complete(request, metadata=metadata, timeout=timeout)
+                return oa.completion(request_id, served, reply.text, reply.final)
+            call = router.Chat(metadata=metadata, timeout=timeout)
+            try:
+                await call.write(request)
+                await call.done_writing()
+                parts: list[str] = []
+                async for frame in call:
+                    parts.append(frame.text)
+                    if frame.HasField("final"):
+                        return oa.chat_completion(request_id, served, "".join(parts), frame.final)
+            finally:
+                call.cancel()
         raise MeshError("the chat stream ended without a final frame")
 
     async def _served_model(self, router: inference_pb2_grpc.InferenceStub, metadata: Any) -> str:

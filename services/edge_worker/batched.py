@@ -14,6 +14,11 @@ the sequence and blocks until the batch thread has run the model for it. The bat
 everything waiting (waiting up to ``max_wait_s`` for the sequences of the previous step to come back),
 prefills new prompts one sequence per call (chunked), then runs one decode call for all the rest.
 
+Background sequences (batch lines, ``seq.background``) yield: a round that prefills a sequence not
+marked so leaves every background sequence out (no prefill chunk, no decode row; they wait for the
+next round), so an interactive first token never waits for batch work in its round. Such a round
+is one per prompt chunk of an interactive turn, so background work is delayed, never starved.
+
 Batch invariance: MatMulNBits' int8-activation kernels compute one row (M=1) differently from several
 rows (M>=2), while rows of an M>=2 call do not depend on each other. A decode call therefore always has
 at least two rows (a dummy row pads a lone sequence), so a sequence's tokens are the same whether it
@@ -146,6 +151,8 @@ class BatchedEngine:
         """Prefill chunks started so far (one model call each)."""
         self.forks_made = 0
         """Choices started as a copy of another sequence's prefilled prompt (``start_n``)."""
+        self.yields = 0
+        """Rounds that left background sequences out for another sequence's prefill."""
         self._thread = threading.Thread(target=self._loop, name="edge-batch", daemon=True)
         self._thread.start()
 
@@ -240,12 +247,14 @@ class BatchedEngine:
                 return
             for seq in released:
                 self._free(seq)
+            batch, held = self._yield_to_foreground(batch)
             try:
                 done, carry = self._iterate(batch)
             except Exception as exc:  # an onnxruntime failure fails this step's sequences, not the thread
                 for seq in batch:
                     seq.finish(exc)
                 done, carry = [], []
+            carry += held  # their step is still pending: the next round takes them first
             # Forks made this round step next round too: wait for them as for the sequences done.
             self._expected = {seq for seq, _ in done} | set(self._new_forks)
             self._new_forks = []
@@ -273,6 +282,15 @@ class BatchedEngine:
             del self._waiting[:room]
             released, self._released = self._released, []
             return batch, released
+
+    def _yield_to_foreground(self, batch: list[BatchedSequence]) -> tuple[list[BatchedSequence], list[BatchedSequence]]:
+        """This round's sequences and the background ones held out of it (see the module docstring)."""
+        if not any(seq.background for seq in batch):
+            return batch, []
+        if not any(not seq.background and seq.prefill_end - seq.kv_len >= 2 for seq in batch):
+            return batch, []
+        self.yields += 1
+        return [s for s in batch if not s.background], [s for s in batch if s.background]
 
     def _free(self, seq: BatchedSequence) -> None:
         for fork in seq.forks:  # closed before its prefill ended: its forks will never be made

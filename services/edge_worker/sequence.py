@@ -86,6 +86,8 @@ class BatchedSequence:
         self.closed = False
         self.interrupted = False
         """Set by ``interrupt``: the batch thread ends the pending step before its next model call."""
+        self.background = False
+        """Background work (a batch line): sits out any round that prefills a sequence not marked so."""
         self.last_used = 0.0
         self._done = threading.Event()
         self._result: int | BaseException | None = None

@@ -299,6 +299,7 @@ class RouterAPI:
             tenant=tenant,
             request_id=request_id,
             priority=routing.priority,
+            background=routing.background,
         )
 
     async def _encode(self, fn: Callable[[], list[int]], size: int) -> list[int]:

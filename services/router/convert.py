@@ -67,6 +67,7 @@ def routing(msg: inference_pb2.RoutingOptions) -> Routing:
         use_cache=policy != inference_pb2.CACHE_POLICY_BYPASS,
         shareable=policy == inference_pb2.CACHE_POLICY_SHAREABLE_PREFIX,
         priority=msg.priority,
+        background=msg.background,
     )
 
 
@@ -172,7 +173,9 @@ def _routing_pb(r: Routing) -> inference_pb2.RoutingOptions:
         policy = inference_pb2.CACHE_POLICY_SHAREABLE_PREFIX
     else:
         policy = inference_pb2.CACHE_POLICY_UNSPECIFIED
-    return inference_pb2.RoutingOptions(tier=_TIER_PB[r.hint], cache_policy=policy, priority=r.priority)
+    return inference_pb2.RoutingOptions(
+        tier=_TIER_PB[r.hint], cache_policy=policy, priority=r.priority, background=r.background
+    )
 
 
 def generation_pb(g: Generation) -> inference_pb2.GenerateRequest:

@@ -444,6 +444,7 @@ class Router:
                 resume_ids=progress.tokens,
                 shareable=req.shareable,
                 priority=req.priority,
+                background=req.background,
             )
         )
         if early:

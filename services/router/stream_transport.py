@@ -68,6 +68,7 @@ def _start_pb(start: TurnStart) -> worker_pb2.WorkerStart:
         resume_token_ids=start.resume_ids,
         shareable_prefix=start.shareable,
         priority=start.priority,
+        background=start.background,
     )
 
 

@@ -59,6 +59,8 @@ class Routing:
     """The prompt may share caches across tenants (no tenant salt)."""
     priority: int = 0
     """0 to :data:`MAX_PRIORITY`; higher is served first under load (the gateway caps it at the tenant's policy)."""
+    background: bool = False
+    """Background work (a batch line): the workers that can yield run it only in steps that prefill no other turn."""
 
 
 @dataclass(frozen=True)
@@ -251,6 +253,8 @@ class TurnRequest:
     timeout: float | None = None
     """Seconds the worker call may take (the caller's deadline, when it has one)."""
     priority: int = 0
+    background: bool = False
+    """Background work (:attr:`Routing.background`)."""
     prefix_blocks: list[bytes] | None = None
     """Block hashes of the prompt, computed once by the router."""
     tools_key: str = ""

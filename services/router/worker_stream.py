@@ -40,6 +40,7 @@ class TurnStart:
     resume_ids: Sequence[int] = ()
     shareable: bool = False
     priority: int = 0
+    background: bool = False
 
 
 @dataclass(frozen=True, slots=True)

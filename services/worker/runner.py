@@ -119,6 +119,8 @@ def run_sequence(
         seq, prefill = open_sequence(
             engine, context, replace(sampling, max_tokens=max(budget, 1)), session, request.resume_ids
         )
+    if hasattr(seq, "background"):  # set before its first step (a reused chat sequence too)
+        seq.background = request.background
     failed = True
     generated: list[int] = []
     interrupt = getattr(seq, "interrupt", None) if interrupter is not None else None

@@ -259,7 +259,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if check is not None:
             check(sampling)
         return GenerationRequest(
-            prompt, sampling, resume, start.request_id, start.tenant, start.shareable_prefix, start.priority
+            prompt,
+            sampling,
+            resume,
+            start.request_id,
+            start.tenant,
+            start.shareable_prefix,
+            start.priority,
+            start.background,
         )
 
     async def _turn(self, start: worker_pb2.WorkerStart, stream: _Stream) -> AsyncIterator[worker_pb2.WorkerResponse]:

@@ -62,6 +62,9 @@ class GenerationRequest:
     """The request marked its prefix shareable across tenants (KV block hashes use the shared salt)."""
     priority: int = 0
     """Priority class from the router, 0 (default) to 9: engines that queue serve higher classes first."""
+    background: bool = False
+    """Background work (a batch line): an engine whose sequences have a ``background`` attribute (the
+    batched edge engine) leaves it out of any step that prefills a turn not marked so."""
 
 
 @dataclass(frozen=True)

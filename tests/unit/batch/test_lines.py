@@ -21,6 +21,7 @@ def test_chat_and_completion_bodies_run_at_priority_zero() -> None:
     assert isinstance(chat, pb.ChatRequest) and chat.turn.routing.priority == 0 and chat.turn.sampling.max_tokens == 5
     gen = lines.request_for("/v1/completions", {"prompt": "Once", "max_tokens": 5}, LIMITS)
     assert isinstance(gen, pb.GenerateRequest) and gen.prompt == "Once" and gen.routing.priority == 0
+    assert chat.turn.routing.background and gen.routing.background  # the workers' background class
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ from services.router.types import (
         Routing(),
         Routing(hint=TierName.CLOUD, use_cache=False, priority=3),
         Routing(hint=TierName.EDGE, shareable=True),
+        Routing(background=True),
     ],
 )
 def test_requests_survive_the_wire(routing: Routing) -> None:

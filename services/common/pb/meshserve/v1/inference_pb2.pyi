@@ -353,22 +353,28 @@ class RoutingOptions(_message.Message):
     TIER_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     CACHE_POLICY_FIELD_NUMBER: _builtins.int
+    BACKGROUND_FIELD_NUMBER: _builtins.int
     tier: Global___Tier.ValueType
     """Preferred tier; TIER_AUTO lets the router decide."""
     priority: _builtins.int
     """Priority class, 0 (default) to 9 (most urgent)."""
     cache_policy: Global___CachePolicy.ValueType
     """How the request may use the shared caches."""
+    background: _builtins.bool
+    """Background work (the batch runner's lines): below every priority class. A worker that can yield
+    (the batched edge engine) leaves it out of any step that prefills a request not marked so.
+    """
     def __init__(
         self,
         *,
         tier: Global___Tier.ValueType = ...,
         priority: _builtins.int = ...,
         cache_policy: Global___CachePolicy.ValueType = ...,
+        background: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_policy", b"cache_policy", "priority", b"priority", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["background", b"background", "cache_policy", b"cache_policy", "priority", b"priority", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -36,6 +36,7 @@ class WorkerStart(_message.Message):
     TENANT_FIELD_NUMBER: _builtins.int
     SHAREABLE_PREFIX_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    BACKGROUND_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id from the gateway, for logs."""
     tenant: _builtins.str
@@ -47,6 +48,10 @@ class WorkerStart(_message.Message):
     priority: _builtins.int
     """Priority class of the request, 0 (default) to 9 (most urgent): a worker that queues admits and
     prefills higher classes first.
+    """
+    background: _builtins.bool
+    """Background work (RoutingOptions.background): an engine that can yield leaves it out of any step
+    that prefills a turn not marked so.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -70,10 +75,11 @@ class WorkerStart(_message.Message):
         tenant: _builtins.str = ...,
         shareable_prefix: _builtins.bool = ...,
         priority: _builtins.int = ...,
+        background: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "shareable_prefix", b"shareable_prefix", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["background", b"background", "priority", b"priority", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "resume_token_ids", b"resume_token_ids", "sampling", b"sampling", "shareable_prefix", b"shareable_prefix", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
