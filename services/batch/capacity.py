@@ -22,7 +22,10 @@ routers nothing.
 A free slot is not free compute: on a CPU-bound tier every batch row in a worker's step, and every
 batch prefill, slows the interactive turns beside it. So, with a :class:`Headroom` (the runner's
 default), a line also needs the interactive work to be idle, measured from the same view: the
-routers' turns in flight, less this runner's own calls, are the interactive turns running now.
+routers' turns in flight, less the background ones, are the interactive turns running now. The
+routers count background turns apart (every runner's lines, marked ``RoutingOptions.background``),
+so several runners never take each other's lines for interactive work; with a router that does not
+count them, this runner's own calls are taken off instead.
 
 * A line starts only after the routers have shown no interactive turn for ``quiet_s``.
 * The number of lines may grow by one per quiet view (additive increase, up to ``max_in_flight``)
@@ -58,6 +61,8 @@ class View:
     replicas: int
     in_flight: int = 0
     """Turns the routers run now, on any replica: each router counts its own, so they add up."""
+    background: int = 0
+    """Of ``in_flight``, the background ones (every runner's batch lines, as the routers mark them)."""
 
 
 def combine(replies: Sequence[router_admin_pb2.ListReplicasResponse]) -> View:
@@ -65,10 +70,11 @@ def combine(replies: Sequence[router_admin_pb2.ListReplicasResponse]) -> View:
     used: dict[str, int] = {}
     size: dict[str, int] = {}
     queued: dict[str, int] = {}
-    in_flight = 0
+    in_flight = background = 0
     for reply in replies:
         for r in reply.replicas:
             in_flight += r.in_flight
+            background += r.background_in_flight
             if not r.healthy or r.kv_full:
                 continue
             key = r.worker_id or r.address
@@ -76,7 +82,9 @@ def combine(replies: Sequence[router_admin_pb2.ListReplicasResponse]) -> View:
             size[key] = max(size.get(key, 0), r.max_active_sequences)
             queued[key] = max(queued.get(key, 0), r.queue_depth)
     free = sum(max(0, size[k] - used[k]) for k in size)
-    return View(free_slots=free, queued=sum(queued.values()), replicas=len(size), in_flight=in_flight)
+    return View(
+        free_slots=free, queued=sum(queued.values()), replicas=len(size), in_flight=in_flight, background=background
+    )
 
 
 class Headroom:
@@ -171,9 +179,11 @@ class Capacity:
             view = await self._read()
             async with self._changed:
                 if view is not None and self._headroom is not None:
-                    # The fewer of our own calls, so that a call that ended meanwhile never hides an
-                    # interactive turn (too many counted only delays a line).
-                    self._headroom.observe(max(0, view.in_flight - min(calling, self.calling)), self._clock())
+                    # Background turns are every runner's lines (the routers count them apart); a router
+                    # that does not count them: the fewer of our own calls, so that a call that ended
+                    # meanwhile never hides an interactive turn (too many counted only delays a line).
+                    ours = max(view.background, min(calling, self.calling))
+                    self._headroom.observe(max(0, view.in_flight - ours), self._clock())
                 self._view = view
                 self._viewed = True
                 self._started_since_view = self._started - asked_at

@@ -66,6 +66,7 @@ class RouterAdminServicer(router_admin_pb2_grpc.RouterAdminServicer):
                     queue_depth=r.queue_depth,
                     max_active_sequences=r.max_active,
                     in_flight=max(0, r.in_flight),
+                    background_in_flight=max(0, r.background_in_flight),
                     load=max(0, r.load),
                     ejections=r.ejections,
                     self_registered=r.registered_until > 0,

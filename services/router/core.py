@@ -345,6 +345,7 @@ class Router:
                 assert stream is not None and choice is not None
                 running = stream.replica
                 running.in_flight += 1
+                running.background_in_flight += req.background
                 try:
                     async with aclosing(
                         self._relay(req, stream, choice, cancel, admission, progress, started)
@@ -364,6 +365,7 @@ class Router:
                         broken = stream.replica
                 finally:
                     running.in_flight -= 1
+                    running.background_in_flight -= req.background
                     self._freed_slot()
         except BaseException:
             # Caller went away (CancelledError) or we failed: the worker must stop generating now.

@@ -125,6 +125,8 @@ class Replica:
     """Consecutive health/Stats probes that timed out (reset by any answer)."""
     in_flight: int = 0
     """Turns this router has running on the replica now."""
+    background_in_flight: int = 0
+    """Of ``in_flight``, the background ones (batch lines, :attr:`Routing.background`)."""
     ejections: int = 0
     ejected_until: float = 0.0
     readmitted_at: float = 0.0

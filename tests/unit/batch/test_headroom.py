@@ -65,6 +65,21 @@ def test_the_routers_turns_add_up_over_routers_and_replicas() -> None:
     assert combine([a, b]).in_flight == 4  # each router counts only its own turns
 
 
+def test_the_routers_background_turns_add_up_too() -> None:
+    a = rpb.ListReplicasResponse(
+        replicas=[
+            rpb.ReplicaStatus(worker_id="e0", healthy=True, max_active_sequences=4, in_flight=3, background_in_flight=2)
+        ]
+    )
+    b = rpb.ListReplicasResponse(
+        replicas=[
+            rpb.ReplicaStatus(worker_id="e0", healthy=True, max_active_sequences=4, in_flight=1, background_in_flight=1)
+        ]
+    )
+    view = combine([a, b])
+    assert (view.in_flight, view.background) == (4, 3)
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -74,18 +89,23 @@ class Clock:
 
 
 class FakeRouterAdmin:
-    """One replica of 8 slots; the router counts the runner's calls plus ``interactive`` turns."""
+    """One replica of 8 slots; the router counts the runner's calls plus ``interactive`` turns, and
+    ``others``: another runner's lines, which it reports as background when ``counts_background``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, counts_background: bool = False) -> None:
         self.capacity: Capacity | None = None
         self.interactive = 0
+        self.others = 0
+        self.counts_background = counts_background
 
     async def ListReplicas(self, request, **_call_options):  # type: ignore[no-untyped-def]
         assert self.capacity is not None
-        turns = self.capacity.calling + self.interactive
-        return rpb.ListReplicasResponse(
-            replicas=[rpb.ReplicaStatus(worker_id="e0", healthy=True, max_active_sequences=8, in_flight=turns)]
-        )
+        background = self.capacity.calling + self.others
+        turns = background + self.interactive
+        status = rpb.ReplicaStatus(worker_id="e0", healthy=True, max_active_sequences=8, in_flight=turns)
+        if self.counts_background:
+            status.background_in_flight = background
+        return rpb.ListReplicasResponse(replicas=[status])
 
 
 async def started_within(capacity: Capacity, seconds: float) -> bool:
@@ -118,6 +138,23 @@ async def test_capacity_waits_for_interactive_work_to_end_and_not_for_its_own_ca
         await capacity.release()
         await capacity.release()
         assert await started_within(capacity, 1)
+    finally:
+        poller.cancel()
+
+
+async def test_another_runners_lines_are_not_taken_for_interactive_work() -> None:
+    admin = FakeRouterAdmin(counts_background=True)
+    clock = Clock()
+    room = Headroom(max_lines=4, quiet_s=0.0, max_defer_s=1000.0, now=clock.now)
+    capacity = Capacity([admin], (), max_in_flight=4, reserve_slots=0, poll_s=0.01, headroom=room, clock=clock)  # type: ignore[list-item]
+    admin.capacity = capacity
+    poller = asyncio.create_task(capacity.poll_forever())
+    try:
+        admin.others = 3  # another runner's lines, marked background by the router
+        assert await started_within(capacity, 1)
+        admin.interactive = 1
+        await asyncio.sleep(0.05)
+        assert not await started_within(capacity, 0.1)  # interactive work still holds lines back
     finally:
         poller.cancel()
 

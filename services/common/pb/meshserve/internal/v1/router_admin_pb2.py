@@ -25,45 +25,45 @@ _sym_db = _symbol_database.Default()
 from services.common.pb.meshserve.v1 import inference_pb2 as meshserve_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(meshserve/internal/v1/router_admin.proto\x12\x15meshserve.internal.v1\x1a\x1cmeshserve/v1/inference.proto\"\x15\n\x13ListReplicasRequest\"\xc0\x03\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x18\n\x10\x61\x63tive_sequences\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x1c\n\x14max_active_sequences\x18\x07 \x01(\r\x12\x11\n\tin_flight\x18\x08 \x01(\r\x12\x0c\n\x04load\x18\t \x01(\r\x12\x11\n\tejections\x18\n \x01(\r\x12\x17\n\x0fself_registered\x18\x0b \x01(\x08\x12 \n\x18recent_tokens_per_second\x18\x0c \x01(\x02\x12\x11\n\tkv_tokens\x18\r \x01(\x04\x12\x15\n\rkv_used_bytes\x18\x0e \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x0f \x01(\x04\x12\x16\n\x0eheld_sequences\x18\x10 \x01(\r\x12\x19\n\x11hot_prefix_blocks\x18\x11 \x01(\r\x12\x0f\n\x07kv_full\x18\x12 \x01(\x08\x12\x15\n\rreport_age_ms\x18\x13 \x01(\r\"N\n\x14ListReplicasResponse\x12\x36\n\x08replicas\x18\x01 \x03(\x0b\x32$.meshserve.internal.v1.ReplicaStatus\"\xbe\x01\n\x15PrefixLocationRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x18\n\x10shareable_prefix\x18\x04 \x01(\x08\x12 \n\x04tier\x18\x05 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\r\n\x05model\x18\x06 \x01(\t\x12\x0f\n\x07version\x18\x07 \x01(\t\"I\n\x0cPrefixHolder\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\"\x87\x03\n\x16PrefixLocationResponse\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x02 \x01(\r\x12\x15\n\rprompt_blocks\x18\x03 \x01(\r\x12 \n\x04tier\x18\x04 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x13\n\x0btier_reason\x18\x05 \x01(\t\x12\x35\n\x08replicas\x18\x06 \x03(\x0b\x32#.meshserve.internal.v1.PrefixHolder\x12\x31\n\x05redis\x18\x07 \x01(\x0e\x32\".meshserve.internal.v1.RedisLookup\x12\x14\n\x0credis_blocks\x18\x08 \x01(\r\x12\x1c\n\x14redis_checked_blocks\x18\t \x01(\r\x12\x1a\n\x12redis_block_tokens\x18\n \x01(\r\x12\x10\n\x08model_id\x18\x0b \x01(\t\x12\x15\n\rmodel_version\x18\x0c \x01(\t\x12\x0f\n\x07version\x18\r \x01(\t\"0\n\rVersionWeight\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\r\"l\n\x0cRollbackRule\x12\x19\n\x11\x65rror_rate_margin\x18\x01 \x01(\x01\x12\x1a\n\x12ttft_p99_margin_ms\x18\x02 \x01(\x01\x12\x10\n\x08window_s\x18\x03 \x01(\x01\x12\x13\n\x0bmin_samples\x18\x04 \x01(\r\"\x98\x02\n\rVersionStatus\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05\x62uild\x18\x02 \x01(\t\x12\x18\n\x10healthy_replicas\x18\x03 \x01(\r\x12\x10\n\x08requests\x18\x04 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x05 \x01(\x04\x12\x16\n\x0ewindow_samples\x18\x06 \x01(\r\x12\x19\n\x11window_error_rate\x18\x07 \x01(\x01\x12\x1a\n\x12window_ttft_p99_ms\x18\x08 \x01(\x01\x12\x17\n\x0fshadow_requests\x18\t \x01(\x04\x12\x17\n\x0fshadow_compared\x18\n \x01(\x04\x12\x15\n\rshadow_agreed\x18\x0b \x01(\x04\x12\x13\n\x0bshadow_shed\x18\x0c \x01(\x04\"Q\n\x13RollbackEventStatus\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\n\n\x02to\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\"\xf3\x02\n\x0cModelRollout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nis_default\x18\x02 \x01(\x08\x12\x35\n\x07weights\x18\x03 \x03(\x0b\x32$.meshserve.internal.v1.VersionWeight\x12\x0e\n\x06sticky\x18\x04 \x01(\t\x12\x0e\n\x06shadow\x18\x05 \x01(\t\x12\x0f\n\x07primary\x18\x06 \x01(\t\x12\x35\n\x08rollback\x18\x07 \x01(\x0b\x32#.meshserve.internal.v1.RollbackRule\x12\x36\n\x08versions\x18\x08 \x03(\x0b\x32$.meshserve.internal.v1.VersionStatus\x12=\n\trollbacks\x18\t \x03(\x0b\x32*.meshserve.internal.v1.RollbackEventStatus\x12\x14\n\x0cpolicy_epoch\x18\n \x01(\x04\x12\x14\n\x0cpolicy_store\x18\x0b \x01(\t\"$\n\x13ListRolloutsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"K\n\x14ListRolloutsResponse\x12\x33\n\x06models\x18\x01 \x03(\x0b\x32#.meshserve.internal.v1.ModelRollout\"\xe8\x01\n\x11SetRolloutRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x35\n\x07weights\x18\x02 \x03(\x0b\x32$.meshserve.internal.v1.VersionWeight\x12\x13\n\x06sticky\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x13\n\x06shadow\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x35\n\x08rollback\x18\x05 \x01(\x0b\x32#.meshserve.internal.v1.RollbackRule\x12\x16\n\x0e\x63lear_rollback\x18\x06 \x01(\x08\x42\t\n\x07_stickyB\t\n\x07_shadow\" \n\x0fRollbackRequest\x12\r\n\x05model\x18\x01 \x01(\t*\x7f\n\x0bRedisLookup\x12\x1c\n\x18REDIS_LOOKUP_UNSPECIFIED\x10\x00\x12\x19\n\x15REDIS_LOOKUP_ANSWERED\x10\x01\x12\x1c\n\x18REDIS_LOOKUP_UNAVAILABLE\x10\x02\x12\x19\n\x15REDIS_LOOKUP_DISABLED\x10\x03\x32\x84\x04\n\x0bRouterAdmin\x12g\n\x0cListReplicas\x12*.meshserve.internal.v1.ListReplicasRequest\x1a+.meshserve.internal.v1.ListReplicasResponse\x12m\n\x0ePrefixLocation\x12,.meshserve.internal.v1.PrefixLocationRequest\x1a-.meshserve.internal.v1.PrefixLocationResponse\x12g\n\x0cListRollouts\x12*.meshserve.internal.v1.ListRolloutsRequest\x1a+.meshserve.internal.v1.ListRolloutsResponse\x12[\n\nSetRollout\x12(.meshserve.internal.v1.SetRolloutRequest\x1a#.meshserve.internal.v1.ModelRollout\x12W\n\x08Rollback\x12&.meshserve.internal.v1.RollbackRequest\x1a#.meshserve.internal.v1.ModelRolloutb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(meshserve/internal/v1/router_admin.proto\x12\x15meshserve.internal.v1\x1a\x1cmeshserve/v1/inference.proto\"\x15\n\x13ListReplicasRequest\"\xde\x03\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12 \n\x04tier\x18\x03 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x18\n\x10\x61\x63tive_sequences\x18\x05 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x06 \x01(\r\x12\x1c\n\x14max_active_sequences\x18\x07 \x01(\r\x12\x11\n\tin_flight\x18\x08 \x01(\r\x12\x0c\n\x04load\x18\t \x01(\r\x12\x11\n\tejections\x18\n \x01(\r\x12\x17\n\x0fself_registered\x18\x0b \x01(\x08\x12 \n\x18recent_tokens_per_second\x18\x0c \x01(\x02\x12\x11\n\tkv_tokens\x18\r \x01(\x04\x12\x15\n\rkv_used_bytes\x18\x0e \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\x0f \x01(\x04\x12\x16\n\x0eheld_sequences\x18\x10 \x01(\r\x12\x19\n\x11hot_prefix_blocks\x18\x11 \x01(\r\x12\x0f\n\x07kv_full\x18\x12 \x01(\x08\x12\x15\n\rreport_age_ms\x18\x13 \x01(\r\x12\x1c\n\x14\x62\x61\x63kground_in_flight\x18\x14 \x01(\r\"N\n\x14ListReplicasResponse\x12\x36\n\x08replicas\x18\x01 \x03(\x0b\x32$.meshserve.internal.v1.ReplicaStatus\"\xbe\x01\n\x15PrefixLocationRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12+\n\x08messages\x18\x02 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x18\n\x10shareable_prefix\x18\x04 \x01(\x08\x12 \n\x04tier\x18\x05 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\r\n\x05model\x18\x06 \x01(\t\x12\x0f\n\x07version\x18\x07 \x01(\t\"I\n\x0cPrefixHolder\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\"\x87\x03\n\x16PrefixLocationResponse\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x14\n\x0c\x62lock_tokens\x18\x02 \x01(\r\x12\x15\n\rprompt_blocks\x18\x03 \x01(\r\x12 \n\x04tier\x18\x04 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\x13\n\x0btier_reason\x18\x05 \x01(\t\x12\x35\n\x08replicas\x18\x06 \x03(\x0b\x32#.meshserve.internal.v1.PrefixHolder\x12\x31\n\x05redis\x18\x07 \x01(\x0e\x32\".meshserve.internal.v1.RedisLookup\x12\x14\n\x0credis_blocks\x18\x08 \x01(\r\x12\x1c\n\x14redis_checked_blocks\x18\t \x01(\r\x12\x1a\n\x12redis_block_tokens\x18\n \x01(\r\x12\x10\n\x08model_id\x18\x0b \x01(\t\x12\x15\n\rmodel_version\x18\x0c \x01(\t\x12\x0f\n\x07version\x18\r \x01(\t\"0\n\rVersionWeight\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\r\"l\n\x0cRollbackRule\x12\x19\n\x11\x65rror_rate_margin\x18\x01 \x01(\x01\x12\x1a\n\x12ttft_p99_margin_ms\x18\x02 \x01(\x01\x12\x10\n\x08window_s\x18\x03 \x01(\x01\x12\x13\n\x0bmin_samples\x18\x04 \x01(\r\"\x98\x02\n\rVersionStatus\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05\x62uild\x18\x02 \x01(\t\x12\x18\n\x10healthy_replicas\x18\x03 \x01(\r\x12\x10\n\x08requests\x18\x04 \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x05 \x01(\x04\x12\x16\n\x0ewindow_samples\x18\x06 \x01(\r\x12\x19\n\x11window_error_rate\x18\x07 \x01(\x01\x12\x1a\n\x12window_ttft_p99_ms\x18\x08 \x01(\x01\x12\x17\n\x0fshadow_requests\x18\t \x01(\x04\x12\x17\n\x0fshadow_compared\x18\n \x01(\x04\x12\x15\n\rshadow_agreed\x18\x0b \x01(\x04\x12\x13\n\x0bshadow_shed\x18\x0c \x01(\x04\"Q\n\x13RollbackEventStatus\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\n\n\x02to\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\r\n\x05\x61ge_s\x18\x04 \x01(\x01\"\xf3\x02\n\x0cModelRollout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nis_default\x18\x02 \x01(\x08\x12\x35\n\x07weights\x18\x03 \x03(\x0b\x32$.meshserve.internal.v1.VersionWeight\x12\x0e\n\x06sticky\x18\x04 \x01(\t\x12\x0e\n\x06shadow\x18\x05 \x01(\t\x12\x0f\n\x07primary\x18\x06 \x01(\t\x12\x35\n\x08rollback\x18\x07 \x01(\x0b\x32#.meshserve.internal.v1.RollbackRule\x12\x36\n\x08versions\x18\x08 \x03(\x0b\x32$.meshserve.internal.v1.VersionStatus\x12=\n\trollbacks\x18\t \x03(\x0b\x32*.meshserve.internal.v1.RollbackEventStatus\x12\x14\n\x0cpolicy_epoch\x18\n \x01(\x04\x12\x14\n\x0cpolicy_store\x18\x0b \x01(\t\"$\n\x13ListRolloutsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"K\n\x14ListRolloutsResponse\x12\x33\n\x06models\x18\x01 \x03(\x0b\x32#.meshserve.internal.v1.ModelRollout\"\xe8\x01\n\x11SetRolloutRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x35\n\x07weights\x18\x02 \x03(\x0b\x32$.meshserve.internal.v1.VersionWeight\x12\x13\n\x06sticky\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x13\n\x06shadow\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x35\n\x08rollback\x18\x05 \x01(\x0b\x32#.meshserve.internal.v1.RollbackRule\x12\x16\n\x0e\x63lear_rollback\x18\x06 \x01(\x08\x42\t\n\x07_stickyB\t\n\x07_shadow\" \n\x0fRollbackRequest\x12\r\n\x05model\x18\x01 \x01(\t*\x7f\n\x0bRedisLookup\x12\x1c\n\x18REDIS_LOOKUP_UNSPECIFIED\x10\x00\x12\x19\n\x15REDIS_LOOKUP_ANSWERED\x10\x01\x12\x1c\n\x18REDIS_LOOKUP_UNAVAILABLE\x10\x02\x12\x19\n\x15REDIS_LOOKUP_DISABLED\x10\x03\x32\x84\x04\n\x0bRouterAdmin\x12g\n\x0cListReplicas\x12*.meshserve.internal.v1.ListReplicasRequest\x1a+.meshserve.internal.v1.ListReplicasResponse\x12m\n\x0ePrefixLocation\x12,.meshserve.internal.v1.PrefixLocationRequest\x1a-.meshserve.internal.v1.PrefixLocationResponse\x12g\n\x0cListRollouts\x12*.meshserve.internal.v1.ListRolloutsRequest\x1a+.meshserve.internal.v1.ListRolloutsResponse\x12[\n\nSetRollout\x12(.meshserve.internal.v1.SetRolloutRequest\x1a#.meshserve.internal.v1.ModelRollout\x12W\n\x08Rollback\x12&.meshserve.internal.v1.RollbackRequest\x1a#.meshserve.internal.v1.ModelRolloutb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshserve.internal.v1.router_admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REDISLOOKUP']._serialized_start=2597
-  _globals['_REDISLOOKUP']._serialized_end=2724
+  _globals['_REDISLOOKUP']._serialized_start=2627
+  _globals['_REDISLOOKUP']._serialized_end=2754
   _globals['_LISTREPLICASREQUEST']._serialized_start=97
   _globals['_LISTREPLICASREQUEST']._serialized_end=118
   _globals['_REPLICASTATUS']._serialized_start=121
-  _globals['_REPLICASTATUS']._serialized_end=569
-  _globals['_LISTREPLICASRESPONSE']._serialized_start=571
-  _globals['_LISTREPLICASRESPONSE']._serialized_end=649
-  _globals['_PREFIXLOCATIONREQUEST']._serialized_start=652
-  _globals['_PREFIXLOCATIONREQUEST']._serialized_end=842
-  _globals['_PREFIXHOLDER']._serialized_start=844
-  _globals['_PREFIXHOLDER']._serialized_end=917
-  _globals['_PREFIXLOCATIONRESPONSE']._serialized_start=920
-  _globals['_PREFIXLOCATIONRESPONSE']._serialized_end=1311
-  _globals['_VERSIONWEIGHT']._serialized_start=1313
-  _globals['_VERSIONWEIGHT']._serialized_end=1361
-  _globals['_ROLLBACKRULE']._serialized_start=1363
-  _globals['_ROLLBACKRULE']._serialized_end=1471
-  _globals['_VERSIONSTATUS']._serialized_start=1474
-  _globals['_VERSIONSTATUS']._serialized_end=1754
-  _globals['_ROLLBACKEVENTSTATUS']._serialized_start=1756
-  _globals['_ROLLBACKEVENTSTATUS']._serialized_end=1837
-  _globals['_MODELROLLOUT']._serialized_start=1840
-  _globals['_MODELROLLOUT']._serialized_end=2211
-  _globals['_LISTROLLOUTSREQUEST']._serialized_start=2213
-  _globals['_LISTROLLOUTSREQUEST']._serialized_end=2249
-  _globals['_LISTROLLOUTSRESPONSE']._serialized_start=2251
-  _globals['_LISTROLLOUTSRESPONSE']._serialized_end=2326
-  _globals['_SETROLLOUTREQUEST']._serialized_start=2329
-  _globals['_SETROLLOUTREQUEST']._serialized_end=2561
-  _globals['_ROLLBACKREQUEST']._serialized_start=2563
-  _globals['_ROLLBACKREQUEST']._serialized_end=2595
-  _globals['_ROUTERADMIN']._serialized_start=2727
-  _globals['_ROUTERADMIN']._serialized_end=3243
+  _globals['_REPLICASTATUS']._serialized_end=599
+  _globals['_LISTREPLICASRESPONSE']._serialized_start=601
+  _globals['_LISTREPLICASRESPONSE']._serialized_end=679
+  _globals['_PREFIXLOCATIONREQUEST']._serialized_start=682
+  _globals['_PREFIXLOCATIONREQUEST']._serialized_end=872
+  _globals['_PREFIXHOLDER']._serialized_start=874
+  _globals['_PREFIXHOLDER']._serialized_end=947
+  _globals['_PREFIXLOCATIONRESPONSE']._serialized_start=950
+  _globals['_PREFIXLOCATIONRESPONSE']._serialized_end=1341
+  _globals['_VERSIONWEIGHT']._serialized_start=1343
+  _globals['_VERSIONWEIGHT']._serialized_end=1391
+  _globals['_ROLLBACKRULE']._serialized_start=1393
+  _globals['_ROLLBACKRULE']._serialized_end=1501
+  _globals['_VERSIONSTATUS']._serialized_start=1504
+  _globals['_VERSIONSTATUS']._serialized_end=1784
+  _globals['_ROLLBACKEVENTSTATUS']._serialized_start=1786
+  _globals['_ROLLBACKEVENTSTATUS']._serialized_end=1867
+  _globals['_MODELROLLOUT']._serialized_start=1870
+  _globals['_MODELROLLOUT']._serialized_end=2241
+  _globals['_LISTROLLOUTSREQUEST']._serialized_start=2243
+  _globals['_LISTROLLOUTSREQUEST']._serialized_end=2279
+  _globals['_LISTROLLOUTSRESPONSE']._serialized_start=2281
+  _globals['_LISTROLLOUTSRESPONSE']._serialized_end=2356
+  _globals['_SETROLLOUTREQUEST']._serialized_start=2359
+  _globals['_SETROLLOUTREQUEST']._serialized_end=2591
+  _globals['_ROLLBACKREQUEST']._serialized_start=2593
+  _globals['_ROLLBACKREQUEST']._serialized_end=2625
+  _globals['_ROUTERADMIN']._serialized_start=2757
+  _globals['_ROUTERADMIN']._serialized_end=3273
 # @@protoc_insertion_point(module_scope)

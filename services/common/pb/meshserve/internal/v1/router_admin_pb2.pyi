@@ -94,6 +94,7 @@ class ReplicaStatus(_message.Message):
     HOT_PREFIX_BLOCKS_FIELD_NUMBER: _builtins.int
     KV_FULL_FIELD_NUMBER: _builtins.int
     REPORT_AGE_MS_FIELD_NUMBER: _builtins.int
+    BACKGROUND_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     address: _builtins.str
     """host:port the router calls the replica on."""
     worker_id: _builtins.str
@@ -132,6 +133,10 @@ class ReplicaStatus(_message.Message):
     """At or above the router's KV high watermark: gets no new turns while another replica has room."""
     report_age_ms: _builtins.int
     """Milliseconds since the latest load report (heartbeat or Stats probe); 0 = none yet."""
+    background_in_flight: _builtins.int
+    """Of in_flight, the turns marked background (batch lines, RoutingOptions.background): the rest is
+    interactive work.
+    """
     def __init__(
         self,
         *,
@@ -154,10 +159,11 @@ class ReplicaStatus(_message.Message):
         hot_prefix_blocks: _builtins.int = ...,
         kv_full: _builtins.bool = ...,
         report_age_ms: _builtins.int = ...,
+        background_in_flight: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sequences", b"active_sequences", "address", b"address", "ejections", b"ejections", "healthy", b"healthy", "held_sequences", b"held_sequences", "hot_prefix_blocks", b"hot_prefix_blocks", "in_flight", b"in_flight", "kv_budget_bytes", b"kv_budget_bytes", "kv_full", b"kv_full", "kv_tokens", b"kv_tokens", "kv_used_bytes", b"kv_used_bytes", "load", b"load", "max_active_sequences", b"max_active_sequences", "queue_depth", b"queue_depth", "recent_tokens_per_second", b"recent_tokens_per_second", "report_age_ms", b"report_age_ms", "self_registered", b"self_registered", "tier", b"tier", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sequences", b"active_sequences", "address", b"address", "background_in_flight", b"background_in_flight", "ejections", b"ejections", "healthy", b"healthy", "held_sequences", b"held_sequences", "hot_prefix_blocks", b"hot_prefix_blocks", "in_flight", b"in_flight", "kv_budget_bytes", b"kv_budget_bytes", "kv_full", b"kv_full", "kv_tokens", b"kv_tokens", "kv_used_bytes", b"kv_used_bytes", "load", b"load", "max_active_sequences", b"max_active_sequences", "queue_depth", b"queue_depth", "recent_tokens_per_second", b"recent_tokens_per_second", "report_age_ms", b"report_age_ms", "self_registered", b"self_registered", "tier", b"tier", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
