@@ -115,8 +115,10 @@ class SessionChooser:
         if probed is not None and probed != state.current:  # still losing: probe it less often
             state.gap[probed] = min(2 * state.gap[probed], self.max_probe_every)
             state.due[probed] = state.tick + state.gap[probed]
-        for other in range(self.modes):
-            if other != state.current and state.due[other] <= state.tick:
-                state.probe, state.probing = other, self.probe_calls
-                state.times[other].clear()  # the probe's calls replace its old measurements
-                return
+        if probed is not None:
+            return  # a probe just ended: the winner runs the next call (back-to-back probes would starve it)
+        due = [other for other in range(self.modes) if other != state.current and state.due[other] <= state.tick]
+        if due:  # the longest overdue first: two modes trading the lead never starve a third of probes
+            other = min(due, key=lambda mode: state.due[mode])
+            state.probe, state.probing = other, self.probe_calls
+            state.times[other].clear()  # the probe's calls replace its old measurements

@@ -163,7 +163,9 @@ def test_adaptive_threading_switches_sessions_without_changing_a_token(engine: B
         adaptive.chooser = SessionChooser(3, probe_every=1, max_probe_every=1, probe_calls=1, window=1)
         assert [generate(adaptive, p, 12) for p in prompts] == alone
         assert together([lambda p=p: generate(adaptive, p, 12) for p in prompts]) == alone
-        assert all(calls > 3 for calls in adaptive.chooser.calls)  # every session ran decode calls
+        assert all(calls > 3 for calls in adaptive.chooser.calls), (
+            adaptive.chooser.calls
+        )  # every session ran decode calls
     finally:
         adaptive.close()
 

@@ -50,3 +50,18 @@ def test_a_much_slower_session_is_probed_rarely_while_the_others_trade_places() 
         costs = [0.010, 0.050, 0.012] if phase % 2 else [0.012, 0.050, 0.010]
         spinning += run(chooser, 2, 60, costs).count(1)
     assert spinning <= 2 * 7  # 8, 16, 32, 64, 128, 256 ... calls apart in 720 calls, not reset by the trades
+
+
+def test_probes_never_run_back_to_back_so_the_winner_keeps_running() -> None:
+    # Probing every call: the two losers take turns, but a call on the winner separates each probe
+    # (back to back, the losers' probes took every call and the winner never ran).
+    chooser = SessionChooser(3, probe_every=1, max_probe_every=1, probe_calls=1, window=1)
+    seconds = {0: 0.020, 1: 0.010, 2: 0.030}
+    modes = []
+    for _ in range(30):
+        mode = chooser.choose(2)
+        assert mode is not None
+        chooser.record(2, mode, seconds[mode])
+        modes.append(mode)
+    assert modes[3:].count(1) >= 13  # every other call after the first measurements
+    assert all(calls > 3 for calls in chooser.calls)
