@@ -17,6 +17,11 @@ from tests.helpers import RedisServer
 API_KEY = DEV_API_KEY
 
 
+def session_db(server: RedisServer) -> str:
+    """The session mesh's database on the session's redis-server."""
+    return server.url.rsplit("/", 1)[0] + "/1"
+
+
 def _sink(name: str, line: str) -> None:
     # Only warnings and errors reach the test output; full logs are noisy.
     if '"level": "error"' in line or '"level": "warning"' in line or "Traceback" in line:
@@ -27,8 +32,10 @@ def _sink(name: str, line: str) -> None:
 async def mesh(redis_srv: RedisServer) -> AsyncIterator[Mesh]:
     # The split layout (`meshserve up --split-router`): these tests reach the router as a process of its
     # own (health, metrics, status); test_embedded_mesh.py and test_router_failover.py run the default.
+    # It lives until the whole session ends, so it keeps database 1 of the session's redis-server to
+    # itself: its batch runner would otherwise take the lines other tests put on database 0's work stream.
     config = MeshConfig(
-        edge_workers=2, cloud_workers=1, redis_url=redis_srv.url, edge_max_prompt_tokens=64, embed_router=False
+        edge_workers=2, cloud_workers=1, redis_url=session_db(redis_srv), edge_max_prompt_tokens=64, embed_router=False
     )
     async with Mesh(config, sink=_sink) as running:
         yield running

@@ -49,7 +49,7 @@ def _jsonl(n: int, body: dict[str, object] | None = None, prefix: str = "r") -> 
 
 class _Database7:
     """The session's redis-server, database 7: the batch work stream here is this module's alone (the
-    e2e session mesh runs a batch runner on database 0 of the same server, which would take these lines)."""
+    e2e session mesh keeps database 1, and other tests flush database 0 between tests)."""
 
     def __init__(self, server: RedisServer) -> None:
         self._server = server
