@@ -23,7 +23,7 @@ proto-check: ## Fail if services/common/pb differs from what protos/ generates.
 lint: ## ruff + mypy.
 	$(VENV)/bin/ruff check services tests benchmarks scripts
 	$(VENV)/bin/ruff format --check services tests benchmarks scripts
-	$(VENV)/bin/mypy services
+	$(VENV)/bin/mypy services benchmarks
 
 layering: ## Import circles, upward imports from services/common, environment reads outside settings (tests/unit/test_import_graph.py holds the known exceptions).
 	$(PY) scripts/import_graph.py --allow-upward 'services.worker.*'

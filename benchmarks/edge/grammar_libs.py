@@ -132,7 +132,7 @@ def run_llguidance(name: str, tokenizer_json: str, out: Any) -> None:
     mask = lln.allocate_token_bitmask(1, 49152)
     times = []
     ids = _tokens(tokenizer_json, text)
-    first = None
+    first: float | None = None
     for t in ids:
         t0 = time.perf_counter()
         lln.fill_next_token_bitmask(matcher, mask, 0)
@@ -146,7 +146,7 @@ def run_llguidance(name: str, tokenizer_json: str, out: Any) -> None:
             schema=name,
             tokenizer_s=round(tok_s, 3),
             compile_ms=round(compile_s * 1e3, 2),
-            first_mask_ms=round(first * 1e3, 3),
+            first_mask_ms=round((first if first is not None else float("nan")) * 1e3, 3),
             mask_us_median=round(statistics.median(times) * 1e6, 1),
             mask_us_p90=round(sorted(times)[int(0.9 * len(times))] * 1e6, 1),
             tokens=len(ids),
@@ -193,7 +193,7 @@ def run_outlines(name: str, tokenizer_json: str, out: Any) -> None:
     mask = np.full((1, (49152 + 31) // 32), -1, dtype=np.int32)
     times = []
     ids = _tokens(tokenizer_json, text)
-    first = None
+    first: float | None = None
     for t in ids:
         t0 = time.perf_counter()
         guide.write_mask_into(mask.ctypes.data, mask.size, mask.itemsize)
@@ -206,7 +206,7 @@ def run_outlines(name: str, tokenizer_json: str, out: Any) -> None:
             schema=name,
             tokenizer_s=round(tok_s, 3),
             compile_ms=round(compile_s * 1e3, 2),
-            first_mask_ms=round(first * 1e3, 3),
+            first_mask_ms=round((first if first is not None else float("nan")) * 1e3, 3),
             mask_us_median=round(statistics.median(times) * 1e6, 1),
             mask_us_p90=round(sorted(times)[int(0.9 * len(times))] * 1e6, 1),
             tokens=len(ids),

@@ -22,12 +22,15 @@ import statistics
 import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
+
+if TYPE_CHECKING:
+    import tokenizers
 from services.common.settings import DEFAULT_INTERNAL_TOKEN, load_settings
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.startup import start_edge_worker
@@ -78,7 +81,7 @@ async def measure(
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
             stub = worker_pb2_grpc.WorkerStub(channel)
-            tokenizer = worker.runner.engine.tokenizer
+            tokenizer = cast("tokenizers.Tokenizer", worker.runner.engine.tokenizer)  # the engine's is the HF one
             await _round(stub, [1, 2, 3], 4, n, True)  # warm-up (both paths)
             await _round(stub, [1, 2, 3], 4, n, False)
             for length in prompt_lengths:

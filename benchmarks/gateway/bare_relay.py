@@ -63,7 +63,8 @@ async def _main() -> None:
     options = [tuple(o) for o in json.loads(os.environ.get("MESHSERVE_BARE_RELAY_OPTIONS", "[]"))]
     channel = grpc.aio.insecure_channel(upstream, options=options)
     server = grpc.aio.server(options=options)
-    worker_pb2_grpc.add_WorkerServicer_to_server(Relay(worker_pb2_grpc.WorkerStub(channel)), server)
+    relay = Relay(worker_pb2_grpc.WorkerStub(channel))  # type: ignore[abstract]  # relays Generate only
+    worker_pb2_grpc.add_WorkerServicer_to_server(relay, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     print(json.dumps({"event": "service_started", "port": port}), flush=True)
@@ -95,7 +96,7 @@ def _sync_main() -> None:
     options = [tuple(o) for o in json.loads(os.environ.get("MESHSERVE_BARE_RELAY_OPTIONS", "[]"))]
     channel = grpc.insecure_channel(upstream, options=options)
     server = grpc.server(ThreadPoolExecutor(max_workers=64), options=options)
-    worker_pb2_grpc.add_WorkerServicer_to_server(SyncRelay(worker_pb2_grpc.WorkerStub(channel)), server)
+    worker_pb2_grpc.add_WorkerServicer_to_server(SyncRelay(worker_pb2_grpc.WorkerStub(channel)), server)  # type: ignore[abstract]  # relays Generate only
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     print(json.dumps({"event": "service_started", "port": port}), flush=True)
