@@ -21,10 +21,9 @@ cancels generation on the worker.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -38,6 +37,7 @@ from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
 from services.common.pb.meshserve.v1 import batch_pb2_grpc, inference_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.gateway.http import openai_api as oa
+from services.gateway.http import streams
 from services.gateway.http.batches import BatchRoutes, add_routes
 from services.gateway.http.embeddings import EmbeddingRoutes
 from services.gateway.http.metrics import metrics_middleware
@@ -48,11 +48,8 @@ log = structlog.get_logger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _FORWARDED = (md.AUTHORIZATION, md.API_KEY)
-_DONE = b"data: [DONE]\n\n"
 MAX_CREDENTIAL_CHARS = 8192
 """Longest Authorization / x-api-key value forwarded to the gateway (real keys and JWTs are far shorter)."""
-CHAT_END_WAIT_S = 1.0
-"""After a chat turn's final frame, how long the adapter waits for the gateway to end the call itself."""
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
 ENDPOINTS = (
     "POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/responses,"
@@ -199,16 +196,16 @@ class OpenAIApp:
         try:
             await call.write(turn)
             await call.done_writing()
-            frames = _chat_frames(call, parsed.n)
-            first = await _first(frames)
-            request_id = await _request_id(call)
+            frames = streams.chat_frames(call, parsed.n)
+            first = await streams.first_frame(frames)
+            request_id = await streams.request_id(call)
             model = await self._served_model(parsed.model, request)
             if not parsed.stream:
-                texts, finals, calls, entries = await _collect(first, frames, parsed.n)
+                texts, finals, calls, entries = await streams.collect(first, frames, parsed.n)
                 body = oa.chat_completion(request_id, model, texts, finals, calls, entries if with_logprobs else None)
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
-            response = await _sse_start(request, request_id)
+            response = await streams.sse_start(request, request_id)
             usage = parsed.include_usage
             # OpenAI's first chunk of a choice has the role; with tools (then n is 1), it waits for the
             # first content or call, as a reply that starts with a call has "content": null and the call
@@ -217,35 +214,41 @@ class OpenAIApp:
             role: dict[str, Any] | None = opening
             if not parsed.tools:
                 for index in range(parsed.n):
-                    await _sse(response, oa.chat_chunk(request_id, model, opening, None, created, usage, index))
+                    await streams.sse(response, oa.chat_chunk(request_id, model, opening, None, created, usage, index))
                 role = None
             try:
                 ends: list[pb.Final] = []
-                async for text, last, deltas, index, logprobs in _prepend(first, frames):
+                async for text, last, deltas, index, logprobs in streams.prepend(first, frames):
                     lp = logprobs if with_logprobs else None
                     if role is not None and deltas and not text:
                         delta: dict[str, Any] = {**role, "content": None, "tool_calls": oa.tool_call_deltas(deltas)}
-                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index, lp))
+                        await streams.sse(
+                            response, oa.chat_chunk(request_id, model, delta, None, created, usage, index, lp)
+                        )
                         role, deltas, lp = None, (), None
                     if role is not None and (text or logprobs or last is not None):
-                        await _sse(response, oa.chat_chunk(request_id, model, role, None, created, usage, index))
+                        await streams.sse(response, oa.chat_chunk(request_id, model, role, None, created, usage, index))
                         role = None
                     if text or lp:  # a token may come with no text yet (part of a character)
                         delta = {"content": text}
-                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index, lp))
+                        await streams.sse(
+                            response, oa.chat_chunk(request_id, model, delta, None, created, usage, index, lp)
+                        )
                     if deltas:
                         delta = {"tool_calls": oa.tool_call_deltas(deltas)}
-                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index))
+                        await streams.sse(
+                            response, oa.chat_chunk(request_id, model, delta, None, created, usage, index)
+                        )
                     if last is not None:
                         ends.append(last)
                         finish = oa.finish_reason(last)
-                        await _sse(response, oa.chat_chunk(request_id, model, {}, finish, created, usage, index))
+                        await streams.sse(response, oa.chat_chunk(request_id, model, {}, finish, created, usage, index))
                 if ends and parsed.include_usage:
                     chunk = oa.usage_chunk("chat.completion.chunk", request_id, model, ends, created)
-                    await _sse(response, chunk)
+                    await streams.sse(response, chunk)
             except (MeshError, grpc.aio.AioRpcError) as exc:
                 return await _sse_error(response, exc)
-            return await _sse_end(response)
+            return await streams.sse_end(response)
         finally:
             call.cancel()
 
@@ -261,21 +264,21 @@ class OpenAIApp:
         call = self._gateway.Generate(generate, metadata=metadata)
         try:
             ids: list[str] = []  # the gateway sends x-request-id in every frame (and its trailers)
-            frames = _generate_frames(call, ids)
-            first = await _first(frames)
-            request_id = ids[0] if ids else await _request_id(call)
+            frames = streams.generate_frames(call, ids)
+            first = await streams.first_frame(frames)
+            request_id = ids[0] if ids else await streams.request_id(call)
             model = await self._served_model(parsed.model, request)
             if not parsed.stream:  # n > 1 choices: Complete returns one
-                texts, finals, _, per_choice = await _collect(first, frames, parsed.n)
+                texts, finals, _, per_choice = await streams.collect(first, frames, parsed.n)
                 wanted = generate.sampling.logprobs
                 body = oa.completions(request_id, model, texts, finals, list(per_choice) if wanted else None)
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
-            response = await _sse_start(request, request_id)
+            response = await streams.sse_start(request, request_id)
             try:
                 ends: list[pb.Final] = []
                 offsets = [0] * parsed.n  # per choice: characters of token text sent so far (text_offset)
-                async for text, final, _, index, entries in _prepend(first, frames):
+                async for text, final, _, index, entries in streams.prepend(first, frames):
                     if text or entries or final is not None:
                         logprobs = None
                         if generate.sampling.logprobs:
@@ -284,15 +287,15 @@ class OpenAIApp:
                         chunk = oa.completion(
                             request_id, model, text, final, created, False, parsed.include_usage, logprobs, index
                         )
-                        await _sse(response, chunk)
+                        await streams.sse(response, chunk)
                     if final is not None:
                         ends.append(final)
                 if ends and parsed.include_usage:
                     usage = oa.usage_chunk("text_completion", request_id, model, ends, created)
-                    await _sse(response, usage)
+                    await streams.sse(response, usage)
             except (MeshError, grpc.aio.AioRpcError) as exc:
                 return await _sse_error(response, exc)
-            return await _sse_end(response)
+            return await streams.sse_end(response)
         finally:
             call.cancel()
 
@@ -303,113 +306,10 @@ def _not_found(model: str) -> MeshError:
     return error
 
 
-Frame = tuple[str, pb.Final | None, Sequence[pb.ToolCallDelta], int, Sequence[pb.TokenLogprob]]
-"""A frame's text, its final (on a choice's last frame), its tool-call deltas (chat only), the choice
-index, and its tokens' logprobs (empty unless asked for)."""
-
-
-async def _chat_frames(call: Any, n: int = 1) -> AsyncIterator[Frame]:
-    """The frames of the one turn (of ``n`` choices); after its last final frame, lets the call end
-    before returning.
-
-    The adapter has half-closed the call, so the gateway ends it right after the final frame.
-    Cancelling it at once instead raced that end, and the gateway then recorded (metrics, logs)
-    about one chat in four as CANCELLED although the caller got the whole answer.
-    """
-    left = n
-    async for frame in call:
-        final = frame.final if frame.HasField("final") else None
-        yield frame.text, final, frame.tool_calls, frame.index, frame.logprobs
-        if final is not None:
-            left -= 1
-            if left == 0:
-                break
-    try:
-        async with asyncio.timeout(CHAT_END_WAIT_S):
-            async for _ in call:
-                pass
-    except (TimeoutError, grpc.aio.AioRpcError):
-        pass  # the answer is complete: the caller's finally cancels whatever is left
-
-
-async def _generate_frames(call: Any, request_ids: list[str]) -> AsyncIterator[Frame]:
-    """Frames of a Generate call; the request id the frames carry is appended to ``request_ids``."""
-    async for frame in call:
-        if not request_ids and frame.request_id:
-            request_ids.append(frame.request_id)
-        yield frame.text, frame.final if frame.HasField("final") else None, (), frame.index, frame.logprobs
-
-
-async def _first(frames: AsyncIterator[Frame]) -> Frame | None:
-    """The first frame (raising the gateway's error, if any, before anything was sent)."""
-    try:
-        return await anext(frames)
-    except StopAsyncIteration:
-        return None
-
-
-async def _prepend(first: Frame | None, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
-    if first is not None:
-        yield first
-        async for frame in frames:
-            yield frame
-
-
-async def _collect(
-    first: Frame | None, frames: AsyncIterator[Frame], n: int = 1
-) -> tuple[list[str], list[pb.Final], list[list[pb.ToolCallDelta]], list[list[pb.TokenLogprob]]]:
-    """Each choice's whole text, final frame, tool-call deltas and logprobs, by choice index."""
-    parts: list[list[str]] = [[] for _ in range(n)]
-    calls: list[list[pb.ToolCallDelta]] = [[] for _ in range(n)]
-    logprobs: list[list[pb.TokenLogprob]] = [[] for _ in range(n)]
-    finals: list[pb.Final | None] = [None] * n
-    async for text, last, deltas, index, entries in _prepend(first, frames):
-        if not 0 <= index < n:
-            raise MeshError(f"the gateway sent choice {index} of {n}; retry, and report it if it persists")
-        parts[index].append(text)
-        calls[index].extend(deltas)
-        logprobs[index].extend(entries)
-        if last is not None:
-            finals[index] = last
-    done = [f for f in finals if f is not None]
-    if len(done) < n:
-        raise MeshError("the stream ended without a final frame; retry, and report it if it persists")
-    return ["".join(p) for p in parts], done, calls, logprobs
-
-
-async def _request_id(call: Any) -> str:
-    for key, value in await call.initial_metadata() or ():
-        if key == md.REQUEST_ID:
-            return str(value)
-    return ""
-
-
-async def _sse_start(request: web.Request, request_id: str) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            md.REQUEST_ID: request_id,
-        }
-    )
-    await response.prepare(request)
-    return response
-
-
-async def _sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
-
-
-async def _sse_end(response: web.StreamResponse) -> web.StreamResponse:
-    await response.write(_DONE)
-    await response.write_eof()
-    return response
-
-
 async def _sse_error(response: web.StreamResponse, exc: MeshError | grpc.aio.AioRpcError) -> web.StreamResponse:
     """An error after the stream started: OpenAI's in-stream error event, then the end of the body."""
     error = exc if isinstance(exc, MeshError) else _grpc_error(exc)
-    await _sse(response, oa.error_body(error.code, error.message)[1])
+    await streams.sse(response, oa.error_body(error.code, error.message)[1])
     await response.write_eof()
     return response
 

@@ -33,7 +33,6 @@ the fields of features meshserve does not have (``background``, ``conversation``
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -52,14 +51,13 @@ from services.common.sampling import MAX_TOP_LOGPROBS
 from services.common.sampling_pb import structured_to_pb
 from services.common.status_errors import Upstream, from_rpc_error
 from services.gateway.http import openai_api as oa
+from services.gateway.http import streams
 from services.store.responses import ResponseStore
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_METADATA_KEYS = 16
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-CHAT_END_WAIT_S = 1.0
-"""After the turn's final frame, how long to wait for the gateway to end the Chat call itself."""
 _ID = re.compile(r"^resp_[0-9a-f]{1,64}$")
 _NEUTRAL: tuple[tuple[str, tuple[object, ...], str], ...] = (
     # (field, values that change nothing, why it is refused otherwise)
@@ -532,13 +530,6 @@ def _message_id(response_id: str) -> str:
     return "msg_" + response_id.removeprefix("resp_")
 
 
-def _header(headers: Any, name: str) -> str | None:
-    for key, value in headers or ():
-        if key == name:
-            return str(value)
-    return None
-
-
 def not_found(response_id: str) -> MeshError:
     error = MeshError(
         f"no response with id {oa._show(response_id)} (never stored, expired, deleted, or another tenant's)"
@@ -563,7 +554,7 @@ class ResponseRoutes:
         """The caller's tenant digest, from the trailers of a ListModels call (it authenticates)."""
         call = self._app._gateway.ListModels(pb.ListModelsRequest(), metadata=self._app._metadata(request))
         await call
-        scope = _header(await call.trailing_metadata(), md.TENANT_SCOPE)
+        scope = streams.header(await call.trailing_metadata(), md.TENANT_SCOPE)
         if scope is None:
             raise PermissionDenied("this credential may not use /v1/responses: it needs the inference scope")
         return scope
@@ -600,11 +591,11 @@ class ResponseRoutes:
         call = self._app._gateway.Chat(metadata=self._app._metadata(request))
         try:
             headers = await call.initial_metadata()
-            scope = _header(headers, md.TENANT_SCOPE)
+            scope = streams.header(headers, md.TENANT_SCOPE)
             if scope is None:  # the gateway refused the call: its status says why
                 await call.read()
                 raise MeshError("the gateway sent no tenant for this call; retry, and report it if it persists")
-            request_id = _header(headers, md.REQUEST_ID) or ""
+            request_id = streams.header(headers, md.REQUEST_ID) or ""
             history: list[dict[str, Any]] = []
             if parsed.previous_response_id is not None:
                 assert self._store is not None
@@ -617,7 +608,7 @@ class ResponseRoutes:
             conversation = [*history, *parsed.messages]
             await call.write(pb.ChatRequest(turn=_turn(parsed, conversation)))
             await call.done_writing()
-            frames = _frames(call)
+            frames = streams.chat_frames(call)
             first = await anext(frames, None)
             model = await self._app._served_model(parsed.model, request)
             response_id = "resp_" + request_id
@@ -629,7 +620,7 @@ class ResponseRoutes:
                 body = response_object(parsed, response_id, model, created, output=out.items, final=final)
                 await self._keep(parsed, scope, response_id, body, [*conversation, *out.conversation()])
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
-            events = _Events(await _sse_start(request, request_id))
+            events = _Events(await streams.sse_start(request, request_id))
             try:
                 pending = response_object(parsed, response_id, model, created)
                 await events.send("response.created", response=pending)
@@ -678,37 +669,10 @@ def _turn(parsed: ResponsesRequest, conversation: list[dict[str, Any]]) -> pb.Ch
     return turn
 
 
-Frame = tuple[str, pb.Final | None, Sequence[pb.ToolCallDelta], Sequence[pb.TokenLogprob]]
-
-
-async def _frames(call: Any) -> AsyncIterator[Frame]:
-    """(text, final, tool-call deltas, logprobs) of the turn's frames; after the final frame, lets the
-    half-closed call end before returning (as the chat completions route does: cancelling it at once made
-    the gateway record some complete answers as CANCELLED)."""
-    async for frame in call:
-        final = frame.final if frame.HasField("final") else None
-        yield frame.text, final, frame.tool_calls, frame.logprobs
-        if final is not None:
-            break
-    try:
-        async with asyncio.timeout(CHAT_END_WAIT_S):
-            async for _ in call:
-                pass
-    except (TimeoutError, grpc.aio.AioRpcError):
-        pass  # the answer is complete: the handler's finally cancels whatever is left
-
-
-async def _prepend(first: Frame | None, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
-    if first is not None:
-        yield first
-        async for frame in frames:
-            yield frame
-
-
-async def _answer(first: Frame | None, frames: AsyncIterator[Frame], out: _Output) -> pb.Final:
+async def _answer(first: streams.Frame | None, frames: AsyncIterator[streams.Frame], out: _Output) -> pb.Final:
     """Feeds the turn's frames to ``out`` and closes it; the final frame."""
     final = None
-    async for text, last, calls, logprobs in _prepend(first, frames):
+    async for text, last, calls, _, logprobs in streams.prepend(first, frames):
         final = last or final
         await out.text(text, logprobs)
         for delta in calls:
@@ -717,13 +681,6 @@ async def _answer(first: Frame | None, frames: AsyncIterator[Frame], out: _Outpu
         raise MeshError("the stream ended without a final frame; retry, and report it if it persists")
     await out.finish("incomplete" if _incomplete(final) else "completed")
     return final
-
-
-async def _sse_start(request: web.Request, request_id: str) -> web.StreamResponse:
-    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", md.REQUEST_ID: request_id}
-    response = web.StreamResponse(headers=headers)
-    await response.prepare(request)
-    return response
 
 
 class _Events:
