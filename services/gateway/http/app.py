@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API (aiohttp), relaying each request to the gateway over gRPC.
 
-A handler only translates: OpenAI JSON -> proto (:mod:`.openai_api`), one gRPC call to the gateway
+A handler only translates: OpenAI JSON -> proto (:mod:`.openai_request`), one gRPC call to the gateway
 with the caller's ``Authorization`` header (and its W3C ``traceparent``/``tracestate`` when well formed),
-proto -> JSON or server-sent events. Authentication,
+proto -> JSON (:mod:`.openai_reply`) or server-sent events (:mod:`.streams`). Authentication,
 validation, limits and errors are the gateway's; a gRPC status becomes OpenAI's error JSON with the
 matching HTTP status (429 carries ``Retry-After`` in seconds, rounded up, and ``retry-after-ms``).
 
@@ -36,8 +36,7 @@ from services.common import tracing
 from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
 from services.common.pb.meshserve.v1 import batch_pb2_grpc, inference_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.gateway.http import openai_api as oa
-from services.gateway.http import streams
+from services.gateway.http import openai_reply, openai_request, streams
 from services.gateway.http.batches import BatchRoutes, add_routes
 from services.gateway.http.embeddings import EmbeddingRoutes
 from services.gateway.http.metrics import metrics_middleware
@@ -70,7 +69,7 @@ def _grpc_error(exc: grpc.aio.AioRpcError) -> MeshError:
                 except (TypeError, ValueError):
                     pass
         return ResourceExhausted(message, retry_after_ms=retry_ms)
-    if code not in oa.HTTP_STATUS:
+    if code not in openai_reply.HTTP_STATUS:
         code = "INTERNAL"
     error = MeshError(message)
     error.code = code
@@ -78,10 +77,13 @@ def _grpc_error(exc: grpc.aio.AioRpcError) -> MeshError:
 
 
 def error_response(exc: MeshError) -> web.Response:
-    status, body = oa.error_body(exc.code, exc.message)
+    status, body = openai_reply.error_body(exc.code, exc.message)
     headers = {}
     if isinstance(exc, ResourceExhausted):
-        headers = {"Retry-After": str(oa.retry_after_s(exc.retry_after_ms)), "retry-after-ms": str(exc.retry_after_ms)}
+        headers = {
+            "Retry-After": str(openai_reply.retry_after_s(exc.retry_after_ms)),
+            "retry-after-ms": str(exc.retry_after_ms),
+        }
     return web.json_response(body, status=status, headers=headers)
 
 
@@ -118,7 +120,7 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
         message = f"unknown endpoint {where}; this server serves {ENDPOINTS}"
     else:
         message = f"{exc.reason}: {where}"
-    _, body = oa.error_body("INVALID_ARGUMENT", message)
+    _, body = openai_reply.error_body("INVALID_ARGUMENT", message)
     return web.json_response(body, status=exc.status, headers=headers)
 
 
@@ -167,7 +169,7 @@ class OpenAIApp:
             raise InvalidArgument("the request body could not be read; check its Content-Encoding") from None
         if not isinstance(body, dict):
             raise InvalidArgument("the request body must be a JSON object")
-        field = oa.invalid_unicode_field(body)
+        field = openai_request.invalid_unicode_field(body)
         if field is not None:
             raise InvalidArgument(
                 f"{field} is not valid Unicode (a lone or reversed UTF-16 surrogate escape such as"
@@ -180,17 +182,17 @@ class OpenAIApp:
 
     async def models(self, request: web.Request) -> web.Response:
         reply = await self._gateway.ListModels(pb.ListModelsRequest(), metadata=self._metadata(request))
-        return web.json_response(oa.models_list(reply))
+        return web.json_response(openai_reply.models_list(reply))
 
     async def model(self, request: web.Request) -> web.Response:
         reply = await self._gateway.ListModels(pb.ListModelsRequest(), metadata=self._metadata(request))
         wanted = request.match_info["model"]
         if not any(m.id == wanted for m in reply.models):
             raise _not_found(wanted)
-        return web.json_response(oa.model_entry(wanted))
+        return web.json_response(openai_reply.model_entry(wanted))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        parsed, turn = oa.chat_request(await self._json(request))
+        parsed, turn = openai_request.chat_request(await self._json(request))
         with_logprobs = turn.turn.sampling.logprobs
         call = self._gateway.Chat(metadata=self._metadata(request))
         try:
@@ -202,7 +204,9 @@ class OpenAIApp:
             model = await self._served_model(parsed.model, request)
             if not parsed.stream:
                 texts, finals, calls, entries = await streams.collect(first, frames, parsed.n)
-                body = oa.chat_completion(request_id, model, texts, finals, calls, entries if with_logprobs else None)
+                body = openai_reply.chat_completion(
+                    request_id, model, texts, finals, calls, entries if with_logprobs else None
+                )
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
             response = await streams.sse_start(request, request_id)
@@ -214,37 +218,47 @@ class OpenAIApp:
             role: dict[str, Any] | None = opening
             if not parsed.tools:
                 for index in range(parsed.n):
-                    await streams.sse(response, oa.chat_chunk(request_id, model, opening, None, created, usage, index))
+                    await streams.sse(
+                        response, openai_reply.chat_chunk(request_id, model, opening, None, created, usage, index)
+                    )
                 role = None
             try:
                 ends: list[pb.Final] = []
                 async for text, last, deltas, index, logprobs in streams.prepend(first, frames):
                     lp = logprobs if with_logprobs else None
                     if role is not None and deltas and not text:
-                        delta: dict[str, Any] = {**role, "content": None, "tool_calls": oa.tool_call_deltas(deltas)}
+                        delta: dict[str, Any] = {
+                            **role,
+                            "content": None,
+                            "tool_calls": openai_reply.tool_call_deltas(deltas),
+                        }
                         await streams.sse(
-                            response, oa.chat_chunk(request_id, model, delta, None, created, usage, index, lp)
+                            response, openai_reply.chat_chunk(request_id, model, delta, None, created, usage, index, lp)
                         )
                         role, deltas, lp = None, (), None
                     if role is not None and (text or logprobs or last is not None):
-                        await streams.sse(response, oa.chat_chunk(request_id, model, role, None, created, usage, index))
+                        await streams.sse(
+                            response, openai_reply.chat_chunk(request_id, model, role, None, created, usage, index)
+                        )
                         role = None
                     if text or lp:  # a token may come with no text yet (part of a character)
                         delta = {"content": text}
                         await streams.sse(
-                            response, oa.chat_chunk(request_id, model, delta, None, created, usage, index, lp)
+                            response, openai_reply.chat_chunk(request_id, model, delta, None, created, usage, index, lp)
                         )
                     if deltas:
-                        delta = {"tool_calls": oa.tool_call_deltas(deltas)}
+                        delta = {"tool_calls": openai_reply.tool_call_deltas(deltas)}
                         await streams.sse(
-                            response, oa.chat_chunk(request_id, model, delta, None, created, usage, index)
+                            response, openai_reply.chat_chunk(request_id, model, delta, None, created, usage, index)
                         )
                     if last is not None:
                         ends.append(last)
-                        finish = oa.finish_reason(last)
-                        await streams.sse(response, oa.chat_chunk(request_id, model, {}, finish, created, usage, index))
+                        finish = openai_reply.finish_reason(last)
+                        await streams.sse(
+                            response, openai_reply.chat_chunk(request_id, model, {}, finish, created, usage, index)
+                        )
                 if ends and parsed.include_usage:
-                    chunk = oa.usage_chunk("chat.completion.chunk", request_id, model, ends, created)
+                    chunk = openai_reply.usage_chunk("chat.completion.chunk", request_id, model, ends, created)
                     await streams.sse(response, chunk)
             except (MeshError, grpc.aio.AioRpcError) as exc:
                 return await _sse_error(response, exc)
@@ -253,13 +267,13 @@ class OpenAIApp:
             call.cancel()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        parsed, generate = oa.completion_request(await self._json(request))
+        parsed, generate = openai_request.completion_request(await self._json(request))
         metadata = self._metadata(request)
         if not parsed.stream and parsed.n == 1:
             reply = await self._gateway.Complete(generate, metadata=metadata)
             model = await self._served_model(parsed.model, request)
-            logprobs = oa.completion_logprobs(reply.logprobs) if generate.sampling.logprobs else None
-            body = oa.completion(reply.request_id, model, reply.text, reply.final, logprobs=logprobs)
+            logprobs = openai_reply.completion_logprobs(reply.logprobs) if generate.sampling.logprobs else None
+            body = openai_reply.completion(reply.request_id, model, reply.text, reply.final, logprobs=logprobs)
             return web.json_response(body, headers={md.REQUEST_ID: reply.request_id})
         call = self._gateway.Generate(generate, metadata=metadata)
         try:
@@ -271,7 +285,7 @@ class OpenAIApp:
             if not parsed.stream:  # n > 1 choices: Complete returns one
                 texts, finals, _, per_choice = await streams.collect(first, frames, parsed.n)
                 wanted = generate.sampling.logprobs
-                body = oa.completions(request_id, model, texts, finals, list(per_choice) if wanted else None)
+                body = openai_reply.completions(request_id, model, texts, finals, list(per_choice) if wanted else None)
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
             response = await streams.sse_start(request, request_id)
@@ -282,16 +296,16 @@ class OpenAIApp:
                     if text or entries or final is not None:
                         logprobs = None
                         if generate.sampling.logprobs:
-                            logprobs = oa.completion_logprobs(entries, offsets[index])
+                            logprobs = openai_reply.completion_logprobs(entries, offsets[index])
                             offsets[index] += sum(len(e.token) for e in entries)
-                        chunk = oa.completion(
+                        chunk = openai_reply.completion(
                             request_id, model, text, final, created, False, parsed.include_usage, logprobs, index
                         )
                         await streams.sse(response, chunk)
                     if final is not None:
                         ends.append(final)
                 if ends and parsed.include_usage:
-                    usage = oa.usage_chunk("text_completion", request_id, model, ends, created)
+                    usage = openai_reply.usage_chunk("text_completion", request_id, model, ends, created)
                     await streams.sse(response, usage)
             except (MeshError, grpc.aio.AioRpcError) as exc:
                 return await _sse_error(response, exc)
@@ -309,7 +323,7 @@ def _not_found(model: str) -> MeshError:
 async def _sse_error(response: web.StreamResponse, exc: MeshError | grpc.aio.AioRpcError) -> web.StreamResponse:
     """An error after the stream started: OpenAI's in-stream error event, then the end of the body."""
     error = exc if isinstance(exc, MeshError) else _grpc_error(exc)
-    await streams.sse(response, oa.error_body(error.code, error.message)[1])
+    await streams.sse(response, openai_reply.error_body(error.code, error.message)[1])
     await response.write_eof()
     return response
 

@@ -5,7 +5,7 @@ message, then the stored conversation of ``previous_response_id`` (its inputs an
 instructions, as OpenAI does), then ``input`` (a string, or a list of items: text messages,
 ``function_call`` items (an assistant message's tool calls) and ``function_call_output`` items
 (``tool`` messages)). ``tools`` (Responses' flat function tools), ``tool_choice`` and
-``parallel_tool_calls`` become the turn's tools (openai_api.py's ``_tools`` on the chat shape);
+``parallel_tool_calls`` become the turn's tools (openai_request.py's ``_tools`` on the chat shape);
 ``text.format`` (``json_object``, ``json_schema``) its ``SamplingParams.structured`` (the checks of
 services/common/constraints.py, so a bad schema is a 400 naming ``text.format``); ``top_logprobs`` with
 ``include: ["message.output_text.logprobs"]`` its logprobs.
@@ -50,8 +50,7 @@ from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import MAX_TOP_LOGPROBS
 from services.common.sampling_pb import structured_to_pb
 from services.common.status_errors import Upstream, from_rpc_error
-from services.gateway.http import openai_api as oa
-from services.gateway.http import streams
+from services.gateway.http import openai_reply, openai_request, streams
 from services.store.responses import ResponseStore
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -76,7 +75,7 @@ class ResponsesRequest:
 
     model: str
     messages: list[dict[str, Any]]
-    """The new input as chat messages (openai_api.py's chat shape: role, content, tool_calls, tool_call_id)."""
+    """The new input as chat messages (openai_request.py's chat shape: role, content, tool_calls, tool_call_id)."""
     instructions: str | None
     sampling: pb.SamplingParams
     stream: bool
@@ -99,7 +98,7 @@ class ResponsesRequest:
 def _refuse(body: dict[str, Any]) -> None:
     for name, neutral, why in _NEUTRAL:
         value = body.get(name)
-        if value is not None and not oa._is_neutral(value, neutral):
+        if value is not None and not openai_request._is_neutral(value, neutral):
             raise InvalidArgument(f"'{name}': {why} by meshserve; remove it from the request")
 
 
@@ -120,7 +119,8 @@ def _text_format(body: dict[str, Any]) -> tuple[dict[str, Any], Constraint | Non
         return {"type": "json_object"}, check_constraint("json_object", field="text.format")
     if kind != "json_schema":
         raise InvalidArgument(
-            f"'text.format' of type {oa._show(kind)} is not supported; use 'text', 'json_object' or 'json_schema'"
+            f"'text.format' of type {openai_request._show(kind)} is not supported;"
+            " use 'text', 'json_object' or 'json_schema'"
         )
     name = fmt.get("name")
     if not isinstance(name, str) or not 1 <= len(name) <= 64:
@@ -154,7 +154,7 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | dict[str, 
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
             raise InvalidArgument(
-                f"'tools[{i}]' of type {oa._show(kind)} is not supported by meshserve; only function tools"
+                f"'tools[{i}]' of type {openai_request._show(kind)} is not supported by meshserve; only function tools"
                 " {'type': 'function', 'name': ..., 'parameters': {...}} are"
             )
         assert isinstance(tool, dict)
@@ -186,7 +186,7 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | dict[str, 
         raise InvalidArgument("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}")
     parallel = body.get("parallel_tool_calls")
     turn = pb.ChatTurn()
-    oa._tools({"tools": chat, "tool_choice": chat_choice, "parallel_tool_calls": parallel}, turn)
+    openai_request._tools({"tools": chat, "tool_choice": chat_choice, "parallel_tool_calls": parallel}, turn)
     shown: str | dict[str, Any] = choice if choice is not None else "auto"
     if isinstance(choice, dict):
         shown = {"type": "function", "name": choice["name"]}
@@ -203,9 +203,10 @@ def _logprobs(body: dict[str, Any], sampling: pb.SamplingParams) -> int:
     other = [x for x in include if x != LOGPROBS_INCLUDE]
     if other:
         raise InvalidArgument(
-            f"'include' value {oa._show(other[0])} is not supported by meshserve; only {LOGPROBS_INCLUDE!r} is"
+            f"'include' value {openai_request._show(other[0])} is not supported by meshserve;"
+            f" only {LOGPROBS_INCLUDE!r} is"
         )
-    top = oa._int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    top = openai_request._int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
     wanted = LOGPROBS_INCLUDE in include
     if top and not wanted:
         raise InvalidArgument(
@@ -227,7 +228,7 @@ def _content(item: dict[str, Any], where: str, name: str = "content") -> str:
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else None
             raise InvalidArgument(
-                f"'{where}.{name}[{j}]' of type {oa._show(kind)} is not supported; send text parts"
+                f"'{where}.{name}[{j}]' of type {openai_request._show(kind)} is not supported; send text parts"
                 " {'type': 'input_text', 'text': ...} (images, audio and files are not supported)"
             )
         parts.append(part["text"])
@@ -281,7 +282,7 @@ def _input(value: object) -> list[dict[str, Any]]:
             continue
         if kind != "message":
             raise InvalidArgument(
-                f"'{where}.type' is {oa._show(kind)}; only 'message', 'function_call' and"
+                f"'{where}.type' is {openai_request._show(kind)}; only 'message', 'function_call' and"
                 " 'function_call_output' items are supported"
             )
         role = item.get("role")
@@ -317,9 +318,9 @@ def parse(body: dict[str, Any]) -> ResponsesRequest:
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise InvalidArgument("'previous_response_id' must be a string: the id of an earlier response")
-    max_output = oa._int(body, "max_output_tokens", 1)
-    temperature = oa._number(body, "temperature", 1.0)
-    top_p = oa._number(body, "top_p", 0.0)
+    max_output = openai_request._int(body, "max_output_tokens", 1)
+    temperature = openai_request._number(body, "temperature", 1.0)
+    top_p = openai_request._number(body, "top_p", 0.0)
     sampling = pb.SamplingParams(max_tokens=max_output or 0, temperature=temperature, top_p=top_p)
     text_format, structured = _text_format(body)
     if structured is not None:
@@ -456,7 +457,7 @@ class _Output:
         return {"output_index": len(self.items) - 1, "item_id": self._open["id"]}
 
     async def text(self, delta: str, entries: Sequence[pb.TokenLogprob]) -> None:
-        logprobs = oa.chat_logprobs(entries)["content"] if self._with_logprobs and entries else []
+        logprobs = openai_reply.chat_logprobs(entries)["content"] if self._with_logprobs and entries else []
         if not delta:
             if logprobs and self._open is not None and self._open["type"] == "message":
                 self._logprobs.extend(logprobs)
@@ -532,7 +533,7 @@ def _message_id(response_id: str) -> str:
 
 def not_found(response_id: str) -> MeshError:
     error = MeshError(
-        f"no response with id {oa._show(response_id)} (never stored, expired, deleted, or another tenant's)"
+        f"no response with id {openai_request._show(response_id)} (never stored, expired, deleted, or another tenant's)"
     )
     error.code = "NOT_FOUND"
     return error
@@ -665,7 +666,7 @@ def _turn(parsed: ResponsesRequest, conversation: list[dict[str, Any]]) -> pb.Ch
             names[tool_call["id"]] = tool_call["function"]["name"]
         if message["role"] == "tool" and "name" not in message:
             message = {**message, "name": names.get(message.get("tool_call_id", ""), "")}
-        oa._message(message, i, turn)
+        openai_request._message(message, i, turn)
     return turn
 
 
