@@ -33,7 +33,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from services.common import metadata as md
 from services.common import tracing
-from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
+from services.common.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted
 from services.common.pb.meshserve.v1 import batch_pb2_grpc, inference_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.gateway.http import openai_reply, openai_request, streams
@@ -314,10 +314,8 @@ class OpenAIApp:
             call.cancel()
 
 
-def _not_found(model: str) -> MeshError:
-    error = MeshError(f"the model {model!r} does not exist; GET /v1/models lists the served models")
-    error.code = "NOT_FOUND"
-    return error
+def _not_found(model: str) -> NotFound:
+    return NotFound(f"the model {model!r} does not exist; GET /v1/models lists the served models")
 
 
 async def _sse_error(response: web.StreamResponse, exc: MeshError | grpc.aio.AioRpcError) -> web.StreamResponse:

@@ -45,7 +45,7 @@ from aiohttp import web
 
 from services.common import metadata as md
 from services.common.constraints import Constraint, check_constraint, json_schema_constraint
-from services.common.errors import InvalidArgument, MeshError, PermissionDenied
+from services.common.errors import InvalidArgument, MeshError, NotFound, PermissionDenied
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import MAX_TOP_LOGPROBS
 from services.common.sampling_pb import structured_to_pb
@@ -531,12 +531,10 @@ def _message_id(response_id: str) -> str:
     return "msg_" + response_id.removeprefix("resp_")
 
 
-def not_found(response_id: str) -> MeshError:
-    error = MeshError(
+def not_found(response_id: str) -> NotFound:
+    return NotFound(
         f"no response with id {openai_request._show(response_id)} (never stored, expired, deleted, or another tenant's)"
     )
-    error.code = "NOT_FOUND"
-    return error
 
 
 class ResponseRoutes:
