@@ -132,8 +132,11 @@ def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
     return any(value is n or (not isinstance(value, bool) and value == n) for n in neutral)
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    for name, neutral, why in _UNSUPPORTED:
+def _refuse_unsupported(
+    body: dict[str, Any], fields: tuple[tuple[str, tuple[object, ...], str], ...] = _UNSUPPORTED
+) -> None:
+    """400 for the first of ``fields`` (name, values that change nothing, why) the body sets otherwise."""
+    for name, neutral, why in fields:
         value = body.get(name)
         if value is not None and not _is_neutral(value, neutral):
             raise InvalidArgument(f"'{name}': {why} by meshserve; remove it from the request")

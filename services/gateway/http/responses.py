@@ -95,13 +95,6 @@ class ResponsesRequest:
     top_logprobs: int = 0
 
 
-def _refuse(body: dict[str, Any]) -> None:
-    for name, neutral, why in _NEUTRAL:
-        value = body.get(name)
-        if value is not None and not openai_request._is_neutral(value, neutral):
-            raise InvalidArgument(f"'{name}': {why} by meshserve; remove it from the request")
-
-
 def _text_format(body: dict[str, Any]) -> tuple[dict[str, Any], Constraint | None]:
     """``text.format``: ``text`` (none), ``json_object``, or ``json_schema`` (``name``, ``schema``,
     ``strict``, ``description``; flat, unlike chat's ``response_format``). The output is held to the
@@ -305,7 +298,7 @@ def _metadata(value: object) -> dict[str, str]:
 
 def parse(body: dict[str, Any]) -> ResponsesRequest:
     """A Responses request body, checked (JSON types; ranges are the gateway's)."""
-    _refuse(body)
+    openai_request._refuse_unsupported(body, _NEUTRAL)
     model = body.get("model", "")
     if not isinstance(model, str):
         raise InvalidArgument("'model' must be a string; GET /v1/models lists the served models")
