@@ -303,6 +303,15 @@ def judged(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _target_lines(name: str, found: dict[str, Any], detail: str) -> list[str]:
+    """One judged ratio target: its TARGET line and ``detail`` formatted with the judged fields, or one
+    SKIPPED line with the reason."""
+    if "skipped" in found:
+        return [f"TARGET {name}: SKIPPED ({found['skipped']})"]
+    verdict = "PASS" if found["pass"] else "FAIL"
+    return [f"TARGET {name}: {found['ratio']:.2f}x (target >= {found['target']}x): {verdict}", detail.format(**found)]
+
+
 def targets(report: dict[str, Any]) -> list[str]:
     """Issue 27's two targets, judged (SKIPPED with the reason when a reference was not measured), then
     issue 6's roofline share and 16-vs-1 ratio as references."""
@@ -321,26 +330,18 @@ def targets(report: dict[str, Any]) -> list[str]:
     )
     lines = [*warning]
     found = report.get("targets") or judged(report)
-    single = found["edge_single_stream_vs_ortgenai"]
-    if "skipped" in single:
-        lines.append(f"TARGET edge_single_stream_vs_ortgenai: SKIPPED ({single['skipped']})")
-    else:
-        lines += [
-            f"TARGET edge_single_stream_vs_ortgenai: {single['ratio']:.2f}x (target >= 1.0x): "
-            + ("PASS" if single["pass"] else "FAIL"),
-            f"  (single-stream decode through the mesh {single['mesh_tokens_per_s']:.1f} tok/s vs onnxruntime-genai "
-            f"in-process {single['ortgenai_tokens_per_s']:.1f} tok/s, medians of interleaved rounds)",
-        ]
-    many = found["edge_16_streams_vs_llamacpp"]
-    if "skipped" in many:
-        lines.append(f"TARGET edge_16_streams_vs_llamacpp: SKIPPED ({many['skipped']})")
-    else:
-        lines += [
-            f"TARGET edge_16_streams_vs_llamacpp: {many['ratio']:.2f}x (target >= 1.25x): "
-            + ("PASS" if many["pass"] else "FAIL"),
-            f"  ({many['streams']} streams through the mesh {many['mesh_tokens_per_s']:.1f} tok/s vs llama.cpp Q4_0 "
-            f"{many['llamacpp_tokens_per_s']:.1f} tok/s, generated tokens over wall time, prefill included)",
-        ]
+    lines += _target_lines(
+        "edge_single_stream_vs_ortgenai",
+        found["edge_single_stream_vs_ortgenai"],
+        "  (single-stream decode through the mesh {mesh_tokens_per_s:.1f} tok/s vs onnxruntime-genai "
+        "in-process {ortgenai_tokens_per_s:.1f} tok/s, medians of interleaved rounds)",
+    )
+    lines += _target_lines(
+        "edge_16_streams_vs_llamacpp",
+        found["edge_16_streams_vs_llamacpp"],
+        "  ({streams} streams through the mesh {mesh_tokens_per_s:.1f} tok/s vs llama.cpp Q4_0 "
+        "{llamacpp_tokens_per_s:.1f} tok/s, generated tokens over wall time, prefill included)",
+    )
     return [
         *lines,
         f"  (reference, issue 6: single-stream decode / memory-bandwidth roofline {share:.0f} %; aggregate tok/s at "

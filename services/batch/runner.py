@@ -31,7 +31,7 @@ from services.common import metadata as md
 from services.common.errors import InvalidArgument, MeshError
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.gateway.http import openai_api as oa
+from services.gateway.http import openai_reply
 from services.gateway.validation import Limits
 from services.store.batches import BatchStore, WorkItem
 
@@ -232,7 +232,7 @@ class Runner:
         with self._capacity.call():  # the routers' turns less these are the interactive ones
             if isinstance(request, pb.GenerateRequest):
                 reply = await router.Complete(request, metadata=metadata, timeout=timeout)
-                return oa.completion(request_id, served, reply.text, reply.final)
+                return openai_reply.completion(request_id, served, reply.text, reply.final)
             call = router.Chat(metadata=metadata, timeout=timeout)
             try:
                 await call.write(request)
@@ -241,7 +241,7 @@ class Runner:
                 async for frame in call:
                     parts.append(frame.text)
                     if frame.HasField("final"):
-                        return oa.chat_completion(request_id, served, "".join(parts), frame.final)
+                        return openai_reply.chat_completion(request_id, served, "".join(parts), frame.final)
             finally:
                 call.cancel()
         raise MeshError("the chat stream ended without a final frame")

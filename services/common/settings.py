@@ -78,10 +78,27 @@ def _with_suggestion(key: str, known: Iterable[str]) -> str:
     return f"{key} (did you mean {close[0]}?)" if close else key
 
 
-class ServiceSettings(BaseSettings):
-    """Settings every gRPC service has. Subclasses set ``service`` and ``model_config``."""
+class YamlSettings(BaseSettings):
+    """Settings from keyword arguments, then the environment, then section ``service`` of the YAML file
+    named by MESHSERVE_CONFIG (the first that sets a field wins)."""
 
     service: ClassVar[str] = "common"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, _YamlSection(settings_cls, cls.service))
+
+
+class ServiceSettings(YamlSettings):
+    """Settings every gRPC service has. Subclasses set ``service`` and ``model_config``."""
+
     model_config = SettingsConfigDict(extra="ignore")
 
     host: str = "127.0.0.1"
@@ -109,17 +126,6 @@ class ServiceSettings(BaseSettings):
             return not ipaddress.ip_address(self.host.strip("[]")).is_loopback
         except ValueError:  # a host name: it may resolve beyond loopback
             return True
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _YamlSection(settings_cls, cls.service))
 
 
 class StreamingSettings(ServiceSettings):

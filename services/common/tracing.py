@@ -59,10 +59,10 @@ from opentelemetry.trace import (
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
 from services.common import metadata as md
-from services.common.settings import _YamlSection, load_settings
+from services.common.settings import YamlSettings, load_settings
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -81,7 +81,7 @@ MAX_TRACE_HEADER_CHARS = 512
 AttributeValue = str | bool | int | float
 
 
-class TracingSettings(BaseSettings):
+class TracingSettings(YamlSettings):
     """Tracing settings, shared by every service: env ``MESHSERVE_TRACING_*``, YAML section ``tracing:``."""
 
     service: ClassVar[str] = "tracing"
@@ -107,17 +107,6 @@ class TracingSettings(BaseSettings):
         if self.exporter == "file" and not self.dir:
             raise ValueError("exporter=file needs a directory: set MESHSERVE_TRACING_DIR")
         return self
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return (init_settings, env_settings, _YamlSection(settings_cls, cls.service))
 
 
 class _State:

@@ -5,18 +5,19 @@ embedded layout, ``meshserve up``), and the router's gRPC servicer (services/rou
 which only translates protos, for a gateway in another process. It checks the model id, tokenizes
 (a text with the tokenizer, a conversation through the chat template), fits ``max_tokens`` to the
 context (:meth:`SamplingParams.fit`), and runs the turn through :class:`~services.router.core.Router`.
-It records the router's request metrics (duration by status, tokens by tier) for every caller.
+It records the router's request metrics (duration by status, tokens by tier: services/router/observe.py)
+for every caller; long prompts are tokenized off the event loop (services/router/encoding.py).
 
 Several models: the request's ``model`` (empty: the default one) names a served model
 (services/router/models.py); its rollout picks the version (services/router/rollout.py) once per
 Generate or once per chat (a chat never changes version), and the turn runs on that version's Router
-only (its replicas, caches and tokenizer). Each version's outcome and TTFT feed its rollout's
-automatic rollback. With a shadow version set, a copy of each Generate and each chat turn that
-succeeded runs there in the background (at most ``shadow_max_in_flight`` at once; more are shed), with
-no cache and no rate-limit charge; its output is discarded, its TTFT and agreement with the primary
-are counted. A chat turn's copy is one stand-alone generation over the whole conversation so far (a
-fresh worker stream each turn): the primary's chat stream, and the KV its worker keeps between turns,
-are never touched by it.
+only (its replicas, caches and tokenizer). Each version's outcome and TTFT feed its rollout's automatic
+rollback (services/router/versions.py, as the shadow copies). With a shadow version set, a copy of each
+Generate and each chat turn that succeeded runs there in the background (at most
+``shadow_max_in_flight`` at once; more are shed), with no cache and no rate-limit charge; its output is
+discarded, its TTFT and agreement with the primary are counted. A chat turn's copy is one stand-alone
+generation over the whole conversation so far (a fresh worker stream each turn): the primary's chat
+stream, and the KV its worker keeps between turns, are never touched by it.
 
 * :meth:`RouterAPI.generate`: one prompt -> :class:`Chunk` events and one :class:`Done`.
 * :meth:`RouterAPI.chat`: a :class:`ChatSession`; turns in, :class:`TurnEvent`\\ s out; the
@@ -34,18 +35,13 @@ messages are written for callers. Closing an event stream (the caller went away)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
-from array import array
-from collections import OrderedDict
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import replace
 from functools import partial
 from typing import Any
-
-import structlog
 
 from services.common import tracing
 from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
@@ -54,10 +50,10 @@ from services.common.metrics import REQUEST_DURATION, TOKENS
 from services.common.sampling import SamplingParams
 from services.router.core import SERVICE, Router, Session
 from services.router.embeddings import MAX_EMBED_TOKENS, EmbedRoute, check_tokens
-from services.router.metrics import SHADOW, VERSION_REQUESTS, VERSION_TTFT
-from services.router.models import ModelTable, ServedModel, ServedVersion
+from services.router.encoding import ENCODED_PROMPTS, INLINE_TOKENIZE_CHARS, EncodeCache, tokenize
+from services.router.models import ModelTable, ServedModel
+from services.router.observe import observe
 from services.router.policy import TierName
-from services.router.rollout import SERVER_FAULTS
 from services.router.tool_parser import ToolCallParser
 from services.router.tools import (
     ToolCallDelta,
@@ -83,47 +79,7 @@ from services.router.types import (
     TurnEvent,
     TurnRequest,
 )
-
-log = structlog.get_logger(__name__)
-# Tokenizing a long prompt takes milliseconds: do it off the event loop past this many characters.
-INLINE_TOKENIZE_CHARS = 4096
-# Recently seen prompts (up to the inline size) keep their token ids: a repeated prompt (a cache hit,
-# a client retrying) skips the tokenizer, whose call costs more than the rest of a cache hit.
-ENCODED_PROMPTS = 2048
-# ...and at most this many token ids in all, kept as int32 (4 MiB): distinct 4 KiB prompts of one-char
-# tokens would otherwise hold ~150 KiB each as tuples of ints (~300 MiB for the 2048 entries).
-_ENCODED_TOKENS = 1 << 20
-
-
-class EncodeCache:
-    """LRU of prompt text -> token ids, bounded by entries and by token ids held (each prompt is at most
-    the inline size, so the texts hold at most ``size`` x 4 KiB characters)."""
-
-    def __init__(self, size: int, max_tokens: int = _ENCODED_TOKENS) -> None:
-        self._size = size
-        self._max_tokens = max_tokens
-        self._ids: OrderedDict[str, array[int]] = OrderedDict()
-        self.tokens = 0
-        """Token ids held now."""
-
-    def get(self, text: str) -> list[int] | None:
-        ids = self._ids.get(text)
-        if ids is None:
-            return None
-        self._ids.move_to_end(text)
-        return ids.tolist()
-
-    def put(self, text: str, ids: list[int]) -> None:
-        if len(ids) > self._max_tokens:
-            return
-        old = self._ids.pop(text, None)
-        if old is not None:
-            self.tokens -= len(old)
-        self._ids[text] = array("i", ids)
-        self.tokens += len(ids)
-        while len(self._ids) > self._size or self.tokens > self._max_tokens:
-            _, gone = self._ids.popitem(last=False)
-            self.tokens -= len(gone)
+from services.router.versions import Shadows, VersionRun, shadow_copy, shadow_of
 
 
 def _time_left(deadline: float | None) -> float | None:
@@ -155,8 +111,8 @@ class RouterAPI:
         self.models = models or ModelTable.single(router, context_length)
         self._encoded = {m: EncodeCache(ENCODED_PROMPTS) for m in self.models.models}
         self.max_queued_chat_turns = max_queued_chat_turns
-        self.shadow_max_in_flight = shadow_max_in_flight
-        self.shadows: set[asyncio.Task[None]] = set()
+        self._shadows = Shadows(shadow_max_in_flight)
+        self.shadows = self._shadows.running
         """Shadow copies running now (tests wait on them)."""
 
     @property
@@ -195,16 +151,16 @@ class RouterAPI:
             )
             timeout = req.timeout = _time_left(deadline)
             session = Session()
-            shadow = _shadow_of(model, version)
-            run = _VersionRun(model, version, "primary", keep_text=shadow is not None, choices=req.sampling.n)
+            shadow = shadow_of(model, version)
+            run = VersionRun(model, version, "primary", keep_text=shadow is not None, choices=req.sampling.n)
             with run:
                 try:
                     async with aclosing(version.router.run_turn(req, session, None, admission)) as events:
                         async for event in events:
                             obs.record(event)
                             if run.see(event) and shadow is not None:  # every choice's Done came
-                                copy = _shadow_copy(req, timeout, event)
-                                self._start_shadow(model, shadow, copy, run.output())
+                                copy = shadow_copy(req, timeout, event)
+                                self._shadows.start(model, shadow, copy, run.output())
                             yield event
                 finally:
                     await session.close()
@@ -304,7 +260,7 @@ class RouterAPI:
 
     async def _encode(self, fn: Callable[[], list[int]], size: int) -> list[int]:
         with tracing.span("router.tokenize"):
-            return fn() if size <= INLINE_TOKENIZE_CHARS else await asyncio.to_thread(fn)
+            return await tokenize(fn, size)
 
     async def _encode_prompt(self, prompt: str, model: ServedModel) -> list[int]:
         encoded = self._encoded[model.id]
@@ -327,51 +283,6 @@ class RouterAPI:
         tokenizer = (model or self.models.get("")).tokenizer
         size = sum(len(m["content"] or "") for m in conversation) + (len(json.dumps(tools)) if tools else 0)
         return await self._encode(partial(tokenizer.apply_chat_template, conversation, True, tools), size)
-
-    # -- shadow copies ---------------------------------------------------------------------------
-
-    def _start_shadow(self, model: ServedModel, name: str, req: TurnRequest, primary_text: str) -> None:
-        """Run ``req`` on version ``name`` in the background (the primary's answer is already out)."""
-        version = model.versions.get(name)
-        if version is None:
-            return
-        counters = model.rollout.counters[name]
-        if len(self.shadows) >= self.shadow_max_in_flight:
-            counters.shadow_shed += 1
-            SHADOW.labels(model.id, name, "shed").inc()
-            return
-        counters.shadow_requests += 1
-        # Its own prefix hashes (another build), no response cache (a real run), no rate-limit charge.
-        copy = replace(req, prefix_blocks=None, use_cache=False, request_id=f"{req.request_id}-shadow")
-        task = asyncio.create_task(self._shadow(model, version, copy, primary_text), name="router-shadow")
-        self.shadows.add(task)
-        task.add_done_callback(self.shadows.discard)
-
-    async def _shadow(self, model: ServedModel, version: ServedVersion, req: TurnRequest, primary_text: str) -> None:
-        run = _VersionRun(model, version, "shadow", keep_text=True, choices=req.sampling.n)
-        session = Session()
-        outcome = "failed"
-        try:
-            with run:
-                async with aclosing(version.router.run_turn(req, session)) as events:
-                    async for event in events:
-                        run.see(event)
-            assert run.text is not None
-            counters = model.rollout.counters[version.name]
-            if req.sampling.deterministic:
-                counters.shadow_compared += 1
-                agreed = run.output() == primary_text
-                counters.shadow_agreed += agreed
-                outcome = "agreed" if agreed else "differed"
-            else:
-                outcome = "not_compared"
-        except MeshError as exc:  # a shadow's failure is counted, never seen by a caller
-            log.info("shadow_failed", model=model.id, version=version.name, code=exc.code)
-        except Exception:
-            log.exception("shadow_failed", model=model.id, version=version.name)
-        finally:
-            await session.close()
-            SHADOW.labels(model.id, version.name, outcome).inc()
 
 
 class ChatSession:
@@ -472,9 +383,9 @@ class ChatSession:
                             parallel=choice.parallel,
                             bare_json=named or choice.mode is ToolChoiceMode.REQUIRED,
                         )
-                    shadow = _shadow_of(model, version)
+                    shadow = shadow_of(model, version)
                     kept = shadow is not None
-                    with _VersionRun(model, version, "primary", keep_text=kept, choices=req.sampling.n) as run:
+                    with VersionRun(model, version, "primary", keep_text=kept, choices=req.sampling.n) as run:
                         timeout = req.timeout
                         async with aclosing(version.router.run_turn(req, session, cancel)) as events:
                             async for event in events:
@@ -482,8 +393,8 @@ class ChatSession:
                                 if run.see(event) and shadow is not None and not cancel.is_set():
                                     # The copy's own stand-alone stream: the chat's worker stream (and
                                     # the KV it keeps for the next turn) is the primary's alone.
-                                    copy = _shadow_copy(req, timeout, event)
-                                    api._start_shadow(model, shadow, copy, run.output())
+                                    copy = shadow_copy(req, timeout, event)
+                                    api._shadows.start(model, shadow, copy, run.output())
                                 if parser is not None:
                                     for parsed in _parsed(parser, event):
                                         reply.add(parsed)
@@ -507,80 +418,6 @@ class ChatSession:
             with observe():  # a turn refused at the edge is a turn that failed
                 raise item
         return item
-
-
-class _VersionRun:
-    """One turn on one version: its TTFT and status in the per-version metrics, and (the primary's)
-    a sample for the model's automatic rollback; the text when ``keep_text``. A context manager:
-    leaving it with a MeshError records that status; a cancelled turn is no sample."""
-
-    def __init__(
-        self, model: ServedModel, version: ServedVersion, role: str, *, keep_text: bool = False, choices: int = 1
-    ) -> None:
-        self.model = model
-        self.version = version
-        self.role = role
-        self.started = time.perf_counter()
-        self.ttft: float | None = None
-        self.text: dict[int, list[str]] | None = {} if keep_text else None
-        """Per choice index, its text (when ``keep_text``)."""
-        self.done = False
-        self.dones = 0
-        self.choices = choices
-
-    def see(self, event: Event) -> bool:
-        """Count ``event``; True at the turn's last Done (one per choice) when the text is kept."""
-        if isinstance(event, Done):
-            self.done = True  # a caller that stops reading after the Done closed a turn that succeeded
-            self.dones += 1
-            return self.text is not None and self.dones == self.choices
-        if isinstance(event, Chunk):
-            if self.ttft is None:
-                self.ttft = time.perf_counter() - self.started
-            if self.text is not None:
-                self.text.setdefault(event.index, []).append(event.text)
-        return False
-
-    def output(self) -> str:
-        """Every choice's text, in choice order (what a shadow's output is compared with)."""
-        text = self.text or {}
-        return "\0".join("".join(text[i]) for i in sorted(text))
-
-    def __enter__(self) -> _VersionRun:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
-        if kind is None or (self.done and issubclass(kind, (asyncio.CancelledError, GeneratorExit))):
-            status = "OK"
-        elif isinstance(exc, MeshError):
-            status = exc.code
-        elif issubclass(kind, (asyncio.CancelledError, GeneratorExit)):
-            status = "CANCELLED"
-        else:
-            status = "INTERNAL"
-        model, name, children = self.model.id, self.version.name, self.version.metrics
-        if (requests := children.get((self.role, status))) is None:
-            requests = children[self.role, status] = VERSION_REQUESTS.labels(model, name, self.role, status)
-        requests.inc()
-        if self.ttft is not None:
-            if (ttft := children.get((self.role,))) is None:
-                ttft = children[self.role,] = VERSION_TTFT.labels(model, name, self.role)
-            ttft.observe(self.ttft)
-        if self.role == "primary" and status != "CANCELLED":
-            self.model.rollout.record(name, failed=status in SERVER_FAULTS, ttft_s=self.ttft)
-
-
-def _shadow_copy(req: TurnRequest, timeout: float | None, done: Event) -> TurnRequest:
-    """The shadow's request: the primary's, on the tier whose weights answered it (a chat's later turns
-    stay on their first turn's tier, which a stand-alone copy of a longer prompt would not pick)."""
-    tier = done.route.tier if isinstance(done, Done) and not done.route.cache_hit else None
-    return replace(req, timeout=timeout, hint=tier or req.hint)
-
-
-def _shadow_of(model: ServedModel, version: ServedVersion) -> str | None:
-    """The version that gets a copy of a turn served by ``version`` (None: no shadow, or it is itself)."""
-    shadow = model.rollout.policy.shadow
-    return shadow if shadow is not None and shadow != version.name else None
 
 
 def _parsed(parser: ToolCallParser, event: Event) -> list[Event]:
@@ -624,50 +461,3 @@ class _Reply:
                 for i, n, a in (self.calls[k] for k in sorted(self.calls))
             ]
         return out
-
-
-class _Observation:
-    """Duration by status, token counters, for one request or chat turn."""
-
-    def __init__(self) -> None:
-        self.started = time.perf_counter()
-        self.tier = "none"
-
-    def record(self, event: Event) -> None:
-        if isinstance(event, Done):
-            self.tier = "cache" if event.route.cache_hit or not event.route.tier else event.route.tier.value
-            if event.index == 0:  # n choices share one prompt
-                TOKENS.labels(SERVICE, self.tier, "input").inc(event.prompt_tokens)
-            TOKENS.labels(SERVICE, self.tier, "output").inc(event.completion_tokens)
-
-
-@contextlib.contextmanager
-def observe() -> Iterator[_Observation]:
-    """The router's request metrics for the block: duration by status and tier, tokens."""
-    obs = _Observation()
-    status = "OK"
-    try:
-        yield obs
-    except MeshError as exc:
-        status = exc.code
-        raise
-    except (asyncio.CancelledError, GeneratorExit):
-        status = "CANCELLED"
-        raise
-    except BaseException:
-        status = "INTERNAL"
-        raise
-    finally:
-        REQUEST_DURATION.labels(SERVICE, obs.tier, status).observe(time.perf_counter() - obs.started)
-
-
-@contextlib.contextmanager
-def observe_refusal() -> Iterator[None]:
-    """For an edge's work before it calls the API (converting its request): a refusal there is recorded
-    as the router's metrics record a failed request; success records nothing (the API does)."""
-    started = time.perf_counter()
-    try:
-        yield
-    except MeshError as exc:
-        REQUEST_DURATION.labels(SERVICE, "none", exc.code).observe(time.perf_counter() - started)
-        raise

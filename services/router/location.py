@@ -25,22 +25,21 @@ the workers' load reports already tell).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import partial
 
 from services.common.errors import InvalidArgument, Unavailable
 from services.common.sampling import SamplingParams
 from services.router.core import Router, Session
+from services.router.encoding import tokenize
 from services.router.policy import TierChoice, TierName
 from services.router.types import TurnRequest
 from services.store.kv_blocks import LOCATE_MAX_BLOCKS, KVBlockStore, KVContext
 
 MAX_PROMPT_CHARS = 1 << 20
 """Longest prompt (text, or all message contents) accepted, in characters: checked before tokenizing."""
-_INLINE_TOKENIZE_CHARS = 4096
-"""Longer prompts are tokenized off the event loop (as the Inference service does)."""
 
 
 class RedisAnswer(StrEnum):
@@ -125,11 +124,8 @@ class PrefixLocator:
             raise InvalidArgument(f"the prompt is {size} characters long; at most {MAX_PROMPT_CHARS} are accepted")
         tok = self._router.tokenizer
         if text:
-            return tok.encode(text) if size <= _INLINE_TOKENIZE_CHARS else await asyncio.to_thread(tok.encode, text)
-        conversation = [dict(m) for m in messages]
-        if size <= _INLINE_TOKENIZE_CHARS:
-            return tok.apply_chat_template(conversation)
-        return await asyncio.to_thread(tok.apply_chat_template, conversation)
+            return await tokenize(partial(tok.encode, text), size)
+        return await tokenize(partial(tok.apply_chat_template, [dict(m) for m in messages]), size)
 
     async def locate(
         self,

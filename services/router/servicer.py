@@ -19,7 +19,8 @@ from services.common.coalesce import FlushWindow, coalesced
 from services.common.errors import MeshError
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
 from services.router import convert
-from services.router.api import ChatSession, RouterAPI, observe_refusal
+from services.router.api import ChatSession, RouterAPI
+from services.router.observe import observe_refusal
 from services.router.types import Chunk, Done, Event, TurnEvent, is_done, merge
 
 

@@ -49,7 +49,7 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 OPEN = ("validating", "in_progress", "cancelling")
 """States in which results are accepted."""
 TERMINAL = ("completed", "expired", "cancelled", "failed")
-_TIMES = (
+TIMES = (
     "created_at",
     "in_progress_at",
     "expires_at",
@@ -60,6 +60,7 @@ _TIMES = (
     "cancelling_at",
     "cancelled_at",
 )
+"""A batch's timestamp fields, by OpenAI's names (the HTTP adapter's batch object lists the same)."""
 MAX_CUSTOM_ID_CHARS = 512
 
 _CREATE = """
@@ -198,7 +199,7 @@ class BatchRecord:
             status=s.get("status", ""),
             output_file_id=s.get("output_file_id", ""),
             error_file_id=s.get("error_file_id", ""),
-            times={t: int(s[t]) for t in _TIMES if s.get(t)},
+            times={t: int(s[t]) for t in TIMES if s.get(t)},
             total=int(s.get("total", 0)),
             completed=int(s.get("completed", 0)),
             failed=int(s.get("failed", 0)),

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API (aiohttp), relaying each request to the gateway over gRPC.
 
-A handler only translates: OpenAI JSON -> proto (:mod:`.openai_api`), one gRPC call to the gateway
+A handler only translates: OpenAI JSON -> proto (:mod:`.openai_request`), one gRPC call to the gateway
 with the caller's ``Authorization`` header (and its W3C ``traceparent``/``tracestate`` when well formed),
-proto -> JSON or server-sent events. Authentication,
+proto -> JSON (:mod:`.openai_reply`) or server-sent events (:mod:`.streams`). Authentication,
 validation, limits and errors are the gateway's; a gRPC status becomes OpenAI's error JSON with the
 matching HTTP status (429 carries ``Retry-After`` in seconds, rounded up, and ``retry-after-ms``).
 
@@ -21,10 +21,9 @@ cancels generation on the worker.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -34,10 +33,10 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from services.common import metadata as md
 from services.common import tracing
-from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
+from services.common.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted
 from services.common.pb.meshserve.v1 import batch_pb2_grpc, inference_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.gateway.http import openai_api as oa
+from services.gateway.http import openai_reply, openai_request, streams
 from services.gateway.http.batches import BatchRoutes, add_routes
 from services.gateway.http.embeddings import EmbeddingRoutes
 from services.gateway.http.metrics import metrics_middleware
@@ -48,11 +47,8 @@ log = structlog.get_logger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _FORWARDED = (md.AUTHORIZATION, md.API_KEY)
-_DONE = b"data: [DONE]\n\n"
 MAX_CREDENTIAL_CHARS = 8192
 """Longest Authorization / x-api-key value forwarded to the gateway (real keys and JWTs are far shorter)."""
-CHAT_END_WAIT_S = 1.0
-"""After a chat turn's final frame, how long the adapter waits for the gateway to end the call itself."""
 MAX_BODY_KEY = web.AppKey("max_body_bytes", int)
 ENDPOINTS = (
     "POST /v1/chat/completions, POST /v1/completions, POST /v1/embeddings, POST /v1/responses,"
@@ -73,7 +69,7 @@ def _grpc_error(exc: grpc.aio.AioRpcError) -> MeshError:
                 except (TypeError, ValueError):
                     pass
         return ResourceExhausted(message, retry_after_ms=retry_ms)
-    if code not in oa.HTTP_STATUS:
+    if code not in openai_reply.HTTP_STATUS:
         code = "INTERNAL"
     error = MeshError(message)
     error.code = code
@@ -81,10 +77,13 @@ def _grpc_error(exc: grpc.aio.AioRpcError) -> MeshError:
 
 
 def error_response(exc: MeshError) -> web.Response:
-    status, body = oa.error_body(exc.code, exc.message)
+    status, body = openai_reply.error_body(exc.code, exc.message)
     headers = {}
     if isinstance(exc, ResourceExhausted):
-        headers = {"Retry-After": str(oa.retry_after_s(exc.retry_after_ms)), "retry-after-ms": str(exc.retry_after_ms)}
+        headers = {
+            "Retry-After": str(openai_reply.retry_after_s(exc.retry_after_ms)),
+            "retry-after-ms": str(exc.retry_after_ms),
+        }
     return web.json_response(body, status=status, headers=headers)
 
 
@@ -121,7 +120,7 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
         message = f"unknown endpoint {where}; this server serves {ENDPOINTS}"
     else:
         message = f"{exc.reason}: {where}"
-    _, body = oa.error_body("INVALID_ARGUMENT", message)
+    _, body = openai_reply.error_body("INVALID_ARGUMENT", message)
     return web.json_response(body, status=exc.status, headers=headers)
 
 
@@ -170,7 +169,7 @@ class OpenAIApp:
             raise InvalidArgument("the request body could not be read; check its Content-Encoding") from None
         if not isinstance(body, dict):
             raise InvalidArgument("the request body must be a JSON object")
-        field = oa.invalid_unicode_field(body)
+        field = openai_request.invalid_unicode_field(body)
         if field is not None:
             raise InvalidArgument(
                 f"{field} is not valid Unicode (a lone or reversed UTF-16 surrogate escape such as"
@@ -183,32 +182,34 @@ class OpenAIApp:
 
     async def models(self, request: web.Request) -> web.Response:
         reply = await self._gateway.ListModels(pb.ListModelsRequest(), metadata=self._metadata(request))
-        return web.json_response(oa.models_list(reply))
+        return web.json_response(openai_reply.models_list(reply))
 
     async def model(self, request: web.Request) -> web.Response:
         reply = await self._gateway.ListModels(pb.ListModelsRequest(), metadata=self._metadata(request))
         wanted = request.match_info["model"]
         if not any(m.id == wanted for m in reply.models):
             raise _not_found(wanted)
-        return web.json_response(oa.model_entry(wanted))
+        return web.json_response(openai_reply.model_entry(wanted))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        parsed, turn = oa.chat_request(await self._json(request))
+        parsed, turn = openai_request.chat_request(await self._json(request))
         with_logprobs = turn.turn.sampling.logprobs
         call = self._gateway.Chat(metadata=self._metadata(request))
         try:
             await call.write(turn)
             await call.done_writing()
-            frames = _chat_frames(call, parsed.n)
-            first = await _first(frames)
-            request_id = await _request_id(call)
+            frames = streams.chat_frames(call, parsed.n)
+            first = await streams.first_frame(frames)
+            request_id = await streams.request_id(call)
             model = await self._served_model(parsed.model, request)
             if not parsed.stream:
-                texts, finals, calls, entries = await _collect(first, frames, parsed.n)
-                body = oa.chat_completion(request_id, model, texts, finals, calls, entries if with_logprobs else None)
+                texts, finals, calls, entries = await streams.collect(first, frames, parsed.n)
+                body = openai_reply.chat_completion(
+                    request_id, model, texts, finals, calls, entries if with_logprobs else None
+                )
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
-            response = await _sse_start(request, request_id)
+            response = await streams.sse_start(request, request_id)
             usage = parsed.include_usage
             # OpenAI's first chunk of a choice has the role; with tools (then n is 1), it waits for the
             # first content or call, as a reply that starts with a call has "content": null and the call
@@ -217,199 +218,110 @@ class OpenAIApp:
             role: dict[str, Any] | None = opening
             if not parsed.tools:
                 for index in range(parsed.n):
-                    await _sse(response, oa.chat_chunk(request_id, model, opening, None, created, usage, index))
+                    await streams.sse(
+                        response, openai_reply.chat_chunk(request_id, model, opening, None, created, usage, index)
+                    )
                 role = None
             try:
                 ends: list[pb.Final] = []
-                async for text, last, deltas, index, logprobs in _prepend(first, frames):
+                async for text, last, deltas, index, logprobs in streams.prepend(first, frames):
                     lp = logprobs if with_logprobs else None
                     if role is not None and deltas and not text:
-                        delta: dict[str, Any] = {**role, "content": None, "tool_calls": oa.tool_call_deltas(deltas)}
-                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index, lp))
+                        delta: dict[str, Any] = {
+                            **role,
+                            "content": None,
+                            "tool_calls": openai_reply.tool_call_deltas(deltas),
+                        }
+                        await streams.sse(
+                            response, openai_reply.chat_chunk(request_id, model, delta, None, created, usage, index, lp)
+                        )
                         role, deltas, lp = None, (), None
                     if role is not None and (text or logprobs or last is not None):
-                        await _sse(response, oa.chat_chunk(request_id, model, role, None, created, usage, index))
+                        await streams.sse(
+                            response, openai_reply.chat_chunk(request_id, model, role, None, created, usage, index)
+                        )
                         role = None
                     if text or lp:  # a token may come with no text yet (part of a character)
                         delta = {"content": text}
-                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index, lp))
+                        await streams.sse(
+                            response, openai_reply.chat_chunk(request_id, model, delta, None, created, usage, index, lp)
+                        )
                     if deltas:
-                        delta = {"tool_calls": oa.tool_call_deltas(deltas)}
-                        await _sse(response, oa.chat_chunk(request_id, model, delta, None, created, usage, index))
+                        delta = {"tool_calls": openai_reply.tool_call_deltas(deltas)}
+                        await streams.sse(
+                            response, openai_reply.chat_chunk(request_id, model, delta, None, created, usage, index)
+                        )
                     if last is not None:
                         ends.append(last)
-                        finish = oa.finish_reason(last)
-                        await _sse(response, oa.chat_chunk(request_id, model, {}, finish, created, usage, index))
+                        finish = openai_reply.finish_reason(last)
+                        await streams.sse(
+                            response, openai_reply.chat_chunk(request_id, model, {}, finish, created, usage, index)
+                        )
                 if ends and parsed.include_usage:
-                    chunk = oa.usage_chunk("chat.completion.chunk", request_id, model, ends, created)
-                    await _sse(response, chunk)
+                    chunk = openai_reply.usage_chunk("chat.completion.chunk", request_id, model, ends, created)
+                    await streams.sse(response, chunk)
             except (MeshError, grpc.aio.AioRpcError) as exc:
                 return await _sse_error(response, exc)
-            return await _sse_end(response)
+            return await streams.sse_end(response)
         finally:
             call.cancel()
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        parsed, generate = oa.completion_request(await self._json(request))
+        parsed, generate = openai_request.completion_request(await self._json(request))
         metadata = self._metadata(request)
         if not parsed.stream and parsed.n == 1:
             reply = await self._gateway.Complete(generate, metadata=metadata)
             model = await self._served_model(parsed.model, request)
-            logprobs = oa.completion_logprobs(reply.logprobs) if generate.sampling.logprobs else None
-            body = oa.completion(reply.request_id, model, reply.text, reply.final, logprobs=logprobs)
+            logprobs = openai_reply.completion_logprobs(reply.logprobs) if generate.sampling.logprobs else None
+            body = openai_reply.completion(reply.request_id, model, reply.text, reply.final, logprobs=logprobs)
             return web.json_response(body, headers={md.REQUEST_ID: reply.request_id})
         call = self._gateway.Generate(generate, metadata=metadata)
         try:
             ids: list[str] = []  # the gateway sends x-request-id in every frame (and its trailers)
-            frames = _generate_frames(call, ids)
-            first = await _first(frames)
-            request_id = ids[0] if ids else await _request_id(call)
+            frames = streams.generate_frames(call, ids)
+            first = await streams.first_frame(frames)
+            request_id = ids[0] if ids else await streams.request_id(call)
             model = await self._served_model(parsed.model, request)
             if not parsed.stream:  # n > 1 choices: Complete returns one
-                texts, finals, _, per_choice = await _collect(first, frames, parsed.n)
+                texts, finals, _, per_choice = await streams.collect(first, frames, parsed.n)
                 wanted = generate.sampling.logprobs
-                body = oa.completions(request_id, model, texts, finals, list(per_choice) if wanted else None)
+                body = openai_reply.completions(request_id, model, texts, finals, list(per_choice) if wanted else None)
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
             created = int(time.time())
-            response = await _sse_start(request, request_id)
+            response = await streams.sse_start(request, request_id)
             try:
                 ends: list[pb.Final] = []
                 offsets = [0] * parsed.n  # per choice: characters of token text sent so far (text_offset)
-                async for text, final, _, index, entries in _prepend(first, frames):
+                async for text, final, _, index, entries in streams.prepend(first, frames):
                     if text or entries or final is not None:
                         logprobs = None
                         if generate.sampling.logprobs:
-                            logprobs = oa.completion_logprobs(entries, offsets[index])
+                            logprobs = openai_reply.completion_logprobs(entries, offsets[index])
                             offsets[index] += sum(len(e.token) for e in entries)
-                        chunk = oa.completion(
+                        chunk = openai_reply.completion(
                             request_id, model, text, final, created, False, parsed.include_usage, logprobs, index
                         )
-                        await _sse(response, chunk)
+                        await streams.sse(response, chunk)
                     if final is not None:
                         ends.append(final)
                 if ends and parsed.include_usage:
-                    usage = oa.usage_chunk("text_completion", request_id, model, ends, created)
-                    await _sse(response, usage)
+                    usage = openai_reply.usage_chunk("text_completion", request_id, model, ends, created)
+                    await streams.sse(response, usage)
             except (MeshError, grpc.aio.AioRpcError) as exc:
                 return await _sse_error(response, exc)
-            return await _sse_end(response)
+            return await streams.sse_end(response)
         finally:
             call.cancel()
 
 
-def _not_found(model: str) -> MeshError:
-    error = MeshError(f"the model {model!r} does not exist; GET /v1/models lists the served models")
-    error.code = "NOT_FOUND"
-    return error
-
-
-Frame = tuple[str, pb.Final | None, Sequence[pb.ToolCallDelta], int, Sequence[pb.TokenLogprob]]
-"""A frame's text, its final (on a choice's last frame), its tool-call deltas (chat only), the choice
-index, and its tokens' logprobs (empty unless asked for)."""
-
-
-async def _chat_frames(call: Any, n: int = 1) -> AsyncIterator[Frame]:
-    """The frames of the one turn (of ``n`` choices); after its last final frame, lets the call end
-    before returning.
-
-    The adapter has half-closed the call, so the gateway ends it right after the final frame.
-    Cancelling it at once instead raced that end, and the gateway then recorded (metrics, logs)
-    about one chat in four as CANCELLED although the caller got the whole answer.
-    """
-    left = n
-    async for frame in call:
-        final = frame.final if frame.HasField("final") else None
-        yield frame.text, final, frame.tool_calls, frame.index, frame.logprobs
-        if final is not None:
-            left -= 1
-            if left == 0:
-                break
-    try:
-        async with asyncio.timeout(CHAT_END_WAIT_S):
-            async for _ in call:
-                pass
-    except (TimeoutError, grpc.aio.AioRpcError):
-        pass  # the answer is complete: the caller's finally cancels whatever is left
-
-
-async def _generate_frames(call: Any, request_ids: list[str]) -> AsyncIterator[Frame]:
-    """Frames of a Generate call; the request id the frames carry is appended to ``request_ids``."""
-    async for frame in call:
-        if not request_ids and frame.request_id:
-            request_ids.append(frame.request_id)
-        yield frame.text, frame.final if frame.HasField("final") else None, (), frame.index, frame.logprobs
-
-
-async def _first(frames: AsyncIterator[Frame]) -> Frame | None:
-    """The first frame (raising the gateway's error, if any, before anything was sent)."""
-    try:
-        return await anext(frames)
-    except StopAsyncIteration:
-        return None
-
-
-async def _prepend(first: Frame | None, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
-    if first is not None:
-        yield first
-        async for frame in frames:
-            yield frame
-
-
-async def _collect(
-    first: Frame | None, frames: AsyncIterator[Frame], n: int = 1
-) -> tuple[list[str], list[pb.Final], list[list[pb.ToolCallDelta]], list[list[pb.TokenLogprob]]]:
-    """Each choice's whole text, final frame, tool-call deltas and logprobs, by choice index."""
-    parts: list[list[str]] = [[] for _ in range(n)]
-    calls: list[list[pb.ToolCallDelta]] = [[] for _ in range(n)]
-    logprobs: list[list[pb.TokenLogprob]] = [[] for _ in range(n)]
-    finals: list[pb.Final | None] = [None] * n
-    async for text, last, deltas, index, entries in _prepend(first, frames):
-        if not 0 <= index < n:
-            raise MeshError(f"the gateway sent choice {index} of {n}; retry, and report it if it persists")
-        parts[index].append(text)
-        calls[index].extend(deltas)
-        logprobs[index].extend(entries)
-        if last is not None:
-            finals[index] = last
-    done = [f for f in finals if f is not None]
-    if len(done) < n:
-        raise MeshError("the stream ended without a final frame; retry, and report it if it persists")
-    return ["".join(p) for p in parts], done, calls, logprobs
-
-
-async def _request_id(call: Any) -> str:
-    for key, value in await call.initial_metadata() or ():
-        if key == md.REQUEST_ID:
-            return str(value)
-    return ""
-
-
-async def _sse_start(request: web.Request, request_id: str) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={
-            "Content-Type": "text/event-stream",
-            "Cache-Control": "no-cache",
-            md.REQUEST_ID: request_id,
-        }
-    )
-    await response.prepare(request)
-    return response
-
-
-async def _sse(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
-
-
-async def _sse_end(response: web.StreamResponse) -> web.StreamResponse:
-    await response.write(_DONE)
-    await response.write_eof()
-    return response
+def _not_found(model: str) -> NotFound:
+    return NotFound(f"the model {model!r} does not exist; GET /v1/models lists the served models")
 
 
 async def _sse_error(response: web.StreamResponse, exc: MeshError | grpc.aio.AioRpcError) -> web.StreamResponse:
     """An error after the stream started: OpenAI's in-stream error event, then the end of the body."""
     error = exc if isinstance(exc, MeshError) else _grpc_error(exc)
-    await _sse(response, oa.error_body(error.code, error.message)[1])
+    await streams.sse(response, openai_reply.error_body(error.code, error.message)[1])
     await response.write_eof()
     return response
 

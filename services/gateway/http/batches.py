@@ -17,20 +17,10 @@ from aiohttp.web_protocol import RequestPayloadError
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import batch_pb2 as pb
 from services.common.pb.meshserve.v1 import batch_pb2_grpc
+from services.store.batches import TIMES
 
 Metadata = Callable[[web.Request], tuple[tuple[str, str], ...]]
 JsonBody = Callable[[web.Request], Awaitable[dict[str, Any]]]
-_TIMES = (
-    "created_at",
-    "in_progress_at",
-    "expires_at",
-    "finalizing_at",
-    "completed_at",
-    "failed_at",
-    "expired_at",
-    "cancelling_at",
-    "cancelled_at",
-)
 
 
 def file_json(f: pb.FileObject) -> dict[str, Any]:
@@ -65,7 +55,7 @@ def batch_json(b: pb.BatchObject) -> dict[str, Any]:
         },
         "metadata": dict(b.metadata) or None,
     }
-    for name in _TIMES:
+    for name in TIMES:
         body[name] = getattr(b, name) or None
     return body
 

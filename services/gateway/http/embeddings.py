@@ -20,7 +20,7 @@ from aiohttp import web
 from services.common import metadata as md
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.gateway.http.openai_api import UINT32_MAX, _show
+from services.gateway.http.openai_request import UINT32_MAX, _show
 
 ENCODINGS = ("float", "base64")
 

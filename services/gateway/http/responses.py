@@ -5,7 +5,7 @@ message, then the stored conversation of ``previous_response_id`` (its inputs an
 instructions, as OpenAI does), then ``input`` (a string, or a list of items: text messages,
 ``function_call`` items (an assistant message's tool calls) and ``function_call_output`` items
 (``tool`` messages)). ``tools`` (Responses' flat function tools), ``tool_choice`` and
-``parallel_tool_calls`` become the turn's tools (openai_api.py's ``_tools`` on the chat shape);
+``parallel_tool_calls`` become the turn's tools (openai_request.py's ``_tools`` on the chat shape);
 ``text.format`` (``json_object``, ``json_schema``) its ``SamplingParams.structured`` (the checks of
 services/common/constraints.py, so a bad schema is a 400 naming ``text.format``); ``top_logprobs`` with
 ``include: ["message.output_text.logprobs"]`` its logprobs.
@@ -33,7 +33,6 @@ the fields of features meshserve does not have (``background``, ``conversation``
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -46,20 +45,18 @@ from aiohttp import web
 
 from services.common import metadata as md
 from services.common.constraints import Constraint, check_constraint, json_schema_constraint
-from services.common.errors import InvalidArgument, MeshError, PermissionDenied
+from services.common.errors import InvalidArgument, MeshError, NotFound, PermissionDenied
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import MAX_TOP_LOGPROBS
 from services.common.sampling_pb import structured_to_pb
 from services.common.status_errors import Upstream, from_rpc_error
-from services.gateway.http import openai_api as oa
+from services.gateway.http import openai_reply, openai_request, streams
 from services.store.responses import ResponseStore
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_METADATA_KEYS = 16
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-CHAT_END_WAIT_S = 1.0
-"""After the turn's final frame, how long to wait for the gateway to end the Chat call itself."""
 _ID = re.compile(r"^resp_[0-9a-f]{1,64}$")
 _NEUTRAL: tuple[tuple[str, tuple[object, ...], str], ...] = (
     # (field, values that change nothing, why it is refused otherwise)
@@ -78,7 +75,7 @@ class ResponsesRequest:
 
     model: str
     messages: list[dict[str, Any]]
-    """The new input as chat messages (openai_api.py's chat shape: role, content, tool_calls, tool_call_id)."""
+    """The new input as chat messages (openai_request.py's chat shape: role, content, tool_calls, tool_call_id)."""
     instructions: str | None
     sampling: pb.SamplingParams
     stream: bool
@@ -98,13 +95,6 @@ class ResponsesRequest:
     top_logprobs: int = 0
 
 
-def _refuse(body: dict[str, Any]) -> None:
-    for name, neutral, why in _NEUTRAL:
-        value = body.get(name)
-        if value is not None and not oa._is_neutral(value, neutral):
-            raise InvalidArgument(f"'{name}': {why} by meshserve; remove it from the request")
-
-
 def _text_format(body: dict[str, Any]) -> tuple[dict[str, Any], Constraint | None]:
     """``text.format``: ``text`` (none), ``json_object``, or ``json_schema`` (``name``, ``schema``,
     ``strict``, ``description``; flat, unlike chat's ``response_format``). The output is held to the
@@ -122,7 +112,8 @@ def _text_format(body: dict[str, Any]) -> tuple[dict[str, Any], Constraint | Non
         return {"type": "json_object"}, check_constraint("json_object", field="text.format")
     if kind != "json_schema":
         raise InvalidArgument(
-            f"'text.format' of type {oa._show(kind)} is not supported; use 'text', 'json_object' or 'json_schema'"
+            f"'text.format' of type {openai_request._show(kind)} is not supported;"
+            " use 'text', 'json_object' or 'json_schema'"
         )
     name = fmt.get("name")
     if not isinstance(name, str) or not 1 <= len(name) <= 64:
@@ -156,7 +147,7 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | dict[str, 
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
             raise InvalidArgument(
-                f"'tools[{i}]' of type {oa._show(kind)} is not supported by meshserve; only function tools"
+                f"'tools[{i}]' of type {openai_request._show(kind)} is not supported by meshserve; only function tools"
                 " {'type': 'function', 'name': ..., 'parameters': {...}} are"
             )
         assert isinstance(tool, dict)
@@ -188,7 +179,7 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]], str | dict[str, 
         raise InvalidArgument("'tool_choice' must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}")
     parallel = body.get("parallel_tool_calls")
     turn = pb.ChatTurn()
-    oa._tools({"tools": chat, "tool_choice": chat_choice, "parallel_tool_calls": parallel}, turn)
+    openai_request._tools({"tools": chat, "tool_choice": chat_choice, "parallel_tool_calls": parallel}, turn)
     shown: str | dict[str, Any] = choice if choice is not None else "auto"
     if isinstance(choice, dict):
         shown = {"type": "function", "name": choice["name"]}
@@ -205,9 +196,10 @@ def _logprobs(body: dict[str, Any], sampling: pb.SamplingParams) -> int:
     other = [x for x in include if x != LOGPROBS_INCLUDE]
     if other:
         raise InvalidArgument(
-            f"'include' value {oa._show(other[0])} is not supported by meshserve; only {LOGPROBS_INCLUDE!r} is"
+            f"'include' value {openai_request._show(other[0])} is not supported by meshserve;"
+            f" only {LOGPROBS_INCLUDE!r} is"
         )
-    top = oa._int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+    top = openai_request._int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
     wanted = LOGPROBS_INCLUDE in include
     if top and not wanted:
         raise InvalidArgument(
@@ -229,7 +221,7 @@ def _content(item: dict[str, Any], where: str, name: str = "content") -> str:
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type") if isinstance(part, dict) else None
             raise InvalidArgument(
-                f"'{where}.{name}[{j}]' of type {oa._show(kind)} is not supported; send text parts"
+                f"'{where}.{name}[{j}]' of type {openai_request._show(kind)} is not supported; send text parts"
                 " {'type': 'input_text', 'text': ...} (images, audio and files are not supported)"
             )
         parts.append(part["text"])
@@ -283,7 +275,7 @@ def _input(value: object) -> list[dict[str, Any]]:
             continue
         if kind != "message":
             raise InvalidArgument(
-                f"'{where}.type' is {oa._show(kind)}; only 'message', 'function_call' and"
+                f"'{where}.type' is {openai_request._show(kind)}; only 'message', 'function_call' and"
                 " 'function_call_output' items are supported"
             )
         role = item.get("role")
@@ -306,7 +298,7 @@ def _metadata(value: object) -> dict[str, str]:
 
 def parse(body: dict[str, Any]) -> ResponsesRequest:
     """A Responses request body, checked (JSON types; ranges are the gateway's)."""
-    _refuse(body)
+    openai_request._refuse_unsupported(body, _NEUTRAL)
     model = body.get("model", "")
     if not isinstance(model, str):
         raise InvalidArgument("'model' must be a string; GET /v1/models lists the served models")
@@ -319,9 +311,9 @@ def parse(body: dict[str, Any]) -> ResponsesRequest:
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise InvalidArgument("'previous_response_id' must be a string: the id of an earlier response")
-    max_output = oa._int(body, "max_output_tokens", 1)
-    temperature = oa._number(body, "temperature", 1.0)
-    top_p = oa._number(body, "top_p", 0.0)
+    max_output = openai_request._int(body, "max_output_tokens", 1)
+    temperature = openai_request._number(body, "temperature", 1.0)
+    top_p = openai_request._number(body, "top_p", 0.0)
     sampling = pb.SamplingParams(max_tokens=max_output or 0, temperature=temperature, top_p=top_p)
     text_format, structured = _text_format(body)
     if structured is not None:
@@ -458,7 +450,7 @@ class _Output:
         return {"output_index": len(self.items) - 1, "item_id": self._open["id"]}
 
     async def text(self, delta: str, entries: Sequence[pb.TokenLogprob]) -> None:
-        logprobs = oa.chat_logprobs(entries)["content"] if self._with_logprobs and entries else []
+        logprobs = openai_reply.chat_logprobs(entries)["content"] if self._with_logprobs and entries else []
         if not delta:
             if logprobs and self._open is not None and self._open["type"] == "message":
                 self._logprobs.extend(logprobs)
@@ -532,19 +524,10 @@ def _message_id(response_id: str) -> str:
     return "msg_" + response_id.removeprefix("resp_")
 
 
-def _header(headers: Any, name: str) -> str | None:
-    for key, value in headers or ():
-        if key == name:
-            return str(value)
-    return None
-
-
-def not_found(response_id: str) -> MeshError:
-    error = MeshError(
-        f"no response with id {oa._show(response_id)} (never stored, expired, deleted, or another tenant's)"
+def not_found(response_id: str) -> NotFound:
+    return NotFound(
+        f"no response with id {openai_request._show(response_id)} (never stored, expired, deleted, or another tenant's)"
     )
-    error.code = "NOT_FOUND"
-    return error
 
 
 class ResponseRoutes:
@@ -563,7 +546,7 @@ class ResponseRoutes:
         """The caller's tenant digest, from the trailers of a ListModels call (it authenticates)."""
         call = self._app._gateway.ListModels(pb.ListModelsRequest(), metadata=self._app._metadata(request))
         await call
-        scope = _header(await call.trailing_metadata(), md.TENANT_SCOPE)
+        scope = streams.header(await call.trailing_metadata(), md.TENANT_SCOPE)
         if scope is None:
             raise PermissionDenied("this credential may not use /v1/responses: it needs the inference scope")
         return scope
@@ -600,11 +583,11 @@ class ResponseRoutes:
         call = self._app._gateway.Chat(metadata=self._app._metadata(request))
         try:
             headers = await call.initial_metadata()
-            scope = _header(headers, md.TENANT_SCOPE)
+            scope = streams.header(headers, md.TENANT_SCOPE)
             if scope is None:  # the gateway refused the call: its status says why
                 await call.read()
                 raise MeshError("the gateway sent no tenant for this call; retry, and report it if it persists")
-            request_id = _header(headers, md.REQUEST_ID) or ""
+            request_id = streams.header(headers, md.REQUEST_ID) or ""
             history: list[dict[str, Any]] = []
             if parsed.previous_response_id is not None:
                 assert self._store is not None
@@ -617,7 +600,7 @@ class ResponseRoutes:
             conversation = [*history, *parsed.messages]
             await call.write(pb.ChatRequest(turn=_turn(parsed, conversation)))
             await call.done_writing()
-            frames = _frames(call)
+            frames = streams.chat_frames(call)
             first = await anext(frames, None)
             model = await self._app._served_model(parsed.model, request)
             response_id = "resp_" + request_id
@@ -629,7 +612,7 @@ class ResponseRoutes:
                 body = response_object(parsed, response_id, model, created, output=out.items, final=final)
                 await self._keep(parsed, scope, response_id, body, [*conversation, *out.conversation()])
                 return web.json_response(body, headers={md.REQUEST_ID: request_id})
-            events = _Events(await _sse_start(request, request_id))
+            events = _Events(await streams.sse_start(request, request_id))
             try:
                 pending = response_object(parsed, response_id, model, created)
                 await events.send("response.created", response=pending)
@@ -674,41 +657,14 @@ def _turn(parsed: ResponsesRequest, conversation: list[dict[str, Any]]) -> pb.Ch
             names[tool_call["id"]] = tool_call["function"]["name"]
         if message["role"] == "tool" and "name" not in message:
             message = {**message, "name": names.get(message.get("tool_call_id", ""), "")}
-        oa._message(message, i, turn)
+        openai_request._message(message, i, turn)
     return turn
 
 
-Frame = tuple[str, pb.Final | None, Sequence[pb.ToolCallDelta], Sequence[pb.TokenLogprob]]
-
-
-async def _frames(call: Any) -> AsyncIterator[Frame]:
-    """(text, final, tool-call deltas, logprobs) of the turn's frames; after the final frame, lets the
-    half-closed call end before returning (as the chat completions route does: cancelling it at once made
-    the gateway record some complete answers as CANCELLED)."""
-    async for frame in call:
-        final = frame.final if frame.HasField("final") else None
-        yield frame.text, final, frame.tool_calls, frame.logprobs
-        if final is not None:
-            break
-    try:
-        async with asyncio.timeout(CHAT_END_WAIT_S):
-            async for _ in call:
-                pass
-    except (TimeoutError, grpc.aio.AioRpcError):
-        pass  # the answer is complete: the handler's finally cancels whatever is left
-
-
-async def _prepend(first: Frame | None, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
-    if first is not None:
-        yield first
-        async for frame in frames:
-            yield frame
-
-
-async def _answer(first: Frame | None, frames: AsyncIterator[Frame], out: _Output) -> pb.Final:
+async def _answer(first: streams.Frame | None, frames: AsyncIterator[streams.Frame], out: _Output) -> pb.Final:
     """Feeds the turn's frames to ``out`` and closes it; the final frame."""
     final = None
-    async for text, last, calls, logprobs in _prepend(first, frames):
+    async for text, last, calls, _, logprobs in streams.prepend(first, frames):
         final = last or final
         await out.text(text, logprobs)
         for delta in calls:
@@ -717,13 +673,6 @@ async def _answer(first: Frame | None, frames: AsyncIterator[Frame], out: _Outpu
         raise MeshError("the stream ended without a final frame; retry, and report it if it persists")
     await out.finish("incomplete" if _incomplete(final) else "completed")
     return final
-
-
-async def _sse_start(request: web.Request, request_id: str) -> web.StreamResponse:
-    headers = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", md.REQUEST_ID: request_id}
-    response = web.StreamResponse(headers=headers)
-    await response.prepare(request)
-    return response
 
 
 class _Events:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.router.api import EncodeCache
+from services.router.encoding import EncodeCache
 
 
 def test_repeated_prompts_get_their_ids_and_callers_get_their_own_list() -> None:

@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.gateway.http import openai_api as oa
+from services.gateway.http import openai_reply, openai_request
 
 
 def test_chat_request_maps_messages_sampling_and_stream_options() -> None:
-    parsed, request = oa.chat_request(
+    parsed, request = openai_request.chat_request(
         {
             "model": "m",
             "messages": [
@@ -32,7 +32,7 @@ def test_chat_request_maps_messages_sampling_and_stream_options() -> None:
             "stream_options": {"include_usage": True},
         }
     )
-    assert parsed == oa.Parsed(model="m", stream=True, include_usage=True)
+    assert parsed == openai_request.Parsed(model="m", stream=True, include_usage=True)
     turn = request.turn
     assert [(m.role, m.content) for m in turn.messages] == [("system", "Be brief."), ("user", "Hello")]
     assert (turn.model, turn.sampling.max_tokens, turn.sampling.temperature) == ("m", 9, 0.0)
@@ -40,7 +40,7 @@ def test_chat_request_maps_messages_sampling_and_stream_options() -> None:
 
 
 def test_defaults_follow_openai() -> None:
-    _, request = oa.completion_request({"prompt": ["one prompt"]})
+    _, request = openai_request.completion_request({"prompt": ["one prompt"]})
     assert request.prompt == "one prompt"
     assert request.sampling.temperature == 1.0  # OpenAI's default, not our greedy 0
     assert not request.sampling.HasField("seed") and request.sampling.max_tokens == 0
@@ -65,12 +65,12 @@ def test_defaults_follow_openai() -> None:
 )
 def test_bad_chat_requests_are_invalid_argument(body: dict[str, object]) -> None:
     with pytest.raises(InvalidArgument):
-        oa.chat_request(body)
+        openai_request.chat_request(body)
 
 
 def test_completion_needs_one_string_prompt() -> None:
     with pytest.raises(InvalidArgument):
-        oa.completion_request({"prompt": ["a", "b"]})
+        openai_request.completion_request({"prompt": ["a", "b"]})
 
 
 @pytest.mark.parametrize(
@@ -89,25 +89,25 @@ def test_completion_needs_one_string_prompt() -> None:
     ],
 )
 def test_error_body(code: str, status: int, kind: str) -> None:
-    got_status, body = oa.error_body(code, "what went wrong")
+    got_status, body = openai_reply.error_body(code, "what went wrong")
     assert got_status == status
     assert body["error"]["type"] == kind and body["error"]["message"] == "what went wrong"
 
 
 @pytest.mark.parametrize(("ms", "seconds"), [(0, 1), (1, 1), (1000, 1), (1001, 2), (2300, 3)])
 def test_retry_after_is_whole_seconds_rounded_up(ms: int, seconds: int) -> None:
-    assert oa.retry_after_s(ms) == seconds
+    assert openai_reply.retry_after_s(ms) == seconds
 
 
 def test_responses_carry_usage_and_finish_reason() -> None:
     final = pb.Final(
         finish_reason=pb.FINISH_REASON_STOP_STRING, usage=pb.Usage(prompt_tokens=3, completion_tokens=2, total_tokens=5)
     )
-    chat = oa.chat_completion("rid", "m", "hi", final)
+    chat = openai_reply.chat_completion("rid", "m", "hi", final)
     assert chat["choices"][0]["finish_reason"] == "stop" and chat["usage"]["total_tokens"] == 5
-    chunk = oa.completion("rid", "m", "x", None, created=1)
+    chunk = openai_reply.completion("rid", "m", "x", None, created=1)
     assert chunk["choices"][0]["finish_reason"] is None and "usage" not in chunk
-    assert oa.usage_chunk("chat.completion.chunk", "rid", "m", final, 1)["choices"] == []
+    assert openai_reply.usage_chunk("chat.completion.chunk", "rid", "m", final, 1)["choices"] == []
 
 
 CHAT = {"messages": [{"role": "user", "content": "x"}]}
@@ -153,7 +153,7 @@ CHAT = {"messages": [{"role": "user", "content": "x"}]}
 )
 def test_fields_that_would_change_the_answer_or_do_not_fit_are_refused(extra: dict[str, object], why: str) -> None:
     with pytest.raises(InvalidArgument, match=why):
-        oa.chat_request({**CHAT, **extra})
+        openai_request.chat_request({**CHAT, **extra})
 
 
 @pytest.mark.parametrize(
@@ -166,74 +166,76 @@ def test_fields_that_would_change_the_answer_or_do_not_fit_are_refused(extra: di
     ],
 )
 def test_neutral_values_and_bookkeeping_fields_are_accepted(extra: dict[str, object]) -> None:
-    parsed, _ = oa.chat_request({**CHAT, **extra})
+    parsed, _ = openai_request.chat_request({**CHAT, **extra})
     assert parsed.stream is False
 
 
 def test_response_format_becomes_the_structured_constraint() -> None:
-    _, chat = oa.chat_request({**CHAT, "response_format": {"type": "json_object"}})
+    _, chat = openai_request.chat_request({**CHAT, "response_format": {"type": "json_object"}})
     assert chat.turn.sampling.structured.json_object
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     strict = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
-    _, completion = oa.completion_request({"prompt": "p", "response_format": strict})
+    _, completion = openai_request.completion_request({"prompt": "p", "response_format": strict})
     assert json.loads(completion.sampling.structured.json_schema) == schema
-    _, plain = oa.chat_request({**CHAT, "response_format": {"type": "text"}})
+    _, plain = openai_request.chat_request({**CHAT, "response_format": {"type": "text"}})
     assert not plain.turn.sampling.HasField("structured")
 
 
 def test_completion_defaults_that_change_nothing_are_accepted() -> None:
-    _, request = oa.completion_request({"prompt": "p", "best_of": 1, "suffix": "", "echo": False, "logprobs": None})
+    _, request = openai_request.completion_request(
+        {"prompt": "p", "best_of": 1, "suffix": "", "echo": False, "logprobs": None}
+    )
     assert request.prompt == "p"
     with pytest.raises(InvalidArgument, match="best_of"):
-        oa.completion_request({"prompt": "p", "best_of": 2})
+        openai_request.completion_request({"prompt": "p", "best_of": 2})
     with pytest.raises(InvalidArgument, match="suffix"):
-        oa.completion_request({"prompt": "p", "suffix": "end"})
+        openai_request.completion_request({"prompt": "p", "suffix": "end"})
 
 
 def test_penalties_logit_bias_and_min_tokens_map_to_the_sampling_fields() -> None:
     body = {"frequency_penalty": 0.5, "presence_penalty": -1, "repetition_penalty": 1.3, "min_tokens": 4}
     body["logit_bias"] = {"50": -100, "7": 2.5}
-    _, chat = oa.chat_request({**CHAT, **body})
-    _, completion = oa.completion_request({"prompt": "p", **body})
+    _, chat = openai_request.chat_request({**CHAT, **body})
+    _, completion = openai_request.completion_request({"prompt": "p", **body})
     for s in (chat.turn.sampling, completion.sampling):
         assert s.frequency_penalty == 0.5 and s.presence_penalty == -1 and s.min_tokens == 4
         assert s.HasField("repetition_penalty") and math.isclose(s.repetition_penalty, 1.3, rel_tol=1e-6)
         assert dict(s.logit_bias) == {50: -100.0, 7: 2.5}
-    _, plain = oa.chat_request(CHAT)  # absent: the mesh's default (the chat default for a chat)
+    _, plain = openai_request.chat_request(CHAT)  # absent: the mesh's default (the chat default for a chat)
     assert not plain.turn.sampling.HasField("repetition_penalty") and not plain.turn.sampling.logit_bias
 
 
 def test_seed_is_openais_int64_and_top_k_is_honoured() -> None:
-    _, request = oa.chat_request({**CHAT, "seed": -1, "top_k": 5})
+    _, request = openai_request.chat_request({**CHAT, "seed": -1, "top_k": 5})
     assert request.turn.sampling.seed == 2**64 - 1 and request.turn.sampling.top_k == 5
-    _, request = oa.chat_request({**CHAT, "seed": 2**64 - 1, "top_k": -1})  # vLLM's "top_k off"
+    _, request = openai_request.chat_request({**CHAT, "seed": 2**64 - 1, "top_k": -1})  # vLLM's "top_k off"
     assert request.turn.sampling.seed == 2**64 - 1 and request.turn.sampling.top_k == 0
     with pytest.raises(InvalidArgument, match="'seed' must be between"):
-        oa.chat_request({**CHAT, "seed": -(2**63) - 1})
+        openai_request.chat_request({**CHAT, "seed": -(2**63) - 1})
 
 
 def test_max_completion_tokens_wins_over_max_tokens() -> None:
-    _, request = oa.chat_request({**CHAT, "max_completion_tokens": 4, "max_tokens": 2})
+    _, request = openai_request.chat_request({**CHAT, "max_completion_tokens": 4, "max_tokens": 2})
     assert request.turn.sampling.max_tokens == 4
 
 
 def test_error_messages_do_not_echo_huge_values() -> None:
     with pytest.raises(InvalidArgument) as info:
-        oa.chat_request({**CHAT, "temperature": "x" * 100_000})
+        openai_request.chat_request({**CHAT, "temperature": "x" * 100_000})
     assert len(info.value.message) < 120
 
 
 def test_an_unsupported_content_part_is_named() -> None:
     refusal = {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]}
     with pytest.raises(InvalidArgument, match="part of type 'refusal' is not supported"):
-        oa.chat_request({"messages": [{"role": "user", "content": "x"}, refusal]})
+        openai_request.chat_request({"messages": [{"role": "user", "content": "x"}, refusal]})
 
 
 def test_stream_chunks_carry_null_usage_when_usage_is_asked_for() -> None:
-    assert "usage" not in oa.chat_chunk("rid", "m", {"content": "a"}, None, 1)
-    assert oa.chat_chunk("rid", "m", {"content": "a"}, None, 1, include_usage=True)["usage"] is None
-    assert oa.completion("rid", "m", "a", None, 1, with_usage=False, null_usage=True)["usage"] is None
-    assert "usage" not in oa.completion("rid", "m", "a", None, 1, with_usage=False)
+    assert "usage" not in openai_reply.chat_chunk("rid", "m", {"content": "a"}, None, 1)
+    assert openai_reply.chat_chunk("rid", "m", {"content": "a"}, None, 1, include_usage=True)["usage"] is None
+    assert openai_reply.completion("rid", "m", "a", None, 1, with_usage=False, null_usage=True)["usage"] is None
+    assert "usage" not in openai_reply.completion("rid", "m", "a", None, 1, with_usage=False)
 
 
 @pytest.mark.parametrize(
@@ -250,7 +252,7 @@ def test_stream_chunks_carry_null_usage_when_usage_is_asked_for() -> None:
     ],
 )
 def test_invalid_unicode_field_names_the_first_bad_string(raw: str, where: str | None) -> None:
-    assert oa.invalid_unicode_field(json.loads(raw)) == where
+    assert openai_request.invalid_unicode_field(json.loads(raw)) == where
 
 
 WEATHER_TOOL = {
@@ -275,7 +277,7 @@ def test_tools_tool_choice_and_tool_messages_become_the_turns_fields() -> None:
         "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
         "parallel_tool_calls": False,
     }
-    parsed, request = oa.chat_request(body)
+    parsed, request = openai_request.chat_request(body)
     turn = request.turn
     assert parsed.tools
     (tool,) = turn.tools
@@ -290,9 +292,9 @@ def test_tools_tool_choice_and_tool_messages_become_the_turns_fields() -> None:
         "call_1",
         "21 C",
     )
-    none, _ = oa.chat_request({**CHAT, "tools": [WEATHER_TOOL], "tool_choice": "none"})
+    none, _ = openai_request.chat_request({**CHAT, "tools": [WEATHER_TOOL], "tool_choice": "none"})
     assert not none.tools
-    _, plain = oa.chat_request(CHAT)
+    _, plain = openai_request.chat_request(CHAT)
     assert not plain.turn.HasField("tool_choice") and not plain.turn.tools
 
 
@@ -302,13 +304,13 @@ def test_tool_call_deltas_are_openais_stream_shape() -> None:
         pb.ToolCallDelta(index=0, arguments='{"city"'),
         pb.ToolCallDelta(index=1, id="call_2", name="add", arguments="{}"),
     ]
-    assert oa.tool_call_deltas(deltas) == [
+    assert openai_reply.tool_call_deltas(deltas) == [
         {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}},
         {"index": 0, "function": {"arguments": '{"city"'}},
         {"index": 1, "id": "call_2", "type": "function", "function": {"name": "add", "arguments": "{}"}},
     ]
     final = pb.Final(finish_reason=pb.FINISH_REASON_TOOL_CALLS)
-    body = oa.chat_completion("r", "m", "", final, [*deltas, pb.ToolCallDelta(index=0, arguments=': "P"}')])
+    body = openai_reply.chat_completion("r", "m", "", final, [*deltas, pb.ToolCallDelta(index=0, arguments=': "P"}')])
     (choice,) = body["choices"]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"] == {
@@ -354,35 +356,35 @@ def test_any_tools_json_is_a_turn_or_a_400_never_a_crash(tools: Any, choice: Any
         "tool_choice": choice,
     }
     try:
-        _, request = oa.chat_request(body)
+        _, request = openai_request.chat_request(body)
         convert.chat_turn(request.turn)
     except InvalidArgument as exc:
         assert exc.message
 
 
 def test_n_choices_reach_the_proto_and_usage_counts_the_prompt_once() -> None:
-    parsed, request = oa.chat_request({**CHAT, "n": 3})
+    parsed, request = openai_request.chat_request({**CHAT, "n": 3})
     assert parsed.n == 3 and request.turn.sampling.n == 3
-    parsed, generate = oa.completion_request({"prompt": "p"})
+    parsed, generate = openai_request.completion_request({"prompt": "p"})
     assert parsed.n == 1 and not generate.sampling.HasField("n")
     finals = [pb.Final(usage=pb.Usage(prompt_tokens=5, completion_tokens=c)) for c in (2, 3, 4)]
-    body = oa.chat_completion("rid", "m", ["a", "b", "c"], finals)
+    body = openai_reply.chat_completion("rid", "m", ["a", "b", "c"], finals)
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert [c["message"]["content"] for c in body["choices"]] == ["a", "b", "c"]
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14}
-    assert oa.completions("rid", "m", ["x", "y", "z"], finals)["usage"]["completion_tokens"] == 9
-    assert oa.chat_chunk("rid", "m", {"content": "a"}, None, 1, index=2)["choices"][0]["index"] == 2
-    assert oa.usage_chunk("text_completion", "rid", "m", finals, 1)["usage"]["prompt_tokens"] == 5
+    assert openai_reply.completions("rid", "m", ["x", "y", "z"], finals)["usage"]["completion_tokens"] == 9
+    assert openai_reply.chat_chunk("rid", "m", {"content": "a"}, None, 1, index=2)["choices"][0]["index"] == 2
+    assert openai_reply.usage_chunk("text_completion", "rid", "m", finals, 1)["usage"]["prompt_tokens"] == 5
 
 
 def test_logprobs_fields_become_sampling_fields() -> None:
-    _, chat = oa.chat_request({**CHAT, "logprobs": True, "top_logprobs": 20})
+    _, chat = openai_request.chat_request({**CHAT, "logprobs": True, "top_logprobs": 20})
     assert chat.turn.sampling.logprobs and chat.turn.sampling.top_logprobs == 20
-    _, plain = oa.chat_request({**CHAT, "logprobs": False, "top_logprobs": 0})
+    _, plain = openai_request.chat_request({**CHAT, "logprobs": False, "top_logprobs": 0})
     assert not plain.turn.sampling.logprobs
-    _, completion = oa.completion_request({"prompt": "p", "logprobs": 0})
+    _, completion = openai_request.completion_request({"prompt": "p", "logprobs": 0})
     assert completion.sampling.logprobs and completion.sampling.top_logprobs == 0
-    _, completion = oa.completion_request({"prompt": "p", "logprobs": 5})
+    _, completion = openai_request.completion_request({"prompt": "p", "logprobs": 5})
     assert completion.sampling.top_logprobs == 5
     for body, needle in (
         ({"prompt": "p", "logprobs": 6}, "'logprobs' must be between 0 and 5"),
@@ -390,7 +392,7 @@ def test_logprobs_fields_become_sampling_fields() -> None:
         ({"prompt": "p", "top_logprobs": 2}, "'top_logprobs' is a chat completions field"),
     ):
         with pytest.raises(InvalidArgument, match=needle):
-            oa.completion_request(body)
+            openai_request.completion_request(body)
 
 
 def _entries() -> list[pb.TokenLogprob]:
@@ -402,7 +404,7 @@ def _entries() -> list[pb.TokenLogprob]:
 
 
 def test_chat_logprobs_have_openai_s_shape() -> None:
-    body = oa.chat_completion("r", "m", "Hi", pb.Final(), logprobs=_entries())
+    body = openai_reply.chat_completion("r", "m", "Hi", pb.Final(), logprobs=_entries())
     content = body["choices"][0]["logprobs"]["content"]
     assert body["choices"][0]["logprobs"]["refusal"] is None
     assert content[0] == {
@@ -415,13 +417,13 @@ def test_chat_logprobs_have_openai_s_shape() -> None:
         ],
     }
     assert content[1]["bytes"] == [0xE6] and content[1]["top_logprobs"] == []
-    assert oa.chat_completion("r", "m", "Hi", pb.Final())["choices"][0]["logprobs"] is None
-    chunk = oa.chat_chunk("r", "m", {"content": "Hi"}, None, 0, False, logprobs=_entries()[:1])
+    assert openai_reply.chat_completion("r", "m", "Hi", pb.Final())["choices"][0]["logprobs"] is None
+    chunk = openai_reply.chat_chunk("r", "m", {"content": "Hi"}, None, 0, False, logprobs=_entries()[:1])
     assert chunk["choices"][0]["logprobs"]["content"][0]["token"] == "Hi"
 
 
 def test_completion_logprobs_have_openai_s_shape() -> None:
-    got = oa.completion_logprobs(_entries(), offset=4)
+    got = openai_reply.completion_logprobs(_entries(), offset=4)
     assert got == {
         "tokens": ["Hi", "bytes:\\xe6"],
         "token_logprobs": [-0.25, -1.5],

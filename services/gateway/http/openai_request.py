@@ -1,16 +1,14 @@
-"""OpenAI JSON <-> meshserve.v1 messages, and the OpenAI error body. No transport here.
+"""OpenAI request JSON -> meshserve.v1 messages (``/v1/chat/completions``, ``/v1/completions``). No
+transport here; the answers' JSON is built in :mod:`.openai_reply`.
 
-The OpenAI shapes (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) differ from our
-proto (messages vs turns, ``choices``, ``stop`` as string or list), which is why Envoy's gRPC-JSON
-transcoder cannot speak them on its own; this module is the whole difference.
-``n`` (1 to 16) asks for that many choices: ``choices[i].index``, streamed chunks carry their
-choice's index, and usage counts the prompt once and sums the choices' completion tokens (OpenAI's
-count). Unsupported fields that change the answer (``logprobs``, ``echo``, the legacy ``functions``,
-``min_p``, audio) are refused with 400 rather than silently ignored, unless they hold their neutral
-value (``logprobs: false``, ...: clients send defaults). ``tools``, ``tool_choice`` and
-``parallel_tool_calls``, assistant ``tool_calls`` and ``tool`` messages map to the
-ChatTurn's tool fields (their limits are the router's: services/router/tools.py); tool calls come back
-as OpenAI's ``message.tool_calls`` and, streamed, as its ``delta.tool_calls`` (:func:`tool_call_deltas`).
+The OpenAI shapes differ from our proto (messages vs turns, ``choices``, ``stop`` as string or list),
+which is why Envoy's gRPC-JSON transcoder cannot speak them on its own; this module and
+:mod:`.openai_reply` are the whole difference.
+``n`` (1 to 16) asks for that many choices. Unsupported fields that change the answer (``logprobs``,
+``echo``, the legacy ``functions``, ``min_p``, audio) are refused with 400 rather than silently
+ignored, unless they hold their neutral value (``logprobs: false``, ...: clients send defaults).
+``tools``, ``tool_choice`` and ``parallel_tool_calls``, assistant ``tool_calls`` and ``tool`` messages
+map to the ChatTurn's tool fields (their limits are the router's: services/router/tools.py).
 Fields that only tune delivery or bookkeeping (``user``, ``metadata``, ``store``, ...) and unknown fields
 are accepted and ignored, as many OpenAI-compatible servers do (new OpenAI fields keep working). ``frequency_penalty``,
 ``presence_penalty`` and ``logit_bias`` are OpenAI's; ``top_k``, ``repetition_penalty`` and
@@ -24,12 +22,9 @@ bad schema is a 400 that names ``response_format``.
 from __future__ import annotations
 
 import json
-import math
 import re
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 from services.common.constraints import Constraint, check_constraint, json_schema_constraint
 from services.common.errors import InvalidArgument
@@ -37,38 +32,9 @@ from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import MAX_CHOICES, MAX_SEED, MAX_TOP_LOGPROBS
 from services.common.sampling_pb import structured_to_pb
 
-OWNED_BY = "meshserve"
-
-_FINISH = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_STOP_STRING: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_CANCELLED: "stop",
-    pb.FINISH_REASON_TOOL_CALLS: "tool_calls",
-}
-
-# HTTP status and OpenAI error "type" per domain error code (services.common.errors.MeshError.code).
-HTTP_STATUS = {
-    "INVALID_ARGUMENT": (400, "invalid_request_error"),
-    "UNAUTHENTICATED": (401, "authentication_error"),
-    "PERMISSION_DENIED": (403, "permission_error"),
-    "NOT_FOUND": (404, "not_found_error"),
-    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
-    "CANCELLED": (499, "cancelled"),
-    "INTERNAL": (500, "server_error"),
-    "UNAVAILABLE": (503, "service_unavailable"),
-    "DEADLINE_EXCEEDED": (504, "timeout"),
-}
-_ERROR_CODE = {
-    "UNAUTHENTICATED": "invalid_api_key",
-    "NOT_FOUND": "model_not_found",
-    "RESOURCE_EXHAUSTED": "rate_limit_exceeded",
-}
 UINT32_MAX = 2**32 - 1
 MAX_COMPLETION_LOGPROBS = 5
 """Largest ``logprobs`` of a legacy completion (OpenAI's limit; chat's ``top_logprobs`` goes to 20)."""
-MIN_LOGPROB = -9999.0
-"""A logprob of -inf (a token the penalties banned) is sent as this, as OpenAI does: JSON has no -inf."""
 _UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = (
     # (field, values that change nothing, why it is refused otherwise)
     ("echo", (False,), "echo is not supported"),
@@ -81,8 +47,6 @@ _UNSUPPORTED: tuple[tuple[str, tuple[object, ...], str], ...] = (
     ("audio", (), "audio output is not supported"),
     ("web_search_options", (), "web search is not supported"),
 )
-
-
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -116,17 +80,6 @@ def _show(value: object) -> str:
     """A request value for an error message, cut short (a 4 MiB string must not come back whole)."""
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
-
-
-def error_body(code: str, message: str) -> tuple[int, dict[str, Any]]:
-    """HTTP status and OpenAI error JSON for a domain error code."""
-    status, kind = HTTP_STATUS.get(code, HTTP_STATUS["INTERNAL"])
-    return status, {"error": {"message": message, "type": kind, "param": None, "code": _ERROR_CODE.get(code)}}
-
-
-def retry_after_s(retry_after_ms: int) -> int:
-    """Retry-After header value: whole seconds, rounded up, at least 1."""
-    return max(1, math.ceil(retry_after_ms / 1000))
 
 
 @dataclass(frozen=True)
@@ -179,8 +132,11 @@ def _is_neutral(value: object, neutral: tuple[object, ...]) -> bool:
     return any(value is n or (not isinstance(value, bool) and value == n) for n in neutral)
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> None:
-    for name, neutral, why in _UNSUPPORTED:
+def _refuse_unsupported(
+    body: dict[str, Any], fields: tuple[tuple[str, tuple[object, ...], str], ...] = _UNSUPPORTED
+) -> None:
+    """400 for the first of ``fields`` (name, values that change nothing, why) the body sets otherwise."""
+    for name, neutral, why in fields:
         value = body.get(name)
         if value is not None and not _is_neutral(value, neutral):
             raise InvalidArgument(f"'{name}': {why} by meshserve; remove it from the request")
@@ -434,32 +390,6 @@ def chat_request(body: dict[str, Any]) -> tuple[Parsed, pb.ChatRequest]:
     return replace(parsed, tools=callable_tools), pb.ChatRequest(turn=turn)
 
 
-def tool_call_deltas(deltas: Sequence[pb.ToolCallDelta]) -> list[dict[str, Any]]:
-    """A frame's tool-call deltas as OpenAI streams them: a call's first delta has its index, id,
-    type and function name (with its arguments so far, often ""); later ones its index and the next
-    fragment of the arguments."""
-    out: list[dict[str, Any]] = []
-    for d in deltas:
-        if d.id:
-            function = {"name": d.name, "arguments": d.arguments}
-            out.append({"index": d.index, "id": d.id, "type": "function", "function": function})
-        else:
-            out.append({"index": d.index, "function": {"arguments": d.arguments}})
-    return out
-
-
-def tool_calls(deltas: Sequence[pb.ToolCallDelta]) -> list[dict[str, Any]]:
-    """All of a turn's deltas as OpenAI's ``message.tool_calls`` (whole calls, in index order)."""
-    calls: dict[int, dict[str, Any]] = {}
-    for d in deltas:
-        call = calls.setdefault(d.index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}})
-        if d.id:
-            call["id"] = d.id
-            call["function"]["name"] = d.name
-        call["function"]["arguments"] += d.arguments
-    return [calls[i] for i in sorted(calls)]
-
-
 def completion_request(body: dict[str, Any]) -> tuple[Parsed, pb.GenerateRequest]:
     """An OpenAI (legacy) completion request as a GenerateRequest."""
     parsed, sampling = _common(body)
@@ -470,222 +400,3 @@ def completion_request(body: dict[str, Any]) -> tuple[Parsed, pb.GenerateRequest
     if not isinstance(prompt, str):
         raise InvalidArgument("'prompt' must be a string (one prompt per request)")
     return parsed, pb.GenerateRequest(model=parsed.model, prompt=prompt, sampling=sampling)
-
-
-def finish_reason(final: pb.Final) -> str:
-    return _FINISH.get(final.finish_reason, "stop")
-
-
-def usage(final: pb.Final | list[pb.Final]) -> dict[str, int]:
-    """OpenAI's usage of one choice's final, or of n choices' finals: the prompt once, completions summed."""
-    finals = final if isinstance(final, list) else [final]
-    prompt = finals[0].usage.prompt_tokens if finals else 0
-    completion = sum(f.usage.completion_tokens for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _logprob(value: float) -> float:
-    return value if value >= MIN_LOGPROB else MIN_LOGPROB
-
-
-def chat_logprobs(entries: Sequence[pb.TokenLogprob]) -> dict[str, Any]:
-    """A choice's ``logprobs`` for chat (a whole answer's, or one chunk's tokens)."""
-    return {
-        "content": [
-            {
-                "token": e.token,
-                "logprob": _logprob(e.logprob),
-                "bytes": list(e.token_bytes),
-                "top_logprobs": [
-                    {"token": t.token, "logprob": _logprob(t.logprob), "bytes": list(t.token_bytes)}
-                    for t in e.top_logprobs
-                ],
-            }
-            for e in entries
-        ],
-        "refusal": None,
-    }
-
-
-def completion_logprobs(entries: Sequence[pb.TokenLogprob], offset: int = 0) -> dict[str, Any]:
-    """A legacy completion's ``logprobs``: parallel lists. ``top_logprobs`` maps each alternative's text to
-    its logprob, the sampled token included (OpenAI: up to logprobs + 1 entries); ``text_offset`` is each
-    token's character offset in the generated text (``offset``: characters of it sent in earlier chunks)."""
-    tokens: list[str] = []
-    offsets: list[int] = []
-    for e in entries:
-        tokens.append(e.token)
-        offsets.append(offset)
-        offset += len(e.token)
-    top: list[dict[str, float]] = []
-    for e in entries:
-        alternatives = {t.token: _logprob(t.logprob) for t in e.top_logprobs}
-        alternatives.setdefault(e.token, _logprob(e.logprob))
-        top.append(alternatives)
-    return {
-        "tokens": tokens,
-        "token_logprobs": [_logprob(e.logprob) for e in entries],
-        "top_logprobs": top,
-        "text_offset": offsets,
-    }
-
-
-def chat_completion(
-    request_id: str,
-    model: str,
-    text: str | list[str],
-    final: pb.Final | list[pb.Final],
-    calls: Sequence[pb.ToolCallDelta] | Sequence[Sequence[pb.ToolCallDelta]] = (),
-    logprobs: Sequence[pb.TokenLogprob] | Sequence[Sequence[pb.TokenLogprob]] | None = None,
-) -> dict[str, Any]:
-    """A whole chat completion: one choice (``text``, ``final``, its tool-call deltas ``calls``, its
-    ``logprobs`` entries), or n choices (lists by choice index, ``calls`` and ``logprobs`` then lists of
-    each choice's); with tool calls, ``content`` is null when the answer had no text (as OpenAI's);
-    ``logprobs`` None: the request asked for none (``"logprobs": null``)."""
-    texts = text if isinstance(text, list) else [text]
-    finals = final if isinstance(final, list) else [final]
-    per_choice = cast(list[Sequence[pb.ToolCallDelta]], list(calls) if isinstance(text, list) else [calls])
-    per_choice += [()] * (len(texts) - len(per_choice))
-    entries: list[Sequence[pb.TokenLogprob] | None] = [None] * len(texts)
-    if logprobs is not None:
-        entries = cast(list[Sequence[pb.TokenLogprob] | None], list(logprobs) if isinstance(text, list) else [logprobs])
-
-    def message(i: int, t: str) -> dict[str, Any]:
-        out: dict[str, Any] = {"role": "assistant", "content": t}
-        if per_choice[i]:
-            out["content"] = t or None
-            out["tool_calls"] = tool_calls(per_choice[i])
-        return out
-
-    return {
-        "id": f"chatcmpl-{request_id}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": i,
-                "message": message(i, t),
-                "logprobs": None if entries[i] is None else chat_logprobs(entries[i] or ()),
-                "finish_reason": finish_reason(f),
-            }
-            for i, (t, f) in enumerate(zip(texts, finals, strict=True))
-        ],
-        "usage": usage(finals),
-    }
-
-
-def chat_chunk(
-    request_id: str,
-    model: str,
-    delta: dict[str, Any],
-    finish: str | None = None,
-    created: int = 0,
-    include_usage: bool = False,
-    index: int = 0,
-    logprobs: Sequence[pb.TokenLogprob] | None = None,
-) -> dict[str, Any]:
-    """One streamed chunk of choice ``index``; with ``include_usage`` it has ``"usage": null``, as OpenAI's
-    chunks before the last. ``logprobs``: the chunk's tokens' (None: ``"logprobs": null``)."""
-    chunk: dict[str, Any] = {
-        "id": f"chatcmpl-{request_id}",
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": index,
-                "delta": delta,
-                "logprobs": None if logprobs is None else chat_logprobs(logprobs),
-                "finish_reason": finish,
-            }
-        ],
-    }
-    if include_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-def completion(
-    request_id: str,
-    model: str,
-    text: str,
-    final: pb.Final | None,
-    created: int = 0,
-    with_usage: bool = True,
-    null_usage: bool = False,
-    logprobs: dict[str, Any] | None = None,
-    index: int = 0,
-) -> dict[str, Any]:
-    """A whole completion, or (``final`` None / ``with_usage`` False) one streamed chunk of one, of choice
-    ``index``.
-
-    ``null_usage``: a chunk of a stream with ``include_usage`` carries ``"usage": null`` (the last
-    chunk, from :func:`usage_chunk`, carries the counts). ``logprobs``: :func:`completion_logprobs`.
-    """
-    body: dict[str, Any] = {
-        "id": f"cmpl-{request_id}",
-        "object": "text_completion",
-        "created": created or int(time.time()),
-        "model": model,
-        "choices": [
-            {
-                "index": index,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason(final) if final else None,
-            }
-        ],
-    }
-    if final is not None and with_usage:
-        body["usage"] = usage(final)
-    elif null_usage:
-        body["usage"] = None
-    return body
-
-
-def completions(
-    request_id: str,
-    model: str,
-    texts: list[str],
-    finals: list[pb.Final],
-    logprobs: Sequence[Sequence[pb.TokenLogprob]] | None = None,
-) -> dict[str, Any]:
-    """A whole completion of n choices (by choice index); usage as :func:`usage` counts n finals;
-    ``logprobs``: each choice's entries (None: the request asked for none)."""
-    body = completion(request_id, model, "", None)
-    body["choices"] = [
-        {
-            "index": i,
-            "text": t,
-            "logprobs": None if logprobs is None else completion_logprobs(logprobs[i]),
-            "finish_reason": finish_reason(f),
-        }
-        for i, (t, f) in enumerate(zip(texts, finals, strict=True))
-    ]
-    body["usage"] = usage(finals)
-    return body
-
-
-def usage_chunk(
-    object_name: str, request_id: str, model: str, final: pb.Final | list[pb.Final], created: int
-) -> dict[str, Any]:
-    """The last chunk of a stream with ``stream_options.include_usage``: no choices, the usage (of
-    every choice's final: the prompt once, completions summed)."""
-    prefix = "chatcmpl" if object_name == "chat.completion.chunk" else "cmpl"
-    return {
-        "id": f"{prefix}-{request_id}",
-        "object": object_name,
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage(final),
-    }
-
-
-def models_list(reply: pb.ListModelsResponse) -> dict[str, Any]:
-    return {"object": "list", "data": [model_entry(m.id) for m in reply.models]}
-
-
-def model_entry(model_id: str) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": OWNED_BY}
