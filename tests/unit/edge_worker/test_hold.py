@@ -67,7 +67,7 @@ def test_the_bound_lets_one_round_through_then_holds_again() -> None:
     t = 0.0
     through = []
     while t < 10.0:  # a foreground load that never pauses
-        run, held = hold.split([fg, bg], t)
+        run, _ = hold.split([fg, bg], t)
         if bg in run:
             through.append(t)
         t += 0.25  # exact in binary: the clock's steps add up without rounding
