@@ -33,6 +33,11 @@ HELD_ROUNDS = Counter(
     "Engine rounds run with the background sequences (batch lines) held out, by cause.",
     ["cause"],
 )
+HOLDS = Counter(
+    "meshserve_background_holds_total",
+    "Holds of the background sequences (batch lines) begun, by the cause that began them.",
+    ["cause"],
+)
 HELD_SECONDS = Counter(
     "meshserve_background_held_seconds_total",
     "Seconds background sequences (batch lines) waited held out of an engine's rounds.",
@@ -70,6 +75,8 @@ class BackgroundHold:
         self._recent: dict[Member, float] = {}  # foreground sequences by when they were last in a round
         self.since: float | None = None
         """When the present hold began (None: background sequences are not being held)."""
+        self.holds: dict[str, int] = {}
+        """Holds begun, by the cause that began them (``here``, ``host``)."""
         self.rounds = 0
         """Rounds that ran foreground sequences with the background ones held out."""
         self.held_s = 0.0
@@ -103,6 +110,8 @@ class BackgroundHold:
             return batch, []
         if self.since is None:
             self.since = now
+            self.holds[cause] = self.holds.get(cause, 0) + 1
+            HOLDS.labels(cause).inc()
         prefilling = any(not s.background and s.prefill_end - s.kv_len >= 2 for s in batch)
         if now - self.since >= self.max_hold_s and not prefilling:
             log.info("background_hold_bound_reached", held_s=round(now - self.since, 3), held=len(background))

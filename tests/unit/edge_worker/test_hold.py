@@ -92,3 +92,15 @@ def test_wait_is_bounded_by_the_max_hold() -> None:
     hold.split([bg], 0.0)
     assert hold.wait_s(0.5) == 1.5
     assert hold.split([bg], 2.0) == ([bg], [])
+
+
+def test_holds_are_counted_by_the_cause_that_began_them() -> None:
+    hold = BackgroundHold(max_hold_s=10.0)
+    fg, bg = Seq(), Seq(background=True)
+    hold.hold_host(1.0)
+    hold.split([bg], 0.0)
+    hold.split([fg, bg], 0.1)  # the same hold goes on
+    fg.closed = True
+    hold.split([bg], 2.0)  # ended
+    hold.split([Seq(), bg], 3.0)
+    assert hold.holds == {"host": 1, "here": 1}
