@@ -207,10 +207,19 @@ class Router:
             assert picked is not None
             REPLICA_DECISIONS.labels(tier.value, "round_robin").inc()
             return picked
-        cands = [Candidate(r.address, r.load, r.hot_blocks, r.kv_full) for r in replicas]
+        cands = [Candidate(r.address, self._placement_load(req, r), r.hot_blocks, r.kv_full) for r in replicas]
         sel = self.selector.select(cands, self.blocks(req))
         REPLICA_DECISIONS.labels(tier.value, sel.reason).inc()
         return next(r for r in replicas if r.address == sel.name)
+
+    @staticmethod
+    def _placement_load(req: TurnRequest, replica: Replica) -> int:
+        """The replica's load as ``req`` sees it: a foreground turn does not count this router's
+        background turns there while the replica has a free slot (they hold while it runs:
+        services/edge_worker/hold.py), so it is not crowded onto another foreground turn's worker."""
+        if req.background or not replica.background_in_flight or not replica.has_slot:
+            return replica.load
+        return max(0, replica.load - replica.background_in_flight)
 
     def pick(self, req: TurnRequest, exclude: Sequence[Replica]) -> tuple[TierChoice, Replica]:
         choice = self.choose(req, exclude)
