@@ -300,7 +300,7 @@ class BatchedEngine:
                     self._cv.wait()
                     continue
                 left = self.hold.wait_s(time.monotonic())
-                if left <= 0:
+                if left <= 0 or any(s.interrupted or s.closed for s in held):  # a cancel ends its wait
                     break
                 self._cv.wait(left)
             if self._stopped:

@@ -56,7 +56,7 @@ async def mesh(redis_srv: RedisServer) -> AsyncIterator[Mesh]:
             worker_id=name,
             internal_token=TOKEN,
             warmup=False,
-            background_max_hold_s=60.0,
+            background_max_hold_s=10.0,  # the most allowed: the bound stays out of the first test
         )
         engine = await asyncio.to_thread(build_engine, settings)
         assert isinstance(engine, BatchedEngine)
@@ -163,7 +163,7 @@ async def test_a_line_under_a_load_that_never_pauses_still_finishes(mesh: Mesh) 
     finally:
         stop.set()
         for engine in mesh.engines:
-            engine.hold.max_hold_s = 60.0
+            engine.hold.max_hold_s = 10.0
     assert line.tokens == 12
     assert turns >= 2
     assert sum(e.hold.bound_hits for e in mesh.engines) > bounds  # it advanced by the bound, not a pause
