@@ -29,6 +29,7 @@ import platform
 import signal
 import statistics
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -110,6 +111,25 @@ def _signal(proc: asyncio.subprocess.Process | None, sig: signal.Signals) -> Non
         os.kill(proc.pid, sig)
 
 
+def _hold_counters(urls: dict[str, str]) -> dict[str, float]:
+    """The edge workers' ``meshserve_background_*`` counters (services/edge_worker/hold.py), summed over
+    the workers, by series (labels kept); {} when none answers. Blocking: call in a thread."""
+    found: dict[str, float] = {}
+    for name, url in urls.items():
+        if not name.startswith("edge"):
+            continue
+        try:
+            with urllib.request.urlopen(url, timeout=5) as page:
+                text = page.read().decode()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            if line.startswith("meshserve_background_") and "_created" not in line:
+                series, _, value = line.rpartition(" ")
+                found[series] = found.get(series, 0.0) + float(value)
+    return found
+
+
 def _phase(ttfts: list[float], errors: list[str]) -> dict[str, float | int]:
     return {
         "n": len(ttfts),
@@ -184,6 +204,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         finally:
             _signal(runner, signal.SIGCONT)
         load_phases = os.getloadavg()
+        holds = await asyncio.to_thread(_hold_counters, mesh.metrics_urls())
         while True:
             state = await batches.GetBatch(bpb.BatchRef(batch_id=batch.id), metadata=AUTH)
             if state.status in ("completed", "failed", "expired", "cancelled"):
@@ -215,6 +236,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "batch_failed": state.request_counts.failed,
         "batch_seconds": batch_s,
         "rise": rise,
+        "hold_counters_after_phases": holds,
         "p50_rise": statistics.median(loaded) / statistics.median(base) - 1,
         "load_average": {"before": load_before[0], "after_phases": load_phases[0], "end": os.getloadavg()[0]},
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -280,6 +302,14 @@ def report(r: dict[str, object], command: str) -> str:
             f"p50 rise {float(r['p50_rise']):+.3f}. Batch lines finished during the loaded slices: "  # type: ignore[arg-type]
             f"{r['batch_lines_done_during_phase']}; the batch ended `{r['batch_status']}` ({r['batch_completed']} "
             f"completed, {r['batch_failed']} failed) {float(r['batch_seconds']):.0f} s after submission.",  # type: ignore[arg-type]
+            "",
+            "Background hold counters of the edge workers after the phases (docs/edge.md, *Background "
+            "sequences yield*): "
+            + (
+                ", ".join(f"`{k}` {v:g}" for k, v in sorted(r.get("hold_counters_after_phases", {}).items()))  # type: ignore[attr-defined]
+                or "none read"
+            )
+            + ".",
             "",
             "```",
             target_line(float(r["rise"]), finished),  # type: ignore[arg-type]

@@ -50,6 +50,7 @@ async def _main(settings: BatchSettings) -> None:
         max_in_flight=settings.max_in_flight,
         reserve_slots=settings.reserve_slots,
         poll_s=settings.capacity_poll_s,
+        busy_poll_s=settings.capacity_busy_poll_s,
         headroom=headroom,
     )
     store = BatchStore(redis)

@@ -33,6 +33,10 @@ count them, this runner's own calls are taken off instead.
   starts one line, not ``max_in_flight``, and a long one ramps up to the full rate.
 * No starvation: after ``max_defer_s`` without a start, one line may start alone even while
   interactive turns run (a load that never leaves the workers idle still sees its batch end).
+* While the latest view shows interactive work the view is read every ``busy_poll_s`` instead of
+  ``poll_s`` (no line may start then anyway; each read costs the router and this runner ~1 ms of CPU
+  on the cores the interactive turns use). The part of such a gap beyond ``poll_s`` counts as busy,
+  so a line still waits ``quiet_s`` as measured at ``poll_s``.
 
 Lines already running are not stopped; a line is one request, so they end in a turn's time.
 """
@@ -105,12 +109,18 @@ class Headroom:
         self.started_at = now
         """When the last line started (the starvation clock; a new runner waits a full period too)."""
 
-    def observe(self, interactive: int, now: float) -> None:
+    def observe(self, interactive: int, now: float, unseen_s: float = 0.0) -> None:
+        """``unseen_s``: the part of the time since the previous view that no view saw (read less often
+        while busy): after a busy view, the work counts as running through it."""
+        was_busy = self.busy
         self.busy = interactive > 0
         if self.busy:
             self.busy_at = now
             self.limit = max(1, self.limit // 2)
-        elif self.quiet(now):
+            return
+        if was_busy and unseen_s > 0:  # busy_at is the previous view's time
+            self.busy_at = min(now, self.busy_at + unseen_s)
+        if self.quiet(now):
             self.limit = min(self.max_lines, self.limit + 1)
 
     def quiet(self, now: float) -> bool:
@@ -137,15 +147,21 @@ class Capacity:
         max_in_flight: int,
         reserve_slots: int,
         poll_s: float,
+        busy_poll_s: float | None = None,
         headroom: Headroom | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``headroom``: also wait for interactive work to be idle (None: free slots only)."""
+        """``headroom``: also wait for interactive work to be idle (None: free slots only);
+        ``busy_poll_s``: the view's period while it shows interactive work (None: ``poll_s``)."""
         self._admins = admins
         self._metadata = metadata
         self._max = max_in_flight
         self._reserve = reserve_slots
         self._poll_s = poll_s
+        self._busy_poll_s = max(poll_s, busy_poll_s or poll_s)
+        self._viewed_at: float | None = None
+        self.views = 0
+        """Views read so far (one ListReplicas call per router each)."""
         self.in_flight = 0
         self._started = 0
         self._started_since_view = 0
@@ -177,21 +193,27 @@ class Capacity:
             asked_at = self._started  # lines started before the view was asked for are in it
             calling = self.calling
             view = await self._read()
+            self.views += 1
             async with self._changed:
                 if view is not None and self._headroom is not None:
                     # Background turns are every runner's lines (the routers count them apart); a router
                     # that does not count them: the fewer of our own calls, so that a call that ended
                     # meanwhile never hides an interactive turn (too many counted only delays a line).
                     ours = max(view.background, min(calling, self.calling))
-                    self._headroom.observe(max(0, view.in_flight - ours), self._clock())
+                    now = self._clock()
+                    unseen = 0.0 if self._viewed_at is None else now - self._viewed_at - self._poll_s
+                    self._headroom.observe(max(0, view.in_flight - ours), now, max(0.0, unseen))
+                    self._viewed_at = now
                 self._view = view
                 self._viewed = True
                 self._started_since_view = self._started - asked_at
                 self._changed.notify_all()
-            await asyncio.sleep(self._poll_s)
+            busy = self._headroom is not None and self._headroom.busy
+            await asyncio.sleep(self._busy_poll_s if busy else self._poll_s)
             if self.in_flight == 0 and self._waiting == 0:
                 self._wanted.clear()
                 self._viewed = False
+                self._viewed_at = None
 
     async def _read(self) -> View | None:
         replies = []

@@ -29,6 +29,10 @@ class BatchSettings(ServiceSettings):
     than this many slots are free across the healthy replicas, and no replica has a queue."""
     capacity_poll_s: float = Field(default=0.2, gt=0)
     """How often the routers' replica view (RouterAdmin.ListReplicas) is read."""
+    capacity_busy_poll_s: float = Field(default=1.0, gt=0)
+    """How often it is read while the latest view showed interactive work (no line may start then
+    anyway): fewer calls to the routers under interactive load. The quiet time a line waits for is
+    still measured as with ``CAPACITY_POLL_S`` (the unseen part of a longer gap counts as busy)."""
     headroom: bool = True
     """Also wait for the interactive work to be idle (services/batch/capacity.py, docs/batch.md): a line
     starts only after the routers have run no interactive turn for ``HEADROOM_QUIET_S``, and the lines

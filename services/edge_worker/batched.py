@@ -14,10 +14,11 @@ the sequence and blocks until the batch thread has run the model for it. The bat
 everything waiting (waiting up to ``max_wait_s`` for the sequences of the previous step to come back),
 prefills new prompts one sequence per call (chunked), then runs one decode call for all the rest.
 
-Background sequences (batch lines, ``seq.background``) yield: a round that prefills a sequence not
-marked so leaves every background sequence out (no prefill chunk, no decode row; they wait for the
-next round), so an interactive first token never waits for batch work in its round. Such a round
-is one per prompt chunk of an interactive turn, so background work is delayed, never starved.
+Background sequences (batch lines, ``seq.background``) yield: while a foreground sequence is active on
+this engine, or the host's foreground flag is set (``hold_background``: the router runs a foreground
+turn on another worker of this host), every round leaves them out (no prefill chunk, no decode row;
+they wait), for at most ``max_hold_s`` at a time (:mod:`services.edge_worker.hold`): delayed, never
+starved; an interactive first token never comes out of a round with batch work in it.
 
 Batch invariance: MatMulNBits' int8-activation kernels compute one row (M=1) differently from several
 rows (M>=2), while rows of an M>=2 call do not depend on each other. A decode call therefore always has
@@ -45,6 +46,7 @@ from tokenizers import Tokenizer
 from services.common.errors import InvalidArgument
 from services.common.sampling import SamplingParams
 from services.edge_worker.graph import load_sessions
+from services.edge_worker.hold import BackgroundHold
 from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.sampler import logprobs, logprobs_rows, pick
 from services.edge_worker.sequence import BatchedSequence
@@ -68,6 +70,8 @@ class BatchedEngine:
     of up to ``adaptive_max_rows`` rows runs on whichever of the three measures fastest now
     (:mod:`services.edge_worker.spin`); the weights are held three times in memory.
     ``load_cache_dir``: where the edited graph is kept for the next start (:mod:`services.edge_worker.load_cache`).
+    ``max_hold_s``: the longest background sequences are held out of the rounds at a time
+    (:mod:`services.edge_worker.hold`).
     """
 
     def __init__(
@@ -86,6 +90,7 @@ class BatchedEngine:
         adaptive_threading: bool = False,
         adaptive_max_rows: int = 4,
         load_cache_dir: Path | None = None,
+        max_hold_s: float = 2.0,
     ) -> None:
         config = json.loads((model_dir / "genai_config.json").read_text())["model"]
         decoder = config["decoder"]
@@ -151,8 +156,8 @@ class BatchedEngine:
         """Prefill chunks started so far (one model call each)."""
         self.forks_made = 0
         """Choices started as a copy of another sequence's prefilled prompt (``start_n``)."""
-        self.yields = 0
-        """Rounds that left background sequences out for another sequence's prefill."""
+        self.hold = BackgroundHold(max_hold_s=max_hold_s)
+        """When background sequences sit out a round (its counters: rounds held, seconds held, bound hits)."""
         self._thread = threading.Thread(target=self._loop, name="edge-batch", daemon=True)
         self._thread.start()
 
@@ -222,6 +227,19 @@ class BatchedEngine:
         with self._cv:
             self._cv.notify()
 
+    @property
+    def yields(self) -> int:
+        """Rounds run with the background sequences held out (:attr:`hold`)."""
+        return self.hold.rounds
+
+    def hold_background(self, until: float) -> None:
+        """The host's foreground flag (``services.worker.types``: an optional engine method): background
+        sequences sit out every round until ``until`` (``time.monotonic``; 0 ends it now). Any thread;
+        waits for no model call."""
+        self.hold.hold_host(until)
+        with self._cv:
+            self._cv.notify()
+
     def release(self, seq: BatchedSequence) -> None:
         with self._cv:
             self._released.append(seq)
@@ -239,32 +257,52 @@ class BatchedEngine:
 
     def _loop(self) -> None:
         carry: list[BatchedSequence] = []  # sequences still replaying or prefilling: no token yet
+        held: list[BatchedSequence] = []  # background sequences held out of the last round
         while True:
-            batch, released = self._gather(carry)
+            batch, released = self._gather(carry, held)
             if batch is None:
-                for seq in carry:
+                for seq in carry + held:
                     seq.finish(RuntimeError("the edge engine is stopped"))
                 return
             for seq in released:
                 self._free(seq)
-            batch, held = self._yield_to_foreground(batch)
+            for seq in batch:  # before the hold: a held sequence's cancel must not wait for it
+                if seq.closed:
+                    seq.finish(RuntimeError("sequence is closed"))
+                elif seq.interrupted:
+                    seq.finish(StepInterrupted("the turn was cancelled"))
+            batch = [seq for seq in batch if not (seq.closed or seq.interrupted)]
+            batch, held = self.hold.split(batch, time.monotonic())
+            carry = []
+            if not batch:  # only held sequences: wait for a foreground step or the hold's end
+                continue
             try:
                 done, carry = self._iterate(batch)
             except Exception as exc:  # an onnxruntime failure fails this step's sequences, not the thread
                 for seq in batch:
                     seq.finish(exc)
                 done, carry = [], []
-            carry += held  # their step is still pending: the next round takes them first
             # Forks made this round step next round too: wait for them as for the sequences done.
             self._expected = {seq for seq, _ in done} | set(self._new_forks)
             self._new_forks = []
             for seq, token in done:
                 seq.finish(token)
 
-    def _gather(self, carry: list[BatchedSequence]) -> tuple[list[BatchedSequence] | None, list[BatchedSequence]]:
+    def _gather(
+        self, carry: list[BatchedSequence], held: list[BatchedSequence]
+    ) -> tuple[list[BatchedSequence] | None, list[BatchedSequence]]:
+        """The next round's sequences (``carry`` and ``held`` first) and the sequences released meanwhile;
+        None when the engine stopped. With only ``held`` sequences, waits for a new step, a release, a
+        change of the host flag, or the hold's own end."""
         with self._cv:
             while not self._waiting and not self._released and not carry and not self._stopped:
-                self._cv.wait()
+                if not held:
+                    self._cv.wait()
+                    continue
+                left = self.hold.wait_s(time.monotonic())
+                if left <= 0 or any(s.interrupted or s.closed for s in held):  # a cancel ends its wait
+                    break
+                self._cv.wait(left)
             if self._stopped:
                 waiting, self._waiting = self._waiting, []
                 for seq in waiting:
@@ -277,20 +315,12 @@ class BatchedEngine:
                 if not missing or left <= 0:
                     break
                 self._cv.wait(left)
+            carry = carry + held  # their step is still pending: this round takes them first
             room = self.max_batch - len(carry)
             batch = carry + self._waiting[:room]
             del self._waiting[:room]
             released, self._released = self._released, []
             return batch, released
-
-    def _yield_to_foreground(self, batch: list[BatchedSequence]) -> tuple[list[BatchedSequence], list[BatchedSequence]]:
-        """This round's sequences and the background ones held out of it (see the module docstring)."""
-        if not any(seq.background for seq in batch):
-            return batch, []
-        if not any(not seq.background and seq.prefill_end - seq.kv_len >= 2 for seq in batch):
-            return batch, []
-        self.yields += 1
-        return [s for s in batch if not s.background], [s for s in batch if s.background]
 
     def _free(self, seq: BatchedSequence) -> None:
         for fork in seq.forks:  # closed before its prefill ended: its forks will never be made
@@ -306,12 +336,6 @@ class BatchedEngine:
 
     def _iterate(self, batch: list[BatchedSequence]) -> tuple[list[tuple[BatchedSequence, int]], list[BatchedSequence]]:
         """One round: a prefill chunk per prefilling sequence, one decode call for the rest."""
-        for seq in batch:
-            if seq.closed:
-                seq.finish(RuntimeError("sequence is closed"))
-            elif seq.interrupted:
-                seq.finish(StepInterrupted("the turn was cancelled"))
-        batch = [seq for seq in batch if not (seq.closed or seq.interrupted)]
         now = time.monotonic()
         for seq in batch:
             seq.last_used = now

@@ -34,6 +34,7 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
         adaptive_threading=settings.adaptive_threading,
         adaptive_max_rows=settings.adaptive_max_rows,
         load_cache_dir=settings.resolved_load_cache_dir(),
+        max_hold_s=settings.background_max_hold_s,
     )
 
 

@@ -138,6 +138,10 @@ class RouterSettings(StreamingSettings):
     """Initial estimate of how long a turn holds its slot (refined from observed turns)."""
     collapse_requests: bool = True
     """Serve identical concurrent deterministic requests with one computation."""
+    hold_background_on_host: bool = True
+    """While a foreground turn runs on any worker of a host (the host part of its address), tell that
+    host's workers to hold their background sequences (batch lines), which share its cores
+    (services/router/host_hold.py; docs/batch.md)."""
     eject_base_s: float = Field(default=1.0, gt=0)
     """First ejection of a failing replica lasts this long; each further one doubles it."""
     eject_max_s: float = Field(default=30.0, gt=0)

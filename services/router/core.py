@@ -43,6 +43,7 @@ from services.common.metrics import INTER_TOKEN, TTFT
 from services.common.tokenizer import Tokenizer
 from services.router.answers import AnswerKeys, KeyFor, Progress, cached_turn, store_response
 from services.router.collapse import Collapser
+from services.router.host_hold import HostHold
 from services.router.metrics import COLLAPSED, FAILOVERS, REPLICA_DECISIONS, RESUMES, RETRIES, ROUTE_DECISIONS
 from services.router.policy import (
     Candidate,
@@ -122,6 +123,7 @@ class Router:
         tenant_tiers: Mapping[str, Collection[str]] | None = None,
         transport: WorkerTransport,
         serves: Callable[[Replica], bool] | None = None,
+        host_hold: HostHold | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.transport = transport
@@ -151,6 +153,9 @@ class Router:
         self.collapser: Collapser[Chunk | Done] = Collapser()
         self.serves = serves
         """Which of the registry's replicas run this model version (None: all of them)."""
+        self.host_hold = host_hold
+        """Told of every foreground turn's start and end on a replica: the host's background work holds
+        meanwhile (services/router/host_hold.py; None: not told)."""
 
     def healthy(self, tier: TierName) -> list[Replica]:
         """The healthy replicas of ``tier`` that serve this router's model version."""
@@ -202,10 +207,19 @@ class Router:
             assert picked is not None
             REPLICA_DECISIONS.labels(tier.value, "round_robin").inc()
             return picked
-        cands = [Candidate(r.address, r.load, r.hot_blocks, r.kv_full) for r in replicas]
+        cands = [Candidate(r.address, self._placement_load(req, r), r.hot_blocks, r.kv_full) for r in replicas]
         sel = self.selector.select(cands, self.blocks(req))
         REPLICA_DECISIONS.labels(tier.value, sel.reason).inc()
         return next(r for r in replicas if r.address == sel.name)
+
+    @staticmethod
+    def _placement_load(req: TurnRequest, replica: Replica) -> int:
+        """The replica's load as ``req`` sees it: a foreground turn does not count this router's
+        background turns there while the replica has a free slot (they hold while it runs:
+        services/edge_worker/hold.py), so it is not crowded onto another foreground turn's worker."""
+        if req.background or not replica.background_in_flight or not replica.has_slot:
+            return replica.load
+        return max(0, replica.load - replica.background_in_flight)
 
     def pick(self, req: TurnRequest, exclude: Sequence[Replica]) -> tuple[TierChoice, Replica]:
         choice = self.choose(req, exclude)
@@ -346,6 +360,9 @@ class Router:
                 running = stream.replica
                 running.in_flight += 1
                 running.background_in_flight += req.background
+                holds = self.host_hold if not req.background else None
+                if holds is not None:
+                    holds.started(running.address)
                 try:
                     async with aclosing(
                         self._relay(req, stream, choice, cancel, admission, progress, started)
@@ -366,6 +383,8 @@ class Router:
                 finally:
                     running.in_flight -= 1
                     running.background_in_flight -= req.background
+                    if holds is not None:
+                        holds.ended(running.address)
                     self._freed_slot()
         except BaseException:
             # Caller went away (CancelledError) or we failed: the worker must stop generating now.

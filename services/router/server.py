@@ -24,6 +24,7 @@ from services.router.admin_servicer import RouterAdminServicer
 from services.router.api import RouterAPI
 from services.router.config import ModelSpec, RouterSettings, VersionSpec
 from services.router.core import SERVICE, Router
+from services.router.host_hold import HostHold
 from services.router.location import PrefixLocator
 from services.router.policy import ReplicaSelector, TierName
 from services.router.registry import Registry
@@ -121,6 +122,11 @@ async def start_router_api(
         model_versions=[v.build_id for spec in specs for v in spec.versions],
     )
     await registry.start()
+    host_hold = (
+        HostHold(transport.hold_background, lambda: [r.address for r in registry.replicas])
+        if settings.hold_background_on_host
+        else None
+    )
 
     def router_for(spec: ModelSpec, version: VersionSpec) -> Router:
         """One version's Router: its own admission over its own replicas (all of them without a models file)."""
@@ -160,6 +166,7 @@ async def start_router_api(
             tenant_tiers=settings.tenant_tiers,
             transport=transport,
             serves=match,
+            host_hold=host_hold,
         )
 
     try:
@@ -222,6 +229,8 @@ async def start_router_api(
             await sync.close()
         for each in routers:
             await each.collapser.aclose()
+        if host_hold is not None:
+            await host_hold.close()
         await transport.close()
         await registry.close()
         await cache.close()

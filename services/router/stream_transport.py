@@ -264,6 +264,7 @@ class _Link:
         self._next = 0
         self._out: list[worker_pb2.MuxUp] = []
         self._out_ready = asyncio.Event()
+        self._hold: int | None = None  # the host flag to send with the next message (services/router/host_hold.py)
         self._retiring = False
 
     def open(self, replica: Replica, address: Address, opened: worker_pb2.MuxOpen) -> TcpWorkerStream:
@@ -277,6 +278,14 @@ class _Link:
 
     def send(self, up: worker_pb2.MuxUp) -> None:
         self._out.append(up)
+        self._out_ready.set()
+
+    def hold(self, ttl_ms: int) -> None:
+        """Send the host's foreground flag with the next message; dropped while not connected (no
+        connection: no stream of this router runs on the worker)."""
+        if self._call is None:
+            return
+        self._hold = ttl_ms
         self._out_ready.set()
 
     def forget(self, sid: int) -> None:
@@ -302,12 +311,16 @@ class _Link:
     async def _write(self, call: StreamConnection) -> None:
         with contextlib.suppress(WorkerFailed, asyncio.InvalidStateError):
             while True:
-                if not self._out:
+                if not self._out and self._hold is None:
                     self._out_ready.clear()
                     await self._out_ready.wait()
                     continue
                 frames, self._out = self._out, []
-                await call.write(worker_pb2.MuxRequest(frames=frames))
+                hold, self._hold = self._hold, None
+                message = worker_pb2.MuxRequest(frames=frames)
+                if hold is not None:
+                    message.background_hold.CopyFrom(worker_pb2.BackgroundHold(ttl_ms=hold))
+                await call.write(message)
 
     async def _read(self, call: StreamConnection) -> None:
         error = _failure(grpc.StatusCode.UNAVAILABLE, "the worker ended its stream connection")
@@ -328,6 +341,7 @@ class _Link:
             if self._call is call:
                 self._call = None
                 self._out = []
+                self._hold = None
             failed, self._streams = self._streams, {}
             for stream in failed.values():
                 stream.end(error)
@@ -369,6 +383,13 @@ class StreamTransport:
         if link is None:
             link = self._links[replica.address] = _Link(self._token, self._max_frame)
         return link.open(replica, (split_host(replica.address), port), opened)
+
+    def hold_background(self, address: str, ttl_ms: int) -> None:
+        """The host's foreground flag for the worker at ``address`` (services/router/host_hold.py), on
+        this router's connection to it; nothing when there is none."""
+        link = self._links.get(address)
+        if link is not None:
+            link.hold(ttl_ms)
 
     def retire(self, address: str) -> None:
         link = self._links.pop(address, None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -62,10 +63,17 @@ def _end(code: grpc.StatusCode, message: str, retry_after_ms: int = 0) -> worker
 class _Call:
     """One multiplexed call (a connection): its streams and its outgoing frames."""
 
-    def __init__(self, generate: Generate, max_streams: int, draining: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        generate: Generate,
+        max_streams: int,
+        draining: Callable[[], bool],
+        hold: Callable[[int], None] = lambda ttl_ms: None,
+    ) -> None:
         self._generate = generate
         self._max_streams = max_streams
         self.draining = draining
+        self._hold = hold
         self.streams: dict[int, _Stream] = {}
         self.out: deque[worker_pb2.MuxDown] = deque()
         self.wake = asyncio.Event()
@@ -78,6 +86,8 @@ class _Call:
     async def read(self, request_iterator: AsyncIterator[worker_pb2.MuxRequest]) -> None:
         try:
             async for message in request_iterator:
+                if message.HasField("background_hold"):
+                    self._hold(message.background_hold.ttl_ms)
                 for up in message.frames:
                     self._dispatch(up)
         except Exception as exc:  # the call ended under us (cancelled, reset): as if the router closed it
@@ -169,11 +179,29 @@ class _Call:
 
 
 class MuxCalls:
-    """The multiplexed calls a worker serves, so a drain reaches them all (see :func:`serve_mux`)."""
+    """The multiplexed calls a worker serves, so a drain reaches them all (see :func:`serve_mux`), and
+    the host's foreground flag their routers send (``MuxRequest.background_hold``).
 
-    def __init__(self) -> None:
+    ``hold``: the engine's ``hold_background(until)`` (``services.worker.types``; None: the engine has
+    no background sequences and the flag is ignored). Each call (one router's connection) holds until
+    its latest flag expires or it sends 0 or it ends; the engine holds until the latest of them.
+    """
+
+    def __init__(self, hold: Callable[[float], None] | None = None) -> None:
         self.draining = False
         self._calls: set[_Call] = set()
+        self._hold = hold
+        self._holds: dict[_Call, float] = {}
+
+    def hold(self, call: _Call, ttl_ms: int) -> None:
+        """``call``'s router set (``ttl_ms`` > 0, from now) or cleared (0) its flag."""
+        if self._hold is None:
+            return
+        if ttl_ms:
+            self._holds[call] = time.monotonic() + ttl_ms / 1000
+        elif self._holds.pop(call, None) is None:
+            return
+        self._hold(max(self._holds.values(), default=0.0))
 
     def drain(self) -> None:
         """New streams are refused from now on; each call ends once its running streams have ended."""
@@ -196,7 +224,7 @@ async def serve_mux(
     held for its whole grace period by a call that never ends by itself.
     """
     calls = calls or MuxCalls()
-    call = _Call(generate, max_streams, lambda: calls.draining)
+    call = _Call(generate, max_streams, lambda: calls.draining, lambda ttl_ms: calls.hold(call, ttl_ms))
     calls._calls.add(call)
     reader = asyncio.create_task(call.read(request_iterator))
     try:
@@ -212,6 +240,7 @@ async def serve_mux(
             yield worker_pb2.MuxResponse(frames=frames)
     finally:
         calls._calls.discard(call)
+        calls.hold(call, 0)  # a router gone takes its flag with it
         reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reader

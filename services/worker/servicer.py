@@ -77,7 +77,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.tier = tier
         self.worker_id = worker_id
         self.default_max_tokens = default_max_tokens
-        self.mux_calls = MuxCalls()
+        self.mux_calls = MuxCalls(hold=getattr(runner.engine, "hold_background", None))
         """The stream transport's connections being served (drained when the worker stops)."""
         self.stream_port = 0
         """Port of the worker's stream transport (services/worker/mux_tcp.py), announced in the load report."""

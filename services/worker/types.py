@@ -15,6 +15,14 @@ worker thread:
   starts n independent sequences (:func:`services.worker.runner.start_choices`). It may raise
   InvalidArgument when n sequences of ``sampling.max_tokens`` cannot fit the engine's KV at once.
 
+Optional engine method for background work (batch lines), called from the event loop (it must not
+wait for the model):
+
+* ``hold_background(until: float)``: the host's foreground flag from the routers
+  (``MuxRequest.background_hold``, services/worker/mux.py): background sequences sit out the engine's
+  steps until ``time.monotonic()`` reaches ``until`` (0: now). Engines without background sequences
+  (the cloud engine) have none, and the flag is ignored.
+
 Optional engine methods that feed the load report (``services.worker.report``); both are called
 from a thread, never from the event loop, so they may take the engine's locks but must be quick:
 

@@ -13,6 +13,7 @@ import pytest
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
+from services.worker.types import StepInterrupted
 
 pytestmark = pytest.mark.integration
 LONG_PROMPT = " ".join(f"item {i}," for i in range(60)) + " and that is the list."
@@ -79,3 +80,43 @@ def test_background_rows_sit_out_every_round_of_an_interactive_prefill(engine: B
     assert during <= 1  # only the round already running when the prompt came
     assert engine.yields - yields_before >= 4
     assert tokens == expected  # yielding changes when a row runs, never what it computes
+
+
+def test_a_held_background_sequence_is_cancelled_at_once_and_runs_when_the_flag_is_cleared(
+    engine: BatchedEngine,
+) -> None:
+    engine.hold.max_hold_s = 60.0  # only the flag's end, or a cancel, may end this hold
+    outcome: list[object] = []
+
+    def step(seq: object) -> None:
+        try:
+            outcome.append(seq.step())  # type: ignore[attr-defined]
+        except StepInterrupted as exc:
+            outcome.append(exc)
+
+    try:
+        engine.hold_background(time.monotonic() + 60)  # the host's flag: another worker runs a foreground turn
+        seq = engine.start(ids(engine, "Line one."), SamplingParams(max_tokens=4))
+        seq.background = True
+        waiting = threading.Thread(target=step, args=(seq,))
+        waiting.start()
+        waiting.join(timeout=0.5)
+        assert waiting.is_alive() and not outcome  # held: no prefill, no token
+        seq.interrupt()  # the line's caller went away
+        waiting.join(timeout=30)
+        assert not waiting.is_alive() and isinstance(outcome[0], StepInterrupted)
+        seq.close()
+
+        seq = engine.start(ids(engine, "Line two."), SamplingParams(max_tokens=4))
+        seq.background = True
+        waiting = threading.Thread(target=step, args=(seq,))
+        waiting.start()
+        waiting.join(timeout=0.5)
+        assert waiting.is_alive()
+        engine.hold_background(0.0)  # the router's foreground turns ended
+        waiting.join(timeout=30)
+        assert not waiting.is_alive() and isinstance(outcome[1], int)
+        seq.close()
+    finally:
+        engine.hold_background(0.0)
+        engine.hold.max_hold_s = 2.0

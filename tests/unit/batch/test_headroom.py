@@ -190,3 +190,34 @@ async def test_without_a_view_one_line_at_a_time_either_way(headroom_on: bool) -
         assert not await started_within(capacity, 0.05)
     finally:
         poller.cancel()
+
+
+def test_the_unseen_part_of_a_slow_busy_gap_counts_as_busy() -> None:
+    h = headroom(quiet_s=0.5)
+    h.observe(interactive=1, now=10.0)
+    h.observe(interactive=0, now=11.0, unseen_s=0.8)  # read 1 s later where 0.2 s was due
+    assert not h.allows(in_flight=0, now=11.0)  # quiet since 10.8 at the earliest, not since 10.0
+    h.observe(interactive=0, now=11.2)
+    assert not h.allows(in_flight=0, now=11.2)
+    h.observe(interactive=0, now=11.4)
+    assert h.allows(in_flight=0, now=11.4)
+
+
+async def test_the_view_is_read_less_often_while_it_shows_interactive_work() -> None:
+    admin = FakeRouterAdmin(counts_background=True)
+    room = Headroom(max_lines=4, quiet_s=0.0, max_defer_s=1000.0, now=0.0)
+    capacity = Capacity([admin], (), max_in_flight=4, reserve_slots=0, poll_s=0.01, busy_poll_s=0.2, headroom=room)  # type: ignore[list-item]
+    admin.capacity = capacity
+    poller = asyncio.create_task(capacity.poll_forever())
+    try:
+        admin.interactive = 1
+        waiting = asyncio.create_task(capacity.acquire())
+        await asyncio.sleep(0.5)
+        busy_views = capacity.views
+        assert 1 <= busy_views <= 5  # every 0.2 s, not every 0.01 s
+        admin.interactive = 0
+        await asyncio.wait_for(waiting, 2)  # the next view sees the quiet and starts the line
+        await asyncio.sleep(0.2)
+        assert capacity.views - busy_views >= 5  # quiet: every 0.01 s again
+    finally:
+        poller.cancel()

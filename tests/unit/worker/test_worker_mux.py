@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -208,3 +209,29 @@ async def test_a_stream_sending_too_far_ahead_is_ended_and_others_run_on() -> No
     router.send(worker_pb2.MuxUp(stream=2, half_close=True))
     assert (await router.ended(2)).code == OK
     await router.close()
+
+
+async def test_the_routers_host_flags_reach_the_engine_as_the_latest_deadline_and_leave_with_their_call() -> None:
+    holds: list[float] = []
+    calls = MuxCalls(hold=holds.append)
+    one, two = Router(FakeGenerate(), calls=calls), Router(FakeGenerate(), calls=calls)
+
+    async def flag(router: Router, ttl_ms: int) -> None:
+        count = len(holds)
+        router.up.put_nowait(worker_pb2.MuxRequest(background_hold=worker_pb2.BackgroundHold(ttl_ms=ttl_ms)))
+        for _ in range(500):
+            if len(holds) > count:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("the flag never reached the engine")
+
+    before = time.monotonic()
+    await flag(one, 1000)
+    assert before + 1.0 <= holds[-1] <= time.monotonic() + 1.0
+    await flag(two, 60_000)
+    assert holds[-1] >= before + 60  # the latest of the routers' flags
+    await flag(two, 0)
+    assert holds[-1] < before + 60  # back to router one's
+    await two.close()
+    await one.close()  # the call ended: its flag goes with it
+    assert holds[-1] == 0.0

@@ -446,24 +446,58 @@ class MuxUp(_message.Message):
 Global___MuxUp: _TypeAlias = MuxUp  # noqa: Y015
 
 @_typing.final
+class BackgroundHold(_message.Message):
+    """The host's foreground flag, from a router (services/router/host_hold.py): the router runs a
+    foreground (not background) turn on some worker of this worker's host, which shares its cores.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TTL_MS_FIELD_NUMBER: _builtins.int
+    ttl_ms: _builtins.int
+    """Background sequences (batch lines) sit out the engine's rounds for this many milliseconds unless
+    the flag is renewed; 0: the router's foreground turns on the host have ended (hold no longer).
+    """
+    def __init__(
+        self,
+        *,
+        ttl_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ttl_ms", b"ttl_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackgroundHold: _TypeAlias = BackgroundHold  # noqa: Y015
+
+@_typing.final
 class MuxRequest(_message.Message):
     """Router frames on a connection: whatever was ready to send, several streams at once."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     FRAMES_FIELD_NUMBER: _builtins.int
+    BACKGROUND_HOLD_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def frames(self) -> _containers.RepeatedCompositeFieldContainer[Global___MuxUp]:
         """Frames of one or more streams; the frames of one stream come in order."""
+
+    @_builtins.property
+    def background_hold(self) -> Global___BackgroundHold:
+        """Set when the router's host flag for this worker changed or is renewed (the connection's own
+        message, not a stream's; an engine without background sequences ignores it).
+        """
 
     def __init__(
         self,
         *,
         frames: _abc.Iterable[Global___MuxUp] | None = ...,
+        background_hold: Global___BackgroundHold | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["background_hold", b"background_hold"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["frames", b"frames"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["background_hold", b"background_hold", "frames", b"frames"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
