@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -12,6 +13,7 @@ from tokenizers import Tokenizer
 from services.common.constraints import check_constraint
 from services.common.errors import InvalidArgument
 from services.common.model_paths import model_paths
+from services.worker import grammar
 from services.worker.grammar import GrammarCompiler, unpack
 
 EOS = 2
@@ -83,13 +85,26 @@ def test_a_constraint_that_does_not_compile_is_invalid_argument(
         compiler.open(check_constraint(kind, text))
 
 
-def test_compilation_past_its_time_limit_is_invalid_argument_naming_the_limit(tokenizer: Tokenizer) -> None:
-    slow = GrammarCompiler(tokenizer, VOCAB, [EOS], timeout_s=1e-6)
+def test_compilation_past_its_time_limit_is_invalid_argument_naming_the_limit(
+    tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A compilation that cannot finish before the limit (a real one of a few ms could, on a busy host,
+    # finish while the caller waits to be scheduled): it runs until the test lets it go.
+    release = threading.Event()
+    real = grammar._compile
+
+    def stuck(*args: object) -> object:
+        release.wait(30)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(grammar, "_compile", stuck)
+    slow = GrammarCompiler(tokenizer, VOCAB, [EOS], timeout_s=0.05)
     try:
         slow.warm()  # the tokenizer is built outside the limit
-        with pytest.raises(InvalidArgument, match=r"did not compile within the limit of 1e-06 s"):
+        with pytest.raises(InvalidArgument, match=r"did not compile within the limit of 0.05 s"):
             slow.open(check_constraint("json_schema", '{"type": "object", "properties": {"a": {"type": "string"}}}'))
     finally:
+        release.set()
         slow.close()
 
 
