@@ -18,7 +18,9 @@ Background sequences (batch lines, ``seq.background``) yield: while a foreground
 this engine, or the host's foreground flag is set (``hold_background``: the router runs a foreground
 turn on another worker of this host), every round leaves them out (no prefill chunk, no decode row;
 they wait), for at most ``max_hold_s`` at a time (:mod:`services.edge_worker.hold`): delayed, never
-starved; an interactive first token never comes out of a round with batch work in it.
+starved; an interactive first token never comes out of a round with batch work in it. A round of
+batch work only that is running when foreground work arrives is stopped part-way and run again later
+(``RunOptions.terminate``; see the hold module), so an interactive turn does not wait for it.
 
 Batch invariance: MatMulNBits' int8-activation kernels compute one row (M=1) differently from several
 rows (M>=2), while rows of an M>=2 call do not depend on each other. A decode call therefore always has
@@ -53,6 +55,10 @@ from services.edge_worker.sequence import BatchedSequence
 from services.edge_worker.spin import SessionChooser
 from services.worker.grammar import GrammarCompiler, TokenConstraint
 from services.worker.types import EngineInfo, KVUsage, StepInterrupted
+
+
+class _Preempted(Exception):
+    """A model call of background sequences only was stopped for foreground work (see the hold module)."""
 
 
 class BatchedEngine:
@@ -158,6 +164,9 @@ class BatchedEngine:
         """Choices started as a copy of another sequence's prefilled prompt (``start_n``)."""
         self.hold = BackgroundHold(max_hold_s=max_hold_s)
         """When background sequences sit out a round (its counters: rounds held, seconds held, bound hits)."""
+        self._preemptible: ort.RunOptions | None = None
+        """The run options of the round in progress when it holds background sequences only and began
+        while nothing held them (guarded by ``_cv``): foreground work arriving sets its ``terminate``."""
         self._thread = threading.Thread(target=self._loop, name="edge-batch", daemon=True)
         self._thread.start()
 
@@ -220,7 +229,19 @@ class BatchedEngine:
                 seq.finish(RuntimeError("the edge engine is stopped"))
                 return
             self._waiting.append(seq)
+            if not seq.background:
+                self._preempt()
             self._cv.notify()
+
+    @property
+    def preemptible(self) -> bool:
+        """A round of background sequences only is running and foreground work arriving would stop it."""
+        return self._preemptible is not None
+
+    def _preempt(self) -> None:
+        """Stop the model call of a round of background sequences only, if one is running (under ``_cv``)."""
+        if self._preemptible is not None:
+            self._preemptible.terminate = True
 
     def wake(self) -> None:
         """Make the batch thread look at its sequences again (an interrupt)."""
@@ -238,6 +259,8 @@ class BatchedEngine:
         waits for no model call."""
         self.hold.hold_host(until)
         with self._cv:
+            if until > time.monotonic():
+                self._preempt()
             self._cv.notify()
 
     def release(self, seq: BatchedSequence) -> None:
@@ -272,16 +295,24 @@ class BatchedEngine:
                 elif seq.interrupted:
                     seq.finish(StepInterrupted("the turn was cancelled"))
             batch = [seq for seq in batch if not (seq.closed or seq.interrupted)]
-            batch, held = self.hold.split(batch, time.monotonic())
+            now = time.monotonic()
+            batch, held = self.hold.split(batch, now)
             carry = []
             if not batch:  # only held sequences: wait for a foreground step or the hold's end
                 continue
+            with self._cv:
+                quiet = all(seq.background for seq in batch) and not held and self.hold.quiet(now)
+                self._preemptible = ort.RunOptions() if quiet else None
             try:
-                done, carry = self._iterate(batch)
+                done, carry, stopped = self._iterate(batch)
+                held = held + stopped
             except Exception as exc:  # an onnxruntime failure fails this step's sequences, not the thread
                 for seq in batch:
                     seq.finish(exc)
                 done, carry = [], []
+            finally:
+                with self._cv:
+                    self._preemptible = None
             # Forks made this round step next round too: wait for them as for the sequences done.
             self._expected = {seq for seq, _ in done} | set(self._new_forks)
             self._new_forks = []
@@ -334,8 +365,12 @@ class BatchedEngine:
             self._parked_bytes -= sum(part.nbytes for part in seq.parked)
             seq.parked = None
 
-    def _iterate(self, batch: list[BatchedSequence]) -> tuple[list[tuple[BatchedSequence, int]], list[BatchedSequence]]:
-        """One round: a prefill chunk per prefilling sequence, one decode call for the rest."""
+    def _iterate(
+        self, batch: list[BatchedSequence]
+    ) -> tuple[list[tuple[BatchedSequence, int]], list[BatchedSequence], list[BatchedSequence]]:
+        """One round: a prefill chunk per prefilling sequence, one decode call for the rest. Returns the
+        sequences with a token, those still prefilling, and those whose call was preempted (their step
+        is still pending: nothing of theirs changed but KV positions the next run writes again)."""
         now = time.monotonic()
         for seq in batch:
             seq.last_used = now
@@ -346,15 +381,28 @@ class BatchedEngine:
         carry: list[BatchedSequence] = []
         decode: list[BatchedSequence] = []
         asking: list[tuple[BatchedSequence, int, np.ndarray]] = []  # rows that want their logprobs
+        stopped: list[BatchedSequence] = []
         for seq in batch:
-            if seq.prefill_end - seq.kv_len >= 2:
-                logits = self._prefill(seq)
+            if stopped:
+                stopped.append(seq)
+            elif seq.prefill_end - seq.kv_len >= 2:
+                try:
+                    logits = self._prefill(seq)
+                except _Preempted:
+                    stopped.append(seq)
+                    continue
                 self._after(seq, logits, done, carry, batch, asking)
             else:
                 decode.append(seq)
-        if decode:
+        if decode and stopped:
+            stopped += decode
+        elif decode:
             decode = self._place(decode)
-            logits = self._decode(decode)
+            try:
+                logits = self._decode(decode)
+            except _Preempted:
+                stopped += decode
+                decode = []
             for row, seq in enumerate(decode):
                 self._after(seq, logits[row], done, carry, batch, asking)
         if asking:  # one whole-batch computation for the rows that ask (sampler.logprobs_rows)
@@ -363,7 +411,18 @@ class BatchedEngine:
             found = logprobs_rows(rows, [token for _, token, _ in asking], tops)
             for (seq, _, _), entry in zip(asking, found, strict=True):
                 seq.last_logprobs = entry
-        return done, carry
+        return done, carry, stopped
+
+    def _run(self, session: ort.InferenceSession, io: ort.IOBinding) -> None:
+        """One model call; raises :class:`_Preempted` when foreground work stopped it part-way."""
+        options = self._preemptible
+        try:
+            session.run_with_iobinding(io, options)
+        except Exception:
+            if options is not None and options.terminate:
+                self.hold.preempted()
+                raise _Preempted from None
+            raise
 
     def _after(
         self,
@@ -467,7 +526,7 @@ class BatchedEngine:
         io.bind_cpu_input("input_ids", ids)
         io.bind_cpu_input("attention_mask", mask)
         io.bind_output("logits")  # unallocated again: its shape changes between runs
-        self._session.run_with_iobinding(io)
+        self._run(self._session, io)
         seq.kv_len = end
         logits: np.ndarray = io.get_outputs()[0].numpy()
         return logits[0, -1]
@@ -509,7 +568,7 @@ class BatchedEngine:
         io.bind_cpu_input("attention_mask", mask)
         io.bind_output("logits")  # unallocated again: its shape changes between runs
         start = time.perf_counter()
-        session.run_with_iobinding(io)
+        self._run(session, io)
         if self.chooser is not None and mode is not None:
             self.chooser.record(rows, mode, time.perf_counter() - start)
         for seq in seqs:

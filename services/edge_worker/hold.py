@@ -12,6 +12,13 @@ a round (no prefill chunk, no decode row: they keep their KV and wait) while for
   renewing it while the turn runs; a flag that is not renewed (the router is gone or stopped) expires
   by itself, so it never holds a line for longer than its time to live.
 
+A round of background sequences only that began while nothing held them is **preemptible**: when
+foreground work arrives during its model call (a foreground step on this engine, or the host flag
+being set), the engine stops that call part-way (onnxruntime's ``RunOptions.terminate``) instead of
+letting the interactive turn wait for it, and the sequences it had not finished are held; their step
+runs again, whole, when the hold ends (the KV positions a stopped call wrote are written again with
+the same values: batch invariance and greedy replay are unchanged).
+
 Bounded: after ``max_hold_s`` of continuous holding one round lets the background sequences through
 (never a round that prefills a foreground prompt, so an interactive first token never shares its round
 with batch work), then the hold starts again. Under a foreground load that never pauses, a batch line
@@ -45,6 +52,11 @@ HELD_SECONDS = Counter(
 HOLD_BOUND = Counter(
     "meshserve_background_hold_bound_total",
     "Rounds that let held background sequences through because they had waited the worker's max hold time.",
+)
+PREEMPTED = Counter(
+    "meshserve_background_preempted_calls_total",
+    "Model calls of background sequences only (batch lines) stopped part-way because foreground work "
+    "arrived (they are run again, whole, once the hold ends).",
 )
 FOREGROUND_IDLE_S = 0.05
 """A foreground sequence that stepped this recently (and is not closed) still counts as active: its
@@ -83,6 +95,8 @@ class BackgroundHold:
         """Seconds of holding, over the holds that have ended."""
         self.bound_hits = 0
         """Rounds the bound let through (``max_hold_s`` of continuous holding)."""
+        self.preemptions = 0
+        """Model calls of background sequences only stopped part-way for foreground work."""
 
     def hold_host(self, until: float) -> None:
         """The host's foreground flag: hold until ``until`` (a time on the engine's clock; 0 ends it)."""
@@ -124,6 +138,16 @@ class BackgroundHold:
             self.rounds += 1
             HELD_ROUNDS.labels(cause).inc()
         return foreground, background
+
+    def quiet(self, now: float) -> bool:
+        """Nothing holds background sequences now (no recent foreground sequence, no host flag): a round
+        of background sequences only that starts now may be preempted (see the module docstring)."""
+        return self.since is None and not self._recent and now >= self.host_until
+
+    def preempted(self) -> None:
+        """A preemptible round's model call was stopped for foreground work."""
+        self.preemptions += 1
+        PREEMPTED.inc()
 
     def wait_s(self, now: float) -> float:
         """With nothing but held sequences to run: how long until the hold may end by itself (the

@@ -120,3 +120,63 @@ def test_a_held_background_sequence_is_cancelled_at_once_and_runs_when_the_flag_
     finally:
         engine.hold_background(0.0)
         engine.hold.max_hold_s = 2.0
+
+
+@pytest.fixture(scope="module")
+def long_prefill_engine() -> Iterator[BatchedEngine]:
+    # One prefill call for a whole long prompt (hundreds of ms on one thread): long enough to stop part-way.
+    engine = BatchedEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=4, prefill_chunk=2048)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("arrival", ["host_flag", "foreground_step"])
+def test_a_background_call_running_when_foreground_work_arrives_is_stopped_and_run_again_whole(
+    long_prefill_engine: BatchedEngine, arrival: str
+) -> None:
+    engine = long_prefill_engine
+    prompt = ids(engine, " ".join(f"entry {i} of the ledger," for i in range(160)))
+    assert len(prompt) > 1000
+    alone = engine.start(prompt, SamplingParams(max_tokens=6))
+    try:
+        expected = [alone.step() for _ in range(6)]
+    finally:
+        alone.close()
+
+    tokens: list[int] = []
+    errors: list[BaseException] = []
+
+    def background() -> None:
+        seq = engine.start(prompt, SamplingParams(max_tokens=6))
+        seq.background = True
+        try:
+            for _ in range(6):
+                tokens.append(seq.step())
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            seq.close()
+
+    before = engine.hold.preemptions
+    line = threading.Thread(target=background)
+    line.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not engine.preemptible:  # the line's (long) prefill call is running
+            assert time.monotonic() < deadline and line.is_alive()
+            time.sleep(0.001)
+        if arrival == "host_flag":
+            engine.hold_background(time.monotonic() + 0.3)  # the router starts a turn on another worker
+        else:
+            fg = engine.start(ids(engine, "Hello there."), SamplingParams(max_tokens=2))
+            try:
+                fg.step()
+                fg.step()
+            finally:
+                fg.close()
+        line.join(timeout=60)
+    finally:
+        engine.hold_background(0.0)
+    assert not line.is_alive() and not errors
+    assert engine.hold.preemptions == before + 1  # the prefill call was stopped once, then run again whole
+    assert tokens == expected  # the stopped call left nothing behind: the same greedy tokens
