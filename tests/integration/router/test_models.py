@@ -7,10 +7,8 @@ test_model_versions_real.py."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -41,8 +39,8 @@ models:
 Models = ModelsRouter[FakeWorker]
 
 
-@contextlib.asynccontextmanager
-async def open_models(tmp: Path, tokenizer: Tokenizer) -> AsyncIterator[Models]:
+@pytest.fixture(scope="module")
+async def models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> AsyncIterator[Models]:
     workers = {
         "v1": await start_fake("w-v1", pb.TIER_EDGE, TOKEN, model=DEFAULT, model_version="v1"),
         "v2": await start_fake("w-v2", pb.TIER_EDGE, TOKEN, model=DEFAULT, model_version="v2", weights=1),
@@ -50,6 +48,7 @@ async def open_models(tmp: Path, tokenizer: Tokenizer) -> AsyncIterator[Models]:
         "b1": await start_fake("w-b1", pb.TIER_EDGE, TOKEN, model="other-model", model_version="b1", weights=3),
     }
     addresses = [w.address for w in workers.values()]
+    tmp = tmp_path_factory.mktemp("models")
     try:
         async with open_models_router(
             workers, addresses, MODELS, tmp, DEFAULT, tokenizer, collapse_requests=False
@@ -59,12 +58,6 @@ async def open_models(tmp: Path, tokenizer: Tokenizer) -> AsyncIterator[Models]:
         for w in workers.values():
             assert w.server is not None
             await w.server.stop()
-
-
-@pytest.fixture(scope="module")
-async def models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> AsyncIterator[Models]:
-    async with open_models(tmp_path_factory.mktemp("models"), tokenizer) as opened:
-        yield opened
 
 
 @pytest.fixture(autouse=True)
