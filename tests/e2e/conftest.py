@@ -47,13 +47,6 @@ async def gateway(mesh: Mesh) -> AsyncIterator[inference_pb2_grpc.InferenceStub]
         yield inference_pb2_grpc.InferenceStub(channel)
 
 
-@pytest.fixture(scope="session")
-async def frontdoor(mesh: Mesh) -> AsyncIterator[FrontDoor]:
-    """Envoy + the HTTP adapter in front of the session mesh, started once for the modules that use it."""
-    async with FrontDoor([mesh.gateway_address], _sink) as running:
-        yield running
-
-
 def auth(key: str = API_KEY) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {key}"),)
 
@@ -65,7 +58,7 @@ async def worker_stub(address: str) -> tuple[grpc.aio.Channel, worker_pb2_grpc.W
 
 @pytest.fixture(scope="session")
 async def door(mesh: Mesh) -> AsyncIterator[FrontDoor]:
-    """Envoy + the OpenAI adapter in front of the shared mesh, once per session (a module that defines its
-    own ``door`` keeps it)."""
+    """Envoy + the OpenAI adapter in front of the session mesh, started once for every module that uses it
+    (a module that needs other adapter settings defines its own ``door``)."""
     async with FrontDoor([mesh.gateway_address], _sink) as running:
         yield running

@@ -14,17 +14,10 @@ import openai
 import pytest
 
 from services.controlplane.frontdoor import FrontDoor
-from services.local.mesh import Mesh
-from tests.e2e.conftest import API_KEY, _sink
+from tests.e2e.conftest import API_KEY
 
 pytestmark = pytest.mark.e2e
 BOUND_S = 120.0
-
-
-@pytest.fixture(scope="module")
-async def door(mesh: Mesh) -> AsyncIterator[FrontDoor]:
-    async with FrontDoor([mesh.gateway_address], _sink) as running:
-        yield running
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ import pytest
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from tests.e2e.conftest import auth
-from tests.e2e.test_penalties import client, door
+from tests.e2e.test_penalties import client
 
-__all__ = ["client", "door"]
+__all__ = ["client"]
 pytestmark = pytest.mark.e2e
 PROMPT = "The sea is"
 TIERS = [pb.TIER_EDGE, pb.TIER_CLOUD]

@@ -17,16 +17,10 @@ from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.controlplane.frontdoor import FrontDoor
 from services.local.mesh import Mesh
-from tests.e2e.conftest import API_KEY, _sink, worker_stub
+from tests.e2e.conftest import API_KEY, worker_stub
 
 pytestmark = pytest.mark.e2e
 MESSAGES = [{"role": "user", "content": "Name one colour of the sky."}]
-
-
-@pytest.fixture(scope="module")
-async def door(mesh: Mesh) -> AsyncIterator[FrontDoor]:
-    async with FrontDoor([mesh.gateway_address], _sink) as running:
-        yield running
 
 
 @pytest.fixture

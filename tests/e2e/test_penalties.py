@@ -14,8 +14,7 @@ import pytest
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.controlplane.frontdoor import FrontDoor
-from services.local.mesh import Mesh
-from tests.e2e.conftest import API_KEY, _sink, auth
+from tests.e2e.conftest import API_KEY, auth
 
 pytestmark = pytest.mark.e2e
 PROMPT = "The sea is"
@@ -137,12 +136,6 @@ async def test_the_default_chat_answer_does_not_loop(gateway) -> None:  # type: 
 
 
 # -- the official openai client through Envoy ------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-async def door(mesh: Mesh) -> AsyncIterator[FrontDoor]:
-    async with FrontDoor([mesh.gateway_address], _sink) as running:
-        yield running
 
 
 @pytest.fixture

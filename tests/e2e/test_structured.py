@@ -94,8 +94,8 @@ async def test_bad_constraints_are_invalid_argument_naming_the_field(gateway, st
 
 
 @pytest.fixture
-async def client(frontdoor: FrontDoor) -> AsyncIterator[openai.AsyncOpenAI]:
-    async with openai.AsyncOpenAI(base_url=frontdoor.base_url, api_key=API_KEY, max_retries=0) as c:
+async def client(door: FrontDoor) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=door.base_url, api_key=API_KEY, max_retries=0) as c:
         yield c
 
 

@@ -21,9 +21,8 @@ import pytest
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.controlplane.frontdoor import FrontDoor
-from services.local.mesh import Mesh
 from services.router.tools import CONSTRAINT_APPLIED
-from tests.e2e.conftest import API_KEY, _sink, auth
+from tests.e2e.conftest import API_KEY, auth
 
 pytestmark = pytest.mark.e2e
 NEEDS_CONSTRAINT = pytest.mark.skipif(
@@ -175,12 +174,6 @@ TOOLS: list[Any] = [
     }
 ]
 MESSAGES: list[Any] = [{"role": "user", "content": QUESTION.content}]
-
-
-@pytest.fixture(scope="module")
-async def door(mesh: Mesh) -> AsyncIterator[FrontDoor]:
-    async with FrontDoor([mesh.gateway_address], _sink) as running:
-        yield running
 
 
 @pytest.fixture

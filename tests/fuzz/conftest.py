@@ -8,7 +8,8 @@ run draws new ones and prints a reproduction blob for any failure.
 
 The mesh is configured so that a valid case is cheap, not so that cases are easy: the gateway accepts
 at most 16 tokens and 256 prompt characters (larger values still reach their validation branch), and
-the router's default ``max_tokens`` is 6.
+the router's and the edge worker's default ``max_tokens`` (what a 0 becomes) are 6: the worker's own
+default (256 tokens) made each internal Generate case that left max_tokens at 0 take seconds.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ async def fuzz_mesh() -> AsyncIterator[Mesh]:
         "MESHSERVE_GATEWAY_MAX_PROMPT_CHARS": str(MAX_PROMPT_CHARS),
         "MESHSERVE_GATEWAY_REQUESTS_PER_MINUTE": "100000",
         "MESHSERVE_ROUTER_DEFAULT_MAX_TOKENS": "6",
+        "MESHSERVE_EDGE_WORKER_DEFAULT_MAX_TOKENS": "6",
     }
     config = MeshConfig(edge_workers=1, cloud_workers=0, envoy=True, extra_env=env)
     async with Mesh(config, sink=_sink) as running:

@@ -4,27 +4,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.model_paths import model_paths
+from services.common.pb.meshserve.internal.v1 import router_admin_pb2 as admin_pb
+from services.common.pb.meshserve.internal.v1 import router_admin_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import RunningServer
 from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
+from services.router.api import RouterAPI
 from services.router.config import RouterSettings
 from services.router.core import Router
-from services.router.server import start_router
+from services.router.server import start_router, start_router_api
 from tests.integration.router.fake_worker import FakeWorker, start_fake
 
 HF_DIR = model_paths().hf_dir
 TOKEN = "router-test-token"
 META = (("x-meshserve-internal-token", TOKEN), ("x-request-id", "req-1"), ("x-meshserve-tenant", "acme"))
+ADMIN_META = (("x-meshserve-internal-token", TOKEN),)
 LONG_PROMPT = "Tell me everything about the history of the Roman empire. " * 20
 
 
@@ -131,3 +137,70 @@ def final(frames: list[pb.GenerateResponse]) -> pb.Final:
     assert frames[-1].HasField("final")
     assert [f.sequence for f in frames] == list(range(len(frames)))
     return frames[-1].final
+
+
+W = TypeVar("W")
+
+
+@dataclass
+class ModelsRouter(Generic[W]):
+    """A real router serving a models file over the workers ``workers`` (whoever started them stops
+    them), with its RouterAdmin and Inference stubs; ``rollout`` changes ``model``'s rollout."""
+
+    api: RouterAPI
+    server: RunningServer
+    workers: dict[str, W]
+    admin: router_admin_pb2_grpc.RouterAdminStub
+    stub: inference_pb2_grpc.InferenceStub
+    model: str
+
+    async def rollout(self, **fields: object) -> admin_pb.ModelRollout:
+        weights = fields.pop("weights", None)
+        req = admin_pb.SetRolloutRequest(model=self.model, **fields)  # type: ignore[arg-type]
+        if weights is not None:
+            req.weights.extend(admin_pb.VersionWeight(version=v, weight=w) for v, w in weights.items())  # type: ignore[attr-defined]
+        return await self.admin.SetRollout(req, metadata=ADMIN_META)
+
+    async def listed(self) -> admin_pb.ModelRollout:
+        reply = await self.admin.ListRollouts(admin_pb.ListRolloutsRequest(model=self.model), metadata=ADMIN_META)
+        return reply.models[0]
+
+
+@contextlib.asynccontextmanager
+async def open_models_router(
+    workers: dict[str, W],
+    addresses: Iterable[str],
+    models_yaml: str,
+    tmp: Path,
+    model: str,
+    tokenizer: Tokenizer | None = None,
+    **router_settings: object,
+) -> AsyncIterator[ModelsRouter[W]]:
+    """Start a router over the edge workers at ``addresses`` with ``models_yaml`` as its models file
+    (``router_settings`` add to or override its settings), and wait until every worker is healthy and
+    has reported its build."""
+    path = tmp / "models.yaml"
+    path.write_text(models_yaml)
+    settings = load_settings(
+        RouterSettings,
+        edge_workers=",".join(addresses),
+        models_file=str(path),
+        internal_token=TOKEN,
+        shutdown_grace_s=0,
+        health_interval_s=0.2,
+        **router_settings,
+    )
+    server, api = await start_router_api(settings, tokenizer=tokenizer)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        await asyncio.wait_for(wait_serving(channel), 30)
+        # Serving means one worker is healthy and reported: wait for all of them (and their builds).
+        deadline = asyncio.get_running_loop().time() + 60
+        while sum(1 for r in api.router.registry.replicas if r.healthy and r.report.model_version) < len(workers):
+            assert asyncio.get_running_loop().time() < deadline, "the workers did not all become healthy"
+            await asyncio.sleep(0.05)
+        admin = router_admin_pb2_grpc.RouterAdminStub(channel)
+        yield ModelsRouter(api, server, workers, admin, inference_pb2_grpc.InferenceStub(channel), model)
+    finally:
+        await channel.close()
+        await server.stop()

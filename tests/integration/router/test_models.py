@@ -7,32 +7,23 @@ test_model_versions_real.py."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import pytest
 
 from services.common.errors import NotFound
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2 as admin_pb
-from services.common.pb.meshserve.internal.v1 import router_admin_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.sampling import SamplingParams
-from services.common.serving import RunningServer
-from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
 from services.router.api import RouterAPI
-from services.router.config import RouterSettings
 from services.router.metrics import ROLLBACKS
 from services.router.policy import TierName
-from services.router.server import start_router_api
 from services.router.types import ChatMessage, ChatTurn, Done, Generation, Routing
 from tests.integration.router.fake_worker import FakeWorker, start_fake
-from tests.integration.router.harness import HF_DIR, META, TOKEN, wait_serving
+from tests.integration.router.harness import ADMIN_META, HF_DIR, META, TOKEN, ModelsRouter, open_models_router
 
 DEFAULT = "smollm2-135m-instruct"
 MODELS = f"""
@@ -45,77 +36,28 @@ models:
     context_length: 2048
     versions: [{{name: b1}}]
 """
-ADMIN_META = (("x-meshserve-internal-token", TOKEN),)
-
-
-@dataclass
-class Models:
-    api: RouterAPI
-    server: RunningServer
-    workers: dict[str, FakeWorker]
-    admin: router_admin_pb2_grpc.RouterAdminStub
-    stub: inference_pb2_grpc.InferenceStub
-
-    async def rollout(self, **fields: object) -> admin_pb.ModelRollout:
-        weights = fields.pop("weights", None)
-        req = admin_pb.SetRolloutRequest(model=DEFAULT, **fields)  # type: ignore[arg-type]
-        if weights is not None:
-            req.weights.extend(admin_pb.VersionWeight(version=v, weight=w) for v, w in weights.items())  # type: ignore[attr-defined]
-        return await self.admin.SetRollout(req, metadata=ADMIN_META)
+Models = ModelsRouter[FakeWorker]
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(HF_DIR)
-
-
-@contextlib.asynccontextmanager
-async def open_models(tmp: Path, tokenizer: Tokenizer) -> AsyncIterator[Models]:
+async def models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> AsyncIterator[Models]:
     workers = {
         "v1": await start_fake("w-v1", pb.TIER_EDGE, TOKEN, model=DEFAULT, model_version="v1"),
         "v2": await start_fake("w-v2", pb.TIER_EDGE, TOKEN, model=DEFAULT, model_version="v2", weights=1),
         "v3": await start_fake("w-v3", pb.TIER_EDGE, TOKEN, model=DEFAULT, model_version="build-3", weights=1),
         "b1": await start_fake("w-b1", pb.TIER_EDGE, TOKEN, model="other-model", model_version="b1", weights=3),
     }
-    path = tmp / "models.yaml"
-    path.write_text(MODELS)
-    settings = load_settings(
-        RouterSettings,
-        edge_workers=",".join(w.address for w in workers.values()),
-        models_file=str(path),
-        internal_token=TOKEN,
-        shutdown_grace_s=0,
-        health_interval_s=0.2,
-        collapse_requests=False,
-    )
-    server, api = await start_router_api(settings, tokenizer=tokenizer)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-    await asyncio.wait_for(wait_serving(channel), 10)
-    # Serving means one worker is healthy: wait for all four (and their builds) on a loaded host.
-    deadline = asyncio.get_running_loop().time() + 30
-    while sum(1 for r in api.router.registry.replicas if r.healthy and r.report.model_version) < len(workers):
-        assert asyncio.get_running_loop().time() < deadline, "the fake workers did not all become healthy"
-        await asyncio.sleep(0.05)
+    addresses = [w.address for w in workers.values()]
+    tmp = tmp_path_factory.mktemp("models")
     try:
-        yield Models(
-            api,
-            server,
-            workers,
-            router_admin_pb2_grpc.RouterAdminStub(channel),
-            inference_pb2_grpc.InferenceStub(channel),
-        )
+        async with open_models_router(
+            workers, addresses, MODELS, tmp, DEFAULT, tokenizer, collapse_requests=False
+        ) as opened:
+            yield opened
     finally:
-        await channel.close()
-        await server.stop()
         for w in workers.values():
             assert w.server is not None
             await w.server.stop()
-
-
-@pytest.fixture(scope="module")
-async def models(tmp_path_factory: pytest.TempPathFactory, tokenizer: Tokenizer) -> AsyncIterator[Models]:
-    async with open_models(tmp_path_factory.mktemp("models"), tokenizer) as opened:
-        yield opened
 
 
 @pytest.fixture(autouse=True)
