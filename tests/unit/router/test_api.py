@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted
-from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.router.api import RouterAPI
@@ -107,11 +106,6 @@ class FakeTransport:
 
     async def close(self) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(model_paths().hf_dir)
 
 
 @pytest.fixture

@@ -3,12 +3,8 @@ do not count as load on a replica with a free slot, so interactive turns are not
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from dataclasses import replace
 
-import pytest
-
-from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.router.core import Router
@@ -16,18 +12,6 @@ from services.router.policy import TierName
 from services.router.registry import Registry, Replica
 from services.router.types import TurnRequest
 from services.store.response_cache import ResponseCache
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(model_paths().hf_dir)
-
-
-@pytest.fixture
-async def cache() -> AsyncIterator[ResponseCache]:
-    cache = ResponseCache.from_url("")
-    yield cache
-    await cache.close()
 
 
 def _router(tokenizer: Tokenizer, cache: ResponseCache, *replicas: Replica) -> Router:

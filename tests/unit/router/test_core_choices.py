@@ -16,9 +16,7 @@ from services.router.core import Chunk, Done, Session, TurnRequest
 from services.router.policy import TierName
 from services.router.worker_stream import Frame, TurnFinal, TurnStart, WorkerFailed
 from services.store.response_cache import ResponseCache
-from tests.unit.router.test_core_transport import FakeTransport, _router, _unavailable, cache, tokenizer
-
-__all__ = ["cache", "tokenizer"]
+from tests.unit.router.test_core_transport import FakeTransport, _router, _unavailable
 
 
 @dataclass

@@ -7,13 +7,11 @@ worker ejected."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 
 import pytest
 
 from services.common import errors
-from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.router.core import Chunk, Done, Router, Session, TurnRequest
@@ -77,18 +75,6 @@ class FakeTransport:
 
     async def close(self) -> None:
         pass
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(model_paths().hf_dir)
-
-
-@pytest.fixture
-async def cache() -> AsyncIterator[ResponseCache]:
-    cache = ResponseCache.from_url("")
-    yield cache
-    await cache.close()
 
 
 def _router(

@@ -8,7 +8,6 @@ from typing import Any
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.common.model_paths import model_paths
 from services.common.tokenizer import Tokenizer
 from services.router.core import Router
 from services.router.location import MAX_PROMPT_CHARS, PrefixLocator, RedisAnswer
@@ -20,11 +19,6 @@ from tests.helpers import free_port
 
 BT = 4
 LONG = "The quick brown fox jumps over the lazy dog near the river bank. " * 4
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Tokenizer:
-    return Tokenizer(model_paths().hf_dir)
 
 
 def _replica(address: str, tier: TierName, healthy: bool = True, **kw: Any) -> Replica:
