@@ -1,6 +1,7 @@
 """``meshserve bench [SUBCOMMAND]``: the benchmark suites.
 
-``meshserve bench load|soak|gateways|relay|cancel|report|spec|tp-prefix|edge|edge-n|edge-logprobs|edge-structured``
+``meshserve bench load|soak|gateways|relay|cancel|report|spec|tp-prefix|batch|edge|edge-n|edge-logprobs|``
+``edge-structured|edge-prefill``
 ``...`` run the harness of issue 9, the cloud engine's speculative/TP benchmark and the edge tier's (each has
 ``-h``); anything else (``meshserve bench``, ``meshserve bench --only cloud``, ...) goes to
 :func:`benchmarks.mesh.run.main`, the mesh-overhead benchmark, unchanged.
@@ -29,6 +30,10 @@ SUBCOMMANDS = {
     "edge-structured": (
         "benchmarks.edge.structured",
         "edge tier: per-token CPU at 16 streams with a JSON-schema constraint vs without",
+    ),
+    "edge-prefill": (
+        "benchmarks.edge.prefill_groups",
+        "edge tier: TTFT of 16 prompts at once, one prefill call per prompt length vs one per prompt",
     ),
     "edge-n": ("benchmarks.edge.n_choices", "edge tier: n=4 choices vs four separate requests, time to the last token"),
     "edge-logprobs": (

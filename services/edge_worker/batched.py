@@ -12,7 +12,8 @@ by past and present (:mod:`services.edge_worker.kvslots`).
 The runtime's interface is unchanged: a worker thread per sequence calls ``step()``, which enqueues
 the sequence and blocks until the batch thread has run the model for it. The batch thread takes
 everything waiting (waiting up to ``max_wait_s`` for the sequences of the previous step to come back),
-prefills new prompts one sequence per call (chunked), then runs one decode call for all the rest.
+prefills new prompts (chunked; new prompts whose first chunks have the same length share one call:
+``prefill_groups``), then runs one decode call for all the rest.
 
 Background sequences (batch lines, ``seq.background``) yield: while a foreground sequence is active on
 this engine, or the host's foreground flag is set (``hold_background``: the router runs a foreground
@@ -38,7 +39,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,28 @@ from services.worker.types import EngineInfo, KVUsage, StepInterrupted
 
 class _Preempted(Exception):
     """A model call of background sequences only was stopped for foreground work (see the hold module)."""
+
+
+def prefill_groups(
+    seqs: Sequence[BatchedSequence], chunk_end: Callable[[BatchedSequence], int], max_tokens: int
+) -> list[list[BatchedSequence]]:
+    """``seqs`` (prefilling) in groups that one model call can prefill together: first chunks (no KV
+    yet: GroupQueryAttention takes several rows of more than one position only without past context)
+    of the same length (``chunk_end``), at most ``max_tokens`` tokens per call (no call bigger than
+    one sequence's full chunk: activations and attention scores stay bounded). Order is kept."""
+    groups: dict[int, list[list[BatchedSequence]]] = {}
+    ordered: list[list[BatchedSequence]] = []
+    for seq in seqs:
+        start, end = seq.kv_len, chunk_end(seq)
+        if start > 0:  # a later chunk: a call of its own
+            ordered.append([seq])
+            continue
+        open_groups = groups.setdefault(end, [])
+        if not open_groups or (len(open_groups[-1]) + 1) * end > max_tokens:  # max_tokens 0: never share
+            open_groups.append([])
+            ordered.append(open_groups[-1])
+        open_groups[-1].append(seq)
+    return ordered
 
 
 class BatchedEngine:
@@ -159,7 +182,12 @@ class BatchedEngine:
         self.rows = 0
         """Sequence rows decoded so far (rows / steps = mean batch size)."""
         self.prefill_calls = 0
-        """Prefill chunks started so far (one model call each)."""
+        """Prefill calls started so far (each runs one chunk of one or more sequences)."""
+        self.group_prefill = True
+        """New prompts whose first chunks have the same length share a prefill call (False: one sequence
+        per call, the baseline of ``benchmarks.edge.prefill_groups``; the tokens are the same)."""
+        self.prefill_rows = 0
+        """Prefill chunks started so far (rows of those calls: rows / calls = sequences per call)."""
         self.forks_made = 0
         """Choices started as a copy of another sequence's prefilled prompt (``start_n``)."""
         self.hold = BackgroundHold(max_hold_s=max_hold_s)
@@ -382,22 +410,27 @@ class BatchedEngine:
         decode: list[BatchedSequence] = []
         asking: list[tuple[BatchedSequence, int, np.ndarray]] = []  # rows that want their logprobs
         stopped: list[BatchedSequence] = []
-        for seq in batch:
+        prefilling = [seq for seq in batch if seq.prefill_end - seq.kv_len >= 2]
+        decode = [seq for seq in batch if seq.prefill_end - seq.kv_len < 2]
+        decode = self._place(decode)  # slots [0, len(decode)); each prefill group gets the slots after
+        first = len(decode)
+        groups = prefill_groups(prefilling, self._chunk_end, self.prefill_chunk if self.group_prefill else 0)
+        for group in groups:
             if stopped:
-                stopped.append(seq)
-            elif seq.prefill_end - seq.kv_len >= 2:
-                try:
-                    logits = self._prefill(seq)
-                except _Preempted:
-                    stopped.append(seq)
-                    continue
+                stopped += group
+                continue
+            group = self._place(group, first)
+            first += len(group)
+            try:
+                rows = self._prefill(group)
+            except _Preempted:
+                stopped += group
+                continue
+            for seq, logits in zip(group, rows, strict=True):
                 self._after(seq, logits, done, carry, batch, asking)
-            else:
-                decode.append(seq)
         if decode and stopped:
             stopped += decode
         elif decode:
-            decode = self._place(decode)
             try:
                 logits = self._decode(decode)
             except _Preempted:
@@ -512,37 +545,48 @@ class BatchedEngine:
             self._parked_bytes -= sum(part.nbytes for part in seq.parked)
             seq.parked = None
 
-    def _prefill(self, seq: BatchedSequence) -> np.ndarray:
-        assert seq.slot is not None
+    def _chunk_end(self, seq: BatchedSequence) -> int:
+        """Where ``seq``'s next prefill chunk ends."""
         end = min(seq.prefill_end, seq.kv_len + self.prefill_chunk)
         if seq.prefill_end - end == 1:
             end -= 1  # never leave a single prompt token for a decode row of a different shape
-        chunk = seq.tokens[seq.kv_len : end]
+        return end
+
+    def _prefill(self, group: list[BatchedSequence]) -> np.ndarray:
+        """One call for the next chunk of each of ``group`` (``prefill_groups``: one sequence, or first
+        chunks of one length), in the consecutive slots ``_place`` gave them; row i = the last position's
+        logits of ``group[i]``."""
+        first, start = group[0].slot, group[0].kv_len
+        assert first is not None
+        end = self._chunk_end(group[0])
         self.prefill_calls += 1
+        self.prefill_rows += len(group)
         self._grow(end)
-        io = self._kv.binding(self._session, seq.slot, 1)
-        ids = np.array([chunk], dtype=np.int64)
-        mask = np.ones((1, end), dtype=np.int64)
+        io = self._kv.binding(self._session, first, len(group))
+        ids = np.array([seq.tokens[start:end] for seq in group], dtype=np.int64)
+        mask = np.ones((len(group), end), dtype=np.int64)
         io.bind_cpu_input("input_ids", ids)
         io.bind_cpu_input("attention_mask", mask)
         io.bind_output("logits")  # unallocated again: its shape changes between runs
         self._run(self._session, io)
-        seq.kv_len = end
+        for seq in group:
+            seq.kv_len = end
         logits: np.ndarray = io.get_outputs()[0].numpy()
-        return logits[0, -1]
+        return logits[:, -1]
 
-    def _place(self, seqs: list[BatchedSequence]) -> list[BatchedSequence]:
-        """Move ``seqs`` into the lowest slots, ordered by slot; a sequence already there stays put.
+    def _place(self, seqs: list[BatchedSequence], first: int = 0) -> list[BatchedSequence]:
+        """Move ``seqs`` into the slots ``[first, first + len(seqs))``, ordered by slot; a sequence
+        already there stays put.
 
         Rows of an M>=2 call do not depend on each other, so the row order is free: keeping each
         sequence in its slot means a steady batch moves no KV at all (ordering rows by arrival instead
         swapped KV on most steps: ~15 % of the CPU per token at 16 streams).
         """
-        count = len(seqs)
-        holes = iter(sorted(set(range(count)) - {seq.slot for seq in seqs}))
+        wanted = range(first, first + len(seqs))
+        holes = iter(sorted(set(wanted) - {seq.slot for seq in seqs}))
         for seq in seqs:
             assert seq.slot is not None
-            if seq.slot >= count:
+            if seq.slot not in wanted:
                 self._move(seq, next(holes))
         return sorted(seqs, key=lambda seq: seq.slot or 0)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import onnxruntime_genai as og
@@ -74,6 +75,22 @@ def test_greedy_tokens_do_not_depend_on_what_shares_the_batch(engine: BatchedEng
     both = together([lambda p=p: generate(engine, p, 12) for p in [*prompts, *prompts[:2]]])
     assert both == [*alone, *alone[:2]]
     assert engine.rows - rows_before > engine.steps - steps_before  # some decode calls had several rows
+
+
+def test_new_prompts_of_one_length_share_a_prefill_call_and_decode_as_they_do_alone(engine: BatchedEngine) -> None:
+    prompts = [chat(engine, p)[:5] for p in PROMPTS]  # four different prompts of five tokens
+    blocker = chat(engine, " ".join(PROMPTS * 4))  # a long prompt: chunks of 16, one call each
+    alone = [generate(engine, p, 8) for p in prompts]
+    calls, rows = engine.prefill_calls, engine.prefill_rows
+    # While the long prompt prefills, the four queue up and are taken in one round: 3 x 5 tokens
+    # fill one call (at most prefill_chunk tokens), the fourth gets the next.
+    first = threading.Thread(target=generate, args=(engine, blocker, 2))
+    first.start()
+    time.sleep(0.05)
+    got = together([lambda p=p: generate(engine, p, 8) for p in prompts])
+    first.join(timeout=60)
+    assert got == alone
+    assert engine.prefill_rows - rows > engine.prefill_calls - calls  # some call prefilled several prompts
 
 
 def test_first_token_equals_onnxruntime_genai(engine: BatchedEngine) -> None:
