@@ -44,6 +44,7 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
+from prometheus_client import Counter
 from tokenizers import Tokenizer
 
 from services.common.errors import InvalidArgument
@@ -56,6 +57,20 @@ from services.edge_worker.sequence import BatchedSequence
 from services.edge_worker.spin import SessionChooser
 from services.worker.grammar import GrammarCompiler, TokenConstraint
 from services.worker.types import EngineInfo, KVUsage, StepInterrupted
+
+MODEL_CALLS = Counter(
+    "meshserve_edge_model_calls_total",
+    "Model calls of the batched edge engine, by kind (prefill: one chunk of one or more new prompts; decode).",
+    ["kind"],
+)
+MODEL_ROWS = Counter(
+    "meshserve_edge_model_rows_total",
+    "Sequences in the batched edge engine's model calls, by kind (rows / calls = sequences per call).",
+    ["kind"],
+)
+for _kind in ("prefill", "decode"):
+    MODEL_CALLS.labels(_kind)
+    MODEL_ROWS.labels(_kind)
 
 
 class _Preempted(Exception):
@@ -569,6 +584,8 @@ class BatchedEngine:
         io.bind_cpu_input("attention_mask", mask)
         io.bind_output("logits")  # unallocated again: its shape changes between runs
         self._run(self._session, io)
+        MODEL_CALLS.labels("prefill").inc()
+        MODEL_ROWS.labels("prefill").inc(len(group))
         for seq in group:
             seq.kv_len = end
         logits: np.ndarray = io.get_outputs()[0].numpy()
@@ -619,6 +636,8 @@ class BatchedEngine:
             seq.kv_len += 1
         self.steps += 1
         self.rows += len(seqs)
+        MODEL_CALLS.labels("decode").inc()
+        MODEL_ROWS.labels("decode").inc(len(seqs))
         logits: np.ndarray = io.get_outputs()[0].numpy()
         return logits[: len(seqs), -1]
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 
 import onnxruntime_genai as og
 import pytest
+from prometheus_client import REGISTRY
 
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
@@ -82,6 +83,7 @@ def test_new_prompts_of_one_length_share_a_prefill_call_and_decode_as_they_do_al
     blocker = chat(engine, " ".join(PROMPTS * 4))  # a long prompt: chunks of 16, one call each
     alone = [generate(engine, p, 8) for p in prompts]
     calls, rows = engine.prefill_calls, engine.prefill_rows
+    metric_calls, metric_rows = prefill_metrics()
     # While the long prompt prefills, the four queue up and are taken in one round: 3 x 5 tokens
     # fill one call (at most prefill_chunk tokens), the fourth gets the next.
     first = threading.Thread(target=generate, args=(engine, blocker, 2))
@@ -91,6 +93,16 @@ def test_new_prompts_of_one_length_share_a_prefill_call_and_decode_as_they_do_al
     first.join(timeout=60)
     assert got == alone
     assert engine.prefill_rows - rows > engine.prefill_calls - calls  # some call prefilled several prompts
+    after_calls, after_rows = prefill_metrics()  # meshserve_edge_model_{calls,rows}_total{kind="prefill"}
+    assert after_calls - metric_calls == engine.prefill_calls - calls
+    assert after_rows - metric_rows == engine.prefill_rows - rows
+
+
+def prefill_metrics() -> tuple[float, float]:
+    calls = REGISTRY.get_sample_value("meshserve_edge_model_calls_total", {"kind": "prefill"})
+    rows = REGISTRY.get_sample_value("meshserve_edge_model_rows_total", {"kind": "prefill"})
+    assert calls is not None and rows is not None
+    return calls, rows
 
 
 def test_first_token_equals_onnxruntime_genai(engine: BatchedEngine) -> None:
