@@ -130,18 +130,25 @@ def long_prefill_engine() -> Iterator[BatchedEngine]:
     engine.close()
 
 
-@pytest.mark.parametrize("arrival", ["host_flag", "foreground_step"])
-def test_a_background_call_running_when_foreground_work_arrives_is_stopped_and_run_again_whole(
-    long_prefill_engine: BatchedEngine, arrival: str
-) -> None:
+@pytest.fixture(scope="module")
+def ledger(long_prefill_engine: BatchedEngine) -> tuple[list[int], list[int]]:
+    """A prompt of over 1,000 tokens and its 6 greedy tokens run alone (the reference of both arrivals)."""
     engine = long_prefill_engine
     prompt = ids(engine, " ".join(f"entry {i} of the ledger," for i in range(160)))
     assert len(prompt) > 1000
     alone = engine.start(prompt, SamplingParams(max_tokens=6))
     try:
-        expected = [alone.step() for _ in range(6)]
+        return prompt, [alone.step() for _ in range(6)]
     finally:
         alone.close()
+
+
+@pytest.mark.parametrize("arrival", ["host_flag", "foreground_step"])
+def test_a_background_call_running_when_foreground_work_arrives_is_stopped_and_run_again_whole(
+    long_prefill_engine: BatchedEngine, ledger: tuple[list[int], list[int]], arrival: str
+) -> None:
+    engine = long_prefill_engine
+    prompt, expected = ledger
 
     tokens: list[int] = []
     errors: list[BaseException] = []
