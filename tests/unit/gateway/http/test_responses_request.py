@@ -1,5 +1,4 @@
-"""Responses bodies -> the Chat turn's pieces, and the output items built from frames (text, tool calls,
-logprobs) in the order the model produced them."""
+"""Responses bodies -> the Chat turn's pieces (services/gateway/http/responses_request.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +7,7 @@ import json
 import pytest
 
 from services.common.errors import InvalidArgument
-from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.gateway.http.responses import _Output, _turn, parse
+from services.gateway.http.responses_request import chat_turn, parse
 
 
 def test_function_call_items_join_the_assistant_message_before_them() -> None:
@@ -23,7 +21,7 @@ def test_function_call_items_join_the_assistant_message_before_them() -> None:
         {"type": "function_call_output", "call_id": "call_b", "output": "2"},
     ]
     parsed = parse({"input": items, "tools": [{"type": "function", "name": "f"}], "parallel_tool_calls": False})
-    turn = _turn(parsed, parsed.messages)
+    turn = chat_turn(parsed, parsed.messages)
     assert [(m.role, m.content, len(m.tool_calls)) for m in turn.messages] == [
         ("user", "hi", 0),
         ("assistant", "Let me look.", 2),
@@ -62,33 +60,3 @@ def test_bad_bodies_name_the_field(body: dict, needle: str) -> None:  # type: ig
     with pytest.raises(InvalidArgument) as caught:
         parse({"input": "x", **body})
     assert needle in str(caught.value)
-
-
-async def test_output_items_follow_the_frames_order() -> None:
-    out = _Output("resp_ab", None, with_logprobs=True)
-    entry = pb.TokenLogprob(token="Hi", token_bytes=b"Hi", logprob=-0.1)
-    await out.text("Hi", [entry])
-    await out.call(pb.ToolCallDelta(index=0, id="call_1", name="f", arguments='{"a"'))
-    await out.call(pb.ToolCallDelta(index=0, arguments=": 1}"))
-    await out.call(pb.ToolCallDelta(index=1, id="call_2", name="g"))
-    await out.text("Done", [])
-    await out.finish("incomplete")
-    assert [(i["type"], i["id"], i["status"]) for i in out.items] == [
-        ("message", "msg_ab", "completed"),
-        ("function_call", "fc_1", "completed"),
-        ("function_call", "fc_2", "completed"),
-        ("message", "msg_ab_1", "incomplete"),
-    ]
-    assert out.items[0]["content"][0]["logprobs"][0]["token"] == "Hi"
-    assert out.items[1]["arguments"] == '{"a": 1}' and out.items[2]["arguments"] == ""
-    assert [(m["role"], m["content"], len(m.get("tool_calls", []))) for m in out.conversation()] == [
-        ("assistant", "Hi", 2),
-        ("assistant", "Done", 0),
-    ]
-
-
-async def test_an_empty_answer_is_one_empty_message() -> None:
-    out = _Output("resp_ab", None, with_logprobs=False)
-    await out.text("", [])
-    await out.finish("completed")
-    assert [(i["type"], i["content"][0]["text"]) for i in out.items] == [("message", "")]
