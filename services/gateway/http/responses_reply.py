@@ -202,7 +202,7 @@ class Output:
             if item["type"] == "message":
                 messages.append({"role": "assistant", "content": item["content"][0]["text"]})
             else:
-                responses_request.function_call(item, "output", messages)
+                responses_request.append_function_call(item, "output", messages)
         return messages
 
 

@@ -210,7 +210,7 @@ def _field(item: dict[str, Any], name: str, where: str) -> str:
     return value
 
 
-def function_call(item: dict[str, Any], where: str, messages: list[dict[str, Any]]) -> None:
+def append_function_call(item: dict[str, Any], where: str, messages: list[dict[str, Any]]) -> None:
     """A ``function_call`` item: a call of the assistant's, joined to the assistant message just before it
     (a message with text, or the calls before it: parallel calls are one chat message)."""
     arguments = item.get("arguments")
@@ -242,7 +242,7 @@ def _input(value: object) -> list[dict[str, Any]]:
             raise InvalidArgument(f"'{where}' must be a message object {{'role': ..., 'content': ...}}")
         kind = item.get("type", "message")
         if kind == "function_call":
-            function_call(item, where, messages)
+            append_function_call(item, where, messages)
             continue
         if kind == "function_call_output":
             output = _content(item, where, "output")
