@@ -157,8 +157,8 @@ def test_completion_defaults_that_change_nothing_are_accepted() -> None:
 
 
 def test_penalties_logit_bias_and_min_tokens_map_to_the_sampling_fields() -> None:
-    body = {"frequency_penalty": 0.5, "presence_penalty": -1, "repetition_penalty": 1.3, "min_tokens": 4}
-    body["logit_bias"] = {"50": -100, "7": 2.5}
+    body: dict[str, Any] = {"frequency_penalty": 0.5, "presence_penalty": -1, "repetition_penalty": 1.3}
+    body |= {"min_tokens": 4, "logit_bias": {"50": -100, "7": 2.5}}
     _, chat = openai_request.chat_request({**CHAT, **body})
     _, completion = openai_request.completion_request({"prompt": "p", **body})
     for s in (chat.turn.sampling, completion.sampling):
