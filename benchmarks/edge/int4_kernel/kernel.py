@@ -1,0 +1,238 @@
+"""Build, load and call ``kq4.c``: a row-invariant int4 x int8 matmul for MatMulNBits weights (AVX2, one thread).
+
+Our own code because onnxruntime's MLAS has no row-invariant 4-bit kernel (its M=1 GEMV rounds
+differently from its M>=2 GEMM, docs/edge.md, issue 27) and measured slower on this CPU; the layout
+and the quantized math are in the C file's header. :func:`load_kernel` compiles the source with gcc
+once into a cache directory (the file name hashes the source and the flags), loads it with ctypes and
+checks the CPU has AVX2 and FMA; :func:`pack_weights` turns MatMulNBits-format weights into the
+kernel's layout; :class:`Int4MatMul` runs it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+SOURCE = Path(__file__).with_name("kq4.c")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
+BLOCK = 32
+"""Weights are quantized in blocks of 32 along K (MatMulNBits ``block_size=32``)."""
+GROUP_COLUMNS = 8
+"""The kernel computes 8 output columns at a time, so N must be a multiple of 8."""
+GROUP_BYTES = 168
+"""Bytes per block of 8 columns x 32 k in the packed layout (128 nibble bytes, 8 fp32 scales, 8 u8 zero points)."""
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or run here (no gcc, not x86-64, no AVX2/FMA, or the build failed)."""
+
+
+def default_cache_dir() -> Path:
+    return Path.home() / ".cache" / "meshserve" / "int4-kernel"
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty when the file is not there)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run on this machine (one sentence), or None when it can."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the int4 kernel needs an x86-64 CPU with AVX2 and FMA, this machine is {platform.machine()}."
+    missing = {"avx2", "fma"} - cpu_flags()
+    if missing:
+        return f"the int4 kernel needs AVX2 and FMA, and this CPU lacks {', '.join(sorted(missing))} (per /proc/cpuinfo)."
+    if shutil.which("gcc") is None:
+        return "the int4 kernel is compiled with gcc, which is not on PATH: install gcc (e.g. apt-get install gcc)."
+    return None
+
+
+def compile_kernel(cache_dir: Path | None = None) -> Path:
+    """The shared library built from :data:`SOURCE`; compiled only when the cache lacks this source + flags."""
+    reason = unavailable_reason()
+    if reason is not None:
+        raise KernelUnavailable(reason)
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + "\0".join(CFLAGS).encode()).hexdigest()[:16]
+    directory = cache_dir or default_cache_dir()
+    library = directory / f"kq4-{digest}.so"
+    if library.exists():
+        return library
+    directory.mkdir(parents=True, exist_ok=True)
+    # build under a temporary name and rename: another process may be building the same file
+    fd, tmp = tempfile.mkstemp(prefix=".kq4-", suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        done = subprocess.run(["gcc", *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise KernelUnavailable(f"gcc could not build {SOURCE.name}: {done.stderr.strip()[:2000]}")
+        os.replace(tmp, library)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return library
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """The loaded library; its functions take raw pointers (see kq4.c)."""
+
+    lib: ctypes.CDLL
+    path: Path
+
+
+def load_kernel(cache_dir: Path | None = None) -> Kernel:
+    """Compile (once) and load the kernel; raises :class:`KernelUnavailable` with the reason when it cannot."""
+    path = compile_kernel(cache_dir)
+    lib = ctypes.CDLL(str(path))
+    lib.grp_bytes.restype = _I
+    lib.quantize_rows.argtypes = [_P, _I, _I, _P, _P, _P]
+    lib.quantize_rows.restype = None
+    lib.matmul_q4.argtypes = [_P, _I, _I, _P, _I, _P, _P, _P, _P]
+    lib.matmul_q4.restype = None
+    lib.time_matmul_q4.argtypes = [_I, _P, _I, _I, _P, _I, _P, _P, _P, _P]
+    lib.time_matmul_q4.restype = ctypes.c_double
+    lib.time_matmul_q4_list.argtypes = [_I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P]
+    lib.time_matmul_q4_list.restype = ctypes.c_double
+    if lib.grp_bytes() != GROUP_BYTES:
+        raise KernelUnavailable(f"{path} packs {lib.grp_bytes()} bytes per block, this module {GROUP_BYTES}.")
+    return Kernel(lib, path)
+
+
+def _aligned(nbytes: int, align: int = 64) -> npt.NDArray[np.uint8]:
+    """A uint8 buffer whose start is aligned to a cache line."""
+    buf = np.empty(nbytes + align, np.uint8)
+    offset = (-buf.ctypes.data) % align
+    return buf[offset : offset + nbytes]
+
+
+def unpack_matmulnbits(
+    b: npt.NDArray[np.uint8], zero_points: npt.NDArray[np.uint8] | None, k: int, n: int
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]:
+    """MatMulNBits' packed 4-bit weights and zero points -> q [N, K] and z [N, K/32], values 0..15.
+
+    ``b``: uint8 [N, K/32, 16], k = 2i in the low nibble of byte i, 2i+1 in the high one.
+    ``zero_points``: uint8 [N * ceil(K/32 / 2)], block 2j in the low nibble; None means 8 (symmetric).
+    """
+    nb = k // BLOCK
+    if b.shape != (n, nb, BLOCK // 2) or b.dtype != np.uint8:
+        raise ValueError(f"B must be uint8 [N, K/32, 16] = [{n}, {nb}, 16], got {b.dtype} {list(b.shape)}.")
+    q = np.empty((n, nb, BLOCK // 2, 2), np.uint8)
+    q[..., 0] = b & 0x0F
+    q[..., 1] = b >> 4
+    if zero_points is None:
+        return q.reshape(n, k), np.full((n, nb), 8, np.uint8)
+    per_column = (nb + 1) // 2
+    if zero_points.size != n * per_column or zero_points.dtype != np.uint8:
+        raise ValueError(f"zero points must be uint8 [N * ceil(K/32 / 2)] = [{n * per_column}], got {zero_points.size}.")
+    zp = zero_points.reshape(n, per_column)
+    z = np.stack([zp & 0x0F, zp >> 4], axis=2).reshape(n, 2 * per_column)[:, :nb]
+    return q.reshape(n, k), np.ascontiguousarray(z)
+
+
+def pack_weights(
+    b: npt.NDArray[np.uint8],
+    scales: npt.NDArray[np.float32],
+    zero_points: npt.NDArray[np.uint8] | None,
+    k: int,
+    n: int,
+) -> npt.NDArray[np.uint8]:
+    """MatMulNBits weights (bits=4, block_size=32: B, scales, zero points) in the kernel's layout (kq4.c)."""
+    if k <= 0 or k % BLOCK or n <= 0 or n % GROUP_COLUMNS:
+        raise ValueError(f"the kernel needs K a multiple of {BLOCK} and N a multiple of {GROUP_COLUMNS}, got K={k} N={n}.")
+    nb, groups = k // BLOCK, n // GROUP_COLUMNS
+    if scales.size != n * nb:
+        raise ValueError(f"scales must hold N * K/32 = {n * nb} values, got {scales.size}.")
+    q, z = unpack_matmulnbits(b, zero_points, k, n)
+    w = q.reshape(groups, GROUP_COLUMNS, nb, BLOCK).transpose(0, 2, 1, 3)  # [group, block, column, k]
+    # byte i of chunk c: column i/4, k = 4c + i%4 (low nibble) and 16 + 4c + i%4 (high nibble)
+    lo = w[..., :16].reshape(groups, nb, 8, 4, 4).transpose(0, 1, 3, 2, 4).reshape(groups, nb, 128)
+    hi = w[..., 16:].reshape(groups, nb, 8, 4, 4).transpose(0, 1, 3, 2, 4).reshape(groups, nb, 128)
+    out = _aligned(groups * nb * GROUP_BYTES).reshape(groups, nb, GROUP_BYTES)
+    out[..., :128] = lo | (hi << 4)
+    sw = np.ascontiguousarray(scales.astype(np.float32).reshape(groups, GROUP_COLUMNS, nb).transpose(0, 2, 1))
+    out[..., 128:160] = sw.view(np.uint8).reshape(groups, nb, 32)
+    out[..., 160:168] = z.reshape(groups, GROUP_COLUMNS, nb).transpose(0, 2, 1)
+    return out.reshape(-1)
+
+
+class Int4MatMul:
+    """One weight matrix packed for the kernel; calling it with A [M, K] float32 returns A @ W^T [M, N] float32."""
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        b: npt.NDArray[np.uint8],
+        scales: npt.NDArray[np.float32],
+        zero_points: npt.NDArray[np.uint8] | None,
+        k: int,
+        n: int,
+    ) -> None:
+        self.kernel, self.k, self.n = kernel, k, n
+        self.packed = pack_weights(b, scales, zero_points, k, n)
+
+    def _activations(self, a: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        if a.ndim != 2 or a.shape[1] != self.k or a.shape[0] < 1:
+            raise ValueError(f"A must be [M, {self.k}] with M >= 1, got {list(a.shape)}.")
+        return np.ascontiguousarray(a, np.float32)
+
+    def workspace(self, m: int) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """Scratch for ``m`` rows: quantized activations, their scales and scale * sum per block."""
+        nb = self.k // BLOCK
+        return np.empty(m * self.k, np.int8), np.empty(m * nb, np.float32), np.empty(m * nb, np.float32)
+
+    def __call__(self, a: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+        a = self._activations(a)
+        m = a.shape[0]
+        out = np.empty((m, self.n), np.float32)
+        qa, sa, sasum = self.workspace(m)
+        self.kernel.lib.matmul_q4(
+            a.ctypes.data, m, self.k, self.packed.ctypes.data, self.n, out.ctypes.data,
+            qa.ctypes.data, sa.ctypes.data, sasum.ctypes.data,
+        )  # fmt: skip
+        return out
+
+    def quantize(
+        self, a: npt.NDArray[np.float32]
+    ) -> tuple[npt.NDArray[np.int8], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """The kernel's activation quantization alone: int8 [M, K], scales and scale * sum [M, K/32]."""
+        a = self._activations(a)
+        m = a.shape[0]
+        qa, sa, sasum = self.workspace(m)
+        self.kernel.lib.quantize_rows(a.ctypes.data, m, self.k, qa.ctypes.data, sa.ctypes.data, sasum.ctypes.data)
+        nb = self.k // BLOCK
+        return qa.reshape(m, self.k), sa.reshape(m, nb), sasum.reshape(m, nb)
+
+    def time_ns(self, a: npt.NDArray[np.float32], reps: int) -> float:
+        """ns per call (activation quantization included), over ``reps`` calls in a C loop."""
+        a = self._activations(a)
+        m = a.shape[0]
+        out = np.empty((m, self.n), np.float32)
+        qa, sa, sasum = self.workspace(m)
+        return float(
+            self.kernel.lib.time_matmul_q4(
+                reps, a.ctypes.data, m, self.k, self.packed.ctypes.data, self.n, out.ctypes.data,
+                qa.ctypes.data, sa.ctypes.data, sasum.ctypes.data,
+            )
+        )  # fmt: skip
