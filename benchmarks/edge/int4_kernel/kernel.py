@@ -62,7 +62,9 @@ def unavailable_reason() -> str | None:
         return f"the int4 kernel needs an x86-64 CPU with AVX2 and FMA, this machine is {platform.machine()}."
     missing = {"avx2", "fma"} - cpu_flags()
     if missing:
-        return f"the int4 kernel needs AVX2 and FMA, and this CPU lacks {', '.join(sorted(missing))} (per /proc/cpuinfo)."
+        return (
+            f"the int4 kernel needs AVX2 and FMA, and this CPU lacks {', '.join(sorted(missing))} (per /proc/cpuinfo)."
+        )
     if shutil.which("gcc") is None:
         return "the int4 kernel is compiled with gcc, which is not on PATH: install gcc (e.g. apt-get install gcc)."
     return None
@@ -145,7 +147,9 @@ def unpack_matmulnbits(
         return q.reshape(n, k), np.full((n, nb), 8, np.uint8)
     per_column = (nb + 1) // 2
     if zero_points.size != n * per_column or zero_points.dtype != np.uint8:
-        raise ValueError(f"zero points must be uint8 [N * ceil(K/32 / 2)] = [{n * per_column}], got {zero_points.size}.")
+        raise ValueError(
+            f"zero points must be uint8 [N * ceil(K/32 / 2)] = [{n * per_column}], got {zero_points.size}."
+        )
     zp = zero_points.reshape(n, per_column)
     z = np.stack([zp & 0x0F, zp >> 4], axis=2).reshape(n, 2 * per_column)[:, :nb]
     return q.reshape(n, k), np.ascontiguousarray(z)
@@ -160,7 +164,9 @@ def pack_weights(
 ) -> npt.NDArray[np.uint8]:
     """MatMulNBits weights (bits=4, block_size=32: B, scales, zero points) in the kernel's layout (kq4.c)."""
     if k <= 0 or k % BLOCK or n <= 0 or n % GROUP_COLUMNS:
-        raise ValueError(f"the kernel needs K a multiple of {BLOCK} and N a multiple of {GROUP_COLUMNS}, got K={k} N={n}.")
+        raise ValueError(
+            f"the kernel needs K a multiple of {BLOCK} and N a multiple of {GROUP_COLUMNS}, got K={k} N={n}."
+        )
     nb, groups = k // BLOCK, n // GROUP_COLUMNS
     if scales.size != n * nb:
         raise ValueError(f"scales must hold N * K/32 = {n * nb} values, got {scales.size}.")
