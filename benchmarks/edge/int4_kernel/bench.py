@@ -17,7 +17,7 @@ against the row computed alone; onnxruntime's rows of an M=16 call against the r
 contrast), the largest difference to onnxruntime's output, and the relative error against a numpy
 replica of the quantized math. A lead for issue 27, not a target: no TARGET line.
 
-``meshserve bench edge-int4-kernel [--rounds 7] [--layers 30] [--model-rounds 9] [--ms 1 2 16]``
+``meshserve bench edge-int4-kernel [--rounds 11] [--layers 30] [--model-rounds 15] [--ms 1 2 16]``
 """
 
 from __future__ import annotations
@@ -377,8 +377,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "## Checks",
         "",
-        f"Row invariance, kernel: {compared} rows (4 shapes x every M = 1..16 x every offset in 16 rows) compared",
-        f"bitwise with the same row computed alone: **{mismatches} mismatches**.",
+        f"Row invariance, kernel: {compared} rows ({len(checks)} shapes x every M = 1..16 x every offset in 16 rows)",
+        f"compared bitwise with the same row computed alone: **{mismatches} mismatches**.",
         "",
         f"Decode-step run, matmuls whose M rows differ from the first M rows of the M={model['top_m']} call: "
         + ", ".join(
@@ -415,10 +415,10 @@ def markdown(report: dict[str, Any]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="meshserve bench edge-int4-kernel", description=__doc__.splitlines()[0])
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 2, 16], help="rows per call to time")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds of the per-shape timings")
+    parser.add_argument("--rounds", type=int, default=11, help="interleaved rounds of the per-shape timings")
     parser.add_argument("--batch-seconds", type=float, default=0.02, help="length of one timed batch of calls")
     parser.add_argument("--layers", type=int, default=30, help="decoder layers in the decode-step run")
-    parser.add_argument("--model-rounds", type=int, default=9, help="interleaved rounds of the decode-step run")
+    parser.add_argument("--model-rounds", type=int, default=15, help="interleaved rounds of the decode-step run")
     parser.add_argument("--model-reps", type=int, default=5, help="decode steps per round and implementation")
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the compiled kernel is kept")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/edge_int4_kernel.md"))
