@@ -381,10 +381,11 @@ def markdown(report: dict[str, Any]) -> str:
         f"compared bitwise with the same row computed alone: **{mismatches} mismatches**.",
         "",
         f"Decode-step run, matmuls whose M rows differ from the first M rows of the M={model['top_m']} call: "
-        + ", ".join(
+        + "; ".join(
             f"M={r['M']}: kernel {r['kernel_ops_rows_differing_vs_top']}, "
             f"onnxruntime {r['ort_ops_rows_differing_vs_top']}"
             for r in model["rows"]
+            if r["M"] != model["top_m"]
         )
         + f" (of {model['matmuls']}).",
         "",
@@ -432,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"edge-int4-kernel: {e}")
         return 2
     command = " ".join(["meshserve bench edge-int4-kernel", *argv])
-    report: dict[str, Any] = {"command": command, "host": _host(), "kernel_library": str(kernel.path)}
+    report: dict[str, Any] = {"command": command, "host": _host(), "kernel_library": kernel.path.name}
     report["load_average_start"] = load_average()
     print(f"load average {report['load_average_start']}; kernel {kernel.path}", flush=True)
     started = time.perf_counter()
