@@ -251,7 +251,12 @@ def measure_model(kernel: Kernel, ms: Sequence[int], layers: int, rounds: int, r
     for m in ms:
         xm = {k: np.ascontiguousarray(v[:m]) for k, v in x.items()}
         outs = [np.empty((m, w.n), np.float32) for w in weights]
-        qa, sa, sasum = np.empty(m * 1536, np.int8), np.empty(m * 48, np.float32), np.empty(m * 48, np.float32)
+        widest = max(w.k for w in weights)  # one workspace serves every matmul of the list
+        qa, sa, sasum = (
+            np.empty(m * widest, np.int8),
+            np.empty(m * widest // 32, np.float32),
+            np.empty(m * widest // 32, np.float32),
+        )
         keep = (xm, outs, qa, sa, sasum)
         a_pointers = np.array([xm[w.k].ctypes.data for w in weights], np.uint64)
         out_pointers = np.array([o.ctypes.data for o in outs], np.uint64)
