@@ -11,11 +11,14 @@ The edit is a ``Slice`` in front of the LM head, made in memory at load time: th
 disk (and onnxruntime-genai's use of it) is unchanged; the weights are read from the model directory.
 The edited graph is kept in a cache directory for the next start (:mod:`services.edge_worker.load_cache`).
 ``lm_head="int8"`` also moves the head onto onnxruntime's int8 GEMM (:mod:`services.edge_worker.int8head`).
+``int4_kernel="native"`` moves the 4-bit matmuls onto our row-invariant kernel, an onnxruntime custom op
+(:mod:`services.edge_worker.native.graph`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +31,8 @@ from tokenizers import Tokenizer
 from services.edge_worker import int8head
 from services.edge_worker.int8head import CALIBRATION_TOKENS, OUTLIER_CHANNELS, int8_lm_head, outlier_channels
 from services.edge_worker.load_cache import GraphCache, graph_key
+from services.edge_worker.native import graph as native_graph
+from services.edge_worker.native import kernel as native_kernel
 from services.models.biascorrect import CALIBRATION_TEXT
 
 log = structlog.get_logger(__name__)
@@ -55,10 +60,25 @@ def _last_positions(model: onnx.ModelProto) -> None:
 
 
 LM_HEADS = ("nbits", "int8")
+INT4_KERNELS = ("mlas", "native")
+
+
+def native_library() -> Path:
+    """The compiled kernel + custom op library (built once per source version); ValueError with the reason
+    in one sentence when this machine cannot build or run it (no gcc, no AVX2/FMA)."""
+    try:
+        return native_kernel.compile_kernel()
+    except native_kernel.KernelUnavailable as exc:
+        raise ValueError(f"int4_kernel 'native' cannot be used here: {exc}") from None
 
 
 def load_session(
-    model_path: Path, options: ort.SessionOptions, *, lm_head: str = "nbits", cache_dir: Path | None = None
+    model_path: Path,
+    options: ort.SessionOptions,
+    *,
+    lm_head: str = "nbits",
+    cache_dir: Path | None = None,
+    int4_kernel: str = "mlas",
 ) -> ort.InferenceSession:
     """An onnxruntime session of ``model_path`` whose ``logits`` are ``[batch, min(2, seq), vocab]``.
 
@@ -66,32 +86,45 @@ def load_session(
     channels in fp32, found on the calibration text (needs the builder's 8-bit MatMulNBits head,
     ``models prepare --int4-lm-head int8``, the default). ``cache_dir``: keep the edited graph there
     and use it on later loads (:mod:`services.edge_worker.load_cache`); None edits it every time.
+    ``int4_kernel``: ``mlas`` runs the 4-bit matmuls on onnxruntime's MatMulNBits; ``native`` on our
+    row-invariant kernel (:mod:`services.edge_worker.native`; needs gcc and AVX2).
     """
-    return load_sessions(model_path, [options], lm_head=lm_head, cache_dir=cache_dir)[0]
+    return load_sessions(model_path, [options], lm_head=lm_head, cache_dir=cache_dir, int4_kernel=int4_kernel)[0]
 
 
 def load_sessions(
-    model_path: Path, options: list[ort.SessionOptions], *, lm_head: str = "nbits", cache_dir: Path | None = None
+    model_path: Path,
+    options: list[ort.SessionOptions],
+    *,
+    lm_head: str = "nbits",
+    cache_dir: Path | None = None,
+    int4_kernel: str = "mlas",
 ) -> list[ort.InferenceSession]:
     """One session per ``options`` over the same edited graph (edited or read from the cache once, with
-    ``options[0]``'s threads for the calibration run; ``load_session``)."""
+    ``options[0]``'s threads for the calibration run and the native kernel's threads; ``load_session``)."""
     if lm_head not in LM_HEADS:
         raise ValueError(f"lm_head {lm_head!r} is not one of {LM_HEADS}")
+    if int4_kernel not in INT4_KERNELS:
+        raise ValueError(f"int4_kernel {int4_kernel!r} is not one of {INT4_KERNELS}")
     for each in options:
         each.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
+    if int4_kernel == "native":
+        library = native_library()
+        for each in options:
+            each.register_custom_ops_library(str(library))
     graph: bytes | None = None
     if cache_dir is not None:
-        cache, key = GraphCache(cache_dir), _cache_key(model_path, lm_head, options[0])
+        cache, key = GraphCache(cache_dir), _cache_key(model_path, lm_head, options[0], int4_kernel)
         graph = cache.get(key)
         log.info("edge_graph_cache", hit=graph is not None, entry=str(cache_dir / f"{key}.onnx"))
     if graph is None:
-        graph = edited_graph(model_path, options[0], lm_head=lm_head)
+        graph = edited_graph(model_path, options[0], lm_head=lm_head, int4_kernel=int4_kernel)
         if cache_dir is not None:
             cache.put(key, graph, model_path.parent)
     return [ort.InferenceSession(graph, each, providers=["CPUExecutionProvider"]) for each in options]
 
 
-def edited_graph(model_path: Path, options: ort.SessionOptions, *, lm_head: str) -> bytes:
+def edited_graph(model_path: Path, options: ort.SessionOptions, *, lm_head: str, int4_kernel: str = "mlas") -> bytes:
     """The serialized graph :func:`load_session` runs (``options`` must name the external data folder)."""
     model = onnx.load(str(model_path), load_external_data=False)
     outliers = None
@@ -103,11 +136,19 @@ def edited_graph(model_path: Path, options: ort.SessionOptions, *, lm_head: str)
     _last_positions(model)
     if lm_head == "int8" and not int8_lm_head(model, model_path.parent, outliers):
         raise ValueError(f"lm_head 'int8' needs an 8-bit MatMulNBits LM head, which {model_path} does not have")
+    if int4_kernel == "native":
+        replaced = native_graph.use_int4_op(model, model_path.parent, _native_threads(options))
+        log.info("edge_int4_native_op", replaced=replaced)
     return model.SerializeToString()
 
 
-def _cache_key(model_path: Path, lm_head: str, options: ort.SessionOptions) -> str:
-    settings = {
+def _native_threads(options: ort.SessionOptions) -> int:
+    """The native kernel's threads: the session's intra-op threads (0, onnxruntime's default: one per core)."""
+    return options.intra_op_num_threads or os.cpu_count() or 1
+
+
+def _cache_key(model_path: Path, lm_head: str, options: ort.SessionOptions, int4_kernel: str = "mlas") -> str:
+    settings: dict[str, object] = {
         "lm_head": lm_head,
         # the calibration run's threads: a different split of its sums could rank a near-tie differently
         "intra_op_threads": options.intra_op_num_threads,
@@ -117,4 +158,8 @@ def _cache_key(model_path: Path, lm_head: str, options: ort.SessionOptions) -> s
     }
     versions = {"onnx": onnx.__version__, "onnxruntime": ort.__version__, "numpy": np.__version__}
     sources = [Path(__file__), Path(int8head.__file__), CALIBRATION_TEXT]
+    if int4_kernel != "mlas":  # only then: the default's key (and its cached entries) stay as they were
+        settings["int4_kernel"] = int4_kernel
+        settings["int4_kernel_threads"] = _native_threads(options)
+        sources += [Path(native_graph.__file__), Path(native_kernel.__file__)]
     return graph_key(model_path, settings=settings, sources=sources, versions=versions)

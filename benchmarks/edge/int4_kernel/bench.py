@@ -38,7 +38,6 @@ import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
 
-from benchmarks.edge.int4_kernel.kernel import Int4MatMul, Kernel, KernelUnavailable, load_kernel
 from benchmarks.edge.int4_kernel.reference import (
     Weights,
     float_reference,
@@ -48,6 +47,7 @@ from benchmarks.edge.int4_kernel.reference import (
     random_weights,
     relu_model,
 )
+from services.edge_worker.native.kernel import Int4MatMul, Kernel, KernelUnavailable, load_kernel
 
 SHAPES = ((576, 1536), (1536, 576), (576, 576), (576, 192))
 """K x N of the edge model's MatMulNBits nodes (SmolLM2-135M: hidden 576, MLP 1536, 3 KV heads of 64)."""
@@ -333,7 +333,7 @@ def markdown(report: dict[str, Any]) -> str:
         "# Edge tier: our int4 kernel vs onnxruntime's MatMulNBits (issue 27 lead)",
         "",
         "Written by `benchmarks/edge/int4_kernel/bench.py` (its docstring says what is measured; the kernel",
-        "is `benchmarks/edge/int4_kernel/kq4.c`). One thread, 4-bit weights in blocks of 32 with zero",
+        "is `services/edge_worker/native/kq4.c`). One thread, 4-bit weights in blocks of 32 with zero",
         "points, int8 activations (MatMulNBits accuracy level 4); random weights of the edge model's shapes.",
         "Interleaved rounds, medians. A lead, not a target: the engine does not use this kernel yet.",
         "",

@@ -18,7 +18,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from benchmarks.edge.int4_kernel.kernel import BLOCK, unpack_matmulnbits
+from services.edge_worker.native.kernel import BLOCK, unpack_matmulnbits
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from benchmarks.edge.int4_kernel import bench
-from benchmarks.edge.int4_kernel.kernel import Int4MatMul, Kernel, load_kernel, unavailable_reason
 from benchmarks.edge.int4_kernel.reference import (
     Weights,
     matmulnbits_model,
@@ -21,6 +20,7 @@ from benchmarks.edge.int4_kernel.reference import (
     quantized_reference,
     random_weights,
 )
+from services.edge_worker.native.kernel import Int4MatMul, Kernel, load_kernel, unavailable_reason
 
 pytestmark = [
     pytest.mark.integration,

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from benchmarks import cli as bench_cli
-from benchmarks.edge.int4_kernel import bench, kernel
+from benchmarks.edge.int4_kernel import bench
+from services.edge_worker.native import kernel
 
 
 def test_edge_int4_kernel_is_a_bench_subcommand() -> None:

@@ -1,6 +1,6 @@
 // Row-invariant int4-weight x int8-activation matmul (AVX2 + FMA, one thread): Y[M,N] = A[M,K] @ W[N,K]^T
 // for onnxruntime MatMulNBits weights (4 bits, blocks of 32 along K, fp32 scales, 4-bit zero points).
-// Build: gcc -O3 -mavx2 -mfma -ffp-contract=off -fPIC -shared (benchmarks/edge/int4_kernel/kernel.py).
+// Build: gcc -O3 -mavx2 -mfma -ffp-contract=off -fPIC -shared (services/edge_worker/native/kernel.py).
 //
 // Weight layout: columns in groups of 8 (N % 8 == 0), each group's K/32 blocks in K order, one block of
 // 8 columns x 32 k in GRP_BYTES = 168 bytes:
@@ -130,9 +130,11 @@ static void tile2(const int8_t* qa, const float* sa, const float* sasum, int K, 
 static void tile1(const int8_t* qa, const float* sa, const float* sasum, int K, const uint8_t* pw, int N, float* C,
                   int m0, int g) { tile(qa, sa, sasum, K, pw, N, C, m0, 1, g); }
 
-void gemm_q(const int8_t* qa, const float* sa, const float* sasum, int M, int K, const uint8_t* pw, int N, float* C) {
+// Column groups [g0, g1) of the product (a thread's share: every output element is computed whole by one call).
+void gemm_q_groups(const int8_t* qa, const float* sa, const float* sasum, int M, int K, const uint8_t* pw, int N,
+                   float* C, int g0, int g1) {
     const int nb = K / BLK;
-    for (int g = 0; g < N / 8; g++) {
+    for (int g = g0; g < g1; g++) {
         const uint8_t* p = pw + (size_t)g * nb * GRP_BYTES;
         int m = 0;
         for (; m + 4 <= M; m += 4) tile4(qa, sa, sasum, K, p, N, C, m, g);
@@ -142,6 +144,10 @@ void gemm_q(const int8_t* qa, const float* sa, const float* sasum, int M, int K,
             case 1: tile1(qa, sa, sasum, K, p, N, C, m, g); break;
         }
     }
+}
+
+void gemm_q(const int8_t* qa, const float* sa, const float* sasum, int M, int K, const uint8_t* pw, int N, float* C) {
+    gemm_q_groups(qa, sa, sasum, M, K, pw, N, C, 0, N / 8);
 }
 
 // Workspace: qa [M*K] int8, sa and sasum [M*K/32] floats. K % 32 == 0, N % 8 == 0.

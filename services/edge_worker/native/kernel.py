@@ -1,11 +1,14 @@
-"""Build, load and call ``kq4.c``: a row-invariant int4 x int8 matmul for MatMulNBits weights (AVX2, one thread).
+"""Build, load and call ``kq4.c``: a row-invariant int4 x int8 matmul for MatMulNBits weights (AVX2).
 
 Our own code because onnxruntime's MLAS has no row-invariant 4-bit kernel (its M=1 GEMV rounds
 differently from its M>=2 GEMM, docs/edge.md, issue 27) and measured slower on this CPU; the layout
-and the quantized math are in the C file's header. :func:`load_kernel` compiles the source with gcc
-once into a cache directory (the file name hashes the source and the flags), loads it with ctypes and
+and the quantized math are in the C file's header. :func:`load_kernel` compiles the sources with gcc
+once into a cache directory (the file name hashes the sources and the flags), loads it with ctypes and
 checks the CPU has AVX2 and FMA; :func:`pack_weights` turns MatMulNBits-format weights into the
-kernel's layout; :class:`Int4MatMul` runs it.
+kernel's layout; :class:`Int4MatMul` runs it. The same library holds the onnxruntime custom op
+``meshserve.edge:Int4MatMul`` (``int4op.c``) that the batched edge engine uses with
+``int4_kernel=native`` (:func:`custom_op_library`, :mod:`services.edge_worker.native.graph`); the
+benchmark ``meshserve bench edge-int4-kernel`` imports this module.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import numpy as np
 import numpy.typing as npt
 
 SOURCE = Path(__file__).with_name("kq4.c")
+SOURCES = (SOURCE, Path(__file__).with_name("int4op.c"))
+"""Compiled into one library: the kernel and the onnxruntime custom op over it."""
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
+LIBS = ("-lpthread",)
 BLOCK = 32
 """Weights are quantized in blocks of 32 along K (MatMulNBits ``block_size=32``)."""
 GROUP_COLUMNS = 8
@@ -71,12 +77,12 @@ def unavailable_reason() -> str | None:
 
 
 def compile_kernel(cache_dir: Path | None = None) -> Path:
-    """The shared library built from :data:`SOURCE`; compiled only when the cache lacks this source + flags."""
+    """The shared library built from :data:`SOURCES`; compiled only when the cache lacks these sources + flags."""
     reason = unavailable_reason()
     if reason is not None:
         raise KernelUnavailable(reason)
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + "\0".join(CFLAGS).encode()).hexdigest()[:16]
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    digest = hashlib.sha256(source + "\0".join(CFLAGS + LIBS).encode()).hexdigest()[:16]
     directory = cache_dir or default_cache_dir()
     library = directory / f"kq4-{digest}.so"
     if library.exists():
@@ -86,9 +92,11 @@ def compile_kernel(cache_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".kq4-", suffix=".so", dir=directory)
     os.close(fd)
     try:
-        done = subprocess.run(["gcc", *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        command = ["gcc", *CFLAGS, "-o", tmp, *map(str, SOURCES), *LIBS]
+        done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
-            raise KernelUnavailable(f"gcc could not build {SOURCE.name}: {done.stderr.strip()[:2000]}")
+            names = " and ".join(path.name for path in SOURCES)
+            raise KernelUnavailable(f"gcc could not build {names}: {done.stderr.strip()[:2000]}")
         os.replace(tmp, library)
     finally:
         if os.path.exists(tmp):

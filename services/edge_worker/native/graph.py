@@ -1,0 +1,83 @@
+"""Graph edit for ``int4_kernel=native``: the 4-bit MatMulNBits nodes become our custom op ``Int4MatMul``.
+
+Only the nodes MLAS computes differently for one row and several (4 bits, blocks of 32, no g_idx;
+docs/edge.md, issue 27) are replaced; the 8-bit ones (bit-identical for any M) and the LM head stay.
+Each replaced node's weights, scales and zero points are packed here into the kernel's layout
+(:func:`services.edge_worker.native.kernel.pack_weights`) as one new uint8 initializer, inline in the
+edited graph (the load cache keeps it); its bias (the builder's bias correction) stays an input.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import external_data_helper, helper, numpy_helper
+
+from services.edge_worker.native.kernel import BLOCK, GROUP_COLUMNS, pack_weights
+
+DOMAIN = "meshserve.edge"
+OP = "Int4MatMul"
+
+
+def _replaceable(node: onnx.NodeProto) -> dict[str, int] | None:
+    if node.op_type != "MatMulNBits" or node.domain != "com.microsoft" or "logits" in node.output:
+        return None
+    attrs = {a.name: int(helper.get_attribute_value(a)) for a in node.attribute if a.type == onnx.AttributeProto.INT}
+    inputs = [*node.input, *[""] * (6 - len(node.input))]
+    if attrs.get("bits", 4) != 4 or attrs.get("block_size") != BLOCK or inputs[4]:
+        return None
+    k, n = attrs.get("K", 0), attrs.get("N", 0)
+    if k <= 0 or k % BLOCK or n <= 0 or n % GROUP_COLUMNS:
+        return None
+    return {"K": k, "N": n}
+
+
+def use_int4_op(model: onnx.ModelProto, base: Path, threads: int) -> int:
+    """Replace the 4-bit block-32 MatMulNBits of ``model`` (in place) by ``Int4MatMul`` nodes running on
+    ``threads`` threads; returns how many were replaced. ``base``: the model directory (external data)."""
+    graph = model.graph
+    inits = {init.name: init for init in graph.initializer}
+
+    def array(name: str) -> np.ndarray | None:
+        if not name:
+            return None
+        init = inits.get(name)
+        if init is None:
+            raise ValueError(f"the MatMulNBits input {name!r} is not an initializer")
+        if external_data_helper.uses_external_data(init):
+            external_data_helper.load_external_data_for_tensor(init, str(base))
+        return numpy_helper.to_array(init)
+
+    added: list[onnx.TensorProto] = []
+    replaced = 0
+    for index, node in enumerate(list(graph.node)):
+        shape = _replaceable(node)
+        if shape is None:
+            continue
+        k, n = shape["K"], shape["N"]
+        inputs = [*node.input, *[""] * (6 - len(node.input))]
+        b, scales, zeros, bias = (array(name) for name in (inputs[1], inputs[2], inputs[3], inputs[5]))
+        assert b is not None and scales is not None
+        packed_name, bias_name = f"{inputs[1]}/int4op", f"{node.name or inputs[1]}/int4op_bias"
+        packed = pack_weights(b.reshape(n, k // BLOCK, BLOCK // 2), scales.astype(np.float32), zeros, k, n)
+        added.append(numpy_helper.from_array(np.ascontiguousarray(packed), packed_name))
+        added.append(
+            numpy_helper.from_array(np.zeros(n, np.float32) if bias is None else bias.astype(np.float32), bias_name)
+        )
+        custom = helper.make_node(
+            OP, [inputs[0], packed_name, bias_name], list(node.output), name=f"{node.name}/int4op",
+            domain=DOMAIN, K=k, N=n, threads=max(1, threads),
+        )  # fmt: skip
+        graph.node.remove(node)
+        graph.node.insert(index, custom)
+        replaced += 1
+    used = {name for node in graph.node for name in node.input}
+    kept = [init for init in graph.initializer if init.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    graph.initializer.extend(added)
+    if replaced and not any(op.domain == DOMAIN for op in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return replaced

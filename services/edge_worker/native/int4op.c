@@ -1,0 +1,330 @@
+// onnxruntime custom op "meshserve.edge:Int4MatMul" over kq4.c: Y[..., N] = A[..., K] @ W^T + bias, W packed by
+// services/edge_worker/native/kernel.py (pack_weights). Inputs: A float32 [..., K] (leading dims flattened to M
+// rows), W uint8 (the packed layout), bias float32 [N]. Attributes: K, N, threads (>= 1).
+// Built into one library with kq4.c (kernel.py); onnxruntime loads it through
+// SessionOptions.register_custom_ops_library, which calls RegisterCustomOps below.
+//
+// No onnxruntime header is installed with the Python wheel, so the few C API declarations used here are our
+// own: the OrtApi function table is append-only and stable since API version 1, and the entries used are all
+// from version 1 (their positions are checked at compile time below and exercised by the tests).
+// Threads: the calling thread and threads-1 helpers of our own share the N/8 column groups; every output
+// element is computed whole by one thread, so a row's values do not depend on M or on the thread count.
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+void quantize_rows(const float* A, int M, int K, int8_t* qa, float* sa, float* sasum);
+void gemm_q_groups(const int8_t* qa, const float* sa, const float* sasum, int M, int K, const uint8_t* pw, int N,
+                   float* C, int g0, int g1);
+
+typedef struct OrtStatus OrtStatus;
+typedef struct OrtValue OrtValue;
+typedef struct OrtKernelInfo OrtKernelInfo;
+typedef struct OrtKernelContext OrtKernelContext;
+typedef struct OrtSessionOptions OrtSessionOptions;
+typedef struct OrtCustomOpDomain OrtCustomOpDomain;
+typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
+typedef struct OrtCustomOp OrtCustomOp;
+
+enum { ORT_FAIL = 1, ELEM_FLOAT = 1, ELEM_UINT8 = 2 };
+
+// The OrtApi entries used, at their positions in the table (index = position); _pN pads the entries between.
+typedef struct OrtApi {
+    OrtStatus* (*CreateStatus)(int code, const char* msg);  // 0
+    void* _p1;                                               // 1 GetErrorCode
+    const char* (*GetErrorMessage)(const OrtStatus* status); // 2
+    void* _p3[26 - 3];
+    OrtStatus* (*CreateCustomOpDomain)(const char* domain, OrtCustomOpDomain** out);   // 26
+    OrtStatus* (*CustomOpDomain_Add)(OrtCustomOpDomain* domain, OrtCustomOp* op);      // 27
+    OrtStatus* (*AddCustomOpDomain)(OrtSessionOptions* options, OrtCustomOpDomain* d); // 28
+    void* _p29[51 - 29];
+    OrtStatus* (*GetTensorMutableData)(OrtValue* value, void** out); // 51
+    void* _p52[61 - 52];
+    OrtStatus* (*GetDimensionsCount)(const OrtTensorTypeAndShapeInfo* info, size_t* out);           // 61
+    OrtStatus* (*GetDimensions)(const OrtTensorTypeAndShapeInfo* info, int64_t* dims, size_t count); // 62
+    void* _p63[65 - 63];
+    OrtStatus* (*GetTensorTypeAndShape)(const OrtValue* value, OrtTensorTypeAndShapeInfo** out); // 65
+    void* _p66[86 - 66];
+    OrtStatus* (*KernelInfoGetAttribute_int64)(const OrtKernelInfo* info, const char* name, int64_t* out); // 86
+    void* _p87[90 - 87];
+    OrtStatus* (*KernelContext_GetInput)(const OrtKernelContext* context, size_t index, const OrtValue** out); // 90
+    OrtStatus* (*KernelContext_GetOutput)(OrtKernelContext* context, size_t index, const int64_t* dims,
+                                          size_t count, OrtValue** out);                                 // 91
+    void* _p92;                                                                                          // 92
+    void (*ReleaseStatus)(OrtStatus* status);                                                            // 93
+    void* _p94[99 - 94];
+    void (*ReleaseTensorTypeAndShapeInfo)(OrtTensorTypeAndShapeInfo* info); // 99
+} OrtApi;
+
+#define AT(field, index) _Static_assert(offsetof(OrtApi, field) == (index) * sizeof(void*), #field)
+AT(GetErrorMessage, 2);
+AT(CreateCustomOpDomain, 26);
+AT(AddCustomOpDomain, 28);
+AT(GetTensorMutableData, 51);
+AT(GetDimensionsCount, 61);
+AT(GetTensorTypeAndShape, 65);
+AT(KernelInfoGetAttribute_int64, 86);
+AT(KernelContext_GetInput, 90);
+AT(KernelContext_GetOutput, 91);
+AT(ReleaseStatus, 93);
+AT(ReleaseTensorTypeAndShapeInfo, 99);
+
+typedef struct OrtApiBase {
+    const OrtApi* (*GetApi)(uint32_t version);
+    const char* (*GetVersionString)(void);
+} OrtApiBase;
+
+// OrtCustomOp with every field up to op version OP_VERSION (onnxruntime reads the fields of op.version).
+struct OrtCustomOp {
+    uint32_t version;
+    void* (*CreateKernel)(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info);
+    const char* (*GetName)(const OrtCustomOp* op);
+    const char* (*GetExecutionProviderType)(const OrtCustomOp* op);
+    int (*GetInputType)(const OrtCustomOp* op, size_t index);
+    size_t (*GetInputTypeCount)(const OrtCustomOp* op);
+    int (*GetOutputType)(const OrtCustomOp* op, size_t index);
+    size_t (*GetOutputTypeCount)(const OrtCustomOp* op);
+    void (*KernelCompute)(void* kernel, OrtKernelContext* context);
+    void (*KernelDestroy)(void* kernel);
+    int (*GetInputCharacteristic)(const OrtCustomOp* op, size_t index);
+    int (*GetOutputCharacteristic)(const OrtCustomOp* op, size_t index);
+    int (*GetInputMemoryType)(const OrtCustomOp* op, size_t index);
+    int (*GetVariadicInputMinArity)(const OrtCustomOp* op);
+    int (*GetVariadicInputHomogeneity)(const OrtCustomOp* op);
+    int (*GetVariadicOutputMinArity)(const OrtCustomOp* op);
+    int (*GetVariadicOutputHomogeneity)(const OrtCustomOp* op);
+    OrtStatus* (*CreateKernelV2)(const OrtCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel);
+    OrtStatus* (*KernelComputeV2)(void* kernel, OrtKernelContext* context);
+    void* InferOutputShapeFn;  // none: the output's shape is known once the op runs
+    int (*GetStartVersion)(const OrtCustomOp* op);
+    int (*GetEndVersion)(const OrtCustomOp* op);
+    size_t (*GetMayInplace)(int** input_index, int** output_index);
+    void (*ReleaseMayInplace)(int* input_index, int* output_index);
+    size_t (*GetAliasMap)(int** input_index, int** output_index);
+    void (*ReleaseAliasMap)(int* input_index, int* output_index);
+};
+
+#define OP_VERSION 20
+#define API_VERSION 1  // of the OrtApi table: every entry used is in version 1
+#define MAX_THREADS 16
+#define MAX_DIMS 8
+
+static const OrtApi* api;
+
+// ---- helper threads: a job is a list of column groups handed out in chunks through an atomic counter ----
+
+typedef struct {
+    const int8_t* qa;
+    const float *sa, *sasum;
+    const uint8_t* pw;
+    float* C;
+    int M, K, N, groups, chunk;
+    int next;     // next chunk (atomic)
+    int pending;  // helpers still working on this job (atomic)
+} Job;
+
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;  // one job at a time (sessions may share the pool)
+static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
+static Job* volatile current;
+static volatile unsigned long generation;
+static int helpers;  // started so far
+
+static void run_chunks(Job* job) {
+    for (;;) {
+        int c = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
+        int g0 = c * job->chunk;
+        if (g0 >= job->groups) return;
+        int g1 = g0 + job->chunk < job->groups ? g0 + job->chunk : job->groups;
+        gemm_q_groups(job->qa, job->sa, job->sasum, job->M, job->K, job->pw, job->N, job->C, g0, g1);
+    }
+}
+
+static void* helper_main(void* arg) {
+    unsigned long seen = (unsigned long)(uintptr_t)arg;  // the generation when it was started: jobs after it
+    for (;;) {
+        // spin briefly (the next matmul of a decode step comes within microseconds), then sleep
+        int spins = 0;
+        while (__atomic_load_n(&generation, __ATOMIC_ACQUIRE) == seen && spins < 4000) {
+            _mm_pause();
+            spins++;
+        }
+        pthread_mutex_lock(&wake_lock);
+        while (generation == seen) pthread_cond_wait(&wake, &wake_lock);
+        seen = generation;
+        Job* job = current;
+        pthread_mutex_unlock(&wake_lock);
+        if (job != NULL) {
+            run_chunks(job);
+            __atomic_fetch_sub(&job->pending, 1, __ATOMIC_ACQ_REL);
+        }
+    }
+    return NULL;
+}
+
+static void gemm_parallel(const int8_t* qa, const float* sa, const float* sasum, int M, int K, const uint8_t* pw,
+                          int N, float* C, int threads) {
+    int groups = N / 8;
+    if (threads <= 1 || groups < 2) {
+        gemm_q_groups(qa, sa, sasum, M, K, pw, N, C, 0, groups);
+        return;
+    }
+    pthread_mutex_lock(&pool_lock);
+    while (helpers < threads - 1 && helpers < MAX_THREADS - 1) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, helper_main, (void*)(uintptr_t)generation) != 0) break;
+        pthread_detach(t);
+        helpers++;
+    }
+    int chunks = 4 * threads;  // a few chunks per thread: a preempted thread's share is picked up by the others
+    int chunk = (groups + chunks - 1) / chunks;
+    Job job = {qa, sa, sasum, pw, C, M, K, N, groups, chunk, 0, helpers};
+    pthread_mutex_lock(&wake_lock);
+    current = &job;
+    __atomic_add_fetch(&generation, 1, __ATOMIC_RELEASE);
+    pthread_cond_broadcast(&wake);
+    pthread_mutex_unlock(&wake_lock);
+    run_chunks(&job);
+    while (__atomic_load_n(&job.pending, __ATOMIC_ACQUIRE) > 0) _mm_pause();
+    pthread_mutex_lock(&wake_lock);
+    current = NULL;
+    pthread_mutex_unlock(&wake_lock);
+    pthread_mutex_unlock(&pool_lock);
+}
+
+// ---- the op ----
+
+typedef struct {
+    int64_t K, N, threads;
+} Kernel;
+
+static OrtStatus* fail(const char* message) { return api->CreateStatus(ORT_FAIL, message); }
+
+#define TRY(call)                             \
+    do {                                      \
+        OrtStatus* status_ = (call);          \
+        if (status_ != NULL) return status_;  \
+    } while (0)
+
+static OrtStatus* create_kernel2(const OrtCustomOp* op, const OrtApi* a, const OrtKernelInfo* info, void** out) {
+    (void)op;
+    Kernel* k = calloc(1, sizeof(Kernel));
+    if (k == NULL) return fail("meshserve Int4MatMul: out of memory");
+    OrtStatus* status = a->KernelInfoGetAttribute_int64(info, "K", &k->K);
+    if (status == NULL) status = a->KernelInfoGetAttribute_int64(info, "N", &k->N);
+    if (status == NULL) status = a->KernelInfoGetAttribute_int64(info, "threads", &k->threads);
+    if (status == NULL && (k->K <= 0 || k->K % 32 || k->N <= 0 || k->N % 8))
+        status = fail("meshserve Int4MatMul: K must be a positive multiple of 32 and N of 8");
+    if (status != NULL) {
+        free(k);
+        return status;
+    }
+    if (k->threads < 1) k->threads = 1;
+    *out = k;
+    return NULL;
+}
+
+static void* create_kernel(const OrtCustomOp* op, const OrtApi* a, const OrtKernelInfo* info) {
+    void* k = NULL;
+    OrtStatus* status = create_kernel2(op, a, info, &k);
+    if (status != NULL) a->ReleaseStatus(status);
+    return k;
+}
+
+static OrtStatus* compute2(void* kernel, OrtKernelContext* context) {
+    const Kernel* k = kernel;
+    const OrtValue *a_value, *w_value, *bias_value;
+    TRY(api->KernelContext_GetInput(context, 0, &a_value));
+    TRY(api->KernelContext_GetInput(context, 1, &w_value));
+    TRY(api->KernelContext_GetInput(context, 2, &bias_value));
+    OrtTensorTypeAndShapeInfo* shape;
+    TRY(api->GetTensorTypeAndShape(a_value, &shape));
+    size_t rank = 0;
+    int64_t dims[MAX_DIMS];
+    OrtStatus* status = api->GetDimensionsCount(shape, &rank);
+    if (status == NULL && (rank < 1 || rank > MAX_DIMS)) status = fail("meshserve Int4MatMul: A must have 1 to 8 dims");
+    if (status == NULL) status = api->GetDimensions(shape, dims, rank);
+    api->ReleaseTensorTypeAndShapeInfo(shape);
+    if (status != NULL) return status;
+    int64_t M = 1;
+    for (size_t i = 0; i + 1 < rank; i++) M *= dims[i];
+    if (dims[rank - 1] != k->K) return fail("meshserve Int4MatMul: A's last dimension is not the weights' K");
+    dims[rank - 1] = k->N;
+    OrtValue* out_value;
+    TRY(api->KernelContext_GetOutput(context, 0, dims, rank, &out_value));
+    float *A, *C, *bias;
+    uint8_t* W;
+    TRY(api->GetTensorMutableData((OrtValue*)a_value, (void**)&A));
+    TRY(api->GetTensorMutableData((OrtValue*)w_value, (void**)&W));
+    TRY(api->GetTensorMutableData((OrtValue*)bias_value, (void**)&bias));
+    TRY(api->GetTensorMutableData(out_value, (void**)&C));
+    if (M == 0) return NULL;
+    const int K = (int)k->K, N = (int)k->N, nb = K / 32;
+    int8_t* qa = malloc((size_t)M * K);
+    float* sa = malloc(sizeof(float) * (size_t)M * nb * 2);
+    if (qa == NULL || sa == NULL) {
+        free(qa);
+        free(sa);
+        return fail("meshserve Int4MatMul: out of memory for the quantized activations");
+    }
+    quantize_rows(A, (int)M, K, qa, sa, sa + M * nb);
+    gemm_parallel(qa, sa, sa + M * nb, (int)M, K, W, N, C, (int)k->threads);
+    for (int64_t m = 0; m < M; m++) {
+        float* row = C + m * N;
+        for (int n = 0; n < N; n++) row[n] += bias[n];
+    }
+    free(qa);
+    free(sa);
+    return NULL;
+}
+
+static void compute(void* kernel, OrtKernelContext* context) {
+    OrtStatus* status = compute2(kernel, context);
+    if (status != NULL) {
+        fprintf(stderr, "%s\n", api->GetErrorMessage(status));
+        api->ReleaseStatus(status);
+    }
+}
+
+static void destroy(void* kernel) { free(kernel); }
+static const char* op_name(const OrtCustomOp* op) { (void)op; return "Int4MatMul"; }
+static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 1 ? ELEM_UINT8 : ELEM_FLOAT; }
+static size_t input_count(const OrtCustomOp* op) { (void)op; return 3; }
+static int output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
+static size_t output_count(const OrtCustomOp* op) { (void)op; return 1; }
+static int required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }  // INPUT_OUTPUT_REQUIRED
+static int default_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }  // OrtMemTypeDefault
+static int one(const OrtCustomOp* op) { (void)op; return 1; }
+static int start_version(const OrtCustomOp* op) { (void)op; return 1; }
+static int end_version(const OrtCustomOp* op) { (void)op; return 2147483647; }
+static size_t no_pairs(int** input_index, int** output_index) { *input_index = *output_index = NULL; return 0; }
+static void release_pairs(int* input_index, int* output_index) { (void)input_index; (void)output_index; }
+
+static OrtCustomOp int4_matmul = {
+    OP_VERSION, create_kernel, op_name, op_provider, input_type, input_count, output_type, output_count, compute,
+    destroy, required, required, default_memory, one, one, one, one, create_kernel2, compute2, NULL, start_version,
+    end_version, no_pairs, release_pairs, no_pairs, release_pairs};
+
+OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+    api = base->GetApi(API_VERSION);
+    if (api == NULL) return NULL;  // cannot happen: every onnxruntime serves version 1
+    OrtCustomOpDomain* domain;
+    OrtStatus* status = api->CreateCustomOpDomain("meshserve.edge", &domain);
+    if (status == NULL) status = api->CustomOpDomain_Add(domain, &int4_matmul);
+    if (status == NULL) status = api->AddCustomOpDomain(options, domain);
+    return status;  // the domain is kept for the life of the process (sessions hold it)
+}
+
+// Smoke test of the table positions used (tests): CreateStatus (0) and GetErrorMessage (2) round trip.
+int ort_api_check(const OrtApiBase* base) {
+    const OrtApi* a = base->GetApi(API_VERSION);
+    OrtStatus* s = a->CreateStatus(ORT_FAIL, "meshserve");
+    int good = strcmp(a->GetErrorMessage(s), "meshserve") == 0;
+    a->ReleaseStatus(s);
+    return good;
+}
