@@ -28,9 +28,11 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
     # Variants, joined with '-': "batched-1row": a lone sequence decodes in one row
     # (MESHSERVE_EDGE_WORKER_BATCH_INVARIANT=false); "batched-nbitshead": the LM head as built
     # (LM_HEAD=nbits); "batched-spin": intra-op threads spin (INTRA_OP_SPINNING=true); "batched-adaptive":
-    # 2 threads sleeping / spinning or 1 thread, per small call by measured time (ADAPTIVE_THREADING=true).
+    # 2 threads sleeping / spinning or 1 thread, per small call by measured time (ADAPTIVE_THREADING=true);
+    # "batched-native": the 4-bit matmuls on our row-invariant kernel, a lone sequence in one row
+    # (INT4_KERNEL=native).
     base, *variants = kind.split("-")
-    unknown = set(variants) - {"1row", "nbitshead", "spin", "adaptive"}
+    unknown = set(variants) - {"1row", "nbitshead", "spin", "adaptive", "native"}
     if base != "batched" or unknown:
         raise ValueError(f"unknown engine kind {kind!r}")
     return BatchedEngine(
@@ -42,6 +44,7 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
         lm_head="nbits" if "nbitshead" in variants else "int8",
         spinning="spin" in variants,
         adaptive_threading="adaptive" in variants,
+        int4_kernel="native" if "native" in variants else "mlas",
     )
 
 

@@ -26,7 +26,9 @@ batch work only that is running when foreground work arrives is stopped part-way
 Batch invariance: MatMulNBits' int8-activation kernels compute one row (M=1) differently from several
 rows (M>=2), while rows of an M>=2 call do not depend on each other. A decode call therefore always has
 at least two rows (a dummy row pads a lone sequence), so a sequence's tokens are the same whether it
-runs alone or with 15 others, and a resumed stream replays exactly (tested).
+runs alone or with 15 others, and a resumed stream replays exactly (tested). With ``int4_kernel="native"``
+the 4-bit matmuls run on our own kernel (:mod:`services.edge_worker.native`), whose rows never depend on
+M: a lone sequence then decodes in one row, still batch invariant.
 
 Chats: a sequence kept between turns keeps its KV in its slot; when a slot is needed it is parked
 (its valid KV copied out, compact) and copied back when its chat continues. ``reuse`` rewinds to the
@@ -115,7 +117,9 @@ class BatchedEngine:
     (:mod:`services.edge_worker.spin`); the weights are held three times in memory.
     ``load_cache_dir``: where the edited graph is kept for the next start (:mod:`services.edge_worker.load_cache`).
     ``max_hold_s``: the longest background sequences are held out of the rounds at a time
-    (:mod:`services.edge_worker.hold`).
+    (:mod:`services.edge_worker.hold`). ``int4_kernel``: ``mlas`` (onnxruntime's MatMulNBits) or
+    ``native`` (our row-invariant kernel as a custom op: a lone sequence decodes in one row; ValueError
+    saying why when this machine cannot build or run it).
     """
 
     def __init__(
@@ -135,6 +139,7 @@ class BatchedEngine:
         adaptive_max_rows: int = 4,
         load_cache_dir: Path | None = None,
         max_hold_s: float = 2.0,
+        int4_kernel: str = "mlas",
     ) -> None:
         config = json.loads((model_dir / "genai_config.json").read_text())["model"]
         decoder = config["decoder"]
@@ -156,24 +161,30 @@ class BatchedEngine:
         wanted = [session_options(spinning, False)]
         if adaptive:  # the choices for small calls: these threads sleeping (above), spinning, one thread
             wanted += [session_options(True, True), session_options(False, False, 1)]
-        sessions = load_sessions(model_dir / decoder["filename"], wanted, lm_head=lm_head, cache_dir=load_cache_dir)
+        sessions = load_sessions(
+            model_dir / decoder["filename"], wanted, lm_head=lm_head, cache_dir=load_cache_dir, int4_kernel=int4_kernel
+        )
+        # the native kernel computes every row the same way whatever M is: one row is batch invariant too
+        one_row_invariant = int4_kernel == "native"
         self._session = sessions[0]
         self._small_sessions = sessions
         self.chooser = SessionChooser(len(sessions), max_rows=adaptive_max_rows) if adaptive else None
         """Which session each small decode call runs on (None: always the first)."""
+        min_rows = 2 if batch_invariant and not one_row_invariant else 1  # see the module docstring
         eos = config.get("eos_token_id", [])
         self._info = EngineInfo(
             model_id=model_id,
             vocab_size=int(config["vocab_size"]),
             context_length=int(config["context_length"]),
             eos_token_ids=frozenset(eos if isinstance(eos, list) else [eos]),
-            build=f"onnx-int4:{model_dir.name}/batched/lm_head={lm_head}/rows>={2 if batch_invariant else 1}",
+            build=f"onnx-int4:{model_dir.name}/batched/lm_head={lm_head}/rows>={min_rows}"
+            + ("/int4=native" if one_row_invariant else ""),
         )
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.grammars = GrammarCompiler(self._tokenizer, self._info.vocab_size, self._info.eos_token_ids)
         """Structured-output constraints compiled for this vocabulary (``start`` opens one per sequence)."""
         self.max_batch = max(2, max_batch)
-        self.min_rows = 2 if batch_invariant else 1  # >= 2 rows per decode call: see the module docstring
+        self.min_rows = min_rows
         self.max_wait_s = max_wait_s
         self.prefill_chunk = max(4, prefill_chunk)
         self._kv = KvSlots(

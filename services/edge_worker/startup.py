@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import asyncio
 
+from services.common.errors import ConfigError
 from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.engine import OgEngine
+from services.edge_worker.native.kernel import KernelUnavailable, compile_kernel
 from services.worker.app import RunningWorker, start_worker
 
 TIER = "edge"
 
 
 def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
-    """Load the model named by the settings (blocking: seconds)."""
+    """Load the model named by the settings (blocking: seconds); ConfigError (one sentence) when
+    ``int4_kernel=native`` cannot be built or run here."""
     if settings.engine == "og":
         return OgEngine(
             settings.check_model(),
@@ -21,6 +24,14 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
             threads=settings.threads,
             chat_reserve_tokens=settings.chat_reserve_tokens,
         )
+    if settings.int4_kernel == "native":
+        try:
+            compile_kernel()  # once per kernel version; the engine then loads it from the cache
+        except KernelUnavailable as exc:
+            raise ConfigError(
+                f"MESHSERVE_EDGE_WORKER_INT4_KERNEL=native cannot run on this machine: {exc} "
+                "Set it to mlas (the default) to use onnxruntime's kernels."
+            ) from None
     return BatchedEngine(
         settings.check_model(),
         model_id=settings.model_id,
@@ -30,6 +41,7 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
         prefill_chunk=settings.prefill_chunk_tokens,
         batch_invariant=settings.batch_invariant,
         lm_head=settings.lm_head,
+        int4_kernel=settings.int4_kernel,
         spinning=settings.intra_op_spinning,
         adaptive_threading=settings.adaptive_threading,
         adaptive_max_rows=settings.adaptive_max_rows,

@@ -7,6 +7,8 @@ import pytest
 from services.common.errors import ConfigError
 from services.common.settings import load_settings
 from services.edge_worker.config import EdgeWorkerSettings
+from services.edge_worker.native import kernel as native_kernel
+from services.edge_worker.startup import build_engine
 
 
 def test_env_vars_and_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -60,4 +62,25 @@ def test_lm_head_and_spinning_options(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_ADAPTIVE_MAX_ROWS", "4")
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_LM_HEAD", "fp8")
     with pytest.raises(ConfigError, match="MESHSERVE_EDGE_WORKER_LM_HEAD"):
+        load_settings(EdgeWorkerSettings)
+
+
+def test_int4_kernel_is_mlas_unless_set_and_native_without_gcc_is_a_config_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert load_settings(EdgeWorkerSettings).int4_kernel == "mlas"
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INT4_KERNEL", "native")
+    settings = load_settings(EdgeWorkerSettings)
+    assert settings.int4_kernel == "native"
+    monkeypatch.setattr(native_kernel.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(native_kernel, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(native_kernel.shutil, "which", lambda _name: None)
+    with pytest.raises(
+        ConfigError,
+        match=r"^MESHSERVE_EDGE_WORKER_INT4_KERNEL=native cannot run on this machine: "
+        r"the int4 kernel is compiled with gcc, which is not on PATH",
+    ):
+        build_engine(settings)
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INT4_KERNEL", "fast")
+    with pytest.raises(ConfigError, match="MESHSERVE_EDGE_WORKER_INT4_KERNEL"):
         load_settings(EdgeWorkerSettings)

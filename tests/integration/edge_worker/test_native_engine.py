@@ -1,0 +1,98 @@
+"""The batched edge engine with ``int4_kernel=native`` on the real INT4 model: a lone sequence decodes in one
+row and its greedy tokens still equal what it gets in any batch; the native graph's logits stay close to the
+MLAS graph's (the numbers are printed: ``pytest -s``).
+
+Skipped, with the reason, where the kernel cannot be built or run (no gcc, not x86-64 with AVX2 + FMA)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from services.common.model_paths import model_paths
+from services.edge_worker.batched import BatchedEngine
+from services.edge_worker.graph import load_session
+from services.edge_worker.native.kernel import unavailable_reason
+from tests.integration.edge_worker.test_batched_engine import PROMPTS, chat, generate, together
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(unavailable_reason() is not None, reason=unavailable_reason() or ""),
+]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[BatchedEngine]:
+    # two threads: the op's helper thread shares the columns; small KV capacity and chunks as in test_batched_engine
+    engine = BatchedEngine(
+        model_paths().edge_dir,
+        model_id="t",
+        threads=2,
+        max_batch=4,
+        kv_capacity=16,
+        prefill_chunk=16,
+        int4_kernel="native",
+    )
+    yield engine
+    engine.close()
+
+
+def test_a_lone_sequence_decodes_in_one_row_with_the_tokens_it_gets_in_any_batch(
+    engine: BatchedEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert engine.min_rows == 1 and "rows>=1" in engine.info.build and "int4=native" in engine.info.build
+    prompts = [chat(engine, p) for p in PROMPTS]
+    call_rows: list[int] = []
+    binding = engine._kv.binding
+
+    def spy(session: ort.InferenceSession, first: int, rows: int) -> Any:
+        call_rows.append(rows)
+        return binding(session, first, rows)
+
+    monkeypatch.setattr(engine._kv, "binding", spy)
+    steps_before = engine.steps
+    alone = [generate(engine, p, 12) for p in prompts]
+    decode_rows = call_rows[-(engine.steps - steps_before) :]
+    assert decode_rows and set(decode_rows) == {1}  # every decode call of a lone sequence: one row
+    rows_before, steps_before = engine.rows, engine.steps
+    both = together([lambda p=p: generate(engine, p, 12) for p in [*prompts, *prompts[:2]]])
+    assert both == [*alone, *alone[:2]]
+    assert engine.rows - rows_before > engine.steps - steps_before  # some decode calls had several rows
+
+
+def _prefill_logits(session: ort.InferenceSession, ids: list[int]) -> np.ndarray:
+    feeds: dict[str, np.ndarray] = {
+        "input_ids": np.array([ids], dtype=np.int64),
+        "attention_mask": np.ones((1, len(ids)), dtype=np.int64),
+    }
+    for item in session.get_inputs():
+        if item.name.startswith("past_key_values."):
+            decoder = json.loads((model_paths().edge_dir / "genai_config.json").read_text())["model"]["decoder"]
+            shape = (1, int(decoder["num_key_value_heads"]), 0, int(decoder["head_size"]))
+            feeds[item.name] = np.zeros(shape, dtype=np.float32)
+    outputs = [o.name for o in session.get_outputs()]
+    logits = session.run(["logits"] if "logits" in outputs else None, feeds)[0]
+    return np.asarray(logits)[0, -1]
+
+
+def test_native_logits_are_close_to_mlas(engine: BatchedEngine) -> None:
+    path = model_paths().edge_dir / "model.onnx"
+    sessions = {}
+    for kernel in ("mlas", "native"):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        sessions[kernel] = load_session(path, options, lm_head="int8", int4_kernel=kernel)
+    diffs, agree = [], 0
+    for text in PROMPTS:
+        ids = chat(engine, text)
+        mlas, native = (_prefill_logits(sessions[k], ids) for k in ("mlas", "native"))
+        diffs.append(float(np.abs(mlas - native).max()))
+        agree += int(np.argmax(mlas) == np.argmax(native))
+    print(f"native vs mlas, last-position logits of {len(PROMPTS)} prompts: max |diff| {diffs}, top-1 agree {agree}")
+    assert agree >= len(PROMPTS) - 1
+    assert max(diffs) < 2.0
