@@ -10,6 +10,7 @@
 // Threads: the calling thread and threads-1 helpers of our own share the N/8 column groups; every output
 // element is computed whole by one thread, so a row's values do not depend on M or on the thread count.
 #include <pthread.h>
+#include <sched.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -115,53 +116,57 @@ struct OrtCustomOp {
 
 static const OrtApi* api;
 
-// ---- helper threads: a job is a list of column groups handed out in chunks through an atomic counter ----
+// ---- helper threads ----
+// One job at a time (pool_lock), in a static slot. Its column groups go out in chunks through one 64-bit
+// word, (generation << 32) | next chunk, claimed by compare-and-swap, so a helper that wakes late (after the
+// job it was woken for ended) claims nothing of a later job by mistake. The caller works too and returns
+// once every chunk is done, without waiting for helpers that never started: on a loaded CPU a helper may
+// not be scheduled for milliseconds, and then the caller simply computes its share.
 
 typedef struct {
     const int8_t* qa;
     const float *sa, *sasum;
     const uint8_t* pw;
     float* C;
-    int M, K, N, groups, chunk;
-    int next;     // next chunk (atomic)
-    int pending;  // helpers still working on this job (atomic)
+    int M, K, N, groups, chunk, chunks;
 } Job;
 
-static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;  // one job at a time (sessions may share the pool)
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
-static Job* volatile current;
-static volatile unsigned long generation;
-static int helpers;  // started so far
+static Job job;
+static uint64_t ticket;     // (generation << 32) | next chunk (atomic)
+static int done;            // chunks of the current job computed (atomic)
+static uint32_t generation; // of the current job (written under wake_lock)
+static int helpers;         // started so far
 
-static void run_chunks(Job* job) {
+#define HELPER_SPIN 300 /* pause loops a helper waits for the next job before sleeping (a few microseconds) */
+
+static void run_chunks(uint32_t gen) {
     for (;;) {
-        int c = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED);
-        int g0 = c * job->chunk;
-        if (g0 >= job->groups) return;
-        int g1 = g0 + job->chunk < job->groups ? g0 + job->chunk : job->groups;
-        gemm_q_groups(job->qa, job->sa, job->sasum, job->M, job->K, job->pw, job->N, job->C, g0, g1);
+        uint64_t t = __atomic_load_n(&ticket, __ATOMIC_ACQUIRE);
+        for (;;) {
+            if ((uint32_t)(t >> 32) != gen || (int)(uint32_t)t >= job.chunks) return;
+            if (__atomic_compare_exchange_n(&ticket, &t, t + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) break;
+        }
+        // claimed chunk c of job gen: the job cannot end (nor its fields change) before this chunk is done
+        int g0 = (int)(uint32_t)t * job.chunk;
+        int g1 = g0 + job.chunk < job.groups ? g0 + job.chunk : job.groups;
+        gemm_q_groups(job.qa, job.sa, job.sasum, job.M, job.K, job.pw, job.N, job.C, g0, g1);
+        __atomic_fetch_add(&done, 1, __ATOMIC_RELEASE);
     }
 }
 
 static void* helper_main(void* arg) {
-    unsigned long seen = (unsigned long)(uintptr_t)arg;  // the generation when it was started: jobs after it
+    uint32_t seen = (uint32_t)(uintptr_t)arg;  // the generation when it was started: jobs after it
     for (;;) {
-        // spin briefly (the next matmul of a decode step comes within microseconds), then sleep
-        int spins = 0;
-        while (__atomic_load_n(&generation, __ATOMIC_ACQUIRE) == seen && spins < 4000) {
+        for (int spins = 0; spins < HELPER_SPIN && __atomic_load_n(&generation, __ATOMIC_ACQUIRE) == seen; spins++)
             _mm_pause();
-            spins++;
-        }
         pthread_mutex_lock(&wake_lock);
         while (generation == seen) pthread_cond_wait(&wake, &wake_lock);
         seen = generation;
-        Job* job = current;
         pthread_mutex_unlock(&wake_lock);
-        if (job != NULL) {
-            run_chunks(job);
-            __atomic_fetch_sub(&job->pending, 1, __ATOMIC_ACQ_REL);
-        }
+        run_chunks(seen);
     }
     return NULL;
 }
@@ -180,19 +185,24 @@ static void gemm_parallel(const int8_t* qa, const float* sa, const float* sasum,
         pthread_detach(t);
         helpers++;
     }
-    int chunks = 4 * threads;  // a few chunks per thread: a preempted thread's share is picked up by the others
+    int chunks = 4 * threads;  // a few chunks per thread: a late or preempted thread's share is picked up
     int chunk = (groups + chunks - 1) / chunks;
-    Job job = {qa, sa, sasum, pw, C, M, K, N, groups, chunk, 0, helpers};
+    chunks = (groups + chunk - 1) / chunk;
+    job = (Job){qa, sa, sasum, pw, C, M, K, N, groups, chunk, chunks};
+    __atomic_store_n(&done, 0, __ATOMIC_RELAXED);
     pthread_mutex_lock(&wake_lock);
-    current = &job;
-    __atomic_add_fetch(&generation, 1, __ATOMIC_RELEASE);
+    uint32_t gen = generation + 1;
+    __atomic_store_n(&ticket, (uint64_t)gen << 32, __ATOMIC_RELEASE);
+    __atomic_store_n(&generation, gen, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&wake);
     pthread_mutex_unlock(&wake_lock);
-    run_chunks(&job);
-    while (__atomic_load_n(&job.pending, __ATOMIC_ACQUIRE) > 0) _mm_pause();
-    pthread_mutex_lock(&wake_lock);
-    current = NULL;
-    pthread_mutex_unlock(&wake_lock);
+    run_chunks(gen);
+    for (int spins = 0; __atomic_load_n(&done, __ATOMIC_ACQUIRE) < chunks; spins++) {
+        if (spins < 2000)
+            _mm_pause();
+        else
+            sched_yield();  // the helper holding the last chunk was preempted: let it run
+    }
     pthread_mutex_unlock(&pool_lock);
 }
 
