@@ -157,6 +157,10 @@ class BatchedEngine:
                 options.add_session_config_entry("session.force_spinning_stop", "1")
             return options
 
+        if adaptive_threading and int4_kernel == "native":
+            raise ValueError(
+                "adaptive_threading cannot be combined with int4_kernel 'native' (its threads are in the graph)"
+            )
         adaptive = adaptive_threading and not spinning and (threads or os.cpu_count() or 1) > 1
         wanted = [session_options(spinning, False)]
         if adaptive:  # the choices for small calls: these threads sleeping (above), spinning, one thread

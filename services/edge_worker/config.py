@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common.errors import ConfigError
@@ -44,7 +44,8 @@ class EdgeWorkerSettings(WorkerSettings):
     row-invariant AVX2 kernel, an onnxruntime custom op compiled with gcc at the first start
     (`services/edge_worker/native`; needs gcc and an x86-64 CPU with AVX2 and FMA, else the worker
     does not start): every decode row is then the same whatever else is in the call, so a lone
-    sequence decodes in one row and stays batch invariant (docs/edge.md, issue 27)."""
+    sequence decodes in one row and stays batch invariant (docs/edge.md, issue 27). Not together with
+    `adaptive_threading` (the op's thread count is fixed in the edited graph)."""
     intra_op_spinning: bool = False
     """Batched engine: idle intra-op threads spin instead of sleeping. Faster steps on an otherwise
     idle CPU; on a shared one it burns CPU the gateway and router need (docs/edge.md)."""
@@ -78,6 +79,15 @@ class EdgeWorkerSettings(WorkerSettings):
     (the builder's CPU model preallocates KV up to a generator's max_length: ~46 KB per token for
     SmolLM2-135M). A later turn that does not fit starts a fresh sequence. The batched engine grows
     KV slots on demand instead."""
+
+    @model_validator(mode="after")
+    def _check_int4_kernel(self) -> EdgeWorkerSettings:
+        if self.int4_kernel == "native" and self.adaptive_threading:
+            raise ConfigError(
+                "MESHSERVE_EDGE_WORKER_INT4_KERNEL=native cannot be combined with ADAPTIVE_THREADING=true "
+                "(the native op's threads are fixed in the graph); turn one of them off"
+            )
+        return self
 
     def resolved_load_cache_dir(self) -> Path | None:
         if not self.load_cache:

@@ -81,6 +81,10 @@ def test_int4_kernel_is_mlas_unless_set_and_native_without_gcc_is_a_config_error
         r"the int4 kernel is compiled with gcc, which is not on PATH",
     ):
         build_engine(settings)
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_ADAPTIVE_THREADING", "true")
+    with pytest.raises(ConfigError, match="cannot be combined with ADAPTIVE_THREADING=true"):
+        load_settings(EdgeWorkerSettings)
+    monkeypatch.delenv("MESHSERVE_EDGE_WORKER_ADAPTIVE_THREADING")
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INT4_KERNEL", "fast")
     with pytest.raises(ConfigError, match="MESHSERVE_EDGE_WORKER_INT4_KERNEL"):
         load_settings(EdgeWorkerSettings)
