@@ -35,8 +35,9 @@ def _replaceable(node: onnx.NodeProto) -> dict[str, int] | None:
 
 
 def use_int4_op(model: onnx.ModelProto, base: Path, threads: int) -> int:
-    """Replace the 4-bit block-32 MatMulNBits of ``model`` (in place) by ``Int4MatMul`` nodes running on
-    ``threads`` threads; returns how many were replaced. ``base``: the model directory (external data)."""
+    """Replace the 4-bit block-32 MatMulNBits of ``model`` (in place) by ``Int4MatMul`` nodes; returns how
+    many were replaced. ``threads``: the session's intra-op threads (the op cuts its columns into 4 chunks
+    per thread for onnxruntime's pool). ``base``: the model directory (external data)."""
     graph = model.graph
     inits = {init.name: init for init in graph.initializer}
 

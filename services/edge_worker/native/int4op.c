@@ -1,22 +1,21 @@
 // onnxruntime custom op "meshserve.edge:Int4MatMul" over kq4.c: Y[..., N] = A[..., K] @ W^T + bias, W packed by
 // services/edge_worker/native/kernel.py (pack_weights). Inputs: A float32 [..., K] (leading dims flattened to M
-// rows), W uint8 (the packed layout), bias float32 [N]. Attributes: K, N, threads (>= 1).
+// rows), W uint8 (the packed layout), bias float32 [N]. Attributes: K, N, threads (the session's, >= 1).
 // Built into one library with kq4.c (kernel.py); onnxruntime loads it through
 // SessionOptions.register_custom_ops_library, which calls RegisterCustomOps below.
 //
 // No onnxruntime header is installed with the Python wheel, so the few C API declarations used here are our
-// own: the OrtApi function table is append-only and stable since API version 1, and the entries used are all
-// from version 1 (their positions are checked at compile time below and exercised by the tests).
-// Threads: the calling thread and threads-1 helpers of our own share the N/8 column groups; every output
-// element is computed whole by one thread, so a row's values do not depend on M or on the thread count.
-#include <pthread.h>
-#include <sched.h>
+// own: the OrtApi function table is append-only (an entry never moves), and the entries used come from
+// versions 1 and 18 (positions counted from onnxruntime's header and a generated binding of it, checked at
+// compile time below against those counts and exercised by the tests).
+// Threads: KernelContext_ParallelFor hands chunks of the N/8 column groups to the session's intra-op threads;
+// every output element is computed whole by one thread, so a row's values do not depend on M or on the
+// thread count. (A pool of the op's own threads was tried first: about as fast, more code, docs/edge.md.)
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <immintrin.h>
 
 void quantize_rows(const float* A, int M, int K, int8_t* qa, float* sa, float* sasum);
 void gemm_q_groups(const int8_t* qa, const float* sa, const float* sasum, int M, int K, const uint8_t* pw, int N,
@@ -59,6 +58,9 @@ typedef struct OrtApi {
     void (*ReleaseStatus)(OrtStatus* status);                                                            // 93
     void* _p94[99 - 94];
     void (*ReleaseTensorTypeAndShapeInfo)(OrtTensorTypeAndShapeInfo* info); // 99
+    void* _p100[274 - 100];
+    OrtStatus* (*KernelContext_ParallelFor)(const OrtKernelContext* context, void (*fn)(void* data, size_t index),
+                                            size_t total, size_t num_batch, void* data);  // 274 (API 18)
 } OrtApi;
 
 #define AT(field, index) _Static_assert(offsetof(OrtApi, field) == (index) * sizeof(void*), #field)
@@ -73,6 +75,7 @@ AT(KernelContext_GetInput, 90);
 AT(KernelContext_GetOutput, 91);
 AT(ReleaseStatus, 93);
 AT(ReleaseTensorTypeAndShapeInfo, 99);
+AT(KernelContext_ParallelFor, 274);
 
 typedef struct OrtApiBase {
     const OrtApi* (*GetApi)(uint32_t version);
@@ -110,107 +113,31 @@ struct OrtCustomOp {
 };
 
 #define OP_VERSION 20
-#define API_VERSION 1  // of the OrtApi table: every entry used is in version 1
-#define MAX_THREADS 16
+#define API_VERSION 18  // of the OrtApi table: KernelContext_ParallelFor came with 18, the rest with 1
 #define MAX_DIMS 8
 
 static const OrtApi* api;
 
-// ---- helper threads ----
-// One job at a time (pool_lock), in a static slot. Its column groups go out in chunks through one 64-bit
-// word, (generation << 32) | next chunk, claimed by compare-and-swap, so a helper that wakes late (after the
-// job it was woken for ended) claims nothing of a later job by mistake. The caller works too and returns
-// once every chunk is done, without waiting for helpers that never started: on a loaded CPU a helper may
-// not be scheduled for milliseconds, and then the caller simply computes its share.
+// ---- the op ----
+
+typedef struct {
+    int64_t K, N, threads;  // threads: the session's intra-op threads (the columns go out in 4 chunks per thread)
+} Kernel;
 
 typedef struct {
     const int8_t* qa;
     const float *sa, *sasum;
     const uint8_t* pw;
     float* C;
-    int M, K, N, groups, chunk, chunks;
-} Job;
+    int M, K, N, groups, chunk;
+} PoolJob;
 
-static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_mutex_t wake_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t wake = PTHREAD_COND_INITIALIZER;
-static Job job;
-static uint64_t ticket;     // (generation << 32) | next chunk (atomic)
-static int done;            // chunks of the current job computed (atomic)
-static uint32_t generation; // of the current job (written under wake_lock)
-static int helpers;         // started so far
-
-#define HELPER_SPIN 300 /* pause loops a helper waits for the next job before sleeping (a few microseconds) */
-
-static void run_chunks(uint32_t gen) {
-    for (;;) {
-        uint64_t t = __atomic_load_n(&ticket, __ATOMIC_ACQUIRE);
-        for (;;) {
-            if ((uint32_t)(t >> 32) != gen || (int)(uint32_t)t >= job.chunks) return;
-            if (__atomic_compare_exchange_n(&ticket, &t, t + 1, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) break;
-        }
-        // claimed chunk c of job gen: the job cannot end (nor its fields change) before this chunk is done
-        int g0 = (int)(uint32_t)t * job.chunk;
-        int g1 = g0 + job.chunk < job.groups ? g0 + job.chunk : job.groups;
-        gemm_q_groups(job.qa, job.sa, job.sasum, job.M, job.K, job.pw, job.N, job.C, g0, g1);
-        __atomic_fetch_add(&done, 1, __ATOMIC_RELEASE);
-    }
+static void pool_chunk(void* data, size_t index) {
+    const PoolJob* j = data;
+    int g0 = (int)index * j->chunk;
+    int g1 = g0 + j->chunk < j->groups ? g0 + j->chunk : j->groups;
+    if (g0 < g1) gemm_q_groups(j->qa, j->sa, j->sasum, j->M, j->K, j->pw, j->N, j->C, g0, g1);
 }
-
-static void* helper_main(void* arg) {
-    uint32_t seen = (uint32_t)(uintptr_t)arg;  // the generation when it was started: jobs after it
-    for (;;) {
-        for (int spins = 0; spins < HELPER_SPIN && __atomic_load_n(&generation, __ATOMIC_ACQUIRE) == seen; spins++)
-            _mm_pause();
-        pthread_mutex_lock(&wake_lock);
-        while (generation == seen) pthread_cond_wait(&wake, &wake_lock);
-        seen = generation;
-        pthread_mutex_unlock(&wake_lock);
-        run_chunks(seen);
-    }
-    return NULL;
-}
-
-static void gemm_parallel(const int8_t* qa, const float* sa, const float* sasum, int M, int K, const uint8_t* pw,
-                          int N, float* C, int threads) {
-    int groups = N / 8;
-    if (threads <= 1 || groups < 2) {
-        gemm_q_groups(qa, sa, sasum, M, K, pw, N, C, 0, groups);
-        return;
-    }
-    pthread_mutex_lock(&pool_lock);
-    while (helpers < threads - 1 && helpers < MAX_THREADS - 1) {
-        pthread_t t;
-        if (pthread_create(&t, NULL, helper_main, (void*)(uintptr_t)generation) != 0) break;
-        pthread_detach(t);
-        helpers++;
-    }
-    int chunks = 4 * threads;  // a few chunks per thread: a late or preempted thread's share is picked up
-    int chunk = (groups + chunks - 1) / chunks;
-    chunks = (groups + chunk - 1) / chunk;
-    job = (Job){qa, sa, sasum, pw, C, M, K, N, groups, chunk, chunks};
-    __atomic_store_n(&done, 0, __ATOMIC_RELAXED);
-    pthread_mutex_lock(&wake_lock);
-    uint32_t gen = generation + 1;
-    __atomic_store_n(&ticket, (uint64_t)gen << 32, __ATOMIC_RELEASE);
-    __atomic_store_n(&generation, gen, __ATOMIC_RELEASE);
-    pthread_cond_broadcast(&wake);
-    pthread_mutex_unlock(&wake_lock);
-    run_chunks(gen);
-    for (int spins = 0; __atomic_load_n(&done, __ATOMIC_ACQUIRE) < chunks; spins++) {
-        if (spins < 2000)
-            _mm_pause();
-        else
-            sched_yield();  // the helper holding the last chunk was preempted: let it run
-    }
-    pthread_mutex_unlock(&pool_lock);
-}
-
-// ---- the op ----
-
-typedef struct {
-    int64_t K, N, threads;
-} Kernel;
 
 static OrtStatus* fail(const char* message) { return api->CreateStatus(ORT_FAIL, message); }
 
@@ -282,7 +209,16 @@ static OrtStatus* compute2(void* kernel, OrtKernelContext* context) {
         return fail("meshserve Int4MatMul: out of memory for the quantized activations");
     }
     quantize_rows(A, (int)M, K, qa, sa, sa + M * nb);
-    gemm_parallel(qa, sa, sa + M * nb, (int)M, K, W, N, C, (int)k->threads);
+    // the column groups in chunks on onnxruntime's intra-op threads (the calling thread included)
+    int groups = N / 8, chunks = 4 * (int)k->threads;
+    int chunk = (groups + chunks - 1) / chunks;
+    PoolJob job = {qa, sa, sa + M * nb, W, C, (int)M, K, N, groups, chunk};
+    status = api->KernelContext_ParallelFor(context, pool_chunk, (size_t)((groups + chunk - 1) / chunk), 0, &job);
+    if (status != NULL) {
+        free(qa);
+        free(sa);
+        return status;
+    }
     for (int64_t m = 0; m < M; m++) {
         float* row = C + m * N;
         for (int n = 0; n < N; n++) row[n] += bias[n];

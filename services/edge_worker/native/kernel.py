@@ -30,7 +30,7 @@ SOURCE = Path(__file__).with_name("kq4.c")
 SOURCES = (SOURCE, Path(__file__).with_name("int4op.c"))
 """Compiled into one library: the kernel and the onnxruntime custom op over it."""
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
-LIBS = ("-lpthread",)
+LIBS: tuple[str, ...] = ()
 BLOCK = 32
 """Weights are quantized in blocks of 32 along K (MatMulNBits ``block_size=32``)."""
 GROUP_COLUMNS = 8

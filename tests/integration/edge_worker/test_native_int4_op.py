@@ -60,9 +60,9 @@ def _model(k: int, n: int, rank: int, seed: int, with_bias: bool) -> tuple[onnx.
     return model, (b, scales, zeros, bias if with_bias else np.zeros(n, np.float32))
 
 
-def _session(model: onnx.ModelProto, library: Path) -> ort.InferenceSession:
+def _session(model: onnx.ModelProto, library: Path, threads: int = 1) -> ort.InferenceSession:
     options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
+    options.intra_op_num_threads = threads
     options.register_custom_ops_library(str(library))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
@@ -89,7 +89,7 @@ def test_the_op_equals_the_kernel(library: Path, k: int, n: int, rank: int, with
     assert use_int4_op(model, Path("."), threads) == 1
     (node,) = model.graph.node
     assert (node.domain, node.op_type) == (DOMAIN, OP)
-    session = _session(model, library)
+    session = _session(model, library, threads)
     reference = Int4MatMul(load_kernel(library.parent), b, scales, zeros, k, n)
     rng = np.random.default_rng(5)
     a = (rng.standard_normal((2, 3, k)) * rng.uniform(0.1, 10, (2, 3, 1))).astype(np.float32)
