@@ -1,7 +1,7 @@
 """``meshserve bench [SUBCOMMAND]``: the benchmark suites.
 
 ``meshserve bench load|soak|gateways|relay|cancel|report|spec|tp-prefix|batch|edge|edge-n|edge-logprobs|``
-``edge-structured|edge-prefill|edge-int4-kernel``
+``edge-structured|edge-prefill|edge-int4-kernel|edge-quality``
 ``...`` run the harness of issue 9, the cloud engine's speculative/TP benchmark and the edge tier's (each has
 ``-h``); anything else (``meshserve bench``, ``meshserve bench --only cloud``, ...) goes to
 :func:`benchmarks.mesh.run.main`, the mesh-overhead benchmark, unchanged.
@@ -43,6 +43,10 @@ SUBCOMMANDS = {
     "edge-int4-kernel": (
         "benchmarks.edge.int4_kernel.bench",
         "edge tier: our row-invariant AVX2 int4 kernel vs onnxruntime's MatMulNBits, one thread (issue 27 lead)",
+    ),
+    "edge-quality": (
+        "benchmarks.edge.quality",
+        "edge tier: perplexity / fp32 agreement of the engine's graphs with either int4 kernel (issue 27)",
     ),
 }
 

@@ -39,13 +39,15 @@ class EdgeWorkerSettings(WorkerSettings):
     QGEMM, 16 outlier input channels in fp32): ~11 % less CPU per 16-row decode call, ~8 % per 2-row
     call, same perplexity, ~1.5 s more to load (docs/edge.md). `nbits` runs the head as built
     (8-bit MatMulNBits)."""
-    int4_kernel: Literal["mlas", "native"] = "mlas"
-    """Batched engine: `mlas` runs the 4-bit matmuls on onnxruntime's MatMulNBits. `native` on our own
-    row-invariant AVX2 kernel, an onnxruntime custom op compiled with gcc at the first start
-    (`services/edge_worker/native`; needs gcc and an x86-64 CPU with AVX2 and FMA, else the worker
-    does not start): every decode row is then the same whatever else is in the call, so a lone
-    sequence decodes in one row and stays batch invariant (docs/edge.md, issue 27). Not together with
-    `adaptive_threading` (the op's thread count is fixed in the edited graph)."""
+    int4_kernel: Literal["auto", "mlas", "native"] = "auto"
+    """Batched engine: `native` runs the 4-bit matmuls on our own row-invariant AVX2 kernel, an
+    onnxruntime custom op compiled with gcc at the first start (`services/edge_worker/native`; needs gcc
+    and an x86-64 CPU with AVX2 and FMA, else the worker does not start): every decode row is then the
+    same whatever else is in the call, so a lone sequence decodes in one row and stays batch invariant,
+    and the calls are faster (docs/edge.md, issue 27). `mlas` runs them on onnxruntime's MatMulNBits.
+    `auto` (the default): native where it can be built and run, else mlas with a warning in the log
+    saying why; mlas with `adaptive_threading` (the op's thread count is fixed in the edited graph, so
+    `native` cannot be combined with it)."""
     intra_op_spinning: bool = False
     """Batched engine: idle intra-op threads spin instead of sleeping. Faster steps on an otherwise
     idle CPU; on a shared one it burns CPU the gateway and router need (docs/edge.md)."""

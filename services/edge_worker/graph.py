@@ -99,9 +99,12 @@ def load_sessions(
     lm_head: str = "nbits",
     cache_dir: Path | None = None,
     int4_kernel: str = "mlas",
+    last_positions: bool = True,
 ) -> list[ort.InferenceSession]:
     """One session per ``options`` over the same edited graph (edited or read from the cache once, with
-    ``options[0]``'s threads for the calibration run and the native kernel's threads; ``load_session``)."""
+    ``options[0]``'s threads for the calibration run and the native kernel's threads; ``load_session``).
+    ``last_positions=False`` keeps the logits of every position (teacher-forced quality measurements;
+    never cached)."""
     if lm_head not in LM_HEADS:
         raise ValueError(f"lm_head {lm_head!r} is not one of {LM_HEADS}")
     if int4_kernel not in INT4_KERNELS:
@@ -113,19 +116,29 @@ def load_sessions(
         for each in options:
             each.register_custom_ops_library(str(library))
     graph: bytes | None = None
-    if cache_dir is not None:
+    if cache_dir is not None and last_positions:
         cache, key = GraphCache(cache_dir), _cache_key(model_path, lm_head, options[0], int4_kernel)
         graph = cache.get(key)
         log.info("edge_graph_cache", hit=graph is not None, entry=str(cache_dir / f"{key}.onnx"))
     if graph is None:
-        graph = edited_graph(model_path, options[0], lm_head=lm_head, int4_kernel=int4_kernel)
-        if cache_dir is not None:
+        graph = edited_graph(
+            model_path, options[0], lm_head=lm_head, int4_kernel=int4_kernel, last_positions=last_positions
+        )
+        if cache_dir is not None and last_positions:
             cache.put(key, graph, model_path.parent)
     return [ort.InferenceSession(graph, each, providers=["CPUExecutionProvider"]) for each in options]
 
 
-def edited_graph(model_path: Path, options: ort.SessionOptions, *, lm_head: str, int4_kernel: str = "mlas") -> bytes:
-    """The serialized graph :func:`load_session` runs (``options`` must name the external data folder)."""
+def edited_graph(
+    model_path: Path,
+    options: ort.SessionOptions,
+    *,
+    lm_head: str,
+    int4_kernel: str = "mlas",
+    last_positions: bool = True,
+) -> bytes:
+    """The serialized graph :func:`load_session` runs (``options`` must name the external data folder);
+    ``last_positions=False`` leaves out the slice to the last :data:`LAST_POSITIONS` positions."""
     model = onnx.load(str(model_path), load_external_data=False)
     outliers = None
     if lm_head == "int8":
@@ -133,7 +146,8 @@ def edited_graph(model_path: Path, options: ort.SessionOptions, *, lm_head: str,
         ids = tokenizer.encode(CALIBRATION_TEXT.read_text()).ids[:CALIBRATION_TOKENS]
         decoder = json.loads((model_path.parent / "genai_config.json").read_text())["model"]["decoder"]
         outliers = outlier_channels(model, options, list(ids), int(decoder["head_size"]))
-    _last_positions(model)
+    if last_positions:
+        _last_positions(model)
     if lm_head == "int8" and not int8_lm_head(model, model_path.parent, outliers):
         raise ValueError(f"lm_head 'int8' needs an 8-bit MatMulNBits LM head, which {model_path} does not have")
     if int4_kernel == "native":

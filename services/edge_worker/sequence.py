@@ -1,8 +1,9 @@
 """One sequence of the batched edge engine (:mod:`services.edge_worker.batched`).
 
-Its worker thread calls ``step()``, which hands the sequence to the engine's batch thread and blocks
-until that thread has fed its pending tokens and chosen the next one. Only the batch thread touches
-``tokens``, ``kv_len``, ``slot`` and ``parked`` while a step is pending.
+Its worker thread calls ``step()`` (or ``begin()`` then ``wait()``), which hands the sequence to the
+engine's batch thread and blocks until that thread has fed its pending tokens and chosen the next
+one. Only the batch thread touches ``tokens``, ``kv_len``, ``slot`` and ``parked`` while a step is
+pending.
 """
 
 from __future__ import annotations
@@ -105,15 +106,23 @@ class BatchedSequence:
         return penalties
 
     def step(self) -> int:
+        self.begin()
+        return self.wait()
+
+    def begin(self) -> None:
+        """Hand the next step to the batch thread and return at once; :meth:`wait` returns its token.
+        The runner begins the next step as soon as it has a token and detokenizes and sends that token
+        while the model runs (the batch thread's rounds need not wait for it)."""
         if self.closed:
             raise RuntimeError("sequence is closed")
-        if self.source is not None:  # a fork: its first token comes with its copy of the source's KV
-            self._done.wait()
-            self.source = None
-        else:
+        if self.source is None:  # a fork's first token comes with its copy of the source's KV: nothing to submit
             self._done.clear()
             self._engine.submit(self)
-            self._done.wait()
+
+    def wait(self) -> int:
+        """The token of the step :meth:`begin` started (blocks until the batch thread has it)."""
+        self._done.wait()
+        self.source = None
         result = self._result
         if isinstance(result, BaseException):
             raise result

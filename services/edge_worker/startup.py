@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import structlog
+
 from services.common.errors import ConfigError
 from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.config import EdgeWorkerSettings
@@ -13,10 +15,32 @@ from services.worker.app import RunningWorker, start_worker
 
 TIER = "edge"
 
+log = structlog.get_logger(__name__)
+
+
+def int4_kernel(settings: EdgeWorkerSettings) -> str:
+    """The int4 kernel the engine runs (``mlas`` or ``native``): the setting, with ``auto`` resolved
+    (native when it builds and runs here, else mlas, logged with the reason); ConfigError (one sentence)
+    when ``native`` is asked for and cannot run here. Compiles the kernel once per version (seconds)."""
+    wanted = settings.int4_kernel
+    if wanted == "mlas" or (wanted == "auto" and settings.adaptive_threading):
+        return "mlas"
+    try:
+        compile_kernel()  # once per kernel version; the engine then loads it from the cache
+    except KernelUnavailable as exc:
+        if wanted == "auto":
+            log.warning("edge_int4_kernel_fallback", kernel="mlas", reason=str(exc))
+            return "mlas"
+        raise ConfigError(
+            f"MESHSERVE_EDGE_WORKER_INT4_KERNEL=native cannot run on this machine: {exc} "
+            "Set it to mlas or auto to use onnxruntime's kernels."
+        ) from None
+    return "native"
+
 
 def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
     """Load the model named by the settings (blocking: seconds); ConfigError (one sentence) when
-    ``int4_kernel=native`` cannot be built or run here."""
+    ``int4_kernel=native`` cannot be built or run here (:func:`int4_kernel`)."""
     if settings.engine == "og":
         return OgEngine(
             settings.check_model(),
@@ -24,14 +48,7 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
             threads=settings.threads,
             chat_reserve_tokens=settings.chat_reserve_tokens,
         )
-    if settings.int4_kernel == "native":
-        try:
-            compile_kernel()  # once per kernel version; the engine then loads it from the cache
-        except KernelUnavailable as exc:
-            raise ConfigError(
-                f"MESHSERVE_EDGE_WORKER_INT4_KERNEL=native cannot run on this machine: {exc} "
-                "Set it to mlas (the default) to use onnxruntime's kernels."
-            ) from None
+    kernel = int4_kernel(settings)
     return BatchedEngine(
         settings.check_model(),
         model_id=settings.model_id,
@@ -41,7 +58,7 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
         prefill_chunk=settings.prefill_chunk_tokens,
         batch_invariant=settings.batch_invariant,
         lm_head=settings.lm_head,
-        int4_kernel=settings.int4_kernel,
+        int4_kernel=kernel,
         spinning=settings.intra_op_spinning,
         adaptive_threading=settings.adaptive_threading,
         adaptive_max_rows=settings.adaptive_max_rows,

@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import replace
+from typing import Any
 
 import structlog
 
@@ -127,6 +128,10 @@ def run_sequence(
     interrupted = False  # the sequence may carry the interrupt: never keep it for another turn
     if sampling.logprobs and texts is None:
         texts = TokenTexts(engine.tokenizer)
+    # Split steps (``begin``/``wait``, EngineSequence): the next step starts before this token is
+    # detokenized and sent. Never for a chat session's sequence: it must be kept exactly at its turn's end.
+    begin = getattr(seq, "begin", None) if session is None else None
+    pending = False  # a step begun and not waited for yet
     try:
         while True:
             if stop_flag.is_set():
@@ -135,7 +140,9 @@ def run_sequence(
             if produced >= budget:
                 reason = FinishReason.LENGTH
                 break
-            if produced == 0 and interrupt is not None and interrupter is not None:
+            if pending:
+                token, pending = seq.wait(), False  # type: ignore[attr-defined]
+            elif produced == 0 and interrupt is not None and interrupter is not None:
                 interrupter.arm(interrupt)
                 try:
                     token = seq.step()
@@ -156,13 +163,17 @@ def run_sequence(
             if token in eos:
                 reason = FinishReason.STOP
                 break
+            # the token's logprobs, read before the next step begins (it sets them anew)
+            sampled: Any = seq.last_logprobs if texts is not None else None  # type: ignore[attr-defined]
+            if begin is not None and produced < budget and not stop_flag.is_set():
+                begin()  # the next token is computed while this one is detokenized and sent
+                pending = True
             if len(request.resume_ids) + produced <= sampling.min_tokens:  # the first min_tokens are never cut
                 text, stopped = stops.pass_through(detok.add(token)), False
             else:
                 text, stopped = stops.feed(detok.add(token))
             if texts is not None:
-                entry = texts.entry(seq.last_logprobs)  # type: ignore[attr-defined]
-                emit(TokenEvent((token,), text, index=index, logprobs=(entry,)))
+                emit(TokenEvent((token,), text, index=index, logprobs=(texts.entry(sampled),)))
             else:
                 emit(TokenEvent((token,), text, index=index))
             if stopped:

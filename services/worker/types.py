@@ -166,6 +166,12 @@ class EngineSequence(Protocol):
     The runner uses it for the first step only, whose prefill of a long context can take seconds;
     the sequence is closed afterwards.
 
+    An engine may also give its sequences ``begin()`` and ``wait()``, ``step`` in two halves: ``begin``
+    starts the next step and returns at once, ``wait`` returns its token. The runner then begins the
+    next step as soon as it has a token and decides whether to go on (not EOS, tokens left), and
+    detokenizes and sends that token while the model runs; a turn ended by a stop string or a cancel
+    meanwhile closes the sequence with that step pending (never a chat session's held sequence).
+
     A sequence whose sampling asks for ``logprobs`` sets ``last_logprobs``
     (:class:`~services.common.logprobs.SampledLogprobs`) in every ``step`` to the token it returns;
     an engine that cannot refuses such turns in ``check_sampling``.

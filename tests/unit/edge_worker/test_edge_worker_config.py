@@ -6,6 +6,7 @@ import pytest
 
 from services.common.errors import ConfigError
 from services.common.settings import load_settings
+from services.edge_worker import startup
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.native import kernel as native_kernel
 from services.edge_worker.startup import build_engine
@@ -65,10 +66,33 @@ def test_lm_head_and_spinning_options(monkeypatch: pytest.MonkeyPatch) -> None:
         load_settings(EdgeWorkerSettings)
 
 
-def test_int4_kernel_is_mlas_unless_set_and_native_without_gcc_is_a_config_error(
-    monkeypatch: pytest.MonkeyPatch,
+def test_int4_kernel_auto_is_native_where_it_builds_else_mlas(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert load_settings(EdgeWorkerSettings).int4_kernel == "mlas"
+    settings = load_settings(EdgeWorkerSettings)
+    assert settings.int4_kernel == "auto"
+    built: list[bool] = []
+    monkeypatch.setattr(startup, "compile_kernel", lambda: built.append(True) or tmp_path / "kq4.so")
+    assert startup.int4_kernel(settings) == "native"
+    assert built == [True]
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_ADAPTIVE_THREADING", "true")  # auto yields to adaptive threading
+    assert startup.int4_kernel(load_settings(EdgeWorkerSettings)) == "mlas"
+    monkeypatch.delenv("MESHSERVE_EDGE_WORKER_ADAPTIVE_THREADING")
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INT4_KERNEL", "mlas")
+    assert startup.int4_kernel(load_settings(EdgeWorkerSettings)) == "mlas"
+    assert built == [True]  # mlas asked for: nothing compiled
+
+    def cannot() -> Path:
+        raise native_kernel.KernelUnavailable("the int4 kernel needs AVX2 and FMA, and this CPU lacks avx2.")
+
+    monkeypatch.setattr(startup, "compile_kernel", cannot)
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INT4_KERNEL", "auto")
+    assert startup.int4_kernel(load_settings(EdgeWorkerSettings)) == "mlas"  # falls back, and says why
+    captured = capsys.readouterr()
+    assert "edge_int4_kernel_fallback" in captured.out + captured.err
+
+
+def test_int4_kernel_native_without_gcc_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INT4_KERNEL", "native")
     settings = load_settings(EdgeWorkerSettings)
     assert settings.int4_kernel == "native"
