@@ -63,7 +63,17 @@ def cpu_flags() -> set[str]:
 
 
 def unavailable_reason() -> str | None:
-    """Why the kernel cannot run on this machine (one sentence), or None when it can."""
+    """Why the kernel cannot be built and run on this machine (one sentence), or None when it can."""
+    return _cpu_reason() or _gcc_reason()
+
+
+def _gcc_reason() -> str | None:
+    if shutil.which("gcc") is None:
+        return "the int4 kernel is compiled with gcc, which is not on PATH: install gcc (e.g. apt-get install gcc)."
+    return None
+
+
+def _cpu_reason() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the int4 kernel needs an x86-64 CPU with AVX2 and FMA, this machine is {platform.machine()}."
     missing = {"avx2", "fma"} - cpu_flags()
@@ -71,22 +81,29 @@ def unavailable_reason() -> str | None:
         return (
             f"the int4 kernel needs AVX2 and FMA, and this CPU lacks {', '.join(sorted(missing))} (per /proc/cpuinfo)."
         )
-    if shutil.which("gcc") is None:
-        return "the int4 kernel is compiled with gcc, which is not on PATH: install gcc (e.g. apt-get install gcc)."
     return None
 
 
-def compile_kernel(cache_dir: Path | None = None) -> Path:
-    """The shared library built from :data:`SOURCES`; compiled only when the cache lacks these sources + flags."""
-    reason = unavailable_reason()
-    if reason is not None:
-        raise KernelUnavailable(reason)
+def library_path(cache_dir: Path | None = None) -> Path:
+    """Where the library built from these sources and flags is (or will be) kept."""
     source = b"\0".join(path.read_bytes() for path in SOURCES)
     digest = hashlib.sha256(source + "\0".join(CFLAGS + LIBS).encode()).hexdigest()[:16]
-    directory = cache_dir or default_cache_dir()
-    library = directory / f"kq4-{digest}.so"
+    return (cache_dir or default_cache_dir()) / f"kq4-{digest}.so"
+
+
+def compile_kernel(cache_dir: Path | None = None) -> Path:
+    """The shared library built from :data:`SOURCES`; compiled only when the cache lacks these sources + flags
+    (a library built earlier, e.g. into the Docker image, needs no gcc here)."""
+    reason = _cpu_reason()
+    if reason is not None:
+        raise KernelUnavailable(reason)
+    library = library_path(cache_dir)
+    directory = library.parent
     if library.exists():
         return library
+    reason = _gcc_reason()
+    if reason is not None:
+        raise KernelUnavailable(reason)
     directory.mkdir(parents=True, exist_ok=True)
     # build under a temporary name and rename: another process may be building the same file
     fd, tmp = tempfile.mkstemp(prefix=".kq4-", suffix=".so", dir=directory)
@@ -250,3 +267,10 @@ class Int4MatMul:
                 qa.ctypes.data, sa.ctypes.data, sasum.ctypes.data,
             )
         )  # fmt: skip
+
+
+if __name__ == "__main__":  # `python -m services.edge_worker.native.kernel`: build it now (the Docker image does)
+    try:
+        print(compile_kernel())
+    except KernelUnavailable as exc:
+        raise SystemExit(f"int4 kernel not built: {exc}") from None

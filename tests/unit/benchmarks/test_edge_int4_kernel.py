@@ -124,3 +124,15 @@ def test_the_report_has_the_shape_step_and_check_tables_and_no_target() -> None:
     assert "1.24, 1.11, 1.05 at the start" in text and "1.46, 1.17, 1.07 at the end" in text
     assert "Command: `meshserve bench edge-int4-kernel`" in text
     assert "TARGET" not in text
+
+
+def test_a_library_built_earlier_is_used_without_gcc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(kernel.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(kernel, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(kernel.shutil, "which", lambda _name: None)
+    prebuilt = kernel.library_path(tmp_path)  # what `python -m services.edge_worker.native.kernel` leaves
+    prebuilt.write_bytes(b"")
+    assert kernel.compile_kernel(tmp_path) == prebuilt
+    monkeypatch.setattr(kernel, "cpu_flags", lambda: {"sse2"})  # the CPU still has to run it
+    with pytest.raises(kernel.KernelUnavailable, match="lacks avx2, fma"):
+        kernel.compile_kernel(tmp_path)

@@ -101,3 +101,10 @@ def test_runs_as_an_unprivileged_user_with_a_meshserve_default_command() -> None
         words = dict(stages[target])
         assert words["USER"] == "meshserve"
         commands.parse(json.loads(words["CMD"]))
+
+
+def test_the_cpu_image_prebuilds_the_edge_int4_kernel_for_its_user_and_drops_gcc() -> None:
+    runs = _runs(_stages(), "cpu")
+    assert "runuser -u meshserve -- env HOME=/home/meshserve python -m services.edge_worker.native.kernel" in runs
+    assert "apt-get purge -y --auto-remove gcc" in runs  # the compiler does not stay in the image
+    assert (ROOT / "services" / "edge_worker" / "native" / "kernel.py").read_text().count('__name__ == "__main__"') == 1
