@@ -1,4 +1,4 @@
-"""Build, load and call ``kq4.c``: a row-invariant int4 (and int8) x int8 matmul for MatMulNBits weights (AVX2).
+"""Build, load and call ``kq4.c``: a row-invariant matmul of 4- or 8-bit MatMulNBits weights x int8 activations (AVX2).
 
 Our own code because onnxruntime's MLAS has no row-invariant 4-bit kernel (its M=1 GEMV rounds
 differently from its M>=2 GEMM, docs/edge.md, issue 27) and measured slower on this CPU; the layout

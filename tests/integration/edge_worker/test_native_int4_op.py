@@ -109,7 +109,7 @@ def test_the_op_equals_the_kernel(library: Path, k: int, n: int, rank: int, with
         assert np.array_equal(y1.reshape(n), y.reshape(-1, n)[row])
 
 
-def test_only_4_bit_block_32_nodes_are_replaced() -> None:
+def test_only_block_32_nodes_are_replaced() -> None:
     model, _ = _model(64, 16, 2, seed=1, with_bias=False)
     for attr in model.graph.node[0].attribute:
         if attr.name == "block_size":
