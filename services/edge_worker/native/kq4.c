@@ -1,5 +1,6 @@
 // Row-invariant int4-weight x int8-activation matmul (AVX2 + FMA, one thread): Y[M,N] = A[M,K] @ W[N,K]^T
-// for onnxruntime MatMulNBits weights (4 bits, blocks of 32 along K, fp32 scales, 4-bit zero points).
+// for onnxruntime MatMulNBits weights (4 bits, blocks of 32 along K, fp32 scales, 4-bit zero points; 8-bit
+// weights too, below).
 // Build: gcc -O3 -mavx2 -mfma -ffp-contract=off -fPIC -shared (services/edge_worker/native/kernel.py).
 //
 // Weight layout: columns in groups of 8 (N % 8 == 0), each group's K/32 blocks in K order, one block of
@@ -8,19 +9,21 @@
 //              low nibble = q[col][4c+kk], high nibble = q[col][16+4c+kk]   (q in 0..15)
 //   [128..159] float sw[8]   weight scale per column
 //   [160..167] uint8 z[8]    zero point per column (0..15)
-// 8-bit weights (MatMulNBits bits=8, blocks of 32, u8 zero points), one block of 8 columns x 32 k in
-// GRP8_BYTES = 296 bytes:
-//   [0..255]   8 chunks c = 0..7 of 32 bytes; byte i: col = i/4, kk = i%4; the byte = q[col][4c+kk] (0..255)
-//   [256..287] float sw[8]; [288..295] uint8 z[8] (0..255)
-// The kernel splits each byte into nibbles, q = 16*hi + lo, and runs each nibble plane through the 4-bit
-// path's int8 products (values <= 15, so the int16 sums cannot overflow); dot_b = 16*dot(hi) + dot(lo),
-// exact in int32. The result is formed as for 4 bits (same fp32 steps, same order).
 // Activation quantization (per row, per block of 32 k), the same as MLAS' int8 path:
 //   amax = max|a|; inv = amax > 0 ? 127.f/amax : 0; qa = rint(a*inv) (nearest-even, fp32 multiply);
 //   sa = amax/127.f; sasum = sa * (float)sum(qa).
 // Result, in fp32, blocks b ascending:
 //   Y[m,n] = sum_b cvt(dot_b) * (sw_b*sa_b)  +  sum_b -(sw_b*z_b) * sasum_b
 //   where dot_b = sum_k q*qa (exact, int32), each sum one FMA chain, the two chains added at the end.
+// 8-bit weights (MatMulNBits bits=8, blocks of 32, u8 zero points), one block of 8 columns x 32 k in
+// GRP8_BYTES = 296 bytes:
+//   [0..255]   8 chunks c = 0..7 of 32 bytes; byte i: col = i/4, kk = i%4; the byte = q[col][4c+kk] (0..255)
+//   [256..287] float sw[8]; [288..295] uint8 z[8] (0..255)
+// maddubs (u8 x s8, pair sums saturated to int16) cannot take full bytes times activations exactly
+// (2 x 255 x 127 > 32767), so the weights are shifted to w = q - 128 (-128..127) and the products taken as
+// |w| (0..128, unsigned) x sign(a, w) (a in -127..127, so its negation fits): pair sums <= 32512, exact.
+// dot_b = sum w*qa, exact in int32, and the zero-point term uses (z - 128) in place of z:
+//   Y[m,n] = sum_b cvt(dot_b) * (sw_b*sa_b)  +  sum_b -(sw_b*(z_b-128)) * sasum_b   (same fp32 steps as 4 bits)
 // Row invariance: every row is computed by the same instruction sequence whatever M is; the row tiles
 // (4, 3, 2 or 1 rows at a time) only interleave independent rows, they never share a sum. So a row's
 // output is bit-identical whether it is computed alone or with other rows.
@@ -135,9 +138,8 @@ static inline __attribute__((always_inline)) void tile8(const int8_t* qa, const 
                                                         int K, const uint8_t* pw, int N, float* C, int m0, int R,
                                                         int g) {
     const int nb = K / BLK;
-    const __m256i lomask = _mm256_set1_epi8(0x0F);
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
     const __m256i ones = _mm256_set1_epi16(1);
-    const __m256i sixteen = _mm256_set1_epi16(16);
     __m256 acc[4], zt[4];
     for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
@@ -147,32 +149,32 @@ static inline __attribute__((always_inline)) void tile8(const int8_t* qa, const 
         _mm_prefetch((const char*)p + PF_DIST + 128, _MM_HINT_T0);
         _mm_prefetch((const char*)p + PF_DIST + 192, _MM_HINT_T0);
         _mm_prefetch((const char*)p + PF_DIST + 256, _MM_HINT_T0);
-        __m256i slo[4], shi[4];
-        for (int r = 0; r < R; r++) slo[r] = shi[r] = _mm256_setzero_si256();
+        __m256i d[4];
+        for (int r = 0; r < R; r++) d[r] = _mm256_setzero_si256();
         for (int c = 0; c < 8; c++) {
-            const __m256i ch = _mm256_loadu_si256((const __m256i*)(p + 32 * c));
-            const __m256i lo = _mm256_and_si256(ch, lomask);
-            const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(ch, 4), lomask);
+            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 32 * c)), flip);  // q - 128
+            const __m256i u = _mm256_abs_epi8(w);  // 0..128, read unsigned
             for (int r = 0; r < R; r++) {
-                // the row's 4 activations k = 4c..4c+3 of this block, broadcast to every column
+                // the row's 4 activations k = 4c..4c+3 of this block, broadcast, with the weights' signs
                 const __m256i a = _mm256_set1_epi32(((const int32_t*)(qa + (size_t)(m0 + r) * K + b * BLK))[c]);
-                // per int16 lane at most 8 chunks x 2 products x 15 x 127 = 30480 < 32767: no overflow
-                slo[r] = _mm256_add_epi16(slo[r], _mm256_maddubs_epi16(lo, a));
-                shi[r] = _mm256_add_epi16(shi[r], _mm256_maddubs_epi16(hi, a));
+                const __m256i s = _mm256_sign_epi8(a, w);
+                // |u0*s0 + u1*s1| <= 2 x 128 x 127 = 32512 < 32767: maddubs cannot saturate
+                d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
             }
         }
         const __m256 sw = _mm256_loadu_ps((const float*)(p + 256));
         for (int r = 0; r < R; r++) {
-            __m256i d = _mm256_add_epi32(_mm256_madd_epi16(shi[r], sixteen), _mm256_madd_epi16(slo[r], ones));
             __m256 scale = _mm256_mul_ps(sw, _mm256_broadcast_ss(sa + (m0 + r) * nb + b));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc[r]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), scale, acc[r]);
         }
     }
-    // zero-point term: its own FMA chain (same order for every row), added at the end
+    // zero-point term, with z - 128 for the shifted weights: its own FMA chain, added at the end
+    const __m256 f128 = _mm256_set1_ps(128.f);
     for (int r = 0; r < R; r++) zt[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++) {
         const uint8_t* pz = pw + (size_t)b * GRP8_BYTES;
-        const __m256 zf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(pz + 288))));
+        const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(pz + 288)));
+        const __m256 zf = _mm256_sub_ps(_mm256_cvtepi32_ps(z), f128);  // z - 128, exact
         const __m256 swz = _mm256_mul_ps(_mm256_loadu_ps((const float*)(pz + 256)), zf);
         for (int r = 0; r < R; r++)
             zt[r] = _mm256_fnmadd_ps(swz, _mm256_broadcast_ss(sasum + (m0 + r) * nb + b), zt[r]);

@@ -182,3 +182,23 @@ def test_the_lm_head_is_never_replaced() -> None:
     model.graph.node[0].output[0] = "logits"
     model.graph.output[0].name = "logits"
     assert use_int4_op(model, Path("."), 1) == 0
+
+
+def test_8_bit_extremes_do_not_saturate(library: Path) -> None:
+    # weights 0 and 255 (shifted: -128 and 127) against activations that all quantize to +-127: the largest
+    # pair sums the int16 products can meet (2 x 128 x 127 = 32512); the result must still be the exact math
+    k, n = 128, 16
+    rng = np.random.default_rng(4)
+    b = rng.choice(np.array([0, 255], np.uint8), (n, k // 32, 32))
+    b[0] = 0  # a whole column of -128s
+    scales = np.full(n * (k // 32), 0.01, np.float32)
+    zeros = rng.integers(0, 256, (n, k // 32), dtype=np.uint8)
+    reference = Int4MatMul(load_kernel(library.parent), b, scales, zeros, k, n, bits=8)
+    a = np.where(rng.random((4, k)) < 0.5, -3.0, 3.0).astype(np.float32)
+    a[1] = -3.0  # every product of column 0 at the extreme, one sign
+    qa, sa, _ = reference.quantize(a)
+    assert np.abs(qa).min() == 127
+    w = b.reshape(n, k).astype(np.int64) - np.repeat(zeros.astype(np.int64), 32, axis=1)
+    exact = (qa.astype(np.int64) * sa.repeat(32, axis=1).astype(np.float64)) @ (w * 0.01).T
+    y = reference(a)
+    assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
