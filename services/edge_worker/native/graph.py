@@ -1,7 +1,7 @@
 """Graph edit for ``int4_kernel=native``: the MatMulNBits nodes become our custom op ``Int4MatMul``.
 
 The 4-bit nodes in blocks of 32 (no g_idx; the ones MLAS computes differently for one row and several,
-docs/edge.md, issue 27) and the 8-bit ones in blocks of 32 (MLAS is row-invariant there, ours 1.1-1.3x faster;
+docs/edge.md, issue 27) and the 8-bit ones in blocks of 32 (MLAS is row-invariant there, ours 1.2-1.6x faster;
 the op's ``bits`` attribute says which) are replaced; the LM head (``logits``) stays. Each replaced node's
 weights, scales and zero points are packed here into the kernel's layout
 (:func:`services.edge_worker.native.kernel.pack_weights`) as one new uint8 initializer, inline in the
