@@ -175,5 +175,6 @@ def _cache_key(model_path: Path, lm_head: str, options: ort.SessionOptions, int4
     if int4_kernel != "mlas":  # only then: the default's key (and its cached entries) stay as they were
         settings["int4_kernel"] = int4_kernel
         settings["int4_kernel_threads"] = _native_threads(options)
-        sources += [Path(native_graph.__file__), Path(native_kernel.__file__)]
+        # the C sources too: they define the packed layout the edited graph's weights are in
+        sources += [Path(native_graph.__file__), Path(native_kernel.__file__), *native_kernel.SOURCES]
     return graph_key(model_path, settings=settings, sources=sources, versions=versions)

@@ -1,6 +1,7 @@
 // onnxruntime custom op "meshserve.edge:Int4MatMul" over kq4.c: Y[..., N] = A[..., K] @ W^T + bias, W packed by
 // services/edge_worker/native/kernel.py (pack_weights). Inputs: A float32 [..., K] (leading dims flattened to M
-// rows), W uint8 (the packed layout), bias float32 [N]. Attributes: K, N, threads (the session's, >= 1).
+// rows), W uint8 (the packed layout), bias float32 [N]. Attributes: K, N, threads (the session's, >= 1), bits
+// (4 or 8, the weights' width and so their packed layout; absent means 4, as in graphs edited before it existed).
 // Built into one library with kq4.c (kernel.py); onnxruntime loads it through
 // SessionOptions.register_custom_ops_library, which calls RegisterCustomOps below.
 //
@@ -20,6 +21,13 @@
 void quantize_rows(const float* A, int M, int K, int8_t* qa, float* sa, float* sasum);
 void gemm_q_groups(const int8_t* qa, const float* sa, const float* sasum, int M, int K, const uint8_t* pw, int N,
                    float* C, int g0, int g1);
+void gemm_q8_groups(const int8_t* qa, const float* sa, const float* sasum, int M, int K, const uint8_t* pw, int N,
+                    float* C, int g0, int g1);
+int grp_bytes(void);
+int grp8_bytes(void);
+
+typedef void (*GemmGroups)(const int8_t* qa, const float* sa, const float* sasum, int M, int K, const uint8_t* pw,
+                           int N, float* C, int g0, int g1);
 
 typedef struct OrtStatus OrtStatus;
 typedef struct OrtValue OrtValue;
@@ -122,6 +130,9 @@ static const OrtApi* api;
 
 typedef struct {
     int64_t K, N, threads;  // threads: the session's intra-op threads (the columns go out in 4 chunks per thread)
+    int64_t bits;           // 4 or 8
+    GemmGroups gemm;        // gemm_q_groups (4 bits) or gemm_q8_groups (8 bits)
+    int64_t w_bytes;        // the packed weights' size: N/8 * K/32 blocks of grp_bytes() or grp8_bytes()
 } Kernel;
 
 typedef struct {
@@ -130,13 +141,14 @@ typedef struct {
     const uint8_t* pw;
     float* C;
     int M, K, N, groups, chunk;
+    GemmGroups gemm;
 } PoolJob;
 
 static void pool_chunk(void* data, size_t index) {
     const PoolJob* j = data;
     int g0 = (int)index * j->chunk;
     int g1 = g0 + j->chunk < j->groups ? g0 + j->chunk : j->groups;
-    if (g0 < g1) gemm_q_groups(j->qa, j->sa, j->sasum, j->M, j->K, j->pw, j->N, j->C, g0, g1);
+    if (g0 < g1) j->gemm(j->qa, j->sa, j->sasum, j->M, j->K, j->pw, j->N, j->C, g0, g1);
 }
 
 static OrtStatus* fail(const char* message) { return api->CreateStatus(ORT_FAIL, message); }
@@ -154,13 +166,23 @@ static OrtStatus* create_kernel2(const OrtCustomOp* op, const OrtApi* a, const O
     OrtStatus* status = a->KernelInfoGetAttribute_int64(info, "K", &k->K);
     if (status == NULL) status = a->KernelInfoGetAttribute_int64(info, "N", &k->N);
     if (status == NULL) status = a->KernelInfoGetAttribute_int64(info, "threads", &k->threads);
+    if (status == NULL) {
+        OrtStatus* absent = a->KernelInfoGetAttribute_int64(info, "bits", &k->bits);
+        if (absent != NULL) {
+            a->ReleaseStatus(absent);
+            k->bits = 4;
+        }
+    }
     if (status == NULL && (k->K <= 0 || k->K % 32 || k->N <= 0 || k->N % 8))
         status = fail("meshserve Int4MatMul: K must be a positive multiple of 32 and N of 8");
+    if (status == NULL && k->bits != 4 && k->bits != 8) status = fail("meshserve Int4MatMul: bits must be 4 or 8");
     if (status != NULL) {
         free(k);
         return status;
     }
     if (k->threads < 1) k->threads = 1;
+    k->gemm = k->bits == 8 ? gemm_q8_groups : gemm_q_groups;
+    k->w_bytes = k->N / 8 * (k->K / 32) * (k->bits == 8 ? grp8_bytes() : grp_bytes());
     *out = k;
     return NULL;
 }
@@ -187,6 +209,18 @@ static OrtStatus* compute2(void* kernel, OrtKernelContext* context) {
     if (status == NULL) status = api->GetDimensions(shape, dims, rank);
     api->ReleaseTensorTypeAndShapeInfo(shape);
     if (status != NULL) return status;
+    // the weights must hold exactly the packed layout of K, N and bits (a mismatch would read out of bounds)
+    int64_t w_dims[MAX_DIMS], w_size = 1;
+    size_t w_rank = 0;
+    TRY(api->GetTensorTypeAndShape(w_value, &shape));
+    status = api->GetDimensionsCount(shape, &w_rank);
+    if (status == NULL && (w_rank < 1 || w_rank > MAX_DIMS))
+        status = fail("meshserve Int4MatMul: W must have 1 to 8 dims");
+    if (status == NULL) status = api->GetDimensions(shape, w_dims, w_rank);
+    api->ReleaseTensorTypeAndShapeInfo(shape);
+    if (status != NULL) return status;
+    for (size_t i = 0; i < w_rank; i++) w_size *= w_dims[i];
+    if (w_size != k->w_bytes) return fail("meshserve Int4MatMul: W's size is not the packed size of K, N and bits");
     int64_t M = 1;
     for (size_t i = 0; i + 1 < rank; i++) M *= dims[i];
     if (dims[rank - 1] != k->K) return fail("meshserve Int4MatMul: A's last dimension is not the weights' K");
@@ -212,7 +246,7 @@ static OrtStatus* compute2(void* kernel, OrtKernelContext* context) {
     // the column groups in chunks on onnxruntime's intra-op threads (the calling thread included)
     int groups = N / 8, chunks = 4 * (int)k->threads;
     int chunk = (groups + chunks - 1) / chunks;
-    PoolJob job = {qa, sa, sa + M * nb, W, C, (int)M, K, N, groups, chunk};
+    PoolJob job = {qa, sa, sa + M * nb, W, C, (int)M, K, N, groups, chunk, k->gemm};
     status = api->KernelContext_ParallelFor(context, pool_chunk, (size_t)((groups + chunk - 1) / chunk), 0, &job);
     if (status != NULL) {
         free(qa);

@@ -1,11 +1,11 @@
-"""Build, load and call ``kq4.c``: a row-invariant int4 x int8 matmul for MatMulNBits weights (AVX2).
+"""Build, load and call ``kq4.c``: a row-invariant matmul of 4- or 8-bit MatMulNBits weights x int8 activations (AVX2).
 
 Our own code because onnxruntime's MLAS has no row-invariant 4-bit kernel (its M=1 GEMV rounds
 differently from its M>=2 GEMM, docs/edge.md, issue 27) and measured slower on this CPU; the layout
 and the quantized math are in the C file's header. :func:`load_kernel` compiles the sources with gcc
 once into a cache directory (the file name hashes the sources and the flags), loads it with ctypes and
 checks the CPU has AVX2 and FMA; :func:`pack_weights` turns MatMulNBits-format weights into the
-kernel's layout; :class:`Int4MatMul` runs it. The same library holds the onnxruntime custom op
+kernel's layout (4 or 8 bits); :class:`Int4MatMul` runs it. The same library holds the onnxruntime custom op
 ``meshserve.edge:Int4MatMul`` (``int4op.c``) that the batched edge engine uses with
 ``int4_kernel=native`` (:func:`custom_op_library`, :mod:`services.edge_worker.native.graph`); the
 benchmark ``meshserve bench edge-int4-kernel`` imports this module.
@@ -37,6 +37,10 @@ GROUP_COLUMNS = 8
 """The kernel computes 8 output columns at a time, so N must be a multiple of 8."""
 GROUP_BYTES = 168
 """Bytes per block of 8 columns x 32 k in the packed layout (128 nibble bytes, 8 fp32 scales, 8 u8 zero points)."""
+GROUP_BYTES_8 = 296
+"""The same for 8-bit weights (256 weight bytes, 8 fp32 scales, 8 u8 zero points)."""
+BITS = (4, 8)
+"""The weight widths the kernel takes."""
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -134,16 +138,24 @@ def load_kernel(cache_dir: Path | None = None) -> Kernel:
     path = compile_kernel(cache_dir)
     lib = ctypes.CDLL(str(path))
     lib.grp_bytes.restype = _I
+    lib.grp8_bytes.restype = _I
     lib.quantize_rows.argtypes = [_P, _I, _I, _P, _P, _P]
     lib.quantize_rows.restype = None
     lib.matmul_q4.argtypes = [_P, _I, _I, _P, _I, _P, _P, _P, _P]
     lib.matmul_q4.restype = None
+    lib.matmul_q8.argtypes = [_P, _I, _I, _P, _I, _P, _P, _P, _P]
+    lib.matmul_q8.restype = None
     lib.time_matmul_q4.argtypes = [_I, _P, _I, _I, _P, _I, _P, _P, _P, _P]
     lib.time_matmul_q4.restype = ctypes.c_double
+    lib.time_matmul_q8.argtypes = lib.time_matmul_q4.argtypes
+    lib.time_matmul_q8.restype = ctypes.c_double
     lib.time_matmul_q4_list.argtypes = [_I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P]
     lib.time_matmul_q4_list.restype = ctypes.c_double
-    if lib.grp_bytes() != GROUP_BYTES:
-        raise KernelUnavailable(f"{path} packs {lib.grp_bytes()} bytes per block, this module {GROUP_BYTES}.")
+    if (lib.grp_bytes(), lib.grp8_bytes()) != (GROUP_BYTES, GROUP_BYTES_8):
+        raise KernelUnavailable(
+            f"{path} packs {lib.grp_bytes()} / {lib.grp8_bytes()} bytes per 4- / 8-bit block,"
+            f" this module {GROUP_BYTES} / {GROUP_BYTES_8}."
+        )
     return Kernel(lib, path)
 
 
@@ -180,21 +192,53 @@ def unpack_matmulnbits(
     return q.reshape(n, k), np.ascontiguousarray(z)
 
 
+def unpack_matmulnbits8(
+    b: npt.NDArray[np.uint8], zero_points: npt.NDArray[np.uint8] | None, k: int, n: int
+) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8]]:
+    """MatMulNBits' 8-bit weights and zero points -> q [N, K] and z [N, K/32], values 0..255.
+
+    ``b``: uint8 [N, K/32, 32], one byte per weight in k order. ``zero_points``: uint8 [N * K/32], one
+    byte per block; None means 128 (symmetric).
+    """
+    nb = k // BLOCK
+    if b.shape != (n, nb, BLOCK) or b.dtype != np.uint8:
+        raise ValueError(f"B must be uint8 [N, K/32, 32] = [{n}, {nb}, 32], got {b.dtype} {list(b.shape)}.")
+    if zero_points is None:
+        return b.reshape(n, k), np.full((n, nb), 128, np.uint8)
+    if zero_points.size != n * nb or zero_points.dtype != np.uint8:
+        raise ValueError(f"8-bit zero points must be uint8 [N * K/32] = [{n * nb}], got {zero_points.size}.")
+    return b.reshape(n, k), np.ascontiguousarray(zero_points.reshape(n, nb))
+
+
 def pack_weights(
     b: npt.NDArray[np.uint8],
     scales: npt.NDArray[np.float32],
     zero_points: npt.NDArray[np.uint8] | None,
     k: int,
     n: int,
+    bits: int = 4,
 ) -> npt.NDArray[np.uint8]:
-    """MatMulNBits weights (bits=4, block_size=32: B, scales, zero points) in the kernel's layout (kq4.c)."""
+    """MatMulNBits weights (``bits`` 4 or 8, block_size=32: B, scales, zero points) in the kernel's layout
+    (kq4.c): for 4 bits B is [N, K/32, 16], for 8 bits [N, K/32, 32]."""
     if k <= 0 or k % BLOCK or n <= 0 or n % GROUP_COLUMNS:
         raise ValueError(
             f"the kernel needs K a multiple of {BLOCK} and N a multiple of {GROUP_COLUMNS}, got K={k} N={n}."
         )
+    if bits not in BITS:
+        raise ValueError(f"the kernel takes weights of {BITS} bits, got {bits}.")
     nb, groups = k // BLOCK, n // GROUP_COLUMNS
     if scales.size != n * nb:
         raise ValueError(f"scales must hold N * K/32 = {n * nb} values, got {scales.size}.")
+    sw = np.ascontiguousarray(scales.astype(np.float32).reshape(groups, GROUP_COLUMNS, nb).transpose(0, 2, 1))
+    if bits == 8:
+        q, z = unpack_matmulnbits8(b, zero_points, k, n)
+        w = q.reshape(groups, GROUP_COLUMNS, nb, 8, 4)  # [group, column, block, chunk, kk]
+        out = _aligned(groups * nb * GROUP_BYTES_8).reshape(groups, nb, GROUP_BYTES_8)
+        # byte i of chunk c: column i/4, k = 4c + i%4
+        out[..., :256] = w.transpose(0, 2, 3, 1, 4).reshape(groups, nb, 256)
+        out[..., 256:288] = sw.view(np.uint8).reshape(groups, nb, 32)
+        out[..., 288:296] = z.reshape(groups, GROUP_COLUMNS, nb).transpose(0, 2, 1)
+        return out.reshape(-1)
     q, z = unpack_matmulnbits(b, zero_points, k, n)
     w = q.reshape(groups, GROUP_COLUMNS, nb, BLOCK).transpose(0, 2, 1, 3)  # [group, block, column, k]
     # byte i of chunk c: column i/4, k = 4c + i%4 (low nibble) and 16 + 4c + i%4 (high nibble)
@@ -202,14 +246,15 @@ def pack_weights(
     hi = w[..., 16:].reshape(groups, nb, 8, 4, 4).transpose(0, 1, 3, 2, 4).reshape(groups, nb, 128)
     out = _aligned(groups * nb * GROUP_BYTES).reshape(groups, nb, GROUP_BYTES)
     out[..., :128] = lo | (hi << 4)
-    sw = np.ascontiguousarray(scales.astype(np.float32).reshape(groups, GROUP_COLUMNS, nb).transpose(0, 2, 1))
     out[..., 128:160] = sw.view(np.uint8).reshape(groups, nb, 32)
     out[..., 160:168] = z.reshape(groups, GROUP_COLUMNS, nb).transpose(0, 2, 1)
     return out.reshape(-1)
 
 
 class Int4MatMul:
-    """One weight matrix packed for the kernel; calling it with A [M, K] float32 returns A @ W^T [M, N] float32."""
+    """One weight matrix packed for the kernel; calling it with A [M, K] float32 returns A @ W^T [M, N] float32.
+
+    ``bits``: 4 (the default) or 8, the MatMulNBits weights' width (:func:`pack_weights`)."""
 
     def __init__(
         self,
@@ -219,9 +264,10 @@ class Int4MatMul:
         zero_points: npt.NDArray[np.uint8] | None,
         k: int,
         n: int,
+        bits: int = 4,
     ) -> None:
-        self.kernel, self.k, self.n = kernel, k, n
-        self.packed = pack_weights(b, scales, zero_points, k, n)
+        self.kernel, self.k, self.n, self.bits = kernel, k, n, bits
+        self.packed = pack_weights(b, scales, zero_points, k, n, bits)
 
     def _activations(self, a: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         if a.ndim != 2 or a.shape[1] != self.k or a.shape[0] < 1:
@@ -238,7 +284,8 @@ class Int4MatMul:
         m = a.shape[0]
         out = np.empty((m, self.n), np.float32)
         qa, sa, sasum = self.workspace(m)
-        self.kernel.lib.matmul_q4(
+        matmul = self.kernel.lib.matmul_q8 if self.bits == 8 else self.kernel.lib.matmul_q4
+        matmul(
             a.ctypes.data, m, self.k, self.packed.ctypes.data, self.n, out.ctypes.data,
             qa.ctypes.data, sa.ctypes.data, sasum.ctypes.data,
         )  # fmt: skip
@@ -261,8 +308,9 @@ class Int4MatMul:
         m = a.shape[0]
         out = np.empty((m, self.n), np.float32)
         qa, sa, sasum = self.workspace(m)
+        timer = self.kernel.lib.time_matmul_q8 if self.bits == 8 else self.kernel.lib.time_matmul_q4
         return float(
-            self.kernel.lib.time_matmul_q4(
+            timer(
                 reps, a.ctypes.data, m, self.k, self.packed.ctypes.data, self.n, out.ctypes.data,
                 qa.ctypes.data, sa.ctypes.data, sasum.ctypes.data,
             )

@@ -1,5 +1,6 @@
 // Row-invariant int4-weight x int8-activation matmul (AVX2 + FMA, one thread): Y[M,N] = A[M,K] @ W[N,K]^T
-// for onnxruntime MatMulNBits weights (4 bits, blocks of 32 along K, fp32 scales, 4-bit zero points).
+// for onnxruntime MatMulNBits weights (4 bits, blocks of 32 along K, fp32 scales, 4-bit zero points; 8-bit
+// weights too, below).
 // Build: gcc -O3 -mavx2 -mfma -ffp-contract=off -fPIC -shared (services/edge_worker/native/kernel.py).
 //
 // Weight layout: columns in groups of 8 (N % 8 == 0), each group's K/32 blocks in K order, one block of
@@ -14,6 +15,15 @@
 // Result, in fp32, blocks b ascending:
 //   Y[m,n] = sum_b cvt(dot_b) * (sw_b*sa_b)  +  sum_b -(sw_b*z_b) * sasum_b
 //   where dot_b = sum_k q*qa (exact, int32), each sum one FMA chain, the two chains added at the end.
+// 8-bit weights (MatMulNBits bits=8, blocks of 32, u8 zero points), one block of 8 columns x 32 k in
+// GRP8_BYTES = 296 bytes:
+//   [0..255]   8 chunks c = 0..7 of 32 bytes; byte i: col = i/4, kk = i%4; the byte = q[col][4c+kk] (0..255)
+//   [256..287] float sw[8]; [288..295] uint8 z[8] (0..255)
+// maddubs (u8 x s8, pair sums saturated to int16) cannot take full bytes times activations exactly
+// (2 x 255 x 127 > 32767), so the weights are shifted to w = q - 128 (-128..127) and the products taken as
+// |w| (0..128, unsigned) x sign(a, w) (a in -127..127, so its negation fits): pair sums <= 32512, exact.
+// dot_b = sum w*qa, exact in int32, and the zero-point term uses (z - 128) in place of z:
+//   Y[m,n] = sum_b cvt(dot_b) * (sw_b*sa_b)  +  sum_b -(sw_b*(z_b-128)) * sasum_b   (same fp32 steps as 4 bits)
 // Row invariance: every row is computed by the same instruction sequence whatever M is; the row tiles
 // (4, 3, 2 or 1 rows at a time) only interleave independent rows, they never share a sum. So a row's
 // output is bit-identical whether it is computed alone or with other rows.
@@ -23,11 +33,13 @@
 
 #define BLK 32
 #define GRP_BYTES 168
+#define GRP8_BYTES 296
 // Prefetch distance, bytes ahead in the weight stream: the value the experiment that produced this kernel
 // settled on for a decode step's weights (30 layers x 7 matmuls, larger than L3) on the build machine.
 #define PF_DIST 3072
 
 int grp_bytes(void) { return GRP_BYTES; }
+int grp8_bytes(void) { return GRP8_BYTES; }
 
 void quantize_rows(const float* A, int M, int K, int8_t* qa, float* sa, float* sasum) {
     const int nb = K / BLK;
@@ -121,6 +133,64 @@ static inline __attribute__((always_inline)) void tile(const int8_t* qa, const f
     for (int r = 0; r < R; r++) _mm256_storeu_ps(C + (size_t)(m0 + r) * N + g * 8, _mm256_add_ps(acc[r], zt[r]));
 }
 
+// The 8-bit version of tile: R rows x one group g of 8 columns, pw at the group's first 8-bit block.
+static inline __attribute__((always_inline)) void tile8(const int8_t* qa, const float* sa, const float* sasum,
+                                                        int K, const uint8_t* pw, int N, float* C, int m0, int R,
+                                                        int g) {
+    const int nb = K / BLK;
+    const __m256i flip = _mm256_set1_epi8((char)0x80);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4], zt[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t* p = pw + (size_t)b * GRP8_BYTES;
+        _mm_prefetch((const char*)p + PF_DIST, _MM_HINT_T0);
+        _mm_prefetch((const char*)p + PF_DIST + 64, _MM_HINT_T0);
+        _mm_prefetch((const char*)p + PF_DIST + 128, _MM_HINT_T0);
+        _mm_prefetch((const char*)p + PF_DIST + 192, _MM_HINT_T0);
+        _mm_prefetch((const char*)p + PF_DIST + 256, _MM_HINT_T0);
+        __m256i d[4];
+        for (int r = 0; r < R; r++) d[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; c++) {
+            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(p + 32 * c)), flip);  // q - 128
+            const __m256i u = _mm256_abs_epi8(w);  // 0..128, read unsigned
+            for (int r = 0; r < R; r++) {
+                // the row's 4 activations k = 4c..4c+3 of this block, broadcast, with the weights' signs
+                const __m256i a = _mm256_set1_epi32(((const int32_t*)(qa + (size_t)(m0 + r) * K + b * BLK))[c]);
+                const __m256i s = _mm256_sign_epi8(a, w);
+                // |u0*s0 + u1*s1| <= 2 x 128 x 127 = 32512 < 32767: maddubs cannot saturate
+                d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
+            }
+        }
+        const __m256 sw = _mm256_loadu_ps((const float*)(p + 256));
+        for (int r = 0; r < R; r++) {
+            __m256 scale = _mm256_mul_ps(sw, _mm256_broadcast_ss(sa + (m0 + r) * nb + b));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d[r]), scale, acc[r]);
+        }
+    }
+    // zero-point term, with z - 128 for the shifted weights: its own FMA chain, added at the end
+    const __m256 f128 = _mm256_set1_ps(128.f);
+    for (int r = 0; r < R; r++) zt[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t* pz = pw + (size_t)b * GRP8_BYTES;
+        const __m256i z = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(pz + 288)));
+        const __m256 zf = _mm256_sub_ps(_mm256_cvtepi32_ps(z), f128);  // z - 128, exact
+        const __m256 swz = _mm256_mul_ps(_mm256_loadu_ps((const float*)(pz + 256)), zf);
+        for (int r = 0; r < R; r++)
+            zt[r] = _mm256_fnmadd_ps(swz, _mm256_broadcast_ss(sasum + (m0 + r) * nb + b), zt[r]);
+    }
+    for (int r = 0; r < R; r++) _mm256_storeu_ps(C + (size_t)(m0 + r) * N + g * 8, _mm256_add_ps(acc[r], zt[r]));
+}
+
+static void tile8_4(const int8_t* qa, const float* sa, const float* sasum, int K, const uint8_t* pw, int N,
+                    float* C, int m0, int g) { tile8(qa, sa, sasum, K, pw, N, C, m0, 4, g); }
+static void tile8_3(const int8_t* qa, const float* sa, const float* sasum, int K, const uint8_t* pw, int N,
+                    float* C, int m0, int g) { tile8(qa, sa, sasum, K, pw, N, C, m0, 3, g); }
+static void tile8_2(const int8_t* qa, const float* sa, const float* sasum, int K, const uint8_t* pw, int N,
+                    float* C, int m0, int g) { tile8(qa, sa, sasum, K, pw, N, C, m0, 2, g); }
+static void tile8_1(const int8_t* qa, const float* sa, const float* sasum, int K, const uint8_t* pw, int N,
+                    float* C, int m0, int g) { tile8(qa, sa, sasum, K, pw, N, C, m0, 1, g); }
+
 static void tile4(const int8_t* qa, const float* sa, const float* sasum, int K, const uint8_t* pw, int N, float* C,
                   int m0, int g) { tile(qa, sa, sasum, K, pw, N, C, m0, 4, g); }
 static void tile3(const int8_t* qa, const float* sa, const float* sasum, int K, const uint8_t* pw, int N, float* C,
@@ -146,6 +216,22 @@ void gemm_q_groups(const int8_t* qa, const float* sa, const float* sasum, int M,
     }
 }
 
+// The same for 8-bit weights (the GRP8_BYTES layout).
+void gemm_q8_groups(const int8_t* qa, const float* sa, const float* sasum, int M, int K, const uint8_t* pw, int N,
+                    float* C, int g0, int g1) {
+    const int nb = K / BLK;
+    for (int g = g0; g < g1; g++) {
+        const uint8_t* p = pw + (size_t)g * nb * GRP8_BYTES;
+        int m = 0;
+        for (; m + 4 <= M; m += 4) tile8_4(qa, sa, sasum, K, p, N, C, m, g);
+        switch (M - m) {
+            case 3: tile8_3(qa, sa, sasum, K, p, N, C, m, g); break;
+            case 2: tile8_2(qa, sa, sasum, K, p, N, C, m, g); break;
+            case 1: tile8_1(qa, sa, sasum, K, p, N, C, m, g); break;
+        }
+    }
+}
+
 void gemm_q(const int8_t* qa, const float* sa, const float* sasum, int M, int K, const uint8_t* pw, int N, float* C) {
     gemm_q_groups(qa, sa, sasum, M, K, pw, N, C, 0, N / 8);
 }
@@ -155,6 +241,12 @@ void matmul_q4(const float* A, int M, int K, const uint8_t* pw, int N, float* C,
                float* sasum) {
     quantize_rows(A, M, K, qa, sa, sasum);
     gemm_q(qa, sa, sasum, M, K, pw, N, C);
+}
+
+void matmul_q8(const float* A, int M, int K, const uint8_t* pw, int N, float* C, int8_t* qa, float* sa,
+               float* sasum) {
+    quantize_rows(A, M, K, qa, sa, sasum);
+    gemm_q8_groups(qa, sa, sasum, M, K, pw, N, C, 0, N / 8);
 }
 
 static double now_ns(void) {
@@ -168,6 +260,13 @@ double time_matmul_q4(int reps, const float* A, int M, int K, const uint8_t* pw,
                       float* sa, float* sasum) {
     double t0 = now_ns();
     for (int i = 0; i < reps; i++) matmul_q4(A, M, K, pw, N, C, qa, sa, sasum);
+    return (now_ns() - t0) / reps;
+}
+
+double time_matmul_q8(int reps, const float* A, int M, int K, const uint8_t* pw, int N, float* C, int8_t* qa,
+                      float* sa, float* sasum) {
+    double t0 = now_ns();
+    for (int i = 0; i < reps; i++) matmul_q8(A, M, K, pw, N, C, qa, sa, sasum);
     return (now_ns() - t0) / reps;
 }
 

@@ -1,6 +1,7 @@
 """The batched edge engine with ``int4_kernel=native`` on the real INT4 model: a lone sequence decodes in one
-row and its greedy tokens still equal what it gets in any batch; the native graph's logits stay close to the
-MLAS graph's (the numbers are printed: ``pytest -s``).
+row and its greedy tokens still equal what it gets in any batch; every MatMulNBits but the head (4- and 8-bit) is
+on the op; the native graph's logits, prefill and a one-row decode step, stay close to the MLAS graph's and pick
+the same top token (the numbers are printed: ``pytest -s``).
 
 Skipped, with the reason, where the kernel cannot be built or run (no gcc, not x86-64 with AVX2 + FMA)."""
 
@@ -11,12 +12,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
 from services.common.model_paths import model_paths
 from services.edge_worker.batched import BatchedEngine
-from services.edge_worker.graph import load_session
+from services.edge_worker.graph import edited_graph, load_session
+from services.edge_worker.native.graph import DOMAIN, OP
 from services.edge_worker.native.kernel import unavailable_reason
 from tests.integration.edge_worker.test_batched_engine import PROMPTS, chat, generate, together
 
@@ -65,19 +68,38 @@ def test_a_lone_sequence_decodes_in_one_row_with_the_tokens_it_gets_in_any_batch
     assert engine.rows - rows_before > engine.steps - steps_before  # some decode calls had several rows
 
 
-def _prefill_logits(session: ort.InferenceSession, ids: list[int]) -> np.ndarray:
-    feeds: dict[str, np.ndarray] = {
-        "input_ids": np.array([ids], dtype=np.int64),
-        "attention_mask": np.ones((1, len(ids)), dtype=np.int64),
-    }
-    for item in session.get_inputs():
-        if item.name.startswith("past_key_values."):
-            decoder = json.loads((model_paths().edge_dir / "genai_config.json").read_text())["model"]["decoder"]
-            shape = (1, int(decoder["num_key_value_heads"]), 0, int(decoder["head_size"]))
-            feeds[item.name] = np.zeros(shape, dtype=np.float32)
-    outputs = [o.name for o in session.get_outputs()]
-    logits = session.run(["logits"] if "logits" in outputs else None, feeds)[0]
-    return np.asarray(logits)[0, -1]
+def _logits(session: ort.InferenceSession, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The last position's logits after a prefill of ``ids[:-1]`` and ``ids[-1]``, and after a prefill of
+    ``ids[:-1]`` then a one-row decode step of ``ids[-1]`` on its KV."""
+    decoder = json.loads((model_paths().edge_dir / "genai_config.json").read_text())["model"]["decoder"]
+    empty = np.zeros((1, int(decoder["num_key_value_heads"]), 0, int(decoder["head_size"])), dtype=np.float32)
+    past = [item.name for item in session.get_inputs() if item.name.startswith("past_key_values.")]
+    present = [name.replace("past_key_values.", "present.") for name in past]
+
+    def run(tokens: list[int], kv: list[np.ndarray]) -> list[np.ndarray]:
+        length = kv[0].shape[2] + len(tokens) if kv else len(tokens)
+        feeds = {"input_ids": np.array([tokens], dtype=np.int64), "attention_mask": np.ones((1, length), np.int64)}
+        feeds.update(zip(past, kv or [empty] * len(past), strict=True))
+        return list(session.run(["logits", *present], feeds))
+
+    whole = run(ids, [])[0][0, -1]
+    step = run(ids[-1:], run(ids[:-1], [])[1:])[0][0, -1]
+    return np.asarray(whole), np.asarray(step)
+
+
+def test_every_matmulnbits_but_the_head_runs_on_the_op() -> None:
+    path = model_paths().edge_dir / "model.onnx"
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+    options.intra_op_num_threads = 1
+    graph = onnx.load_from_string(edited_graph(path, options, lm_head="int8", int4_kernel="native"))
+    ours = [node for node in graph.graph.node if (node.domain, node.op_type) == (DOMAIN, OP)]
+    bits = sorted({a.name: a.i for a in node.attribute}["bits"] for node in ours)
+    left = [node.name for node in graph.graph.node if node.op_type == "MatMulNBits"]
+    print(f"on the op: {bits.count(4)} 4-bit and {bits.count(8)} 8-bit matmuls; MatMulNBits left: {left}")
+    assert bits.count(4) == 122 and bits.count(8) == 28 and not left
+    head = next(node for node in graph.graph.node if "logits" in node.output)
+    assert head.op_type != OP  # the int8 head (MatMulIntegerToFloat) stays as it is
 
 
 def test_native_logits_are_close_to_mlas(engine: BatchedEngine) -> None:
@@ -87,12 +109,15 @@ def test_native_logits_are_close_to_mlas(engine: BatchedEngine) -> None:
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
         sessions[kernel] = load_session(path, options, lm_head="int8", int4_kernel=kernel)
-    diffs, agree = [], 0
+    diffs, agree, step_diffs, step_agree = [], 0, [], 0
     for text in PROMPTS:
         ids = chat(engine, text)
-        mlas, native = (_prefill_logits(sessions[k], ids) for k in ("mlas", "native"))
-        diffs.append(float(np.abs(mlas - native).max()))
+        (mlas, mlas_step), (native, native_step) = (_logits(sessions[k], ids) for k in ("mlas", "native"))
+        diffs.append(round(float(np.abs(mlas - native).max()), 3))
         agree += int(np.argmax(mlas) == np.argmax(native))
+        step_diffs.append(round(float(np.abs(mlas_step - native_step).max()), 3))
+        step_agree += int(np.argmax(mlas_step) == np.argmax(native_step))
     print(f"native vs mlas, last-position logits of {len(PROMPTS)} prompts: max |diff| {diffs}, top-1 agree {agree}")
-    assert agree >= len(PROMPTS) - 1
-    assert max(diffs) < 2.0
+    print(f"  the same after a one-row decode step: max |diff| {step_diffs}, top-1 agree {step_agree}")
+    assert agree >= len(PROMPTS) - 1 and step_agree >= len(PROMPTS) - 1
+    assert max(diffs) < 2.0 and max(step_diffs) < 2.0

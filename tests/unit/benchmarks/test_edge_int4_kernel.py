@@ -50,6 +50,29 @@ def test_packing_puts_each_weight_where_the_kernel_reads_it() -> None:
             assert np.array_equal(block[160:168], z[8 * g : 8 * g + 8, blk])
 
 
+def test_8_bit_packing_puts_each_weight_where_the_kernel_reads_it() -> None:
+    k, n = 96, 16
+    rng = np.random.default_rng(2)
+    q = rng.integers(0, 256, (n, k), dtype=np.uint8)
+    z = rng.integers(0, 256, (n, k // 32), dtype=np.uint8)
+    scales = rng.random(n * (k // 32), dtype=np.float32)
+    packed = kernel.pack_weights(q.reshape(n, k // 32, 32), scales, z.reshape(-1), k, n, bits=8)
+    assert packed.ctypes.data % 64 == 0
+    packed = packed.reshape(n // 8, k // 32, kernel.GROUP_BYTES_8)
+    for g in range(n // 8):
+        for blk in range(k // 32):
+            block = packed[g, blk]
+            for i in range(256):  # byte i of chunk c: column i/4, k = 4c + i%4
+                c, col, kk = i // 32, (i % 32) // 4, i % 4
+                assert block[i] == q[8 * g + col, 32 * blk + 4 * c + kk]
+            assert np.array_equal(block[256:288].view(np.float32), scales.reshape(n, k // 32)[8 * g : 8 * g + 8, blk])
+            assert np.array_equal(block[288:296], z[8 * g : 8 * g + 8, blk])
+    symmetric = kernel.pack_weights(q.reshape(n, k // 32, 32), scales, None, k, n, bits=8)
+    assert np.all(symmetric.reshape(n // 8, k // 32, kernel.GROUP_BYTES_8)[..., 288:] == 128)
+    with pytest.raises(ValueError, match=r"takes weights of \(4, 8\) bits, got 2"):
+        kernel.pack_weights(q.reshape(n, k // 32, 32), scales, None, k, n, bits=2)
+
+
 def test_unpacking_matmulnbits_inverts_its_packing() -> None:
     rng = np.random.default_rng(1)
     q = rng.integers(0, 16, (8, 64), dtype=np.uint8)
