@@ -92,7 +92,8 @@ def test_int4_kernel_auto_is_native_where_it_builds_else_mlas(
     assert "edge_int4_kernel_fallback" in captured.out + captured.err
 
 
-def test_int4_kernel_native_without_gcc_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_int4_kernel_native_without_gcc_is_a_config_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(native_kernel, "default_cache_dir", lambda: tmp_path)  # nothing built there yet
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INT4_KERNEL", "native")
     settings = load_settings(EdgeWorkerSettings)
     assert settings.int4_kernel == "native"
