@@ -144,6 +144,19 @@ def ortgenai_round(model: Any, prompt: list[int], max_tokens: int) -> dict[str, 
     }
 
 
+def worker_int4_kernel() -> str:
+    """The int4 kernel the mesh's edge worker runs: its setting (the worker inherits this environment) with
+    ``auto`` resolved the way the worker resolves it (without building anything)."""
+    from services.common.settings import load_settings
+    from services.edge_worker.config import EdgeWorkerSettings
+    from services.edge_worker.native.kernel import unavailable_reason
+
+    settings = load_settings(EdgeWorkerSettings)
+    if settings.int4_kernel != "auto":
+        return settings.int4_kernel
+    return "native" if unavailable_reason() is None and not settings.adaptive_threading else "mlas"
+
+
 async def _round(stub: inference_pb2_grpc.InferenceStub, streams: int, max_tokens: int, pid: int) -> dict[str, Any]:
     peak = _rss(pid)
     stop = asyncio.Event()
@@ -216,6 +229,7 @@ async def run(
         },
     )
     load_start = os.getloadavg()[0]
+    kernel = worker_int4_kernel()
     samples: dict[int, list[dict[str, Any]]] = {n: [] for n in stream_counts}
     og_rounds: list[dict[str, float]] = []
     async with Mesh(config, sink=lambda _name, _line: None) as mesh:
@@ -248,6 +262,7 @@ async def run(
         "command": f"python -m benchmarks.edge.mesh --max-tokens {max_tokens} --threads {threads} --engine {engine}"
         f" --mesh-repeats {repeats}" + ("" if embed_router else " --split-router"),
         "engine": engine,
+        "int4_kernel": kernel if engine == "batched" else None,
         "embed_router": embed_router,
         "model_dir": str(edge_dir),
         "weight_bytes_total": total,
@@ -356,7 +371,8 @@ def markdown(report: dict[str, Any]) -> str:
         "# Edge tier through the whole mesh",
         "",
         f"Measured {report['date']} on {report['machine']} with `{report['command']}`.",
-        f"Greedy requests with the EDGE hint, response cache bypassed, one edge worker ({report['engine']} engine)"
+        f"Greedy requests with the EDGE hint, response cache bypassed, one edge worker ({report['engine']} engine"
+        + (f", int4 kernel {report['int4_kernel']})" if report.get("int4_kernel") else ")")
         + (
             "; the router inside the gateway's process (the default layout)."
             if report.get("embed_router")
@@ -435,7 +451,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mesh-repeats", type=int, default=2, help="interleaved mesh rounds per count (median)")
     parser.add_argument("--repeats", type=int, default=3, help="in-process rounds per point (median; default 3)")
     parser.add_argument(
-        "--direct-engines", default="batched,batched-1row,og", help="in-process engines (comma-separated)"
+        "--direct-engines",
+        default="batched,batched-native,og",
+        help="in-process engines (comma-separated; batched = the MLAS kernels, batched-native = ours)",
     )
     parser.add_argument(
         "--split-router",
