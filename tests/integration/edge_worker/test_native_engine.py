@@ -17,6 +17,7 @@ import pytest
 from services.common.model_paths import model_paths
 from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.graph import load_session
+from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.native.kernel import unavailable_reason
 from tests.integration.edge_worker.test_batched_engine import PROMPTS, chat, generate, together
 
@@ -66,18 +67,19 @@ def test_a_lone_sequence_decodes_in_one_row_with_the_tokens_it_gets_in_any_batch
 
 
 def _prefill_logits(session: ort.InferenceSession, ids: list[int]) -> np.ndarray:
-    feeds: dict[str, np.ndarray] = {
-        "input_ids": np.array([ids], dtype=np.int64),
-        "attention_mask": np.ones((1, len(ids)), dtype=np.int64),
-    }
-    for item in session.get_inputs():
-        if item.name.startswith("past_key_values."):
-            decoder = json.loads((model_paths().edge_dir / "genai_config.json").read_text())["model"]["decoder"]
-            shape = (1, int(decoder["num_key_value_heads"]), 0, int(decoder["head_size"]))
-            feeds[item.name] = np.zeros(shape, dtype=np.float32)
-    outputs = [o.name for o in session.get_outputs()]
-    logits = session.run(["logits"] if "logits" in outputs else None, feeds)[0]
-    return np.asarray(logits)[0, -1]
+    """The last position's logits of one prefill call, past and present KV bound to one buffer as the engine binds
+    them (the native graph's attention op requires it)."""
+    decoder = json.loads((model_paths().edge_dir / "genai_config.json").read_text())["model"]["decoder"]
+    kv = KvSlots(
+        layers=int(decoder["num_hidden_layers"]), kv_heads=int(decoder["num_key_value_heads"]),
+        head_size=int(decoder["head_size"]), slots=1, capacity=len(ids), max_capacity=len(ids),
+    )  # fmt: skip
+    io = kv.binding(session, 0, 1)
+    io.bind_cpu_input("input_ids", np.array([ids], dtype=np.int64))
+    io.bind_cpu_input("attention_mask", np.ones((1, len(ids)), dtype=np.int64))
+    io.bind_output("logits")
+    session.run_with_iobinding(io)
+    return np.asarray(io.get_outputs()[0].numpy())[0, -1]
 
 
 def test_native_logits_are_close_to_mlas(engine: BatchedEngine) -> None:
