@@ -88,13 +88,11 @@ def use_attention_op(model: onnx.ModelProto) -> int:
         if attrs is None:
             continue
         inputs = [node.input[0], *node.input[3:9]]
-        custom = helper.make_node(
-            OP, inputs, list(node.output), name=f"{node.name}/attention", domain=DOMAIN, **attrs
-        )
+        custom = helper.make_node(OP, inputs, list(node.output), name=f"{node.name}/attention", domain=DOMAIN)
+        custom.attribute.extend(helper.make_attribute(name, value) for name, value in attrs.items())
         graph.node.remove(node)
         graph.node.insert(index, custom)
         replaced += 1
     if replaced and not any(op.domain == DOMAIN for op in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return replaced
-

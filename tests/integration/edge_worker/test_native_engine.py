@@ -1,6 +1,6 @@
 """The batched edge engine with ``int4_kernel=native`` on the real INT4 model: a lone sequence decodes in one
 row and its greedy tokens still equal what it gets in any batch; the native graph's logits stay close to the
-MLAS graph's (the numbers are printed: ``pytest -s``).
+MLAS graph's (the numbers are printed: ``pytest -s``); all the model's attention nodes go to our op.
 
 Skipped, with the reason, where the kernel cannot be built or run (no gcc, not x86-64 with AVX2 + FMA)."""
 
@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 
@@ -18,6 +19,9 @@ from services.common.model_paths import model_paths
 from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.graph import load_session
 from services.edge_worker.kvslots import KvSlots
+from services.edge_worker.native.attention_graph import OP as ATTENTION_OP
+from services.edge_worker.native.attention_graph import use_attention_op
+from services.edge_worker.native.graph import DOMAIN
 from services.edge_worker.native.kernel import unavailable_reason
 from tests.integration.edge_worker.test_batched_engine import PROMPTS, chat, generate, together
 
@@ -98,3 +102,11 @@ def test_native_logits_are_close_to_mlas(engine: BatchedEngine) -> None:
     print(f"native vs mlas, last-position logits of {len(PROMPTS)} prompts: max |diff| {diffs}, top-1 agree {agree}")
     assert agree >= len(PROMPTS) - 1
     assert max(diffs) < 2.0
+
+
+def test_every_attention_node_of_the_model_is_replaced() -> None:
+    model = onnx.load(str(model_paths().edge_dir / "model.onnx"), load_external_data=False)
+    layers = sum(node.op_type == "GroupQueryAttention" for node in model.graph.node)
+    assert layers > 0 and use_attention_op(model) == layers
+    assert not any(node.op_type == "GroupQueryAttention" for node in model.graph.node)
+    assert sum(node.op_type == ATTENTION_OP and node.domain == DOMAIN for node in model.graph.node) == layers
