@@ -114,6 +114,7 @@ struct OrtCustomOp {
 #define OP_VERSION 20
 #define MAX_HEAD 256   // D
 #define QBLOCK 16      // query positions per work item of a prefill chunk
+#define KTILE 64       // keys per tile: a tile of K (or V) rows, 16 KiB at D = 64, stays in L1 for a block's queries
 
 // ---- math ----
 
@@ -173,18 +174,26 @@ static inline __attribute__((always_inline)) void qk8(const float* q, const floa
     _mm256_storeu_ps(scores, reduce8(acc));
 }
 
-// One query head at one position: out[D] = softmax(scale * q . K[0..T)) . V[0..T); K, V rows D apart.
-// scores: scratch of T rounded up to 8 floats.
-static inline __attribute__((always_inline)) void attend(const float* q, const float* K, const float* V, int T,
-                                                          int nc, float scale, float* scores, float* out) {
-    const int d = nc * 8, full = T & ~7;
-    for (int t = 0; t < full; t += 8) qk8(q, K + (size_t)t * d, nc, scores + t);
-    if (full < T) {  // the last keys, copied into a block of 8 so they go through the same arithmetic
-        float tail[8 * MAX_HEAD];
-        memcpy(tail, K + (size_t)full * d, sizeof(float) * (size_t)(T - full) * d);
-        memset(tail + (T - full) * d, 0, sizeof(float) * (size_t)(8 - (T - full)) * d);
-        qk8(q, tail, nc, scores + full);
+// scores[t] = q . K[t] for t in [t0, min(t1, T)), in blocks of 8 (t0 a multiple of 8); a block crossing T is
+// copied into a zero-padded block of 8 so its keys go through the same arithmetic (and no row past T is read).
+static inline __attribute__((always_inline)) void qk_range(const float* q, const float* K, int t0, int t1, int T,
+                                                            int nc, float* scores) {
+    const int d = nc * 8;
+    for (int t = t0; t < t1 && t < T; t += 8) {
+        if (t + 8 <= T) {
+            qk8(q, K + (size_t)t * d, nc, scores + t);
+        } else {
+            float tail[8 * MAX_HEAD];
+            memcpy(tail, K + (size_t)t * d, sizeof(float) * (size_t)(T - t) * d);
+            memset(tail + (T - t) * d, 0, sizeof(float) * (size_t)(8 - (T - t)) * d);
+            qk8(q, tail, nc, scores + t);
+        }
     }
+}
+
+// scores[0..T) = exp(scale * scores - max) in place; returns 1 / their sum (tree8 of 8 lane sums).
+static inline float softmax(float* scores, int T, float scale) {
+    const int full = T & ~7;
     const __m256 vscale = _mm256_set1_ps(scale);
     __m256 vmax = _mm256_set1_ps(-INFINITY);
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
@@ -215,22 +224,29 @@ static inline __attribute__((always_inline)) void attend(const float* q, const f
         _mm256_storeu_ps(scores + full, e);
         vsum = _mm256_add_ps(vsum, e);
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / tree8(vsum));
+    return 1.0f / tree8(vsum);
+}
+
+// acc[D] += sum of p[t] V[t] for t in [t0, t1), one FMA chain per 8 lanes in t order (so cutting the keys into
+// tiles does not change a bit).
+static inline __attribute__((always_inline)) void pv_range(const float* p, const float* V, int t0, int t1, int nc,
+                                                            float* acc) {
+    const int d = nc * 8;
     if (nc == 8) {  // the model's D = 64: the 8 accumulators stay in registers
-        __m256 acc[8];
-        for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
-        for (int t = 0; t < T; t++) {
-            const __m256 p = _mm256_broadcast_ss(scores + t);
+        __m256 a[8];
+        for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(acc + c * 8);
+        for (int t = t0; t < t1; t++) {
+            const __m256 pt = _mm256_broadcast_ss(p + t);
             const float* v = V + (size_t)t * 64;
-            for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + c * 8), acc[c]);
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + c * 8), a[c]);
         }
-        for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + c * 8, _mm256_mul_ps(acc[c], inv));
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(acc + c * 8, a[c]);
     } else {
         for (int c = 0; c < nc; c++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int t = 0; t < T; t++)
-                acc = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + t), _mm256_loadu_ps(V + (size_t)t * d + c * 8), acc);
-            _mm256_storeu_ps(out + c * 8, _mm256_mul_ps(acc, inv));
+            __m256 a = _mm256_loadu_ps(acc + c * 8);
+            for (int t = t0; t < t1; t++)
+                a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(V + (size_t)t * d + c * 8), a);
+            _mm256_storeu_ps(acc + c * 8, a);
         }
     }
 }
@@ -248,36 +264,65 @@ typedef struct {
     float *key, *value, *out;  // key/value: the shared past/present buffers
     const float *cos, *sin;
     const int32_t* seqlens;
-    float* scratch;            // per item: C rounded up to 8 floats
-    int S, H, KV, D, C, blocks, scratch_floats;
+    int S, H, KV, D, C, blocks;
     float scale;
+    int failed;  // set by an item that could not get its scratch memory
 } Job;
 
+// One item: row b, kv head kv, query positions [s0, s1) of the chunk, each with the kv head's query heads (QH
+// query-heads). Keys and values are visited in tiles of KTILE rows that every query-head uses while they are in
+// L1 (a prefill chunk's queries share them); per query-head: scores, softmax over its own length, then P V.
+static inline __attribute__((always_inline)) void run_block(const Job* j, int b, int kv, int s0, int s1, int nc,
+                                                             float* work) {
+    const int D = nc * 8, half = D / 2, group = j->H / j->KV, width = (j->H + 2 * j->KV) * D;
+    const int QH = (s1 - s0) * group, past = j->seqlens[b] + 1 - j->S, Tmax = past + s1, stride = (j->C + 7) & ~7;
+    const float* K = j->key + ((size_t)b * j->KV + kv) * j->C * D;
+    const float* V = j->value + ((size_t)b * j->KV + kv) * j->C * D;
+    float *q = work, *acc = q + (size_t)QH * D, *inv = acc + (size_t)QH * D, *scores = inv + QH;
+    for (int i = 0; i < QH; i++) {
+        const int s = s0 + i / group, h = kv * group + i % group, pos = past + s;
+        const float* row = j->qkv + ((size_t)b * j->S + s) * width;
+        rotate(row + h * D, j->cos + (size_t)pos * half, j->sin + (size_t)pos * half, half, q + (size_t)i * D);
+    }
+    for (int t0 = 0; t0 < Tmax; t0 += KTILE)
+        for (int i = 0; i < QH; i++) {
+            const int T = past + s0 + i / group + 1;
+            if (T > t0) qk_range(q + (size_t)i * D, K, t0, t0 + KTILE, T, nc, scores + (size_t)i * stride);
+        }
+    for (int i = 0; i < QH; i++) inv[i] = softmax(scores + (size_t)i * stride, past + s0 + i / group + 1, j->scale);
+    memset(acc, 0, sizeof(float) * (size_t)QH * D);
+    for (int t0 = 0; t0 < Tmax; t0 += KTILE)
+        for (int i = 0; i < QH; i++) {
+            const int T = past + s0 + i / group + 1;
+            if (T > t0)
+                pv_range(scores + (size_t)i * stride, V, t0, T < t0 + KTILE ? T : t0 + KTILE, nc, acc + (size_t)i * D);
+        }
+    for (int i = 0; i < QH; i++) {
+        const int s = s0 + i / group, h = kv * group + i % group;
+        float* out = j->out + (((size_t)b * j->S + s) * j->H + h) * D;
+        const __m256 scale = _mm256_set1_ps(inv[i]);
+        for (int c = 0; c < D; c += 8)
+            _mm256_storeu_ps(out + c, _mm256_mul_ps(_mm256_loadu_ps(acc + (size_t)i * D + c), scale));
+    }
+}
+
 static void run_item(void* data, size_t index) {
-    const Job* j = data;
+    Job* j = data;
     const int items_per_row = j->KV * j->blocks;
     const int b = (int)index / items_per_row, rest = (int)index % items_per_row;
     const int kv = rest / j->blocks, block = rest % j->blocks;
-    const int D = j->D, half = D / 2, nc = D / 8, group = j->H / j->KV, width = (j->H + 2 * j->KV) * D;
-    const int past = j->seqlens[b] + 1 - j->S;
-    const float* K = j->key + ((size_t)b * j->KV + kv) * j->C * D;
-    const float* V = j->value + ((size_t)b * j->KV + kv) * j->C * D;
-    float* scores = j->scratch + index * (size_t)j->scratch_floats;
-    float q[MAX_HEAD];
-    const int s1 = (block + 1) * QBLOCK < j->S ? (block + 1) * QBLOCK : j->S;
-    for (int s = block * QBLOCK; s < s1; s++) {
-        const int pos = past + s;
-        const float* row = j->qkv + ((size_t)b * j->S + s) * width;
-        for (int g = 0; g < group; g++) {
-            const int h = kv * group + g;
-            rotate(row + h * D, j->cos + (size_t)pos * half, j->sin + (size_t)pos * half, half, q);
-            float* out = j->out + (((size_t)b * j->S + s) * j->H + h) * D;
-            if (nc == 8)
-                attend(q, K, V, pos + 1, 8, j->scale, scores, out);
-            else
-                attend(q, K, V, pos + 1, nc, j->scale, scores, out);
-        }
+    const int s0 = block * QBLOCK, s1 = s0 + QBLOCK < j->S ? s0 + QBLOCK : j->S;
+    const size_t QH = (size_t)(s1 - s0) * (j->H / j->KV);
+    float* work = malloc(sizeof(float) * QH * (2 * (size_t)j->D + 1 + (size_t)((j->C + 7) & ~7)));
+    if (work == NULL) {
+        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+        return;
     }
+    if (j->D == 64)
+        run_block(j, b, kv, s0, s1, 8, work);
+    else
+        run_block(j, b, kv, s0, s1, j->D / 8, work);
+    free(work);
 }
 
 #define TRY(call)                             \
@@ -395,15 +440,14 @@ static OrtStatus* compute2(void* kernel, OrtKernelContext* context) {
             }
         }
     }
-    const int blocks = (int)((S + QBLOCK - 1) / QBLOCK), scratch_floats = (int)((C + 7) & ~7);
+    const int blocks = (int)((S + QBLOCK - 1) / QBLOCK);
     const size_t items = (size_t)(B * KV * blocks);
-    float* scratch = malloc(sizeof(float) * items * (size_t)scratch_floats);
-    if (scratch == NULL) return fail(api, "meshserve Attention: out of memory for the attention scores");
-    Job job = {qkv, key, value, out, cos, sin, seqlens, scratch, (int)S, (int)H, (int)KV, (int)D, (int)C,
-               blocks, scratch_floats, k->scale != 0.f ? k->scale : 1.0f / sqrtf((float)D)};
-    OrtStatus* status = api->KernelContext_ParallelFor(context, run_item, items, 0, &job);
-    free(scratch);
-    return status;
+    Job job = {qkv, key, value, out, cos, sin, seqlens, (int)S, (int)H, (int)KV, (int)D, (int)C, blocks,
+               k->scale != 0.f ? k->scale : 1.0f / sqrtf((float)D), 0};
+    TRY(api->KernelContext_ParallelFor(context, run_item, items, 0, &job));
+    if (__atomic_load_n(&job.failed, __ATOMIC_RELAXED))
+        return fail(api, "meshserve Attention: out of memory for the attention scores");
+    return NULL;
 }
 
 static void compute(void* kernel, OrtKernelContext* context) {

@@ -96,15 +96,17 @@ def _run(
     key, value = key.copy(), value.copy()
     io = session.io_binding()
     io.bind_cpu_input("qkv", qkv)
+    io.bind_output("o")  # first: get_outputs() lists the outputs in binding order
     for name, present, array in (("pk", "prk", key), ("pv", "prv", value)):
         shared = ort.OrtValue.ortvalue_from_numpy(array)
         io.bind_ortvalue_input(name, shared)
         io.bind_ortvalue_output(present, shared)
     io.bind_cpu_input("sk", np.array(lengths, np.int32) - 1)
     io.bind_cpu_input("tl", np.array(total, np.int32))
-    io.bind_output("o")
     session.run_with_iobinding(io)
-    return io.get_outputs()[0].numpy(), key, value
+    out = io.get_outputs()[0].numpy()
+    assert out.shape == (qkv.shape[0], qkv.shape[1], H * D)
+    return out, key, value
 
 
 def _data(batch: int, seq: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -201,3 +203,18 @@ def test_nodes_with_other_attributes_stay(attrs: dict[str, float | int]) -> None
     model = _gqa_model(**attrs)
     assert use_attention_op(model) == 0
     assert model.graph.node[0].op_type == "GroupQueryAttention"
+
+
+def test_a_prompt_gives_the_same_bits_in_one_chunk_in_pieces_or_one_position_at_a_time(library: Path) -> None:
+    session = _ours(library)
+    qkv, key, value = _data(1, 70, seed=8)
+    whole = _run(session, qkv, key, value, [70], 70)
+    for cut in ([30, 40], [1] * 70, [17, 1, 52]):
+        k, v, outs, start = key.copy(), value.copy(), [], 0
+        for size in cut:
+            end = start + size
+            out, k, v = _run(session, qkv[:, start:end], k, v, [end], end)
+            outs.append(out)
+            start = end
+        assert np.array_equal(np.concatenate(outs, axis=1), whole[0]), cut
+        assert np.array_equal(k, whole[1]) and np.array_equal(v, whole[2])
