@@ -19,10 +19,14 @@
 // onnxruntime itself takes L = 0 for a first prompt (S == total_sequence_length) and refuses S > 1 with past
 // unless B == 1; the checks below make both agree wherever onnxruntime runs (T <= total, L >= 0).
 //
-// Row invariance: each (row, kv head, query block) item is computed by the same instruction sequence whatever
-// the batch holds; every sum runs in an order fixed by the row's own length (dot products: 8-lane FMA chains over
-// D, then the same fixed tree for a block of 8 keys or a lone key). So a row's output and KV are bit-identical
-// alone or with other rows, and at any thread count (KernelContext_ParallelFor hands out whole items).
+// Work: items of (row, kv head, up to 16 query positions), on onnxruntime's intra-op threads through
+// KernelContext_ParallelFor (small calls on the calling thread alone); an item visits K and V in tiles of 64 rows
+// that all its query heads use while the tile is in L1.
+// Row invariance: each item is computed by the same instruction sequence whatever the batch holds; every sum runs
+// in an order fixed by the row's own length (dot products: 8-lane FMA chains over D reduced by one fixed tree, the
+// last keys copied into a zero-padded block of 8; P V: one FMA chain per 8 lanes in key order, tiles or not). So a
+// row's output and KV are bit-identical alone or with other rows and at any thread count, and a position's output
+// is the same whether its prompt came in one chunk or several.
 #include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
