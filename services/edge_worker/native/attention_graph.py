@@ -18,16 +18,15 @@ OP = "Attention"
 HEAD_SIZES = range(16, 257, 16)
 """Head sizes the op runs (multiples of 16 up to 256); rotary covers the whole head."""
 
-_ALLOWED = {
-    "num_heads": None,
-    "kv_num_heads": None,
-    "scale": None,
-    "do_rotary": 1,
-    "rotary_interleaved": 0,
-    "local_window_size": -1,
-    "softcap": 0,
-    "smooth_softmax": 0,
+_FIXED = {  # attribute: (the value the op implements, onnxruntime's default when the node leaves it out)
+    "do_rotary": (1, 0),
+    "rotary_interleaved": (0, 0),
+    "local_window_size": (-1, -1),
+    "softcap": (0, 0),
+    "smooth_softmax": (0, 0),
 }
+_FREE = {"num_heads", "kv_num_heads", "scale"}
+"""Attributes the op takes over whatever their value; a node with any attribute outside these stays."""
 
 
 def _widths(graph: onnx.GraphProto) -> dict[str, int]:
@@ -51,11 +50,10 @@ def _replaceable(
     if node.op_type != "GroupQueryAttention" or node.domain != "com.microsoft":
         return None
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    if set(attrs) - set(_ALLOWED) or "num_heads" not in attrs or "kv_num_heads" not in attrs:
+    if set(attrs) - _FREE - set(_FIXED) or "num_heads" not in attrs or "kv_num_heads" not in attrs:
         return None
-    for name, wanted in _ALLOWED.items():
-        if wanted is not None and attrs.get(name, 0 if name != "local_window_size" else -1) != wanted:
-            return None
+    if any(attrs.get(name, default) != wanted for name, (wanted, default) in _FIXED.items()):
+        return None
     inputs = [*node.input, *[""] * (9 - len(node.input))]
     if len(node.input) > 9 and any(node.input[9:]):  # position_ids, attention_bias, head_sink: not supported
         return None
