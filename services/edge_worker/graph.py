@@ -12,7 +12,8 @@ disk (and onnxruntime-genai's use of it) is unchanged; the weights are read from
 The edited graph is kept in a cache directory for the next start (:mod:`services.edge_worker.load_cache`).
 ``lm_head="int8"`` also moves the head onto onnxruntime's int8 GEMM (:mod:`services.edge_worker.int8head`).
 ``int4_kernel="native"`` moves the 4-bit matmuls onto our row-invariant kernel, an onnxruntime custom op
-(:mod:`services.edge_worker.native.graph`).
+(:mod:`services.edge_worker.native.graph`), and the attention onto our own op
+(:mod:`services.edge_worker.native.attention_graph`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from tokenizers import Tokenizer
 from services.edge_worker import int8head
 from services.edge_worker.int8head import CALIBRATION_TOKENS, OUTLIER_CHANNELS, int8_lm_head, outlier_channels
 from services.edge_worker.load_cache import GraphCache, graph_key
+from services.edge_worker.native import attention_graph
 from services.edge_worker.native import graph as native_graph
 from services.edge_worker.native import kernel as native_kernel
 from services.models.biascorrect import CALIBRATION_TEXT
@@ -153,6 +155,7 @@ def edited_graph(
     if int4_kernel == "native":
         replaced = native_graph.use_int4_op(model, model_path.parent, _native_threads(options))
         log.info("edge_int4_native_op", replaced=replaced)
+        log.info("edge_native_attention_op", replaced=attention_graph.use_attention_op(model))
     return model.SerializeToString()
 
 
@@ -176,5 +179,10 @@ def _cache_key(model_path: Path, lm_head: str, options: ort.SessionOptions, int4
         settings["int4_kernel"] = int4_kernel
         settings["int4_kernel_threads"] = _native_threads(options)
         # the C sources too: they define the packed layout the edited graph's weights are in
-        sources += [Path(native_graph.__file__), Path(native_kernel.__file__), *native_kernel.SOURCES]
+        sources += [
+            Path(native_graph.__file__),
+            Path(native_kernel.__file__),
+            Path(attention_graph.__file__),
+            *native_kernel.SOURCES,
+        ]
     return graph_key(model_path, settings=settings, sources=sources, versions=versions)

@@ -290,12 +290,15 @@ static OrtCustomOp int4_matmul = {
     destroy, required, required, default_memory, one, one, one, one, create_kernel2, compute2, NULL, start_version,
     end_version, no_pairs, release_pairs, no_pairs, release_pairs};
 
+OrtCustomOp* meshserve_attention_op(void);  // attn.c: "meshserve.edge:Attention"
+
 OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
     api = base->GetApi(API_VERSION);
     if (api == NULL) return NULL;  // cannot happen: every onnxruntime serves version 1
     OrtCustomOpDomain* domain;
     OrtStatus* status = api->CreateCustomOpDomain("meshserve.edge", &domain);
     if (status == NULL) status = api->CustomOpDomain_Add(domain, &int4_matmul);
+    if (status == NULL) status = api->CustomOpDomain_Add(domain, meshserve_attention_op());
     if (status == NULL) status = api->AddCustomOpDomain(options, domain);
     return status;  // the domain is kept for the life of the process (sessions hold it)
 }

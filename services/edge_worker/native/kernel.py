@@ -27,8 +27,8 @@ import numpy as np
 import numpy.typing as npt
 
 SOURCE = Path(__file__).with_name("kq4.c")
-SOURCES = (SOURCE, Path(__file__).with_name("int4op.c"))
-"""Compiled into one library: the kernel and the onnxruntime custom op over it."""
+SOURCES = (SOURCE, Path(__file__).with_name("int4op.c"), Path(__file__).with_name("attn.c"))
+"""Compiled into one library: the kernel, the onnxruntime custom op over it and the attention op (``attn.c``)."""
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
 LIBS: tuple[str, ...] = ()
 BLOCK = 32

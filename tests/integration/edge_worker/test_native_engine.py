@@ -1,7 +1,8 @@
 """The batched edge engine with ``int4_kernel=native`` on the real INT4 model: a lone sequence decodes in one
 row and its greedy tokens still equal what it gets in any batch; every MatMulNBits but the head (4- and 8-bit) is
-on the op; the native graph's logits, prefill and a one-row decode step, stay close to the MLAS graph's and pick
-the same top token (the numbers are printed: ``pytest -s``).
+on the op and all the model's attention nodes go to our attention op; the native graph's logits, prefill and a
+one-row decode step, stay close to the MLAS graph's and pick the same top token (the numbers are printed:
+``pytest -s``).
 
 Skipped, with the reason, where the kernel cannot be built or run (no gcc, not x86-64 with AVX2 + FMA)."""
 
@@ -19,6 +20,9 @@ import pytest
 from services.common.model_paths import model_paths
 from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.graph import edited_graph, load_session
+from services.edge_worker.kvslots import KvSlots
+from services.edge_worker.native.attention_graph import OP as ATTENTION_OP
+from services.edge_worker.native.attention_graph import use_attention_op
 from services.edge_worker.native.graph import DOMAIN, OP
 from services.edge_worker.native.kernel import unavailable_reason
 from tests.integration.edge_worker.test_batched_engine import PROMPTS, chat, generate, together
@@ -69,22 +73,30 @@ def test_a_lone_sequence_decodes_in_one_row_with_the_tokens_it_gets_in_any_batch
 
 
 def _logits(session: ort.InferenceSession, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The last position's logits after a prefill of ``ids[:-1]`` and ``ids[-1]``, and after a prefill of
-    ``ids[:-1]`` then a one-row decode step of ``ids[-1]`` on its KV."""
+    """The last position's logits after a prefill of ``ids``, and after a prefill of ``ids[:-1]`` then a
+    one-row decode step of ``ids[-1]`` on its KV; past and present KV bound to one buffer as the engine
+    binds them (the native graph's attention op requires it)."""
     decoder = json.loads((model_paths().edge_dir / "genai_config.json").read_text())["model"]["decoder"]
-    empty = np.zeros((1, int(decoder["num_key_value_heads"]), 0, int(decoder["head_size"])), dtype=np.float32)
-    past = [item.name for item in session.get_inputs() if item.name.startswith("past_key_values.")]
-    present = [name.replace("past_key_values.", "present.") for name in past]
 
-    def run(tokens: list[int], kv: list[np.ndarray]) -> list[np.ndarray]:
-        length = kv[0].shape[2] + len(tokens) if kv else len(tokens)
-        feeds = {"input_ids": np.array([tokens], dtype=np.int64), "attention_mask": np.ones((1, length), np.int64)}
-        feeds.update(zip(past, kv or [empty] * len(past), strict=True))
-        return list(session.run(["logits", *present], feeds))
+    def run(kv: KvSlots, tokens: list[int], length: int) -> np.ndarray:
+        io = kv.binding(session, 0, 1)
+        io.bind_cpu_input("input_ids", np.array([tokens], dtype=np.int64))
+        io.bind_cpu_input("attention_mask", np.ones((1, length), dtype=np.int64))
+        io.bind_output("logits")
+        session.run_with_iobinding(io)
+        return np.asarray(io.get_outputs()[0].numpy())[0, -1]
 
-    whole = run(ids, [])[0][0, -1]
-    step = run(ids[-1:], run(ids[:-1], [])[1:])[0][0, -1]
-    return np.asarray(whole), np.asarray(step)
+    def slots() -> KvSlots:
+        return KvSlots(
+            layers=int(decoder["num_hidden_layers"]), kv_heads=int(decoder["num_key_value_heads"]),
+            head_size=int(decoder["head_size"]), slots=1, capacity=len(ids), max_capacity=len(ids),
+        )  # fmt: skip
+
+    whole = run(slots(), ids, len(ids))
+    kv = slots()
+    run(kv, ids[:-1], len(ids) - 1)
+    step = run(kv, ids[-1:], len(ids))
+    return whole, step
 
 
 def test_every_matmulnbits_but_the_head_runs_on_the_op() -> None:
@@ -121,3 +133,11 @@ def test_native_logits_are_close_to_mlas(engine: BatchedEngine) -> None:
     print(f"  the same after a one-row decode step: max |diff| {step_diffs}, top-1 agree {step_agree}")
     assert agree >= len(PROMPTS) - 1 and step_agree >= len(PROMPTS) - 1
     assert max(diffs) < 2.0 and max(step_diffs) < 2.0
+
+
+def test_every_attention_node_of_the_model_is_replaced() -> None:
+    model = onnx.load(str(model_paths().edge_dir / "model.onnx"), load_external_data=False)
+    layers = sum(node.op_type == "GroupQueryAttention" for node in model.graph.node)
+    assert layers > 0 and use_attention_op(model) == layers
+    assert not any(node.op_type == "GroupQueryAttention" for node in model.graph.node)
+    assert sum(node.op_type == ATTENTION_OP and node.domain == DOMAIN for node in model.graph.node) == layers
