@@ -132,6 +132,9 @@ TABLES: dict[str, list[Row]] = {
         Row("16 streams through the mesh / llama.cpp (Q4_0 of the same GGUF) at 16 streams, same run", "edge.json",
             "≥ 1.25x", lambda d: d["targets"]["edge_16_streams_vs_llamacpp"]["ratio"], "x", lambda v: v >= 1.25,
             _EDGE),
+        Row("perplexity on held-out text, the engine's graph with our int4 kernel / with MLAS', same run",
+            "edge_quality.json", "≤ 1.005x", lambda d: float(d["target"]["ratio"]), "x", lambda v: v <= 1.005,
+            "meshserve bench edge-quality"),
     ],
     "Edge tier: roofline and scaling (issue 6; superseded by issue 27's targets above)": [
         Row("single stream, share of memory-bandwidth roofline", "edge.json", "≥ 50 %",
