@@ -144,7 +144,7 @@ async def client(door: FrontDoor) -> AsyncIterator[openai.AsyncOpenAI]:
         yield c
 
 
-CHAT = [{"role": "user", "content": "Count from one to twenty, separated by commas."}]  # repeats ", "
+CHAT = [{"role": "user", "content": "List the numbers from one to twenty, separated by commas."}]  # repeats ", "
 FIELDS: list[dict[str, object]] = [
     {"frequency_penalty": 1.5},
     {"presence_penalty": 2.0},

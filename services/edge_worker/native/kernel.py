@@ -29,8 +29,9 @@ import numpy.typing as npt
 SOURCE = Path(__file__).with_name("kq4.c")
 SOURCES = (SOURCE, Path(__file__).with_name("int4op.c"), Path(__file__).with_name("attn.c"))
 """Compiled into one library: the kernel, the onnxruntime custom op over it and the attention op (``attn.c``)."""
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared")
-LIBS: tuple[str, ...] = ()
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-Wl,-z,defs")
+"""``-z defs``: a symbol left undefined (a source missing from the build) fails the build, not the load."""
+LIBS: tuple[str, ...] = ("-lm",)
 BLOCK = 32
 """Weights are quantized in blocks of 32 along K (MatMulNBits ``block_size=32``)."""
 GROUP_COLUMNS = 8
