@@ -32,7 +32,7 @@ from tokenizers import Tokenizer
 from services.edge_worker import int8head
 from services.edge_worker.int8head import CALIBRATION_TOKENS, OUTLIER_CHANNELS, int8_lm_head, outlier_channels
 from services.edge_worker.load_cache import GraphCache, graph_key
-from services.edge_worker.native import attention_graph
+from services.edge_worker.native import attention_graph, swiglu_graph
 from services.edge_worker.native import graph as native_graph
 from services.edge_worker.native import kernel as native_kernel
 from services.models.biascorrect import CALIBRATION_TEXT
@@ -154,7 +154,7 @@ def edited_graph(
         raise ValueError(f"lm_head 'int8' needs an 8-bit MatMulNBits LM head, which {model_path} does not have")
     if int4_kernel == "native":
         replaced = native_graph.use_int4_op(model, model_path.parent, _native_threads(options))
-        log.info("edge_int4_native_op", replaced=replaced)
+        log.info("edge_int4_native_op", replaced=replaced, swiglu_fused=swiglu_graph.use_swiglu_op(model))
         log.info("edge_native_attention_op", replaced=attention_graph.use_attention_op(model))
     return model.SerializeToString()
 
@@ -183,6 +183,7 @@ def _cache_key(model_path: Path, lm_head: str, options: ort.SessionOptions, int4
             Path(native_graph.__file__),
             Path(native_kernel.__file__),
             Path(attention_graph.__file__),
+            Path(swiglu_graph.__file__),
             *native_kernel.SOURCES,
         ]
     return graph_key(model_path, settings=settings, sources=sources, versions=versions)

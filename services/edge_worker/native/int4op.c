@@ -1,7 +1,9 @@
 // onnxruntime custom op "meshserve.edge:Int4MatMul" over kq4.c: Y[..., N] = A[..., K] @ W^T + bias, W packed by
 // services/edge_worker/native/kernel.py (pack_weights). Inputs: A float32 [..., K] (leading dims flattened to M
 // rows), W uint8 (the packed layout), bias float32 [N]. Attributes: K, N, threads (the session's, >= 1), bits
-// (4 or 8, the weights' width and so their packed layout; absent means 4, as in graphs edited before it existed).
+// (4 or 8, the weights' width and so their packed layout; absent means 4, as in graphs edited before it existed),
+// act (absent or 0: as above; 1: SwiGLU, the MLP's gate and up projections in one op, their 8-column groups
+// alternating in W and bias, Y [..., N/2] = silu(gate) * up).
 // Built into one library with kq4.c (kernel.py); onnxruntime loads it through
 // SessionOptions.register_custom_ops_library, which calls RegisterCustomOps below.
 //
@@ -12,6 +14,8 @@
 // Threads: KernelContext_ParallelFor hands chunks of the N/8 column groups to the session's intra-op threads;
 // every output element is computed whole by one thread, so a row's values do not depend on M or on the
 // thread count. (A pool of the op's own threads was tried first: about as fast, more code, docs/edge.md.)
+#include <immintrin.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -133,6 +137,9 @@ typedef struct {
     int64_t bits;           // 4 or 8
     GemmGroups gemm;        // gemm_q_groups (4 bits) or gemm_q8_groups (8 bits)
     int64_t w_bytes;        // the packed weights' size: N/8 * K/32 blocks of grp_bytes() or grp8_bytes()
+    int64_t act;            // 0: Y = A W^T + bias; 1 (SwiGLU): column groups alternate gate and up (8 columns
+                            // each), Y [.., N/2] = silu(gate) * up, each with its bias (the MLP's gate and up
+                            // projections and their activation in one op)
 } Kernel;
 
 typedef struct {
@@ -142,13 +149,55 @@ typedef struct {
     float* C;
     int M, K, N, groups, chunk;
     GemmGroups gemm;
+    float* out;         // act 1: the [M, N/2] output (C is then a scratch buffer)
+    const float* bias;  // act 1: added in the epilogue
 } PoolJob;
+
+// exp(x) for 8 floats (AVX2 + FMA): x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial (Cephes'
+// expf coefficients, ~1 ulp), times 2^n built in the exponent bits; clamped to [-87.3, 88.3] (no inf or denormals).
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// SwiGLU epilogue over the group pairs [g0/2, g1/2) (g0, g1 even): out = silu(gate + bias) * (up + bias), in the
+// order of the graph it replaces (Sigmoid, then Mul(gate, sigmoid), then Mul(that, up)); row by row, 8 columns
+// (one group) at a time.
+static void swiglu_groups(const PoolJob* j, int g0, int g1) {
+    const int N = j->N, half = N / 2;
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int m = 0; m < j->M; m++) {
+        const float* row = j->C + (size_t)m * N;
+        float* out = j->out + (size_t)m * half;
+        for (int p = g0 / 2; p < g1 / 2; p++) {
+            __m256 g = _mm256_add_ps(_mm256_loadu_ps(row + 16 * p), _mm256_loadu_ps(j->bias + 16 * p));
+            __m256 u = _mm256_add_ps(_mm256_loadu_ps(row + 16 * p + 8), _mm256_loadu_ps(j->bias + 16 * p + 8));
+            __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign))));
+            _mm256_storeu_ps(out + 8 * p, _mm256_mul_ps(_mm256_mul_ps(g, s), u));
+        }
+    }
+}
 
 static void pool_chunk(void* data, size_t index) {
     const PoolJob* j = data;
     int g0 = (int)index * j->chunk;
     int g1 = g0 + j->chunk < j->groups ? g0 + j->chunk : j->groups;
-    if (g0 < g1) j->gemm(j->qa, j->sa, j->sasum, j->M, j->K, j->pw, j->N, j->C, g0, g1);
+    if (g0 < g1) {
+        j->gemm(j->qa, j->sa, j->sasum, j->M, j->K, j->pw, j->N, j->C, g0, g1);
+        if (j->out != NULL) swiglu_groups(j, g0, g1);
+    }
 }
 
 static OrtStatus* fail(const char* message) { return api->CreateStatus(ORT_FAIL, message); }
@@ -173,8 +222,17 @@ static OrtStatus* create_kernel2(const OrtCustomOp* op, const OrtApi* a, const O
             k->bits = 4;
         }
     }
+    if (status == NULL) {
+        OrtStatus* absent = a->KernelInfoGetAttribute_int64(info, "act", &k->act);
+        if (absent != NULL) {
+            a->ReleaseStatus(absent);
+            k->act = 0;
+        }
+    }
     if (status == NULL && (k->K <= 0 || k->K % 32 || k->N <= 0 || k->N % 8))
         status = fail("meshserve Int4MatMul: K must be a positive multiple of 32 and N of 8");
+    if (status == NULL && k->act != 0 && (k->act != 1 || k->N % 16))
+        status = fail("meshserve Int4MatMul: act must be 0, or 1 (SwiGLU) with N a multiple of 16");
     if (status == NULL && k->bits != 4 && k->bits != 8) status = fail("meshserve Int4MatMul: bits must be 4 or 8");
     if (status != NULL) {
         free(k);
@@ -224,7 +282,7 @@ static OrtStatus* compute2(void* kernel, OrtKernelContext* context) {
     int64_t M = 1;
     for (size_t i = 0; i + 1 < rank; i++) M *= dims[i];
     if (dims[rank - 1] != k->K) return fail("meshserve Int4MatMul: A's last dimension is not the weights' K");
-    dims[rank - 1] = k->N;
+    dims[rank - 1] = k->act ? k->N / 2 : k->N;
     OrtValue* out_value;
     TRY(api->KernelContext_GetOutput(context, 0, dims, rank, &out_value));
     float *A, *C, *bias;
@@ -237,29 +295,31 @@ static OrtStatus* compute2(void* kernel, OrtKernelContext* context) {
     const int K = (int)k->K, N = (int)k->N, nb = K / 32;
     int8_t* qa = malloc((size_t)M * K);
     float* sa = malloc(sizeof(float) * (size_t)M * nb * 2);
-    if (qa == NULL || sa == NULL) {
+    float* scratch = k->act ? malloc(sizeof(float) * (size_t)M * N) : NULL;
+    if (qa == NULL || sa == NULL || (k->act && scratch == NULL)) {
         free(qa);
         free(sa);
+        free(scratch);
         return fail("meshserve Int4MatMul: out of memory for the quantized activations");
     }
     quantize_rows(A, (int)M, K, qa, sa, sa + M * nb);
     // the column groups in chunks on onnxruntime's intra-op threads (the calling thread included)
     int groups = N / 8, chunks = 4 * (int)k->threads;
     int chunk = (groups + chunks - 1) / chunks;
-    PoolJob job = {qa, sa, sa + M * nb, W, C, (int)M, K, N, groups, chunk, k->gemm};
+    if (k->act) chunk += chunk % 2;  // a chunk holds whole (gate, up) group pairs: its epilogue needs both
+    PoolJob job = {qa, sa, sa + M * nb, W, k->act ? scratch : C, (int)M, K, N, groups, chunk, k->gemm,
+                   k->act ? C : NULL, bias};
     status = api->KernelContext_ParallelFor(context, pool_chunk, (size_t)((groups + chunk - 1) / chunk), 0, &job);
-    if (status != NULL) {
-        free(qa);
-        free(sa);
-        return status;
-    }
-    for (int64_t m = 0; m < M; m++) {
-        float* row = C + m * N;
-        for (int n = 0; n < N; n++) row[n] += bias[n];
+    if (status == NULL && !k->act) {
+        for (int64_t m = 0; m < M; m++) {
+            float* row = C + m * N;
+            for (int n = 0; n < N; n++) row[n] += bias[n];
+        }
     }
     free(qa);
     free(sa);
-    return NULL;
+    free(scratch);
+    return status;
 }
 
 static void compute(void* kernel, OrtKernelContext* context) {

@@ -106,10 +106,13 @@ def test_every_matmulnbits_but_the_head_runs_on_the_op() -> None:
     options.intra_op_num_threads = 1
     graph = onnx.load_from_string(edited_graph(path, options, lm_head="int8", int4_kernel="native"))
     ours = [node for node in graph.graph.node if (node.domain, node.op_type) == (DOMAIN, OP)]
-    bits = sorted({a.name: a.i for a in node.attribute}["bits"] for node in ours)
-    left = [node.name for node in graph.graph.node if node.op_type == "MatMulNBits"]
-    print(f"on the op: {bits.count(4)} 4-bit and {bits.count(8)} 8-bit matmuls; MatMulNBits left: {left}")
-    assert bits.count(4) == 122 and bits.count(8) == 28 and not left
+    kinds = [({a.name: a.i for a in node.attribute}["bits"], {a.name: a.i for a in node.attribute}.get("act", 0))
+             for node in ours]  # fmt: skip
+    fused, plain4, plain8 = kinds.count((4, 1)), kinds.count((4, 0)), kinds.count((8, 0))
+    left = [node.name for node in graph.graph.node if node.op_type in ("MatMulNBits", "Sigmoid")]
+    print(f"on the op: {plain4} 4-bit, {plain8} 8-bit matmuls and {fused} MLPs' gate+up+SwiGLU; left: {left}")
+    # 122 4-bit matmuls: 30 MLPs' gate and up (60) fused in pairs, 62 others; the 28 8-bit ones
+    assert (fused, plain4, plain8) == (30, 62, 28) and len(ours) == 120 and not left
     head = next(node for node in graph.graph.node if "logits" in node.output)
     assert head.op_type != OP  # the int8 head (MatMulIntegerToFloat) stays as it is
 
