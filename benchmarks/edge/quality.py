@@ -114,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/edge_quality.md"))
     args = parser.parse_args(argv)
     load = os.getloadavg()[0]
+    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    command = f"meshserve bench edge-quality --window {args.window} --prompts {args.prompts} --threads {args.threads}"
     found = measure(args.window, args.prompts, args.threads)
     results: list[EvalResult] = found["results"]
     verdict = judged(results)
@@ -127,8 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         [
             "# Edge engine quality: the int4 kernels on held-out text",
             "",
-            f"Run {dt.datetime.now(dt.UTC).isoformat(timespec='seconds')}, load average {load:.1f}. Reproduce: "
-            f"`meshserve bench edge-quality --window {args.window} --prompts {args.prompts} --threads {args.threads}`.",
+            f"Run {started}, load average {load:.1f}. Reproduce: `{command}`.",
             "",
             f"Held-out text: `{HELDOUT.name}` ({found['tokens']} tokens, windows of {args.window}); reference: the "
             "fp32 checkpoint. The int4 rows are the graphs the batched engine runs (int8 LM head), teacher-forced;"
@@ -150,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     doc = {
+        "date": started,
+        "command": command,
         "load_average": load,
         "window": args.window,
         "tokens": found["tokens"],
