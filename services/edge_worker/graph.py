@@ -185,5 +185,6 @@ def _cache_key(model_path: Path, lm_head: str, options: ort.SessionOptions, int4
             Path(attention_graph.__file__),
             Path(swiglu_graph.__file__),
             *native_kernel.SOURCES,
+            *native_kernel.HEADERS,
         ]
     return graph_key(model_path, settings=settings, sources=sources, versions=versions)

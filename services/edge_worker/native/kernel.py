@@ -28,6 +28,8 @@ import numpy.typing as npt
 
 SOURCE = Path(__file__).with_name("kq4.c")
 SOURCES = (SOURCE, Path(__file__).with_name("int4op.c"), Path(__file__).with_name("attn.c"))
+HEADERS = (Path(__file__).with_name("ortapi.h"),)
+"""Included by the sources (the onnxruntime C API declarations): part of the library's name, not of gcc's command."""
 """Compiled into one library: the kernel, the onnxruntime custom op over it and the attention op (``attn.c``)."""
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-Wl,-z,defs")
 """``-z defs``: a symbol left undefined (a source missing from the build) fails the build, not the load."""
@@ -91,7 +93,7 @@ def _cpu_reason() -> str | None:
 
 def library_path(cache_dir: Path | None = None) -> Path:
     """Where the library built from these sources and flags is (or will be) kept."""
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    source = b"\0".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
     digest = hashlib.sha256(source + "\0".join(CFLAGS + LIBS).encode()).hexdigest()[:16]
     return (cache_dir or default_cache_dir()) / f"kq4-{digest}.so"
 
