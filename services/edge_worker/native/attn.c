@@ -396,18 +396,9 @@ static void compute(void* kernel, OrtKernelContext* context) {
 
 static void destroy(void* kernel) { free(kernel); }
 static const char* op_name(const OrtCustomOp* op) { (void)op; return "Attention"; }
-static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 3 || i == 4 ? ELEM_INT32 : ELEM_FLOAT; }
 static size_t input_count(const OrtCustomOp* op) { (void)op; return 7; }
-static int output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
 static size_t output_count(const OrtCustomOp* op) { (void)op; return 3; }
-static int required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }  // INPUT_OUTPUT_REQUIRED
-static int default_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }  // OrtMemTypeDefault
-static int one(const OrtCustomOp* op) { (void)op; return 1; }
-static int start_version(const OrtCustomOp* op) { (void)op; return 1; }
-static int end_version(const OrtCustomOp* op) { (void)op; return 2147483647; }
-static size_t no_pairs(int** input_index, int** output_index) { *input_index = *output_index = NULL; return 0; }
-static void release_pairs(int* input_index, int* output_index) { (void)input_index; (void)output_index; }
 
 static OrtCustomOp attention_op = {
     OP_VERSION, create_kernel, op_name, op_provider, input_type, input_count, output_type, output_count, compute,

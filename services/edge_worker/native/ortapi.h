@@ -102,4 +102,16 @@ struct OrtCustomOp {
 
 #define OP_VERSION 20
 
+// The OrtCustomOp callbacks both ops answer the same way: float outputs on the CPU provider, every input and
+// output required, default memory, no variadic arity, op versions 1 onwards, no in-place or alias pairs.
+static inline const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+static inline int output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return ELEM_FLOAT; }
+static inline int required(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }  // INPUT_OUTPUT_REQUIRED
+static inline int default_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }  // OrtMemTypeDefault
+static inline int one(const OrtCustomOp* op) { (void)op; return 1; }
+static inline int start_version(const OrtCustomOp* op) { (void)op; return 1; }
+static inline int end_version(const OrtCustomOp* op) { (void)op; return 2147483647; }
+static inline size_t no_pairs(int** input_index, int** output_index) { *input_index = *output_index = NULL; return 0; }
+static inline void release_pairs(int* input_index, int* output_index) { (void)input_index; (void)output_index; }
+
 #endif
