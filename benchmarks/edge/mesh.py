@@ -145,16 +145,13 @@ def ortgenai_round(model: Any, prompt: list[int], max_tokens: int) -> dict[str, 
 
 
 def worker_int4_kernel() -> str:
-    """The int4 kernel the mesh's edge worker runs: its setting (the worker inherits this environment) with
-    ``auto`` resolved the way the worker resolves it (without building anything)."""
+    """The int4 kernel the mesh's edge worker runs: its setting (the worker inherits this environment),
+    resolved by the worker's own rule (:func:`services.edge_worker.startup.int4_kernel`)."""
     from services.common.settings import load_settings
     from services.edge_worker.config import EdgeWorkerSettings
-    from services.edge_worker.native.kernel import unavailable_reason
+    from services.edge_worker.startup import int4_kernel
 
-    settings = load_settings(EdgeWorkerSettings)
-    if settings.int4_kernel != "auto":
-        return settings.int4_kernel
-    return "native" if unavailable_reason() is None and not settings.adaptive_threading else "mlas"
+    return int4_kernel(load_settings(EdgeWorkerSettings))
 
 
 async def _round(stub: inference_pb2_grpc.InferenceStub, streams: int, max_tokens: int, pid: int) -> dict[str, Any]:
