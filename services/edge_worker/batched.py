@@ -337,7 +337,7 @@ class BatchedEngine:
     # --- the batch thread -------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        carry: list[BatchedSequence] = []  # sequences still replaying or prefilling: no token yet
+        carry: list[BatchedSequence] = []  # still replaying or prefilling (no token yet), or running ahead
         held: list[BatchedSequence] = []  # background sequences held out of the last round
         while True:
             batch, released = self._gather(carry, held)
@@ -371,11 +371,13 @@ class BatchedEngine:
             finally:
                 with self._cv:
                     self._preemptible = None
-            # Forks made this round step next round too: wait for them as for the sequences done.
-            self._expected = {seq for seq, _ in done} | set(self._new_forks)
+            # Sequences running ahead (``BatchedSequence.begin``) step next round without being asked;
+            # the others done and the forks made this round are waited for (their next step may come).
+            eos = self._info.eos_token_ids
+            ahead = [seq for seq, token in done if seq.deliver(token, eos)]
+            carry += ahead
+            self._expected = ({seq for seq, _ in done} - set(ahead)) | set(self._new_forks)
             self._new_forks = []
-            for seq, token in done:
-                seq.finish(token)
 
     def _gather(
         self, carry: list[BatchedSequence], held: list[BatchedSequence]
@@ -473,7 +475,7 @@ class BatchedEngine:
             tops = [seq.sampling.top_logprobs for seq, _, _ in asking]
             found = logprobs_rows(rows, [token for _, token, _ in asking], tops)
             for (seq, _, _), entry in zip(asking, found, strict=True):
-                seq.last_logprobs = entry
+                seq.next_logprobs = entry
         return done, carry, stopped
 
     def _run(self, session: ort.InferenceSession, io: ort.IOBinding) -> None:
@@ -541,7 +543,7 @@ class BatchedEngine:
             kept = row.copy() if fork.sampling.logprobs else None
             token = pick(row, fork.sampling, fork.rng, None, fork.constraint)
             if kept is not None:
-                fork.last_logprobs = logprobs(kept, token, fork.sampling.top_logprobs)
+                fork.next_logprobs = logprobs(kept, token, fork.sampling.top_logprobs)
             if fork.penalties is not None:
                 fork.penalties.record(token)
             if fork.constraint is not None:

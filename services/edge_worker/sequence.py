@@ -2,13 +2,16 @@
 
 Its worker thread calls ``step()`` (or ``begin()`` then ``wait()``), which hands the sequence to the
 engine's batch thread and blocks until that thread has fed its pending tokens and chosen the next
-one. Only the batch thread touches ``tokens``, ``kv_len``, ``slot`` and ``parked`` while a step is
-pending.
+one. ``begin(ahead)`` lets the batch thread run the sequence's next steps on its own, round after
+round, while the worker thread detokenizes and sends (a lone stream's rounds then never wait for a
+thread to wake). Only the batch thread touches ``tokens``, ``kv_len``, ``slot`` and ``parked`` while
+a step is pending.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -21,6 +24,10 @@ from services.worker.grammar import TokenConstraint
 from services.worker.penalties import Penalties, penalties_for
 from services.worker.types import EngineInfo, StepInterrupted
 
+READY_LIMIT = 2
+"""Tokens a sequence's batch thread may have chosen and not yet handed to :meth:`BatchedSequence.wait`
+before it stops running that sequence ahead (the consumer fell behind: its next ``wait`` resumes it)."""
+
 
 class BatchRunner(Protocol):
     """What a sequence needs of the engine whose batch thread runs it
@@ -30,7 +37,7 @@ class BatchRunner(Protocol):
     def info(self) -> EngineInfo: ...
 
     def submit(self, seq: BatchedSequence) -> None:
-        """Queue ``seq`` for the batch thread, which calls ``seq.finish`` with its next token or an error."""
+        """Queue ``seq`` for the batch thread, which hands it its next token or an error (``seq.deliver``)."""
 
     def wake(self) -> None:
         """Make the batch thread look at its sequences again (``seq.interrupted`` was set)."""
@@ -90,8 +97,21 @@ class BatchedSequence:
         self.background = False
         """Background work (a batch line): sits out any round that prefills a sequence not marked so."""
         self.last_used = 0.0
-        self._done = threading.Event()
-        self._result: int | BaseException | None = None
+        self._cond = threading.Condition()
+        """Guards the hand-over below (the batch thread delivers, the worker thread waits)."""
+        self._ready: deque[tuple[int | BaseException, SampledLogprobs | None]] = deque()
+        """Results the batch thread handed over and :meth:`wait` has not returned yet, oldest first."""
+        self._handed = 0
+        """Results handed over so far."""
+        self._owed = 1 if source is not None else 0
+        """Steps begun whose result is not handed over yet (a fork's first comes with its copy)."""
+        self._ahead = 0
+        """Steps the batch thread may still begin on its own (:meth:`begin`'s ``ahead``)."""
+        self._stalled = False
+        """The batch thread did not begin a step it could have because ``READY_LIMIT`` results waited
+        unread: :meth:`wait` begins it."""
+        self.next_logprobs: SampledLogprobs | None = None
+        """Set by the batch thread right before it hands a token over: that token's logprobs."""
         self.prefill_tokens = len(self.tokens)
         """Tokens the next ``step`` computes before its token (the context, or a chat turn's new part)."""
         self.last_logprobs: SampledLogprobs | None = None
@@ -109,40 +129,86 @@ class BatchedSequence:
         self.begin()
         return self.wait()
 
-    def begin(self) -> None:
+    def begin(self, ahead: int = 0) -> None:
         """Hand the next step to the batch thread and return at once; :meth:`wait` returns its token.
-        The runner begins the next step as soon as it has a token and detokenizes and sends that token
-        while the model runs (the batch thread's rounds need not wait for it)."""
+
+        ``ahead``: after that step the batch thread may begin up to this many more on its own, each in
+        the round after the previous token was chosen (no wait for this thread), as long as fewer than
+        ``READY_LIMIT`` tokens wait unread and the last was not EOS; each :meth:`wait` returns the
+        next. The runner begins a turn's whole budget at once, so a stream's rounds never wait for it
+        to detokenize and send. Closing the sequence drops what was begun; :meth:`reuse` waits for it."""
         if self.closed:
             raise RuntimeError("sequence is closed")
-        if self.source is None:  # a fork's first token comes with its copy of the source's KV: nothing to submit
-            self._done.clear()
+        with self._cond:
+            submit = self.source is None  # a fork's first token comes with its copy of the source's KV
+            if submit and self._owed:
+                raise RuntimeError("a step is already begun: wait for it first")
+            self._ahead = max(0, ahead)
+            self._owed += submit
+        if submit:
             self._engine.submit(self)
 
     def wait(self) -> int:
-        """The token of the step :meth:`begin` started (blocks until the batch thread has it)."""
-        self._done.wait()
+        """The result of the oldest step begun and not waited for (blocks until the batch thread has it)."""
+        with self._cond:
+            self._cond.wait_for(lambda: bool(self._ready))
+            result, self.last_logprobs = self._ready.popleft()
+            resume = self._stalled and not self.closed
+            self._stalled = False
+            self._owed += resume
         self.source = None
-        result = self._result
+        if resume:
+            self._engine.submit(self)
         if isinstance(result, BaseException):
             raise result
-        assert result is not None
         return result
 
     def finish(self, result: int | BaseException) -> None:
-        self._result = result
-        self._done.set()
+        """Hand ``result`` (a token, or the step's error) over to :meth:`wait` (the batch thread)."""
+        self.deliver(result, frozenset())
+
+    def deliver(self, result: int | BaseException, eos: frozenset[int]) -> bool:
+        """Hand ``result`` over (the batch thread) and say whether the batch thread begins this
+        sequence's next step itself (:meth:`begin`'s ``ahead``): the result is a token not in ``eos``,
+        steps are left, the sequence is open, and fewer than ``READY_LIMIT`` results wait unread."""
+        failed = isinstance(result, BaseException)
+        with self._cond:
+            self._ready.append((result, None if failed else self.next_logprobs))
+            self.next_logprobs = None
+            self._handed += 1
+            self._owed = max(0, self._owed - 1)
+            more = self._ahead > 0 and not failed and result not in eos and not (self.closed or self.interrupted)
+            if more:
+                self._ahead -= 1
+                if len(self._ready) >= READY_LIMIT:  # the consumer fell behind: its next ``wait`` begins it
+                    self._stalled, more = True, False
+            self._owed += more
+            self._cond.notify_all()
+        return more
+
+    def settle(self) -> None:
+        """Begin no more steps and wait until those begun are done (their results are dropped): then
+        only this thread touches the sequence. Blocks up to one model call."""
+        with self._cond:
+            self._ahead = 0
+            self._stalled = False
+            self._cond.wait_for(lambda: self._owed == 0)
+            self._ready.clear()
 
     @property
     def forked(self) -> bool:
         """A fork's first token is ready (or its fork failed): ``step`` returns at once."""
-        return self._done.is_set()
+        with self._cond:
+            return self._handed > 0
 
     def reuse(self, token_ids: Sequence[int], sampling: SamplingParams) -> bool:
-        """Prepare the next turn over ``token_ids``; False if this sequence cannot be reused."""
+        """Prepare the next turn over ``token_ids``; False if this sequence cannot be reused. Steps the
+        last turn began and did not wait for are let finish first (their KV is past the turn's end:
+        only the common prefix below is kept)."""
         key = _reusable_key(sampling)
         if self.closed or key is None or key != self._key:
             return False
+        self.settle()
         if len(token_ids) + sampling.max_tokens > self._engine.info.context_length:
             return False
         common = 0
@@ -163,7 +229,7 @@ class BatchedSequence:
         """End the pending (or next) step with StepInterrupted once the model call in progress, at
         most one prefill chunk, is done. Any thread; waits for no model call."""
         self.interrupted = True
-        if self.source is not None and not self._done.is_set():  # a fork not made yet: it never will be
+        if self.source is not None and not self.forked:  # a fork not made yet: it never will be
             self.finish(StepInterrupted("the turn was cancelled"))
         self._engine.wake()
 

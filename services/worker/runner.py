@@ -129,9 +129,10 @@ def run_sequence(
     if sampling.logprobs and texts is None:
         texts = TokenTexts(engine.tokenizer)
     # Split steps (``begin``/``wait``, EngineSequence): the next step starts before this token is
-    # detokenized and sent. Never for a chat session's sequence: it must be kept exactly at its turn's end.
-    begin = getattr(seq, "begin", None) if session is None else None
+    # detokenized and sent (a chat session's sequence too: its ``reuse`` waits for steps begun).
+    begin = getattr(seq, "begin", None)
     pending = False  # a step begun and not waited for yet
+    pending_all = False  # the turn's remaining steps are begun (``begin(ahead)``)
     try:
         while True:
             if stop_flag.is_set():
@@ -166,8 +167,10 @@ def run_sequence(
             # the token's logprobs, read before the next step begins (it sets them anew)
             sampled: Any = seq.last_logprobs if texts is not None else None  # type: ignore[attr-defined]
             if begin is not None and produced < budget and not stop_flag.is_set():
-                begin()  # the next token is computed while this one is detokenized and sent
-                pending = True
+                if not pending_all:  # the rest of the budget at once: the engine steps on its own from now
+                    begin(budget - produced - 1)
+                    pending_all = True
+                pending = True  # the next token is computed while this one is detokenized and sent
             if len(request.resume_ids) + produced <= sampling.min_tokens:  # the first min_tokens are never cut
                 text, stopped = stops.pass_through(detok.add(token)), False
             else:

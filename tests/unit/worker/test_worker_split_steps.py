@@ -1,7 +1,8 @@
-"""run_sequence with sequences that split ``step`` into ``begin``/``wait``: the next step starts before the
-token is detokenized and sent; EOS and the budget begin none; a stop string or a cancel closes the
-sequence with its step pending; logprobs belong to the token sent; a chat session's sequence is never
-split (it must be kept exactly at its turn's end)."""
+"""run_sequence with sequences that split ``step`` into ``begin``/``wait``: after the first token the turn's
+whole remaining budget is begun at once (``begin(ahead)``: the engine runs the steps on its own), so the
+next step starts before a token is detokenized and sent; EOS ends the turn; a stop string or a cancel
+closes the sequence with steps pending; logprobs belong to the token sent; a chat session's sequence is
+split too (its ``reuse`` waits for the steps begun)."""
 
 from __future__ import annotations
 
@@ -22,17 +23,20 @@ class SplitSequence(FakeSequence):
     def __init__(self, engine: SplitEngine, sampling: SamplingParams) -> None:
         super().__init__(engine, sampling)
         self.log = engine.log
-        self._next: int | None = None
+        self._owed = 0  # steps begun and not waited for
         self.last_logprobs: SampledLogprobs | None = None
 
-    def begin(self) -> None:
-        self.log.append("begin")
-        self._next = super().step()
+    def begin(self, ahead: int = 0) -> None:
+        self.log.append(f"begin {ahead}")
+        self._owed = 1 + ahead
 
     def wait(self) -> int:
         self.log.append("wait")
-        assert self._next is not None
-        token, self._next = self._next, None
+        assert self._owed > 0, "waited for a step never begun"
+        self._owed -= 1
+        token = super().step()
+        if token == EOS:
+            self._owed = 0  # as BatchedSequence.deliver: nothing is begun after EOS
         self.last_logprobs = SampledLogprobs(token_id=token, logprob=-float(token))
         return token
 
@@ -41,7 +45,7 @@ class SplitSequence(FakeSequence):
         return self.wait()
 
     def close(self) -> None:
-        self.log.append("close" if self._next is None else "close pending")
+        self.log.append("close" if self._owed == 0 else "close pending")
         super().close()
 
 
@@ -73,12 +77,12 @@ def test_the_next_step_begins_before_the_token_is_sent() -> None:
     engine = SplitEngine("hello world", loop=True)
     text, final = run(engine, SamplingParams(max_tokens=3))
     assert text == "hello worldhello" and final.reason == FinishReason.LENGTH  # type: ignore[attr-defined]
-    # step 1 (begin+wait), then each token: begin the next before emitting; the budget's last token begins none
-    assert engine.log == ["begin", "wait", "begin", "emit", "wait", "begin", "emit", "wait", "emit", "close"]
+    # step 1 (begin+wait), then the rest of the budget at once, before the first token is emitted
+    assert engine.log == ["begin 0", "wait", "begin 1", "emit", "wait", "emit", "wait", "emit", "close"]
     assert engine.steps == 3
 
 
-def test_eos_begins_no_step() -> None:
+def test_eos_ends_the_steps_begun() -> None:
     engine = SplitEngine([*FakeEngine("hello").script, EOS], loop=False)
     _, final = run(engine, SamplingParams(max_tokens=10))
     assert final.reason == FinishReason.STOP  # type: ignore[attr-defined]
@@ -112,7 +116,7 @@ def test_logprobs_are_those_of_the_token_sent() -> None:
     assert [e.logprobs[0].logprob for e in emitted] == [-float(e.token_ids[0]) for e in emitted]  # type: ignore[index]
 
 
-def test_a_chat_session_sequence_is_never_split() -> None:
+def test_a_chat_session_sequence_is_split_too() -> None:
     from services.worker.sessions import ChatSession, ChatSessions
 
     engine = SplitEngine("hello world", loop=True)
@@ -122,4 +126,4 @@ def test_a_chat_session_sequence_is_never_split() -> None:
         WorkerCounters(), session,
     )  # fmt: skip
     assert final.completion_tokens == 3
-    assert engine.log == ["begin", "wait"] * 3 + ["close"]  # step() only: never begun ahead
+    assert engine.log == ["begin 0", "wait", "begin 1", "wait", "wait", "close"]
