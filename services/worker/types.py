@@ -166,11 +166,13 @@ class EngineSequence(Protocol):
     The runner uses it for the first step only, whose prefill of a long context can take seconds;
     the sequence is closed afterwards.
 
-    An engine may also give its sequences ``begin()`` and ``wait()``, ``step`` in two halves: ``begin``
-    starts the next step and returns at once, ``wait`` returns its token. The runner then begins the
-    next step as soon as it has a token and decides whether to go on (not EOS, tokens left), and
-    detokenizes and sends that token while the model runs; a turn ended by a stop string or a cancel
-    meanwhile closes the sequence with that step pending (never a chat session's held sequence).
+    An engine may also give its sequences ``begin(ahead)`` and ``wait()``, ``step`` in two halves:
+    ``begin`` starts the next step and returns at once, and lets the engine start up to ``ahead``
+    more on its own, one after another (stopping at EOS); each ``wait`` returns the next token. After
+    the first token, when the turn goes on (not EOS, tokens left), the runner begins the rest of its
+    budget at once and then only waits, detokenizing and sending each token while the model runs; a
+    turn ended by a stop string or a cancel meanwhile closes the sequence with steps pending. A chat
+    session's sequence too: the engine's ``reuse`` must first wait for the steps begun.
 
     A sequence whose sampling asks for ``logprobs`` sets ``last_logprobs``
     (:class:`~services.common.logprobs.SampledLogprobs`) in every ``step`` to the token it returns;
