@@ -18,13 +18,14 @@ sends greedy requests with the EDGE hint and the response cache bypassed, and re
 * onnxruntime-genai's own single stream on the same INT4 model, in this process (``og.Generator``, its
   default session options but the worker's thread count), one round after each single-stream mesh
   round (``--ortgenai``, default on), and llama.cpp at 1 and 16 streams on the same GGUF requantized to
-  Q4_0 when a llama.cpp build is found (:mod:`benchmarks.edge.llamacpp`).
+  Q4_0 when a llama.cpp build is found (:mod:`benchmarks.edge.llamacpp`), one run right after each
+  16-stream mesh round (medians of those runs).
 
 Writes ``docs/benchmarks/edge.{json,md}`` and ends with issue 27's targets, judged: the mesh's single
 stream >= 1.0x onnxruntime-genai's (same run, interleaved), 16 streams >= 1.25x llama.cpp's 16-stream
-throughput (SKIPPED, with the reason, without a llama.cpp build); issue 6's roofline share and 16-vs-1
-ratio follow as references. Numbers from a busy machine are not comparable with a quiet one: the load
-average at the start and end is recorded, re-run with nothing else running.
+throughput (same run, interleaved; SKIPPED, with the reason, without a llama.cpp build); issue 6's
+roofline share and 16-vs-1 ratio follow as references. Numbers from a busy machine are not comparable
+with a quiet one: the load average at the start and end is recorded, re-run with nothing else running.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -200,10 +201,14 @@ async def run(
     threads: int,
     stream_counts: Sequence[int],
     engine: str = "batched",
-    repeats: int = 2,
+    repeats: int = 3,
     embed_router: bool = True,
     ortgenai: bool = True,
+    llama: Callable[[], dict[str, Any]] | str | None = None,
 ) -> dict[str, Any]:
+    """The mesh rounds; ``llama``: a function that runs llama.cpp once (:func:`llamacpp_runner`), called
+    right after each round of the largest stream count (the same load, as onnxruntime-genai's reference
+    after each single-stream round), or why it cannot run."""
     edge_dir = model_paths().edge_dir
     og_model = ortgenai_model(edge_dir, threads) if ortgenai else None
     og_prompt: list[int] = []
@@ -229,6 +234,8 @@ async def run(
     kernel = worker_int4_kernel()
     samples: dict[int, list[dict[str, Any]]] = {n: [] for n in stream_counts}
     og_rounds: list[dict[str, float]] = []
+    llama_samples: list[dict[str, Any]] = []
+    llama_found: str | None = llama if isinstance(llama, str) else None  # why llama.cpp was not measured
     async with Mesh(config, sink=lambda _name, _line: None) as mesh:
         proc = mesh.workers("edge")[0].proc
         assert proc is not None
@@ -243,6 +250,12 @@ async def run(
                     if n == 1 and og_model is not None:  # right after the mesh's single stream: same load
                         print("onnxruntime-genai, 1 stream ...", file=sys.stderr, flush=True)
                         og_rounds.append(ortgenai_round(og_model, og_prompt, max_tokens))
+                    if n == max(stream_counts) and callable(llama) and not isinstance(llama_found, str):
+                        print("llama.cpp ...", file=sys.stderr, flush=True)
+                        try:
+                            llama_samples.append(await asyncio.to_thread(llama))
+                        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                            llama_found = f"llama.cpp run failed: {exc}"
     rounds = [_median_round(samples[n]) for n in stream_counts]
     single = next(r for r in rounds if r["streams"] == 1)
     roofline = bandwidth * 1e9 / per_token
@@ -278,7 +291,29 @@ async def run(
         "ortgenai_decode_tokens_per_s": (
             statistics.median(r["decode_tokens_per_s"] for r in og_rounds) if og_rounds else None
         ),
+        "llamacpp": (
+            {"skipped": llama_found or "llama.cpp not measured"}
+            if llama_found is not None or not llama_samples
+            else llamacpp_summary(llama_samples)
+        ),
     }
+
+
+def llamacpp_summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """llama.cpp's runs (one after each mesh round of the largest count) as one result: per stream count
+    the medians of its tokens/s, with every run kept under ``samples``."""
+    rounds = []
+    for streams in sorted({r["streams"] for sample in samples for r in sample["rounds"]}):
+        found = [r for sample in samples for r in sample["rounds"] if r["streams"] == streams]
+        rounds.append(
+            {
+                "streams": streams,
+                "repeats": len(found),
+                "aggregate_tokens_per_s": statistics.median(r["aggregate_tokens_per_s"] for r in found),
+                "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in found),
+            }
+        )
+    return {"model": samples[0]["model"], "command": samples[0]["command"], "rounds": rounds, "samples": samples}
 
 
 def judged(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -400,13 +435,41 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r.get('worker_cpu_ms_per_token', float('nan')):.1f} | {r['ttft_ms_p50']:.0f} | "
             f"{r['itl_ms_p50']:.1f} | {r['decode_tokens_per_s']:.1f} |"
         )
+    lines += _reference_lines(report)
     if report.get("direct"):
         lines += edge_direct.markdown(report["direct"], report["roofline_tokens_per_s"])
     return "\n".join(lines) + "\n"
 
 
-def _llamacpp(args: argparse.Namespace, counts: Sequence[int]) -> dict[str, Any]:
-    """llama.cpp at 1 and the largest stream count, or ``{"skipped": why}``."""
+def _reference_lines(report: dict[str, Any]) -> list[str]:
+    """Each reference run next to the mesh round it followed (the spread behind the medians)."""
+    samples = report.get("round_samples", [])
+    top = report["rounds"][-1]["streams"]
+    pairs = []
+    og = [r["decode_tokens_per_s"] for r in report.get("ortgenai_rounds", [])]
+    if og:
+        mesh = [r["decode_tokens_per_s"] for r in samples if r["streams"] == 1]
+        pairs.append(("1 stream, decode tok/s: the mesh", mesh, "onnxruntime-genai", og))
+    llama_top = [
+        r["aggregate_tokens_per_s"]
+        for s in report.get("llamacpp", {}).get("samples", [])
+        for r in s["rounds"]
+        if r["streams"] == top
+    ]
+    if llama_top:
+        mesh = [r["aggregate_tokens_per_s"] for r in samples if r["streams"] == top]
+        pairs.append((f"{top} streams, aggregate tok/s: the mesh", mesh, "llama.cpp", llama_top))
+    if not pairs:
+        return []
+    lines = ["", "Round by round (each reference run right after the mesh round it is compared with):", ""]
+    for label, mesh, name, theirs in pairs:
+        lines.append(f"- {label} {', '.join(f'{v:.1f}' for v in mesh)}; {name} {', '.join(f'{v:.1f}' for v in theirs)}")
+    return lines
+
+
+def llamacpp_runner(args: argparse.Namespace, counts: Sequence[int]) -> Callable[[], dict[str, Any]] | str:
+    """A function that runs llama.cpp once at 1 and the largest stream count (:func:`llamacpp.measure`),
+    or why it cannot run."""
     from tokenizers import Tokenizer
 
     from benchmarks.edge import llamacpp
@@ -414,15 +477,15 @@ def _llamacpp(args: argparse.Namespace, counts: Sequence[int]) -> dict[str, Any]
 
     tools = llamacpp.find_tools(args.llama_cpp_bin)
     if isinstance(tools, str):
-        return {"skipped": tools}
+        return tools
     try:
         source = default_source()
     except PrepareError as exc:
-        return {"skipped": f"the shipped GGUF is not installed: {exc}"}
+        return f"the shipped GGUF is not installed: {exc}"
     edge_dir = model_paths().edge_dir
     prompt = len(Tokenizer.from_file(str(edge_dir / "tokenizer.json")).encode(PROMPT).ids)
-    print("llama.cpp ...", file=sys.stderr, flush=True)
-    try:
+
+    def once() -> dict[str, Any]:
         return llamacpp.measure(
             tools,
             Path(source.location),
@@ -432,8 +495,8 @@ def _llamacpp(args: argparse.Namespace, counts: Sequence[int]) -> dict[str, Any]
             max_tokens=args.max_tokens,
             streams=sorted({1, max(counts)}),
         )
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return {"skipped": f"llama.cpp run failed: {exc}"}
+
+    return once
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -445,7 +508,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--direct", action=argparse.BooleanOptionalAction, default=True, help="also time both engines in-process"
     )
-    parser.add_argument("--mesh-repeats", type=int, default=2, help="interleaved mesh rounds per count (median)")
+    parser.add_argument(
+        "--mesh-repeats", type=int, default=3, help="interleaved mesh rounds per count (median; default 3)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="in-process rounds per point (median; default 3)")
     parser.add_argument(
         "--direct-engines",
@@ -487,9 +552,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.mesh_repeats,
             embed_router=not args.split_router,
             ortgenai=args.ortgenai,
+            llama=llamacpp_runner(args, counts),
         )
     )
-    report["llamacpp"] = _llamacpp(args, counts)
     if args.direct:
         print("engines in-process ...", file=sys.stderr, flush=True)
         from tokenizers import Tokenizer

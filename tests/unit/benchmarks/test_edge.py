@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import cli as bench_cli
 from benchmarks.edge import llamacpp
-from benchmarks.edge.mesh import _median_round, judged, markdown, targets
+from benchmarks.edge.mesh import _median_round, judged, llamacpp_runner, llamacpp_summary, markdown, targets
 
 
 def _report(load: float, single: float, top: float, share: float) -> dict[str, Any]:
@@ -93,6 +93,39 @@ main: n_kv_max = 1088, n_batch = 2048
 """
     rows = llamacpp.parse_table(table)
     assert [(r["B"], r["S_TG t/s"]) for r in rows] == [(1.0, 150.0), (16.0, 307.2)]
+
+
+def test_llamacpp_runs_interleaved_with_the_mesh_rounds_are_summarized_by_medians() -> None:
+    def run(one: float, sixteen: float) -> dict[str, Any]:
+        return {"model": "m.gguf", "command": "llama-batched-bench ...", "rounds": [
+            {"streams": 1, "aggregate_tokens_per_s": one, "decode_tokens_per_s": one},
+            {"streams": 16, "aggregate_tokens_per_s": sixteen, "decode_tokens_per_s": sixteen / 16},
+        ]}  # fmt: skip
+
+    samples = [run(150.0, 260.0), run(140.0, 200.0), run(160.0, 240.0)]
+    summary = llamacpp_summary(samples)
+    assert summary["rounds"] == [
+        {"streams": 1, "repeats": 3, "aggregate_tokens_per_s": 150.0, "decode_tokens_per_s": 150.0},
+        {"streams": 16, "repeats": 3, "aggregate_tokens_per_s": 240.0, "decode_tokens_per_s": 15.0},
+    ]
+    assert summary["samples"] == samples and summary["model"] == "m.gguf"
+    report = _report(load=0.3, single=50.0, top=300.0, share=0.52)
+    report["llamacpp"] = summary
+    report["round_samples"] = [{"streams": 16, "aggregate_tokens_per_s": v} for v in (310.0, 290.0, 300.0)]
+    assert judged(report)["edge_16_streams_vs_llamacpp"]["ratio"] == pytest.approx(1.25)
+    assert "- 16 streams, aggregate tok/s: the mesh 310.0, 290.0, 300.0; llama.cpp 260.0, 200.0, 240.0" in (
+        markdown(report)
+    )
+
+
+def test_without_a_llamacpp_build_the_runner_says_why(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    args = argparse.Namespace(llama_cpp_bin=None, llama_cpp_dir=tmp_path, threads=2, max_tokens=8)
+    assert llamacpp_runner(args, [1, 16]) == (
+        "no llama.cpp build found: no llama-batched-bench on PATH (or pass --llama-cpp-bin DIR)"
+    )
 
 
 def test_meshserve_bench_edge_is_wired() -> None:
