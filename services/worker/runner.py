@@ -133,6 +133,7 @@ def run_sequence(
     begin = getattr(seq, "begin", None)
     pending = False  # a step begun and not waited for yet
     pending_all = False  # the turn's remaining steps are begun (``begin(ahead)``)
+    armed = False  # the interrupter is armed for the steps begun ahead
     try:
         while True:
             if stop_flag.is_set():
@@ -142,7 +143,11 @@ def run_sequence(
                 reason = FinishReason.LENGTH
                 break
             if pending:
-                token, pending = seq.wait(), False  # type: ignore[attr-defined]
+                try:
+                    token, pending = seq.wait(), False  # type: ignore[attr-defined]
+                except StepInterrupted:  # a cancel ended the steps begun ahead
+                    reason = FinishReason.CANCELLED
+                    break
             elif produced == 0 and interrupt is not None and interrupter is not None:
                 interrupter.arm(interrupt)
                 try:
@@ -170,6 +175,9 @@ def run_sequence(
                 if not pending_all:  # the rest of the budget at once: the engine steps on its own from now
                     begin(budget - produced - 1)
                     pending_all = True
+                    if interrupt is not None and interrupter is not None:
+                        interrupter.arm(interrupt)  # a cancel ends them after the step in flight, not later
+                        armed = True
                 pending = True  # the next token is computed while this one is detokenized and sent
             if len(request.resume_ids) + produced <= sampling.min_tokens:  # the first min_tokens are never cut
                 text, stopped = stops.pass_through(detok.add(token)), False
@@ -185,6 +193,9 @@ def run_sequence(
         failed = False
     finally:
         _local.request = None
+        if armed and interrupter is not None:
+            interrupter.disarm()  # no cancel reaches the sequence from now on: read whether one did
+            interrupted = interrupted or bool(getattr(seq, "interrupted", False))
         # Only engines that can extend a held sequence (``start_chat``) keep it between turns; the
         # others (the cloud engine reuses prefixes through its own cache) free its KV now.
         if session is None or failed or interrupted or getattr(engine, "start_chat", None) is None:

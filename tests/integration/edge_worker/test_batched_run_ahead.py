@@ -1,10 +1,12 @@
 """Steps begun ahead on the batched edge engine (``BatchedSequence.begin(ahead)``), on the real INT4 model:
 the batch thread runs a stream's next steps itself, round after round, and the tokens are those of
 one step at a time; it stops at EOS, at the budget, and when ``READY_LIMIT`` tokens wait unread (the
-next ``wait`` resumes it); closing drops the steps begun; a chat turn's ``reuse`` waits for them."""
+next ``wait`` resumes it); closing drops the steps begun; a chat turn's ``reuse`` waits for them; a
+cancel through the runtime leaves at most the step in flight."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -14,6 +16,10 @@ from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.sequence import READY_LIMIT, BatchedSequence
+from services.worker.interrupt import PrefillInterrupter
+from services.worker.runner import run_sequence
+from services.worker.stats import WorkerCounters
+from services.worker.types import FinishReason, GenerationRequest, TokenEvent
 from tests.integration.edge_worker.test_batched_engine import PROMPTS, chat, generate, together
 
 pytestmark = pytest.mark.integration
@@ -141,3 +147,26 @@ def test_logprobs_belong_to_the_token_each_wait_returns(engine: BatchedEngine) -
     finally:
         seq.close()
     assert [entry.token_id for entry in found if entry is not None] == tokens
+
+
+def test_a_cancel_ends_the_steps_begun_after_the_one_in_flight(engine: BatchedEngine) -> None:
+    prompt = chat(engine, PROMPTS[2])
+    stop, interrupter = threading.Event(), PrefillInterrupter()
+    emitted: list[TokenEvent] = []
+    rows_at_cancel: list[int] = []
+
+    def cancel() -> None:  # as the event loop does, while the worker thread waits for the next token
+        rows_at_cancel.append(engine.rows)
+        stop.set()
+        interrupter.fire()
+
+    def emit(event: TokenEvent) -> None:  # the client leaves after its second token
+        emitted.append(event)
+        if len(emitted) == 2:
+            threading.Timer(0.003, cancel).start()
+
+    request = GenerationRequest(tuple(prompt), SamplingParams(max_tokens=40))
+    final = run_sequence(engine, request, stop, emit, WorkerCounters(), None, interrupter)
+    assert final.reason == FinishReason.CANCELLED and len(emitted) in (2, 3)  # a token may beat the cancel
+    assert settled_rows(engine) - rows_at_cancel[0] <= 1  # the decode step in flight, no more
+    assert generate(engine, prompt, 4) == generate(engine, prompt, 4)  # the engine goes on
