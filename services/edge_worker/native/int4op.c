@@ -31,6 +31,7 @@ typedef void (*GemmGroups)(const int8_t* qa, const float* sa, const float* sasum
                            int N, float* C, int g0, int g1);
 
 #include "ortapi.h"
+#include "avxmath.h"
 
 #define API_VERSION 18  // of the OrtApi table: KernelContext_ParallelFor came with 18, the rest with 1
 #define MAX_DIMS 8
@@ -59,25 +60,6 @@ typedef struct {
     float* out;         // act 1: the [M, N/2] output (C is then a scratch buffer)
     const float* bias;  // act 1: added in the epilogue
 } PoolJob;
-
-// exp(x) for 8 floats (AVX2 + FMA): x = n ln2 + r with |r| <= ln2/2, exp(r) by a degree-6 polynomial (Cephes'
-// expf coefficients, ~1 ulp), times 2^n built in the exponent bits; clamped to [-87.3, 88.3] (no inf or denormals).
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 
 // SwiGLU epilogue over the group pairs [g0/2, g1/2) (g0, g1 even): out = silu(gate + bias) * (up + bias), in the
 // order of the graph it replaces (Sigmoid, then Mul(gate, sigmoid), then Mul(that, up)); row by row, 8 columns

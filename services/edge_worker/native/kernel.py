@@ -28,8 +28,9 @@ import numpy.typing as npt
 
 SOURCE = Path(__file__).with_name("kq4.c")
 SOURCES = (SOURCE, Path(__file__).with_name("int4op.c"), Path(__file__).with_name("attn.c"))
-HEADERS = (Path(__file__).with_name("ortapi.h"),)
-"""Included by the sources (the onnxruntime C API declarations): part of the library's name, not of gcc's command."""
+HEADERS = (Path(__file__).with_name("ortapi.h"), Path(__file__).with_name("avxmath.h"))
+"""Included by the sources (the onnxruntime C API declarations, the vector exp both ops use): part of the
+library's name, not of gcc's command."""
 """Compiled into one library: the kernel, the onnxruntime custom op over it and the attention op (``attn.c``)."""
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-Wl,-z,defs")
 """``-z defs``: a symbol left undefined (a source missing from the build) fails the build, not the load."""
