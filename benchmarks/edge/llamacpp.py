@@ -15,6 +15,7 @@ over the wall time of the round, prefill included (``B * TG / (T_PP + T_TG)``).
 from __future__ import annotations
 
 import shutil
+import statistics
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -112,3 +113,20 @@ def measure(
     if not rounds:
         raise RuntimeError(f"{bench} printed no result table: {done.stdout[-400:]}")
     return {"model": str(model), "command": " ".join(command), "rounds": rounds}
+
+
+def summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """llama.cpp's runs (one after each mesh round of the largest count) as one result: per stream count
+    the medians of its tokens/s, with every run kept under ``samples``."""
+    rounds = []
+    for streams in sorted({r["streams"] for sample in samples for r in sample["rounds"]}):
+        found = [r for sample in samples for r in sample["rounds"] if r["streams"] == streams]
+        rounds.append(
+            {
+                "streams": streams,
+                "repeats": len(found),
+                "aggregate_tokens_per_s": statistics.median(r["aggregate_tokens_per_s"] for r in found),
+                "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in found),
+            }
+        )
+    return {"model": samples[0]["model"], "command": samples[0]["command"], "rounds": rounds, "samples": samples}

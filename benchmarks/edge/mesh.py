@@ -49,6 +49,7 @@ import grpc
 import numpy as np
 
 from benchmarks.edge import direct as edge_direct
+from benchmarks.edge import llamacpp
 from benchmarks.stats import StreamSample, summarize, time_stream
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
@@ -294,26 +295,9 @@ async def run(
         "llamacpp": (
             {"skipped": llama_found or "llama.cpp not measured"}
             if llama_found is not None or not llama_samples
-            else llamacpp_summary(llama_samples)
+            else llamacpp.summary(llama_samples)
         ),
     }
-
-
-def llamacpp_summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """llama.cpp's runs (one after each mesh round of the largest count) as one result: per stream count
-    the medians of its tokens/s, with every run kept under ``samples``."""
-    rounds = []
-    for streams in sorted({r["streams"] for sample in samples for r in sample["rounds"]}):
-        found = [r for sample in samples for r in sample["rounds"] if r["streams"] == streams]
-        rounds.append(
-            {
-                "streams": streams,
-                "repeats": len(found),
-                "aggregate_tokens_per_s": statistics.median(r["aggregate_tokens_per_s"] for r in found),
-                "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in found),
-            }
-        )
-    return {"model": samples[0]["model"], "command": samples[0]["command"], "rounds": rounds, "samples": samples}
 
 
 def judged(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -472,7 +456,6 @@ def llamacpp_runner(args: argparse.Namespace, counts: Sequence[int]) -> Callable
     or why it cannot run."""
     from tokenizers import Tokenizer
 
-    from benchmarks.edge import llamacpp
     from services.models.sources import PrepareError, default_source
 
     tools = llamacpp.find_tools(args.llama_cpp_bin)

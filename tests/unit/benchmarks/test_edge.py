@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks import cli as bench_cli
 from benchmarks.edge import llamacpp
-from benchmarks.edge.mesh import _median_round, judged, llamacpp_runner, llamacpp_summary, markdown, targets
+from benchmarks.edge.mesh import _median_round, judged, llamacpp_runner, markdown, targets
 
 
 def _report(load: float, single: float, top: float, share: float) -> dict[str, Any]:
@@ -103,7 +103,7 @@ def test_llamacpp_runs_interleaved_with_the_mesh_rounds_are_summarized_by_median
         ]}  # fmt: skip
 
     samples = [run(150.0, 260.0), run(140.0, 200.0), run(160.0, 240.0)]
-    summary = llamacpp_summary(samples)
+    summary = llamacpp.summary(samples)
     assert summary["rounds"] == [
         {"streams": 1, "repeats": 3, "aggregate_tokens_per_s": 150.0, "decode_tokens_per_s": 150.0},
         {"streams": 16, "repeats": 3, "aggregate_tokens_per_s": 240.0, "decode_tokens_per_s": 15.0},
