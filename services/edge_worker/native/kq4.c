@@ -25,7 +25,8 @@
 // dot_b = sum w*qa, exact in int32, and the zero-point term uses (z - 128) in place of z:
 //   Y[m,n] = sum_b cvt(dot_b) * (sw_b*sa_b)  +  sum_b -(sw_b*(z_b-128)) * sasum_b   (same fp32 steps as 4 bits)
 // Row invariance: every row is computed by the same instruction sequence whatever M is; the row tiles
-// (4, 3, 2 or 1 rows at a time) only interleave independent rows, they never share a sum. So a row's
+// (4, 3, 2 or 1 rows, one or two groups of 8 columns at a time) only interleave independent rows, they never
+// share a sum. So a row's
 // output is bit-identical whether it is computed alone or with other rows.
 #include <immintrin.h>
 #include <stdint.h>
@@ -79,58 +80,74 @@ void quantize_rows(const float* A, int M, int K, int8_t* qa, float* sa, float* s
     }
 }
 
-// R rows (m0..m0+R-1) x one group g of 8 columns; pw points at the group's first block.
+// R rows (m0..m0+R-1) x G groups (g..g+G-1, G = 1 or 2) of 8 columns; pw points at group g's first block
+// (group g+1 follows it). With two groups the activations' broadcasts serve 16 columns. The integer part of
+// a block is exact (int16 sums of at most 16 products <= 30480, then int32), so the order in which the
+// compiler adds it up does not change a bit; the float steps run in the order documented above.
 static inline __attribute__((always_inline)) void tile(const int8_t* qa, const float* sa, const float* sasum,
                                                        int K, const uint8_t* pw, int N, float* C, int m0, int R,
-                                                       int g) {
+                                                       int G, int g) {
     const int nb = K / BLK;
     const __m256i lomask = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
-    __m256 acc[4], zt[4];
+    __m256 acc[2][4], zt[2][4];
     // zero-point term: its own FMA chain (same order for every row), added at the end
-    for (int r = 0; r < R; r++) zt[r] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const uint8_t* pz = pw + (size_t)b * GRP_BYTES;
-        const __m256 zf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(pz + 160))));
-        const __m256 swz = _mm256_mul_ps(_mm256_loadu_ps((const float*)(pz + 128)), zf);
-        for (int r = 0; r < R; r++)
-            zt[r] = _mm256_fnmadd_ps(swz, _mm256_broadcast_ss(sasum + (m0 + r) * nb + b), zt[r]);
+    for (int h = 0; h < G; h++) {
+        const uint8_t* q = pw + (size_t)h * nb * GRP_BYTES;
+        for (int r = 0; r < R; r++) zt[h][r] = _mm256_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const uint8_t* pz = q + (size_t)b * GRP_BYTES;
+            const __m256 zf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(pz + 160))));
+            const __m256 swz = _mm256_mul_ps(_mm256_loadu_ps((const float*)(pz + 128)), zf);
+            for (int r = 0; r < R; r++)
+                zt[h][r] = _mm256_fnmadd_ps(swz, _mm256_broadcast_ss(sasum + (m0 + r) * nb + b), zt[h][r]);
+        }
+        for (int r = 0; r < R; r++) acc[h][r] = _mm256_setzero_ps();
     }
-    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    const int32_t* arow[4];
+    for (int r = 0; r < R; r++) arow[r] = (const int32_t*)(qa + (size_t)(m0 + r) * K);
     for (int b = 0; b < nb; b++) {
-        const uint8_t* p = pw + (size_t)b * GRP_BYTES;
-        _mm_prefetch((const char*)p + PF_DIST, _MM_HINT_T0);
-        _mm_prefetch((const char*)p + PF_DIST + 64, _MM_HINT_T0);
-        _mm_prefetch((const char*)p + PF_DIST + 128, _MM_HINT_T0);
-        __m256i c0 = _mm256_loadu_si256((const __m256i*)(p));
-        __m256i c1 = _mm256_loadu_si256((const __m256i*)(p + 32));
-        __m256i c2 = _mm256_loadu_si256((const __m256i*)(p + 64));
-        __m256i c3 = _mm256_loadu_si256((const __m256i*)(p + 96));
-        __m256i w0 = _mm256_and_si256(c0, lomask), w4 = _mm256_and_si256(_mm256_srli_epi16(c0, 4), lomask);
-        __m256i w1 = _mm256_and_si256(c1, lomask), w5 = _mm256_and_si256(_mm256_srli_epi16(c1, 4), lomask);
-        __m256i w2 = _mm256_and_si256(c2, lomask), w6 = _mm256_and_si256(_mm256_srli_epi16(c2, 4), lomask);
-        __m256i w3 = _mm256_and_si256(c3, lomask), w7 = _mm256_and_si256(_mm256_srli_epi16(c3, 4), lomask);
-        const __m256 sw = _mm256_loadu_ps((const float*)(p + 128));
-        for (int r = 0; r < R; r++) {
-            // a[j]: the row's 4 activations k = 4j..4j+3 of this block, broadcast to every column
-            const int32_t* a = (const int32_t*)(qa + (size_t)(m0 + r) * K + b * BLK);
-            __m256i m0_ = _mm256_maddubs_epi16(w0, _mm256_set1_epi32(a[0]));
-            __m256i m1_ = _mm256_maddubs_epi16(w1, _mm256_set1_epi32(a[1]));
-            __m256i m2_ = _mm256_maddubs_epi16(w2, _mm256_set1_epi32(a[2]));
-            __m256i m3_ = _mm256_maddubs_epi16(w3, _mm256_set1_epi32(a[3]));
-            __m256i m4_ = _mm256_maddubs_epi16(w4, _mm256_set1_epi32(a[4]));
-            __m256i m5_ = _mm256_maddubs_epi16(w5, _mm256_set1_epi32(a[5]));
-            __m256i m6_ = _mm256_maddubs_epi16(w6, _mm256_set1_epi32(a[6]));
-            __m256i m7_ = _mm256_maddubs_epi16(w7, _mm256_set1_epi32(a[7]));
-            // |sum of 16 products| <= 16*15*127 = 30480 < 32767: int16 adds cannot overflow
-            __m256i s = _mm256_add_epi16(_mm256_add_epi16(_mm256_add_epi16(m0_, m1_), _mm256_add_epi16(m2_, m3_)),
-                                         _mm256_add_epi16(_mm256_add_epi16(m4_, m5_), _mm256_add_epi16(m6_, m7_)));
-            __m256i d = _mm256_madd_epi16(s, ones);
-            __m256 scale = _mm256_mul_ps(sw, _mm256_broadcast_ss(sa + (m0 + r) * nb + b));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc[r]);
+        const uint8_t* p[2];
+        for (int h = 0; h < G; h++) {
+            p[h] = pw + ((size_t)h * nb + b) * GRP_BYTES;
+            _mm_prefetch((const char*)p[h] + PF_DIST, _MM_HINT_T0);
+            _mm_prefetch((const char*)p[h] + PF_DIST + 64, _MM_HINT_T0);
+            _mm_prefetch((const char*)p[h] + PF_DIST + 128, _MM_HINT_T0);
+        }
+        __m256i s[2][4];
+        for (int c = 0; c < 4; c++) {
+            // chunk c: low nibbles are k = 4c..4c+3, high nibbles k = 16+4c..16+4c+3 (8 columns x 4 k each)
+            __m256i wl[2], wh[2];
+            for (int h = 0; h < G; h++) {
+                const __m256i cc = _mm256_loadu_si256((const __m256i*)(p[h] + 32 * c));
+                wl[h] = _mm256_and_si256(cc, lomask);
+                wh[h] = _mm256_and_si256(_mm256_srli_epi16(cc, 4), lomask);
+            }
+            for (int r = 0; r < R; r++) {
+                // the row's 4 activations of each half, broadcast to every column
+                const int32_t* a = arow[r] + b * 8;
+                const __m256i al = _mm256_set1_epi32(a[c]), ah = _mm256_set1_epi32(a[c + 4]);
+                __m256i t[2];
+                for (int h = 0; h < G; h++)
+                    t[h] = _mm256_add_epi16(_mm256_maddubs_epi16(wl[h], al), _mm256_maddubs_epi16(wh[h], ah));
+                for (int h = 0; h < G; h++) s[h][r] = c == 0 ? t[h] : _mm256_add_epi16(s[h][r], t[h]);
+                // keeps gcc from hoisting every maddubs of the block first and spilling the products
+                if (G == 2) __asm__("" : "+x"(s[0][r]), "+x"(s[1][r]));
+                else __asm__("" : "+x"(s[0][r]));
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            const __m256 sw = _mm256_loadu_ps((const float*)(p[h] + 128));
+            for (int r = 0; r < R; r++) {
+                const __m256i d = _mm256_madd_epi16(s[h][r], ones);
+                const __m256 scale = _mm256_mul_ps(sw, _mm256_broadcast_ss(sa + (m0 + r) * nb + b));
+                acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), scale, acc[h][r]);
+            }
         }
     }
-    for (int r = 0; r < R; r++) _mm256_storeu_ps(C + (size_t)(m0 + r) * N + g * 8, _mm256_add_ps(acc[r], zt[r]));
+    for (int h = 0; h < G; h++)
+        for (int r = 0; r < R; r++)
+            _mm256_storeu_ps(C + (size_t)(m0 + r) * N + (g + h) * 8, _mm256_add_ps(acc[h][r], zt[h][r]));
 }
 
 // The 8-bit version of tile: R rows x one group g of 8 columns, pw at the group's first 8-bit block.
@@ -191,20 +208,38 @@ static void tile8_2(const int8_t* qa, const float* sa, const float* sasum, int K
 static void tile8_1(const int8_t* qa, const float* sa, const float* sasum, int K, const uint8_t* pw, int N,
                     float* C, int m0, int g) { tile8(qa, sa, sasum, K, pw, N, C, m0, 1, g); }
 
-static void tile4(const int8_t* qa, const float* sa, const float* sasum, int K, const uint8_t* pw, int N, float* C,
-                  int m0, int g) { tile(qa, sa, sasum, K, pw, N, C, m0, 4, g); }
-static void tile3(const int8_t* qa, const float* sa, const float* sasum, int K, const uint8_t* pw, int N, float* C,
-                  int m0, int g) { tile(qa, sa, sasum, K, pw, N, C, m0, 3, g); }
-static void tile2(const int8_t* qa, const float* sa, const float* sasum, int K, const uint8_t* pw, int N, float* C,
-                  int m0, int g) { tile(qa, sa, sasum, K, pw, N, C, m0, 2, g); }
-static void tile1(const int8_t* qa, const float* sa, const float* sasum, int K, const uint8_t* pw, int N, float* C,
-                  int m0, int g) { tile(qa, sa, sasum, K, pw, N, C, m0, 1, g); }
+#define TILE(name, R, G)                                                                                   \
+    static void name(const int8_t* qa, const float* sa, const float* sasum, int K, const uint8_t* pw, int N, \
+                     float* C, int m0, int g) {                                                            \
+        tile(qa, sa, sasum, K, pw, N, C, m0, R, G, g);                                                     \
+    }
+TILE(tile4, 4, 1)
+TILE(tile3, 3, 1)
+TILE(tile2, 2, 1)
+TILE(tile1, 1, 1)
+TILE(tile4x2, 4, 2)
+TILE(tile3x2, 3, 2)
 
 // Column groups [g0, g1) of the product (a thread's share: every output element is computed whole by one call).
 void gemm_q_groups(const int8_t* qa, const float* sa, const float* sasum, int M, int K, const uint8_t* pw, int N,
                    float* C, int g0, int g1) {
     const int nb = K / BLK;
-    for (int g = g0; g < g1; g++) {
+    int g = g0;
+    // from 3 rows on, two groups at a time (16 columns per tile); the rows left over go one group at a time
+    if (M >= 3)
+        for (; g + 2 <= g1; g += 2) {
+            const uint8_t* p = pw + (size_t)g * nb * GRP_BYTES;
+            int m = 0;
+            for (; m + 4 <= M; m += 4) tile4x2(qa, sa, sasum, K, p, N, C, m, g);
+            if (M - m == 3) tile3x2(qa, sa, sasum, K, p, N, C, m, g);
+            else
+                for (int h = 0; h < 2 && m < M; h++) {
+                    const uint8_t* q = p + (size_t)h * nb * GRP_BYTES;
+                    if (M - m == 2) tile2(qa, sa, sasum, K, q, N, C, m, g + h);
+                    else tile1(qa, sa, sasum, K, q, N, C, m, g + h);
+                }
+        }
+    for (; g < g1; g++) {
         const uint8_t* p = pw + (size_t)g * nb * GRP_BYTES;
         int m = 0;
         for (; m + 4 <= M; m += 4) tile4(qa, sa, sasum, K, p, N, C, m, g);

@@ -166,6 +166,37 @@ def test_8_bit_rows_are_bit_identical_whatever_rows_come_with_them(library: Path
             assert np.array_equal(together.view(np.uint32), alone[start : start + m]), (m, start)
 
 
+def _unpack_4_bit(b: np.ndarray, zeros: np.ndarray, n: int, nb: int) -> np.ndarray:
+    """MatMulNBits' 4-bit weights minus their zero points, [n, nb, 32] (low nibble first, zero points likewise)."""
+    q = np.stack([b & 15, b >> 4], axis=-1).reshape(n, nb, 32).astype(np.int64)
+    z = np.stack([zeros & 15, zeros >> 4], axis=-1).reshape(n, -1)[:, :nb].astype(np.int64)
+    return q - z[:, :, None]
+
+
+@pytest.mark.parametrize(("k", "n", "threads"), [(576, 72, 1), (576, 1536, 2), (1536, 40, 1)])
+def test_4_bit_rows_are_exact_and_bit_identical_whatever_rows_come_with_them(
+    library: Path, k: int, n: int, threads: int
+) -> None:
+    # n = 72 and 40 on one thread: chunks of 3 and 2 column groups, so the two-group tiles (3 rows and more),
+    # the one-group tail and the leftover rows of every tile size all run
+    model, (b, scales, zeros, bias) = _model(k, n, 2, seed=k + n, with_bias=True)
+    assert use_int4_op(model, Path("."), threads) == 1
+    session = _session(model, library, threads)
+    reference = Int4MatMul(load_kernel(library.parent), b, scales, zeros, k, n)
+    a = _activations(16, k, seed=n)
+    qa, sa, _ = reference.quantize(a)
+    nb = k // 32
+    qw = _unpack_4_bit(b, zeros, n, nb)
+    dots = np.einsum("mbk,nbk->mnb", qa.reshape(16, nb, 32).astype(np.int64), qw).astype(np.float64)
+    exact = np.einsum("mnb,mb,nb->mn", dots, sa.astype(np.float64), scales.reshape(n, nb).astype(np.float64)) + bias
+    alone = np.stack([session.run(None, {"A": a[i : i + 1]})[0][0] for i in range(16)])
+    assert np.abs(alone - exact).max() <= 1e-5 * np.abs(exact).max()  # fp32 sums of the exact products
+    for m in range(1, 17):
+        for start in range(0, 17 - m, 3):
+            (together,) = session.run(None, {"A": a[start : start + m]})
+            assert np.array_equal(together.view(np.uint32), alone[start : start + m].view(np.uint32)), (m, start)
+
+
 def test_weights_of_the_wrong_packed_size_are_an_error_not_a_wild_read(library: Path) -> None:
     model, _ = _model(64, 16, 2, seed=2, with_bias=False, bits=8)
     assert use_int4_op(model, Path("."), 1) == 1
