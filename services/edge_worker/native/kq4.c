@@ -177,6 +177,7 @@ static inline __attribute__((always_inline)) void tile8(const int8_t* qa, const 
                 const __m256i s = _mm256_sign_epi8(a, w);
                 // |u0*s0 + u1*s1| <= 2 x 128 x 127 = 32512 < 32767: maddubs cannot saturate
                 d[r] = _mm256_add_epi32(d[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones));
+                __asm__("" : "+x"(d[r]));  // as in tile: no block-wide hoisting, no spilled products
             }
         }
         const __m256 sw = _mm256_loadu_ps((const float*)(p + 256));
