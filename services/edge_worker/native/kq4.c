@@ -92,10 +92,11 @@ static inline __attribute__((always_inline)) void tile(const int8_t* qa, const f
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[2][4], zt[2][4];
     // zero-point term: its own FMA chain (same order for every row), added at the end
+    const int fused = R * G <= 2;  // few accumulators: the zero-point chain runs in the main loop (one pass)
     for (int h = 0; h < G; h++) {
         const uint8_t* q = pw + (size_t)h * nb * GRP_BYTES;
         for (int r = 0; r < R; r++) zt[h][r] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
+        for (int b = 0; b < nb && !fused; b++) {
             const uint8_t* pz = q + (size_t)b * GRP_BYTES;
             const __m256 zf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(pz + 160))));
             const __m256 swz = _mm256_mul_ps(_mm256_loadu_ps((const float*)(pz + 128)), zf);
@@ -138,6 +139,12 @@ static inline __attribute__((always_inline)) void tile(const int8_t* qa, const f
         }
         for (int h = 0; h < G; h++) {
             const __m256 sw = _mm256_loadu_ps((const float*)(p[h] + 128));
+            if (fused) {
+                const __m256 zf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p[h] + 160))));
+                const __m256 swz = _mm256_mul_ps(sw, zf);
+                for (int r = 0; r < R; r++)
+                    zt[h][r] = _mm256_fnmadd_ps(swz, _mm256_broadcast_ss(sasum + (m0 + r) * nb + b), zt[h][r]);
+            }
             for (int r = 0; r < R; r++) {
                 const __m256i d = _mm256_madd_epi16(s[h][r], ones);
                 const __m256 scale = _mm256_mul_ps(sw, _mm256_broadcast_ss(sa + (m0 + r) * nb + b));
