@@ -111,9 +111,12 @@ static inline __attribute__((always_inline)) void tile(const int8_t* qa, const f
         const uint8_t* p[2];
         for (int h = 0; h < G; h++) {
             p[h] = pw + ((size_t)h * nb + b) * GRP_BYTES;
-            _mm_prefetch((const char*)p[h] + PF_DIST, _MM_HINT_T0);
-            _mm_prefetch((const char*)p[h] + PF_DIST + 64, _MM_HINT_T0);
-            _mm_prefetch((const char*)p[h] + PF_DIST + 128, _MM_HINT_T0);
+            // one group: PF_DIST ahead in the stream; two groups: the same block of the next pair, which
+            // the next tile of rows (or the next pair) reads
+            const char* ahead = (const char*)p[h] + (G == 2 ? 2 * (size_t)nb * GRP_BYTES : PF_DIST);
+            _mm_prefetch(ahead, _MM_HINT_T0);
+            _mm_prefetch(ahead + 64, _MM_HINT_T0);
+            _mm_prefetch(ahead + 128, _MM_HINT_T0);
         }
         __m256i s[2][4];
         for (int c = 0; c < 4; c++) {
