@@ -58,7 +58,7 @@ typedef struct {
     int M, K, N, groups, chunk;
     GemmGroups gemm;
     float* out;         // act 1: the [M, N/2] output (C is then a scratch buffer)
-    const float* bias;  // act 1: added in the epilogue
+    const float* bias;  // added by each chunk to its own columns (act 1: in the SwiGLU epilogue)
 } PoolJob;
 
 // SwiGLU epilogue over the group pairs [g0/2, g1/2) (g0, g1 even): out = silu(gate + bias) * (up + bias), in the
@@ -85,7 +85,15 @@ static void pool_chunk(void* data, size_t index) {
     int g1 = g0 + j->chunk < j->groups ? g0 + j->chunk : j->groups;
     if (g0 < g1) {
         j->gemm(j->qa, j->sa, j->sasum, j->M, j->K, j->pw, j->N, j->C, g0, g1);
-        if (j->out != NULL) swiglu_groups(j, g0, g1);
+        if (j->out != NULL) {
+            swiglu_groups(j, g0, g1);
+        } else {  // Y = (A W^T) + bias, the sum after the product as before, on the chunk's own columns
+            for (int m = 0; m < j->M; m++) {
+                float* row = j->C + (size_t)m * j->N;
+                for (int n = 8 * g0; n < 8 * g1; n += 8)
+                    _mm256_storeu_ps(row + n, _mm256_add_ps(_mm256_loadu_ps(row + n), _mm256_loadu_ps(j->bias + n)));
+            }
+        }
     }
 }
 
@@ -199,12 +207,6 @@ static OrtStatus* compute2(void* kernel, OrtKernelContext* context) {
     PoolJob job = {qa, sa, sa + M * nb, W, k->act ? scratch : C, (int)M, K, N, groups, chunk, k->gemm,
                    k->act ? C : NULL, bias};
     status = api->KernelContext_ParallelFor(context, pool_chunk, (size_t)((groups + chunk - 1) / chunk), 0, &job);
-    if (status == NULL && !k->act) {
-        for (int64_t m = 0; m < M; m++) {
-            float* row = C + m * N;
-            for (int n = 0; n < N; n++) row[n] += bias[n];
-        }
-    }
     free(qa);
     free(sa);
     free(scratch);
