@@ -44,7 +44,7 @@ class EdgeWorkerSettings(WorkerSettings):
     int4_kernel: Literal["auto", "mlas", "native"] = "auto"
     """Batched engine: `native` runs the 4-bit matmuls on our own row-invariant AVX2 kernel, an
     onnxruntime custom op compiled with gcc at the first start (`services/edge_worker/native`; needs gcc
-    and an x86-64 CPU with AVX2 and FMA, else the worker does not start): every decode row is then the
+    and an x86-64 CPU with AVX2, FMA and F16C, else the worker does not start): every decode row is then the
     same whatever else is in the call, so a lone sequence decodes in one row and stays batch invariant,
     and the calls are faster (docs/edge.md, issue 27). `mlas` runs them on onnxruntime's MatMulNBits.
     `auto` (the default): native where it can be built and run, else mlas with a warning in the log

@@ -67,7 +67,7 @@ INT4_KERNELS = ("mlas", "native")
 
 def native_library() -> Path:
     """The compiled kernel + custom op library (built once per source version); ValueError with the reason
-    in one sentence when this machine cannot build or run it (no gcc, no AVX2/FMA)."""
+    in one sentence when this machine cannot build or run it (no gcc, no AVX2/FMA/F16C)."""
     try:
         return native_kernel.compile_kernel()
     except native_kernel.KernelUnavailable as exc:

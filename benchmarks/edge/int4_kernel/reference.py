@@ -122,7 +122,7 @@ def quantized_reference(a: npt.NDArray[np.float32], w: Weights) -> npt.NDArray[n
     nb = w.k // BLOCK
     qw = q.reshape(w.n, nb, BLOCK).astype(np.int64) - z.astype(np.int64)[..., None]
     dots = np.einsum("mbk,nbk->mnb", qa.astype(np.int64), qw).astype(np.float64)
-    scales = w.scales.reshape(w.n, nb).astype(np.float64)
+    scales = w.scales.reshape(w.n, nb).astype(np.float16).astype(np.float64)  # the kernel keeps fp16 scales
     return np.asarray(np.einsum("mnb,mb,nb->mn", dots, sa.astype(np.float64), scales))
 
 

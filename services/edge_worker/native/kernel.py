@@ -4,7 +4,7 @@ Our own code because onnxruntime's MLAS has no row-invariant 4-bit kernel (its M
 differently from its M>=2 GEMM, docs/edge.md, issue 27) and measured slower on this CPU; the layout
 and the quantized math are in the C file's header. :func:`load_kernel` compiles the sources with gcc
 once into a cache directory (the file name hashes the sources and the flags), loads it with ctypes and
-checks the CPU has AVX2 and FMA; :func:`pack_weights` turns MatMulNBits-format weights into the
+checks the CPU has AVX2, FMA and F16C; :func:`pack_weights` turns MatMulNBits-format weights into the
 kernel's layout (4 or 8 bits); :class:`Int4MatMul` runs it. The same library holds the onnxruntime custom op
 ``meshserve.edge:Int4MatMul`` (``int4op.c``) that the batched edge engine uses with
 ``int4_kernel=native`` (:func:`custom_op_library`, :mod:`services.edge_worker.native.graph`); the
@@ -32,15 +32,17 @@ HEADERS = (Path(__file__).with_name("ortapi.h"), Path(__file__).with_name("avxma
 """Included by the sources (the onnxruntime C API declarations, the vector exp both ops use): part of the
 library's name, not of gcc's command."""
 """Compiled into one library: the kernel, the onnxruntime custom op over it and the attention op (``attn.c``)."""
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fPIC", "-shared", "-Wl,-z,defs")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared", "-Wl,-z,defs")
 """``-z defs``: a symbol left undefined (a source missing from the build) fails the build, not the load."""
 LIBS: tuple[str, ...] = ("-lm",)
 BLOCK = 32
 """Weights are quantized in blocks of 32 along K (MatMulNBits ``block_size=32``)."""
 GROUP_COLUMNS = 8
 """The kernel computes 8 output columns at a time, so N must be a multiple of 8."""
-GROUP_BYTES = 168
-"""Bytes per block of 8 columns x 32 k in the packed layout (128 nibble bytes, 8 fp32 scales, 8 u8 zero points)."""
+GROUP_BYTES = 148
+"""Bytes per block of 8 columns x 32 k in the packed layout (128 nibble bytes, 8 fp16 scales, 8 4-bit zero points)."""
+FP16_MAX = 65504.0
+"""The largest finite fp16: 4-bit scales are stored as fp16 (nearest), so larger ones cannot be packed."""
 GROUP_BYTES_8 = 296
 """The same for 8-bit weights (256 weight bytes, 8 fp32 scales, 8 u8 zero points)."""
 BITS = (4, 8)
@@ -51,7 +53,7 @@ _I = ctypes.c_int
 
 
 class KernelUnavailable(RuntimeError):
-    """The kernel cannot be built or run here (no gcc, not x86-64, no AVX2/FMA, or the build failed)."""
+    """The kernel cannot be built or run here (no gcc, not x86-64, no AVX2/FMA/F16C, or the build failed)."""
 
 
 def default_cache_dir() -> Path:
@@ -83,11 +85,12 @@ def _gcc_reason() -> str | None:
 
 def _cpu_reason() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the int4 kernel needs an x86-64 CPU with AVX2 and FMA, this machine is {platform.machine()}."
-    missing = {"avx2", "fma"} - cpu_flags()
+        return f"the int4 kernel needs an x86-64 CPU with AVX2, FMA and F16C, this machine is {platform.machine()}."
+    missing = {"avx2", "fma", "f16c"} - cpu_flags()
     if missing:
         return (
-            f"the int4 kernel needs AVX2 and FMA, and this CPU lacks {', '.join(sorted(missing))} (per /proc/cpuinfo)."
+            f"the int4 kernel needs AVX2, FMA and F16C, and this CPU lacks {', '.join(sorted(missing))}"
+            " (per /proc/cpuinfo)."
         )
     return None
 
@@ -243,6 +246,11 @@ def pack_weights(
         out[..., 256:288] = sw.view(np.uint8).reshape(groups, nb, 32)
         out[..., 288:296] = z.reshape(groups, GROUP_COLUMNS, nb).transpose(0, 2, 1)
         return out.reshape(-1)
+    if not np.all(np.isfinite(sw)) or float(np.abs(sw).max(initial=0.0)) > FP16_MAX:
+        raise ValueError(
+            f"4-bit scales must be finite and at most {FP16_MAX:g} in magnitude (the kernel stores them as fp16),"
+            f" got a largest |scale| of {float(np.abs(sw).max(initial=0.0)):g}."
+        )
     q, z = unpack_matmulnbits(b, zero_points, k, n)
     w = q.reshape(groups, GROUP_COLUMNS, nb, BLOCK).transpose(0, 2, 1, 3)  # [group, block, column, k]
     # byte i of chunk c: column i/4, k = 4c + i%4 (low nibble) and 16 + 4c + i%4 (high nibble)
@@ -250,8 +258,9 @@ def pack_weights(
     hi = w[..., 16:].reshape(groups, nb, 8, 4, 4).transpose(0, 1, 3, 2, 4).reshape(groups, nb, 128)
     out = _aligned(groups * nb * GROUP_BYTES).reshape(groups, nb, GROUP_BYTES)
     out[..., :128] = lo | (hi << 4)
-    out[..., 128:160] = sw.view(np.uint8).reshape(groups, nb, 32)
-    out[..., 160:168] = z.reshape(groups, GROUP_COLUMNS, nb).transpose(0, 2, 1)
+    out[..., 128:144] = sw.astype(np.float16).view(np.uint8).reshape(groups, nb, 16)  # nearest fp16
+    zg = z.reshape(groups, GROUP_COLUMNS, nb).transpose(0, 2, 1)  # [group, block, column]
+    out[..., 144:148] = zg[..., 0::2] | (zg[..., 1::2] << 4)  # columns 2j (low nibble) and 2j + 1 (high)
     return out.reshape(-1)
 
 

@@ -1,14 +1,18 @@
 // Row-invariant int4-weight x int8-activation matmul (AVX2 + FMA, one thread): Y[M,N] = A[M,K] @ W[N,K]^T
-// for onnxruntime MatMulNBits weights (4 bits, blocks of 32 along K, fp32 scales, 4-bit zero points; 8-bit
+// for onnxruntime MatMulNBits weights (4 bits, blocks of 32 along K, scales, 4-bit zero points; 8-bit
 // weights too, below).
-// Build: gcc -O3 -mavx2 -mfma -ffp-contract=off -fPIC -shared (services/edge_worker/native/kernel.py).
+// Build: gcc -O3 -mavx2 -mfma -mf16c -ffp-contract=off -fPIC -shared (services/edge_worker/native/kernel.py).
 //
 // Weight layout: columns in groups of 8 (N % 8 == 0), each group's K/32 blocks in K order, one block of
-// 8 columns x 32 k in GRP_BYTES = 168 bytes:
+// 8 columns x 32 k in GRP_BYTES = 148 bytes:
 //   [0..127]   4 chunks c = 0..3 of 32 bytes; byte i: col = i/4, kk = i%4;
 //              low nibble = q[col][4c+kk], high nibble = q[col][16+4c+kk]   (q in 0..15)
-//   [128..159] float sw[8]   weight scale per column
-//   [160..167] uint8 z[8]    zero point per column (0..15)
+//   [128..143] fp16 sw[8]    weight scale per column, the model's fp32 scale rounded to nearest fp16 (an
+//                            11-bit significand: relative change <= 2^-11; a decode step at one row reads its
+//                            weights from memory, and 16 of the 40 bytes that fp32 scales and byte zero points
+//                            took are 12 % of the block)
+//   [144..147] zero points, 4 bits per column: byte j holds column 2j (low nibble) and 2j+1 (high nibble)
+// sw below is that fp16 value, converted exactly to fp32.
 // Activation quantization (per row, per block of 32 k), the same as MLAS' int8 path:
 //   amax = max|a|; inv = amax > 0 ? 127.f/amax : 0; qa = rint(a*inv) (nearest-even, fp32 multiply);
 //   sa = amax/127.f; sasum = sa * (float)sum(qa).
@@ -30,10 +34,11 @@
 // output is bit-identical whether it is computed alone or with other rows.
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 #include <time.h>
 
 #define BLK 32
-#define GRP_BYTES 168
+#define GRP_BYTES 148
 #define GRP8_BYTES 296
 // Prefetch distance, bytes ahead in the weight stream: the value the experiment that produced this kernel
 // settled on for a decode step's weights (30 layers x 7 matmuls, larger than L3) on the build machine.
@@ -80,6 +85,17 @@ void quantize_rows(const float* A, int M, int K, int8_t* qa, float* sa, float* s
     }
 }
 
+
+// A 4-bit block's 8 scales (fp16 -> fp32, exact) and zero points (nibbles -> fp32, exact).
+static inline __m256 block_scales(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 128))); }
+static inline __m256 block_zeros(const uint8_t* p) {
+    int32_t z4;
+    memcpy(&z4, p + 144, 4);
+    const __m128i v = _mm_cvtsi32_si128(z4), mask = _mm_set1_epi8(0x0F);
+    const __m128i z = _mm_unpacklo_epi8(_mm_and_si128(v, mask), _mm_and_si128(_mm_srli_epi16(v, 4), mask));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(z));  // columns 0..7
+}
+
 // R rows (m0..m0+R-1) x G groups (g..g+G-1, G = 1 or 2) of 8 columns; pw points at group g's first block
 // (group g+1 follows it). With two groups the activations' broadcasts serve 16 columns. The integer part of
 // a block is exact (int16 sums of at most 16 products <= 30480, then int32), so the order in which the
@@ -98,8 +114,7 @@ static inline __attribute__((always_inline)) void tile(const int8_t* qa, const f
         for (int r = 0; r < R; r++) zt[h][r] = _mm256_setzero_ps();
         for (int b = 0; b < nb && !fused; b++) {
             const uint8_t* pz = q + (size_t)b * GRP_BYTES;
-            const __m256 zf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(pz + 160))));
-            const __m256 swz = _mm256_mul_ps(_mm256_loadu_ps((const float*)(pz + 128)), zf);
+            const __m256 swz = _mm256_mul_ps(block_scales(pz), block_zeros(pz));
             for (int r = 0; r < R; r++)
                 zt[h][r] = _mm256_fnmadd_ps(swz, _mm256_broadcast_ss(sasum + (m0 + r) * nb + b), zt[h][r]);
         }
@@ -141,10 +156,9 @@ static inline __attribute__((always_inline)) void tile(const int8_t* qa, const f
             }
         }
         for (int h = 0; h < G; h++) {
-            const __m256 sw = _mm256_loadu_ps((const float*)(p[h] + 128));
+            const __m256 sw = block_scales(p[h]);
             if (fused) {
-                const __m256 zf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(p[h] + 160))));
-                const __m256 swz = _mm256_mul_ps(sw, zf);
+                const __m256 swz = _mm256_mul_ps(sw, block_zeros(p[h]));
                 for (int r = 0; r < R; r++)
                     zt[h][r] = _mm256_fnmadd_ps(swz, _mm256_broadcast_ss(sasum + (m0 + r) * nb + b), zt[h][r]);
             }

@@ -4,7 +4,7 @@ row and 16, several past lengths including 0) and prefill chunks (past 0 and > 0
 rounding (the largest differences are printed: ``pytest -s``); each row is bit for bit the same alone or with
 others and at any thread count; unsupported inputs fail with a message, unsupported nodes are left alone.
 
-Skipped, with the reason, where the library cannot be built or run (no gcc, not x86-64 with AVX2 + FMA)."""
+Skipped, with the reason, where the library cannot be built or run (no gcc, not x86-64 with AVX2, FMA and F16C)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ on the op and all the model's attention nodes go to our attention op; the native
 one-row decode step, stay close to the MLAS graph's and pick the same top token (the numbers are printed:
 ``pytest -s``).
 
-Skipped, with the reason, where the kernel cannot be built or run (no gcc, not x86-64 with AVX2 + FMA)."""
+Skipped, with the reason, where the kernel cannot be built or run (no gcc, not x86-64 with AVX2, FMA and F16C)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 services/edge_worker/native/swiglu_graph.py): the same output as the five nodes it replaces (up to the
 activation's rounding), rows independent of each other bit for bit, and only the exact pattern fused.
 
-Skipped, with the reason, where the kernel cannot be built or run (no gcc, not x86-64 with AVX2 + FMA)."""
+Skipped, with the reason, where the kernel cannot be built or run (no gcc, not x86-64 with AVX2, FMA and F16C)."""
 
 from __future__ import annotations
 

@@ -45,9 +45,20 @@ def test_packing_puts_each_weight_where_the_kernel_reads_it() -> None:
                 column = 8 * g + col
                 assert block[i] & 0x0F == q[column, 32 * blk + 4 * c + kk]
                 assert block[i] >> 4 == q[column, 32 * blk + 16 + 4 * c + kk]
-            sw = block[128:160].view(np.float32)
-            assert np.array_equal(sw, scales.reshape(n, k // 32)[8 * g : 8 * g + 8, blk])
-            assert np.array_equal(block[160:168], z[8 * g : 8 * g + 8, blk])
+            sw = block[128:144].view(np.float16)  # the scales rounded to the nearest fp16
+            assert np.array_equal(sw, scales.reshape(n, k // 32)[8 * g : 8 * g + 8, blk].astype(np.float16))
+            zeros = np.stack([block[144:148] & 0x0F, block[144:148] >> 4], axis=1).reshape(8)  # 2 columns a byte
+            assert np.array_equal(zeros, z[8 * g : 8 * g + 8, blk])
+
+
+def test_scales_too_large_for_fp16_are_refused_with_a_sentence() -> None:
+    k, n = 32, 8
+    q = np.zeros((n, k), np.uint8)
+    b, zp = _matmulnbits(q, np.zeros((n, 1), np.uint8))
+    with pytest.raises(ValueError, match="stores them as fp16"):
+        kernel.pack_weights(b, np.full(n, 7e4, np.float32), zp, k, n)
+    with pytest.raises(ValueError, match="stores them as fp16"):
+        kernel.pack_weights(b, np.full(n, np.nan, np.float32), zp, k, n)
 
 
 def test_8_bit_packing_puts_each_weight_where_the_kernel_reads_it() -> None:
@@ -92,11 +103,11 @@ def test_shapes_the_kernel_cannot_take_are_refused(k: int, n: int, match: str) -
 
 def test_a_machine_without_gcc_or_avx2_gets_one_sentence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(kernel.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(kernel, "cpu_flags", lambda: {"sse2", "fma"})
+    monkeypatch.setattr(kernel, "cpu_flags", lambda: {"sse2", "fma", "f16c"})
     assert kernel.unavailable_reason() == (
-        "the int4 kernel needs AVX2 and FMA, and this CPU lacks avx2 (per /proc/cpuinfo)."
+        "the int4 kernel needs AVX2, FMA and F16C, and this CPU lacks avx2 (per /proc/cpuinfo)."
     )
-    monkeypatch.setattr(kernel, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(kernel, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
     monkeypatch.setattr(kernel.shutil, "which", lambda _name: None)
     with pytest.raises(kernel.KernelUnavailable, match=r"^the int4 kernel is compiled with gcc, which is not on PATH"):
         kernel.compile_kernel(tmp_path)
@@ -151,11 +162,11 @@ def test_the_report_has_the_shape_step_and_check_tables_and_no_target() -> None:
 
 def test_a_library_built_earlier_is_used_without_gcc(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(kernel.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(kernel, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(kernel, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
     monkeypatch.setattr(kernel.shutil, "which", lambda _name: None)
     prebuilt = kernel.library_path(tmp_path)  # what `python -m services.edge_worker.native.kernel` leaves
     prebuilt.write_bytes(b"")
     assert kernel.compile_kernel(tmp_path) == prebuilt
     monkeypatch.setattr(kernel, "cpu_flags", lambda: {"sse2"})  # the CPU still has to run it
-    with pytest.raises(kernel.KernelUnavailable, match="lacks avx2, fma"):
+    with pytest.raises(kernel.KernelUnavailable, match="lacks avx2, f16c, fma"):
         kernel.compile_kernel(tmp_path)

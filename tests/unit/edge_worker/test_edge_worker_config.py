@@ -98,7 +98,7 @@ def test_int4_kernel_native_without_gcc_is_a_config_error(monkeypatch: pytest.Mo
     settings = load_settings(EdgeWorkerSettings)
     assert settings.int4_kernel == "native"
     monkeypatch.setattr(native_kernel.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(native_kernel, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(native_kernel, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
     monkeypatch.setattr(native_kernel.shutil, "which", lambda _name: None)
     with pytest.raises(
         ConfigError,
