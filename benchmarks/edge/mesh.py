@@ -492,7 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--direct", action=argparse.BooleanOptionalAction, default=True, help="also time both engines in-process"
     )
     parser.add_argument(
-        "--mesh-repeats", type=int, default=3, help="interleaved mesh rounds per count (median; default 3)"
+        "--mesh-repeats", type=int, default=5, help="interleaved mesh rounds per count (median; default 5)"
     )
     parser.add_argument("--repeats", type=int, default=3, help="in-process rounds per point (median; default 3)")
     parser.add_argument(
