@@ -246,10 +246,11 @@ def pack_weights(
         out[..., 256:288] = sw.view(np.uint8).reshape(groups, nb, 32)
         out[..., 288:296] = z.reshape(groups, GROUP_COLUMNS, nb).transpose(0, 2, 1)
         return out.reshape(-1)
-    if not np.all(np.isfinite(sw)) or float(np.abs(sw).max(initial=0.0)) > FP16_MAX:
+    largest = float(np.abs(sw).max(initial=0.0))
+    if not np.all(np.isfinite(sw)) or largest > FP16_MAX:
         raise ValueError(
             f"4-bit scales must be finite and at most {FP16_MAX:g} in magnitude (the kernel stores them as fp16),"
-            f" got a largest |scale| of {float(np.abs(sw).max(initial=0.0)):g}."
+            f" got a largest |scale| of {largest:g}: run this model on onnxruntime's kernels (int4_kernel mlas)."
         )
     q, z = unpack_matmulnbits(b, zero_points, k, n)
     w = q.reshape(groups, GROUP_COLUMNS, nb, BLOCK).transpose(0, 2, 1, 3)  # [group, block, column, k]

@@ -7,11 +7,11 @@
 // 8 columns x 32 k in GRP_BYTES = 148 bytes:
 //   [0..127]   4 chunks c = 0..3 of 32 bytes; byte i: col = i/4, kk = i%4;
 //              low nibble = q[col][4c+kk], high nibble = q[col][16+4c+kk]   (q in 0..15)
-//   [128..143] fp16 sw[8]    weight scale per column, the model's fp32 scale rounded to nearest fp16 (an
-//                            11-bit significand: relative change <= 2^-11; a decode step at one row reads its
-//                            weights from memory, and 16 of the 40 bytes that fp32 scales and byte zero points
-//                            took are 12 % of the block)
+//   [128..143] fp16 sw[8]    weight scale per column: the model's fp32 scale rounded to the nearest fp16
+//                            (relative change <= 2^-11)
 //   [144..147] zero points, 4 bits per column: byte j holds column 2j (low nibble) and 2j+1 (high nibble)
+// (fp32 scales and byte zero points took 168 bytes: a one-row decode step, which streams the weights from
+// memory, reads 12 % more.)
 // sw below is that fp16 value, converted exactly to fp32.
 // Activation quantization (per row, per block of 32 k), the same as MLAS' int8 path:
 //   amax = max|a|; inv = amax > 0 ? 127.f/amax : 0; qa = rint(a*inv) (nearest-even, fp32 multiply);
@@ -30,8 +30,7 @@
 //   Y[m,n] = sum_b cvt(dot_b) * (sw_b*sa_b)  +  sum_b -(sw_b*(z_b-128)) * sasum_b   (same fp32 steps as 4 bits)
 // Row invariance: every row is computed by the same instruction sequence whatever M is; the row tiles
 // (4, 3, 2 or 1 rows, one or two groups of 8 columns at a time) only interleave independent rows, they never
-// share a sum. So a row's
-// output is bit-identical whether it is computed alone or with other rows.
+// share a sum. So a row's output is bit-identical whether it is computed alone or with other rows.
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -84,7 +83,6 @@ void quantize_rows(const float* A, int M, int K, int8_t* qa, float* sa, float* s
         }
     }
 }
-
 
 // A 4-bit block's 8 scales (fp16 -> fp32, exact) and zero points (nibbles -> fp32, exact).
 static inline __m256 block_scales(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 128))); }
