@@ -35,9 +35,12 @@ import grpc
 import pytest
 from rich.console import Console
 
+from services.common.pb.meshserve.internal.v1 import router_admin_pb2 as admin_pb
+from services.common.pb.meshserve.internal.v1 import router_admin_pb2_grpc
 from services.common.pb.meshserve.v1 import batch_pb2 as bpb
 from services.common.pb.meshserve.v1 import batch_pb2_grpc, inference_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.local.mesh import STATE_REDIS, Mesh, MeshConfig
 from services.local.status import MeshView, gather, redis_roles, render
 from tests.fault.conftest import (
@@ -66,6 +69,7 @@ BACK_S: dict[str, float] = {}
 """Seconds each killed service took to serve again (printed at the end of the module)."""
 STREAMS = 4
 MAX_TOKENS = 24
+ADMIN = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),)
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +113,38 @@ async def kill_9_and_wait_back(mesh: Mesh, name: str) -> float:
     return BACK_S[name]
 
 
-async def _busiest_edge(mesh: Mesh) -> str:
-    loads = {w.name: (await stats(w)).active_sequences for w in mesh.workers("edge")}
-    return max(loads, key=lambda name: loads[name])
+async def _router_sees_the_edge_idle(mesh: Mesh, bound_s: float = 30) -> None:
+    """Until the router's load for every edge replica is 0: right after a load, the replicas' last
+    reports may still count its streams, and the router would then send some of the next load to
+    the cloud tier as saturated spill (``spill_saturated``), not to the edge slots the test fills."""
+    deadline = time.monotonic() + bound_s
+    async with grpc.aio.insecure_channel(mesh.router_address) as channel:
+        admin = router_admin_pb2_grpc.RouterAdminStub(channel)
+        while True:
+            reply = await admin.ListReplicas(admin_pb.ListReplicasRequest(), metadata=ADMIN, timeout=5)
+            loads = {r.worker_id: r.load for r in reply.replicas if r.tier == pb.TIER_EDGE}
+            if len(loads) == 2 and not any(loads.values()):
+                return
+            assert time.monotonic() < deadline, f"the router still counts load on the edge tier: {loads}"
+            await asyncio.sleep(0.05)  # load reports arrive by heartbeat: no event to wait on
+
+
+async def _edge_to_kill(mesh: Mesh, streams: list[Stream]) -> str:
+    """The busiest edge replica at the first moment every stream has a token and holds a slot.
+
+    Waiting for every stream to be several tokens in left a race: a replica that admitted its
+    streams early could finish them all before the last stream of the other started, and the kill
+    then hit an idle worker. While every stream holds a slot, none has ended."""
+    deadline = time.monotonic() + 60
+    while True:
+        loads = {w.name: (await stats(w)).active_sequences for w in mesh.workers("edge")}
+        started = all(s.started.is_set() for s in streams)
+        ended = any(s.final is not None or s.error is not None for s in streams)
+        if (started and sum(loads.values()) >= len(streams)) or ended or time.monotonic() > deadline:
+            victim = max(loads, key=lambda name: loads[name])
+            assert loads[victim] > 0, f"no edge replica was busy when the kill was due: {loads}"
+            return victim
+        await asyncio.sleep(0.01)
 
 
 async def test_a_killed_edge_worker_comes_back_and_its_streams_resume_on_the_same_build(
@@ -122,13 +155,14 @@ async def test_a_killed_edge_worker_comes_back_and_its_streams_resume_on_the_sam
     edges = {(await stats(w)).build for w in up_mesh.workers("edge")}
     cloud = {(await stats(w)).build for w in up_mesh.workers("cloud")}
     assert len(edges) == 1 and "" not in edges and not edges & cloud, (edges, cloud)
-    streams, done = await run_load(up_stub, prompts, MAX_TOKENS, started_after=4)
-    await asyncio.wait_for(asyncio.gather(*(s.started.wait() for s in streams)), 60)
-    victim = await _busiest_edge(up_mesh)
+    await _router_sees_the_edge_idle(up_mesh)
+    streams, done = await run_load(up_stub, prompts, MAX_TOKENS, started_after=1)
+    victim = await _edge_to_kill(up_mesh, streams)
     await kill_9_and_wait_back(up_mesh, victim)
     await finish(done)
-    assert_equal_to_reference(streams, expected)  # resumed on an INT4 replica: the same text
     reasons = [s.final.route.reason for s in streams if s.final is not None]
+    assert "spill_saturated" not in reasons, reasons  # every stream started on an edge slot
+    assert_equal_to_reference(streams, expected)  # resumed on an INT4 replica: the same text
     assert "failover_cross_build" not in reasons and "failover" in reasons, reasons
     assert all(s.final is not None and s.final.route.tier == pb.TIER_EDGE for s in streams)
 
