@@ -30,11 +30,14 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
     # (LM_HEAD=nbits); "batched-spin": intra-op threads spin (INTRA_OP_SPINNING=true); "batched-adaptive":
     # 2 threads sleeping / spinning or 1 thread, per small call by measured time (ADAPTIVE_THREADING=true);
     # "batched-native": the 4-bit matmuls on our row-invariant kernel, a lone sequence in one row
-    # (INT4_KERNEL=native).
+    # (INT4_KERNEL=native), its ops on their own threads as the worker's TEAM_SPIN_US says.
     base, *variants = kind.split("-")
     unknown = set(variants) - {"1row", "nbitshead", "spin", "adaptive", "native"}
     if base != "batched" or unknown:
         raise ValueError(f"unknown engine kind {kind!r}")
+    from services.common.settings import load_settings
+    from services.edge_worker.config import EdgeWorkerSettings
+
     return BatchedEngine(
         model_dir,
         model_id="bench",
@@ -45,6 +48,7 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
         spinning="spin" in variants,
         adaptive_threading="adaptive" in variants,
         int4_kernel="native" if "native" in variants else "mlas",
+        team_spin_us=load_settings(EdgeWorkerSettings).team_spin_us,  # the worker's (its environment's) setting
     )
 
 

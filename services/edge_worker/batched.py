@@ -54,6 +54,7 @@ from services.common.sampling import SamplingParams
 from services.edge_worker.graph import load_sessions
 from services.edge_worker.hold import BackgroundHold
 from services.edge_worker.kvslots import KvSlots
+from services.edge_worker.native.kernel import set_team_spin
 from services.edge_worker.sampler import logprobs, logprobs_rows, pick
 from services.edge_worker.sequence import BatchedSequence
 from services.edge_worker.spin import SessionChooser
@@ -119,7 +120,10 @@ class BatchedEngine:
     ``max_hold_s``: the longest background sequences are held out of the rounds at a time
     (:mod:`services.edge_worker.hold`). ``int4_kernel``: ``mlas`` (onnxruntime's MatMulNBits) or
     ``native`` (our row-invariant kernel as a custom op: a lone sequence decodes in one row; ValueError
-    saying why when this machine cannot build or run it).
+    saying why when this machine cannot build or run it). ``team_spin_us`` (``native`` only; process-wide,
+    the last engine built sets it): above 0, the custom ops' parallel sections run on their own threads,
+    which spin that many microseconds after their last chunk before they sleep (the gaps between one
+    step's sections, not the time between steps; ``native/team.c``); 0: on onnxruntime's intra-op threads.
     """
 
     def __init__(
@@ -140,6 +144,7 @@ class BatchedEngine:
         load_cache_dir: Path | None = None,
         max_hold_s: float = 2.0,
         int4_kernel: str = "mlas",
+        team_spin_us: int = 0,
     ) -> None:
         config = json.loads((model_dir / "genai_config.json").read_text())["model"]
         decoder = config["decoder"]
@@ -168,6 +173,8 @@ class BatchedEngine:
         sessions = load_sessions(
             model_dir / decoder["filename"], wanted, lm_head=lm_head, cache_dir=load_cache_dir, int4_kernel=int4_kernel
         )
+        if int4_kernel == "native":  # process-wide: the library is loaded once per process
+            set_team_spin(team_spin_us)
         # the native kernel computes every row the same way whatever M is: one row is batch invariant too
         one_row_invariant = int4_kernel == "native"
         self._session = sessions[0]

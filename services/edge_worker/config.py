@@ -53,6 +53,12 @@ class EdgeWorkerSettings(WorkerSettings):
     intra_op_spinning: bool = False
     """Batched engine: idle intra-op threads spin instead of sleeping. Faster steps on an otherwise
     idle CPU; on a shared one it burns CPU the gateway and router need (docs/edge.md)."""
+    team_spin_us: int = Field(default=200, ge=0, le=100_000)
+    """Batched engine with the native kernel: above 0, its ops' parallel sections run on their own threads
+    (`native/team.c`), which spin this many microseconds after their last chunk before they sleep: long
+    enough to span the gaps between one decode step's sections, not the time between steps (a lone
+    stream ~20 % faster in-process, ~10 % through the mesh on 2 cores). 0: on onnxruntime's intra-op
+    threads, which sleep between sections (docs/edge.md, issue 27). Same tokens either way."""
     adaptive_threading: bool = False
     """Batched engine, with `intra_op_spinning` off and more than one thread: two more sessions of the
     model, one whose threads spin inside a decode call (and sleep between calls), one of a single

@@ -59,6 +59,7 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
         batch_invariant=settings.batch_invariant,
         lm_head=settings.lm_head,
         int4_kernel=kernel,
+        team_spin_us=settings.team_spin_us,
         spinning=settings.intra_op_spinning,
         adaptive_threading=settings.adaptive_threading,
         adaptive_max_rows=settings.adaptive_max_rows,

@@ -24,7 +24,7 @@ from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.native.attention_graph import OP as ATTENTION_OP
 from services.edge_worker.native.attention_graph import use_attention_op
 from services.edge_worker.native.graph import DOMAIN, OP
-from services.edge_worker.native.kernel import unavailable_reason
+from services.edge_worker.native.kernel import set_team_spin, unavailable_reason
 from tests.integration.edge_worker.test_batched_engine import PROMPTS, chat, generate, together
 
 pytestmark = [
@@ -70,6 +70,19 @@ def test_a_lone_sequence_decodes_in_one_row_with_the_tokens_it_gets_in_any_batch
     both = together([lambda p=p: generate(engine, p, 12) for p in [*prompts, *prompts[:2]]])
     assert both == [*alone, *alone[:2]]
     assert engine.rows - rows_before > engine.steps - steps_before  # some decode calls had several rows
+
+
+def test_the_ops_own_threads_give_the_tokens_of_onnxruntimes(engine: BatchedEngine) -> None:
+    prompts = [chat(engine, p) for p in PROMPTS]
+    try:
+        set_team_spin(0)
+        plain = [generate(engine, p, 10) for p in prompts]
+        set_team_spin(200)
+        alone = [generate(engine, p, 10) for p in prompts]
+        both = together([lambda p=p: generate(engine, p, 10) for p in [*prompts, *prompts[:2]]])
+    finally:
+        set_team_spin(0)
+    assert alone == plain and both == [*plain, *plain[:2]]
 
 
 def _logits(session: ort.InferenceSession, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:

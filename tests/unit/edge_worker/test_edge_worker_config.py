@@ -113,3 +113,12 @@ def test_int4_kernel_native_without_gcc_is_a_config_error(monkeypatch: pytest.Mo
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INT4_KERNEL", "fast")
     with pytest.raises(ConfigError, match="MESHSERVE_EDGE_WORKER_INT4_KERNEL"):
         load_settings(EdgeWorkerSettings)
+
+
+def test_team_spin_default_and_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings(EdgeWorkerSettings).team_spin_us == 200
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_TEAM_SPIN_US", "0")
+    assert load_settings(EdgeWorkerSettings).team_spin_us == 0
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_TEAM_SPIN_US", "-1")
+    with pytest.raises(ConfigError, match="MESHSERVE_EDGE_WORKER_TEAM_SPIN_US"):
+        load_settings(EdgeWorkerSettings)
