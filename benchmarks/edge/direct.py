@@ -27,10 +27,11 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
 
     # Variants, joined with '-': "batched-1row": a lone sequence decodes in one row
     # (MESHSERVE_EDGE_WORKER_BATCH_INVARIANT=false); "batched-nbitshead": the LM head as built
-    # (LM_HEAD=nbits); "batched-spin": intra-op threads spin (INTRA_OP_SPINNING=true); "batched-adaptive":
+    # (LM_HEAD=nbits); "batched-spin": intra-op threads spin (INTRA_OP_SPINNING=true, the worker's default,
+    # which every variant but adaptive follows, with its INTRA_OP_SPIN_US); "batched-adaptive":
     # 2 threads sleeping / spinning or 1 thread, per small call by measured time (ADAPTIVE_THREADING=true);
     # "batched-native": the 4-bit matmuls on our row-invariant kernel, a lone sequence in one row
-    # (INT4_KERNEL=native), its ops on their own threads as the worker's TEAM_SPIN_US says.
+    # (INT4_KERNEL=native).
     base, *variants = kind.split("-")
     unknown = set(variants) - {"1row", "nbitshead", "spin", "adaptive", "native"}
     if base != "batched" or unknown:
@@ -38,6 +39,7 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
     from services.common.settings import load_settings
     from services.edge_worker.config import EdgeWorkerSettings
 
+    worker = load_settings(EdgeWorkerSettings)  # the worker's spinning (its environment's), as in the mesh
     return BatchedEngine(
         model_dir,
         model_id="bench",
@@ -45,10 +47,10 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
         max_batch=max_batch,
         batch_invariant="1row" not in variants,
         lm_head="nbits" if "nbitshead" in variants else "int8",
-        spinning="spin" in variants,
+        spinning="spin" in variants or (worker.intra_op_spinning and "adaptive" not in variants),
+        spin_us=worker.intra_op_spin_us,
         adaptive_threading="adaptive" in variants,
         int4_kernel="native" if "native" in variants else "mlas",
-        team_spin_us=load_settings(EdgeWorkerSettings).team_spin_us,  # the worker's (its environment's) setting
     )
 
 

@@ -54,7 +54,6 @@ from services.common.sampling import SamplingParams
 from services.edge_worker.graph import load_sessions
 from services.edge_worker.hold import BackgroundHold
 from services.edge_worker.kvslots import KvSlots
-from services.edge_worker.native.kernel import set_team_spin
 from services.edge_worker.sampler import logprobs, logprobs_rows, pick
 from services.edge_worker.sequence import BatchedSequence
 from services.edge_worker.spin import SessionChooser
@@ -111,7 +110,8 @@ class BatchedEngine:
     one-row call (faster, but its greedy tokens may then differ at near-ties from a batched run).
     ``lm_head``: ``int8`` (MLAS int8 GEMM, less CPU per row, same perplexity;
     :mod:`services.edge_worker.int8head`) or ``nbits`` (as built). ``spinning``: let idle intra-op threads
-    spin between parallel sections (faster steps on an otherwise idle CPU, more CPU burnt).
+    spin before they block (faster steps; more CPU burnt), for at most ``spin_us`` microseconds when above
+    0 (onnxruntime's ``session.intra_op.spin_duration_us``; 0: its default, far longer).
     ``adaptive_threading`` (with ``spinning`` off and more than one thread): two more sessions, one
     whose threads spin inside a call (and sleep between calls), one of a single thread; each decode call
     of up to ``adaptive_max_rows`` rows runs on whichever of the three measures fastest now
@@ -120,10 +120,7 @@ class BatchedEngine:
     ``max_hold_s``: the longest background sequences are held out of the rounds at a time
     (:mod:`services.edge_worker.hold`). ``int4_kernel``: ``mlas`` (onnxruntime's MatMulNBits) or
     ``native`` (our row-invariant kernel as a custom op: a lone sequence decodes in one row; ValueError
-    saying why when this machine cannot build or run it). ``team_spin_us`` (``native`` only; process-wide,
-    the last engine built sets it): above 0, the custom ops' parallel sections run on their own threads,
-    which spin that many microseconds after their last chunk before they sleep (the gaps between one
-    step's sections, not the time between steps; ``native/team.c``); 0: on onnxruntime's intra-op threads.
+    saying why when this machine cannot build or run it).
     """
 
     def __init__(
@@ -139,12 +136,12 @@ class BatchedEngine:
         batch_invariant: bool = True,
         lm_head: str = "int8",
         spinning: bool = False,
+        spin_us: int = 0,
         adaptive_threading: bool = False,
         adaptive_max_rows: int = 4,
         load_cache_dir: Path | None = None,
         max_hold_s: float = 2.0,
         int4_kernel: str = "mlas",
-        team_spin_us: int = 0,
     ) -> None:
         config = json.loads((model_dir / "genai_config.json").read_text())["model"]
         decoder = config["decoder"]
@@ -154,10 +151,12 @@ class BatchedEngine:
             if count:
                 options.intra_op_num_threads = count
             options.inter_op_num_threads = 1
-            # By default idle intra-op threads sleep instead of spinning: on a small shared CPU (the worker
-            # sits next to the gateway and router) spinning cost ~1.6x CPU per token at 2 threads under
-            # load; on an idle CPU it makes a step faster (docs/edge.md).
+            # Spinning idle threads take the next parallel section at once; unbounded, they also keep the
+            # cores busy between steps, which the gateway and router on a small CPU need (the worker's
+            # default spins 200 us, then blocks: docs/edge.md, issue 27).
             options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+            if spin and spin_us:  # a bounded spin: idle threads block after spin_us
+                options.add_session_config_entry("session.intra_op.spin_duration_us", str(spin_us))
             if stop:  # spin inside a call only: the threads sleep as soon as the call returns
                 options.add_session_config_entry("session.force_spinning_stop", "1")
             return options
@@ -173,8 +172,6 @@ class BatchedEngine:
         sessions = load_sessions(
             model_dir / decoder["filename"], wanted, lm_head=lm_head, cache_dir=load_cache_dir, int4_kernel=int4_kernel
         )
-        if int4_kernel == "native":  # process-wide: the library is loaded once per process
-            set_team_spin(team_spin_us)
         # the native kernel computes every row the same way whatever M is: one row is batch invariant too
         one_row_invariant = int4_kernel == "native"
         self._session = sessions[0]

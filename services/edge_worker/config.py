@@ -50,17 +50,19 @@ class EdgeWorkerSettings(WorkerSettings):
     `auto` (the default): native where it can be built and run, else mlas with a warning in the log
     saying why; mlas with `adaptive_threading` (the op's thread count is fixed in the edited graph, so
     `native` cannot be combined with it)."""
-    intra_op_spinning: bool = False
-    """Batched engine: idle intra-op threads spin instead of sleeping. Faster steps on an otherwise
-    idle CPU; on a shared one it burns CPU the gateway and router need (docs/edge.md)."""
-    team_spin_us: int = Field(default=200, ge=0, le=100_000)
-    """Batched engine with the native kernel: above 0, its ops' parallel sections run on their own threads
-    (`native/team.c`), which spin this many microseconds after their last chunk before they sleep: long
-    enough to span the gaps between one decode step's sections, not the time between steps (a lone
-    stream ~20 % faster in-process, ~10 % through the mesh on 2 cores). 0: on onnxruntime's intra-op
-    threads, which sleep between sections (docs/edge.md, issue 27). Same tokens either way."""
+    intra_op_spinning: bool = True
+    """Batched engine: idle intra-op threads spin before they block, for at most `intra_op_spin_us`.
+    A decode step has ~150 parallel sections; threads that block at once are woken for each and
+    arrive late, so the calling thread runs most of the work alone (a lone stream ~25 % slower on 2
+    cores). false: they block at once (less CPU on a machine shared with other busy work;
+    docs/edge.md)."""
+    intra_op_spin_us: int = Field(default=200, ge=0, le=100_000)
+    """Batched engine with `intra_op_spinning`: how long an idle intra-op thread spins before it blocks
+    (onnxruntime's `session.intra_op.spin_duration_us`): long enough to span the gaps between one
+    decode step's parallel sections, not the time between steps. 0: onnxruntime's own default, which
+    spins much longer."""
     adaptive_threading: bool = False
-    """Batched engine, with `intra_op_spinning` off and more than one thread: two more sessions of the
+    """Batched engine with more than one thread (`intra_op_spinning` is then ignored): two more sessions of the
     model, one whose threads spin inside a decode call (and sleep between calls), one of a single
     thread; each decode call of up to `adaptive_max_rows` sequences runs on whichever of the three
     measures fastest now (meant for: spinning on an idle host, one thread on a loaded one). Same

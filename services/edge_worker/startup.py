@@ -59,8 +59,8 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
         batch_invariant=settings.batch_invariant,
         lm_head=settings.lm_head,
         int4_kernel=kernel,
-        team_spin_us=settings.team_spin_us,
-        spinning=settings.intra_op_spinning,
+        spinning=settings.intra_op_spinning and not settings.adaptive_threading,  # adaptive: its sessions choose
+        spin_us=settings.intra_op_spin_us,
         adaptive_threading=settings.adaptive_threading,
         adaptive_max_rows=settings.adaptive_max_rows,
         load_cache_dir=settings.resolved_load_cache_dir(),

@@ -19,8 +19,8 @@
 // onnxruntime itself takes L = 0 for a first prompt (S == total_sequence_length) and refuses S > 1 with past
 // unless B == 1; the checks below make both agree wherever onnxruntime runs (T <= total, L >= 0).
 //
-// Work: items of (row, kv head, up to 16 query positions), on the ops' team or onnxruntime's intra-op threads
-// through parallel_for (team.c; small calls on the calling thread alone); an item visits K and V in tiles of 64 rows
+// Work: items of (row, kv head, up to 16 query positions), on onnxruntime's intra-op threads through
+// KernelContext_ParallelFor (small calls on the calling thread alone); an item visits K and V in tiles of 64 rows
 // that all its query heads use while the tile is in L1.
 // Row invariance: each item is computed by the same instruction sequence whatever the batch holds; every sum runs
 // in an order fixed by the row's own length (dot products: 8-lane FMA chains over D reduced by one fixed tree, the
@@ -361,7 +361,7 @@ static OrtStatus* compute2(void* kernel, OrtKernelContext* context) {
     if (pairs < SERIAL_PAIRS) {
         for (size_t i = 0; i < items; i++) run_item(&job, i);
     } else {
-        TRY(parallel_for(api, context, run_item, items, &job, 0));
+        TRY(api->KernelContext_ParallelFor(context, run_item, items, 0, &job));
     }
     if (__atomic_load_n(&job.failed, __ATOMIC_RELAXED))
         return fail(api, "meshserve Attention: out of memory for the attention scores");

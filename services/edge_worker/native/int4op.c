@@ -8,8 +8,7 @@
 // SessionOptions.register_custom_ops_library, which calls RegisterCustomOps below.
 //
 // The onnxruntime C API declarations are our own (ortapi.h, shared with attn.c): no header ships with the wheel.
-// Threads: parallel_for (team.c) hands chunks of the N/8 column groups to the ops' own team of threads or to the
-// session's intra-op threads (KernelContext_ParallelFor);
+// Threads: KernelContext_ParallelFor hands chunks of the N/8 column groups to the session's intra-op threads;
 // every output element is computed whole by one thread, so a row's values do not depend on M or on the
 // thread count. (A pool of the op's own threads was tried first: about as fast, more code, docs/edge.md.)
 #include <immintrin.h>
@@ -201,13 +200,13 @@ static OrtStatus* compute2(void* kernel, OrtKernelContext* context) {
         return fail("meshserve Int4MatMul: out of memory for the quantized activations");
     }
     quantize_rows(A, (int)M, K, qa, sa, sa + M * nb);
-    // the column groups in chunks on the session's threads (the calling thread included; team.c)
+    // the column groups in chunks on onnxruntime's intra-op threads (the calling thread included)
     int groups = N / 8, chunks = 4 * (int)k->threads;
     int chunk = (groups + chunks - 1) / chunks;
     if (k->act) chunk += chunk % 2;  // a chunk holds whole (gate, up) group pairs: its epilogue needs both
     PoolJob job = {qa, sa, sa + M * nb, W, k->act ? scratch : C, (int)M, K, N, groups, chunk, k->gemm,
                    k->act ? C : NULL, bias};
-    status = parallel_for(api, context, pool_chunk, (size_t)((groups + chunk - 1) / chunk), &job, k->threads);
+    status = api->KernelContext_ParallelFor(context, pool_chunk, (size_t)((groups + chunk - 1) / chunk), 0, &job);
     free(qa);
     free(sa);
     free(scratch);

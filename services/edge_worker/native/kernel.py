@@ -27,13 +27,12 @@ import numpy as np
 import numpy.typing as npt
 
 SOURCE = Path(__file__).with_name("kq4.c")
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("kq4.c", "int4op.c", "attn.c", "team.c"))
+SOURCES = (SOURCE, Path(__file__).with_name("int4op.c"), Path(__file__).with_name("attn.c"))
 HEADERS = (Path(__file__).with_name("ortapi.h"), Path(__file__).with_name("avxmath.h"))
 """Included by the sources (the onnxruntime C API declarations, the vector exp both ops use): part of the
 library's name, not of gcc's command."""
-"""Compiled into one library: the kernel, the onnxruntime custom op over it, the attention op (``attn.c``) and
-the ops' own threads (``team.c``)."""
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared", "-pthread", "-Wl,-z,defs")
+"""Compiled into one library: the kernel, the onnxruntime custom op over it and the attention op (``attn.c``)."""
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fPIC", "-shared", "-Wl,-z,defs")
 """``-z defs``: a symbol left undefined (a source missing from the build) fails the build, not the load."""
 LIBS: tuple[str, ...] = ("-lm",)
 BLOCK = 32
@@ -159,26 +158,12 @@ def load_kernel(cache_dir: Path | None = None) -> Kernel:
     lib.time_matmul_q8.restype = ctypes.c_double
     lib.time_matmul_q4_list.argtypes = [_I, _I, _P, _P, _P, _P, _P, _I, _P, _P, _P]
     lib.time_matmul_q4_list.restype = ctypes.c_double
-    lib.meshserve_team_spin_us.argtypes = [_I]
-    lib.meshserve_team_spin_us.restype = None
-    lib.meshserve_team_helpers.restype = _I
     if (lib.grp_bytes(), lib.grp8_bytes()) != (GROUP_BYTES, GROUP_BYTES_8):
         raise KernelUnavailable(
             f"{path} packs {lib.grp_bytes()} / {lib.grp8_bytes()} bytes per 4- / 8-bit block,"
             f" this module {GROUP_BYTES} / {GROUP_BYTES_8}."
         )
     return Kernel(lib, path)
-
-
-def set_team_spin(spin_us: int, cache_dir: Path | None = None) -> Kernel:
-    """Process-wide: the ops' parallel sections on their own team of threads (``team.c``), whose idle helpers
-    spin ``spin_us`` microseconds before they sleep, or (0) on the session's onnxruntime intra-op threads.
-    Returns the loaded library (the same one onnxruntime loads: one copy per process)."""
-    if spin_us < 0:
-        raise ValueError(f"spin_us must be >= 0, got {spin_us}")
-    kernel = load_kernel(cache_dir)
-    kernel.lib.meshserve_team_spin_us(spin_us)
-    return kernel
 
 
 def _aligned(nbytes: int, align: int = 64) -> npt.NDArray[np.uint8]:

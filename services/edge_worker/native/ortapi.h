@@ -102,12 +102,6 @@ struct OrtCustomOp {
 
 #define OP_VERSION 20
 
-// team.c: fn(data, 0..n-1) on the ops' own threads (the calling thread and up to threads - 1 helpers; threads 0:
-// every helper started so far) when meshserve_team_spin_us turned the team on, else on onnxruntime's intra-op
-// threads (KernelContext_ParallelFor). NULL when done.
-OrtStatus* parallel_for(const OrtApi* api, OrtKernelContext* context, void (*fn)(void* data, size_t index), size_t n,
-                        void* data, int64_t threads);
-
 // The OrtCustomOp callbacks both ops answer the same way: float outputs on the CPU provider, every input and
 // output required, default memory, no variadic arity, op versions 1 onwards, no in-place or alias pairs.
 static inline const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }

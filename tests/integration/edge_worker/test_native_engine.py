@@ -24,7 +24,7 @@ from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.native.attention_graph import OP as ATTENTION_OP
 from services.edge_worker.native.attention_graph import use_attention_op
 from services.edge_worker.native.graph import DOMAIN, OP
-from services.edge_worker.native.kernel import set_team_spin, unavailable_reason
+from services.edge_worker.native.kernel import unavailable_reason
 from tests.integration.edge_worker.test_batched_engine import PROMPTS, chat, generate, together
 
 pytestmark = [
@@ -72,16 +72,19 @@ def test_a_lone_sequence_decodes_in_one_row_with_the_tokens_it_gets_in_any_batch
     assert engine.rows - rows_before > engine.steps - steps_before  # some decode calls had several rows
 
 
-def test_the_ops_own_threads_give_the_tokens_of_onnxruntimes(engine: BatchedEngine) -> None:
-    prompts = [chat(engine, p) for p in PROMPTS]
+def test_threads_that_spin_a_bounded_time_give_the_same_tokens(engine: BatchedEngine) -> None:
+    """The worker's default (``INTRA_OP_SPINNING=true``, ``INTRA_OP_SPIN_US=200``) against the fixture's
+    sleeping threads: the same kernels, so the same greedy tokens alone and batched."""
+    spinning = BatchedEngine(
+        model_paths().edge_dir, model_id="t", threads=2, max_batch=4, int4_kernel="native", spinning=True, spin_us=200
+    )
     try:
-        set_team_spin(0)
+        prompts = [chat(engine, p) for p in PROMPTS]
         plain = [generate(engine, p, 10) for p in prompts]
-        set_team_spin(200)
-        alone = [generate(engine, p, 10) for p in prompts]
-        both = together([lambda p=p: generate(engine, p, 10) for p in [*prompts, *prompts[:2]]])
+        alone = [generate(spinning, p, 10) for p in prompts]
+        both = together([lambda p=p: generate(spinning, p, 10) for p in [*prompts, *prompts[:2]]])
     finally:
-        set_team_spin(0)
+        spinning.close()
     assert alone == plain and both == [*plain, *plain[:2]]
 
 

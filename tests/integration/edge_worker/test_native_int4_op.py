@@ -1,17 +1,13 @@
 """The onnxruntime custom op ``meshserve.edge:Int4MatMul`` (int4_kernel=native): a MatMulNBits graph edited by
 ``services.edge_worker.native.graph`` computes, bit for bit, what the kernel computes through ctypes (plus the
 bias), for 2-D and 3-D inputs, on one thread or several, and each row whatever else is in the call; with 8-bit
-weights (``bits=8``) too, whose results also stay close to onnxruntime's MatMulNBits (MLAS); on the ops' own
-threads (``team.c``) the same bits as on onnxruntime's, also with two callers at once.
+weights (``bits=8``) too, whose results also stay close to onnxruntime's MatMulNBits (MLAS).
 
 Skipped, with the reason, where the kernel cannot be built or run (no gcc, not x86-64 with AVX2, FMA and F16C)."""
 
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from services.edge_worker.native.graph import DOMAIN, OP, use_int4_op
-from services.edge_worker.native.kernel import (
-    Int4MatMul,
-    compile_kernel,
-    load_kernel,
-    set_team_spin,
-    unavailable_reason,
-)
+from services.edge_worker.native.kernel import Int4MatMul, compile_kernel, load_kernel, unavailable_reason
 
 pytestmark = [
     pytest.mark.integration,
@@ -244,52 +234,3 @@ def test_8_bit_extremes_do_not_saturate(library: Path) -> None:
     exact = (qa.astype(np.int64) * sa.repeat(32, axis=1).astype(np.float64)) @ (w * 0.01).T
     y = reference(a)
     assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
-
-
-@pytest.fixture
-def team_off_after(library: Path) -> Iterator[ctypes.CDLL]:
-    yield load_kernel(library.parent).lib
-    set_team_spin(0, library.parent)
-
-
-@pytest.mark.parametrize("bits", [4, 8])
-def test_the_ops_own_threads_give_onnxruntimes_bits_also_with_two_callers_at_once(
-    library: Path, team_off_after: ctypes.CDLL, bits: int
-) -> None:
-    k, n = 576, 1536 if bits == 4 else 960
-    model, _ = _model(k, n, 2, seed=11, with_bias=True, bits=bits)
-    assert use_int4_op(model, Path("."), 2) == 1
-    session = _session(model, library, 2)
-    inputs = [_activations(m, k, seed=m) for m in (1, 2, 5, 16)]
-    set_team_spin(0, library.parent)
-    expected = [session.run(None, {"A": a})[0] for a in inputs]
-    set_team_spin(200, library.parent)
-    for a, y in zip(inputs, expected, strict=True):
-        assert np.array_equal(session.run(None, {"A": a})[0].view(np.uint32), y.view(np.uint32))
-    assert team_off_after.meshserve_team_helpers() >= 1
-    # two callers at once (another session of the same process): one has the team, the other runs alone
-    other = _session(model, library, 2)
-    wrong: list[int] = []
-
-    def call(s: ort.InferenceSession, which: int) -> None:
-        for i in range(60):
-            j = (i + which) % len(inputs)
-            if not np.array_equal(s.run(None, {"A": inputs[j]})[0].view(np.uint32), expected[j].view(np.uint32)):
-                wrong.append(j)
-
-    threads = [threading.Thread(target=call, args=(s, w)) for w, s in enumerate((session, other))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not wrong and not any(t.is_alive() for t in threads)
-    # a forked child has no helpers (only the forking thread is copied) and knows it: it starts its own
-    pid = os.fork()
-    if pid == 0:
-        os._exit(team_off_after.meshserve_team_helpers())
-    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-
-
-def test_a_negative_spin_is_refused() -> None:
-    with pytest.raises(ValueError, match="spin_us must be >= 0"):
-        set_team_spin(-1)

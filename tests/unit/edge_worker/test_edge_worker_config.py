@@ -47,11 +47,16 @@ def test_engine_choice_and_batching_options(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_lm_head_and_spinning_options(monkeypatch: pytest.MonkeyPatch) -> None:
     defaults = load_settings(EdgeWorkerSettings)
-    assert (defaults.lm_head, defaults.intra_op_spinning) == ("int8", False)
+    assert (defaults.lm_head, defaults.intra_op_spinning, defaults.intra_op_spin_us) == ("int8", True, 200)
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_LM_HEAD", "nbits")
-    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INTRA_OP_SPINNING", "true")
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INTRA_OP_SPINNING", "false")
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INTRA_OP_SPIN_US", "0")
     settings = load_settings(EdgeWorkerSettings)
-    assert (settings.lm_head, settings.intra_op_spinning) == ("nbits", True)
+    assert (settings.lm_head, settings.intra_op_spinning, settings.intra_op_spin_us) == ("nbits", False, 0)
+    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INTRA_OP_SPIN_US", "-1")
+    with pytest.raises(ConfigError, match="MESHSERVE_EDGE_WORKER_INTRA_OP_SPIN_US"):
+        load_settings(EdgeWorkerSettings)
+    monkeypatch.delenv("MESHSERVE_EDGE_WORKER_INTRA_OP_SPIN_US")
     assert (defaults.adaptive_threading, defaults.adaptive_max_rows) == (False, 4)
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_ADAPTIVE_THREADING", "true")
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_ADAPTIVE_MAX_ROWS", "2")
@@ -112,13 +117,4 @@ def test_int4_kernel_native_without_gcc_is_a_config_error(monkeypatch: pytest.Mo
     monkeypatch.delenv("MESHSERVE_EDGE_WORKER_ADAPTIVE_THREADING")
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_INT4_KERNEL", "fast")
     with pytest.raises(ConfigError, match="MESHSERVE_EDGE_WORKER_INT4_KERNEL"):
-        load_settings(EdgeWorkerSettings)
-
-
-def test_team_spin_default_and_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert load_settings(EdgeWorkerSettings).team_spin_us == 200
-    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_TEAM_SPIN_US", "0")
-    assert load_settings(EdgeWorkerSettings).team_spin_us == 0
-    monkeypatch.setenv("MESHSERVE_EDGE_WORKER_TEAM_SPIN_US", "-1")
-    with pytest.raises(ConfigError, match="MESHSERVE_EDGE_WORKER_TEAM_SPIN_US"):
         load_settings(EdgeWorkerSettings)
