@@ -59,8 +59,9 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
         batch_invariant=settings.batch_invariant,
         lm_head=settings.lm_head,
         int4_kernel=kernel,
-        spinning=settings.intra_op_spinning and not settings.adaptive_threading,  # adaptive: its sessions choose
-        spin_us=settings.intra_op_spin_us,
+        # adaptive threading: its sessions set their own spinning, as before the bounded default
+        spinning=settings.intra_op_spinning and not settings.adaptive_threading,
+        spin_us=0 if settings.adaptive_threading else settings.intra_op_spin_us,
         adaptive_threading=settings.adaptive_threading,
         adaptive_max_rows=settings.adaptive_max_rows,
         load_cache_dir=settings.resolved_load_cache_dir(),
