@@ -1,14 +1,14 @@
 """A real worker process (services/worker runtime) over a synthetic engine: tokens at once or paced.
 
 ``python -m benchmarks.gateway.instant_worker`` (settings ``MESHSERVE_INSTANT_WORKER_*``, the usual worker
-settings): the same admission, runner threads, detokenizer, stop strings, servicer and interceptors
+settings): the same admission, engine loop, detokenizer, stop strings, servicer and interceptors
 as the edge and cloud workers, but ``step()`` costs no model time, so what a benchmark measures
 through it is the transport and the services, not matrix multiplies. Output is deterministic: the
 continuation of a prompt is a fixed function of its token ids (real SmolLM2 token ids, decoded by the
 real tokenizer), so cache keys and texts look like real traffic.
 
-``MESHSERVE_INSTANT_WORKER_TOKEN_INTERVAL_MS`` paces each sequence to one token per interval (a decode
-step's rhythm, without its compute), so a relay sees tokens arrive one at a time as from a real model.
+``MESHSERVE_INSTANT_WORKER_TOKEN_INTERVAL_MS`` paces the steps to one per interval (a decode step's
+rhythm, without its compute), so a relay sees tokens arrive one at a time as from a real model.
 
 Used by :mod:`benchmarks.gateway.hops` and :mod:`benchmarks.gateway.relay` to resolve the sub-millisecond cost of the
 gateway and router hops.
@@ -17,18 +17,17 @@ gateway and router hops.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from typing import ClassVar
 
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from services.common.generation import FinishReason
 from services.common.model_paths import model_paths
-from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.worker.app import run_worker_process
 from services.worker.settings import WorkerSettings
-from services.worker.types import EngineInfo
+from services.worker.types import EngineBase, EngineCapabilities, EngineInfo, NewSequence, SequenceOutput
 
 # Ordinary word-piece ids of SmolLM2's vocabulary (ASCII words), cycled through deterministically.
 _WORDS = tuple(range(1000, 1256))
@@ -44,35 +43,24 @@ class InstantWorkerSettings(WorkerSettings):
     token_interval_ms: float = Field(default=0.0, ge=0.0, le=10_000.0)
 
 
-class _Sequence:
-    def __init__(self, seed: int, replay: int, interval_s: float = 0.0) -> None:
-        self._pos = seed + replay
-        self._interval_s = interval_s
-        self._due = time.monotonic()
+class InstantEngine(EngineBase):
+    """Never emits EOS: every turn runs to ``max_tokens`` (or a stop string), with no model time.
 
-    def step(self) -> int:
-        if self._interval_s:  # runs on the sequence's own runner thread, never the event loop
-            delay = self._due - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)
-            self._due += self._interval_s
-        token = _WORDS[self._pos % len(_WORDS)]
-        self._pos += 1
-        return token
-
-    def close(self) -> None:
-        pass
-
-
-class InstantEngine:
-    """Never emits EOS: every turn runs to ``max_tokens`` (or a stop string), with no model time."""
+    A batched engine as the real ones are: each step advances every live sequence by one token; with
+    a token interval a step waits until the interval since the previous one has passed (a decode
+    step's rhythm, without its compute).
+    """
 
     def __init__(
         self, tokenizer: Tokenizer, model_id: str, context_length: int = 8192, token_interval_ms: float = 0.0
     ) -> None:
         self._tokenizer = tokenizer
         self._interval_s = token_interval_ms / 1000.0
+        self._due = 0.0
         self._info = EngineInfo(model_id, tokenizer.vocab_size, context_length, frozenset())
+        self._caps = EngineCapabilities("instant")
+        self._live: dict[int, list[int]] = {}  # id -> [position, generated, max_tokens]
+        self._new: set[int] = set()
 
     @property
     def info(self) -> EngineInfo:
@@ -82,8 +70,42 @@ class InstantEngine:
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> _Sequence:
-        return _Sequence(sum(token_ids) % len(_WORDS), len(replay), self._interval_s)
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self._caps
+
+    def add(self, seq: NewSequence) -> None:
+        self._live[seq.id] = [sum(seq.prompt_ids) % len(_WORDS) + len(seq.replay), 0, seq.sampling.max_tokens]
+        self._new.add(seq.id)
+
+    def stop(self, seq_id: int, hold: bool = False) -> None:
+        self._live.pop(seq_id, None)
+
+    def next_step_in(self) -> float | None:
+        if not self._live:
+            return None
+        return max(0.0, self._due - time.monotonic()) if self._interval_s else 0.0
+
+    def step(self) -> list[SequenceOutput]:
+        if self._interval_s:
+            self._due = max(self._due, time.monotonic()) + self._interval_s
+        outputs = []
+        ended = []
+        new, self._new = self._new, set()
+        for seq_id, state in self._live.items():
+            token = _WORDS[state[0] % len(_WORDS)]
+            state[0] += 1
+            state[1] += 1
+            out = SequenceOutput(seq_id, [token])
+            if seq_id in new:
+                out.prefill_tokens = 1
+            if state[1] >= state[2]:
+                out.finish = FinishReason.LENGTH
+                ended.append(seq_id)
+            outputs.append(out)
+        for seq_id in ended:
+            del self._live[seq_id]
+        return outputs
 
 
 def build_engine(settings: InstantWorkerSettings) -> InstantEngine:

@@ -2,26 +2,25 @@
 
 Why not one ``og.Generator`` per sequence (:mod:`services.edge_worker.engine`): decode of a 135M INT4
 model reads all weights for every token, and onnxruntime-genai holds the GIL during a step, so N
-sequences on N threads take turns and N streams give ~1x one stream's tokens/s. onnxruntime-genai's
-own batching ``og.Engine`` was measured slower than that up to 8 streams and ~1.2x at 16, with
-batched greedy tokens that differed from single-stream ones (docs/edge.md). Here the builder's ONNX
-graph runs directly on onnxruntime (which releases the GIL): one decode call has one row per sequence
+sequences take turns and N streams give ~1x one stream's tokens/s. onnxruntime-genai's own batching
+``og.Engine`` was measured slower than that up to 8 streams and ~1.2x at 16, with batched greedy
+tokens that differed from single-stream ones (docs/edge.md). Here the builder's ONNX graph runs
+directly on onnxruntime (which releases the GIL): one decode call has one row per sequence
 (MatMulNBits then reads the weights once for all of them), KV lives in per-layer slot buffers shared
 by past and present (:mod:`services.edge_worker.kvslots`).
 
-The runtime's interface is unchanged: a worker thread per sequence calls ``step()``, which enqueues
-the sequence and blocks until the batch thread has run the model for it. The batch thread takes
-everything waiting (waiting up to ``max_wait_s`` for the sequences of the previous step to come back),
-prefills new prompts (chunked; new prompts whose first chunks have the same length share one call:
-``prefill_groups``), then runs one decode call for all the rest.
+The engine core contract (services/worker/types.py): the worker's engine loop thread adds and stops
+sequences between steps and calls :meth:`BatchedEngine.step` back to back; a step prefills new
+prompts (chunked; new prompts whose first chunks have the same length share one call:
+``prefill_groups``), then runs one decode call for all the rest, and returns every row's token.
 
-Background sequences (batch lines, ``seq.background``) yield: while a foreground sequence is active on
-this engine, or the host's foreground flag is set (``hold_background``: the router runs a foreground
-turn on another worker of this host), every round leaves them out (no prefill chunk, no decode row;
-they wait), for at most ``max_hold_s`` at a time (:mod:`services.edge_worker.hold`): delayed, never
-starved; an interactive first token never comes out of a round with batch work in it. A round of
-batch work only that is running when foreground work arrives is stopped part-way and run again later
-(``RunOptions.terminate``; see the hold module), so an interactive turn does not wait for it.
+Background sequences (batch lines, ``NewSequence.background``) yield: while a foreground sequence is
+active on this engine, or the host's foreground flag is set (``hold_background``: the router runs a
+foreground turn on another worker of this host), every step leaves them out (no prefill chunk, no
+decode row; they wait), for at most ``max_hold_s`` at a time (:mod:`services.edge_worker.hold`):
+delayed, never starved; an interactive first token never comes out of a step with batch work in it.
+A step of batch work only that is running when foreground work arrives is stopped part-way and run
+again later (``RunOptions.terminate``; see the hold module), so an interactive turn does not wait for it.
 
 Batch invariance: MatMulNBits' int8-activation kernels compute one row (M=1) differently from several
 rows (M>=2), while rows of an M>=2 call do not depend on each other. A decode call therefore always has
@@ -30,9 +29,9 @@ runs alone or with 15 others, and a resumed stream replays exactly (tested). Wit
 the 4-bit matmuls run on our own kernel (:mod:`services.edge_worker.native`), whose rows never depend on
 M: a lone sequence then decodes in one row, still batch invariant.
 
-Chats: a sequence kept between turns keeps its KV in its slot; when a slot is needed it is parked
-(its valid KV copied out, compact) and copied back when its chat continues. ``reuse`` rewinds to the
-longest common prefix whose KV exists and prefills only the rest, as the og engine did.
+Chats: a sequence held between turns (``NewSequence.hold``) keeps its KV in its slot; when a slot is
+needed it is parked (its valid KV copied out, compact) and copied back when its chat continues.
+``reuse`` rewinds to the longest common prefix whose KV exists and prefills only the rest.
 """
 
 from __future__ import annotations
@@ -50,15 +49,14 @@ from prometheus_client import Counter
 from tokenizers import Tokenizer
 
 from services.common.errors import InvalidArgument
-from services.common.sampling import SamplingParams
+from services.common.generation import FinishReason
 from services.edge_worker.graph import load_sessions
 from services.edge_worker.hold import BackgroundHold
 from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.sampler import logprobs, logprobs_rows, pick
-from services.edge_worker.sequence import BatchedSequence
+from services.edge_worker.sequence import EdgeSequence, fork_of
 from services.edge_worker.spin import SessionChooser
-from services.worker.grammar import GrammarCompiler, TokenConstraint
-from services.worker.types import EngineInfo, KVUsage, StepInterrupted
+from services.worker.types import EngineBase, EngineCapabilities, EngineInfo, KVUsage, NewSequence, SequenceOutput
 
 MODEL_CALLS = Counter(
     "meshserve_edge_model_calls_total",
@@ -80,14 +78,14 @@ class _Preempted(Exception):
 
 
 def prefill_groups(
-    seqs: Sequence[BatchedSequence], chunk_end: Callable[[BatchedSequence], int], max_tokens: int
-) -> list[list[BatchedSequence]]:
+    seqs: Sequence[EdgeSequence], chunk_end: Callable[[EdgeSequence], int], max_tokens: int
+) -> list[list[EdgeSequence]]:
     """``seqs`` (prefilling) in groups that one model call can prefill together: first chunks (no KV
     yet: GroupQueryAttention takes several rows of more than one position only without past context)
     of the same length (``chunk_end``), at most ``max_tokens`` tokens per call (no call bigger than
     one sequence's full chunk: activations and attention scores stay bounded). Order is kept."""
-    groups: dict[int, list[list[BatchedSequence]]] = {}
-    ordered: list[list[BatchedSequence]] = []
+    groups: dict[int, list[list[EdgeSequence]]] = {}
+    ordered: list[list[EdgeSequence]] = []
     for seq in seqs:
         start, end = seq.kv_len, chunk_end(seq)
         if start > 0:  # a later chunk: a call of its own
@@ -101,12 +99,11 @@ def prefill_groups(
     return ordered
 
 
-class BatchedEngine:
+class BatchedEngine(EngineBase):
     """The INT4 ONNX model of ``model_dir`` (as written by onnxruntime-genai's model builder), batched.
 
     ``max_batch``: rows of one decode call (and KV slots); the worker admits at most that many
-    sequences at once. ``max_wait_s``: how long a step waits for the previous step's sequences to
-    come back before running without them. ``batch_invariant=False`` lets a lone sequence decode in a
+    sequences at once (more wait in the engine). ``batch_invariant=False`` lets a lone sequence decode in a
     one-row call (faster, but its greedy tokens may then differ at near-ties from a batched run).
     ``lm_head``: ``int8`` (MLAS int8 GEMM, less CPU per row, same perplexity;
     :mod:`services.edge_worker.int8head`) or ``nbits`` (as built). ``spinning``: let idle intra-op threads
@@ -130,7 +127,6 @@ class BatchedEngine:
         model_id: str,
         threads: int = 0,
         max_batch: int = 16,
-        max_wait_s: float = 0.003,
         prefill_chunk: int = 512,
         kv_capacity: int = 256,
         batch_invariant: bool = True,
@@ -189,11 +185,18 @@ class BatchedEngine:
             + ("/int4=native" if one_row_invariant else ""),
         )
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-        self.grammars = GrammarCompiler(self._tokenizer, self._info.vocab_size, self._info.eos_token_ids)
-        """Structured-output constraints compiled for this vocabulary (``start`` opens one per sequence)."""
         self.max_batch = max(2, max_batch)
+        self._caps = EngineCapabilities(
+            "batched",
+            chat=True,
+            forks=True,
+            logprobs=True,
+            structured=True,
+            penalties=True,
+            background=True,
+            max_sequences=self.max_batch,
+        )
         self.min_rows = min_rows
-        self.max_wait_s = max_wait_s
         self.prefill_chunk = max(4, prefill_chunk)
         self._kv = KvSlots(
             layers=int(decoder["num_hidden_layers"]),
@@ -203,7 +206,7 @@ class BatchedEngine:
             capacity=kv_capacity,
             max_capacity=self._info.context_length,
         )
-        self._owners: list[BatchedSequence | None] = [None] * self.max_batch
+        self._owners: list[EdgeSequence | None] = [None] * self.max_batch
         width = self._session.get_outputs()[0].shape[-1]
         self._decode_logits: np.ndarray | None = (
             np.empty((self.max_batch, 1, width), np.float32) if isinstance(width, int) and width > 0 else None
@@ -212,12 +215,15 @@ class BatchedEngine:
         and no copy per step (0.36 ms of a ~10 ms one-row step, measured). A step's rows are read before the next
         call; None when the graph leaves the vocabulary's width open (then onnxruntime allocates as usual)."""
         self._parked_bytes = 0
-        self._cv = threading.Condition()
-        self._waiting: list[BatchedSequence] = []
-        self._released: list[BatchedSequence] = []
-        self._expected: set[BatchedSequence] = set()
-        self._new_forks: list[BatchedSequence] = []
-        self._stopped = False
+        self._live: dict[int, EdgeSequence] = {}
+        """Sequences generating, in arrival order (a fork not made yet too)."""
+        self._held: dict[int, EdgeSequence] = {}
+        """Chat sequences between turns (``NewSequence.hold``): KV kept, not stepped."""
+        self._ended: list[SequenceOutput] = []
+        """Outputs of sequences that ended outside a model call (a fork whose source stopped, a
+        failure), returned by the next step."""
+        self._lock = threading.Lock()
+        """Guards ``_preemptible`` (the loop thread sets it, ``interrupt_background`` reads it)."""
         self.steps = 0
         """Decode calls run so far (a batch of any size counts once)."""
         self.rows = 0
@@ -230,14 +236,12 @@ class BatchedEngine:
         self.prefill_rows = 0
         """Prefill chunks started so far (rows of those calls: rows / calls = sequences per call)."""
         self.forks_made = 0
-        """Choices started as a copy of another sequence's prefilled prompt (``start_n``)."""
+        """Choices started as a copy of another sequence's prefilled prompt (``NewSequence.fork_of``)."""
         self.hold = BackgroundHold(max_hold_s=max_hold_s)
-        """When background sequences sit out a round (its counters: rounds held, seconds held, bound hits)."""
+        """When background sequences sit out a step (its counters: steps held, seconds held, bound hits)."""
         self._preemptible: ort.RunOptions | None = None
-        """The run options of the round in progress when it holds background sequences only and began
-        while nothing held them (guarded by ``_cv``): foreground work arriving sets its ``terminate``."""
-        self._thread = threading.Thread(target=self._loop, name="edge-batch", daemon=True)
-        self._thread.start()
+        """The run options of the step in progress when it holds background sequences only and began
+        while nothing held them (guarded by ``_lock``): foreground work arriving sets its ``terminate``."""
 
     @property
     def info(self) -> EngineInfo:
@@ -247,187 +251,130 @@ class BatchedEngine:
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> BatchedSequence:
-        """A new sequence; a structured-output constraint is compiled here (blocking, bounded: call from
-        a worker thread) and advanced over ``replay``."""
-        constraint = None if sampling.structured is None else self.grammars.open(sampling.structured, replay)
-        return BatchedSequence(self, [*token_ids, *replay], sampling, prefill_end=len(token_ids), constraint=constraint)
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self._caps
 
-    def start_n(self, token_ids: Sequence[int], sampling: SamplingParams, n: int) -> list[BatchedSequence]:
-        """The ``n`` choices of one prompt over one prefill (``services.worker.types``: ``start_n``).
+    def add(self, spec: NewSequence) -> None:
+        """A new sequence (the engine core contract, services/worker/types.py). A chat's next turn
+        (``reuse``) extends its held sequence's KV where it can; a fork waits for its source's prefill."""
+        eos = self._info.eos_token_ids
+        if spec.fork_of is not None:
+            source = self._live.get(spec.fork_of)
+            if source is None or source.kv_len >= source.prefill_end:  # gone, or its prefill is over
+                raise RuntimeError("the choice's shared prefill did not complete")
+            fork = fork_of(source, spec, eos)
+            source.forks.append(fork)
+            self._live[spec.id] = fork
+            return
+        if spec.reuse is not None and (held := self._held.pop(spec.reuse, None)) is not None:
+            if held.reuse(spec, self._info.context_length):
+                self._live[spec.id] = held
+                return
+            self._free(held)
+        self._live[spec.id] = EdgeSequence(spec, eos)
 
-        Choice 0 prefills the prompt as any sequence does; when its prefill's logits are there, the
-        batch thread gives each other choice a slot, copies the prompt's KV into it (slots are
-        contiguous rows: the prefix cannot be shared in place, and a copy of P tokens costs far less
-        than their prefill) and samples its first token from a copy of those logits with its own
-        parameters (``sampling.choice(i)``), then the n sequences decode as independent rows. Greedy
-        choices are therefore token for token the n = 1 output (decode rows are batch invariant).
-        """
-        if n > self.max_batch:
-            raise InvalidArgument(
-                f"sampling.n is {n} but this edge worker decodes at most {self.max_batch} sequences at once; "
-                f"ask for at most {self.max_batch} choices"
-            )
-        prompt = list(token_ids)
+    def stop(self, seq_id: int, hold: bool = False) -> None:
+        seq = self._live.pop(seq_id, None)
+        if seq is None:
+            seq = self._held.pop(seq_id, None)
+            hold = False
+        if seq is None:
+            return
+        if hold and seq.hold and seq.source is None:
+            self._held[seq_id] = seq
+        else:
+            self._free(seq)
 
-        def constraint() -> TokenConstraint | None:  # each choice has its own grammar state
-            return None if sampling.structured is None else self.grammars.open(sampling.structured, ())
-
-        leader = BatchedSequence(self, prompt, sampling.choice(0), prefill_end=len(prompt), constraint=constraint())
-        forks = [
-            BatchedSequence(
-                self, prompt, sampling.choice(i), prefill_end=len(prompt), source=leader, constraint=constraint()
-            )
-            for i in range(1, n)
-        ]
-        leader.forks = forks
-        return [leader, *forks]
-
-    def start_chat(self, token_ids: Sequence[int], sampling: SamplingParams) -> BatchedSequence:
-        """Like ``start``; the sequence's KV survives its turn for ``reuse``."""
-        return self.start(token_ids, sampling)
+    def next_step_in(self) -> float | None:
+        if self._ended:
+            return 0.0
+        if not self._live:
+            return None
+        if self.hold.since is not None and all(seq.background for seq in self._live.values()):
+            return self.hold.wait_s(time.monotonic())  # only held batch lines: until the hold may end
+        return 0.0
 
     def kv_usage(self) -> KVUsage:
         """Bytes of valid KV in slots plus parked copies (buffer pages beyond them are never touched)."""
         held = sum(seq.kv_len for seq in list(self._owners) if seq is not None)
         return KVUsage(used_bytes=held * self._kv.bytes_per_token + self._parked_bytes)
 
-    def submit(self, seq: BatchedSequence) -> None:
-        with self._cv:
-            if self._stopped:
-                seq.finish(RuntimeError("the edge engine is stopped"))
-                return
-            self._waiting.append(seq)
-            if not seq.background:
-                self._preempt()
-            self._cv.notify()
-
     @property
     def preemptible(self) -> bool:
-        """A round of background sequences only is running and foreground work arriving would stop it."""
+        """A step of background sequences only is running and foreground work arriving would stop it."""
         return self._preemptible is not None
 
-    def _preempt(self) -> None:
-        """Stop the model call of a round of background sequences only, if one is running (under ``_cv``)."""
-        if self._preemptible is not None:
-            self._preemptible.terminate = True
-
-    def wake(self) -> None:
-        """Make the batch thread look at its sequences again (an interrupt)."""
-        with self._cv:
-            self._cv.notify()
+    def interrupt_background(self) -> None:
+        """Stop the model call of a step of background sequences only, if one is running (any thread)."""
+        with self._lock:
+            if self._preemptible is not None:
+                self._preemptible.terminate = True
 
     @property
     def yields(self) -> int:
-        """Rounds run with the background sequences held out (:attr:`hold`)."""
+        """Steps run with the background sequences held out (:attr:`hold`)."""
         return self.hold.rounds
 
     def hold_background(self, until: float) -> None:
-        """The host's foreground flag (``services.worker.types``: an optional engine method): background
-        sequences sit out every round until ``until`` (``time.monotonic``; 0 ends it now). Any thread;
-        waits for no model call."""
+        """The host's foreground flag: background sequences sit out every step until ``until``
+        (``time.monotonic``; 0 ends it now). Any thread; waits for no model call."""
         self.hold.hold_host(until)
-        with self._cv:
-            if until > time.monotonic():
-                self._preempt()
-            self._cv.notify()
+        if until > time.monotonic():
+            self.interrupt_background()
+        self.wake()  # a hold that ends lets held batch lines run now
 
-    def release(self, seq: BatchedSequence) -> None:
-        with self._cv:
-            self._released.append(seq)
-            self._cv.notify()
+    # --- the engine loop thread -------------------------------------------------------------------
 
-    def close(self) -> None:
-        """Stop the batch thread; sequences still waiting get an error."""
-        with self._cv:
-            self._stopped = True
-            self._cv.notify()
-        self._thread.join(timeout=10)
-        self.grammars.close()
+    def step(self) -> list[SequenceOutput]:
+        """One step: a prefill chunk per prefilling sequence, one decode call for the rest (see the
+        module docstring); the outputs of the sequences that got a token."""
+        ended, self._ended = self._ended, []
+        batch = [seq for seq in self._live.values() if seq.source is None][: self.max_batch]
+        now = time.monotonic()
+        batch, _held = self.hold.split(batch, now)
+        if not batch:
+            return ended
+        quiet = all(seq.background for seq in batch) and not _held and self.hold.quiet(now)
+        with self._lock:
+            self._preemptible = ort.RunOptions() if quiet else None
+        try:
+            done = self._iterate(batch)
+        except Exception as exc:  # an onnxruntime failure fails this step's sequences, not the engine
+            for seq in batch:
+                self._fail(seq, exc)
+            done = []
+        finally:
+            with self._lock:
+                self._preemptible = None
+        outputs = [self._output(seq, token) for seq, token in done]
+        ended, self._ended = ended + self._ended, []
+        return outputs + ended
 
-    # --- the batch thread -------------------------------------------------------------------------
+    def _output(self, seq: EdgeSequence, token: int) -> SequenceOutput:
+        """The row of ``seq``, which just chose ``token``; a sequence that ends is held or freed."""
+        out = SequenceOutput(seq.id, [token])
+        if seq.sampling.logprobs and seq.next_logprobs is not None:
+            out.logprobs = [seq.next_logprobs]
+            seq.next_logprobs = None
+        if not seq.reported:
+            seq.reported = True
+            out.prefill_tokens = seq.prefill_tokens
+        if seq.done(token):
+            out.finish = FinishReason.STOP if token in self._info.eos_token_ids else FinishReason.LENGTH
+            self.stop(seq.id, hold=True)
+        return out
 
-    def _loop(self) -> None:
-        carry: list[BatchedSequence] = []  # still replaying or prefilling (no token yet), or running ahead
-        held: list[BatchedSequence] = []  # background sequences held out of the last round
-        while True:
-            batch, released = self._gather(carry, held)
-            if batch is None:
-                for seq in carry + held:
-                    seq.finish(RuntimeError("the edge engine is stopped"))
-                return
-            for seq in released:
-                self._free(seq)
-            for seq in batch:  # before the hold: a held sequence's cancel must not wait for it
-                if seq.closed:
-                    seq.finish(RuntimeError("sequence is closed"))
-                elif seq.interrupted:
-                    seq.finish(StepInterrupted("the turn was cancelled"))
-            batch = [seq for seq in batch if not (seq.closed or seq.interrupted)]
-            now = time.monotonic()
-            batch, held = self.hold.split(batch, now)
-            carry = []
-            if not batch:  # only held sequences: wait for a foreground step or the hold's end
-                continue
-            with self._cv:
-                quiet = all(seq.background for seq in batch) and not held and self.hold.quiet(now)
-                self._preemptible = ort.RunOptions() if quiet else None
-            try:
-                done, carry, stopped = self._iterate(batch)
-                held = held + stopped
-            except Exception as exc:  # an onnxruntime failure fails this step's sequences, not the thread
-                for seq in batch:
-                    seq.finish(exc)
-                done, carry = [], []
-            finally:
-                with self._cv:
-                    self._preemptible = None
-            # Sequences running ahead (``BatchedSequence.begin``) step next round without being asked;
-            # the others done and the forks made this round are waited for (their next step may come).
-            eos = self._info.eos_token_ids
-            ahead = [seq for seq, token in done if seq.deliver(token, eos)]
-            carry += ahead
-            self._expected = ({seq for seq, _ in done} - set(ahead)) | set(self._new_forks)
-            self._new_forks = []
+    def _drop(self, seq: EdgeSequence) -> None:
+        self._live.pop(seq.id, None)
+        self._free(seq)
 
-    def _gather(
-        self, carry: list[BatchedSequence], held: list[BatchedSequence]
-    ) -> tuple[list[BatchedSequence] | None, list[BatchedSequence]]:
-        """The next round's sequences (``carry`` and ``held`` first) and the sequences released meanwhile;
-        None when the engine stopped. With only ``held`` sequences, waits for a new step, a release, a
-        change of the host flag, or the hold's own end."""
-        with self._cv:
-            while not self._waiting and not self._released and not carry and not self._stopped:
-                if not held:
-                    self._cv.wait()
-                    continue
-                left = self.hold.wait_s(time.monotonic())
-                if left <= 0 or any(s.interrupted or s.closed for s in held):  # a cancel ends its wait
-                    break
-                self._cv.wait(left)
-            if self._stopped:
-                waiting, self._waiting = self._waiting, []
-                for seq in waiting:
-                    seq.finish(RuntimeError("the edge engine is stopped"))
-                return None, []
-            deadline = time.monotonic() + self.max_wait_s
-            while len(carry) + len(self._waiting) < self.max_batch:
-                missing = any(s not in self._waiting and not s.closed for s in self._expected)
-                left = deadline - time.monotonic()
-                if not missing or left <= 0:
-                    break
-                self._cv.wait(left)
-            carry = carry + held  # their step is still pending: this round takes them first
-            room = self.max_batch - len(carry)
-            batch = carry + self._waiting[:room]
-            del self._waiting[:room]
-            released, self._released = self._released, []
-            return batch, released
-
-    def _free(self, seq: BatchedSequence) -> None:
-        for fork in seq.forks:  # closed before its prefill ended: its forks will never be made
-            if not fork.forked:
-                fork.finish(StepInterrupted("the choice's shared prefill did not complete"))
+    def _free(self, seq: EdgeSequence) -> None:
+        seq.closed = True
+        for fork in seq.forks:  # stopped before its prefill ended: its forks will never be made
+            if self._live.pop(fork.id, None) is not None:
+                fork.closed = True
+                self._ended.append(SequenceOutput(fork.id, finish=FinishReason.CANCELLED))
         seq.forks = []
         if seq.slot is not None and self._owners[seq.slot] is seq:
             self._owners[seq.slot] = None
@@ -436,23 +383,19 @@ class BatchedEngine:
             self._parked_bytes -= sum(part.nbytes for part in seq.parked)
             seq.parked = None
 
-    def _iterate(
-        self, batch: list[BatchedSequence]
-    ) -> tuple[list[tuple[BatchedSequence, int]], list[BatchedSequence], list[BatchedSequence]]:
-        """One round: a prefill chunk per prefilling sequence, one decode call for the rest. Returns the
-        sequences with a token, those still prefilling, and those whose call was preempted (their step
-        is still pending: nothing of theirs changed but KV positions the next run writes again)."""
+    def _iterate(self, batch: list[EdgeSequence]) -> list[tuple[EdgeSequence, int]]:
+        """A prefill chunk per prefilling sequence, one decode call for the rest; the sequences that
+        chose a token (the others are still prefilling or replaying, or their call was preempted:
+        nothing of theirs changed but KV positions the next run writes again)."""
         now = time.monotonic()
         for seq in batch:
             seq.last_used = now
             self._grow(min(len(seq.tokens) + 1, self._kv.max_capacity))
         for seq in batch:
             self._acquire(seq, batch)
-        done: list[tuple[BatchedSequence, int]] = []
-        carry: list[BatchedSequence] = []
-        decode: list[BatchedSequence] = []
-        asking: list[tuple[BatchedSequence, int, np.ndarray]] = []  # rows that want their logprobs
-        stopped: list[BatchedSequence] = []
+        done: list[tuple[EdgeSequence, int]] = []
+        asking: list[tuple[EdgeSequence, int, np.ndarray]] = []  # rows that want their logprobs
+        stopped: list[EdgeSequence] = []
         prefilling = [seq for seq in batch if seq.prefill_end - seq.kv_len >= 2]
         decode = [seq for seq in batch if seq.prefill_end - seq.kv_len < 2]
         decode = self._place(decode)  # slots [0, len(decode)); each prefill group gets the slots after
@@ -470,7 +413,7 @@ class BatchedEngine:
                 stopped += group
                 continue
             for seq, logits in zip(group, rows, strict=True):
-                self._after(seq, logits, done, carry, batch, asking)
+                self._after(seq, logits, done, batch, asking)
         if decode and stopped:
             stopped += decode
         elif decode:
@@ -480,14 +423,14 @@ class BatchedEngine:
                 stopped += decode
                 decode = []
             for row, seq in enumerate(decode):
-                self._after(seq, logits[row], done, carry, batch, asking)
+                self._after(seq, logits[row], done, batch, asking)
         if asking:  # one whole-batch computation for the rows that ask (sampler.logprobs_rows)
             rows = np.stack([row for _, _, row in asking]).astype(np.float32, copy=False)
             tops = [seq.sampling.top_logprobs for seq, _, _ in asking]
             found = logprobs_rows(rows, [token for _, token, _ in asking], tops)
             for (seq, _, _), entry in zip(asking, found, strict=True):
                 seq.next_logprobs = entry
-        return done, carry, stopped
+        return done
 
     def _run(self, session: ort.InferenceSession, io: ort.IOBinding) -> None:
         """One model call; raises :class:`_Preempted` when foreground work stopped it part-way."""
@@ -502,20 +445,18 @@ class BatchedEngine:
 
     def _after(
         self,
-        seq: BatchedSequence,
+        seq: EdgeSequence,
         logits: np.ndarray,
-        done: list[tuple[BatchedSequence, int]],
-        carry: list[BatchedSequence],
-        batch: list[BatchedSequence],
-        asking: list[tuple[BatchedSequence, int, np.ndarray]],
+        done: list[tuple[EdgeSequence, int]],
+        batch: list[EdgeSequence],
+        asking: list[tuple[EdgeSequence, int, np.ndarray]],
     ) -> None:
         if seq.kv_len < len(seq.tokens):
-            carry.append(seq)  # more of its context to feed before it may choose a token
-            return
+            return  # more of its context to feed before it may choose a token
         if seq.forks:  # before the row is adjusted: each choice applies its own penalties
             forks, seq.forks = seq.forks, []
             for fork in forks:
-                self._fork(seq, fork, logits, batch)
+                self._fork(seq, fork, logits, batch, done)
         if seq.penalties is not None:  # the step's own row, read once: adjusted in place
             logits = seq.penalties.apply(logits, in_place=True)
         # Logprobs are of the row after the penalties, before the grammar's mask (which edits the row).
@@ -528,17 +469,24 @@ class BatchedEngine:
         if seq.constraint is not None:
             seq.constraint.advance(token)
         seq.tokens.append(token)
+        seq.generated += 1
         seq.prefill_end = max(seq.prefill_end, seq.kv_len)
         done.append((seq, token))
 
     def _fork(
-        self, source: BatchedSequence, fork: BatchedSequence, logits: np.ndarray, batch: list[BatchedSequence]
+        self,
+        source: EdgeSequence,
+        fork: EdgeSequence,
+        logits: np.ndarray,
+        batch: list[EdgeSequence],
+        done: list[tuple[EdgeSequence, int]],
     ) -> None:
         """Make ``fork`` a copy of ``source`` right after its prefill, with its own first token."""
-        if fork.closed or fork.forked:  # cancelled meanwhile
+        if fork.closed:  # stopped meanwhile
             return
+        fork.source = None
         if None not in self._owners and all(s is None or s in batch or s is source for s in self._owners):
-            fork.finish(RuntimeError("no KV slot is free for another choice"))
+            self._fail(fork, RuntimeError("no KV slot is free for another choice"))
             return
         try:
             self._acquire(fork, [*batch, source])
@@ -546,7 +494,6 @@ class BatchedEngine:
             self._kv.copy(source.slot, fork.slot, source.kv_len)
             fork.kv_len = source.kv_len
             fork.prefill_end = max(fork.prefill_end, fork.kv_len)
-            fork.prefill_tokens = 0
             fork.last_used = source.last_used
             row = logits.copy()  # the source's row, before its own penalties: this choice applies its own
             if fork.penalties is not None:
@@ -560,14 +507,19 @@ class BatchedEngine:
             if fork.constraint is not None:
                 fork.constraint.advance(token)
             fork.tokens.append(token)
+            fork.generated = 1
         except Exception as exc:  # that choice fails, the others go on
-            fork.finish(exc)
+            self._fail(fork, exc)
             return
         self.forks_made += 1
-        self._new_forks.append(fork)
-        fork.finish(token)
+        done.append((fork, token))
 
-    def _acquire(self, seq: BatchedSequence, batch: list[BatchedSequence]) -> None:
+    def _fail(self, seq: EdgeSequence, error: BaseException) -> None:
+        """``seq`` fails alone (reported with the step's outputs) and is freed."""
+        self._drop(seq)
+        self._ended.append(SequenceOutput(seq.id, error=error))
+
+    def _acquire(self, seq: EdgeSequence, batch: list[EdgeSequence]) -> None:
         """Give ``seq`` a slot (parking the least recently used sequence outside ``batch`` if needed)."""
         if seq.slot is not None:
             return
@@ -588,14 +540,14 @@ class BatchedEngine:
             self._parked_bytes -= sum(part.nbytes for part in seq.parked)
             seq.parked = None
 
-    def _chunk_end(self, seq: BatchedSequence) -> int:
+    def _chunk_end(self, seq: EdgeSequence) -> int:
         """Where ``seq``'s next prefill chunk ends."""
         end = min(seq.prefill_end, seq.kv_len + self.prefill_chunk)
         if seq.prefill_end - end == 1:
             end -= 1  # never leave a single prompt token for a decode row of a different shape
         return end
 
-    def _prefill(self, group: list[BatchedSequence]) -> np.ndarray:
+    def _prefill(self, group: list[EdgeSequence]) -> np.ndarray:
         """One call for the next chunk of each of ``group`` (``prefill_groups``: one sequence, or first
         chunks of one length), in the consecutive slots ``_place`` gave them; row i = the last position's
         logits of ``group[i]``."""
@@ -619,7 +571,7 @@ class BatchedEngine:
         logits: np.ndarray = io.get_outputs()[0].numpy()
         return logits[:, -1]
 
-    def _place(self, seqs: list[BatchedSequence], first: int = 0) -> list[BatchedSequence]:
+    def _place(self, seqs: list[EdgeSequence], first: int = 0) -> list[EdgeSequence]:
         """Move ``seqs`` into the slots ``[first, first + len(seqs))``, ordered by slot; a sequence
         already there stays put.
 
@@ -635,7 +587,7 @@ class BatchedEngine:
                 self._move(seq, next(holes))
         return sorted(seqs, key=lambda seq: seq.slot or 0)
 
-    def _decode(self, seqs: list[BatchedSequence]) -> np.ndarray:
+    def _decode(self, seqs: list[EdgeSequence]) -> np.ndarray:
         """One call, row i = ``seqs[i]``, which sits in slot i; a lone sequence gets a dummy second row."""
         rows = max(self.min_rows, len(seqs))
         lengths = [seq.kv_len for seq in seqs]
@@ -676,7 +628,7 @@ class BatchedEngine:
     def _grow(self, tokens: int) -> None:
         self._kv.ensure_capacity(tokens, [seq.kv_len if seq is not None else 0 for seq in self._owners])
 
-    def _move(self, seq: BatchedSequence, slot: int) -> None:
+    def _move(self, seq: EdgeSequence, slot: int) -> None:
         """Put ``seq`` in ``slot``, swapping with whoever holds it (valid KV only)."""
         assert seq.slot is not None
         if seq.slot == slot:

@@ -27,11 +27,6 @@ class EdgeWorkerSettings(WorkerSettings):
     engine: Literal["batched", "og"] = "batched"
     """`batched`: one onnxruntime decode call for all live sequences (KV slots, continuous batching;
     docs/edge.md). `og`: one onnxruntime-genai generator per sequence (the sequences take turns)."""
-    batch_wait_ms: float = Field(default=10.0, ge=0.0, le=100.0)
-    """Batched engine: how long a decode step waits for the previous step's sequences to come back
-    before it runs without them (a sequence that ended or was closed is not waited for). 10 ms: at 16
-    streams through the mesh their threads came back later than 3 ms often enough that a step in 13
-    ran short of rows (docs/edge.md)."""
     batch_invariant: bool = True
     """Batched engine: decode a lone sequence in a two-row call (a dummy row), so its tokens equal what
     it gets in any batch (the INT4 kernels round one row differently from several). Off: a lone

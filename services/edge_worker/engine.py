@@ -4,11 +4,15 @@ Sampling is onnxruntime-genai's own (``set_search_options``): greedy when temper
 temperature/top-k/top-p with a per-generator ``random_seed`` (0.18 seeds each generator, so the same
 seed gives the same tokens however many sequences run at once; top_k=0 means the whole vocabulary).
 
-Chat turns: a sequence started with :meth:`OgEngine.start_chat` survives its turn; the next turn's
-context is matched against the tokens the generator already holds, the generator is rewound to the
-longest common prefix whose KV exists (``rewind_to``) and only the rest is appended (prefilled). A
-generated token has no KV until the next forward pass, so the usable prefix ends one token before
-the last generated one.
+The engine core contract (services/worker/types.py): a step runs every live sequence's generator
+once, one after the other (onnxruntime-genai holds the GIL during a step, so threads would take turns
+anyway); a sequence's first step prefills it.
+
+Chat turns: a sequence added with ``hold`` survives its turn (its generator has KV room for later
+turns); the next turn's context is matched against the tokens the generator already holds, the
+generator is rewound to the longest common prefix whose KV exists (``rewind_to``) and only the rest is
+appended (prefilled). A generated token has no KV until the next forward pass, so the usable prefix
+ends one token before the last generated one.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from typing import Any
 import onnxruntime_genai as og
 from tokenizers import Tokenizer
 
-from services.common.errors import InvalidArgument
+from services.common.generation import FinishReason
 from services.common.sampling import SamplingParams
-from services.worker.types import EngineInfo
+from services.worker.types import EngineBase, EngineCapabilities, EngineInfo, NewSequence, SequenceOutput
 
 _SEED_MASK = 0x7FFFFFFF  # og's random_seed is a C int
 
@@ -58,20 +62,11 @@ def _reusable_key(sampling: SamplingParams) -> tuple[Any, ...] | None:
     return ("sample", sampling.temperature, sampling.top_p, sampling.top_k, sampling.repetition_penalty)
 
 
-def _refuse_penalties(sampling: SamplingParams) -> None:
-    if sampling.frequency_penalty or sampling.presence_penalty or sampling.logit_bias or sampling.min_tokens:
-        raise InvalidArgument(
-            "this edge worker runs the onnxruntime-genai engine, which applies no frequency_penalty, "
-            "presence_penalty, logit_bias or min_tokens; remove them or use the batched edge engine "
-            "(MESHSERVE_EDGE_WORKER_ENGINE=batched)"
-        )
-
-
 class OgSequence:
     """One generation on an ``og.Generator``; the first ``step`` appends (prefills) the pending tokens.
 
     ``repetition_penalty`` is og's own search option; frequency/presence penalties, ``logit_bias`` and
-    ``min_tokens`` have no og hook: :meth:`OgEngine.check_sampling` refuses them before a turn starts."""
+    ``min_tokens`` have no og hook: the engine does not declare them, so the worker refuses them."""
 
     def __init__(
         self,
@@ -93,6 +88,9 @@ class OgSequence:
         self._replay = list(replay)  # fed one token per forward pass after the prefill (see Engine.start)
         self.prefill_tokens = len(token_ids) + len(replay)
         """Tokens the next ``step`` prefills (all of the context, or only a chat turn's new ones)."""
+        self.max_new = sampling.max_tokens
+        self.generated = 0
+        self.hold = False
 
     def step(self) -> int:
         generator = self._generator
@@ -110,6 +108,7 @@ class OgSequence:
         generator.generate_next_token()
         token = int(generator.get_next_tokens()[0])
         self._tokens.append(token)
+        self.generated += 1
         return token
 
     def reuse(self, token_ids: Sequence[int], sampling: SamplingParams) -> bool:
@@ -135,13 +134,15 @@ class OgSequence:
         self._kv_len = common
         self._pending = list(token_ids[common:])
         self.prefill_tokens = len(self._pending)
+        self.max_new = sampling.max_tokens
+        self.generated = 0
         return True
 
     def close(self) -> None:
         self._generator = None  # frees the generator's KV buffers
 
 
-class OgEngine:
+class OgEngine(EngineBase):
     """The INT4 ONNX model of ``model_dir`` (as written by onnxruntime-genai's model builder).
 
     ``chat_reserve_tokens``: room kept in a chat sequence's KV buffer beyond its first turn, so later
@@ -164,6 +165,12 @@ class OgEngine:
         )
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         self.chat_reserve_tokens = chat_reserve_tokens
+        # og's generator exposes no logits (no logprobs, no grammar mask) and only its own repetition penalty
+        self._caps = EngineCapabilities(
+            "og", chat=True, refusal_hint="use the batched edge engine (MESHSERVE_EDGE_WORKER_ENGINE=batched)"
+        )
+        self._live: dict[int, OgSequence] = {}
+        self._held: dict[int, OgSequence] = {}
 
     @property
     def info(self) -> EngineInfo:
@@ -174,27 +181,56 @@ class OgEngine:
         return self._tokenizer
 
     @property
+    def capabilities(self) -> EngineCapabilities:
+        return self._caps
+
+    @property
     def model(self) -> og.Model:
         return self._model
 
-    def check_sampling(self, sampling: SamplingParams) -> None:
-        """Refuse (InvalidArgument) what this engine cannot apply; the worker calls it for every turn."""
-        _refuse_penalties(sampling)
-        if sampling.structured is not None:
-            raise InvalidArgument(
-                "sampling.structured (response_format) needs the batched edge engine; this worker runs the og "
-                "engine (MESHSERVE_EDGE_WORKER_ENGINE=og): send the request without it or to the cloud tier"
-            )
-        if sampling.logprobs:  # og's generator exposes no logits of the token it chose
-            raise InvalidArgument(
-                "this edge worker runs the onnxruntime-genai engine, which returns no logprobs; remove "
-                "logprobs / top_logprobs or use the batched edge engine (MESHSERVE_EDGE_WORKER_ENGINE=batched)"
-            )
+    def add(self, spec: NewSequence) -> None:
+        if spec.reuse is not None and (held := self._held.pop(spec.reuse, None)) is not None:
+            if held.reuse(spec.prompt_ids, spec.sampling) and not spec.replay:
+                held.hold = spec.hold
+                self._live[spec.id] = held
+                return
+            held.close()
+        max_length = None
+        if spec.hold:  # with KV room for later turns (see ``OgSequence.reuse``)
+            wanted = len(spec.prompt_ids) + spec.sampling.max_tokens + self.chat_reserve_tokens
+            max_length = min(self._info.context_length, wanted)
+        seq = OgSequence(self._model, spec.prompt_ids, spec.sampling, max_length=max_length, replay=spec.replay)
+        seq.hold = spec.hold
+        self._live[spec.id] = seq
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> OgSequence:
-        return OgSequence(self._model, token_ids, sampling, replay=replay)
+    def stop(self, seq_id: int, hold: bool = False) -> None:
+        seq = self._live.pop(seq_id, None)
+        if seq is None:
+            seq, hold = self._held.pop(seq_id, None), False
+        if seq is None:
+            return
+        if hold and seq.hold:
+            self._held[seq_id] = seq
+        else:
+            seq.close()
 
-    def start_chat(self, token_ids: Sequence[int], sampling: SamplingParams) -> OgSequence:
-        """Like ``start``, with KV room for later turns (see ``OgSequence.reuse``)."""
-        wanted = len(token_ids) + sampling.max_tokens + self.chat_reserve_tokens
-        return OgSequence(self._model, token_ids, sampling, max_length=min(self._info.context_length, wanted))
+    def next_step_in(self) -> float | None:
+        return 0.0 if self._live else None
+
+    def step(self) -> list[SequenceOutput]:
+        outputs = []
+        eos = self._info.eos_token_ids
+        for seq_id, seq in list(self._live.items()):
+            first = seq.generated == 0
+            try:
+                token = seq.step()
+            except Exception as exc:  # that sequence fails, the others go on
+                self.stop(seq_id)
+                outputs.append(SequenceOutput(seq_id, error=exc))
+                continue
+            out = SequenceOutput(seq_id, [token], prefill_tokens=seq.prefill_tokens if first else None)
+            if token in eos or seq.generated >= seq.max_new:
+                out.finish = FinishReason.STOP if token in eos else FinishReason.LENGTH
+                self.stop(seq_id, hold=True)
+            outputs.append(out)
+        return outputs

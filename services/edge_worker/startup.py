@@ -54,7 +54,6 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
         model_id=settings.model_id,
         threads=settings.threads,
         max_batch=settings.max_active_sequences,
-        max_wait_s=settings.batch_wait_ms / 1000,
         prefill_chunk=settings.prefill_chunk_tokens,
         batch_invariant=settings.batch_invariant,
         lm_head=settings.lm_head,

@@ -1,18 +1,17 @@
 """Cloud engine: our Llama forward (model.py) behind a continuous-batching scheduler with prefix KV reuse.
 
-The worker runtime calls ``Engine.start`` and then ``step()`` from one thread per sequence
-(services/worker/runner.py). Here ``step()`` hands the sequence to the :class:`Scheduler`
-on its first call and then waits for the batch step that produced its next token; one scheduler
-thread runs every sequence's decode steps and prefill chunks together (scheduler.py). ``close()``
-frees the sequence's KV within one step.
+The engine core contract (services/worker/types.py): the worker's engine loop thread adds and stops
+sequences between steps and calls :meth:`CloudEngine.step`, one packed step of every admitted
+sequence (scheduler.py); stopping a sequence frees its KV before the next step.
 
-Prefix reuse (DESIGN.md section 4): on its first ``step()`` a sequence computes the chain keys of
-its prompt's full blocks; blocks held locally (blocks.py LRU) are shared, and when the local cache
-misses part of the prefix the longest stored chain is imported from Redis (prefix.py) by the
-sequence's own thread, so the scheduler never waits on the network. On ``close()`` the full blocks
-the sequence computed are exported to Redis (in the background). Counters: prompt tokens computed
-vs reused from local blocks vs imported from Redis (``prefix_counters``, Prometheus
-``meshserve_prefix_tokens_total``). Requests with cache policy BYPASS neither read nor write.
+Prefix reuse (docs/cloud.md): when a sequence is added it computes the chain keys of its prompt's full
+blocks; blocks held locally (blocks.py LRU) are shared, and when the local cache misses part of the
+prefix the longest stored chain is loaded from Redis (prefix.py) on the engine's own I/O thread, so
+the loop never waits on the network: the sequence is submitted to the scheduler once its blocks are
+there. When a sequence ends the full blocks it computed are exported to Redis (in the background).
+Counters: prompt tokens computed vs reused from local blocks vs imported from Redis
+(``prefix_counters``, Prometheus ``meshserve_prefix_tokens_total``). Requests with cache policy
+BYPASS neither read nor write.
 
 Load reports: ``kv_usage()`` (bytes held by live sequences, the budget, cached prefix bytes) and
 ``hot_prefix_blocks()`` (chain hashes of recently used cached prompt prefixes).
@@ -30,6 +29,7 @@ import json
 import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import structlog
@@ -38,7 +38,6 @@ from prometheus_client import Counter
 from tokenizers import Tokenizer
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.logprobs import SampledLogprobs
 from services.common.sampling import SamplingParams
 from services.gpu_worker import embed as embedding
 from services.gpu_worker import kv_transfer
@@ -46,14 +45,19 @@ from services.gpu_worker.blocks import BlockManager
 from services.gpu_worker.graphs import StaticDecoder
 from services.gpu_worker.model import AllReduce, LlamaModel, Shard
 from services.gpu_worker.prefix import RedisPrefixCache, chain_keys, key_digest
-from services.gpu_worker.sampler import Sampler
+from services.gpu_worker.sampler import Sampler, import_warpers, warpers_imported
 from services.gpu_worker.scheduler import Forward, Scheduler, SeqState
 from services.gpu_worker.tp_kv import KVBlockIO, LocalBlocks
 from services.store.kv_blocks import KVContext
-from services.worker.grammar import GrammarCompiler
 from services.worker.kv_transfer import KVExport, KVImport, KVPrefix
-from services.worker.runner import current_request
-from services.worker.types import EngineInfo, KVUsage, StepInterrupted
+from services.worker.types import (
+    EngineBase,
+    EngineCapabilities,
+    EngineInfo,
+    KVUsage,
+    NewSequence,
+    SequenceOutput,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -105,83 +109,7 @@ def resolve_kv_dtype(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
 
 
-class CloudSequence:
-    """One generation on the shared scheduler (see the module docstring)."""
-
-    def __init__(
-        self,
-        engine: CloudEngine,
-        token_ids: Sequence[int],
-        sampling: SamplingParams,
-        replay: Sequence[int],
-        fork: SeqState | None = None,
-    ) -> None:
-        self._engine = engine
-        self._token_ids = list(token_ids)
-        self._sampling = sampling
-        self._replay = tuple(replay)
-        self.state: SeqState | None = fork
-        """None until the first step submits it; a fork's (``start_n``) exists from the start: the
-        scheduler makes it from the first choice's prefill."""
-        self.forks: list[SeqState] = []
-        """The other choices' states, submitted with this sequence (``start_n``)."""
-        self._ctx: KVContext | None = None
-        self.prefill_tokens = 0 if fork is not None else len(self._token_ids) + len(self._replay)
-        """Tokens this sequence ran through the model before its first token (known after it; a fork: 0)."""
-        self._closed = False
-        self._interrupted = False
-        self.last_logprobs: SampledLogprobs | None = None
-        """With ``sampling.logprobs``: those of the token ``step`` returned last."""
-
-    def interrupt(self) -> None:
-        """End the pending (or next) step with StepInterrupted after the scheduler step in flight (one
-        prefill chunk at most). Any thread; takes the scheduler's lock only between model calls."""
-        self._interrupted = True
-        if self.state is not None:
-            self._engine.scheduler.interrupt(self.state)
-
-    def step(self) -> int:
-        engine = self._engine
-        if self._closed:
-            raise RuntimeError("sequence is closed")
-        if self._interrupted:
-            raise StepInterrupted("the turn was cancelled")
-        if self.state is None:
-            # The runtime runs this thread for one request: its tenant salts the KV block keys.
-            request = current_request()
-            self._ctx = None
-            if engine.prefix_cache:
-                tenant = request.tenant if request else ""
-                self._ctx = engine.kv_context(tenant, request.shareable if request else False)
-            priority = request.priority if request else 0
-            self.state = engine.submit(self._token_ids, self._sampling, self._replay, self._ctx, priority, self.forks)
-            if self._interrupted:  # interrupted while it was being submitted
-                engine.scheduler.interrupt(self.state)
-            first = True
-        else:
-            first = False
-        token = engine.scheduler.next_token(self.state)
-        if token is None:
-            if self._interrupted:
-                raise StepInterrupted("the turn was cancelled")
-            raise RuntimeError("sequence is closed or finished")
-        if first:
-            engine.count_prefill(self.state)
-            self.prefill_tokens = self.state.prefilled + len(self._replay)
-        self.last_logprobs = self.state.last_logprobs  # set by next_token when logprobs were asked for
-        return token
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self.state is not None:
-            self._engine.release(self.state, self._ctx)
-        elif self.forks:  # never submitted: its forks will never be made
-            self._engine.scheduler.drop_forks(self.forks)
-
-
-class CloudEngine:
+class CloudEngine(EngineBase):
     """A Llama-family model served with continuous batching and prefix KV reuse."""
 
     def __init__(
@@ -263,6 +191,7 @@ class CloudEngine:
             max_step_tokens=max_step_tokens,
             write_blocks=lambda ids, data: self.kv_io.write_blocks(self.cache, ids, data),
             static=self.static,
+            wake=self.wake,
         )
         self._tokenizer = _load_tokenizer(model, allow_download)
         dtypes = f"{str(self.dtype).removeprefix('torch.')}/kv={str(self.kv_dtype).removeprefix('torch.')}"
@@ -273,8 +202,28 @@ class CloudEngine:
             eos_token_ids=frozenset(_eos_ids(model, allow_download)),
             build=f"torch:{self.device.type}/{dtypes}/tp={shard.world}/decode={self.decode_graphs}",
         )
-        self.grammars = GrammarCompiler(self._tokenizer, self._info.vocab_size, self._info.eos_token_ids)
-        """Structured-output constraints compiled for this vocabulary (``submit`` opens one per sequence)."""
+        self._caps = EngineCapabilities(
+            "cloud",
+            forks=not self.tensor_parallel,  # a fork copies blocks on this rank only
+            logprobs=True,
+            structured=True,
+            penalties=True,
+            kv_transfer=True,  # refused with the reason when the prefix cache or Redis is off (kv_transfer.py)
+            embeddings=shard.world == 1 and wrap_forward is None,
+        )
+        self._states: dict[int, tuple[SeqState, KVContext | None]] = {}
+        """Live sequences by id, with their KV key context (None: prefix caching off)."""
+        self._loading: dict[int, Future[None]] = {}
+        """Sequences whose prefix blocks are being loaded from Redis (not submitted yet)."""
+        self._loaded: deque[tuple[SeqState, Sequence[SeqState]]] = deque()
+        """Loaded, to be submitted by the loop thread (appended by the I/O thread)."""
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloud-prefix-io")
+        """Loads prefix blocks from Redis, so the engine loop never waits on the network."""
+        self._deferred: list[NewSequence] = []
+        """Sampled sequences (and those after them) added before transformers' warpers were imported:
+        the I/O thread imports them, then they are added (the loop never waits ~1 s for the import)."""
+        self._importing: Future[None] | None = None
+        self._failed: list[SequenceOutput] = []
         self._lock = threading.Lock()
         self._embed_lock = threading.Lock()
         self._embeds = shard.world == 1 and wrap_forward is None
@@ -289,88 +238,147 @@ class CloudEngine:
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> CloudSequence:
-        return CloudSequence(self, token_ids, sampling, replay)
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self._caps
 
-    def start_n(self, token_ids: Sequence[int], sampling: SamplingParams, n: int) -> list[CloudSequence]:
-        """The ``n`` choices of one prompt over one prefill (``services.worker.types``: ``start_n``).
+    # -- the engine core contract (the loop thread) --------------------------------------------
 
-        Choice 0 is submitted with the others as its forks (scheduler.py): they share its full prompt
-        blocks by reference, get a copy of its partial last block and sample their first token from
-        its prefill logits with ``sampling.choice(i)``. Under tensor parallelism (the block copy would
-        have to run on every rank) the choices are independent sequences, each prefilling the prompt
-        (the prefix cache still shares its full blocks when on). InvalidArgument when the n choices'
-        KV cannot fit the budget at once.
-        """
+    def add(self, spec: NewSequence) -> None:
+        """A new sequence; a fork (``fork_of``, not under tensor parallelism) is made from its source's
+        prefill. InvalidArgument when the choices of one prompt cannot fit the KV budget at once."""
+        if self._deferred or (not spec.sampling.greedy and not warpers_imported()):
+            self._deferred.append(spec)
+            if self._importing is None:
+                self._importing = self._io.submit(self._import_warpers)
+            return
+        if spec.fork_of is not None:
+            source = self._states.get(spec.fork_of)
+            if source is None or source[0].admitted:  # gone, or its prefill began without this fork
+                raise RuntimeError("the choice's shared prefill did not complete")
+            source[0].forks.append(self._state(spec))
+            self._states[spec.id] = (source[0].forks[-1], None)
+            self._check_forks(source[0])
+            return
+        state = self._state(spec)
+        ctx = self.kv_context(spec.tenant, spec.shareable) if self.prefix_cache else None
+        self._states[spec.id] = (state, ctx)
+        if ctx is not None:
+            bt = self.block_tokens
+            state.key_fn = lambda ids: chain_keys(ctx, bt, ids)
+            state.keys = state.key_fn(state.tokens[: state.prompt_len])
+            matchable = (state.prompt_len - 1) // bt
+            with self.blocks.lock:
+                local = self.blocks.cached_prefix(state.keys[:matchable])
+            if self.redis is not None and local < matchable:
+                self._loading[spec.id] = self._io.submit(self._load, state, ctx, matchable)
+                return
+        self.scheduler.submit(state, state.forks)
+
+    def _state(self, spec: NewSequence) -> SeqState:
+        return SeqState(
+            tokens=list(spec.prompt_ids),
+            prompt_len=len(spec.prompt_ids),
+            replay=deque(spec.replay),
+            sampler=Sampler(spec.sampling, spec.prompt_ids, self._info.eos_token_ids, spec.constraint),
+            max_new=max(1, spec.sampling.max_tokens),
+            eos=self._info.eos_token_ids,
+            id=spec.id,
+            priority=spec.priority,
+        )
+
+    def _check_forks(self, source: SeqState) -> None:
         bt = self.block_tokens
-        reserve = len(token_ids) + max(1, sampling.max_tokens)
-        total = -(-reserve // bt)
-        need = total + (n - 1) * (total - len(token_ids) // bt)
+        total = -(-source.reserve // bt)
+        n = 1 + len(source.forks)
+        need = total + (n - 1) * (total - source.prompt_len // bt)
         if need > self.blocks.num_blocks:
+            source.forks.pop()
             raise InvalidArgument(
                 f"sampling.n = {n} choices of prompt + max_tokens need {need} KV blocks but this worker's KV "
                 f"budget holds {self.blocks.num_blocks}; lower n or max_tokens"
             )
-        if self.tensor_parallel:
-            return [self.start(token_ids, sampling.choice(i)) for i in range(n)]
-        leader = CloudSequence(self, token_ids, sampling.choice(0), ())
-        forks = [self._fork_state(token_ids, sampling.choice(i)) for i in range(1, n)]
-        leader.forks = forks
-        return [
-            leader,
-            *(CloudSequence(self, token_ids, sampling.choice(i), (), fork=f) for i, f in enumerate(forks, 1)),
-        ]
 
-    def _fork_state(self, token_ids: Sequence[int], sampling: SamplingParams) -> SeqState:
-        constraint = None if sampling.structured is None else self.grammars.open(sampling.structured)
-        return SeqState(
-            tokens=list(token_ids),
-            prompt_len=len(token_ids),
-            replay=deque(),
-            sampler=Sampler(sampling, token_ids, self._info.eos_token_ids, constraint),
-            max_new=max(1, sampling.max_tokens),
-            eos=self._info.eos_token_ids,
-            wake=threading.Condition(self.blocks.lock),
-        )
+    def _import_warpers(self) -> None:
+        try:
+            import_warpers()
+        finally:
+            self.wake()
+
+    def _add_deferred(self) -> list[SequenceOutput]:
+        """Add the sequences that waited for the import (its failure fails them)."""
+        assert self._importing is not None
+        failed = []
+        deferred, self._deferred, error = self._deferred, [], self._importing.exception()
+        self._importing = None
+        for spec in deferred:
+            try:
+                if error is not None:
+                    raise error
+                self.add(spec)
+            except Exception as exc:
+                failed.append(SequenceOutput(spec.id, error=exc))
+        return failed
+
+    def _load(self, state: SeqState, ctx: KVContext, matchable: int) -> None:
+        """On the I/O thread: the prompt's blocks from Redis, then hand the sequence to the loop."""
+        assert self.redis is not None
+        try:
+            state.imported = self.checked_blocks(self.redis.load(ctx, state.tokens[: matchable * self.block_tokens]))
+        except Exception as exc:  # the cache fails open: the prompt is prefilled
+            log.warning("kv_prefix_load_failed", error=str(exc))
+        self._loaded.append((state, state.forks))
+        self.wake()
+
+    def stop(self, seq_id: int, hold: bool = False) -> None:
+        self._deferred = [spec for spec in self._deferred if spec.id != seq_id]
+        entry = self._states.pop(seq_id, None)
+        if entry is None:
+            return
+        state, ctx = entry
+        loading = self._loading.pop(seq_id, None)
+        if loading is not None and not loading.cancel():  # being loaded: dropped when it is handed over
+            state.done = True
+        self.release(state, ctx)
+
+    def next_step_in(self) -> float | None:
+        if self._loaded or self._failed or self.scheduler.has_work():
+            return 0.0
+        if self._importing is not None and self._importing.done():
+            return 0.0
+        return None
+
+    def step(self) -> list[SequenceOutput]:
+        if self._importing is not None and self._importing.done():
+            self._failed += self._add_deferred()
+        while self._loaded:
+            state, forks = self._loaded.popleft()
+            self._loading.pop(state.id, None)
+            if state.done:  # stopped while it loaded
+                continue
+            try:
+                self.scheduler.submit(state, forks)
+            except Exception as exc:
+                self._fail(state.id, exc)
+        outputs, self._failed = self._failed, []
+        outputs += self.scheduler.step()
+        for out in outputs:
+            if out.prefill_tokens is not None and out.id in self._states:
+                self.count_prefill(self._states[out.id][0])
+            if out.finish is not None or out.error is not None:
+                entry = self._states.pop(out.id, None)
+                if entry is not None:
+                    self.release(*entry)
+        return outputs
+
+    def _fail(self, seq_id: int, error: BaseException) -> None:
+        entry = self._states.pop(seq_id, None)
+        if entry is not None:
+            self.release(*entry)
+        self._failed.append(SequenceOutput(seq_id, error=error))
 
     def kv_context(self, tenant: str, shareable: bool = False) -> KVContext:
         return KVContext(self.model_id, self.model_version, tenant, shareable)
-
-    # -- sequence life cycle (called from sequence threads) -------------------------------------
-
-    def submit(
-        self,
-        token_ids: list[int],
-        sampling: SamplingParams,
-        replay: Sequence[int],
-        ctx: KVContext | None,
-        priority: int,
-        forks: Sequence[SeqState] = (),
-    ) -> SeqState:
-        bt = self.block_tokens
-        # Compiled here, on the sequence's thread (bounded); the scheduler advances it over the replay.
-        constraint = None if sampling.structured is None else self.grammars.open(sampling.structured)
-        state = SeqState(
-            tokens=list(token_ids),
-            prompt_len=len(token_ids),
-            replay=deque(replay),
-            sampler=Sampler(sampling, token_ids, self._info.eos_token_ids, constraint),
-            max_new=max(1, sampling.max_tokens),
-            eos=self._info.eos_token_ids,
-            priority=priority,
-        )
-        if ctx is not None:
-            state.key_fn = lambda ids: chain_keys(ctx, bt, ids)
-            state.keys = state.key_fn(token_ids)
-            matchable = (len(token_ids) - 1) // bt
-            with self.blocks.lock:
-                local = self.blocks.cached_prefix(state.keys[:matchable])
-            if self.redis is not None and local < matchable:
-                state.imported = self.checked_blocks(self.redis.load(ctx, token_ids[: matchable * bt]))
-        for fork in forks:
-            fork.priority = priority
-        self.scheduler.submit(state, forks)
-        return state
 
     def checked_blocks(self, blocks: list[torch.Tensor]) -> list[torch.Tensor]:
         """Blocks of our layout only (every KV head, whatever the TP degree), in the cache dtype."""
@@ -504,7 +512,7 @@ class CloudEngine:
 
     def close(self) -> None:
         self.scheduler.stop()
-        self.grammars.close()
+        self._io.shutdown(wait=False, cancel_futures=True)
         if self.redis is not None:
             self.redis.close()
 

@@ -238,7 +238,7 @@ class StaticDecoder:
     def capture_all(self, width: int | None = None, sampled: bool = False) -> None:
         """Capture every batch bucket of ``width`` (default: the narrowest) now (CUDA; no-op on CPU).
 
-        Between steps only (the scheduler thread, or before the scheduler runs): the buffers are reset to
+        Between steps only (the engine loop thread, or before the loop runs): the buffers are reset to
         padding first, so the warm-up and capture runs write K/V only into the pad block (the last
         step's slots may belong to another sequence by now)."""
         if self.capture:

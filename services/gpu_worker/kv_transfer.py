@@ -2,7 +2,7 @@
 
 * Import: the chain keys of the prefix's full blocks; if the local prefix cache lacks some, the
   longest stored chain is read from Redis on the calling thread (``RedisPrefixCache.load``, the read
-  admission does, bounded by the store's timeout) and handed to the scheduler thread, which writes
+  admission does, bounded by the store's timeout) and handed to the engine loop thread, which writes
   the missing blocks between two steps and caches them unreferenced (``Scheduler.import_blocks``):
   the next request with that prefix reuses them as local blocks, and the worker's load reports list
   the prefix (``hot_prefix_blocks``), so prefix-aware routing prefers this replica for it. A miss
@@ -68,6 +68,10 @@ class PrefixHost(Protocol):
         """List the chain first in the engine's load reports."""
         ...
 
+    def wake(self) -> None:
+        """Make the engine loop look for work again."""
+        ...
+
 
 def _redis(engine: PrefixHost) -> RedisPrefixCache:
     if not engine.prefix_cache:
@@ -113,15 +117,14 @@ def import_prefix(engine: PrefixHost, prefix: KVPrefix) -> KVImport:
 def export_prefix(engine: PrefixHost, prefix: KVPrefix) -> KVExport:
     """Write the leading run of the prefix's locally held blocks to Redis and wait (blocking)."""
     redis, ctx, bt, ids, keys = _scope(engine, prefix)
-    cond = engine.scheduler.cond
-    with cond:
+    with engine.blocks.lock:
         blocks = engine.blocks.acquire_prefix(keys)  # referenced: nothing evicts or rewrites them
     try:
         data = engine.kv_io.read_blocks(engine.cache, blocks) if blocks else []
     finally:
-        with cond:
+        with engine.blocks.lock:
             engine.blocks.release(blocks)
-            cond.notify_all()
+        engine.wake()  # admissions waiting for blocks may fit now
     written = redis.write(ctx, ids[: len(data) * bt], data) if data else 0
     KV_TRANSFER_BLOCKS.labels("export").inc(written)
     return KVExport(bt, len(prefix.token_ids), len(keys), written, len(keys) - len(blocks))

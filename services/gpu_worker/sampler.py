@@ -11,6 +11,7 @@ A sequence that asks for logprobs gets them from the row after the penalties, be
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, cast
 
@@ -30,7 +31,7 @@ _NO_IDS = cast(torch.LongTensor, torch.zeros(1, 1, dtype=torch.long))
 
 
 class Sampler:
-    """Chooses one sequence's tokens (not thread-safe; the scheduler thread calls it)."""
+    """Chooses one sequence's tokens (not thread-safe; the engine loop thread calls it)."""
 
     def __init__(
         self,
@@ -53,8 +54,9 @@ class Sampler:
         self._warpers: LogitsProcessorList | None = None
         self._rng: torch.Generator | None = None
         if not self.greedy:
-            # Imported here, by the first sampled sequence's own thread (Engine.start): ~1 s of CPU that
-            # a restarting worker need not pay before it serves (docs/cloud.md, *Startup*).
+            # Imported on first use (the engine imports it on its I/O thread before it makes the first
+            # sampled sequence): ~1 s of CPU a restarting worker need not pay before it serves
+            # (docs/cloud.md, *Startup*), and that the engine loop never waits for.
             from transformers.generation.logits_process import (
                 LogitsProcessorList,
                 TemperatureLogitsWarper,
@@ -106,6 +108,16 @@ class Sampler:
             chosen = torch.tensor([token], dtype=torch.int64, device=logits.device)
             self.last_logprobs = tokens_and_logprobs(chosen, adjusted, [self.top])[1][0]
         return token
+
+
+def warpers_imported() -> bool:
+    """Whether a sampled ``Sampler`` can be made without importing transformers first (~1 s of CPU)."""
+    return "transformers.generation.logits_process" in sys.modules
+
+
+def import_warpers() -> None:
+    """Import what sampled sequences use (see ``Sampler``); blocking."""
+    import transformers.generation.logits_process  # noqa: F401
 
 
 def apply_penalties(logits: torch.Tensor, penalties: Penalties) -> torch.Tensor:

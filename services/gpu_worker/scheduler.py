@@ -1,22 +1,26 @@
-"""Continuous batching: one thread runs packed model steps for every admitted sequence.
+"""Continuous batching: one packed model step for every admitted sequence, per engine-loop step.
 
-Each step (``Scheduler._step``) is planned under the lock, run without it, committed under it:
+The worker's engine loop thread calls :meth:`Scheduler.step` back to back (services/worker/loop.py);
+each step is planned and committed under the block manager's lock (the load report and the KV
+transfers read it from other threads) and run without it:
 
-1. *Admission* between steps: waiting sequences in priority order (higher ``priority`` first, then
-   arrival) take their cached prefix blocks (local LRU, plus blocks their runner thread imported
-   from Redis) and reserve blocks for the rest of prompt + replay + ``max_tokens``; when the KV
-   budget cannot hold the next one, admission stops until blocks are freed (no preemption).
-   Blocks a Worker.ImportKV call loaded from Redis (``import_blocks``) are written just before, as
-   cached prefix blocks nobody references yet.
+1. *Admission*: waiting sequences in priority order (higher ``priority`` first, then arrival) take
+   their cached prefix blocks (local LRU, plus blocks loaded from Redis before they were submitted)
+   and reserve blocks for the rest of prompt + replay + ``max_tokens``; when the KV budget cannot
+   hold the next one, admission stops until blocks are freed (no preemption). Blocks a
+   Worker.ImportKV call loaded from Redis (``import_blocks``) are written just before, as cached
+   prefix blocks nobody references yet.
 2. *Decode first*: every running sequence that needs a token contributes one (so streams never
    stall behind a long prompt), then the remaining per-step token budget (``max_step_tokens``)
    goes to *chunked prefill* of admitted prompts, most urgent first.
 3. One ``forward(segments)`` call (the model, or a tensor-parallel wrapper that broadcasts the
-   segments to follower ranks); then tokens are sampled per sequence, appended to its output
-   queue, and full blocks are named by their chain key so later prompts share them. With a
-   ``StaticDecoder`` (graphs.py, setting ``decode_graphs``) a pure decode step runs there instead,
-   with fixed shapes (a CUDA graph on a GPU) and sampling on the device; eager steps then sample
-   with the same device sampler (device_sampler.py), one call for the whole step.
+   segments to follower ranks); then one token is chosen per sequence that needs one, and full
+   blocks are named by their chain key so later prompts share them. With a ``StaticDecoder``
+   (graphs.py, setting ``decode_graphs``) a pure decode step runs there instead, with fixed shapes
+   (a CUDA graph on a GPU) and sampling on the device; eager steps then sample with the same device
+   sampler (device_sampler.py), one call for the whole step.
+
+The step returns every sequence's new token at once (:class:`~services.worker.types.SequenceOutput`).
 
 Forks (n choices of one prompt, ``submit(seq, forks)``): the first choice is admitted with blocks
 reserved for all of them; when its prefill's logits are there, each other choice references the
@@ -25,12 +29,9 @@ copy of the partial last block (the first choice goes on writing its own: copy o
 once), and samples its first token from the same logits with its own parameters; it then decodes as
 any running sequence. The prompt is prefilled once.
 
-A sequence decodes ahead of its consumer by at most ``lookahead`` tokens. ``close()`` marks it,
-waits for the step in flight (if it is in it) and releases its blocks at once: cancel stops
-within one step and frees KV immediately. Resumed streams replay their tokens one decode step each
-(see ``Engine.start``). For speculative decoding, a segment may carry the last token plus k draft
-tokens with ``all_logits=True``; accepting j of them means keeping ``computed`` at the accepted
-length: the KV slots past it are simply overwritten later.
+:meth:`close` (between steps, on the loop thread) releases a sequence's blocks at once: a cancel
+frees its KV before the next step. Resumed streams replay their tokens one decode step each (see
+``NewSequence.replay``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import torch
 from torch import Tensor
 
 from services.common.errors import ResourceExhausted, Unavailable
+from services.common.generation import FinishReason
 from services.common.logprobs import SampledLogprobs
 from services.gpu_worker.blocks import BlockManager
 from services.gpu_worker.device_sampler import sample_rows_with_logprobs
@@ -53,7 +55,7 @@ from services.gpu_worker.graphs import StaticDecoder
 from services.gpu_worker.model import KVCache
 from services.gpu_worker.plan import Segment
 from services.gpu_worker.sampler import Sampler
-from services.worker.types import StepInterrupted
+from services.worker.types import SequenceOutput
 
 log = structlog.get_logger(__name__)
 Forward = Callable[[Sequence[Segment]], list[Tensor]]
@@ -62,7 +64,7 @@ _arrivals = count()
 
 @dataclass(eq=False)
 class SeqState:
-    """One sequence as the scheduler sees it. Fields are guarded by the scheduler's lock."""
+    """One sequence as the scheduler sees it."""
 
     tokens: list[int]
     """Prompt, then tokens fed back (replayed or generated); ``tokens[:computed]`` have KV."""
@@ -71,6 +73,8 @@ class SeqState:
     sampler: Sampler
     max_new: int
     eos: frozenset[int]
+    id: int = 0
+    """The runtime's sequence id (``NewSequence.id``)."""
     priority: int = 0
     keys: list[str] = field(default_factory=list)
     """Chain keys of the full blocks of ``tokens`` named so far (empty: prefix caching off)."""
@@ -83,21 +87,12 @@ class SeqState:
     named: int = 0
     """Leading blocks registered under their chain keys."""
     generated: int = 0
-    out: deque[int] = field(default_factory=deque)
-    out_logprobs: deque[SampledLogprobs] = field(default_factory=deque)
-    """With logprobs asked for (``sampler.top`` not None): those of ``out``'s tokens, in step."""
-    last_logprobs: SampledLogprobs | None = None
-    """Those of the token ``Scheduler.next_token`` returned last (the consumer's; logprobs asked for)."""
     admitted: bool = False
     done: bool = False
-    closed: bool = False
     released: bool = False
-    error: BaseException | None = None
     prefilled: int = 0
     reused_local: int = 0
     reused_redis: int = 0
-    wake: threading.Condition | None = field(default=None, repr=False)
-    """This sequence's consumer waits here (set by ``Scheduler.submit``; shares the scheduler's lock)."""
     forks: list[SeqState] = field(default_factory=list)
     """The other choices of an n-choice request, made from this sequence when its prefill ends
     (``Scheduler.submit``'s ``forks``); never queued or planned before that."""
@@ -109,17 +104,18 @@ class SeqState:
 
 @dataclass(eq=False)
 class ImportJob:
-    """Blocks loaded from Redis for the local prefix cache, handed to the scheduler thread."""
+    """Blocks loaded from Redis for the local prefix cache, handed to the loop thread."""
 
     keys: list[str]
     data: list[Tensor]
     imported: int = 0
-    done: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 
 
 class Scheduler:
-    """Runs the batching loop in its own thread (see the module docstring)."""
+    """Plans, runs and commits the packed steps (see the module docstring). Loop thread only, except
+    :meth:`import_blocks` (any thread)."""
 
     def __init__(
         self,
@@ -128,10 +124,10 @@ class Scheduler:
         blocks: BlockManager,
         *,
         max_step_tokens: int = 512,
-        lookahead: int = 2,
         on_step: Callable[[int, int], None] | None = None,
         write_blocks: Callable[[Sequence[int], Sequence[Tensor]], None] | None = None,
         static: StaticDecoder | None = None,
+        wake: Callable[[], None] | None = None,
     ) -> None:
         self.forward = forward
         # Pure decode steps run with static shapes (graphs.py); then every token, eager steps'
@@ -141,27 +137,25 @@ class Scheduler:
         # Writes imported (Redis) blocks into the cache; under TP it scatters head slices to every rank.
         self.write_blocks = write_blocks or self._write_local
         self.blocks = blocks
+        self.lock = blocks.lock
         self.block_tokens = blocks.block_tokens
         self.max_step_tokens = max_step_tokens
-        self.lookahead = lookahead
         self.on_step = on_step
-        self.cond = threading.Condition(blocks.lock)
+        self.wake = wake or (lambda: None)
+        """Makes the engine loop look for work again (an import arrived)."""
         self.waiting: list[SeqState] = []
         self.running: list[SeqState] = []
-        self.in_flight: set[int] = set()
         self.imports: list[ImportJob] = []
+        self.failed: list[SequenceOutput] = []
+        """Outputs of sequences that failed outside a model call (a fork that could not be made)."""
         self.steps_total = 0
         self.forks_made = 0
         """Choices made from another sequence's prefill (``submit``'s forks)."""
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="gpu-scheduler", daemon=True)
-        self._thread.start()
+        self._stopped = False
 
     def _write_local(self, ids: Sequence[int], data: Sequence[Tensor]) -> None:
         for block, block_data in zip(ids, data, strict=True):
             self.cache.write_block(block, block_data)
-
-    # -- called from sequence threads ---------------------------------------------------------
 
     def fork_blocks(self, seq: SeqState, n: int) -> int:
         """KV blocks ``n`` choices of ``seq`` hold at most: its own, plus per other choice all but the
@@ -171,7 +165,7 @@ class Scheduler:
 
     def submit(self, seq: SeqState, forks: Sequence[SeqState] = ()) -> None:
         """Queue ``seq``; ``forks`` (the other choices, same prompt and budget) are made from it when its
-        prefill ends, each with its own consumer condition set here."""
+        prefill ends. ResourceExhausted when they could never fit the KV budget."""
         need = self.fork_blocks(seq, 1 + len(forks))
         if need > self.blocks.num_blocks:
             raise ResourceExhausted(
@@ -179,145 +173,94 @@ class Scheduler:
                 f"{self.blocks.num_blocks}; lower max_tokens or raise MESHSERVE_GPU_WORKER_KV_BUDGET_BYTES",
                 retry_after_ms=0,
             )
-        with self.cond:
-            seq.wake = threading.Condition(self.blocks.lock)
-            for fork in forks:
-                if fork.wake is None:
-                    fork.wake = threading.Condition(self.blocks.lock)
-            seq.forks = [f for f in forks if not f.closed]
-            self.waiting.append(seq)
-            self.cond.notify_all()
+        seq.forks = list(forks)
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.imports or self.failed or any(not s.done for s in self.running) or self.waiting)
 
     def import_blocks(self, keys: Sequence[str], data: Sequence[Tensor]) -> int:
         """Cache ``data`` (full-head blocks from Redis) under their chain ``keys`` as unreferenced,
-        evictable prefix blocks; returns how many were written. Blocking (call from a worker thread).
+        evictable prefix blocks; returns how many were written. Blocking (any thread but the loop's).
 
-        Like imports on admission, the blocks are written by the scheduler thread between two steps
+        Like imports on admission, the blocks are written by the loop thread between two steps
         (``_plan``), so no forward runs while the cache (on every TP rank) is written. Keys cached
         already are skipped; the import stops where the KV budget (free + evictable) has no room.
         """
         job = ImportJob(list(keys), list(data))
-        with self.cond:
+        with self.lock:
+            if self._stopped:
+                raise Unavailable("the worker is shutting down; import the prefix into another replica")
             self.imports.append(job)
-            self.cond.notify_all()
-            while not job.done:
-                if self._stop:
-                    raise Unavailable("the worker is shutting down; import the prefix into another replica")
-                self.cond.wait()
+        self.wake()
+        while not job.done.wait(0.5):
+            if self._stopped:
+                raise Unavailable("the worker is shutting down; import the prefix into another replica")
         if job.error is not None:
             raise job.error
         return job.imported
 
-    def next_token(self, seq: SeqState) -> int | None:
-        """Block until ``seq`` has a token; None when it is finished (EOS or max tokens) or closed.
-
-        Each consumer waits on its own condition (``seq.wake``) and is woken only when its sequence
-        changes; ``self.cond`` wakes the scheduler thread and ``close()``. With one shared condition
-        every token taken woke every other consumer: O(sequences^2) thread wake-ups per step.
-        """
-        wake = seq.wake or self.cond
-        with self.cond:
-            while not seq.out and not seq.done and not seq.closed and seq.error is None:
-                wake.wait()
-            if seq.error is not None:
-                raise seq.error
-            if seq.out and not seq.closed:
-                token = seq.out.popleft()
-                if seq.out_logprobs:
-                    seq.last_logprobs = seq.out_logprobs.popleft()
-                self.cond.notify_all()  # room in the lookahead window
-                return token
-            return None
-
-    def interrupt(self, seq: SeqState) -> None:
-        """Stop planning ``seq`` and wake its consumer (``next_token`` returns None); unlike ``close``
-        it waits for no step in flight, so the event loop may call it. ``close`` frees it later."""
-        with self.cond:
-            seq.closed = True
-            if seq.wake is not None:
-                seq.wake.notify_all()
-            self.cond.notify_all()
-
     def close(self, seq: SeqState, before_release: Callable[[SeqState], None] | None = None) -> None:
-        """Stop ``seq`` (at the latest after the step in flight) and free its KV blocks now."""
-        with self.cond:
-            seq.closed = True
-            if seq.wake is not None:
-                seq.wake.notify_all()  # a consumer blocked in next_token() returns None
+        """Stop ``seq`` and free its KV blocks now (between steps); its forks not made yet fail."""
+        with self.lock:
+            seq.done = True
             if seq in self.waiting:
                 self.waiting.remove(seq)
-            while id(seq) in self.in_flight:
-                self.cond.wait()
             if seq in self.running:
                 self.running.remove(seq)
-            self._drop_forks(seq)
+            self._fail_forks(seq.forks)
+            seq.forks = []
             if seq.released:
                 return
             seq.released = True
         if before_release is not None and seq.blocks:
             before_release(seq)  # blocks still referenced: nothing can evict or rewrite them
-        with self.cond:
+        with self.lock:
             self.blocks.release(seq.blocks)
             seq.blocks = []
-            self.cond.notify_all()
-
-    def drop_forks(self, forks: Sequence[SeqState]) -> None:
-        """Fail ``forks`` whose source was never submitted (it was closed first)."""
-        with self.cond:
-            self._fail_forks(forks)
-
-    def _drop_forks(self, seq: SeqState) -> None:
-        """``seq`` ends before its forks were made: they fail now, and free the blocks kept for them."""
-        self._fail_forks(seq.forks)
-        seq.forks = []
 
     def _fail_forks(self, forks: Sequence[SeqState]) -> None:
+        """``forks`` whose source ended before its prefill did: they end CANCELLED (their blocks freed)."""
         for fork in forks:
-            if not fork.closed and fork.error is None:
-                fork.error = StepInterrupted("the choice's shared prefill did not complete")
             if fork.blocks and not fork.released:
                 self.blocks.release(fork.blocks)
                 fork.blocks = []
-            if fork.wake is not None:
-                fork.wake.notify_all()
+            if not fork.done:
+                fork.done = fork.released = True
+                self.failed.append(SequenceOutput(fork.id, finish=FinishReason.CANCELLED))
 
     def stop(self) -> None:
-        with self.cond:
-            self._stop = True
-            self.cond.notify_all()
-        self._thread.join(timeout=10)
+        """Refuse further imports (the worker is stopping)."""
+        self._stopped = True
+        with self.lock:
+            for job in self.imports:
+                job.error = Unavailable("the worker is shutting down; import the prefix into another replica")
+                job.done.set()
+            self.imports = []
 
-    # -- the loop -------------------------------------------------------------------------------
+    # -- the step --------------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
-            with self.cond:
-                while not self._stop and not (plan := self._plan()):
-                    self.cond.wait()
-                if self._stop:
-                    return
-                self.in_flight = {id(s) for s, _ in plan}
-                self.cond.notify_all()  # admissions happened: waiters on ``admitted`` may go on
-            try:
-                logits, tokens, logprobs = self._run(plan)
-                error: BaseException | None = None
-            except BaseException as exc:  # a failed step fails its sequences, not the worker
-                log.error("gpu_step_failed", exc_info=exc)
-                logits, tokens, logprobs, error = [], None, None, exc
-            with self.cond:
-                self.in_flight = set()
-                if error is not None:
-                    for seq, _ in plan:
-                        seq.error = error
-                else:
-                    self._commit(plan, logits, tokens, logprobs)
-                self.steps_total += 1
-                for seq, _ in plan:
-                    if seq.wake is not None:
-                        seq.wake.notify_all()
-                self.cond.notify_all()
-            if self.on_step is not None:
-                self.on_step(len(plan), sum(len(seg.token_ids) for _, seg in plan))
+    def step(self) -> list[SequenceOutput]:
+        """One packed step over every admitted sequence (see the module docstring)."""
+        with self.lock:
+            plan = self._plan()
+            outputs, self.failed = self.failed, []
+        if not plan:
+            return outputs
+        try:
+            logits, tokens, logprobs = self._run(plan)
+        except Exception as exc:  # a failed step fails its sequences, not the worker
+            log.error("gpu_step_failed", exc_info=exc)
+            for seq, _ in plan:
+                outputs.append(SequenceOutput(seq.id, error=exc))
+                seq.done = True
+            return outputs
+        with self.lock:
+            self._commit(plan, logits, tokens, logprobs, outputs)
+            self.steps_total += 1
+        if self.on_step is not None:
+            self.on_step(len(plan), sum(len(seg.token_ids) for _, seg in plan))
+        return outputs
 
     def _run(
         self, plan: list[tuple[SeqState, Segment]]
@@ -350,8 +293,7 @@ class Scheduler:
             except Exception as exc:  # e.g. a broken TP group: the import fails, the scheduler goes on
                 log.error("kv_import_write_failed", exc_info=exc)
                 job.error = exc
-            job.done = True
-        self.cond.notify_all()
+            job.done.set()
 
     def _import(self, keys: list[str], data: list[Tensor]) -> int:
         blocks = self.blocks
@@ -378,7 +320,7 @@ class Scheduler:
             local = self.blocks.acquire_prefix(seq.keys[:matchable])
             imported = seq.imported[len(local) : matchable]
             total = -(-seq.reserve // bt)
-            forks = [f for f in seq.forks if not f.closed]
+            forks = [f for f in seq.forks if not f.done]
             own = total - seq.prompt_len // bt  # a fork's blocks besides the shared full prompt blocks
             fresh = self.blocks.allocate(total - len(local) + own * len(forks))
             if fresh is None:
@@ -409,12 +351,12 @@ class Scheduler:
         plan: list[tuple[SeqState, Segment]] = []
         budget = self.max_step_tokens
         for seq in self.running:
-            if seq.closed or seq.done or budget <= 0:
+            if seq.done or budget <= 0:
                 continue
-            if seq.computed >= seq.prompt_len and len(seq.out) < self.lookahead:
+            if seq.computed >= seq.prompt_len:
                 plan.append((seq, Segment([seq.tokens[seq.computed]], seq.computed, seq.blocks)))
                 budget -= 1
-        prefilling = [s for s in self.running if s.computed < s.prompt_len and not s.closed]
+        prefilling = [s for s in self.running if s.computed < s.prompt_len and not s.done]
         prefilling.sort(key=lambda s: (-s.priority, s.arrival))
         for seq in prefilling:
             if budget <= 0:
@@ -432,24 +374,28 @@ class Scheduler:
         plan: list[tuple[SeqState, Segment]],
         logits: list[Tensor],
         tokens: list[int] | None,
-        logprobs: list[SampledLogprobs | None] | None = None,
+        logprobs: list[SampledLogprobs | None] | None,
+        outputs: list[SequenceOutput],
     ) -> None:
         for i, (seq, seg) in enumerate(plan):
             try:
                 if tokens is not None:
                     row = logits[i] if logits else None
-                    self._advance(seq, len(seg.token_ids), row, tokens[i], logprobs[i] if logprobs else None)
+                    lp = logprobs[i] if logprobs else None
+                    self._advance(seq, len(seg.token_ids), row, outputs, tokens[i], lp)
                 else:
-                    self._advance(seq, len(seg.token_ids), logits[i])
+                    self._advance(seq, len(seg.token_ids), logits[i], outputs)
             except Exception as exc:  # e.g. a sampling error: that sequence fails, the others go on
                 log.error("gpu_sequence_failed", exc_info=exc)
-                seq.error = exc
+                seq.done = True
+                outputs.append(SequenceOutput(seq.id, error=exc))
 
     def _advance(
         self,
         seq: SeqState,
         n: int,
         row: Tensor | None,
+        outputs: list[SequenceOutput],
         chosen: int | None = None,
         logprobs: SampledLogprobs | None = None,
     ) -> None:
@@ -457,7 +403,7 @@ class Scheduler:
             seq.prefilled += n
         seq.computed += n
         self._name_blocks(seq)
-        if seq.computed < seq.prompt_len or seq.closed:
+        if seq.computed < seq.prompt_len or seq.done:
             return
         if seq.replay:
             replayed = seq.replay.popleft()
@@ -468,25 +414,37 @@ class Scheduler:
             forks, seq.forks = seq.forks, []
             assert row is not None, "a prefill step returns logits for every segment"
             for fork in forks:
-                self._fork(seq, fork, row)
+                self._fork(seq, fork, row, outputs)
         if chosen is None:
             assert row is not None, "an eager step returns logits for every segment"
             chosen = seq.sampler.pick(row[-1:])
             logprobs = seq.sampler.last_logprobs
-        token = chosen
-        if seq.sampler.top is not None and logprobs is not None:
-            seq.out_logprobs.append(logprobs)
+        self._emit(seq, chosen, logprobs if seq.sampler.top is not None else None, outputs)
+
+    def _emit(
+        self,
+        seq: SeqState,
+        token: int,
+        logprobs: SampledLogprobs | None,
+        outputs: list[SequenceOutput],
+    ) -> None:
+        """``seq`` chose ``token``: its output row (with the first token, the context tokens it ran
+        through the model: the prompt's computed part and the replayed tokens); EOS or ``max_new`` ends it."""
         seq.sampler.record(token)
         seq.generated += 1
-        seq.out.append(token)
+        out = SequenceOutput(seq.id, [token], [logprobs] if logprobs is not None else None)
+        if seq.generated == 1:
+            out.prefill_tokens = seq.prefilled + (seq.computed - seq.prompt_len)
         if token in seq.eos or seq.generated >= seq.max_new:
             seq.done = True
+            out.finish = FinishReason.STOP if token in seq.eos else FinishReason.LENGTH
         else:
             seq.tokens.append(token)
+        outputs.append(out)
 
-    def _fork(self, source: SeqState, fork: SeqState, row: Tensor) -> None:
+    def _fork(self, source: SeqState, fork: SeqState, row: Tensor, outputs: list[SequenceOutput]) -> None:
         """Make ``fork`` a running copy of ``source`` (prefill just done) with its own first token."""
-        if fork.closed or fork.released:
+        if fork.done or fork.released:
             return
         try:
             bt = self.block_tokens
@@ -507,25 +465,15 @@ class Scheduler:
             else:
                 token = sampler.pick(row[-1:])
                 first = sampler.last_logprobs
-            if sampler.top is not None and first is not None:
-                fork.out_logprobs.append(first)
         except Exception as exc:  # that choice fails, the others go on
             log.error("gpu_fork_failed", exc_info=exc)
-            fork.error = exc
-            if fork.wake is not None:
-                fork.wake.notify_all()
-            return
-        fork.sampler.record(token)
-        fork.generated = 1
-        fork.out.append(token)
-        if token in fork.eos or fork.generated >= fork.max_new:
             fork.done = True
-        else:
-            fork.tokens.append(token)
+            outputs.append(SequenceOutput(fork.id, error=exc))
+            return
         self.running.append(fork)
         self.forks_made += 1
-        if fork.wake is not None:
-            fork.wake.notify_all()
+        self._emit(fork, token, first if sampler.top is not None else None, outputs)
+        outputs[-1].prefill_tokens = 0  # it ran nothing: the source's prefill was its
 
     def _name_blocks(self, seq: SeqState) -> None:
         """Give the sequence's newly completed blocks their chain keys (shareable from now on)."""

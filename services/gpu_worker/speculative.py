@@ -36,7 +36,6 @@ of both drafts with the measured costs, the cost-model choice was no better (INT
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,7 +47,6 @@ from torch import Tensor
 
 from services.common.sampling import SamplingParams
 from services.gpu_worker.plan import Segment
-from services.worker.types import StepInterrupted
 
 log = structlog.get_logger(__name__)
 
@@ -173,11 +171,10 @@ class SpeculativeDecoder:
     """Greedy speculative decoding of one sequence over a target ``forward`` and KV ``table``.
 
     ``forward`` runs segments over the cache that ``table`` (block ids) indexes; ``table`` must hold
-    ``len(prompt) + max_tokens + k_max`` tokens. ``next()`` returns one token at a time.
-
-    The prompt is prefilled in forwards of ``prefill_chunk`` tokens (0: one forward), and
-    :meth:`interrupt` (any thread) makes ``next()`` raise StepInterrupted before the next of them or
-    before the draft's own prefill, so a cancel reaches a long prompt's prefill after one chunk.
+    ``len(prompt) + max_tokens + k_max`` tokens. Each :meth:`advance` does one unit of work and
+    returns the tokens it produced: a prefill chunk of ``prefill_chunk`` tokens (0: the whole prompt;
+    the last chunk gives the first token), then one draft-and-verify round (1..k+1 tokens). The engine
+    loop calls it once per step, so a stop reaches a long prompt's prefill after one chunk.
     """
 
     def __init__(
@@ -196,7 +193,6 @@ class SpeculativeDecoder:
         self.forward = forward
         self.prefill_chunk = prefill_chunk
         self._on_prefill_chunk = on_prefill_chunk
-        self._interrupted = False
         self.table = list(table)
         self.tokens = list(prompt)
         self.max_tokens = max_tokens
@@ -204,65 +200,51 @@ class SpeculativeDecoder:
         self.k = AdaptiveK(k_max)
         self.eos = eos
         self.draft: Draft | None = None
-        self.out: deque[int] = deque()
+        self._prefilled = 0
         self.generated = 0
-        self.finished = False  # every token is produced (EOS or max_tokens); some may still be in ``out``
+        self.finished = False
+        """Every token is produced (EOS or max_tokens)."""
         self.drafted = 0
         self.accepted = 0
         self.rounds = 0
 
-    @property
-    def done(self) -> bool:
-        """Every token has been produced and returned by :meth:`next`."""
-        return self.finished and not self.out
+    def advance(self) -> list[int]:
+        """One prefill chunk or one round (see the class docstring); its new tokens, in order."""
+        if self.finished:
+            raise RuntimeError("sequence is finished")
+        if self.generated == 0:
+            return self._prefill_chunk()
+        return self._round()
 
-    def next(self) -> int:
-        while not self.out:
-            if self.finished:
-                raise RuntimeError("sequence is finished")
-            self._round()
-        return self.out.popleft()
-
-    def _emit(self, tokens: Sequence[int]) -> None:
+    def _emit(self, tokens: Sequence[int]) -> list[int]:
+        out = []
         for t in tokens:
-            self.out.append(t)
+            out.append(t)
             self.generated += 1
             if t in self.eos or self.generated >= self.max_tokens:
                 self.finished = True
-                return
+                break
+        return out
 
-    def interrupt(self) -> None:
-        """Stop the prefill before its next forward (see the class docstring)."""
-        self._interrupted = True
-
-    def _check_interrupt(self) -> None:
-        if self._interrupted:
-            raise StepInterrupted("the turn was cancelled")
-
-    def _prefill(self) -> Tensor:
-        """The logits of the prompt's last position, computed ``prefill_chunk`` tokens per forward."""
+    def _prefill_chunk(self) -> list[int]:
+        """The prompt's next chunk; the last one's logits give the first token (and start the draft)."""
         n = len(self.tokens)
-        start = 0
-        while True:
-            self._check_interrupt()
-            end = min(n, start + (self.prefill_chunk or n))
-            logits = self.forward([Segment(self.tokens[start:end], start, self.table)])[0]
-            if self._on_prefill_chunk is not None:
-                self._on_prefill_chunk()
-            if end == n:
-                return logits
-            start = end
+        start = self._prefilled
+        end = min(n, start + (self.prefill_chunk or n))
+        logits = self.forward([Segment(self.tokens[start:end], start, self.table)])[0]
+        self._prefilled = end
+        if self._on_prefill_chunk is not None:
+            self._on_prefill_chunk()
+        if end < n:
+            return []
+        first = int(torch.argmax(logits[-1]).item())
+        self.tokens.append(first)
+        out = self._emit([first])
+        if not self.finished:
+            self.draft = self.make_draft(list(self.tokens))
+        return out
 
-    def _round(self) -> None:
-        if self.generated == 0:  # prefill: the prompt's logits give the first token
-            logits = self._prefill()
-            first = int(torch.argmax(logits[-1]).item())
-            self.tokens.append(first)
-            self._emit([first])
-            if not self.finished:
-                self._check_interrupt()  # the draft's prefill of the whole prompt comes next
-                self.draft = self.make_draft(list(self.tokens))
-            return
+    def _round(self) -> list[int]:
         assert self.draft is not None
         k = max(0, min(self.k.k, self.max_tokens - self.generated - 1))
         drafts = self.draft.propose(k) if k else []
@@ -271,7 +253,7 @@ class SpeculativeDecoder:
         accepted, token = verify_round(self.forward, self.tokens[-1], drafts, n, self.table)
         emitted = [*drafts[:accepted], token]
         self.tokens.extend(emitted)
-        self._emit(emitted)
+        out = self._emit(emitted)
         if k:
             self.rounds += 1
             self.drafted += k
@@ -283,6 +265,7 @@ class SpeculativeDecoder:
             self.k.update(k, accepted)
         if not self.finished:
             self.draft.commit(accepted, token)
+        return out
 
     def close(self) -> None:
         if self.draft is not None:

@@ -140,8 +140,8 @@ def _segments_message(segments: Sequence[Segment]) -> list[tuple[list[int], int,
 class Leader:
     """Rank 0's side of the group: mirrors model calls on the followers (see the module docstring).
 
-    Calls are serialized by one lock (followers run them in broadcast order), so the scheduler thread
-    and speculative sequences may call concurrently. An idle leader pings every ``keepalive_s``.
+    Calls are serialized by one lock (followers run them in broadcast order), so the engine loop and
+    the KV transfers' threads may call concurrently. An idle leader pings every ``keepalive_s``.
     """
 
     def __init__(self, group: Group, *, keepalive_s: float | None = None) -> None:

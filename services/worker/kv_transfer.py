@@ -2,17 +2,17 @@
 
 An operator or the router pre-warms a replica with a prompt prefix from the shared Redis KV prefix
 cache (import), or pushes a replica's prefix to Redis, e.g. before scaling it down (export).
-Engines that keep Redis-shareable KV offer two optional methods, found by duck typing like
-``kv_usage`` (types.py):
+Engines that keep Redis-shareable KV declare it (``EngineCapabilities.kv_transfer``, types.py) and
+implement two methods:
 
 * ``import_kv(prefix: KVPrefix) -> KVImport``: load the longest leading run of the prefix's full
   blocks that Redis holds into the engine's local prefix cache;
 * ``export_kv(prefix: KVPrefix) -> KVExport``: write the leading run of the prefix's blocks the
   engine holds to Redis and wait for it (services.common.errors.Unavailable when Redis is down).
 
-Both block (Redis I/O, a hand-off to the engine's scheduler thread), so :func:`run` is called from a
+Both block (Redis I/O, a hand-off to the engine loop thread), so :func:`run` is called from a
 thread, never from the event loop. They raise FailedPrecondition when the engine is configured
-without a shareable cache; an engine without the methods (the edge tier's ONNX engine) gets the
+without a shareable cache; an engine that does not declare them (the edge tier's ONNX engines) gets the
 same status here. Order of checks: engine capability, then the prefix (INVALID_ARGUMENT, the same
 rules as a WorkerStart's prompt), then the engine's configuration.
 """
@@ -92,15 +92,14 @@ def run(
     engine: Engine, op: Op, *, token_ids: Sequence[int], text: str, tenant: str, shareable: bool, tier: str
 ) -> KVImport | KVExport:
     """Validate the prefix and run ``import_kv`` / ``export_kv`` on ``engine`` (blocking); one log line."""
-    method = getattr(engine, f"{op}_kv", None)
     try:
-        if method is None:
+        if not engine.capabilities.kv_transfer:
             raise FailedPrecondition(
                 f"this {tier} worker keeps no KV in the shared Redis prefix cache; "
                 f"send {op.capitalize()}KV to a cloud worker started with a Redis URL"
             )
         prefix = KVPrefix(prefix_ids(engine, token_ids, text), tenant, shareable)
-        result: KVImport | KVExport = method(prefix)
+        result: KVImport | KVExport = engine.import_kv(prefix) if op == "import" else engine.export_kv(prefix)
     except MeshError as exc:
         log.info("kv_transfer_refused", op=op, code=exc.code, error=exc.message, kv_tenant=tenant, shareable=shareable)
         raise

@@ -2,7 +2,7 @@
 
 Engine-agnostic. Load (active, queued, slots) comes from admission, lifetime counters from
 :class:`~services.worker.stats.WorkerCounters`, and the KV view from the engine where it
-offers one (``kv_usage()``, ``hot_prefix_blocks()``, see ``types.py``), else from what the runtime
+knows one (``kv_usage()``, ``hot_prefix_blocks()``, see ``types.py``), else from what the runtime
 itself knows:
 
 * ``kv_tokens``: context tokens of the sequences running now plus those of chats kept between turns;
@@ -29,7 +29,8 @@ from services.store.keys import kv_block_hashes
 from services.worker.runner import Runner
 from services.worker.sessions import HeldPrefix
 from services.worker.stats import CounterSnapshot
-from services.worker.types import GenerationRequest, KVUsage
+from services.common.generation import GenerationRequest
+from services.worker.types import KVUsage
 
 log = structlog.get_logger(__name__)
 
@@ -82,21 +83,27 @@ class LoadReporter:
 
     async def report(self) -> LoadReport:
         """The current report; never raises for a misbehaving engine hook (it is logged once)."""
-        running = [t.request for t in self.runner.running.values()]  # read on the loop that owns it
-        return await asyncio.to_thread(self.build, running)
-
-    def build(self, running_requests: Sequence[GenerationRequest] = ()) -> LoadReport:
-        """Blocking variant of :meth:`report` (call from a thread)."""
-        runner = self.runner
+        runner = self.runner  # what the event loop owns is read here, the rest in a thread
         admission = runner.admission
-        running = [HeldPrefix(r.prompt_ids + r.resume_ids, r.tenant, r.shareable) for r in running_requests]
+        running = [t.request for t in runner.running]
         held = runner.sessions.held_prefixes()
+        load = (admission.active, admission.queued, admission.max_active)
+        return await asyncio.to_thread(self.build, running, held, load)
+
+    def build(
+        self,
+        running_requests: Sequence[GenerationRequest],
+        held: Sequence[HeldPrefix],
+        load: tuple[int, int, int],
+    ) -> LoadReport:
+        """The blocking part of :meth:`report` (call from a thread): engine hooks and hashing."""
+        running = [HeldPrefix(r.context, r.tenant, r.shareable) for r in running_requests]
         usage = self._engine_kv_usage()
         return LoadReport(
-            active_sequences=admission.active,
-            queue_depth=admission.queued,
-            max_active_sequences=admission.max_active,
-            counters=runner.counters.snapshot(),
+            active_sequences=load[0],
+            queue_depth=load[1],
+            max_active_sequences=load[2],
+            counters=self.runner.counters.snapshot(),
             kv_used_bytes=usage.used_bytes if usage else 0,
             kv_budget_bytes=usage.budget_bytes if usage else 0,
             kv_tokens=sum(len(p.token_ids) for p in (*running, *held)),
@@ -107,11 +114,8 @@ class LoadReporter:
         )
 
     def _engine_kv_usage(self) -> KVUsage | None:
-        hook = getattr(self.runner.engine, "kv_usage", None)
-        if hook is None:
-            return None
         try:
-            usage = hook()
+            usage = self.runner.engine.kv_usage()
         except Exception:  # a report without KV usage beats no report
             self._warn_once("kv_usage")
             return None
@@ -120,15 +124,13 @@ class LoadReporter:
     def _hot_blocks(self, prefixes: Iterable[HeldPrefix]) -> tuple[bytes, ...]:
         limit = self.max_hot_blocks
         out: dict[bytes, None] = {}
-        hook = getattr(self.runner.engine, "hot_prefix_blocks", None)
-        if hook is not None:
-            try:
-                for block in hook(self.hasher.block_tokens):
-                    if len(out) >= limit:
-                        break
-                    out.setdefault(bytes(block), None)
-            except Exception:
-                self._warn_once("hot_prefix_blocks")
+        try:
+            for block in self.runner.engine.hot_prefix_blocks(self.hasher.block_tokens):
+                if len(out) >= limit:
+                    break
+                out.setdefault(bytes(block), None)
+        except Exception:
+            self._warn_once("hot_prefix_blocks")
         for p in prefixes:
             if len(out) >= limit:
                 break

@@ -19,6 +19,7 @@ import structlog
 from services.common import logprobs_pb, metrics, sampling_pb
 from services.common.errors import FailedPrecondition, InvalidArgument, MeshError, ResourceExhausted
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.common.generation import Final, FinishReason, GenerationRequest
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import DEFAULT_MAX_TOKENS
 from services.worker import kv_transfer
@@ -26,14 +27,8 @@ from services.worker.mux import MuxCalls
 from services.worker.report import LoadReport, LoadReporter, PrefixHasher
 from services.worker.runner import Runner, Turn
 from services.worker.sessions import ChatSession
-from services.worker.types import FinalEvent, FinishReason, GenerationRequest, QueuedEvent, validate_prompt
+from services.worker.types import check_sampling, validate_prompt
 
-_FINISH = {
-    FinishReason.STOP: inference_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH: inference_pb2.FINISH_REASON_LENGTH,
-    FinishReason.STOP_STRING: inference_pb2.FINISH_REASON_STOP_STRING,
-    FinishReason.CANCELLED: inference_pb2.FINISH_REASON_CANCELLED,
-}
 log = structlog.get_logger(__name__)
 _TIERS = {"edge": inference_pb2.TIER_EDGE, "cloud": inference_pb2.TIER_CLOUD}
 MAX_QUEUED_STARTS = 8
@@ -77,7 +72,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.tier = tier
         self.worker_id = worker_id
         self.default_max_tokens = default_max_tokens
-        self.mux_calls = MuxCalls(hold=getattr(runner.engine, "hold_background", None))
+        self.mux_calls = MuxCalls(hold=runner.engine.hold_background if runner.capabilities.background else None)
         """The stream transport's connections being served (drained when the worker stops)."""
         self.stream_port = 0
         """Port of the worker's stream transport (services/worker/mux_tcp.py), announced in the load report."""
@@ -173,9 +168,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Embed(
         self, request: worker_pb2.WorkerEmbedRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerEmbedResponse:
-        """Pooled embeddings from an engine that has ``embed`` (the cloud engine), in a thread."""
-        embed = getattr(self.runner.engine, "embed", None)
-        if embed is None:
+        """Pooled embeddings from an engine that serves them (the cloud engine), in a thread."""
+        if not self.runner.capabilities.embeddings:
             raise FailedPrecondition(
                 f"this {self.tier} worker does not serve embeddings (its engine has no pooled hidden states);"
                 " send Embed to a cloud worker"
@@ -183,7 +177,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         inputs = [tuple(item.token_ids) for item in request.inputs]
         began = time.perf_counter()
         labels = {"service": self.service, "tier": self.tier}
-        vectors = await asyncio.to_thread(embed, inputs, request.dimensions)
+        vectors = await asyncio.to_thread(self.runner.engine.embed, inputs, request.dimensions)
         tokens = sum(len(ids) for ids in inputs)
         metrics.TOKENS.labels(**labels, direction="input").inc(tokens)
         metrics.REQUEST_DURATION.labels(**labels, status="OK").observe(time.perf_counter() - began)
@@ -255,9 +249,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 raise InvalidArgument(
                     "resume_token_ids cannot be sent with sampling.n > 1; resume one choice at a time"
                 )
-        check = getattr(self.runner.engine, "check_sampling", None)  # an engine that cannot apply every field
-        if check is not None:
-            check(sampling)
+        check_sampling(self.runner.capabilities, sampling)
         return GenerationRequest(
             prompt,
             sampling,
@@ -284,20 +276,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         try:
             async with aclosing(turn.events()) as events:
                 async for event in events:
-                    if isinstance(event, QueuedEvent):
+                    if event.queued:
                         yield _QUEUED
                         continue
                     if delay:  # fault injection, off by default: the first frame comes late
                         await asyncio.sleep(delay)
                         delay = 0.0
                     now = time.perf_counter()
-                    if isinstance(event, FinalEvent):
-                        status = "CANCELLED" if event.reason is FinishReason.CANCELLED else "OK"
+                    final = event.final
+                    if final is not None:
+                        status = "CANCELLED" if final.reason is FinishReason.CANCELLED else "OK"
                         if event.index == 0:  # the prompt of n choices is counted once
-                            metrics.TOKENS.labels(**labels, direction="input").inc(event.prompt_tokens)
-                        metrics.TOKENS.labels(**labels, direction="output").inc(event.completion_tokens)
+                            metrics.TOKENS.labels(**labels, direction="input").inc(final.prompt_tokens)
+                        metrics.TOKENS.labels(**labels, direction="output").inc(final.completion_tokens)
                         yield worker_pb2.WorkerResponse(
-                            sequence=sequence, text=event.text, final=_final(event), index=event.index
+                            sequence=sequence, text=event.text, final=_final(final), index=event.index
                         )
                         sequence += 1
                         finals -= 1
@@ -330,10 +323,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 _QUEUED = worker_pb2.WorkerResponse(queued=True)
 
 
-def _final(event: FinalEvent) -> worker_pb2.WorkerFinal:
+def _final(final: Final) -> worker_pb2.WorkerFinal:
     return worker_pb2.WorkerFinal(
-        finish_reason=_FINISH[event.reason],
-        prompt_tokens=event.prompt_tokens,
-        completion_tokens=event.completion_tokens,
-        prefill_tokens=event.prefill_tokens,
+        finish_reason=int(final.reason),  # type: ignore[arg-type]  # the enum's numbers are the pb's
+        prompt_tokens=final.prompt_tokens,
+        completion_tokens=final.completion_tokens,
+        prefill_tokens=final.prefill_tokens,
     )

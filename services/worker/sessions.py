@@ -1,21 +1,20 @@
 """Chat sessions: an engine sequence kept between the turns of one Worker stream.
 
-A stream's :class:`ChatSession` holds its sequence (and so its KV) while no turn runs, so the next
-turn prefills only its new tokens (the engine decides how much it can reuse). :class:`ChatSessions`
-bounds what is held: at most ``max_open`` idle sequences (the least recently used is freed first),
-and a sequence idle for ``idle_timeout_s`` is freed by ``sweep()``. A freed session still works: its
-next turn starts a fresh sequence and prefills the whole context.
+A stream's :class:`ChatSession` names the sequence its last turn left held in the engine (its KV
+kept: ``NewSequence.hold``) while no turn runs, so the next turn reuses it and prefills only its new
+tokens (the engine decides how much it can reuse). :class:`ChatSessions` bounds what is held: at most
+``max_open`` idle sequences (the least recently used is freed first), and a sequence idle for
+``idle_timeout_s`` is freed by ``sweep()``; freeing one calls ``release`` with its id (the runner
+stops it in the engine). A freed session still works: its next turn starts a fresh sequence and
+prefills the whole context. Event loop only.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from services.worker.types import EngineSequence
 
 
 @dataclass(frozen=True)
@@ -32,18 +31,18 @@ class ChatSession:
 
     def __init__(self, pool: ChatSessions) -> None:
         self._pool = pool
-        self.seq: EngineSequence | None = None
+        self.seq: int | None = None
         self.closed = False
         self.last_used = pool.now()
         self.held: HeldPrefix | None = None
         """Tokens whose KV the held sequence holds, and their scope (for the load report)."""
 
-    def take(self) -> EngineSequence | None:
-        """The held sequence (now owned by the caller), or None."""
+    def take(self) -> int | None:
+        """The held sequence's id (now owned by the caller), or None."""
         return self._pool.take(self)
 
-    def keep(self, seq: EngineSequence, held: HeldPrefix | None = None) -> None:
-        """Hold ``seq`` for the next turn (may free the least recently used held sequence).
+    def keep(self, seq: int, held: HeldPrefix | None = None) -> None:
+        """Hold sequence ``seq`` for the next turn (may free the least recently used held sequence).
 
         ``held``: the tokens ``seq`` holds KV for, reported as hot prefix blocks while it is held.
         """
@@ -55,17 +54,25 @@ class ChatSession:
         self.closed = True
         seq = self._pool.take(self)
         if seq is not None:
-            seq.close()
+            self._pool.release(seq)
 
 
 class ChatSessions:
-    """Thread-safe bound on held chat sequences: count (LRU eviction) and idle time."""
+    """The bound on held chat sequences: count (LRU eviction) and idle time."""
 
-    def __init__(self, max_open: int, idle_timeout_s: float, *, now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_open: int,
+        idle_timeout_s: float,
+        release: Callable[[int], None],
+        *,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.max_open = max_open
         self.idle_timeout_s = idle_timeout_s
+        self.release = release
+        """Frees a held sequence in the engine (its id)."""
         self.now = now
-        self._lock = threading.Lock()
         self._held: OrderedDict[int, ChatSession] = OrderedDict()
         self.evicted_total = 0
 
@@ -75,53 +82,44 @@ class ChatSessions:
     @property
     def held(self) -> int:
         """Sequences held between turns right now."""
-        with self._lock:
-            return len(self._held)
+        return len(self._held)
 
     def held_prefixes(self) -> list[HeldPrefix]:
         """What the held sequences hold, most recently used first."""
-        with self._lock:
-            return [s.held for s in reversed(self._held.values()) if s.held is not None and s.seq is not None]
+        return [s.held for s in reversed(self._held.values()) if s.held is not None and s.seq is not None]
 
-    def take(self, session: ChatSession) -> EngineSequence | None:
-        with self._lock:
-            self._held.pop(id(session), None)
-            seq, session.seq = session.seq, None
-            session.last_used = self.now()
-            return seq
+    def take(self, session: ChatSession) -> int | None:
+        self._held.pop(id(session), None)
+        seq, session.seq = session.seq, None
+        session.last_used = self.now()
+        return seq
 
-    def keep(self, session: ChatSession, seq: EngineSequence) -> None:
+    def keep(self, session: ChatSession, seq: int) -> None:
         if self.max_open <= 0 or session.closed:
-            seq.close()
+            self.release(seq)
             return
-        victims: list[EngineSequence] = []
-        with self._lock:
-            session.seq = seq
-            session.last_used = self.now()
-            self._held[id(session)] = session
-            self._held.move_to_end(id(session))
-            while len(self._held) > self.max_open:
-                _, old = self._held.popitem(last=False)
-                if old.seq is not None:
-                    victims.append(old.seq)
-                    old.seq = None
-                self.evicted_total += 1
-        for victim in victims:
-            victim.close()
+        session.seq = seq
+        session.last_used = self.now()
+        self._held[id(session)] = session
+        self._held.move_to_end(id(session))
+        while len(self._held) > self.max_open:
+            _, old = self._held.popitem(last=False)
+            if old.seq is not None:
+                self.release(old.seq)
+                old.seq = None
+            self.evicted_total += 1
 
     def sweep(self) -> int:
         """Free sequences idle longer than ``idle_timeout_s``; returns how many were freed."""
         deadline = self.now() - self.idle_timeout_s
-        victims: list[EngineSequence] = []
-        with self._lock:
-            for key, session in list(self._held.items()):
-                if session.last_used > deadline:
-                    break  # ordered by last use
-                del self._held[key]
-                if session.seq is not None:
-                    victims.append(session.seq)
-                    session.seq = None
-                self.evicted_total += 1
-        for victim in victims:
-            victim.close()
-        return len(victims)
+        freed = 0
+        for key, session in list(self._held.items()):
+            if session.last_used > deadline:
+                break  # ordered by last use
+            del self._held[key]
+            if session.seq is not None:
+                self.release(session.seq)
+                session.seq = None
+                freed += 1
+            self.evicted_total += 1
+        return freed

@@ -34,6 +34,12 @@ class WorkerCounters:
         self._prompt = 0
         self._buckets: deque[list[float]] = deque()  # [second, count]
 
+    def reset(self) -> None:
+        """Back to zero (after the warm-up, which is not traffic)."""
+        with self._lock:
+            self._started = self._cancelled = self._tokens = self._prefill = self._prompt = 0
+            self._buckets.clear()
+
     def sequence_started(self) -> None:
         with self._lock:
             self._started += 1

@@ -1,122 +1,40 @@
-"""Transport-free types shared by the worker runtime and the engines (no grpc, no protobuf), and the
-check of a prompt against the loaded model (:func:`validate_prompt`).
+"""The engine core contract both tiers implement, and the checks the runtime makes against it (no
+grpc, no protobuf).
 
-An :class:`Engine` owns one loaded model. ``Engine.start`` creates an :class:`EngineSequence` that
-produces one token per ``step()``; both are called only from worker threads, never from the event
-loop. Everything else (admission, detokenization, stop strings, counters) is engine-independent.
+An :class:`Engine` holds the set of live sequences of one loaded model. The worker runtime never
+waits for it: from the event loop it hands commands (:meth:`~Engine.add`, :meth:`~Engine.stop`) to
+the engine's one loop thread (:mod:`services.worker.loop`), which applies them between steps and runs
+:meth:`~Engine.step` back to back while there is work. A step advances every runnable sequence
+(decode rows plus chunked prefill, as each engine plans) and returns the outputs of all of them at
+once (:class:`SequenceOutput`); the loop hands the whole step to the event loop in one call, where
+detokenization, stop strings and logprobs text run once over all rows (:mod:`services.worker.outputs`).
 
-Optional engine methods are found by duck typing (like ``start_chat``). For n choices, called from a
-worker thread:
-
-* ``start_n(token_ids, sampling, n) -> list[EngineSequence]``: the ``n`` choices of one request
-  (``sampling.n`` is n; choice ``i`` samples with ``sampling.choice(i)``) over one prefill of
-  ``token_ids``: the sequences share the prompt's KV (copied or referenced) instead of prefilling it
-  n times. Each sequence is then stepped by its own thread like any other. Without it the runtime
-  starts n independent sequences (:func:`services.worker.runner.start_choices`). It may raise
-  InvalidArgument when n sequences of ``sampling.max_tokens`` cannot fit the engine's KV at once.
-
-Optional engine method for background work (batch lines), called from the event loop (it must not
-wait for the model):
-
-* ``hold_background(until: float)``: the host's foreground flag from the routers
-  (``MuxRequest.background_hold``, services/worker/mux.py): background sequences sit out the engine's
-  steps until ``time.monotonic()`` reaches ``until`` (0: now). Engines without background sequences
-  (the cloud engine) have none, and the flag is ignored.
-
-Optional engine methods that feed the load report (``services.worker.report``); both are called
-from a thread, never from the event loop, so they may take the engine's locks but must be quick:
-
-* ``kv_usage() -> KVUsage``: KV bytes held and the engine's budget (for the router's admission).
-* ``hot_prefix_blocks(block_tokens: int) -> Sequence[bytes]``: block hashes, in the
-  ``services.store.keys.kv_block_hashes`` scheme at ``block_tokens`` per block, of prefixes whose KV
-  the engine can reuse for a *new* request (a cross-request prefix cache); each chain from its first
-  block, most recently used first. The scope (tenant, shareable) of the request being run on the
-  calling thread is :func:`services.worker.runner.current_request`.
+Every engine method is called from the loop thread only, except those marked *any thread* (the load
+report, Worker.ImportKV/ExportKV/Embed and the background flag call them from elsewhere; they must
+not wait for a step). What an engine can do is declared once in :class:`EngineCapabilities` and
+checked when the worker starts and for every turn (:func:`check_sampling`), never probed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from services.common.errors import InvalidArgument
-from services.common.logprobs import TokenLogprob
+from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.generation import FinishReason
+from services.common.logprobs import SampledLogprobs
 from services.common.sampling import SamplingParams
 
-
-class FinishReason(StrEnum):
-    """Why a generation ended (mirrors ``meshserve.v1.FinishReason``)."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    STOP_STRING = "stop_string"
-    CANCELLED = "cancelled"
+if TYPE_CHECKING:  # the grammar module needs llguidance; the contract only names its state type
+    from services.worker.grammar import TokenConstraint
+    from services.worker.kv_transfer import KVExport, KVImport, KVPrefix
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One turn to run: the full context and how to sample its continuation."""
+class Tokenizer(Protocol):
+    """The part of ``tokenizers.Tokenizer`` the runtime uses."""
 
-    prompt_ids: tuple[int, ...]
-    sampling: SamplingParams
-    resume_ids: tuple[int, ...] = ()
-    """Tokens an earlier worker already sent; prefilled after the prompt, never re-sent."""
-    request_id: str = ""
-    tenant: str = ""
-    """Tenant of the request: the salt of its KV block hashes unless ``shareable``."""
-    shareable: bool = False
-    """The request marked its prefix shareable across tenants (KV block hashes use the shared salt)."""
-    priority: int = 0
-    """Priority class from the router, 0 (default) to 9: engines that queue serve higher classes first."""
-    background: bool = False
-    """Background work (a batch line): an engine whose sequences have a ``background`` attribute (the
-    batched edge engine) leaves it out of any step that prefills a turn not marked so."""
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """Tokens produced since the previous event and the text they released (may be empty)."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    index: int = 0
-    """The choice they belong to (0 to n-1 of ``SamplingParams.n``)."""
-    logprobs: tuple[TokenLogprob, ...] = ()
-    """With ``sampling.logprobs``: one entry per token id, in order (empty otherwise)."""
-
-
-@dataclass(frozen=True)
-class FinalEvent:
-    """End of a turn, or with n > 1 choices, of one choice (``index``): a turn of n choices ends after
-    n of them. ``text`` is trailing text that was held back (stop-string prefix, partial UTF-8)."""
-
-    reason: FinishReason
-    prompt_tokens: int
-    completion_tokens: int
-    prefill_tokens: int
-    text: str = ""
-    index: int = 0
-
-
-@dataclass(frozen=True)
-class KVUsage:
-    """KV memory an engine holds now (``Engine.kv_usage()``, optional)."""
-
-    used_bytes: int
-    """Bytes of KV held by live sequences, kept chats and any prefix cache."""
-    budget_bytes: int = 0
-    """The most KV bytes the engine will hold; 0 = no fixed budget."""
-
-
-@dataclass(frozen=True)
-class QueuedEvent:
-    """The turn still waits for a generation slot or for its first token (sent as a keepalive, so
-    callers can tell a queued or prefilling turn from a stalled worker)."""
-
-
-QUEUED = QueuedEvent()
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -133,6 +51,206 @@ class EngineInfo:
     and version and announces it (``WorkerStats.build``). Engines with equal builds give equal greedy tokens."""
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do, declared once (the runtime checks requests against it)."""
+
+    name: str
+    """The engine's name in messages (``batched``, ``og``, ``cloud``, ...)."""
+    chat: bool = False
+    """A sequence added with ``hold`` keeps its KV when it ends, until stopped; a later sequence added
+    with ``reuse`` naming it extends that KV (the next chat turn prefills only its new tokens)."""
+    forks: bool = False
+    """n choices of one prompt share one prefill (``NewSequence.fork_of``); without it each choice
+    prefills the prompt itself."""
+    logprobs: bool = False
+    structured: bool = False
+    """Applies a structured-output constraint's token mask (``NewSequence.constraint``)."""
+    penalties: bool = False
+    """Applies ``frequency_penalty``, ``presence_penalty``, ``logit_bias`` and ``min_tokens``."""
+    background: bool = False
+    """Honours ``NewSequence.background`` (batch lines sit out steps that prefill foreground work) and
+    the host's foreground flag (:meth:`Engine.hold_background`)."""
+    kv_transfer: bool = False
+    """Worker.ImportKV / ExportKV: :meth:`Engine.import_kv` / :meth:`Engine.export_kv`."""
+    embeddings: bool = False
+    """Worker.Embed: :meth:`Engine.embed`."""
+    max_sequences: int = 0
+    """The most sequences it steps at once (0: no limit of its own); more wait in the engine."""
+    refusal_hint: str = ""
+    """Appended to a refusal of what it cannot do: where to send such a request instead."""
+
+
+@dataclass(slots=True, eq=False)
+class NewSequence:
+    """One sequence for :meth:`Engine.add`: a turn's choice, with everything it needs already
+    computed (its grammar compiled), so adding it never waits."""
+
+    id: int
+    """The runtime's id for it, unique in the worker's life."""
+    prompt_ids: tuple[int, ...]
+    """Prefilled (in chunks, or reused where KV exists) before its first token."""
+    sampling: SamplingParams
+    """This choice's sampling (``sampling.choice(i)``); ``max_tokens`` is the number of new tokens to
+    generate at most (at least 1; resumed tokens are not counted)."""
+    replay: tuple[int, ...] = ()
+    """Tokens another worker already generated after the prompt (a resumed stream): fed one forward
+    pass each, as they were when decoded, so the continuation is bit-for-bit the undisturbed run's (a
+    single prefill pass over them computes slightly different numbers, which flips greedy choices at
+    near-ties); never output again."""
+    constraint: TokenConstraint | None = None
+    """The structured-output grammar state, already advanced over ``replay`` (None: unconstrained)."""
+    tenant: str = ""
+    """The salt of its KV block keys unless ``shareable``."""
+    shareable: bool = False
+    priority: int = 0
+    """0 to 9: engines that queue admit higher classes first."""
+    background: bool = False
+    """A batch line (``EngineCapabilities.background``)."""
+    fork_of: int | None = None
+    """Another sequence of the same prompt (``EngineCapabilities.forks``), added with it: this one is
+    made from that one's prefill (its KV shared or copied, its first token sampled from the same
+    logits with its own sampling) and never prefills the prompt. If that sequence stops before its
+    prefill ended, this one ends CANCELLED."""
+    reuse: int | None = None
+    """A sequence held by an earlier turn of the same chat (``EngineCapabilities.chat``): the engine
+    extends its KV over the longest common prefix, or stops it and starts afresh."""
+    hold: bool = False
+    """Keep the KV when the sequence ends, until :meth:`Engine.stop` (a chat turn)."""
+
+
+@dataclass(slots=True)
+class SequenceOutput:
+    """What one step did for one sequence: new tokens, or its end, or its failure."""
+
+    id: int
+    tokens: list[int] = field(default_factory=list)
+    """Tokens chosen in this step, in order (one per step, or several after a speculative round); an
+    EOS ends the list (and the sequence)."""
+    logprobs: list[SampledLogprobs] | None = None
+    """With ``sampling.logprobs``: one per token of ``tokens``."""
+    finish: FinishReason | None = None
+    """Set when the sequence ended in this step: STOP (EOS), LENGTH (``max_tokens``) or CANCELLED (a
+    fork whose source stopped before its prefill ended). It is then held (``hold``) or freed."""
+    prefill_tokens: int | None = None
+    """With its first token: the context tokens it ran through the model before it (fewer than the
+    context where KV was reused)."""
+    error: BaseException | None = None
+    """The sequence failed (it is freed); a domain error is shown to the caller, any other is logged."""
+
+
+class Engine(Protocol):
+    """A loaded model that steps every live sequence together (see the module docstring)."""
+
+    @property
+    def info(self) -> EngineInfo: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+
+    @property
+    def capabilities(self) -> EngineCapabilities: ...
+
+    def bind(self, wake: Callable[[], None]) -> None:
+        """The loop thread's wake-up, for work that arrives inside the engine (a KV import, a Redis
+        prefix load done): calling it makes the loop ask :meth:`next_step_in` again. Called once, at
+        start."""
+
+    def add(self, seq: NewSequence) -> None:
+        """Take a new sequence; it runs from the next step. Raises a domain error (the turn fails with
+        it) when it can never fit (its KV, its choices)."""
+
+    def stop(self, seq_id: int, hold: bool = False) -> None:
+        """End a live sequence (a stop string, a cancel) or free a held one: its KV is freed now, or with
+        ``hold`` kept for a later ``reuse`` (``EngineCapabilities.chat``). Unknown ids are ignored."""
+
+    def step(self) -> list[SequenceOutput]:
+        """Run the model once for every runnable sequence; the outputs of those that got a token, ended
+        or failed (a prefill chunk that yields no token yet gives none). Never raises for one
+        sequence's failure: that sequence's output carries it."""
+
+    def next_step_in(self) -> float | None:
+        """When the next :meth:`step` has work: 0 now, a delay in seconds (only sequences held back
+        until then, e.g. background work), or None (nothing until a command or a wake-up)."""
+
+    def hold_background(self, until: float) -> None:
+        """*Any thread.* The host's foreground flag (``EngineCapabilities.background``): background
+        sequences sit out steps until ``time.monotonic()`` reaches ``until`` (0: now)."""
+
+    def interrupt_background(self) -> None:
+        """*Any thread.* Foreground work is being added: a step of background sequences only that is
+        running now may stop part-way and run again later."""
+
+    def kv_usage(self) -> KVUsage | None:
+        """*Any thread*, quick. KV bytes held and the budget (the router's admission); None: not known."""
+
+    def hot_prefix_blocks(self, block_tokens: int) -> Sequence[bytes]:
+        """*Any thread*, quick. Block hashes, in the ``services.store.keys.kv_block_hashes`` scheme at
+        ``block_tokens`` per block, of prefixes whose KV the engine can reuse for a *new* request (a
+        cross-request prefix cache); each chain from its first block, most recently used first."""
+
+    def import_kv(self, prefix: KVPrefix) -> KVImport:
+        """*Any thread*, blocking (``EngineCapabilities.kv_transfer``): Worker.ImportKV."""
+
+    def export_kv(self, prefix: KVPrefix) -> KVExport:
+        """*Any thread*, blocking (``EngineCapabilities.kv_transfer``): Worker.ExportKV."""
+
+    def embed(self, inputs: Sequence[Sequence[int]], dimensions: int = 0) -> list[list[float]]:
+        """*Any thread*, blocking (``EngineCapabilities.embeddings``): Worker.Embed."""
+
+    def close(self) -> None:
+        """Free the model; called once, after the loop thread stopped."""
+
+
+class EngineBase:
+    """What an engine without an ability does for it (engines derive from this and override)."""
+
+    _wake: Callable[[], None] | None = None
+
+    def bind(self, wake: Callable[[], None]) -> None:
+        self._wake = wake
+
+    def wake(self) -> None:
+        """Make the loop thread look again (see :meth:`Engine.bind`); before it is bound, nothing (the
+        loop looks when it starts)."""
+        if self._wake is not None:
+            self._wake()
+
+    def hold_background(self, until: float) -> None:
+        return None
+
+    def interrupt_background(self) -> None:
+        return None
+
+    def kv_usage(self) -> KVUsage | None:
+        return None
+
+    def hot_prefix_blocks(self, block_tokens: int) -> Sequence[bytes]:
+        return ()
+
+    def import_kv(self, prefix: KVPrefix) -> KVImport:
+        raise FailedPrecondition("this worker keeps no KV in the shared Redis prefix cache")
+
+    def export_kv(self, prefix: KVPrefix) -> KVExport:
+        raise FailedPrecondition("this worker keeps no KV in the shared Redis prefix cache")
+
+    def embed(self, inputs: Sequence[Sequence[int]], dimensions: int = 0) -> list[list[float]]:
+        raise FailedPrecondition("this worker does not serve embeddings")
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class KVUsage:
+    """KV memory an engine holds now (:meth:`Engine.kv_usage`)."""
+
+    used_bytes: int
+    """Bytes of KV held by live sequences, kept chats and any prefix cache."""
+    budget_bytes: int = 0
+    """The most KV bytes the engine will hold; 0 = no fixed budget."""
+
+
 def validate_prompt(prompt_ids: Sequence[int], info: EngineInfo) -> None:
     """Reject an empty prompt, a token id outside the vocabulary, or a prompt that fills the context
     (InvalidArgument, shown to the caller)."""
@@ -147,62 +265,22 @@ def validate_prompt(prompt_ids: Sequence[int], info: EngineInfo) -> None:
         )
 
 
-class Tokenizer(Protocol):
-    """The part of ``tokenizers.Tokenizer`` the detokenizer uses."""
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
-
-
-class StepInterrupted(RuntimeError):
-    """A step ended early by ``interrupt()``: the turn was cancelled during its prefill."""
-
-
-class EngineSequence(Protocol):
-    """One generating sequence. Not thread-safe: one thread at a time calls it.
-
-    An engine may also give its sequences ``interrupt()``: callable from any thread (the event loop's
-    included: it must not wait for the model), it makes the step in flight, or the next one, raise
-    :class:`StepInterrupted` as soon as the model call in progress (one prefill chunk) has ended.
-    The runner uses it for the first step only, whose prefill of a long context can take seconds;
-    the sequence is closed afterwards.
-
-    An engine may also give its sequences ``begin(ahead)`` and ``wait()``, ``step`` in two halves:
-    ``begin`` starts the next step and returns at once, and lets the engine start up to ``ahead``
-    more on its own, one after another (stopping at EOS); each ``wait`` returns the next token. After
-    the first token, when the turn goes on (not EOS, tokens left), the runner begins the rest of its
-    budget at once and then only waits, detokenizing and sending each token while the model runs; a
-    turn ended by a stop string or a cancel meanwhile closes the sequence with steps pending. A chat
-    session's sequence too: the engine's ``reuse`` must first wait for the steps begun.
-
-    A sequence whose sampling asks for ``logprobs`` sets ``last_logprobs``
-    (:class:`~services.common.logprobs.SampledLogprobs`) in every ``step`` to the token it returns;
-    an engine that cannot refuses such turns in ``check_sampling``.
-    """
-
-    def step(self) -> int:
-        """Run the model once (the first call prefills the context) and return the next token id."""
-        ...
-
-    def close(self) -> None:
-        """Free the sequence's KV memory. Safe to call more than once."""
-        ...
-
-
-class Engine(Protocol):
-    """A loaded model that can run several sequences, each from its own thread."""
-
-    @property
-    def info(self) -> EngineInfo: ...
-
-    @property
-    def tokenizer(self) -> Tokenizer: ...
-
-    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> EngineSequence:
-        """A new sequence over ``token_ids`` (nothing runs until the first ``step``).
-
-        ``replay``: tokens another worker already generated after ``token_ids`` (a resumed stream).
-        They are fed one forward pass each, as they were when decoded, so the continuation is
-        bit-for-bit the one an undisturbed run would have produced (a single prefill pass over them
-        computes slightly different numbers, which flips greedy choices at near-ties).
-        """
-        ...
+def check_sampling(caps: EngineCapabilities, sampling: SamplingParams) -> None:
+    """Refuse (InvalidArgument) what the engine cannot apply, naming the field and where to go."""
+    hint = f"; {caps.refusal_hint}" if caps.refusal_hint else ""
+    if not caps.penalties and (
+        sampling.frequency_penalty or sampling.presence_penalty or sampling.logit_bias or sampling.min_tokens
+    ):
+        raise InvalidArgument(
+            f"this worker's {caps.name} engine applies no frequency_penalty, presence_penalty, logit_bias or "
+            f"min_tokens; remove them{hint}"
+        )
+    if not caps.structured and sampling.structured is not None:
+        raise InvalidArgument(
+            f"this worker's {caps.name} engine cannot apply sampling.structured (response_format); send the "
+            f"request without it{hint}"
+        )
+    if not caps.logprobs and sampling.logprobs:
+        raise InvalidArgument(
+            f"this worker's {caps.name} engine returns no logprobs; remove logprobs / top_logprobs{hint}"
+        )

@@ -204,7 +204,8 @@ def test_bad_tracing_settings_stop_a_worker_with_exit_2_and_one_line() -> None:
     script = (
         "from services.worker.app import run_worker_process\n"
         "from services.edge_worker.config import EdgeWorkerSettings\n"
-        "run_worker_process(EdgeWorkerSettings, lambda settings: object(), tier='edge')\n"
+        "from tests.unit.worker.fakes import FakeEngine\n"
+        "run_worker_process(EdgeWorkerSettings, lambda settings: FakeEngine(), tier='edge')\n"
     )
     env = {**os.environ, "MESHSERVE_TRACING_EXPORTER": "file"}  # without MESHSERVE_TRACING_DIR
     env.pop("MESHSERVE_TRACING_DIR", None)

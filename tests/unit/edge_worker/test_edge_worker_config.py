@@ -35,7 +35,7 @@ def test_missing_model_says_how_to_fix(tmp_path: Path) -> None:
 
 def test_engine_choice_and_batching_options(monkeypatch: pytest.MonkeyPatch) -> None:
     defaults = load_settings(EdgeWorkerSettings)
-    assert (defaults.engine, defaults.batch_invariant, defaults.batch_wait_ms) == ("batched", True, 10.0)
+    assert (defaults.engine, defaults.batch_invariant) == ("batched", True)
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_ENGINE", "og")
     monkeypatch.setenv("MESHSERVE_EDGE_WORKER_BATCH_INVARIANT", "false")
     settings = load_settings(EdgeWorkerSettings)

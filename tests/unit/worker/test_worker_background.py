@@ -6,29 +6,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from services.common.generation import GenerationRequest
 from services.common.sampling import SamplingParams
 from services.router.stream_transport import _start_pb
 from services.router.worker_stream import TurnStart
-from services.worker.runner import run_sequence
-from services.worker.stats import WorkerCounters
-from services.worker.types import GenerationRequest
-from tests.unit.worker.fakes import TOKENIZER, FakeEngine, FakeSequence
+from services.worker.runner import Runner
+from tests.unit.worker.fakes import TOKENIZER, FakeEngine
 
 PROMPT = tuple(TOKENIZER.encode("hi"))
-
-
-class YieldingEngine(FakeEngine):
-    """Its sequences have a ``background`` attribute, as the batched edge engine's do."""
-
-    def __init__(self) -> None:
-        super().__init__("ab", loop=False)
-        self.sequences: list[FakeSequence] = []
-
-    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> FakeSequence:
-        seq = super().start(token_ids, sampling, replay)
-        seq.background = None  # type: ignore[attr-defined]  # unset: the runner must set it either way
-        self.sequences.append(seq)
-        return seq
 
 
 def test_the_start_frame_carries_the_background_mark() -> None:
@@ -37,14 +22,14 @@ def test_the_start_frame_carries_the_background_mark() -> None:
     assert _start_pb(TurnStart("r", [1, 2], SamplingParams(max_tokens=2), "t", background=True)).background
 
 
-def test_the_runner_marks_the_engines_sequence() -> None:
-    for background in (True, False):
-        engine = YieldingEngine()
-        request = GenerationRequest(PROMPT, SamplingParams(max_tokens=2), background=background)
-        run_sequence(engine, request, threading.Event(), lambda _event: None, WorkerCounters())
-        assert [s.background for s in engine.sequences] == [background]  # type: ignore[attr-defined]
-
-
-def test_an_engine_without_the_attribute_is_left_alone() -> None:
-    request = GenerationRequest(PROMPT, SamplingParams(max_tokens=2), background=True)
-    run_sequence(FakeEngine("ab", loop=False), request, threading.Event(), lambda _event: None, WorkerCounters())
+async def test_the_runner_marks_the_engines_sequence() -> None:
+    engine = FakeEngine("ab", loop=False)
+    runner = Runner(engine, max_active=1, max_queue=0)
+    try:
+        for background in (True, False):
+            request = GenerationRequest(PROMPT, SamplingParams(max_tokens=2), background=background)
+            async for _ in runner.turn(request).events():
+                pass
+    finally:
+        await runner.aclose()
+    assert [s.background for s in engine.added] == [True, False]

@@ -1,11 +1,12 @@
 """n choices as one worker turn (fake engine, real gRPC server on port 0): frames carry their choice's
-index, each choice ends with its own final, the turn ends after the n-th; ``start_n`` is used when the
-engine has it (one call for the n sequences), else n independent sequences; n slots are taken at once."""
+index, each choice ends with its own final, the turn ends after the n-th; the choices after the first
+are forks of it where the engine declares forks (one prefill), else independent sequences; n slots
+are taken at once."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -13,23 +14,17 @@ import pytest
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.sampling import SamplingParams
 from services.worker.slots import Admission
-from tests.unit.worker.fakes import TOKENIZER, FakeEngine, FakeSequence
+from tests.unit.worker.fakes import TOKENIZER, FakeEngine
 from tests.unit.worker.test_worker_servicer import PROMPT, serve
 from tests.worker_helpers import CANCEL, META, Session, start_frame, wait_idle
 
 
 class ForkingEngine(FakeEngine):
-    """A fake engine with ``start_n``: records each call."""
+    """A fake engine that declares forks."""
 
     def __init__(self) -> None:
-        super().__init__("hello world")
-        self.forks: list[int] = []
-
-    def start_n(self, token_ids: Sequence[int], sampling: SamplingParams, n: int) -> list[FakeSequence]:
-        self.forks.append(n)
-        return [FakeSequence(self, sampling.choice(i)) for i in range(n)]
+        super().__init__("hello world", forks=True)
 
 
 async def turn(stub: worker_pb2_grpc.WorkerStub, **sampling: Any) -> list[worker_pb2.WorkerResponse]:
@@ -64,17 +59,19 @@ async def worker(request: pytest.FixtureRequest) -> AsyncIterator[tuple[FakeEngi
 
 async def test_greedy_choices_each_end_with_their_own_final(worker: Any) -> None:
     engine, stub = worker
-    started = len(engine.started)  # the warm-up's
+    added = len(engine.added)  # the warm-up's
     frames = await turn(stub, max_tokens=3, n=3)
     assert [f.sequence for f in frames] == list(range(len(frames)))  # all choices numbered together
     assert sum(f.HasField("final") for f in frames) == 3 and frames[-1].HasField("final")
     texts, finals = by_choice(frames, 3)
     assert texts == ["hello worldhello"] * 3  # greedy: n equal choices
     assert [(f.prompt_tokens, f.completion_tokens) for f in finals] == [(len(PROMPT), 3)] * 3
-    if isinstance(engine, ForkingEngine):
-        assert engine.forks == [3] and len(engine.started) == started  # one start_n call, no start
+    seqs = engine.added[added:]
+    assert len(seqs) == 3
+    if isinstance(engine, ForkingEngine):  # the other choices are made from the first one's prefill
+        assert [s.fork_of for s in seqs] == [None, seqs[0].id, seqs[0].id]
     else:
-        assert len(engine.started) == started + 3
+        assert [s.fork_of for s in seqs] == [None, None, None]
 
 
 async def test_seeded_choices_sample_with_seed_plus_i(worker: Any) -> None:

@@ -8,22 +8,18 @@ import threading
 from contextlib import aclosing
 
 from services.common.coalesce import FlushWindow
+from services.common.generation import FinishReason, GenerationEvent, GenerationRequest
 from services.common.sampling import SamplingParams
-from services.worker.runner import Runner, run_sequence
-from services.worker.stats import WorkerCounters
-from services.worker.types import FinalEvent, FinishReason, GenerationRequest, TokenEvent
-from tests.unit.worker.fakes import TOKENIZER, FakeEngine
+from services.worker.runner import Runner
+from tests.unit.worker.fakes import TOKENIZER, FakeEngine, reference_events
 
 PROMPT = tuple(TOKENIZER.encode("hi"))
 SCRIPT = "hello world, again"
 LONG = 10.0  # a window no test waits out: a frame that comes out at all was not held by it
 
 
-def _reference(max_tokens: int) -> tuple[list[TokenEvent], FinalEvent]:
-    emitted: list[TokenEvent] = []
-    request = GenerationRequest(PROMPT, SamplingParams(max_tokens=max_tokens))
-    final = run_sequence(FakeEngine(SCRIPT), request, threading.Event(), emitted.append, WorkerCounters())
-    return emitted, final
+def _reference(max_tokens: int) -> tuple[list[GenerationEvent], GenerationEvent]:
+    return reference_events(SCRIPT, PROMPT, SamplingParams(max_tokens=max_tokens))
 
 
 def _gated_runner(window: FlushWindow) -> tuple[Runner, threading.Semaphore]:
@@ -48,12 +44,12 @@ async def test_busy_turn_sends_the_first_token_at_once_then_holds_the_rest_until
             for _ in range(50):
                 await asyncio.sleep(0)
             assert not pending.done()
-            gate.release()  # the last step: the thread returns, the held tokens go out at once
+            gate.release()  # the last step: the turn ends, the held tokens go out at once
             held = await asyncio.wait_for(pending, 5)
             rest = [e async for e in events]
     finally:
         await runner.aclose()
-    assert isinstance(held, TokenEvent)
+    assert held.final is None
     assert list(held.token_ids) == [t for e in reference[1:] for t in e.token_ids]
     assert held.text == "".join(e.text for e in reference[1:])
     assert rest == [final] and window.active == 0
@@ -76,8 +72,8 @@ async def test_cancelling_a_held_turn_flushes_it_at_once() -> None:
             rest = [await asyncio.wait_for(pending, 5)] + [e async for e in events]
     finally:
         await runner.aclose()
-    assert isinstance(rest[-1], FinalEvent) and rest[-1].reason is FinishReason.CANCELLED
-    assert all(isinstance(e, TokenEvent) for e in rest[:-1]) and window.active == 0
+    assert rest[-1].final is not None and rest[-1].final.reason is FinishReason.CANCELLED
+    assert all(e.final is None for e in rest[:-1]) and window.active == 0
 
 
 async def test_a_lone_turn_sends_each_token_as_it_comes() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -19,10 +20,11 @@ from tests.worker_helpers import META
 
 
 class KVEngine(FakeEngine):
-    """A fake engine with the optional KV methods: records prefixes, answers fixed counts or raises."""
+    """A fake engine that declares KV transfer: records prefixes, answers fixed counts or raises."""
 
     def __init__(self, error: MeshError | None = None) -> None:
         super().__init__()
+        self._caps = replace(self._caps, kv_transfer=True)
         self.error = error
         self.prefixes: list[tuple[str, KVPrefix]] = []
         self.threads: list[str] = []

@@ -9,7 +9,6 @@ import grpc
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.sampling import SamplingParams
 from services.common.settings import load_settings
 from services.store.keys import kv_block_hashes
 from services.worker.app import RunningWorker, start_worker
@@ -17,24 +16,10 @@ from services.worker.report import LoadReporter, PrefixHasher
 from services.worker.runner import Runner
 from services.worker.settings import WorkerSettings
 from services.worker.types import KVUsage
-from tests.unit.worker.fakes import TOKENIZER, FakeEngine, FakeSequence
+from tests.unit.worker.fakes import TOKENIZER, FakeEngine
 from tests.worker_helpers import META, generate, stats
 
 BLOCK = 4
-
-
-class ChatSequence(FakeSequence):
-    """A fake sequence that can be extended by the next turn of its chat."""
-
-    def reuse(self, context: Sequence[int], sampling: SamplingParams) -> bool:
-        self.prefill_tokens = 1
-        return True
-
-
-class ChatEngine(FakeEngine):
-    def start_chat(self, token_ids: Sequence[int], sampling: SamplingParams) -> ChatSequence:
-        self.started.append((list(token_ids), sampling))
-        return ChatSequence(self, sampling)
 
 
 class HookedEngine(FakeEngine):
@@ -44,7 +29,7 @@ class HookedEngine(FakeEngine):
         super().__init__()
         self.hot, self.fail = hot, fail
 
-    def kv_usage(self) -> KVUsage:
+    def kv_usage(self) -> KVUsage | None:
         if self.fail:
             raise RuntimeError("engine hook broke")
         return KVUsage(used_bytes=3 << 20, budget_bytes=4 << 20)
@@ -81,7 +66,7 @@ def _start(prompt: Sequence[int], tenant: str, shareable: bool = False) -> worke
 
 
 async def test_held_chat_is_reported_as_kv_tokens_and_hot_blocks_in_the_cache_scheme() -> None:
-    worker = await serve(ChatEngine())
+    worker = await serve(FakeEngine(chat=True))
     prompt = TOKENIZER.encode("hello world the sea")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}")
     try:
@@ -126,14 +111,11 @@ async def test_engine_hooks_come_first_and_the_report_is_bounded() -> None:
         await worker.stop()
 
 
-def test_a_failing_engine_hook_still_gives_a_report() -> None:
+async def test_a_failing_engine_hook_still_gives_a_report() -> None:
     engine = HookedEngine([], fail=True)
     runner = Runner(engine, max_active=1, max_queue=1)
-    try:
-        report = LoadReporter(runner, PrefixHasher("fake-model", "v1", BLOCK)).build()
-        assert (report.kv_used_bytes, report.hot_prefix_blocks, report.max_active_sequences) == (0, (), 1)
-    finally:
-        runner.executor.shutdown()
+    report = await LoadReporter(runner, PrefixHasher("fake-model", "v1", BLOCK)).report()
+    assert (report.kv_used_bytes, report.hot_prefix_blocks, report.max_active_sequences) == (0, (), 1)
 
 
 def test_shareable_prefixes_hash_with_the_shared_salt() -> None:

@@ -10,7 +10,7 @@ from contextlib import aclosing
 
 from services.common.sampling import SamplingParams
 from services.worker.runner import Runner, Turn
-from services.worker.types import FinalEvent, FinishReason, GenerationRequest, QueuedEvent
+from services.common.generation import FinishReason, GenerationRequest
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine
 
 PROMPT = tuple(TOKENIZER.encode("hi"))
@@ -46,7 +46,7 @@ async def _queued(runner: Runner) -> tuple[Turn, AsyncGenerator[object, None]]:
     """A second turn and its events, suspended at its first keepalive: it waits for the slot."""
     turn = runner.turn(_request())
     events = turn.events()
-    assert isinstance(await asyncio.wait_for(anext(events), 5), QueuedEvent)
+    assert (await asyncio.wait_for(anext(events), 5)).queued
     return turn, events
 
 
@@ -70,7 +70,7 @@ async def test_a_queued_turn_whose_events_are_closed_counts_as_cancelled() -> No
         # its place in the queue is given up once the cancelled acquire has run
         await _until(lambda: runner.admission.queued == 0, "the closed turn left the queue")
         done = await _release(engine, holder)
-        assert isinstance(done[-1], FinalEvent) and done[-1].reason is FinishReason.LENGTH
+        assert done[-1].final is not None and done[-1].final.reason is FinishReason.LENGTH
     finally:
         await runner.aclose()
     snapshot = runner.counters.snapshot()
@@ -107,8 +107,8 @@ async def test_a_turn_cancelled_while_queued_and_one_cancelled_while_running_cou
         queued, events = await _queued(runner)
         queued.cancel()  # the cancel flag, not a close: the turn ends with its CANCELLED final
         rest = [e async for e in events]
-        assert isinstance(rest[-1], FinalEvent) and rest[-1].reason is FinishReason.CANCELLED
-        holder.cancel()  # and the running one: closing its events stops its thread, which returns CANCELLED
+        assert rest[-1].final is not None and rest[-1].final.reason is FinishReason.CANCELLED
+        holder.cancel()  # and the running one: closing its events ends it CANCELLED at once
         await asyncio.gather(holder, return_exceptions=True)
         assert engine.gate is not None
         engine.gate.release(100)
@@ -121,7 +121,7 @@ async def test_a_turn_cancelled_while_queued_and_one_cancelled_while_running_cou
 
 async def test_a_slot_granted_just_as_the_queued_turn_is_closed_is_passed_on() -> None:
     # The slot comes while the turn's caller holds its keepalive (the generator suspended at the
-    # QueuedEvent); the caller then closes it. The slot must not stay taken for good.
+    # keepalive); the caller then closes it. The slot must not stay taken for good.
     engine = FakeEngine()
     runner = Runner(engine, max_active=1, max_queue=1, keepalive_s=0.02)
     try:
@@ -138,6 +138,6 @@ async def test_a_slot_granted_just_as_the_queued_turn_is_closed_is_passed_on() -
         # and the worker still serves
         async with aclosing(runner.turn(_request(max_tokens=3)).events()) as again:
             final = [e async for e in again][-1]
-        assert isinstance(final, FinalEvent) and final.reason is FinishReason.LENGTH
+        assert final.final is not None and final.final.reason is FinishReason.LENGTH
     finally:
         await runner.aclose()

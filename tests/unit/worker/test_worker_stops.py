@@ -57,26 +57,26 @@ def test_pass_through_releases_held_text_and_matches_nothing() -> None:
     assert matcher.feed(" c END") == (" c ", True)
 
 
-def test_min_tokens_ignores_stop_strings_until_reached_in_the_runner() -> None:
-    import threading
-
+async def test_min_tokens_ignores_stop_strings_until_reached_in_the_runner() -> None:
+    from services.common.generation import FinishReason, GenerationRequest
     from services.common.sampling import SamplingParams
-    from services.worker.runner import run_sequence
-    from services.worker.stats import WorkerCounters
-    from services.worker.types import FinishReason, GenerationRequest
+    from services.worker.runner import Runner
     from tests.unit.worker.fakes import FakeEngine
 
-    def run(min_tokens: int, resume: tuple[int, ...] = ()) -> tuple[str, FinishReason, int]:
-        emitted: list[object] = []
+    async def run(min_tokens: int, resume: tuple[int, ...] = ()) -> tuple[str, FinishReason, int]:
+        runner = Runner(FakeEngine("hello world"), max_active=1, max_queue=0)
         sampling = SamplingParams(max_tokens=20, stop=("o",), min_tokens=min_tokens)
-        request = GenerationRequest((1,), sampling, resume)
-        final = run_sequence(FakeEngine("hello world"), request, threading.Event(), emitted.append, WorkerCounters())
-        text = "".join(e.text for e in emitted) + final.text  # type: ignore[attr-defined]
-        return text, final.reason, final.completion_tokens
+        try:
+            events = [e async for e in runner.turn(GenerationRequest((1,), sampling, resume)).events()]
+        finally:
+            await runner.aclose()
+        final = events[-1].final
+        assert final is not None
+        return "".join(e.text for e in events), final.reason, final.completion_tokens
 
     # tokens: "hello", " world", "hello", ...: "o" is in the first token
-    assert run(0) == ("hell", FinishReason.STOP_STRING, 1)
-    text, reason, tokens = run(2)
+    assert await run(0) == ("hell", FinishReason.STOP_STRING, 1)
+    text, reason, tokens = await run(2)
     assert (text, reason, tokens) == ("hello worldhell", FinishReason.STOP_STRING, 3)
     # a resumed stream's tokens count toward min_tokens (vLLM's rule: the first min_tokens are never cut)
-    assert run(2, resume=(1,))[1:] == (FinishReason.STOP_STRING, 2)
+    assert (await run(2, resume=(1,)))[1:] == (FinishReason.STOP_STRING, 2)
