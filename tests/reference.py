@@ -43,15 +43,9 @@ def edge_continuation(ids: list[int], max_tokens: int) -> list[int]:
     """Greedy tokens of the edge engine after ``ids`` (trailing EOS dropped)."""
     from services.common.sampling import SamplingParams
 
-    engine = edge_engine()
-    seq = engine.start(ids, SamplingParams(max_tokens=max_tokens))
-    out: list[int] = []
-    try:
-        while len(out) < max_tokens and (not out or out[-1] != EOS):
-            out.append(seq.step())
-    finally:
-        seq.close()
-    return _strip_eos(out)
+    from tests.engine_driver import EngineDriver
+
+    return _strip_eos(EngineDriver(edge_engine()).generate(ids, SamplingParams(max_tokens=max_tokens)))
 
 
 def edge_greedy(prompt: str, max_tokens: int) -> list[int]:

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.generation import Final, FinishReason, GenerationEvent
+from services.common.logprobs import TokenLogprob
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.settings import DEFAULT_INTERNAL_TOKEN
@@ -129,3 +131,20 @@ async def wait_serving(channel: grpc.aio.Channel, service: str = "", timeout_s: 
     async for response in stub.Watch(request, timeout=timeout_s):
         if response.status == health_pb2.HealthCheckResponse.SERVING:
             return
+
+
+def worker_frame(
+    sequence: int,
+    token_ids: Sequence[int],
+    text: str = "",
+    *,
+    final: Final | None = None,
+    index: int = 0,
+    logprobs: Sequence[TokenLogprob] = (),
+) -> GenerationEvent:
+    """A frame a worker stream reads back (what the stream transport builds from a WorkerResponse)."""
+    return GenerationEvent(tuple(token_ids), text, index, tuple(logprobs), final=final, sequence=sequence)
+
+
+def worker_final(reason: int, prompt_tokens: int, completion_tokens: int, prefill_tokens: int) -> Final:
+    return Final(FinishReason(reason), prompt_tokens, completion_tokens, prefill_tokens)

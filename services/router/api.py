@@ -45,6 +45,7 @@ from typing import Any
 
 from services.common import tracing
 from services.common.errors import InvalidArgument, MeshError, ResourceExhausted
+from services.common.generation import FinishReason
 from services.common.logprobs import TokenLogprob
 from services.common.metrics import REQUEST_DURATION, TOKENS
 from services.common.sampling import SamplingParams
@@ -71,7 +72,6 @@ from services.router.types import (
     Embeddings,
     EmbedQuery,
     Event,
-    FinishReason,
     Generation,
     ModelInfo,
     PendingAdmission,

@@ -39,6 +39,7 @@ from functools import partial
 import structlog
 
 from services.common import errors, tracing
+from services.common.generation import GenerationRequest
 from services.common.metrics import INTER_TOKEN, TTFT
 from services.common.tokenizer import Tokenizer
 from services.router.answers import AnswerKeys, KeyFor, Progress, cached_turn, store_response
@@ -56,11 +57,10 @@ from services.router.policy import (
 )
 from services.router.registry import Registry, Replica
 from services.router.slo_queue import Admission, Ticket
-from services.router.types import Chunk, Done, FinishReason, PendingAdmission, Route, TurnRequest, admitted
+from services.router.types import Chunk, Done, PendingAdmission, Route, TurnRequest, admitted
 from services.router.worker_stream import (
     RESUMABLE,
     RETRYABLE,
-    TurnStart,
     WorkerClosed,
     WorkerFailed,
     WorkerStalled,
@@ -457,12 +457,12 @@ class Router:
         if not early:
             await admitted(admission)
         await stream.start(
-            TurnStart(
+            GenerationRequest(
                 request_id=req.request_id,
-                prompt_ids=req.prompt_ids,
+                prompt_ids=tuple(req.prompt_ids),
                 sampling=req.sampling,
                 tenant=req.tenant,
-                resume_ids=progress.tokens,
+                resume_ids=tuple(progress.tokens),
                 shareable=req.shareable,
                 priority=req.priority,
                 background=req.background,
@@ -521,7 +521,7 @@ class Router:
                 progress.finals += 1
                 ended = progress.finals >= choices
                 yield Done(
-                    FinishReason(final.finish_reason or FinishReason.STOP),
+                    final.reason,
                     len(req.prompt_ids),
                     produced,
                     Route(choice.tier, stream.replica.name, False, reason),

@@ -33,14 +33,14 @@ import structlog
 
 from services.common import logprobs_pb, sampling_pb
 from services.common import metadata as md
+from services.common.generation import QUEUED, Final, FinishReason, GenerationEvent, GenerationRequest
 from services.common.interceptors import outbound_metadata
 from services.common.muxwire import HELLO_TIMEOUT_S, MAGIC, FrameProtocol, messages
 from services.common.pb.meshserve.internal.v1 import worker_pb2
-from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.serving import MAX_MESSAGE_BYTES
 from services.common.status_errors import Upstream, from_status, status_code
 from services.router.registry import Replica
-from services.router.worker_stream import Frame, TurnFinal, TurnStart, WorkerClosed, WorkerFailed
+from services.router.worker_stream import WorkerClosed, WorkerFailed
 
 log = structlog.get_logger(__name__)
 Address = tuple[str, int]
@@ -59,7 +59,7 @@ def split_host(address: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
-def _start_pb(start: TurnStart) -> worker_pb2.WorkerStart:
+def _start_pb(start: GenerationRequest) -> worker_pb2.WorkerStart:
     return worker_pb2.WorkerStart(
         request_id=start.request_id,
         prompt_token_ids=start.prompt_ids,
@@ -72,19 +72,16 @@ def _start_pb(start: TurnStart) -> worker_pb2.WorkerStart:
     )
 
 
-def _frame(r: worker_pb2.WorkerResponse) -> Frame:
+def _frame(r: worker_pb2.WorkerResponse) -> GenerationEvent:
+    if r.queued:
+        return QUEUED
     if not r.HasField("final"):
-        return Frame(r.sequence, list(r.token_ids), r.text, r.queued, None, r.index, logprobs_pb.from_pb(r.logprobs))
+        logprobs = logprobs_pb.from_pb(r.logprobs) if r.logprobs else ()
+        return GenerationEvent(tuple(r.token_ids), r.text, r.index, logprobs, sequence=r.sequence)
     f = r.final
-    reason = f.finish_reason or inference_pb2.FINISH_REASON_STOP
-    return Frame(
-        r.sequence,
-        list(r.token_ids),
-        r.text,
-        r.queued,
-        TurnFinal(reason, f.prompt_tokens, f.completion_tokens, f.prefill_tokens),
-        r.index,
-    )
+    reason = FinishReason(f.finish_reason or FinishReason.STOP)
+    final = Final(reason, f.prompt_tokens, f.completion_tokens, f.prefill_tokens)
+    return GenerationEvent(tuple(r.token_ids), r.text, r.index, final=final, sequence=r.sequence)
 
 
 class TcpWorkerStream:
@@ -114,13 +111,13 @@ class TcpWorkerStream:
             raise WorkerClosed("the worker ended the stream")
         self._send(worker_pb2.MuxUp(stream=self._sid, request=request))
 
-    async def start(self, start: TurnStart) -> None:
+    async def start(self, start: GenerationRequest) -> None:
         self._write(worker_pb2.WorkerRequest(start=_start_pb(start)))
 
     async def cancel_turn(self) -> None:
         self._write(worker_pb2.WorkerRequest(cancel=worker_pb2.WorkerCancel()))
 
-    async def read(self) -> Frame:
+    async def read(self) -> GenerationEvent:
         while not self._frames:
             if self._ended is not None:
                 if isinstance(self._ended, WorkerFailed):

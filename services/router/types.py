@@ -23,25 +23,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Any, Protocol
 
 from services.common.logprobs import TokenLogprob
 from services.common.sampling import SamplingParams
 from services.router.policy import TierName
 from services.router.tools import Tool, ToolCall, ToolCallDelta, ToolChoice
-
-
-class FinishReason(IntEnum):
-    """Why generation stopped (the numbers of ``meshserve.v1.FinishReason``)."""
-
-    UNSPECIFIED = 0
-    STOP = 1
-    LENGTH = 2
-    STOP_STRING = 3
-    CANCELLED = 4
-    TOOL_CALLS = 5
-
 
 MAX_PRIORITY = 9
 """The highest priority class (0 is the default); every check of ``priority`` uses this."""

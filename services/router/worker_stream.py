@@ -1,73 +1,30 @@
 """How the router core talks to a worker: one interface, in domain terms, whatever carries it.
 
 A :class:`WorkerTransport` opens a :class:`WorkerStream` on a replica for one request or chat; the
-core starts turns on it (:class:`TurnStart`), may cancel the turn in progress, reads its
-:class:`Frame` s and closes or aborts it. Every failure is a :class:`WorkerFailed` carrying the
-status name the worker (or its connection) ended with and the domain error for the caller, so the
-core's retry (before the first token) and resumption (after it) need no transport types. The one
-implementation is the stream transport (services/router/stream_transport.py: plain TCP to the port
-each worker announces), the fastest of the ways measured (docs/gateway.md, *The stream transport*).
+core starts turns on it (a :class:`~services.common.generation.GenerationRequest`, the worker's own
+request type), may cancel the turn in progress, reads its frames (the worker's
+:class:`~services.common.generation.GenerationEvent` s, numbered by ``sequence``) and closes or
+aborts it. Every failure is a :class:`WorkerFailed` carrying the status name the worker (or its
+connection) ended with and the domain error for the caller, so the core's retry (before the first
+token) and resumption (after it) need no transport types. The one implementation is the stream
+transport (services/router/stream_transport.py: plain TCP to the port each worker announces), the
+fastest of the ways measured (docs/gateway.md, *The stream transport*).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from services.common import errors
-from services.common.logprobs import TokenLogprob
-from services.common.sampling import SamplingParams
+from services.common.generation import GenerationEvent, GenerationRequest
 from services.router.registry import Replica
 
 # Failures before the first token that another replica may not have: retried elsewhere.
 RETRYABLE = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
 # Failures after tokens were sent that another replica can continue from (the worker died/stalled).
 RESUMABLE = frozenset({"UNAVAILABLE", "INTERNAL", "UNKNOWN"})
-
-
-@dataclass(frozen=True, slots=True)
-class TurnStart:
-    """One turn for a worker: the whole prompt so far; with ``resume_ids``, the tokens an earlier
-    worker already sent (prefilled, never sent again)."""
-
-    request_id: str
-    prompt_ids: Sequence[int]
-    sampling: SamplingParams
-    tenant: str
-    resume_ids: Sequence[int] = ()
-    shareable: bool = False
-    priority: int = 0
-    background: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class TurnFinal:
-    """How a turn ended on the worker."""
-
-    finish_reason: int  # meshserve.v1.FinishReason value, never unspecified
-    prompt_tokens: int
-    completion_tokens: int
-    prefill_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class Frame:
-    """A worker frame: tokens and their text since the previous one, numbered from 0 per turn; a
-    ``queued`` keepalive (no tokens, no number) while the turn waits or prefills; ``final`` on the last."""
-
-    sequence: int
-    token_ids: list[int]
-    text: str
-    queued: bool = False
-    final: TurnFinal | None = None
-    index: int = 0
-    """The choice the frame belongs to (0 to n-1 of ``SamplingParams.n``); with n > 1 each choice
-    ends with its own ``final`` and the turn with the n-th."""
-    logprobs: tuple[TokenLogprob, ...] = ()
-    """With ``sampling.logprobs``: one entry per token id (the worker filled in their texts)."""
 
 
 class WorkerFailed(Exception):
@@ -97,13 +54,13 @@ class WorkerStream(Protocol):
 
     replica: Replica
 
-    async def start(self, start: TurnStart) -> None:
+    async def start(self, start: GenerationRequest) -> None:
         """Start a turn (the next one, on a chat's stream)."""
 
     async def cancel_turn(self) -> None:
         """Ask the worker to end the turn in progress (it answers with a CANCELLED final frame)."""
 
-    async def read(self) -> Frame:
+    async def read(self) -> GenerationEvent:
         """The next frame (WorkerFailed when the stream failed or ended without one)."""
         ...
 
@@ -134,7 +91,7 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-async def read_or_cancel(stream: WorkerStream, cancel: asyncio.Event) -> tuple[Frame, bool]:
+async def read_or_cancel(stream: WorkerStream, cancel: asyncio.Event) -> tuple[GenerationEvent, bool]:
     """The next frame; if ``cancel`` fires first, send the cancel and keep reading."""
     if cancel.is_set():
         await stream.cancel_turn()
@@ -162,7 +119,7 @@ async def read_or_cancel(stream: WorkerStream, cancel: asyncio.Event) -> tuple[F
 
 async def read_frame(
     stream: WorkerStream, cancel: asyncio.Event | None, cancel_sent: bool, stall_s: float
-) -> tuple[Frame, bool]:
+) -> tuple[GenerationEvent, bool]:
     """The next frame within ``stall_s`` (else WorkerStalled), sending the cancel once ``cancel`` fires.
 
     Returns the frame and whether the cancel has been sent.

@@ -147,7 +147,9 @@ class EngineLoop:
                 while True:
                     if self._stopped:
                         return
-                    wait = engine.next_step_in() if self._unread < MAX_UNREAD_STEPS else None  # None: the drain wakes us
+                    wait = (
+                        engine.next_step_in() if self._unread < MAX_UNREAD_STEPS else None
+                    )  # None: the drain wakes us
                     if self._commands or (wait is not None and wait <= 0):
                         break
                     self._cv.wait(wait)

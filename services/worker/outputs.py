@@ -38,26 +38,26 @@ class ChoiceState:
     """One sequence's output state (a turn's choice), owned by the event loop."""
 
     __slots__ = (
-        "id",
-        "stream",
-        "index",
-        "detok",
-        "stops",
-        "texts",
-        "min_tokens",
         "budget",
-        "produced",
-        "prefill",
         "context_len",
-        "hold",
-        "generated",
-        "ids",
-        "text",
-        "logprobs",
+        "detok",
         "final",
-        "tail",
         "flagged",
+        "generated",
+        "hold",
+        "id",
+        "ids",
+        "index",
+        "logprobs",
+        "min_tokens",
         "on_end",
+        "prefill",
+        "produced",
+        "stops",
+        "stream",
+        "tail",
+        "text",
+        "texts",
     )
 
     def __init__(
@@ -104,7 +104,7 @@ class ChoiceState:
 class TurnStream:
     """The events of one turn waiting for its reader (the stream's writer), and its wake-up."""
 
-    __slots__ = ("ready", "waiter", "holding", "error", "choices")
+    __slots__ = ("choices", "error", "holding", "ready", "waiter")
 
     def __init__(self) -> None:
         self.ready: list[ChoiceState] = []
@@ -119,29 +119,29 @@ class TurnStream:
         if waiter is not None and (urgent or not self.holding) and not waiter.done():
             waiter.set_result(None)
 
-    async def wait(self, timeout: float | None = None) -> bool:
-        """Until something is ready (True) or ``timeout`` passed (False)."""
+    async def wait(self, within: float | None = None) -> bool:
+        """Until something is ready (True) or ``within`` seconds passed (False)."""
         if self.ready or self.error is not None:
             return True
         waiter = self.waiter = asyncio.get_running_loop().create_future()
         try:
-            if timeout is None:
+            if within is None:
                 await waiter
                 return True
-            done, _ = await asyncio.wait((waiter,), timeout=timeout)
+            done, _ = await asyncio.wait((waiter,), timeout=within)
             return bool(done)
         finally:
             self.waiter = None
             if not waiter.done():
                 waiter.cancel()
 
-    async def wait_urgent(self, timeout: float) -> None:
-        """Until a final or an error is pending, or ``timeout`` passed (the flush window's hold)."""
+    async def wait_urgent(self, within: float) -> None:
+        """Until a final or an error is pending, or ``within`` seconds passed (the flush window's hold)."""
         if self.pending_final() or self.error is not None:
             return
         waiter = self.waiter = asyncio.get_running_loop().create_future()
         try:
-            await asyncio.wait((waiter,), timeout=timeout)
+            await asyncio.wait((waiter,), timeout=within)
         finally:
             self.waiter = None
             if not waiter.done():
@@ -170,9 +170,7 @@ class TurnStream:
 class OutputProcessor:
     """Turns step outputs into turn events (see the module docstring). Event loop only."""
 
-    def __init__(
-        self, eos: frozenset[int], counters: WorkerCounters, stop: Callable[[int, bool], None]
-    ) -> None:
+    def __init__(self, eos: frozenset[int], counters: WorkerCounters, stop: Callable[[int, bool], None]) -> None:
         self.eos = eos
         self.counters = counters
         self._stop = stop

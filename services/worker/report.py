@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import structlog
 
+from services.common.generation import GenerationRequest
 from services.store.keys import kv_block_hashes
 from services.worker.runner import Runner
 from services.worker.sessions import HeldPrefix
 from services.worker.stats import CounterSnapshot
-from services.common.generation import GenerationRequest
 from services.worker.types import KVUsage
 
 log = structlog.get_logger(__name__)

@@ -18,8 +18,8 @@ import structlog
 
 from services.common import logprobs_pb, metrics, sampling_pb
 from services.common.errors import FailedPrecondition, InvalidArgument, MeshError, ResourceExhausted
-from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.generation import Final, FinishReason, GenerationRequest
+from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import DEFAULT_MAX_TOKENS
 from services.worker import kv_transfer

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted
+from services.common.generation import FinishReason, GenerationEvent, GenerationRequest
 from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.router.api import RouterAPI
@@ -28,15 +29,14 @@ from services.router.types import (
     Chunk,
     Done,
     Event,
-    FinishReason,
     Generation,
     PendingAdmission,
     Route,
     Routing,
     TurnEvent,
 )
-from services.router.worker_stream import Frame, TurnFinal, TurnStart
 from services.store.response_cache import ResponseCache
+from tests.worker_helpers import worker_final, worker_frame
 
 DEFAULT_MAX_TOKENS = 7
 CONTEXT = 256
@@ -50,15 +50,15 @@ class FakeWorkerStream:
     def __init__(self, replica: Replica, timeout: float | None) -> None:
         self.replica = replica
         self.timeout = timeout
-        self.starts: list[TurnStart] = []
+        self.starts: list[GenerationRequest] = []
         self.started = asyncio.Event()
-        self.frames: asyncio.Queue[Frame] = asyncio.Queue()
+        self.frames: asyncio.Queue[GenerationEvent] = asyncio.Queue()
         self.cancels = 0
         self.aborted = asyncio.Event()
         self.closed = False
         self.opened.append(self)
 
-    async def start(self, start: TurnStart) -> None:
+    async def start(self, start: GenerationRequest) -> None:
         self.starts.append(start)
         self.started.set()
 
@@ -66,7 +66,7 @@ class FakeWorkerStream:
         self.cancels += 1
         self.frames.put_nowait(final(FinishReason.CANCELLED, 0))
 
-    async def read(self) -> Frame:
+    async def read(self) -> GenerationEvent:
         read = asyncio.ensure_future(self.frames.get())
         aborted = asyncio.ensure_future(self.aborted.wait())
         try:
@@ -87,12 +87,12 @@ class FakeWorkerStream:
     def answer(self, *texts: str, finish: FinishReason = FinishReason.LENGTH) -> None:
         """The worker's frames of one turn: a token per text, then the final."""
         for i, text in enumerate(texts):
-            self.frames.put_nowait(Frame(i, [100 + i], text))
+            self.frames.put_nowait(worker_frame(i, [100 + i], text))
         self.frames.put_nowait(final(finish, len(texts), sequence=len(texts)))
 
 
-def final(finish: FinishReason, completion: int, sequence: int = 0) -> Frame:
-    return Frame(sequence, [], "", final=TurnFinal(int(finish), 0, completion, 0))
+def final(finish: FinishReason, completion: int, sequence: int = 0) -> GenerationEvent:
+    return worker_frame(sequence, [], "", final=worker_final(int(finish), 0, completion, 0))
 
 
 class FakeTransport:
@@ -263,7 +263,7 @@ async def test_closing_the_stream_aborts_the_worker(api: RouterAPI) -> None:
     first = asyncio.create_task(anext(events))
     stream = await worker()
     await stream.started.wait()
-    stream.frames.put_nowait(Frame(0, [1], "a"))
+    stream.frames.put_nowait(worker_frame(0, [1], "a"))
     await first
     await events.aclose()  # the caller went away mid-answer
     assert stream.aborted.is_set()

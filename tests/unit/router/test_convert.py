@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import InvalidArgument
+from services.common.generation import FinishReason
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import SamplingParams
 from services.router import convert
@@ -16,7 +17,6 @@ from services.router.types import (
     ChatTurn,
     Chunk,
     Done,
-    FinishReason,
     Generation,
     ModelInfo,
     Route,

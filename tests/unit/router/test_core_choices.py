@@ -10,13 +10,15 @@ from dataclasses import dataclass, field
 import pytest
 
 from services.common import errors
+from services.common.generation import GenerationEvent, GenerationRequest
 from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.router.core import Chunk, Done, Session, TurnRequest
 from services.router.policy import TierName
-from services.router.worker_stream import Frame, TurnFinal, TurnStart, WorkerFailed
+from services.router.worker_stream import WorkerFailed
 from services.store.response_cache import ResponseCache
 from tests.unit.router.test_core_transport import FakeTransport, _router, _unavailable
+from tests.worker_helpers import worker_final, worker_frame
 
 
 @dataclass
@@ -25,17 +27,17 @@ class ChoiceStream:
 
     replica: object
     script: list[tuple[int, list[int] | str] | WorkerFailed]
-    starts: list[TurnStart] = field(default_factory=list)
+    starts: list[GenerationRequest] = field(default_factory=list)
     closed: bool = False
     _n: int = 0
 
-    async def start(self, start: TurnStart) -> None:
+    async def start(self, start: GenerationRequest) -> None:
         self.starts.append(start)
 
     async def cancel_turn(self) -> None:
         pass
 
-    async def read(self) -> Frame:
+    async def read(self) -> GenerationEvent:
         step = self.script.pop(0)
         if isinstance(step, WorkerFailed):
             raise step
@@ -43,9 +45,9 @@ class ChoiceStream:
         n = self._n
         self._n += 1
         if what == "final":
-            return Frame(n, [], "", final=TurnFinal(1, 3, 2, 3), index=index)
+            return worker_frame(n, [], "", final=worker_final(1, 3, 2, 3), index=index)
         assert isinstance(what, list)
-        return Frame(n, what, "".join(f" t{t}" for t in what), index=index)
+        return worker_frame(n, what, "".join(f" t{t}" for t in what), index=index)
 
     def abort(self) -> None:
         self.closed = True

@@ -12,13 +12,15 @@ from dataclasses import dataclass, field, replace
 import pytest
 
 from services.common import errors
+from services.common.generation import GenerationEvent, GenerationRequest
 from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.router.core import Chunk, Done, Router, Session, TurnRequest
 from services.router.policy import TierName
 from services.router.registry import Registry, Replica, WorkerReport
-from services.router.worker_stream import Frame, TurnFinal, TurnStart, WorkerFailed
+from services.router.worker_stream import WorkerFailed
 from services.store.response_cache import ResponseCache
+from tests.worker_helpers import worker_final, worker_frame
 
 Step = list[int] | WorkerFailed | None
 """One scripted step of a turn: a frame of these tokens, a failure, or silence (a stall)."""
@@ -28,17 +30,17 @@ Step = list[int] | WorkerFailed | None
 class FakeStream:
     replica: Replica
     script: list[Step]
-    starts: list[TurnStart] = field(default_factory=list)
+    starts: list[GenerationRequest] = field(default_factory=list)
     closed: bool = False
     _n: int = 0  # frames are numbered per turn from 0
 
-    async def start(self, start: TurnStart) -> None:
+    async def start(self, start: GenerationRequest) -> None:
         self.starts.append(replace(start, resume_ids=tuple(start.resume_ids)))  # as sent, not as it grows
 
     async def cancel_turn(self) -> None:
         self.script[:] = []
 
-    async def read(self) -> Frame:
+    async def read(self) -> GenerationEvent:
         step: Step | str = self.script.pop(0) if self.script else "final"
         if isinstance(step, WorkerFailed):
             raise step
@@ -47,9 +49,9 @@ class FakeStream:
         n = self._n
         self._n += 1
         if step == "final":
-            return Frame(n, [], "", final=TurnFinal(1, 3, n, 3))
+            return worker_frame(n, [], "", final=worker_final(1, 3, n, 3))
         assert isinstance(step, list)
-        return Frame(n, step, "".join(f" t{t}" for t in step))
+        return worker_frame(n, step, "".join(f" t{t}" for t in step))
 
     def abort(self) -> None:
         self.closed = True
@@ -139,7 +141,7 @@ async def test_a_worker_dying_after_tokens_is_resumed_elsewhere_without_gap_or_d
     assert [t for e in events if isinstance(e, Chunk) for t in e.token_ids] == [1, 2, 3, 4]
     first, second = transport.opened
     assert first.starts[0].resume_ids == () and second.starts[0].resume_ids == (1, 2)  # prompt + tokens sent
-    assert second.starts[0].prompt_ids == [5, 6, 7]
+    assert second.starts[0].prompt_ids == (5, 6, 7)
     done = events[-1]
     assert isinstance(done, Done) and done.route.reason == "failover"
 

@@ -110,7 +110,9 @@ class FakeEngine(EngineBase):
         fake = FakeSequence(seq, context, prefill_left=self.prefill_steps, prefill_tokens=len(context))
         if previous is not None:  # a chat's next turn: the common prefix is reused
             common = 0
-            while common < min(len(previous.tokens) - 1, len(context) - 1) and previous.tokens[common] == context[common]:
+            while (
+                common < min(len(previous.tokens) - 1, len(context) - 1) and previous.tokens[common] == context[common]
+            ):
                 common += 1
             fake.prefill_tokens = len(context) - common
             fake.pos = previous.pos

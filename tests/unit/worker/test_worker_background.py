@@ -3,13 +3,9 @@ the router sends to the sequence the batched edge engine holds out of foreground
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Sequence
-
 from services.common.generation import GenerationRequest
 from services.common.sampling import SamplingParams
 from services.router.stream_transport import _start_pb
-from services.router.worker_stream import TurnStart
 from services.worker.runner import Runner
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine
 
@@ -17,9 +13,9 @@ PROMPT = tuple(TOKENIZER.encode("hi"))
 
 
 def test_the_start_frame_carries_the_background_mark() -> None:
-    start = TurnStart(request_id="r", prompt_ids=[1, 2], sampling=SamplingParams(max_tokens=2), tenant="t")
+    start = GenerationRequest((1, 2), SamplingParams(max_tokens=2), request_id="r", tenant="t")
     assert not _start_pb(start).background
-    assert _start_pb(TurnStart("r", [1, 2], SamplingParams(max_tokens=2), "t", background=True)).background
+    assert _start_pb(GenerationRequest((1, 2), SamplingParams(max_tokens=2), background=True)).background
 
 
 async def test_the_runner_marks_the_engines_sequence() -> None:

@@ -6,9 +6,9 @@ import asyncio
 import threading
 from contextlib import aclosing
 
+from services.common.generation import FinishReason, GenerationRequest
 from services.common.sampling import SamplingParams
 from services.worker.runner import Runner
-from services.common.generation import FinishReason, GenerationRequest
 from services.worker.types import NewSequence
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine
 

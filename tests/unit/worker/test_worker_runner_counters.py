@@ -8,9 +8,9 @@ import threading
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 
+from services.common.generation import FinishReason, GenerationRequest
 from services.common.sampling import SamplingParams
 from services.worker.runner import Runner, Turn
-from services.common.generation import FinishReason, GenerationRequest
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine
 
 PROMPT = tuple(TOKENIZER.encode("hi"))
