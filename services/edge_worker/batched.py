@@ -48,7 +48,6 @@ import onnxruntime as ort
 from prometheus_client import Counter
 from tokenizers import Tokenizer
 
-from services.common.errors import InvalidArgument
 from services.common.generation import FinishReason
 from services.edge_worker.graph import load_sessions
 from services.edge_worker.hold import BackgroundHold
@@ -223,7 +222,12 @@ class BatchedEngine(EngineBase):
         """Outputs of sequences that ended outside a model call (a fork whose source stopped, a
         failure), returned by the next step."""
         self._lock = threading.Lock()
-        """Guards ``_preemptible`` (the loop thread sets it, ``interrupt_background`` reads it)."""
+        """Guards ``_preemptible`` and ``_interrupt_pending`` (the loop thread sets them,
+        ``interrupt_background`` reads them from any thread)."""
+        self._interrupt_pending = False
+        """``interrupt_background`` came while no preemptible step was running: the loop thread may be
+        about to start one of batch work only, before it applies the foreground command that came with
+        the interrupt; that step then stops at once (guarded by ``_lock``; cleared when a step starts)."""
         self.steps = 0
         """Decode calls run so far (a batch of any size counts once)."""
         self.rows = 0
@@ -306,10 +310,13 @@ class BatchedEngine(EngineBase):
         return self._preemptible is not None
 
     def interrupt_background(self) -> None:
-        """Stop the model call of a step of background sequences only, if one is running (any thread)."""
+        """Stop the model call of a step of background sequences only, if one is running, or the next
+        one if it starts before the foreground work that comes with this call is added (any thread)."""
         with self._lock:
             if self._preemptible is not None:
                 self._preemptible.terminate = True
+            else:
+                self._interrupt_pending = True
 
     @property
     def yields(self) -> int:
@@ -330,14 +337,21 @@ class BatchedEngine(EngineBase):
         """One step: a prefill chunk per prefilling sequence, one decode call for the rest (see the
         module docstring); the outputs of the sequences that got a token."""
         ended, self._ended = self._ended, []
-        batch = [seq for seq in self._live.values() if seq.source is None][: self.max_batch]
+        # Foreground first (stable: arrival order within each): a batch line never keeps an
+        # interactive sequence out of a full step.
+        runnable = [seq for seq in self._live.values() if seq.source is None]
+        runnable.sort(key=lambda seq: seq.background)
+        batch = runnable[: self.max_batch]
         now = time.monotonic()
-        batch, _held = self.hold.split(batch, now)
-        if not batch:
-            return ended
-        quiet = all(seq.background for seq in batch) and not _held and self.hold.quiet(now)
+        batch, held = self.hold.split(batch, now)
+        quiet = bool(batch) and all(seq.background for seq in batch) and not held and self.hold.quiet(now)
         with self._lock:
             self._preemptible = ort.RunOptions() if quiet else None
+            if self._preemptible is not None and self._interrupt_pending:
+                self._preemptible.terminate = True  # foreground work is on its way: this step runs later
+            self._interrupt_pending = False
+        if not batch:
+            return ended
         try:
             done = self._iterate(batch)
         except Exception as exc:  # an onnxruntime failure fails this step's sequences, not the engine
@@ -485,11 +499,12 @@ class BatchedEngine(EngineBase):
         if fork.closed:  # stopped meanwhile
             return
         fork.source = None
-        if None not in self._owners and all(s is None or s in batch or s is source for s in self._owners):
+        members = {*batch, source, *(made for made, _ in done)}  # the forks made this step stay too
+        if None not in self._owners and all(s is None or s in members for s in self._owners):
             self._fail(fork, RuntimeError("no KV slot is free for another choice"))
             return
         try:
-            self._acquire(fork, [*batch, source])
+            self._acquire(fork, list(members))
             assert fork.slot is not None and source.slot is not None
             self._kv.copy(source.slot, fork.slot, source.kv_len)
             fork.kv_len = source.kv_len

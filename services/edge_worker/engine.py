@@ -85,7 +85,7 @@ class OgSequence:
         self._tokens: list[int] = []  # the generator's sequence
         self._kv_len = 0  # leading tokens of ``_tokens`` whose KV has been computed
         self._pending: list[int] | None = list(token_ids)
-        self._replay = list(replay)  # fed one token per forward pass after the prefill (see Engine.start)
+        self._replay = list(replay)  # fed one token per forward pass after the prefill (NewSequence.replay)
         self.prefill_tokens = len(token_ids) + len(replay)
         """Tokens the next ``step`` prefills (all of the context, or only a chat turn's new ones)."""
         self.max_new = sampling.max_tokens
@@ -190,7 +190,7 @@ class OgEngine(EngineBase):
 
     def add(self, spec: NewSequence) -> None:
         if spec.reuse is not None and (held := self._held.pop(spec.reuse, None)) is not None:
-            if held.reuse(spec.prompt_ids, spec.sampling) and not spec.replay:
+            if not spec.replay and held.reuse(spec.prompt_ids, spec.sampling):  # a replay runs afresh
                 held.hold = spec.hold
                 self._live[spec.id] = held
                 return

@@ -1,28 +1,30 @@
-"""When background sequences (batch lines) sit out a round of the batched edge engine.
+"""When background sequences (batch lines) sit out a step of the batched edge engine.
 
 On a CPU-bound worker every batch row in a decode call, and every batch prefill chunk, takes cores
 from the interactive turns beside it, on this worker and on the other workers of the same host. So
-:class:`BackgroundHold` (pure: the batch thread passes the clock in) holds the background sequences of
-a round (no prefill chunk, no decode row: they keep their KV and wait) while foreground work is active:
+:class:`BackgroundHold` (pure: the engine loop thread passes the clock in) holds the background
+sequences of a step (no prefill chunk, no decode row: they keep their KV and wait) while foreground
+work is active:
 
-* **here**: a foreground sequence is in the round, or stepped within ``idle_s`` and is not closed (its
-  worker thread is between two steps: detokenizing, sending the frame);
+* **here**: a foreground sequence is in the step, or was in one within ``idle_s`` and is not closed (a
+  chat turn that just ended keeps its sequence: its next turn, or an agent's next call, often comes
+  at once);
 * **host**: the host's foreground flag (:attr:`BackgroundHold.host_until`) has not expired. The router
   sets it while it runs a foreground turn on any worker of this host (services/router/host_hold.py),
   renewing it while the turn runs; a flag that is not renewed (the router is gone or stopped) expires
   by itself, so it never holds a line for longer than its time to live.
 
-A round of background sequences only that began while nothing held them is **preemptible**: when
-foreground work arrives during its model call (a foreground step on this engine, or the host flag
-being set), the engine stops that call part-way (onnxruntime's ``RunOptions.terminate``) instead of
+A step of background sequences only that began while nothing held them is **preemptible**: when
+foreground work arrives during its model call (a foreground sequence added to this engine, or the host
+flag being set), the engine stops that call part-way (onnxruntime's ``RunOptions.terminate``) instead of
 letting the interactive turn wait for it, and the sequences it had not finished are held; their step
 runs again, whole, when the hold ends (the KV positions a stopped call wrote are written again with
 the same values: batch invariance and greedy replay are unchanged).
 
-Bounded: after ``max_hold_s`` of continuous holding one round lets the background sequences through
-(never a round that prefills a foreground prompt, so an interactive first token never shares its round
+Bounded: after ``max_hold_s`` of continuous holding one step lets the background sequences through
+(never a step that prefills a foreground prompt, so an interactive first token never shares its step
 with batch work), then the hold starts again. Under a foreground load that never pauses, a batch line
-still advances one round per ``max_hold_s``: delayed, never starved.
+still advances one step per ``max_hold_s``: delayed, never starved.
 """
 
 from __future__ import annotations
@@ -59,12 +61,12 @@ PREEMPTED = Counter(
     "arrived (they are run again, whole, once the hold ends).",
 )
 FOREGROUND_IDLE_S = 0.05
-"""A foreground sequence that stepped this recently (and is not closed) still counts as active: its
-worker thread will be back within a few milliseconds with its next step."""
+"""A foreground sequence that was in a step this recently (and is not closed: a chat turn's sequence
+kept for its next turn) still counts as active."""
 
 
 class Member(Protocol):
-    """What the rule reads of a sequence (services/edge_worker/sequence.py's BatchedSequence)."""
+    """What the rule reads of a sequence (services/edge_worker/sequence.py's EdgeSequence)."""
 
     background: bool
     closed: bool
@@ -76,7 +78,7 @@ M = TypeVar("M", bound=Member)
 
 
 class BackgroundHold:
-    """The hold rule (see the module docstring). Called from the batch thread only, except
+    """The hold rule (see the module docstring). Called from the engine loop thread only, except
     :meth:`hold_host`, which any thread may call (one float written)."""
 
     def __init__(self, *, max_hold_s: float, idle_s: float = FOREGROUND_IDLE_S) -> None:

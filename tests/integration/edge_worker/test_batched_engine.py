@@ -1,23 +1,25 @@
-"""The batched edge engine on the real INT4 model: batch invariance, replay, chats, parking, sampling."""
+"""The batched edge engine on the real INT4 model, driven as the worker's engine loop drives it (add /
+step / stop, tests/engine_driver.py): batch invariance, replay, chats, parking, stop, sampling."""
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import onnxruntime_genai as og
 import pytest
 from prometheus_client import REGISTRY
 
+from services.common.generation import FinishReason
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
-from services.edge_worker.sequence import BatchedSequence
 from services.edge_worker.spin import SessionChooser
+from tests.engine_driver import EngineDriver, Result
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["Name three colours.", "What is the sea?", "Tell me a short story about a cat.", "Count to five."]
+FOLLOW = "<|im_end|>\n<|im_start|>user\nAnd two animals?<|im_end|>\n"
 
 
 @pytest.fixture(scope="module")
@@ -35,64 +37,79 @@ def chat(engine: BatchedEngine, text: str) -> list[int]:
     return list(ids)
 
 
-def steps(seq: BatchedSequence, n: int) -> list[int]:
-    return [seq.step() for _ in range(n)]
+def ids_of(engine: BatchedEngine, text: str) -> list[int]:
+    return list(engine.tokenizer.encode(text).ids)
 
 
 def generate(engine: BatchedEngine, ids: list[int], n: int, sampling: SamplingParams | None = None) -> list[int]:
-    seq = engine.start(ids, sampling or SamplingParams(max_tokens=n))
-    try:
-        return steps(seq, n)
-    finally:
-        seq.close()
+    """One sequence alone, run to its end: at most ``n`` tokens (an EOS ends it and is the last)."""
+    return EngineDriver(engine).generate(ids, sampling or SamplingParams(max_tokens=n))
 
 
-def together(jobs: list[Callable[[], list[int]]]) -> list[list[int]]:
-    """Run the jobs on threads at once (as the worker runtime does), results in job order."""
-    results: list[list[int] | BaseException] = [[] for _ in jobs]
+def together(
+    engine: BatchedEngine, runs: Sequence[tuple[list[int], int | SamplingParams]], **options: object
+) -> list[list[int]]:
+    """The sequences added at once and stepped together until all ended; their tokens in order."""
+    results = run_together(engine, runs, **options)
+    for result in results:
+        if result.error is not None:
+            raise result.error
+    return [result.tokens for result in results]
 
-    def run(i: int) -> None:
-        try:
-            results[i] = jobs[i]()
-        except BaseException as exc:  # re-raised below, in the test's thread
-            results[i] = exc
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return [r for r in results if not isinstance(r, BaseException)]
+def run_together(
+    engine: BatchedEngine, runs: Sequence[tuple[list[int], int | SamplingParams]], **options: object
+) -> list[Result]:
+    driver = EngineDriver(engine)
+    seq_ids = [
+        driver.add(ids, SamplingParams(max_tokens=how) if isinstance(how, int) else how, **options) for ids, how in runs
+    ]
+    results = driver.run(seq_ids)
+    return [results[i] for i in seq_ids]
 
 
 def test_greedy_tokens_do_not_depend_on_what_shares_the_batch(engine: BatchedEngine) -> None:
     prompts = [chat(engine, p) for p in PROMPTS]
     alone = [generate(engine, p, 12) for p in prompts]
     rows_before, steps_before = engine.rows, engine.steps
-    # Six at once on four slots: batches of different sizes and members, two sequences queue.
-    both = together([lambda p=p: generate(engine, p, 12) for p in [*prompts, *prompts[:2]]])
+    # Six at once on four slots: batches of different sizes and members, two sequences wait in the engine.
+    both = together(engine, [(p, 12) for p in [*prompts, *prompts[:2]]])
     assert both == [*alone, *alone[:2]]
     assert engine.rows - rows_before > engine.steps - steps_before  # some decode calls had several rows
 
 
+def test_a_sequence_alone_gets_the_tokens_it_gets_among_fifteen_others() -> None:
+    engine = BatchedEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=16)
+    try:
+        texts = [*PROMPTS, *(f"Say something about the number {i}." for i in range(12))]
+        prompts = [chat(engine, t) for t in texts]
+        alone = generate(engine, prompts[2], 16)
+        driver = EngineDriver(engine)
+        seq_ids = [driver.add(p, SamplingParams(max_tokens=16 if i == 2 else 8 + i)) for i, p in enumerate(prompts)]
+        first = driver.step()  # all sixteen prefill in the first step
+        assert len(prompts) == len(first) == 16
+        rows, steps = engine.rows, engine.steps
+        driver.step()
+        assert (engine.rows - rows, engine.steps - steps) == (16, 1)  # then one decode call of sixteen rows
+        results = driver.run(seq_ids)
+        assert results[seq_ids[2]].tokens == alone
+    finally:
+        engine.close()
+
+
 def test_new_prompts_of_one_length_share_a_prefill_call_and_decode_as_they_do_alone(engine: BatchedEngine) -> None:
     prompts = [chat(engine, p)[:5] for p in PROMPTS]  # four different prompts of five tokens
-    blocker = chat(engine, " ".join(PROMPTS * 4))  # a long prompt: chunks of 16, one call each
     alone = [generate(engine, p, 8) for p in prompts]
     calls, rows = engine.prefill_calls, engine.prefill_rows
     metric_calls, metric_rows = prefill_metrics()
-    # While the long prompt prefills, the four queue up and are taken in one round: 3 x 5 tokens
-    # fill one call (at most prefill_chunk tokens), the fourth gets the next.
-    first = threading.Thread(target=generate, args=(engine, blocker, 2))
-    first.start()
-    time.sleep(0.05)
-    got = together([lambda p=p: generate(engine, p, 8) for p in prompts])
-    first.join(timeout=60)
-    assert got == alone
-    assert engine.prefill_rows - rows > engine.prefill_calls - calls  # some call prefilled several prompts
+    # Added together: their first chunks are prefilled in one step, 3 x 5 tokens in one call (at most
+    # prefill_chunk tokens), the fourth in the next call.
+    driver = EngineDriver(engine)
+    seq_ids = [driver.add(p, SamplingParams(max_tokens=8)) for p in prompts]
+    assert len(driver.step()) == 4  # each got its first token from that step
+    assert (engine.prefill_calls - calls, engine.prefill_rows - rows) == (2, 4)
+    results = driver.run(seq_ids)
+    assert [results[i].tokens for i in seq_ids] == alone
     after_calls, after_rows = prefill_metrics()  # meshserve_edge_model_{calls,rows}_total{kind="prefill"}
     assert after_calls - metric_calls == engine.prefill_calls - calls
     assert after_rows - metric_rows == engine.prefill_rows - rows
@@ -117,35 +134,49 @@ def test_first_token_equals_onnxruntime_genai(engine: BatchedEngine) -> None:
         assert generate(engine, ids, 1) == [int(generator.get_next_tokens()[0])]
 
 
+def test_every_output_ends_with_its_finish_reason_and_reports_its_prefill(engine: BatchedEngine) -> None:
+    prompt = chat(engine, PROMPTS[0])
+    driver = EngineDriver(engine)
+    seq_id = driver.add(prompt, SamplingParams(max_tokens=3))
+    outputs = [out for _ in range(20) for out in driver.step() if out.id == seq_id]
+    assert [len(out.tokens) for out in outputs] == [1, 1, 1]  # one token per step
+    assert outputs[0].prefill_tokens == len(prompt) and all(out.prefill_tokens is None for out in outputs[1:])
+    assert [out.finish for out in outputs] == [None, None, FinishReason.LENGTH]
+    assert engine.next_step_in() is None  # nothing left to step
+    said = EngineDriver(engine)
+    result = said.run([said.add(chat(engine, "Say yes."), SamplingParams(max_tokens=30))]).popitem()[1]
+    assert result.finish == FinishReason.STOP and result.tokens[-1] in engine.info.eos_token_ids
+
+
 def test_replayed_tokens_continue_exactly_like_the_undisturbed_run(engine: BatchedEngine) -> None:
     prompt = chat(engine, PROMPTS[2])
     undisturbed = generate(engine, prompt, 14)
-    resumed = engine.start(prompt, SamplingParams(max_tokens=9), replay=undisturbed[:5])
-    assert resumed.prefill_tokens == len(prompt) + 5
-    try:
-        other = chat(engine, PROMPTS[0])
-        got, _ = together([lambda: steps(resumed, 9), lambda: generate(engine, other, 9)])
-    finally:
-        resumed.close()
-    assert got == undisturbed[5:]
+    assert len(undisturbed) == 14
+    driver = EngineDriver(engine)
+    resumed = driver.add(prompt, SamplingParams(max_tokens=9), replay=undisturbed[:5])
+    driver.add(chat(engine, PROMPTS[0]), SamplingParams(max_tokens=9))  # beside another sequence
+    result = driver.run()[resumed]
+    assert result.prefill_tokens == len(prompt) + 5
+    assert result.tokens == undisturbed[5:]
 
 
 def test_chat_turn_reuses_its_kv_even_after_being_parked(engine: BatchedEngine) -> None:
     prompt = chat(engine, PROMPTS[0])
-    follow = list(engine.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd two animals?<|im_end|>\n").ids)
+    follow = ids_of(engine, FOLLOW)
 
     def two_turns(park: bool) -> tuple[list[int], int]:
-        seq = engine.start_chat(prompt, SamplingParams(max_tokens=5))
-        try:
-            first = steps(seq, 5)
-            if park:  # four other sequences need every slot: the idle chat is copied out
-                together([lambda p=p: generate(engine, chat(engine, p), 3) for p in PROMPTS])
-                assert seq.parked is not None and engine.kv_usage().used_bytes > 0
-            assert seq.reuse([*prompt, *first, *follow], SamplingParams(max_tokens=5))
-            new = seq.prefill_tokens
-            return steps(seq, 5), new
-        finally:
-            seq.close()
+        driver = EngineDriver(engine)
+        first = driver.add(prompt, SamplingParams(max_tokens=5), hold=True)
+        said = driver.run([first])[first]
+        assert said.finish == FinishReason.LENGTH and first in engine._held  # kept for the next turn
+        if park:  # four other sequences need every slot: the idle chat is copied out
+            together(engine, [(chat(engine, p), 3) for p in PROMPTS])
+            assert engine._held[first].parked is not None and engine.kv_usage().used_bytes > 0
+        second = driver.add([*prompt, *said.tokens, *follow], SamplingParams(max_tokens=5), reuse=first)
+        result = driver.run([second])[second]
+        assert first not in engine._held and second not in engine._held  # a turn without hold frees it
+        assert result.prefill_tokens is not None
+        return result.tokens, result.prefill_tokens
 
     kept, new_kept = two_turns(park=False)
     parked, new_parked = two_turns(park=True)
@@ -153,23 +184,57 @@ def test_chat_turn_reuses_its_kv_even_after_being_parked(engine: BatchedEngine) 
     assert parked == kept
 
 
+def test_a_chat_turn_stopped_early_with_a_step_past_it_continues_like_a_fresh_sequence(engine: BatchedEngine) -> None:
+    """A stop string found in step t stops the turn after step t+1 ran (the loop overlaps output
+    processing with the next step): that step fed the turn's last token, so the next turn prefills
+    only its new part, and continues as a fresh sequence over the whole context would."""
+    prompt = chat(engine, PROMPTS[0])
+    driver = EngineDriver(engine)
+    first = driver.add(prompt, SamplingParams(max_tokens=20), hold=True)
+    while len(driver.results[first].tokens) < 6:
+        driver.step()
+    said = driver.results[first].tokens[:5]  # the stop string ended the turn at its fifth token
+    driver.stop(first, hold=True)
+    follow = ids_of(engine, FOLLOW)
+    context = [*prompt, *said, *follow]
+    second = driver.add(context, SamplingParams(max_tokens=6), reuse=first)
+    result = driver.run([second])[second]
+    assert result.prefill_tokens == len(follow)  # the step past the stop fed the fifth token
+    assert result.tokens == generate(engine, context, 6)
+
+
 def test_seeded_sampling_gives_the_same_tokens_alone_and_batched(engine: BatchedEngine) -> None:
     prompt = chat(engine, PROMPTS[2])
     sampling = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=40, seed=7)
     alone = generate(engine, prompt, 10, sampling)
-    batched = together([lambda: generate(engine, prompt, 10, sampling), lambda: generate(engine, prompt, 10)])
+    batched = together(engine, [(prompt, sampling), (prompt, 10)])
     assert batched[0] == alone
     assert generate(engine, prompt, 10, SamplingParams(max_tokens=10, temperature=0.9, seed=8)) != alone
 
 
-def test_a_closed_sequence_refuses_to_step_and_frees_its_kv(engine: BatchedEngine) -> None:
-    seq = engine.start(chat(engine, PROMPTS[1]), SamplingParams(max_tokens=2))
-    seq.step()
-    seq.close()
-    with pytest.raises(RuntimeError):
-        seq.step()
+def test_a_stop_during_prefill_frees_the_slot_at_once_and_no_model_call_runs_for_it(engine: BatchedEngine) -> None:
+    long_prompt = chat(engine, " ".join(PROMPTS * 4))  # chunks of 16: many steps of prefill
+    assert len(long_prompt) > 4 * engine.prefill_chunk
+    before = engine.kv_usage().used_bytes
+    driver = EngineDriver(engine)
+    seq_id = driver.add(long_prompt, SamplingParams(max_tokens=4))
+    calls = engine.prefill_calls
+    assert driver.step() == []  # one chunk, no token yet
+    assert engine.prefill_calls == calls + 1 and engine.kv_usage().used_bytes > before
+    seq = engine._live[seq_id]
+    driver.stop(seq_id)
+    assert seq.slot is None and seq not in engine._owners and engine.kv_usage().used_bytes == before
+    assert engine.next_step_in() is None and driver.step() == []  # nothing more runs for it
+    assert engine.prefill_calls == calls + 1
+    # a decoding sequence stopped between two steps is freed the same way and gets no more tokens
+    seq_id = driver.add(chat(engine, PROMPTS[1]), SamplingParams(max_tokens=10))
+    driver.step()
+    driver.step()
+    driver.stop(seq_id)
+    assert driver.step() == [] and len(driver.results[seq_id].tokens) == 2
+    assert engine.kv_usage().used_bytes == before
     assert generate(engine, chat(engine, PROMPTS[1]), 1)  # the engine goes on
-    assert seq.slot is None and seq.parked is None
+    driver.stop(123456789)  # unknown ids are ignored
 
 
 def test_the_lm_head_as_built_also_keeps_greedy_tokens_independent_of_the_batch() -> None:
@@ -177,7 +242,7 @@ def test_the_lm_head_as_built_also_keeps_greedy_tokens_independent_of_the_batch(
     try:
         prompts = [chat(engine, p) for p in PROMPTS]
         alone = [generate(engine, p, 10) for p in prompts]
-        assert together([lambda p=p: generate(engine, p, 10) for p in prompts]) == alone
+        assert together(engine, [(p, 10) for p in prompts]) == alone
         assert all(len(set(tokens)) > 1 for tokens in alone)  # it writes text, not one repeated token
     finally:
         engine.close()
@@ -191,12 +256,27 @@ def test_adaptive_threading_switches_sessions_without_changing_a_token(engine: B
         # A chooser that moves between the three sessions (2 threads sleeping / spinning, 1 thread) all the time.
         adaptive.chooser = SessionChooser(3, probe_every=1, max_probe_every=1, probe_calls=1, window=1)
         assert [generate(adaptive, p, 12) for p in prompts] == alone
-        assert together([lambda p=p: generate(adaptive, p, 12) for p in prompts]) == alone
+        assert together(adaptive, [(p, 12) for p in prompts]) == alone
         assert all(calls > 3 for calls in adaptive.chooser.calls), (
             adaptive.chooser.calls
         )  # every session ran decode calls
     finally:
         adaptive.close()
+
+
+def test_logprobs_belong_to_each_token_alone_and_batched(engine: BatchedEngine) -> None:
+    sampling = SamplingParams(max_tokens=8, logprobs=True, top_logprobs=2)
+    prompts = [chat(engine, p) for p in PROMPTS[:3]]
+    driver = EngineDriver(engine)
+    alone = driver.run([driver.add(prompts[1], sampling)])
+    (single,) = alone.values()
+    results = run_together(engine, [(prompts[0], 8), (prompts[1], sampling), (prompts[2], 8)])
+    assert results[1].tokens == single.tokens
+    for result in (single, results[1]):
+        assert [entry.token_id for entry in result.logprobs] == result.tokens
+        assert all(len(entry.top_ids) == 2 and entry.logprob <= 0.0 for entry in result.logprobs)
+    assert [e.logprob for e in results[1].logprobs] == [e.logprob for e in single.logprobs]  # batch invariant
+    assert not results[0].logprobs and not results[2].logprobs  # rows that do not ask get none
 
 
 PENALISED = SamplingParams(
@@ -210,18 +290,15 @@ def test_penalised_rows_are_batch_invariant_and_leave_the_other_rows_alone(engin
     penalised = generate(engine, prompts[1], 14, PENALISED)
     assert penalised != plain[1]
     assert not set(penalised) & engine.info.eos_token_ids  # min_tokens held EOS off
-    jobs = [lambda p=p: generate(engine, p, 14) for p in prompts]
-    jobs[1] = lambda: generate(engine, prompts[1], 14, PENALISED)
-    got = together(jobs)
-    assert got == [plain[0], penalised, *plain[2:]]
+    runs: list[tuple[list[int], int | SamplingParams]] = [(p, 14) for p in prompts]
+    runs[1] = (prompts[1], PENALISED)
+    assert together(engine, runs) == [plain[0], penalised, *plain[2:]]
 
 
 def test_a_resumed_penalised_stream_continues_like_the_undisturbed_run(engine: BatchedEngine) -> None:
     """The replayed tokens count as generated: the penalties after the replay are the undisturbed run's."""
     prompt = chat(engine, PROMPTS[3])
     undisturbed = generate(engine, prompt, 14, PENALISED)
-    resumed = engine.start(prompt, PENALISED, replay=undisturbed[:5])
-    try:
-        assert steps(resumed, 9) == undisturbed[5:]
-    finally:
-        resumed.close()
+    rest = replace(PENALISED, max_tokens=9)  # max_tokens: new tokens; min_tokens counts the replayed ones
+    resumed = EngineDriver(engine).generate(prompt, rest, replay=undisturbed[:5])
+    assert resumed == undisturbed[5:]
