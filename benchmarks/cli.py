@@ -18,6 +18,10 @@ SUBCOMMANDS = {
     "soak": ("benchmarks.load.soak", "N minutes at 80 % of measured capacity; fails on RSS / fd growth > 5 %"),
     "gateways": ("benchmarks.gateway.vs_litellm", "gateway overhead: meshserve vs LiteLLM in front of a fake backend"),
     "relay": ("benchmarks.gateway.relay", "tokens relayed per second through gateway + router (instant worker)"),
+    "worker-runtime": (
+        "benchmarks.worker.runtime",
+        "the worker runtime alone over a zero-cost engine, this tree vs --ab-tree's (issue 37)",
+    ),
     "cancel": ("benchmarks.mesh.cancel", "decode steps a worker runs after the client cancels (edge and cloud)"),
     "report": ("benchmarks.report", "write docs/benchmarks/README.md from the benchmarks' JSON files"),
     "spec": ("benchmarks.cloud.spec", "cloud engine: speculative decoding speed-up/acceptance, TP=3 vs TP=1"),

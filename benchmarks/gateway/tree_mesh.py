@@ -125,8 +125,10 @@ async def start_mesh(
     suffix: str = "",
     sink: Callable[[str, str], None] = _sink,
     timeout_s: float = 120.0,
+    worker_argv: list[str] | None = None,
 ) -> TreeMesh:
-    """Start one mesh from ``tree``; process names get ``suffix`` (two meshes side by side)."""
+    """Start one mesh from ``tree``; process names get ``suffix`` (two meshes side by side).
+    ``worker_argv``: the worker's command instead of the tree's instant worker (run with the tree's code)."""
     unknown = set(layouts) - set(LAYOUTS)
     if unknown:
         raise ValueError(f"unknown layouts {sorted(unknown)}; use {', '.join(LAYOUTS)}")
@@ -144,7 +146,10 @@ async def start_mesh(
             "MESHSERVE_INSTANT_WORKER_WORKER_ID": f"instant{suffix}",
             **(worker_settings or {}),
         }
-        worker = ServiceProcess(f"worker{suffix}", command(module, worker_tree), worker_env, sink)
+        if worker_argv is not None:
+            worker_env = tree_env(worker_env, tree)
+        argv = worker_argv if worker_argv is not None else command(module, worker_tree)
+        worker = ServiceProcess(f"worker{suffix}", argv, worker_env, sink)
         mesh.procs[f"worker{suffix}"] = await _start(worker, timeout_s)
         router_env = {"MESHSERVE_ROUTER_EDGE_WORKERS": worker.address, "MESHSERVE_ROUTER_REDIS_URL": redis_url}
         gateway_env = {

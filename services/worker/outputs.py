@@ -5,9 +5,15 @@
 detokenizes the new tokens incrementally, looks for stop strings (a match ends the sequence: the
 engine is told to stop it before its next step), adds the logprobs' token texts, counts tokens and
 prefills, and appends the result to the sequence's pending delta. Each turn's reader
-(:class:`TurnStream`) is woken at most once per hand-off, however many of its tokens came, and not
-at all while it holds its frame for the flush window; it then takes one event per choice with
-everything pending.
+(:class:`TurnStream`) is woken at most once per hand-off, however many of its tokens came; it then
+takes one event per choice with everything pending.
+
+**Flush window** (:class:`~services.common.coalesce.FlushWindow`, vLLM's stream interval made
+adaptive): while the process is busy (at least ``busy_streams`` streams open), a stream that was
+just given tokens is not woken for more until ``window_s`` has passed (one timer of the processor's
+wakes every such stream when its time comes); the tokens that come meanwhile join the next frame. A
+stream's first tokens, its final and its error are never held, and a lone stream (or any stream while
+the process is not busy) is never held.
 
 EOS ends a sequence with STOP and is neither sent nor detokenized (it counts as a completion token).
 When a stop string matches, the token that completed it is still sent (its text is cut before the
@@ -22,6 +28,7 @@ from collections.abc import Callable
 
 import structlog
 
+from services.common.coalesce import FlushWindow
 from services.common.errors import MeshError
 from services.common.generation import Final, FinishReason, GenerationEvent
 from services.common.logprobs import TokenLogprob
@@ -104,19 +111,21 @@ class ChoiceState:
 class TurnStream:
     """The events of one turn waiting for its reader (the stream's writer), and its wake-up."""
 
-    __slots__ = ("choices", "error", "holding", "ready", "waiter")
+    __slots__ = ("choices", "error", "held", "next_at", "ready", "waiter")
 
     def __init__(self) -> None:
         self.ready: list[ChoiceState] = []
         self.waiter: asyncio.Future[None] | None = None
-        self.holding = False
-        """The reader holds its frame for the flush window: only a final (or an error) wakes it."""
+        self.next_at = 0.0
+        """The flush window: tokens wake the reader from this time on (a final or an error at once)."""
+        self.held = False
+        """Listed in the processor's held streams (tokens wait for ``next_at``)."""
         self.error: BaseException | None = None
         self.choices: list[ChoiceState] = []
 
-    def wake(self, urgent: bool) -> None:
+    def wake(self) -> None:
         waiter = self.waiter
-        if waiter is not None and (urgent or not self.holding) and not waiter.done():
+        if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     async def wait(self, within: float | None = None) -> bool:
@@ -130,18 +139,6 @@ class TurnStream:
                 return True
             done, _ = await asyncio.wait((waiter,), timeout=within)
             return bool(done)
-        finally:
-            self.waiter = None
-            if not waiter.done():
-                waiter.cancel()
-
-    async def wait_urgent(self, within: float) -> None:
-        """Until a final or an error is pending, or ``within`` seconds passed (the flush window's hold)."""
-        if self.pending_final() or self.error is not None:
-            return
-        waiter = self.waiter = asyncio.get_running_loop().create_future()
-        try:
-            await asyncio.wait((waiter,), timeout=within)
         finally:
             self.waiter = None
             if not waiter.done():
@@ -163,16 +160,22 @@ class TurnStream:
         self.ready = []
         return events
 
-    def pending_final(self) -> bool:
-        return any(st.final is not None for st in self.ready)
-
 
 class OutputProcessor:
     """Turns step outputs into turn events (see the module docstring). Event loop only."""
 
-    def __init__(self, eos: frozenset[int], counters: WorkerCounters, stop: Callable[[int, bool], None]) -> None:
+    def __init__(
+        self,
+        eos: frozenset[int],
+        counters: WorkerCounters,
+        stop: Callable[[int, bool], None],
+        flush: FlushWindow | None = None,
+    ) -> None:
         self.eos = eos
         self.counters = counters
+        self.flush = flush
+        self._held: list[TurnStream] = []
+        self._timer: asyncio.TimerHandle | None = None
         self._stop = stop
         """The engine loop's ``stop(seq_id, hold)``."""
         self.live: dict[int, ChoiceState] = {}
@@ -218,10 +221,49 @@ class OutputProcessor:
                     urgent.append(st.stream)
         if tokens:
             self.counters.token_generated(tokens)
-        for stream in woken:
-            stream.wake(False)
+        flush = self.flush
+        if flush is not None and flush.busy and woken:
+            now = flush.clock()
+            for stream in woken:
+                if stream.next_at > now:
+                    if not stream.held:
+                        stream.held = True
+                        self._held.append(stream)
+                else:
+                    stream.wake()
+            if self._held and self._timer is None:
+                self._arm()
+        else:
+            for stream in woken:
+                stream.wake()
         for stream in urgent:
-            stream.wake(True)
+            stream.wake()
+
+    def flushed(self, stream: TurnStream) -> None:
+        """The reader took a frame of tokens: the window starts (while the process is busy)."""
+        flush = self.flush
+        if flush is not None and flush.busy:
+            stream.next_at = flush.clock() + flush.window_s
+
+    def _arm(self) -> None:
+        due = min(stream.next_at for stream in self._held)
+        self._timer = asyncio.get_running_loop().call_at(due, self._release)
+
+    def _release(self) -> None:
+        """The timer: wake every held stream whose window has passed, then wait for the next one."""
+        self._timer = None
+        assert self.flush is not None
+        now = self.flush.clock()
+        keep = []
+        for stream in self._held:
+            if stream.next_at <= now or not stream.ready:
+                stream.held = False
+                stream.wake()
+            else:
+                keep.append(stream)
+        self._held = keep
+        if keep:
+            self._arm()
 
     def _tokens(self, st: ChoiceState, out: SequenceOutput) -> None:
         eos = self.eos
@@ -271,7 +313,7 @@ class OutputProcessor:
             if not st.flagged:
                 st.flagged = True
                 st.stream.ready.append(st)
-            st.stream.wake(True)
+            st.stream.wake()
 
     def fail(self, st: ChoiceState, error: BaseException) -> None:
         """``st`` failed: its turn raises ``error`` (a domain error is shown to the caller)."""

@@ -142,7 +142,6 @@ class Turn:
         flush = runner.flush
         finals = 0
         sent = 0
-        last_sent: float | None = None
         if flush is not None:
             flush.active += 1  # an open stream of this process until its events end
         try:
@@ -152,23 +151,12 @@ class Turn:
                         yield QUEUED
                 else:
                     await stream.wait()
-                if flush is not None and sent and not stream.pending_final() and stream.error is None:
-                    # The flush window (services/common/coalesce.py): while busy, a token frame waits
-                    # until the window since the last frame has passed, unless the turn ends first
-                    # (a final or an error wakes it); the tokens that come meanwhile join it.
-                    hold = flush.hold_s(last_sent)
-                    if hold > 0:
-                        stream.holding = True
-                        try:
-                            await stream.wait_urgent(hold)
-                        finally:
-                            stream.holding = False
-                    last_sent = flush.clock()
-                elif flush is not None:
-                    last_sent = flush.clock()
                 if stream.error is not None:
                     raise stream.error
-                for event in stream.take():
+                events = stream.take()
+                if flush is not None and any(event.final is None for event in events):
+                    runner.processor.flushed(stream)  # tokens out: the next ones wait for the window
+                for event in events:
                     if sent == 0:
                         phase.end()
                         phase = tracing.start_span("worker.first_token")
@@ -232,7 +220,7 @@ class Runner:
         self.keepalive_s = keepalive_s
         self.counters = WorkerCounters()
         self.loop = EngineLoop(engine, self._deliver, name=f"{name}-engine")
-        self.processor = OutputProcessor(engine.info.eos_token_ids, self.counters, self.loop.stop)
+        self.processor = OutputProcessor(engine.info.eos_token_ids, self.counters, self.loop.stop, self.flush)
         self.sessions = ChatSessions(max_open_chats if self.capabilities.chat else 0, chat_idle_timeout_s, self._free)
         self.admission = Admission(max_active, max_queue)
         self.running: set[Turn] = set()
