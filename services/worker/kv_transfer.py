@@ -20,56 +20,15 @@ rules as a WorkerStart's prompt), then the engine's configuration.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import structlog
 
 from services.common.errors import FailedPrecondition, InvalidArgument, MeshError
-from services.worker.types import Engine, validate_prompt
+from services.worker.types import Engine, KVExport, KVImport, KVPrefix, validate_prompt
 
 log = structlog.get_logger(__name__)
 Op = Literal["import", "export"]
-
-
-@dataclass(frozen=True)
-class KVPrefix:
-    """A validated prompt prefix and the KV scope of its blocks."""
-
-    token_ids: tuple[int, ...]
-    tenant: str = ""
-    """The tenant whose block keys are meant (the key salt unless ``shareable``)."""
-    shareable: bool = False
-    """The shared key namespace instead of the tenant's (services.store.keys.tenant_salt)."""
-
-
-@dataclass(frozen=True)
-class KVImport:
-    """What an import did. ``held`` + ``imported`` leading blocks are held locally afterwards."""
-
-    block_tokens: int
-    prompt_tokens: int
-    blocks: int
-    """Full blocks of the prefix (a trailing partial block has no key)."""
-    held: int
-    """Leading blocks already held locally before the call."""
-    imported: int
-    """Blocks read from Redis and cached now."""
-    redis_unavailable: bool = False
-    """Redis could not be read (down, slow, breaker open): nothing came from it (the cache fails open)."""
-
-
-@dataclass(frozen=True)
-class KVExport:
-    """What an export wrote to Redis (synchronously)."""
-
-    block_tokens: int
-    prompt_tokens: int
-    blocks: int
-    written: int
-    """Leading blocks held locally that Redis stored (fewer than held: Redis refused the rest)."""
-    not_held: int
-    """Blocks from the first one not held locally to the end of the prefix (never written)."""
 
 
 def prefix_ids(engine: Engine, token_ids: Sequence[int], text: str) -> tuple[int, ...]:

@@ -28,7 +28,6 @@ from services.common.sampling import SamplingParams
 
 if TYPE_CHECKING:  # the grammar module needs llguidance; the contract only names its state type
     from services.worker.grammar import TokenConstraint
-    from services.worker.kv_transfer import KVExport, KVImport, KVPrefix
 
 
 class Tokenizer(Protocol):
@@ -249,6 +248,46 @@ class KVUsage:
     """Bytes of KV held by live sequences, kept chats and any prefix cache."""
     budget_bytes: int = 0
     """The most KV bytes the engine will hold; 0 = no fixed budget."""
+
+
+@dataclass(frozen=True)
+class KVPrefix:
+    """A validated prompt prefix and the KV scope of its blocks."""
+
+    token_ids: tuple[int, ...]
+    tenant: str = ""
+    """The tenant whose block keys are meant (the key salt unless ``shareable``)."""
+    shareable: bool = False
+    """The shared key namespace instead of the tenant's (services.store.keys.tenant_salt)."""
+
+
+@dataclass(frozen=True)
+class KVImport:
+    """What an import did. ``held`` + ``imported`` leading blocks are held locally afterwards."""
+
+    block_tokens: int
+    prompt_tokens: int
+    blocks: int
+    """Full blocks of the prefix (a trailing partial block has no key)."""
+    held: int
+    """Leading blocks already held locally before the call."""
+    imported: int
+    """Blocks read from Redis and cached now."""
+    redis_unavailable: bool = False
+    """Redis could not be read (down, slow, breaker open): nothing came from it (the cache fails open)."""
+
+
+@dataclass(frozen=True)
+class KVExport:
+    """What an export wrote to Redis (synchronously)."""
+
+    block_tokens: int
+    prompt_tokens: int
+    blocks: int
+    written: int
+    """Leading blocks held locally that Redis stored (fewer than held: Redis refused the rest)."""
+    not_held: int
+    """Blocks from the first one not held locally to the end of the prefix (never written)."""
 
 
 def validate_prompt(prompt_ids: Sequence[int], info: EngineInfo) -> None:
