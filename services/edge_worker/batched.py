@@ -499,12 +499,11 @@ class BatchedEngine(EngineBase):
         if fork.closed:  # stopped meanwhile
             return
         fork.source = None
-        members = {*batch, source, *(made for made, _ in done)}  # the forks made this step stay too
-        if None not in self._owners and all(s is None or s in members for s in self._owners):
+        if None not in self._owners and all(s is None or s in batch or s is source for s in self._owners):
             self._fail(fork, RuntimeError("no KV slot is free for another choice"))
             return
-        try:
-            self._acquire(fork, list(members))
+        try:  # a fork made earlier in this step may be parked for it: it waits for a slot, then decodes
+            self._acquire(fork, [*batch, source])
             assert fork.slot is not None and source.slot is not None
             self._kv.copy(source.slot, fork.slot, source.kv_len)
             fork.kv_len = source.kv_len

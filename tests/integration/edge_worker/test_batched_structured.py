@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 from services.common.constraints import check_constraint
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
-from tests.integration.edge_worker.test_batched_engine import PROMPTS, chat, engine, generate, steps, together
+from tests.engine_driver import EngineDriver
+from tests.integration.edge_worker.test_batched_engine import PROMPTS, chat, engine, generate, together
 
 __all__ = ["engine"]  # the module-scoped engine fixture of test_batched_engine
 
@@ -30,18 +32,13 @@ PERSON = SamplingParams(
 )
 
 
-def until_eos(engine: BatchedEngine, ids: list[int], sampling: SamplingParams) -> list[int]:
-    out = generate(engine, ids, sampling.max_tokens, sampling)
-    eos = engine.info.eos_token_ids
-    return out[: next((i + 1 for i, t in enumerate(out) if t in eos), len(out))]
-
-
 def test_the_output_matches_the_constraint_and_ends_with_eos(engine: BatchedEngine) -> None:
     ids = chat(engine, "When did the first person land on the moon?")
-    date = until_eos(engine, ids, DATE)
+    date = generate(engine, ids, DATE.max_tokens, DATE)  # the sequence ends at its EOS
     assert date[-1] in engine.info.eos_token_ids
     assert re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", engine.tokenizer.decode(date[:-1]))
-    person = until_eos(engine, chat(engine, "Describe a person as JSON."), PERSON)
+    person = generate(engine, chat(engine, "Describe a person as JSON."), PERSON.max_tokens, PERSON)
+    assert person[-1] in engine.info.eos_token_ids
     value = json.loads(engine.tokenizer.decode(person[:-1]))
     assert set(value) == {"name", "age"} and isinstance(value["age"], int)
 
@@ -50,10 +47,10 @@ def test_a_constrained_row_decodes_the_same_alone_and_in_a_batch(engine: Batched
     prompts = [chat(engine, p) for p in PROMPTS]
     alone = generate(engine, prompts[1], 12, DATE)
     plain = [generate(engine, p, 12) for p in prompts]
-    jobs = [lambda p=p: generate(engine, p, 12) for p in prompts]
-    jobs[1] = lambda: generate(engine, prompts[1], 12, DATE)
-    jobs.append(lambda: generate(engine, prompts[2], 12, PERSON))
-    got = together(jobs)
+    runs: list[tuple[list[int], int | SamplingParams]] = [(p, 12) for p in prompts]
+    runs[1] = (prompts[1], DATE)
+    runs.append((prompts[2], replace(PERSON, max_tokens=12)))  # a fifth: it waits for a slot
+    got = together(engine, runs)
     assert got[1] == alone
     assert got[:1] + got[2:4] == plain[:1] + plain[2:]  # the mask never touches another row
 
@@ -61,9 +58,7 @@ def test_a_constrained_row_decodes_the_same_alone_and_in_a_batch(engine: Batched
 def test_a_resumed_constrained_stream_continues_like_the_undisturbed_run(engine: BatchedEngine) -> None:
     """The replayed tokens advance the grammar: the rest is the undisturbed run's, still valid."""
     ids = chat(engine, "Describe a person as JSON.")
-    undisturbed = generate(engine, ids, 12, PERSON)
-    resumed = engine.start(ids, PERSON, replay=undisturbed[:5])
-    try:
-        assert steps(resumed, 7) == undisturbed[5:]
-    finally:
-        resumed.close()
+    undisturbed = generate(engine, ids, 12, replace(PERSON, max_tokens=12))
+    assert len(undisturbed) == 12
+    resumed = EngineDriver(engine).generate(ids, replace(PERSON, max_tokens=7), replay=undisturbed[:5])
+    assert resumed == undisturbed[5:]  # the driver advances the grammar over the replay, as the runtime does

@@ -1,6 +1,7 @@
-"""Background sequences (batch lines) yield to other turns' prefill in the batched edge engine, on the
-real INT4 model: a round that prefills an interactive prompt leaves them out, their tokens are the
-same as without yielding, and they go on once the prompt is in."""
+"""Background sequences (batch lines) yield in the batched edge engine, on the real INT4 model: a step
+that prefills an interactive prompt leaves them out, the host's foreground flag holds them, a step of
+batch work only is stopped part-way when foreground work arrives, and their tokens are the same as
+without yielding."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
-from services.worker.types import StepInterrupted
+from services.worker.types import SequenceOutput
+from tests.engine_driver import EngineDriver, Result
+from tests.integration.edge_worker.test_batched_engine import generate, ids_of
 
 pytestmark = pytest.mark.integration
 LONG_PROMPT = " ".join(f"item {i}," for i in range(60)) + " and that is the list."
@@ -21,105 +24,75 @@ LONG_PROMPT = " ".join(f"item {i}," for i in range(60)) + " and that is the list
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[BatchedEngine]:
-    # A small prefill chunk: the interactive prompt takes several rounds to prefill.
+    # A small prefill chunk: the interactive prompt takes several steps to prefill.
     engine = BatchedEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=4, prefill_chunk=16)
     yield engine
     engine.close()
 
 
-def ids(engine: BatchedEngine, text: str) -> list[int]:
-    return list(engine.tokenizer.encode(text).ids)
+def run_waiting(driver: EngineDriver) -> dict[int, Result]:
+    """Step until every sequence ended, waiting out the delays the engine asks for (held batch lines)."""
+    for _ in range(10_000):
+        if all(result.ended for result in driver.results.values()):
+            return driver.results
+        wait = driver.engine.next_step_in()
+        assert wait is not None, "the engine has nothing to do but sequences have not ended"
+        if wait > 0:
+            time.sleep(wait)  # the engine's own deadline (the host flag's expiry), not a readiness poll
+        driver.step()
+    raise AssertionError("sequences did not end")
 
 
-def test_background_rows_sit_out_every_round_of_an_interactive_prefill(engine: BatchedEngine) -> None:
-    background_prompt = ids(engine, "The sea was calm that morning, and the old fisherman")
-    alone = engine.start(background_prompt, SamplingParams(max_tokens=40))
-    try:
-        expected = [alone.step() for _ in range(40)]
-    finally:
-        alone.close()
-
-    events: list[str] = []
-    lock = threading.Lock()
-    first_token = threading.Event()
-    tokens: list[int] = []
-
-    def background() -> None:
-        seq = engine.start(background_prompt, SamplingParams(max_tokens=40))
-        seq.background = True
-        try:
-            for _ in range(40):
-                tokens.append(seq.step())
-                with lock:
-                    events.append("bg")
-        finally:
-            seq.close()
-
-    prompt = ids(engine, LONG_PROMPT)
-    assert len(prompt) > 4 * 16  # several prefill rounds
+def test_background_rows_sit_out_every_step_of_an_interactive_prefill(engine: BatchedEngine) -> None:
+    background_prompt = ids_of(engine, "The sea was calm that morning, and the old fisherman")
+    expected = generate(engine, background_prompt, 40)
+    driver = EngineDriver(engine)
+    line = driver.add(background_prompt, SamplingParams(max_tokens=40), background=True)
+    while len(driver.results[line].tokens) < 5:  # the background line is decoding
+        driver.step()
+    prompt = ids_of(engine, LONG_PROMPT)
+    assert len(prompt) > 4 * 16  # several prefill steps
     yields_before = engine.yields
-    worker = threading.Thread(target=background)
-    worker.start()
-    try:
-        while len(tokens) < 5:  # the background line is decoding
-            time.sleep(0.005)
-        seq = engine.start(prompt, SamplingParams(max_tokens=2))
-        try:
-            with lock:
-                events.append("fg_start")
-            seq.step()
-            with lock:
-                events.append("fg_first")
-            first_token.set()
-            seq.step()
-        finally:
-            seq.close()
-    finally:
-        worker.join(timeout=60)
-    during = events[events.index("fg_start") : events.index("fg_first")].count("bg")
-    assert during <= 1  # only the round already running when the prompt came
+    fg = driver.add(prompt, SamplingParams(max_tokens=2))
+    during = 0
+    while not driver.results[fg].tokens:
+        during += sum(len(out.tokens) for out in driver.step() if out.id == line)
+    assert during == 0  # no step of the prompt's prefill had a background row
     assert engine.yields - yields_before >= 4
-    assert tokens == expected  # yielding changes when a row runs, never what it computes
+    results = driver.run()
+    assert results[line].tokens == expected  # yielding changes when a row runs, never what it computes
+    assert len(results[fg].tokens) == 2
 
 
-def test_a_held_background_sequence_is_cancelled_at_once_and_runs_when_the_flag_is_cleared(
+def test_the_host_flag_holds_a_background_sequence_until_cleared_and_a_stop_frees_it_at_once(
     engine: BatchedEngine,
 ) -> None:
-    engine.hold.max_hold_s = 60.0  # only the flag's end, or a cancel, may end this hold
-    outcome: list[object] = []
-
-    def step(seq: object) -> None:
-        try:
-            outcome.append(seq.step())  # type: ignore[attr-defined]
-        except StepInterrupted as exc:
-            outcome.append(exc)
-
+    engine.hold.max_hold_s = 60.0  # only the flag's end, or a stop, may end this hold
+    woken: list[bool] = []
+    driver = EngineDriver(engine)
+    engine.bind(lambda: woken.append(True))  # the engine loop's wake-up
     try:
         engine.hold_background(time.monotonic() + 60)  # the host's flag: another worker runs a foreground turn
-        seq = engine.start(ids(engine, "Line one."), SamplingParams(max_tokens=4))
-        seq.background = True
-        waiting = threading.Thread(target=step, args=(seq,))
-        waiting.start()
-        waiting.join(timeout=0.5)
-        assert waiting.is_alive() and not outcome  # held: no prefill, no token
-        seq.interrupt()  # the line's caller went away
-        waiting.join(timeout=30)
-        assert not waiting.is_alive() and isinstance(outcome[0], StepInterrupted)
-        seq.close()
+        calls = engine.prefill_calls
+        first = driver.add(ids_of(engine, "Line one."), SamplingParams(max_tokens=4), background=True)
+        assert driver.step() == [] and engine.prefill_calls == calls  # held: no prefill, no token
+        wait = engine.next_step_in()
+        assert wait is not None and wait > 30  # nothing to run until the flag expires
+        driver.stop(first)  # the line's caller went away: freed at once
+        assert engine.next_step_in() is None and engine.kv_usage().used_bytes == 0
 
-        seq = engine.start(ids(engine, "Line two."), SamplingParams(max_tokens=4))
-        seq.background = True
-        waiting = threading.Thread(target=step, args=(seq,))
-        waiting.start()
-        waiting.join(timeout=0.5)
-        assert waiting.is_alive()
+        second = driver.add(ids_of(engine, "Line two."), SamplingParams(max_tokens=4), background=True)
+        assert driver.step() == [] and engine.prefill_calls == calls
+        woken.clear()
         engine.hold_background(0.0)  # the router's foreground turns ended
-        waiting.join(timeout=30)
-        assert not waiting.is_alive() and isinstance(outcome[1], int)
-        seq.close()
+        assert woken  # the loop is told to look again
+        assert engine.next_step_in() == 0.0
+        result = driver.run([second])[second]
+        assert result.tokens and result.finish is not None
     finally:
         engine.hold_background(0.0)
         engine.hold.max_hold_s = 2.0
+        engine.bind(lambda: None)
 
 
 @pytest.fixture(scope="module")
@@ -134,56 +107,58 @@ def long_prefill_engine() -> Iterator[BatchedEngine]:
 def ledger(long_prefill_engine: BatchedEngine) -> tuple[list[int], list[int]]:
     """A prompt of over 1,000 tokens and its 6 greedy tokens run alone (the reference of both arrivals)."""
     engine = long_prefill_engine
-    prompt = ids(engine, " ".join(f"entry {i} of the ledger," for i in range(160)))
+    prompt = ids_of(engine, " ".join(f"entry {i} of the ledger," for i in range(160)))
     assert len(prompt) > 1000
-    alone = engine.start(prompt, SamplingParams(max_tokens=6))
-    try:
-        return prompt, [alone.step() for _ in range(6)]
-    finally:
-        alone.close()
+    return prompt, generate(engine, prompt, 6)
 
 
-@pytest.mark.parametrize("arrival", ["host_flag", "foreground_step"])
+@pytest.mark.parametrize("arrival", ["host_flag", "foreground_add"])
 def test_a_background_call_running_when_foreground_work_arrives_is_stopped_and_run_again_whole(
     long_prefill_engine: BatchedEngine, ledger: tuple[list[int], list[int]], arrival: str
 ) -> None:
     engine = long_prefill_engine
     prompt, expected = ledger
-
-    tokens: list[int] = []
-    errors: list[BaseException] = []
-
-    def background() -> None:
-        seq = engine.start(prompt, SamplingParams(max_tokens=6))
-        seq.background = True
-        try:
-            for _ in range(6):
-                tokens.append(seq.step())
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-        finally:
-            seq.close()
-
+    driver = EngineDriver(engine)
+    line = driver.add(prompt, SamplingParams(max_tokens=6), background=True)
     before = engine.hold.preemptions
-    line = threading.Thread(target=background)
-    line.start()
+    outputs: list[SequenceOutput] = []
+    # The engine loop thread's step, while the event loop (this thread) gets foreground work.
+    step = threading.Thread(target=lambda: outputs.extend(driver.step()))
+    step.start()
     try:
         deadline = time.monotonic() + 30
         while not engine.preemptible:  # the line's (long) prefill call is running
-            assert time.monotonic() < deadline and line.is_alive()
+            assert time.monotonic() < deadline and step.is_alive()
             time.sleep(0.001)
         if arrival == "host_flag":
             engine.hold_background(time.monotonic() + 0.3)  # the router starts a turn on another worker
         else:
-            fg = engine.start(ids(engine, "Hello there."), SamplingParams(max_tokens=2))
-            try:
-                fg.step()
-                fg.step()
-            finally:
-                fg.close()
-        line.join(timeout=60)
+            engine.interrupt_background()  # what the engine loop does when a foreground turn is added
+        step.join(timeout=60)
+        assert not step.is_alive() and outputs == []  # the step stopped part-way: no token
+        fg = (
+            driver.add(ids_of(engine, "Hello there."), SamplingParams(max_tokens=2)) if arrival != "host_flag" else None
+        )
+        results = run_waiting(driver)
     finally:
         engine.hold_background(0.0)
-    assert not line.is_alive() and not errors
     assert engine.hold.preemptions == before + 1  # the prefill call was stopped once, then run again whole
-    assert tokens == expected  # the stopped call left nothing behind: the same greedy tokens
+    assert results[line].error is None and results[line].tokens == expected  # it left nothing behind
+    if fg is not None:
+        assert len(results[fg].tokens) == 2
+
+
+def test_an_interrupt_before_a_step_of_batch_work_only_stops_that_step_at_once(engine: BatchedEngine) -> None:
+    """The foreground add that comes with the interrupt may reach the loop after its next step began:
+    that step (batch work only) stops before it computes anything, and runs again after the add."""
+    prompt = ids_of(engine, "The sea was calm that morning, and the old fisherman")
+    expected = generate(engine, prompt, 8)
+    driver = EngineDriver(engine)
+    line = driver.add(prompt, SamplingParams(max_tokens=8), background=True)
+    driver.step()
+    driver.step()
+    rows, before = engine.rows, engine.hold.preemptions
+    engine.interrupt_background()  # no step is running: the next one of batch work only stops at once
+    assert driver.step() == [] and engine.hold.preemptions == before + 1 and engine.rows == rows
+    results = driver.run()  # the interrupt is spent: the next steps run (here no foreground add came)
+    assert results[line].tokens == expected

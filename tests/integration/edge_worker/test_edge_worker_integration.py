@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 
 import grpc
@@ -15,6 +16,7 @@ from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.startup import start_edge_worker
 from services.worker.app import RunningWorker
+from services.worker.types import Engine, NewSequence
 from tests.integration.worker_cases import WorkerCases, run_as_process
 from tests.worker_helpers import Session, stats, wait_serving
 
@@ -37,26 +39,53 @@ async def edge_stub(edge_worker: RunningWorker) -> AsyncIterator[worker_pb2_grpc
         yield worker_pb2_grpc.WorkerStub(channel)
 
 
-def replay_chat(engine: BatchedEngine, prompt: list[int], n1: int, context: list[int], n2: int) -> list[int]:
+_ids = itertools.count(10**12)  # never the runner's ids
+
+
+def on_engine_loop(worker: RunningWorker, *turns: tuple[list[int], int, bool]) -> list[list[int]]:
+    """Greedy turns run one after the other on the worker's own engine, on its engine loop thread
+    between two of its steps (only that thread may add and step): ``(ids, max_tokens, reuse)``, where
+    ``reuse`` continues the previous turn's held sequence (a chat). Trailing EOS dropped. The worker
+    must be idle: a step here would take the outputs of its own sequences."""
+
+    def run(engine: Engine) -> list[list[int]]:
+        out: list[list[int]] = []
+        held: int | None = None
+        for ids, max_tokens, reuse in turns:
+            seq = NewSequence(next(_ids), tuple(ids), SamplingParams(max_tokens=max_tokens), hold=True)
+            seq.reuse = held if reuse else None
+            engine.add(seq)
+            tokens: list[int] = []
+            finished = False
+            while not finished:
+                for output in engine.step():
+                    assert output.id == seq.id, "the worker is not idle"
+                    if output.error is not None:
+                        raise output.error
+                    tokens += output.tokens
+                    finished = output.finish is not None
+            if held is not None and not reuse:
+                engine.stop(held)
+            held = seq.id
+            eos = engine.info.eos_token_ids
+            out.append(tokens[:-1] if tokens and tokens[-1] in eos else tokens)
+        if held is not None:
+            engine.stop(held)
+        return out
+
+    result = worker.runner.loop.call(run).result(timeout=120)
+    assert isinstance(result, list)
+    return result
+
+
+def replay_chat(worker: RunningWorker, prompt: list[int], n1: int, context: list[int], n2: int) -> list[int]:
     """Turn 2's greedy tokens computed as the worker must: one engine sequence, turn 1's KV reused.
 
     A decode step and a prefill round differently in the INT4 kernels (int8 activations), so reused
     KV is not bit-identical to prefilling the whole context again (docs/edge.md): the reference
     runs the same operations on the engine directly.
     """
-    seq = engine.start_chat(prompt, SamplingParams(max_tokens=n1))
-    try:
-        for _ in range(n1):
-            seq.step()
-        assert seq.reuse(context, SamplingParams(max_tokens=n2))
-        out: list[int] = []
-        for _ in range(n2):
-            out.append(seq.step())
-            if out[-1] in engine.info.eos_token_ids:
-                return out[:-1]
-        return out
-    finally:
-        seq.close()
+    return on_engine_loop(worker, (prompt, n1, False), (context, n2, True))[1]
 
 
 class TestEdgeWorker(WorkerCases):
@@ -74,18 +103,10 @@ class TestEdgeWorker(WorkerCases):
 
     @pytest.fixture
     def reference(self, edge_worker: RunningWorker) -> object:
-        engine = edge_worker.runner.engine
-        assert isinstance(engine, BatchedEngine)
+        assert isinstance(edge_worker.runner.engine, BatchedEngine)
 
         def greedy(ids: list[int], n: int) -> list[int]:
-            seq = engine.start(ids, SamplingParams(max_tokens=n))
-            try:
-                out: list[int] = []
-                while len(out) < n and (not out or out[-1] not in engine.info.eos_token_ids):
-                    out.append(seq.step())
-            finally:
-                seq.close()
-            return out[:-1] if out and out[-1] in engine.info.eos_token_ids else out
+            return on_engine_loop(edge_worker, (ids, n, False))[0]
 
         return greedy
 
@@ -103,7 +124,7 @@ class TestEdgeWorker(WorkerCases):
         assert second.sequences[0] == 0
         assert second.final is not None and second.final.prompt_tokens == len(context)
         assert second.final.prefill_tokens == 4  # the last generated token + 3 new ones
-        assert second.token_ids == await asyncio.to_thread(replay_chat, engine, prompt, 4, context, 4)
+        assert second.token_ids == await asyncio.to_thread(replay_chat, edge_worker, prompt, 4, context, 4)
 
 
 async def test_runs_as_a_process_and_drains_on_sigterm() -> None:
@@ -130,7 +151,7 @@ async def test_chat_turn_two_prefills_only_its_new_tokens(
     assert second.final.prefill_tokens == new_tokens
     assert after.prefill_tokens_total - before.prefill_tokens_total == new_tokens
     assert second.final.prompt_tokens == len(context)
-    assert second.token_ids == await asyncio.to_thread(replay_chat, engine, prompt, 6, context, 6)
+    assert second.token_ids == await asyncio.to_thread(replay_chat, edge_worker, prompt, 6, context, 6)
     # A turn that edits history rewinds to the common prefix and prefills the rest.
     edited = [*prompt[:-2], *follow_up]
     third = await session.turn(edited, max_tokens=2)

@@ -67,7 +67,7 @@ def test_a_lone_sequence_decodes_in_one_row_with_the_tokens_it_gets_in_any_batch
     decode_rows = call_rows[-(engine.steps - steps_before) :]
     assert decode_rows and set(decode_rows) == {1}  # every decode call of a lone sequence: one row
     rows_before, steps_before = engine.rows, engine.steps
-    both = together([lambda p=p: generate(engine, p, 12) for p in [*prompts, *prompts[:2]]])
+    both = together(engine, [(p, 12) for p in [*prompts, *prompts[:2]]])
     assert both == [*alone, *alone[:2]]
     assert engine.rows - rows_before > engine.steps - steps_before  # some decode calls had several rows
 
@@ -82,7 +82,7 @@ def test_threads_that_spin_a_bounded_time_give_the_same_tokens(engine: BatchedEn
         prompts = [chat(engine, p) for p in PROMPTS]
         plain = [generate(engine, p, 10) for p in prompts]
         alone = [generate(spinning, p, 10) for p in prompts]
-        both = together([lambda p=p: generate(spinning, p, 10) for p in [*prompts, *prompts[:2]]])
+        both = together(spinning, [(p, 10) for p in [*prompts, *prompts[:2]]])
     finally:
         spinning.close()
     assert alone == plain and both == [*plain, *plain[:2]]
