@@ -19,16 +19,15 @@ import pytest
 from services.common.model_paths import DEFAULT_MODEL_ID
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.common.sampling import SamplingParams
 from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
 from services.router.config import RouterSettings
 from services.router.server import start_router
 from services.worker.app import RunningWorker, start_worker
 from services.worker.settings import WorkerSettings
-from services.worker.types import EngineInfo
+from services.worker.types import EngineInfo, NewSequence, SequenceOutput
 from tests.integration.router.harness import META, TOKEN, wait_serving
-from tests.unit.worker.fakes import EOS, VOCAB, ByteTokenizer, FakeEngine, FakeSequence
+from tests.unit.worker.fakes import EOS, VOCAB, ByteTokenizer, FakeEngine
 
 pytestmark = pytest.mark.integration
 
@@ -45,20 +44,9 @@ class _WideTokenizer(ByteTokenizer):
         return super().decode([i for i in ids if i < len(self.vocab)], skip_special_tokens)
 
 
-class _StallingSequence(FakeSequence):
-    def __init__(self, engine: ResumeEngine, sampling: SamplingParams, stall_after: int | None) -> None:
-        super().__init__(engine, sampling)
-        self._stall_after = stall_after
-        self._released = engine.released
-
-    def step(self) -> int:
-        if self._stall_after is not None and self._pos >= self._stall_after:
-            self._released.wait(30)  # a hung worker: no frame, no keepalive
-        return super().step()
-
-
 class ResumeEngine(FakeEngine):
-    """Fresh turns stall after ``STALL_AFTER`` tokens; resumed turns prefill slowly, then run freely."""
+    """Fresh turns stall after ``STALL_AFTER`` tokens (the whole step hangs: no frame, no keepalive from
+    the engine); resumed turns prefill slowly, then run freely."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -66,20 +54,25 @@ class ResumeEngine(FakeEngine):
         self._tokenizer = _WideTokenizer(VOCAB)
         self.released = threading.Event()
         self.resumed = 0
+        self._stalling: set[int] = set()
 
     @property
     def tokenizer(self) -> ByteTokenizer:
         return self._tokenizer
 
-    def start(self, token_ids: Sequence[int], sampling: SamplingParams, replay: Sequence[int] = ()) -> FakeSequence:
-        self.started.append(([*token_ids, *replay], sampling))
-        if replay:
+    def add(self, seq: NewSequence) -> None:
+        super().add(seq)
+        if seq.replay:
             self.resumed += 1
             time.sleep(REPLAY_PREFILL_S)  # the prefill of prompt + replay: blocking model work
-            seq = _StallingSequence(self, sampling, None)
-            seq._pos = len(replay)  # continue the script where the first worker stopped
-            return seq
-        return _StallingSequence(self, sampling, STALL_AFTER)
+            self.live[seq.id].pos = len(seq.replay)  # continue the script where the first worker stopped
+        else:
+            self._stalling.add(seq.id)
+
+    def step(self) -> list[SequenceOutput]:
+        if any(self.live[i].pos >= STALL_AFTER for i in self._stalling & set(self.live)):
+            self.released.wait(30)  # a hung worker
+        return super().step()
 
 
 @pytest.fixture
