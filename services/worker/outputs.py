@@ -32,7 +32,7 @@ from services.common.coalesce import FlushWindow
 from services.common.errors import MeshError
 from services.common.generation import Final, FinishReason, GenerationEvent
 from services.common.logprobs import TokenLogprob
-from services.worker.detokenizer import IncrementalDetokenizer
+from services.worker.detokenizer import ByteLevelDetokenizer, IncrementalDetokenizer
 from services.worker.stats import WorkerCounters
 from services.worker.stops import StopStringMatcher
 from services.worker.token_texts import TokenTexts
@@ -72,7 +72,7 @@ class ChoiceState:
         seq_id: int,
         stream: TurnStream,
         index: int,
-        detok: IncrementalDetokenizer,
+        detok: IncrementalDetokenizer | ByteLevelDetokenizer,
         stops: StopStringMatcher,
         texts: TokenTexts | None,
         *,

@@ -23,7 +23,7 @@ from services.common import tracing
 from services.common.coalesce import FlushWindow
 from services.common.generation import QUEUED, Final, FinishReason, GenerationEvent, GenerationRequest
 from services.common.sampling import SamplingParams
-from services.worker.detokenizer import IncrementalDetokenizer
+from services.worker.detokenizer import Detokenizers
 from services.worker.loop import EngineLoop
 from services.worker.outputs import ChoiceState, OutputProcessor, TurnStream
 from services.worker.sessions import ChatSession, ChatSessions, HeldPrefix
@@ -227,6 +227,7 @@ class Runner:
         """Turns admitted and not ended (the load report reads their requests)."""
         self._ids = itertools.count(1)
         self._texts: TokenTexts | None = None
+        self._detokenizers = Detokenizers(engine.tokenizer)
         self._grammars: GrammarCompiler | None = None
         self._started = False
 
@@ -338,7 +339,7 @@ class Runner:
             seq.id,
             turn._stream,
             index,
-            IncrementalDetokenizer(self.engine.tokenizer, context),
+            self._detokenizers.new(context),
             StopStringMatcher(sampling.stop),
             texts,
             min_tokens=sampling.min_tokens - len(request.resume_ids),

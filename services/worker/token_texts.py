@@ -3,7 +3,8 @@ the router, gateway and HTTP adapter never need one).
 
 Our own because ``tokenizers`` has no "bytes of one token" call: decoding a token alone loses the
 bytes of a partial UTF-8 character (U+FFFD). A byte-level BPE vocabulary (GPT-2's, SmolLM2's) spells
-every byte as one printable character (``bytes_to_unicode``), which :func:`_byte_level` inverts; a
+every byte as one printable character (``bytes_to_unicode``), which
+:func:`~services.worker.detokenizer.byte_level` inverts; a
 SentencePiece ``<0xNN>`` piece is its byte; a special (added) token, or any tokenizer without a
 vocabulary (test fakes), is its decoded text.
 """
@@ -14,20 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.common.logprobs import SampledLogprobs, TokenLogprob, TopLogprob, token_text
+from services.worker.detokenizer import byte_level
 from services.worker.types import Tokenizer
-
-
-def _byte_level() -> dict[str, int]:
-    """GPT-2's ``bytes_to_unicode`` inverted: printable character -> the byte it stands for."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(keep)
-    extra = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
 
 
 class TokenTexts:
@@ -37,7 +26,7 @@ class TokenTexts:
         self._tok = tokenizer
         self._cache: dict[int, tuple[str, bytes]] = {}
         decoder: Any = getattr(tokenizer, "decoder", None)
-        self._bytes_of = _byte_level() if type(decoder).__name__ == "ByteLevel" else None
+        self._bytes_of = byte_level() if type(decoder).__name__ == "ByteLevel" else None
         self._piece = getattr(tokenizer, "id_to_token", None)
 
     def get(self, token_id: int) -> tuple[str, bytes]:
