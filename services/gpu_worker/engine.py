@@ -10,8 +10,12 @@ prefix the longest stored chain is loaded from Redis (prefix.py) on the engine's
 the loop never waits on the network: the sequence is submitted to the scheduler once its blocks are
 there. When a sequence ends the full blocks it computed are exported to Redis (in the background).
 Counters: prompt tokens computed vs reused from local blocks vs imported from Redis
-(``prefix_counters``, Prometheus ``meshserve_prefix_tokens_total``). Requests with cache policy
-BYPASS neither read nor write.
+(``prefix_counters``, Prometheus ``meshserve_prefix_tokens_total``).
+
+Sampled sequences need transformers' logits warpers (sampler.py), ~1 s of CPU to import that a
+restarting worker does not pay before it serves: the first sampled sequence added before they are
+imported starts the import on the I/O thread, and it and every sequence added after it wait (in
+order) until the import is done; greedy sequences added before it run meanwhile.
 
 Load reports: ``kv_usage()`` (bytes held by live sequences, the budget, cached prefix bytes) and
 ``hot_prefix_blocks()`` (chain hashes of recently used cached prompt prefixes).
@@ -38,7 +42,7 @@ from prometheus_client import Counter
 from tokenizers import Tokenizer
 
 from services.common.errors import FailedPrecondition, InvalidArgument
-from services.common.sampling import SamplingParams
+from services.common.generation import FinishReason
 from services.gpu_worker import embed as embedding
 from services.gpu_worker import kv_transfer
 from services.gpu_worker.blocks import BlockManager
@@ -156,7 +160,8 @@ class CloudEngine(EngineBase):
         self.bytes_per_block = cfg.kv_bytes_per_token(self.kv_dtype, shard.world) * block_tokens
         num_blocks = kv_budget_bytes // self.bytes_per_block
         self.tensor_parallel = shard.world > 1 or wrap_forward is not None
-        """Forks (``start_n``) would copy blocks on this rank only: n choices are independent sequences."""
+        """Forks (``NewSequence.fork_of``) would copy blocks on this rank only: under tensor parallelism
+        the engine declares no forks, and n choices are independent sequences."""
         self.decode_graphs = resolve_decode_graphs(
             decode_graphs, self.device, tp=shard.world > 1 or wrap_forward is not None
         )
@@ -246,23 +251,23 @@ class CloudEngine(EngineBase):
 
     def add(self, spec: NewSequence) -> None:
         """A new sequence; a fork (``fork_of``, not under tensor parallelism) is made from its source's
-        prefill. InvalidArgument when the choices of one prompt cannot fit the KV budget at once."""
+        prefill. ResourceExhausted when the sequence can never fit the KV budget, InvalidArgument when
+        the choices of one prompt cannot fit it at once (both raised here, before anything is queued).
+
+        A sampled sequence added before transformers' warpers are imported waits, with every sequence
+        added after it (their order kept), until the I/O thread imported them; a prompt whose prefix
+        blocks are in Redis but not held locally waits until the I/O thread loaded them."""
         if self._deferred or (not spec.sampling.greedy and not warpers_imported()):
             self._deferred.append(spec)
             if self._importing is None:
                 self._importing = self._io.submit(self._import_warpers)
             return
         if spec.fork_of is not None:
-            source = self._states.get(spec.fork_of)
-            if source is None or source[0].admitted:  # gone, or its prefill began without this fork
-                raise RuntimeError("the choice's shared prefill did not complete")
-            source[0].forks.append(self._state(spec))
-            self._states[spec.id] = (source[0].forks[-1], None)
-            self._check_forks(source[0])
+            self._add_fork(spec, spec.fork_of)
             return
         state = self._state(spec)
+        self.scheduler.check_fits(state)
         ctx = self.kv_context(spec.tenant, spec.shareable) if self.prefix_cache else None
-        self._states[spec.id] = (state, ctx)
         if ctx is not None:
             bt = self.block_tokens
             state.key_fn = lambda ids: chain_keys(ctx, bt, ids)
@@ -271,9 +276,30 @@ class CloudEngine(EngineBase):
             with self.blocks.lock:
                 local = self.blocks.cached_prefix(state.keys[:matchable])
             if self.redis is not None and local < matchable:
+                self._states[spec.id] = (state, ctx)
                 self._loading[spec.id] = self._io.submit(self._load, state, ctx, matchable)
                 return
         self.scheduler.submit(state, state.forks)
+        self._states[spec.id] = (state, ctx)
+
+    def _add_fork(self, spec: NewSequence, source_id: int) -> None:
+        """Attach choice ``spec`` to its source's coming prefill; CANCELLED at once if the source is gone
+        (it was stopped before it started, e.g. while it waited for the warpers' import)."""
+        entry = self._states.get(source_id)
+        if entry is None:
+            self._failed.append(SequenceOutput(spec.id, finish=FinishReason.CANCELLED))
+            return
+        source = entry[0]
+        if source.admitted:  # the runtime adds a turn's choices together, before any step
+            raise RuntimeError(f"sequence {spec.id} forks {source_id}, whose prefill began without it")
+        fork = self._state(spec)
+        source.forks.append(fork)
+        try:
+            self._check_forks(source)
+        except BaseException:
+            source.forks.remove(fork)
+            raise
+        self._states[spec.id] = (fork, None)
 
     def _state(self, spec: NewSequence) -> SeqState:
         return SeqState(
@@ -288,12 +314,9 @@ class CloudEngine(EngineBase):
         )
 
     def _check_forks(self, source: SeqState) -> None:
-        bt = self.block_tokens
-        total = -(-source.reserve // bt)
         n = 1 + len(source.forks)
-        need = total + (n - 1) * (total - source.prompt_len // bt)
+        need = self.scheduler.fork_blocks(source, n)
         if need > self.blocks.num_blocks:
-            source.forks.pop()
             raise InvalidArgument(
                 f"sampling.n = {n} choices of prompt + max_tokens need {need} KV blocks but this worker's KV "
                 f"budget holds {self.blocks.num_blocks}; lower n or max_tokens"
@@ -450,13 +473,13 @@ class CloudEngine(EngineBase):
         """Write the prefix's locally held blocks to Redis and wait (kv_transfer.py)."""
         return kv_transfer.export_prefix(self, prefix)
 
-    # -- load reports ---------------------------------------------------------------------------
+    # -- Worker.Embed and load reports (any thread) -----------------------------------------------
 
     def embed(self, inputs: Sequence[Sequence[int]], dimensions: int = 0) -> list[list[float]]:
         """Pooled, normalised embeddings of token id lists (services/gpu_worker/embed.py); blocking.
 
-        Runs beside the scheduler's thread (it reads the weights only, no KV cache); one embedding
-        batch at a time. A tensor-parallel engine refuses: its forward needs every rank.
+        Runs on the calling thread beside the engine loop (it reads the weights only, no KV cache); one
+        embedding batch at a time. A tensor-parallel engine refuses: its forward needs every rank.
         """
         if not self._embeds:
             raise FailedPrecondition(

@@ -4,7 +4,8 @@ Keys come from services.cache (``KVBlockStore.keys`` / keys.kv_block_keys): the 
 names a block in the local LRU and in Redis, so a prefix computed on one replica (or before a
 restart) is found by any other. ``services.store.kv_blocks`` is asyncio code; the engine runs in threads,
 so :class:`RedisPrefixCache` owns a private event loop thread and its own Redis client. Loads block
-the calling sequence's thread (bounded by the store's timeout), stores are fire-and-forget, at most
+the calling thread (the engine's I/O thread, or a Worker.ImportKV call; bounded by the store's
+timeout), stores are fire-and-forget, at most
 ``max_pending`` at a time (each holds its blocks' tensors until Redis answers): a store beyond that is
 skipped (counted in ``skipped``), so a slow Redis cannot make the worker hold KV copies without bound.
 ``write`` (Worker.ExportKV) is the one store that waits for Redis and says when Redis is down.

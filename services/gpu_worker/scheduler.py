@@ -152,6 +152,8 @@ class Scheduler:
         self.forks_made = 0
         """Choices made from another sequence's prefill (``submit``'s forks)."""
         self._stopped = False
+        self._stalled_at: int | None = None
+        """``blocks.available`` when the waiting queue's head last failed to get blocks (None: not stalled)."""
 
     def _write_local(self, ids: Sequence[int], data: Sequence[Tensor]) -> None:
         for block, block_data in zip(ids, data, strict=True):
@@ -163,21 +165,31 @@ class Scheduler:
         total = -(-seq.reserve // self.block_tokens)
         return total + (n - 1) * (total - seq.prompt_len // self.block_tokens)
 
-    def submit(self, seq: SeqState, forks: Sequence[SeqState] = ()) -> None:
-        """Queue ``seq``; ``forks`` (the other choices, same prompt and budget) are made from it when its
-        prefill ends. ResourceExhausted when they could never fit the KV budget."""
-        need = self.fork_blocks(seq, 1 + len(forks))
+    def check_fits(self, seq: SeqState, n: int = 1) -> None:
+        """ResourceExhausted when ``n`` choices of ``seq`` could never fit the KV budget (even empty)."""
+        need = self.fork_blocks(seq, n)
         if need > self.blocks.num_blocks:
             raise ResourceExhausted(
                 f"prompt + max_tokens needs {need} KV blocks but the worker's KV budget holds "
                 f"{self.blocks.num_blocks}; lower max_tokens or raise MESHSERVE_GPU_WORKER_KV_BUDGET_BYTES",
                 retry_after_ms=0,
             )
+
+    def submit(self, seq: SeqState, forks: Sequence[SeqState] = ()) -> None:
+        """Queue ``seq``; ``forks`` (the other choices, same prompt and budget) are made from it when its
+        prefill ends. ResourceExhausted when they could never fit the KV budget."""
+        self.check_fits(seq, 1 + len(forks))
         seq.forks = list(forks)
         self.waiting.append(seq)
+        self._stalled_at = None  # it may come first (priority) and fit
 
     def has_work(self) -> bool:
-        return bool(self.imports or self.failed or any(not s.done for s in self.running) or self.waiting)
+        """Whether :meth:`step` would do anything: imports, failures to report, running sequences, or
+        waiting ones that may be admitted now (not while admission is stalled on blocks and none were
+        freed since, so the loop sleeps instead of spinning on empty steps until a wake-up)."""
+        if self.imports or self.failed or any(not s.done for s in self.running):
+            return True
+        return bool(self.waiting) and self.blocks.available != self._stalled_at
 
     def import_blocks(self, keys: Sequence[str], data: Sequence[Tensor]) -> int:
         """Cache ``data`` (full-head blocks from Redis) under their chain ``keys`` as unreferenced,
@@ -204,6 +216,7 @@ class Scheduler:
         """Stop ``seq`` and free its KV blocks now (between steps); its forks not made yet fail."""
         with self.lock:
             seq.done = True
+            self._stalled_at = None  # the queue's head or the blocks held change
             if seq in self.waiting:
                 self.waiting.remove(seq)
             if seq in self.running:
@@ -325,7 +338,9 @@ class Scheduler:
             fresh = self.blocks.allocate(total - len(local) + own * len(forks))
             if fresh is None:
                 self.blocks.release(local)
+                self._stalled_at = self.blocks.available
                 return
+            self._stalled_at = None
             self.waiting.pop(0)
             for i, fork in enumerate(forks):  # reserved now, so a fork never waits for KV
                 fork.blocks = fresh[total - len(local) + i * own : total - len(local) + (i + 1) * own]

@@ -47,8 +47,8 @@ class SpeculativeEngine:
         self.prefill_chunks = 0
         """Prefill forwards of speculative sequences so far (their prompts go in chunks)."""
         self._lock = threading.Lock()
-        self._live: dict[int, tuple[SpeculativeDecoder, list[int]]] = {}
-        """Speculative sequences by id: their decoder and KV blocks."""
+        self._live: dict[int, tuple[SpeculativeDecoder, list[int], NewSequence]] = {}
+        """Speculative sequences by id: their decoder, KV blocks and how they were added."""
 
     def __getattr__(self, name: str) -> Any:  # the wrapped engine's attributes (scheduler, blocks, ...)
         return getattr(self.__dict__["engine"], name)
@@ -74,6 +74,8 @@ class SpeculativeEngine:
 
     def add(self, spec: NewSequence) -> None:
         sampling = spec.sampling
+        if spec.fork_of is not None and spec.fork_of in self._live:
+            self._unspeculate(spec.fork_of)  # choice 0 of n: the scheduler's forks share its prefill
         if not greedy_only(sampling) or spec.replay or sampling.logprobs or spec.fork_of is not None:
             self.engine.add(spec)  # logprobs: the scheduler computes them
             return
@@ -97,14 +99,26 @@ class SpeculativeEngine:
             prefill_chunk=max(bt, engine.scheduler.max_step_tokens // bt * bt),
             on_prefill_chunk=self.count_prefill_chunk,
         )
-        self._live[spec.id] = (decoder, blocks)
+        self._live[spec.id] = (decoder, blocks, spec)
+
+    def _unspeculate(self, seq_id: int) -> None:
+        """Hand speculative sequence ``seq_id``, not stepped yet, to the scheduler (another choice forks
+        it: the runtime adds a turn's n choices together, the first without ``fork_of``)."""
+        decoder, blocks, spec = self._live[seq_id]
+        if decoder.started:
+            raise RuntimeError(f"sequence {seq_id} is decoding speculatively and cannot be forked")
+        del self._live[seq_id]
+        engine = self.engine
+        with engine.blocks.lock:
+            engine.blocks.release(blocks)
+        engine.add(spec)
 
     def stop(self, seq_id: int, hold: bool = False) -> None:
         entry = self._live.pop(seq_id, None)
         if entry is None:
             self.engine.stop(seq_id, hold)
             return
-        decoder, blocks = entry
+        decoder, blocks, _ = entry
         decoder.close()
         engine = self.engine
         with engine.blocks.lock:
@@ -115,7 +129,7 @@ class SpeculativeEngine:
 
     def step(self) -> list[SequenceOutput]:
         outputs = self.engine.step() if self.engine.next_step_in() == 0 else []
-        for seq_id, (decoder, _) in list(self._live.items()):
+        for seq_id, (decoder, _, _) in list(self._live.items()):
             first = decoder.generated == 0
             try:
                 tokens = decoder.advance()

@@ -208,6 +208,11 @@ class SpeculativeDecoder:
         self.accepted = 0
         self.rounds = 0
 
+    @property
+    def started(self) -> bool:
+        """Whether a forward ran for it (a prefill chunk)."""
+        return self._prefilled > 0
+
     def advance(self) -> list[int]:
         """One prefill chunk or one round (see the class docstring); its new tokens, in order."""
         if self.finished:

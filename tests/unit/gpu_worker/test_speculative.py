@@ -1,5 +1,6 @@
 """Speculative decoding logic with a fake target and fake drafts: output = the target's greedy, k adapts;
-a chunked prefill gives the same tokens and stops at an interrupt."""
+a chunked prefill gives the same tokens, one forward per engine step, so a stop between two steps
+ends it after the chunk in flight."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 
 from services.gpu_worker.plan import Segment
 from services.gpu_worker.speculative import AdaptiveK, SpeculativeDecoder
-from services.worker.types import StepInterrupted
 
 VOCAB = 50
 EOS = 0
@@ -85,16 +85,26 @@ def run(wrong: object, n: int = 40, k_max: int = 6) -> tuple[list[int], Speculat
         return drafts[-1]
 
     dec = SpeculativeDecoder(target.forward, list(range(8)), prompt, n, make, k_max=k_max)
-    out = [dec.next() for _ in range(n)]
+    out = drain(dec)
     assert drafts[0].seq == dec.tokens[: len(drafts[0].seq)]  # the draft's committed tokens = the output
     return out, dec, target
+
+
+def drain(dec: SpeculativeDecoder) -> list[int]:
+    """Advance ``dec`` (one engine step each) until it finished; its tokens."""
+    out: list[int] = []
+    while not dec.finished:
+        out += dec.advance()
+    return out
 
 
 def test_output_is_the_targets_greedy_whatever_the_draft_proposes() -> None:
     for wrong in (lambda p: False, lambda p: True, lambda p: p % 3 == 0, lambda p: p % 7 in (1, 2)):
         out, dec, _ = run(wrong)
         assert out == plain([5, 9, 13], 40)
-        assert dec.done
+        assert dec.finished
+        with pytest.raises(RuntimeError, match="finished"):
+            dec.advance()
 
 
 def test_perfect_draft_grows_k_to_the_bound_and_needs_few_passes() -> None:
@@ -153,31 +163,42 @@ def _prefill_forwards(chunk: int) -> tuple[list[int], list[Segment]]:
         prefill_chunk=chunk,
         on_prefill_chunk=lambda: chunks.append(1),
     )
-    out = [dec.next() for _ in range(10)]
+    out = drain(dec)
     return out, target.calls[: len(chunks)]
 
 
-@pytest.mark.parametrize("after_chunks", [0, 1, 3])
-def test_an_interrupt_stops_the_prefill_before_its_next_forward_and_before_the_draft(after_chunks: int) -> None:
+def test_each_advance_is_one_forward_and_the_draft_starts_only_after_the_last_chunk() -> None:
+    """What a stop during a speculative prefill relies on: the engine steps the decoder once per step,
+    so a stop between two steps leaves the rest of the prompt (and the draft's own prefill) unrun."""
     target = FakeTarget()
     drafts: list[FakeDraft] = []
-    done: list[int] = []
-
-    def chunk_done() -> None:
-        done.append(1)
-        if len(done) == after_chunks:
-            dec.interrupt()
 
     def make(ctx: list[int]) -> FakeDraft:
         drafts.append(FakeDraft(ctx, lambda p: False))
         return drafts[-1]
 
+    dec = SpeculativeDecoder(target.forward, list(range(8)), PROMPT, 10, make, prefill_chunk=16)
+    assert not dec.started
+    for chunk in (1, 2):
+        assert dec.advance() == []  # a chunk yields no token
+        assert len(target.calls) == chunk and drafts == [] and dec.started
+    assert dec.advance() == plain(PROMPT, 1)  # the last chunk gives the first token, then the draft starts
+    assert len(target.calls) == 3 and len(drafts) == 1
+    dec.close()
+
+
+def test_max_tokens_bounds_a_round_and_eos_ends_it() -> None:
+    out, dec, _ = run(lambda p: False, n=5, k_max=8)
+    assert len(out) == 5 and dec.generated == 5
+    eos = plain([5, 9, 13], 12)[6]
+    target = FakeTarget()
     dec = SpeculativeDecoder(
-        target.forward, list(range(8)), PROMPT, 10, make, prefill_chunk=16, on_prefill_chunk=chunk_done
+        target.forward,
+        list(range(8)),
+        [5, 9, 13],
+        12,
+        lambda ctx: FakeDraft(ctx, lambda p: False),
+        eos=frozenset({eos}),
     )
-    if after_chunks == 0:
-        dec.interrupt()
-    with pytest.raises(StepInterrupted):
-        dec.next()
-    assert len(target.calls) == after_chunks  # no forward after the interrupt
-    assert drafts == []  # nor the draft's prefill (after the last chunk, it would come next)
+    got = drain(dec)
+    assert got == plain([5, 9, 13], 12)[: got.index(eos) + 1] and got[-1] == eos
