@@ -1,19 +1,21 @@
 """The edge engine in-process (no mesh): aggregate tokens/s and CPU time per token at N streams.
 
-One thread per stream calls ``step()`` as the worker runtime does. CPU time is this process's (model
-threads included), so it is less sensitive than wall time to other jobs on a shared machine. Rounds
-of the engines compared are interleaved, and each number is the median over ``repeats`` rounds.
+The streams are added at once and the engine is stepped back to back in this thread, as the worker's
+engine loop steps it (:mod:`benchmarks.edge.driver`; no runtime: no detokenizing, no frames); a stream
+ends at its ``max_tokens`` or at EOS. CPU time is this process's (model threads included), so it is less
+sensitive than wall time to other jobs on a shared machine. Rounds of the engines compared are
+interleaved, and each number is the median over ``repeats`` rounds.
 """
 
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.edge.driver import Stepper
 from services.common.sampling import SamplingParams
 from services.worker.types import Engine
 
@@ -55,23 +57,11 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
 
 
 def _round(engine: Engine, prompt: list[int], streams: int, max_tokens: int) -> dict[str, float]:
-    stamps: list[list[float]] = [[] for _ in range(streams)]
-
-    def run(i: int) -> None:
-        seq = engine.start(prompt, SamplingParams(max_tokens=max_tokens))
-        try:
-            for _ in range(max_tokens):
-                seq.step()
-                stamps[i].append(time.perf_counter())
-        finally:
-            seq.close()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
+    stepper = Stepper(engine)
     cpu, start = time.process_time(), time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    for _ in range(streams):
+        stepper.add(prompt, SamplingParams(max_tokens=max_tokens))
+    stamps = [stream.stamps for stream in stepper.run().values()]
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(len(s) for s in stamps)
     decode = [(len(s) - 1) / (s[-1] - s[0]) for s in stamps if len(s) > 1 and s[-1] > s[0]]
@@ -108,9 +98,7 @@ def measure(
             row[key] = statistics.median(r[key] for r in rounds)
         out.setdefault(kind, []).append(row)
     for engine in engines.values():
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
+        engine.close()
     return out
 
 

@@ -1,12 +1,13 @@
 """Edge tier: the worker's CPU time per token at 16 streams with ``top_logprobs=5`` vs without.
 
-The batched edge engine in-process, each stream run by the worker runtime's own ``run_sequence`` on its
-own thread (as a worker runs it: detokenizing, stop strings, and with logprobs the token texts and
-bytes), every token event turned into the worker's wire frame (``WorkerResponse``, serialised), so the
-number covers what asking costs the worker: the sampler's log-softmax and top-k, the token texts and the
-bigger frames. Greedy decoding: both variants produce the same tokens, so the batches are the same.
-CPU time is this process's (model threads included); rounds alternate baseline and variant, and each
-number is the median over ``--repeats`` rounds.
+The batched edge engine in-process under the worker runtime itself (``services.worker.runner.Runner``:
+its engine loop thread steps the engine, its output processing detokenizes, matches stop strings and,
+with logprobs, adds the token texts and bytes), every event of every turn turned into the worker's
+wire frame (``WorkerResponse``, serialised), so the number covers what asking costs the worker: the
+sampler's log-softmax and top-k, the token texts and the bigger frames. Greedy decoding: both
+variants produce the same tokens, so the batches are the same. CPU time is this process's (model
+threads included); rounds alternate baseline and variant, and each number is the median over
+``--repeats`` rounds.
 
 ``meshserve bench edge-logprobs`` (or ``python -m benchmarks.edge.logprobs``) prints
 ``TARGET per-token CPU with top_logprobs=5 vs without: +x.x % (target <= +5 %): PASS|FAIL`` and writes
@@ -16,11 +17,11 @@ docs/benchmarks/edge_logprobs.{json,md}.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,14 +30,12 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from services.common import logprobs_pb
+from services.common.generation import GenerationRequest
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
-from services.worker.runner import run_sequence
-from services.worker.stats import WorkerCounters
-from services.worker.token_texts import TokenTexts
-from services.worker.types import GenerationRequest, TokenEvent
+from services.worker.runner import Runner
 
 PROMPT = (
     "<|im_start|>user\nTell me a long story about a lighthouse keeper and the sea.<|im_end|>\n<|im_start|>assistant\n"
@@ -44,29 +43,23 @@ PROMPT = (
 TARGET_PCT = 5.0
 
 
-def _round(engine: BatchedEngine, prompt: tuple[int, ...], streams: int, sampling: SamplingParams) -> dict[str, float]:
-    texts = TokenTexts(engine.tokenizer) if sampling.logprobs else None
+async def _round(runner: Runner, prompt: tuple[int, ...], streams: int, sampling: SamplingParams) -> dict[str, float]:
     produced = [0] * streams
     frame_bytes = [0] * streams
 
-    def run(i: int) -> None:
-        def emit(event: TokenEvent) -> None:
-            frame = worker_pb2.WorkerResponse(sequence=produced[i], token_ids=event.token_ids, text=event.text)
+    async def run(i: int) -> None:
+        async for event in runner.turn(GenerationRequest(prompt, sampling)).events():
+            if event.queued:
+                continue
+            frame = worker_pb2.WorkerResponse(sequence=event.sequence, token_ids=event.token_ids, text=event.text)
             if event.logprobs:
                 frame.logprobs.extend(logprobs_pb.to_pb(event.logprobs))
             frame_bytes[i] += len(frame.SerializeToString())
+            if event.final is not None:
+                produced[i] = event.final.completion_tokens
 
-        final = run_sequence(
-            engine, GenerationRequest(prompt, sampling), threading.Event(), emit, WorkerCounters(), texts=texts
-        )
-        produced[i] = final.completion_tokens
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
     cpu, start = time.process_time(), time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    await asyncio.gather(*(run(i) for i in range(streams)))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(produced)
     return {
@@ -85,13 +78,22 @@ def measure(streams: int, max_tokens: int, repeats: int, threads: int, top: int)
         "baseline": SamplingParams(max_tokens=max_tokens),
         f"top_logprobs={top}": SamplingParams(max_tokens=max_tokens, logprobs=True, top_logprobs=top),
     }
+
+    async def run_rounds() -> dict[str, list[dict[str, float]]]:
+        runner = Runner(engine, max_active=max(2, streams), max_queue=0)
+        try:
+            await _round(runner, prompt, 2, SamplingParams(max_tokens=4))  # warm-up
+            samples: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+            for r in range(repeats):
+                order = list(variants.items()) if r % 2 == 0 else list(reversed(variants.items()))
+                for name, sampling in order:  # alternated: both see the same load
+                    samples[name].append(await _round(runner, prompt, streams, sampling))
+            return samples
+        finally:
+            await runner.aclose()
+
     try:
-        _round(engine, prompt, 2, SamplingParams(max_tokens=4))  # warm-up
-        samples: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
-        for r in range(repeats):
-            order = list(variants.items()) if r % 2 == 0 else list(reversed(variants.items()))
-            for name, sampling in order:  # alternated: both see the same load
-                samples[name].append(_round(engine, prompt, streams, sampling))
+        samples = asyncio.run(run_rounds())
     finally:
         engine.close()
     out: dict[str, Any] = {}

@@ -5,9 +5,10 @@ in this process on port 0) is sent, alternately, one Generate stream with ``n`` 
 concurrent streams of one choice each, greedy, same prompt, same ``max_tokens``. Measured per round:
 time from sending to the last final frame (time to the last token), and this process's CPU time
 (model threads included). n = 4 prefills the prompt once and copies its KV into the other choices'
-slots (``BatchedEngine.start_n``); the separate requests prefill it four times. Decode is the same
-work both ways (n rows per step), so the gain grows with the prompt's share of the work: the
-report lists each prompt length measured, and the target is checked at ``--target-prompt-tokens``.
+slots (they are forks of the first: ``NewSequence.fork_of``); the separate requests prefill it four
+times. Decode is the same work both ways (n rows per step), so the gain grows with the prompt's share
+of the work: the report lists each prompt length measured, and the target is checked at
+``--target-prompt-tokens``.
 
 ``meshserve bench edge-n [--prompt-tokens 64 256 512] [--max-tokens 32] [--repeats 3]``
 """

@@ -16,12 +16,12 @@ import argparse
 import json
 import os
 import statistics
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.edge.driver import Stepper
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.config import EdgeWorkerSettings
@@ -33,25 +33,12 @@ PROMPT = (
 
 
 def _round(engine: BatchedEngine, prompt: list[int], streams: int, max_tokens: int) -> dict[str, float]:
-    first = [0.0] * streams
-
-    def run(i: int) -> None:
-        seq = engine.start(prompt, SamplingParams(max_tokens=max_tokens))
-        try:
-            start = time.perf_counter()
-            seq.step()
-            first[i] = time.perf_counter() - start
-            for _ in range(max_tokens - 1):
-                seq.step()
-        finally:
-            seq.close()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
+    """The streams added at once and stepped to their end in this thread (the engine loop's way)."""
+    stepper = Stepper(engine)
     calls, start = engine.prefill_calls, time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    for _ in range(streams):
+        stepper.add(prompt, SamplingParams(max_tokens=max_tokens))
+    first = [stream.stamps[0] - start for stream in stepper.run().values()]
     return {
         "ttft_p50_ms": 1000 * statistics.median(first),
         "ttft_max_ms": 1000 * max(first),

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from benchmarks.edge.driver import Stepper
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
@@ -72,11 +73,10 @@ def engine_variant(model_dir: Path, int4_kernel: str, threads: int, window: int)
     engine = BatchedEngine(model_dir, model_id="quality", threads=threads, max_batch=2, int4_kernel=int4_kernel)
 
     def greedy(prompt: list[int], n: int) -> list[int]:
-        seq = engine.start(prompt, SamplingParams(max_tokens=n, temperature=0.0))
-        try:
-            return [seq.step() for _ in range(n)]
-        finally:
-            seq.close()
+        # exactly n tokens, EOS held off as the fp32 reference's min_new_tokens does
+        stepper = Stepper(engine)
+        seq_id = stepper.add(prompt, SamplingParams(max_tokens=n, temperature=0.0, min_tokens=n))
+        return stepper.run()[seq_id].tokens
 
     return Variant(engine_logits(model_dir, int4_kernel, threads, max(window, 256)), greedy)
 

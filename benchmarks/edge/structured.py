@@ -1,7 +1,8 @@
 """Structured output on the edge tier: CPU time per token at N streams with a JSON-schema constraint vs without.
 
-The batched edge engine in-process (as :mod:`benchmarks.edge.direct`: one thread per stream calling
-``step()`` as the worker runtime does; CPU time is this process's, model threads included, so it is
+The batched edge engine in-process (as :mod:`benchmarks.edge.direct`: the streams added at once and
+stepped back to back in this thread, as the worker's engine loop steps them; each stream's grammar
+state opened as the runtime opens it; CPU time is this process's, model threads included, so it is
 less sensitive than wall time to other jobs on a shared host). Rounds of the two variants are
 interleaved on one engine and each number is the median over ``--repeats`` rounds. The schema keeps
 every stream inside a JSON string for the whole run (``minLength``), where the mask allows most of the
@@ -16,12 +17,12 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.edge.driver import Stepper
 from services.common.constraints import json_schema_constraint
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
@@ -40,54 +41,40 @@ SCHEMA = {
 }
 
 
-def _round(engine: Any, prompt: list[int], streams: int, sampling: SamplingParams) -> dict[str, float]:
-    counts = [0] * streams
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            seq = engine.start(prompt, sampling)
-            try:
-                for _ in range(sampling.max_tokens):
-                    seq.step()
-                    counts[i] += 1
-            finally:
-                seq.close()
-        except BaseException as exc:  # re-raised in the main thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
+def _round(engine: Any, grammars: Any, prompt: list[int], streams: int, sampling: SamplingParams) -> dict[str, float]:
+    stepper = Stepper(engine)
     cpu, start = time.process_time(), time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    for _ in range(streams):
+        constraint = None if sampling.structured is None else grammars.open(sampling.structured)
+        stepper.add(prompt, sampling, constraint=constraint)
+    tokens = sum(len(stream.tokens) for stream in stepper.run().values())
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    if errors:
-        raise errors[0]
-    tokens = sum(counts)
     return {"cpu_ms_per_token": 1000 * cpu / tokens, "aggregate_tokens_per_s": tokens / wall, "tokens": tokens}
 
 
 def measure(streams: int, max_tokens: int, repeats: int, threads: int) -> dict[str, Any]:
     from services.edge_worker.batched import BatchedEngine
+    from services.worker.grammar import GrammarCompiler
 
     edge_dir = model_paths().edge_dir
     engine = BatchedEngine(edge_dir, model_id="bench", threads=threads, max_batch=streams)
+    info = engine.info
+    grammars = GrammarCompiler(engine.tokenizer, info.vocab_size, info.eos_token_ids)  # the runtime's compiler
     try:
         prompt = list(engine.tokenizer.encode(PROMPT).ids)
         plain = SamplingParams(max_tokens=max_tokens)
         constrained = SamplingParams(max_tokens=max_tokens, structured=json_schema_constraint(SCHEMA))
         began = time.perf_counter()
-        engine.grammars.compiled(constrained.structured)  # type: ignore[arg-type]
+        grammars.compiled(constrained.structured)  # type: ignore[arg-type]
         compile_ms = 1000 * (time.perf_counter() - began)  # the llguidance tokenizer included (once per engine)
-        _round(engine, prompt, 2, SamplingParams(max_tokens=4))  # warm-up
-        _round(engine, prompt, 2, constrained)
+        _round(engine, grammars, prompt, 2, SamplingParams(max_tokens=4))  # warm-up
+        _round(engine, grammars, prompt, 2, constrained)
         samples: dict[str, list[dict[str, float]]] = {"plain": [], "json_schema": []}
         for _ in range(repeats):
-            samples["plain"].append(_round(engine, prompt, streams, plain))
-            samples["json_schema"].append(_round(engine, prompt, streams, constrained))
+            samples["plain"].append(_round(engine, grammars, prompt, streams, plain))
+            samples["json_schema"].append(_round(engine, grammars, prompt, streams, constrained))
     finally:
+        grammars.close()
         engine.close()
     out: dict[str, Any] = {
         "streams": streams,
