@@ -74,9 +74,9 @@ class EdgeWorkerSettings(WorkerSettings):
     """Where ``load_cache`` keeps it; empty uses `load-cache/edge` next to the models directory
     (`~/.cache/meshserve/load-cache/edge`)."""
     background_max_hold_s: float = Field(default=2.0, gt=0.0, le=10.0)
-    """Batched engine: background sequences (batch lines) sit out every round while a foreground turn
+    """Batched engine: background sequences (batch lines) sit out every step while a foreground turn
     runs on this worker or on another worker of its host; after this long held without a break, one
-    round lets them through, so a line is delayed, never starved (docs/edge.md, *Background sequences
+    step lets them through, so a line is delayed, never starved (docs/edge.md, *Background sequences
     yield*). At most 10 s: well under the router's stall timeout (30 s), which a held line must never
     reach between two of its tokens."""
     prefill_chunk_tokens: int = Field(default=512, ge=16, le=8192)

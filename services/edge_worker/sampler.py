@@ -1,6 +1,6 @@
 """Next-token choice from one row of logits: greedy, or temperature / top-k / top-p with a seeded RNG.
 
-numpy on the engine's batch thread; each sequence owns its ``numpy.random.Generator``, so a seed gives
+numpy on the engine loop thread, in the step; each sequence owns its ``numpy.random.Generator``, so a seed gives
 the same tokens however many sequences share a decode step. A sequence's penalties, ``logit_bias`` and
 ``min_tokens`` (:mod:`services.worker.penalties`) adjust its own row first, then its structured-output
 constraint (:mod:`services.worker.grammar`) masks the row to the tokens its grammar allows, so one row's
@@ -77,8 +77,8 @@ def logprobs_rows(rows: np.ndarray, tokens: Sequence[int], tops: Sequence[int]) 
     The rows are the ones their tokens were drawn from (penalties applied). Whole-batch numpy: two passes
     over the rows (the shift by each row's maximum, exp in place; float32, numpy's pairwise sum) and
     max(``tops``) argmax passes, each masking the one before (cheaper than an ``argpartition`` for k <= 20).
-    The batch thread runs it once per step for the rows that ask: per-row calls from each sequence's
-    own thread measured slower (16 threads contending for the GIL with the batch thread).
+    The step runs it once for the rows that ask (per-row calls from each sequence's own thread, when
+    sequences had threads, measured slower: 16 threads contending for the GIL with the batch thread).
     """
     m = rows.shape[0]
     at = np.arange(m)

@@ -113,4 +113,3 @@ def fork_of(source: EdgeSequence, spec: NewSequence, eos: frozenset[int]) -> Edg
     fork.source = source
     fork.prefill_tokens = 0
     return fork
-
