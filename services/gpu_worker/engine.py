@@ -260,7 +260,10 @@ class CloudEngine(EngineBase):
         if self._deferred or (not spec.sampling.greedy and not warpers_imported()):
             self._deferred.append(spec)
             if self._importing is None:
-                self._importing = self._io.submit(self._import_warpers)
+                self._importing = self._io.submit(import_warpers)
+                # Woken once the future is done (a wake-up from inside the import could come before
+                # ``next_step_in`` sees it done, and the loop would sleep with the sequences deferred).
+                self._importing.add_done_callback(lambda _: self.wake())
             return
         if spec.fork_of is not None:
             self._add_fork(spec, spec.fork_of)
@@ -321,12 +324,6 @@ class CloudEngine(EngineBase):
                 f"sampling.n = {n} choices of prompt + max_tokens need {need} KV blocks but this worker's KV "
                 f"budget holds {self.blocks.num_blocks}; lower n or max_tokens"
             )
-
-    def _import_warpers(self) -> None:
-        try:
-            import_warpers()
-        finally:
-            self.wake()
 
     def _add_deferred(self) -> list[SequenceOutput]:
         """Add the sequences that waited for the import (its failure fails them)."""

@@ -1,4 +1,7 @@
-"""The cloud engine with the real model: logits vs transformers, batching, cancel, and prefixes via real Redis."""
+"""The cloud engine with the real model, stepped as the worker's engine loop steps it (add / step / stop):
+logits vs transformers, continuous batching, chunked prefill with decode first, the KV budget, stop,
+logprobs, prefixes via real Redis loaded on the engine's I/O thread, and sampled sequences waiting
+there for transformers' warpers."""
 
 from __future__ import annotations
 
@@ -9,17 +12,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from benchmarks.cloud import gpu as cloud_gpu
 from services.common.errors import ResourceExhausted
+from services.common.generation import FinishReason
 from services.common.sampling import SamplingParams
+from services.gpu_worker import engine as engine_module
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.model import LlamaModel, Segment, Shard
 from services.gpu_worker.prefix import RedisPrefixCache
+from tests.integration.gpu_worker.driver import CloudDriver
 
 pytestmark = pytest.mark.integration
 N = 6
 STORY = "The history of the river valley and the towns along it is long and full of change. "
+CHAT = "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"
 
 
 def model_dir() -> str:
@@ -44,8 +50,22 @@ def engine(redis_url: str = "", **kw: object) -> CloudEngine:
     return CloudEngine(model_dir(), redis=redis, **options)  # type: ignore[arg-type]
 
 
-def generate(e: CloudEngine, ids: list[int], n: int = N, started: threading.Event | None = None) -> list[int]:
-    return cloud_gpu.generate(e, ids, n, started)  # the GPU benchmark runs these same checks on CUDA
+def generate(e: CloudEngine, ids: list[int], n: int = N, sampling: SamplingParams | None = None) -> list[int]:
+    """Up to ``n`` tokens of ``ids`` alone (an EOS included)."""
+    return CloudDriver(e).generate(ids, sampling or SamplingParams(max_tokens=n))
+
+
+def joined(e: CloudEngine, prompts: list[list[int]], counts: list[int], staggered: int) -> list[list[int]]:
+    """The first ``staggered`` prompts join one by one (each once the one before it decodes), the rest
+    all at once; ``counts[i]`` tokens each, so they leave the batch at different steps."""
+    driver = CloudDriver(e)
+    ids = []
+    for i, (p, n) in enumerate(zip(prompts, counts, strict=True)):
+        ids.append(driver.add(p, SamplingParams(max_tokens=n)))
+        if i < staggered:
+            driver.run_until(ids[-1])
+    done = driver.run(ids)
+    return [done[i].tokens for i in ids]
 
 
 @pytest.fixture(scope="module")
@@ -81,44 +101,105 @@ def test_tensor_parallel_degree_must_divide_the_heads() -> None:
 
 def test_batched_equals_single_stream(cloud: CloudEngine) -> None:
     prompts = [
-        encode(cloud, "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"),
+        encode(cloud, CHAT),
         encode(cloud, "The capital of France is"),
         encode(cloud, STORY * 6),  # ~100 tokens: prefilled in chunks of the 64-token step budget
         encode(cloud, "def fibonacci(n):"),
     ]
     alone = [generate(cloud, p) for p in prompts]
-    results: list[list[int]] = [[] for _ in prompts]
-    threads = []
-    for i, p in enumerate(prompts):  # each joins once the previous one is decoding
-        started = threading.Event()
-        t = threading.Thread(target=lambda i=i, p=p, s=started: results.__setitem__(i, generate(cloud, p, N, s)))
-        t.start()
-        threads.append(t)
-        assert started.wait(120)
-    for t in threads:
-        t.join(120)
-    assert results == alone
+    assert joined(cloud, prompts, [N] * 4, staggered=4) == alone  # each joins a running batch
+    assert joined(cloud, prompts, [N] * 4, staggered=0) == alone  # all in one batch from the start
     assert cloud.kv_usage().used_bytes == 0
 
 
-def test_cancel_frees_kv_at_once(cloud: CloudEngine) -> None:
-    ids = encode(cloud, STORY)
-    seq = cloud.start(ids, SamplingParams(max_tokens=200))
-    seq.step()
-    seq.step()
+def test_a_long_prompt_prefills_in_chunks_while_a_stream_decodes_in_every_step(cloud: CloudEngine) -> None:
+    driver = CloudDriver(cloud)
+    stream = driver.add(encode(cloud, "The capital of France is"), SamplingParams(max_tokens=40))
+    driver.run_until(stream)
+    long_ids = encode(cloud, "Chunks. " + STORY * 10)  # ~170 tokens, none cached: 4 chunks
+    long = driver.add(long_ids, SamplingParams(max_tokens=2))
+    prefill_steps = 0
+    while not driver.results[long].tokens:
+        before = len(driver.results[stream].tokens)
+        driver.step_when_ready()
+        prefill_steps += 1
+        assert len(driver.results[stream].tokens) == before + 1  # decode first: it never stalls
+    assert prefill_steps >= 3  # chunks of at most 63 tokens beside the decode row, cut to whole blocks
+    assert driver.results[long].prefill_tokens == len(long_ids)
+    done = driver.run([stream, long])
+    assert done[long].tokens == generate(cloud, long_ids, 2)
+    assert done[stream].tokens == generate(cloud, encode(cloud, "The capital of France is"), 40)
+    assert cloud.kv_usage().used_bytes == 0
+
+
+def test_stop_frees_kv_at_once_and_the_sequence_is_never_stepped_again(cloud: CloudEngine) -> None:
+    driver = CloudDriver(cloud)
+    seq = driver.add(encode(cloud, STORY), SamplingParams(max_tokens=200))
+    driver.run_until(seq, 2)
     assert cloud.kv_usage().used_bytes > 0  # prompt + 200 tokens reserved
+    driver.stop(seq)
+    assert cloud.kv_usage().used_bytes == 0  # before any further step
+    assert cloud.next_step_in() is None  # nothing left to step
+    other = driver.add(encode(cloud, "def f(n):"), SamplingParams(max_tokens=3))
+    driver.run([other])
+    assert len(driver.results[seq].tokens) == 2 and not driver.results[seq].ended
+
+
+def test_a_stop_during_a_long_prefill_ends_it_after_the_chunk_in_flight(cloud: CloudEngine) -> None:
+    ids = encode(cloud, "river stone cloud " * 100)  # ~300 tokens: 5 chunks
+    driver = CloudDriver(cloud)
+    seq = driver.add(ids, SamplingParams(max_tokens=4))
     steps = cloud.scheduler.steps_total
-    seq.close()
-    assert cloud.kv_usage().used_bytes == 0
-    assert seq.state is not None and seq.state.generated <= 2 + cloud.scheduler.lookahead + 1
-    assert cloud.scheduler.steps_total - steps <= 1  # at most the step in flight finished
+    driver.step_when_ready()  # the first chunk
+    assert cloud.kv_usage().used_bytes > 0
+    driver.stop(seq)
+    assert cloud.kv_usage().used_bytes == 0 and cloud.next_step_in() is None
+    assert cloud.scheduler.steps_total - steps == 1 and not driver.results[seq].tokens
 
 
-def test_request_beyond_the_kv_budget_is_resource_exhausted(cloud: CloudEngine) -> None:
-    seq = cloud.start([1, 2, 3], SamplingParams(max_tokens=8000))
+def test_request_beyond_the_kv_budget_is_resource_exhausted_when_added(cloud: CloudEngine) -> None:
+    driver = CloudDriver(cloud)
     with pytest.raises(ResourceExhausted, match="KV budget"):
-        seq.step()
-    seq.close()
+        driver.add([1, 2, 3], SamplingParams(max_tokens=8000))
+    assert cloud.next_step_in() is None and cloud.kv_usage().used_bytes == 0
+
+
+def test_admission_waits_for_kv_blocks_higher_priority_first() -> None:
+    small = engine(kv_budget_bytes=10 * 368_640)  # 10 blocks of 16 tokens (30 layers x 3 KV heads x 64, fp16)
+    try:
+        assert small.blocks.num_blocks == 10
+
+        def filling(ids: list[int], blocks: int) -> SamplingParams:  # prompt + max_tokens = whole blocks
+            return SamplingParams(max_tokens=blocks * 16 - len(ids))
+
+        a, low, high = encode(small, CHAT), encode(small, "Hello"), encode(small, "1, 2, 3,")
+        plan = {"a": (a, filling(a, 5)), "low": (low, filling(low, 4)), "high": (high, filling(high, 4))}
+        alone = {name: CloudDriver(small).generate(ids, sampling) for name, (ids, sampling) in plan.items()}
+        driver = CloudDriver(small)
+        first = driver.add(*plan["a"])  # 5 blocks of 10
+        driver.run_until(first)
+        waits = driver.add(*plan["low"], priority=0)
+        jumps = driver.add(*plan["high"], priority=5)  # arrives later, admitted first
+        driver.step_when_ready()
+        assert driver.results[jumps].tokens and not driver.results[waits].tokens  # 9 of 10 blocks held
+        done = driver.run([first])  # then its 5 blocks come back: the waiting one is admitted
+        driver.run_until(waits)
+        done = driver.run([first, waits, jumps])
+        assert [done[i].tokens for i in (first, waits, jumps)] == [alone["a"], alone["low"], alone["high"]]
+        assert small.kv_usage().used_bytes == 0
+    finally:
+        small.close()
+
+
+def test_greedy_logprobs_name_the_chosen_token_as_the_most_likely(cloud: CloudEngine) -> None:
+    driver = CloudDriver(cloud)
+    seq = driver.add(encode(cloud, CHAT), SamplingParams(max_tokens=6, logprobs=True, top_logprobs=3))
+    result = driver.run([seq])[seq]
+    assert result.tokens == generate(cloud, encode(cloud, CHAT))
+    assert len(result.logprobs) == len(result.tokens)
+    for token, entry in zip(result.tokens, result.logprobs, strict=True):
+        assert entry.token_id == token and len(entry.top_ids) == 3 and entry.top_ids[0] == token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0]) and entry.logprob <= 0.0
 
 
 def test_prefix_exported_by_a_is_imported_by_b(redis_url: str, cloud: CloudEngine) -> None:
@@ -134,14 +215,63 @@ def test_prefix_exported_by_a_is_imported_by_b(redis_url: str, cloud: CloudEngin
         a.close()
     b = engine(redis_url, model_version="shared")
     try:
-        assert generate(b, ids) == cold
+        driver = CloudDriver(b)
+        first = driver.add(ids, SamplingParams(max_tokens=N))  # loaded from Redis on b's I/O thread
+        assert driver.run([first])[first].tokens == cold
         reusable = (len(ids) - 1) // 16 * 16
+        assert driver.results[first].prefill_tokens == len(ids) - reusable
         assert b.prefix_counters() == {"computed": len(ids) - reusable, "local": 0, "redis": reusable}
-        seq = b.start(ids, SamplingParams(max_tokens=2))  # again: now from B's own memory
-        seq.step()
-        assert seq.prefill_tokens == len(ids) - reusable
-        seq.close()
+        again = driver.add(ids, SamplingParams(max_tokens=2))  # now from b's own memory
+        driver.run([again])
+        assert driver.results[again].prefill_tokens == len(ids) - reusable
         assert b.prefix_counters()["local"] == reusable
+    finally:
+        b.close()
+
+
+def test_the_loop_steps_other_sequences_while_a_prefix_loads_from_redis(
+    redis_url: str, cloud: CloudEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ids = encode(cloud, STORY * 4)
+    a = engine(redis_url, model_version="io-thread")
+    try:
+        generate(a, ids, 2)  # a exports the prompt's blocks on finish
+        assert a.redis is not None
+        a.redis.flush()
+    finally:
+        a.close()
+    b = engine(redis_url, model_version="io-thread")
+    try:
+        assert b.redis is not None
+        gate, loading = threading.Event(), threading.Event()
+        load = b.redis.load
+
+        def slow_load(*args: object) -> object:
+            loading.set()
+            assert gate.wait(60)
+            return load(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(b.redis, "load", slow_load)
+        driver = CloudDriver(b)
+        waiting = driver.add(ids, SamplingParams(max_tokens=N))
+        assert loading.wait(60)
+        other = driver.add(encode(b, "The capital of France is"), SamplingParams(max_tokens=4))
+        done = driver.run([other])  # the loop never waits on the network
+        assert done[other].tokens == generate(cloud, encode(cloud, "The capital of France is"), 4)
+        assert not driver.results[waiting].tokens and b.next_step_in() is None
+        gate.set()  # the load ends: the I/O thread wakes the loop, the sequence is admitted
+        assert driver.run([waiting])[waiting].tokens == generate(cloud, ids)
+        assert b.prefix_counters()["redis"] == (len(ids) - 1) // 16 * 16
+
+        # Stopped while its blocks load: freed now, never admitted when the load ends.
+        gate.clear()
+        loading.clear()
+        stopped = driver.add(encode(b, "Tell me more. " + STORY * 4), SamplingParams(max_tokens=N))
+        assert loading.wait(60)
+        driver.stop(stopped)
+        gate.set()
+        driver.wait_for_work()  # the hand-over wakes the loop; the step drops it
+        assert driver.step() == [] and b.next_step_in() is None and b.kv_usage().used_bytes == 0
     finally:
         b.close()
 
@@ -154,3 +284,57 @@ def test_redis_down_is_a_miss_not_a_failure(cloud: CloudEngine) -> None:
         assert down.prefix_counters()["redis"] == 0
     finally:
         down.close()
+
+
+def test_sampled_sequences_wait_for_the_warpers_import_on_the_io_thread(
+    cloud: CloudEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sampled sequence added before transformers' warpers are imported waits (with every sequence
+    added after it) while the I/O thread imports them; earlier greedy ones decode meanwhile."""
+    sampled = SamplingParams(max_tokens=N, temperature=0.8, seed=5)
+    prompt, other = encode(cloud, CHAT), encode(cloud, "def fibonacci(n):")
+    want_sampled, want_greedy = generate(cloud, prompt, sampling=sampled), generate(cloud, other)
+    imported, gate, importing = False, threading.Event(), threading.Event()
+
+    def import_warpers() -> None:
+        nonlocal imported
+        importing.set()
+        assert gate.wait(60)
+        imported = True
+
+    monkeypatch.setattr(engine_module, "warpers_imported", lambda: imported)
+    monkeypatch.setattr(engine_module, "import_warpers", import_warpers)
+    driver = CloudDriver(cloud)
+    first = driver.add(other, SamplingParams(max_tokens=N))
+    s = driver.add(prompt, sampled)
+    after = driver.add(other, SamplingParams(max_tokens=N))  # greedy, but after a deferred one: in order
+    dropped = driver.add(prompt, sampled)
+    driver.stop(dropped)  # stopped while deferred: never added
+    assert importing.wait(60)
+    assert driver.run([first])[first].tokens == want_greedy  # the loop went on without the import
+    assert not driver.results[s].tokens and not driver.results[after].tokens
+    assert cloud.next_step_in() is None
+    gate.set()
+    done = driver.run([s, after])
+    assert done[s].tokens == want_sampled and done[after].tokens == want_greedy
+    assert not driver.results[dropped].tokens and cloud.next_step_in() is None
+    assert cloud.kv_usage().used_bytes == 0
+
+
+def test_a_failed_warpers_import_fails_the_sequences_that_waited_for_it(
+    cloud: CloudEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken() -> None:
+        raise ImportError("transformers is broken")
+
+    monkeypatch.setattr(engine_module, "warpers_imported", lambda: False)
+    monkeypatch.setattr(engine_module, "import_warpers", broken)
+    driver = CloudDriver(cloud)
+    a = driver.add(encode(cloud, CHAT), SamplingParams(max_tokens=N, temperature=0.8, seed=1))
+    fork = driver.add(encode(cloud, CHAT), SamplingParams(max_tokens=N, temperature=0.8, seed=2), fork_of=a)
+    done = driver.run([a, fork])
+    assert all(isinstance(r.error, ImportError) for r in done.values())
+    assert cloud.next_step_in() is None and cloud.kv_usage().used_bytes == 0
+    monkeypatch.undo()
+    seq = driver.add(encode(cloud, CHAT), SamplingParams(max_tokens=2, temperature=0.8, seed=1))
+    assert driver.run([seq])[seq].finish == FinishReason.LENGTH  # the next one imports again
