@@ -352,6 +352,8 @@ class CloudEngine(EngineBase):
 
     def stop(self, seq_id: int, hold: bool = False) -> None:
         self._deferred = [spec for spec in self._deferred if spec.id != seq_id]
+        self._failed = [out for out in self._failed if out.id != seq_id]
+        self.scheduler.discard_outputs(seq_id)  # e.g. a fork's CANCELLED: its source was stopped first
         entry = self._states.pop(seq_id, None)
         if entry is None:
             return

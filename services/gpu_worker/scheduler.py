@@ -232,6 +232,12 @@ class Scheduler:
             self.blocks.release(seq.blocks)
             seq.blocks = []
 
+    def discard_outputs(self, seq_id: int) -> None:
+        """Drop ``seq_id``'s outputs not handed over yet (it was stopped: they would come late)."""
+        with self.lock:
+            if any(out.id == seq_id for out in self.failed):
+                self.failed = [out for out in self.failed if out.id != seq_id]
+
     def _fail_forks(self, forks: Sequence[SeqState]) -> None:
         """``forks`` whose source ended before its prefill did: they end CANCELLED (their blocks freed)."""
         for fork in forks:
@@ -286,7 +292,9 @@ class Scheduler:
         if static is None:
             return self.forward(segments), None, None
         rows = [seq.sampler.row for seq, _ in plan]
-        steps = [seq.generated for seq, _ in plan]
+        # The device sampler's noise is a function of (seed, step, token), ``step`` the turn's tokens so
+        # far: replayed ones included, so a resumed seeded stream draws what the undisturbed one drew.
+        steps = [len(seq.tokens) - seq.prompt_len for seq, _ in plan]
         penalties = [seq.sampler.penalties for seq, _ in plan]
         tops = [seq.sampler.top for seq, _ in plan]
         # A row that needs no token now (prefill chunk, replay) still gets its grammar's mask: harmless.

@@ -1,23 +1,24 @@
 """Static-shape decode steps (graphs.py, ``decode_graphs=on`` on CPU: the captured step without the capture)
-against today's eager path with the real model: token for token, with continuous batching, prefix blocks,
-Redis import, cancellation and the KV budget; and a Llama of other shapes through the same code."""
+against the eager path with the real model, stepped as the engine loop steps it: token for token, with
+continuous batching, prefix blocks, Redis import, stop and the KV budget; and a Llama of other shapes
+through the same code."""
 
 from __future__ import annotations
 
 import shutil
-import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from benchmarks.cloud import gpu as cloud_gpu
 from services.common.errors import ResourceExhausted
 from services.common.sampling import SamplingParams
 from services.gpu_worker.engine import CloudEngine
-from tests.integration.gpu_worker.test_cloud_engine import STORY, encode, engine, generate, model_dir
+from tests.integration.gpu_worker.driver import CloudDriver
+from tests.integration.gpu_worker.test_cloud_engine import STORY, encode, engine, generate, joined, model_dir
 
 pytestmark = pytest.mark.integration
 N = 8
@@ -54,19 +55,7 @@ def prompts(e: CloudEngine) -> list[list[int]]:
 def join_and_leave(e: CloudEngine, ids: list[list[int]]) -> list[list[int]]:
     """Sequences of different lengths and token counts: the first three join one by one while the others
     decode, the rest all at once; they finish (leave) at different steps."""
-    results: list[list[int]] = [[] for _ in ids]
-    threads = []
-    for i, p in enumerate(ids):
-        started = threading.Event()
-        n = N + 3 * (i % 3)
-        t = threading.Thread(target=lambda i=i, p=p, n=n, s=started: results.__setitem__(i, generate(e, p, n, s)))
-        t.start()
-        threads.append(t)
-        if i < 3:
-            assert started.wait(120)
-    for t in threads:
-        t.join(300)
-    return results
+    return joined(e, ids, [N + 3 * (i % 3) for i in range(len(ids))], staggered=3)
 
 
 def test_static_steps_equal_the_eager_path_token_for_token(eager: CloudEngine, static: CloudEngine) -> None:
@@ -110,21 +99,21 @@ def test_prefix_imported_from_redis_under_static_steps(redis_url: str, eager: Cl
         b.close()
 
 
-def test_cancel_frees_kv_at_once_under_static_steps(static: CloudEngine) -> None:
-    other = static.start(encode(static, "The capital of France is"), SamplingParams(max_tokens=40))
-    other.step()
-    seq = static.start(encode(static, STORY), SamplingParams(max_tokens=200))
-    seq.step()
-    seq.step()
-    steps = static.scheduler.steps_total
-    seq.close()
-    assert seq.state is not None and seq.state.generated <= 2 + static.scheduler.lookahead + 1
-    assert static.scheduler.steps_total - steps <= 1  # at most the step in flight finished
+def test_stop_frees_kv_at_once_under_static_steps(eager: CloudEngine, static: CloudEngine) -> None:
+    driver = CloudDriver(static)
+    france = encode(static, "The capital of France is")
+    other = driver.add(france, SamplingParams(max_tokens=40))
+    driver.run_until(other)
+    seq = driver.add(encode(static, STORY), SamplingParams(max_tokens=200))
+    driver.run_until(seq, 2)
+    driver.stop(seq)
     used = static.kv_usage().used_bytes
     assert 0 < used <= static.bytes_per_block * -(-(6 + 40) // 16)  # only the other sequence's blocks
-    for _ in range(5):
-        other.step()  # it goes on alone
-    other.close()
+    before = static.static.steps if static.static else 0
+    done = driver.run([other])  # it goes on alone, in one-row static steps
+    assert len(driver.results[seq].tokens) == 2
+    assert done[other].tokens == generate(eager, france, 40)
+    assert static.static is not None and static.static.steps > before
     assert static.kv_usage().used_bytes == 0
 
 
@@ -135,36 +124,28 @@ def test_the_kv_budget_holds_the_pad_block(static: CloudEngine) -> None:
     cache_bytes = sum(t.numel() * t.element_size() for t in static.cache.k + static.cache.v)
     assert cache_bytes <= budget
     assert static.kv_usage().budget_bytes == static.blocks.num_blocks * static.bytes_per_block
-    seq = static.start([1, 2, 3], SamplingParams(max_tokens=8000))
     with pytest.raises(ResourceExhausted, match="KV budget"):
-        seq.step()
-    seq.close()
+        CloudDriver(static).add([1, 2, 3], SamplingParams(max_tokens=8000))
+
+
+def beside_others(e: CloudEngine, ids: list[int], sampling: SamplingParams, max_tokens: int = 30) -> list[int]:
+    """``ids``' tokens while two other sequences decode in the same steps (added and decoding first)."""
+    driver = CloudDriver(e)
+    others = [driver.add(encode(e, t), SamplingParams(max_tokens=max_tokens)) for t in ("Hello", STORY)]
+    for other in others:
+        driver.run_until(other)
+    try:
+        return driver.generate(ids, sampling)
+    finally:
+        driver.close()
 
 
 def test_a_seeded_sampled_stream_reproduces_in_a_batch(static: CloudEngine) -> None:
     ids = encode(static, "<|im_start|>user\nWrite a sentence about the sea.<|im_end|>\n<|im_start|>assistant\n")
     sampling = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.95, top_k=40, seed=1234)
-
-    def run() -> list[int]:
-        seq = static.start(ids, sampling)
-        out: list[int] = []
-        try:
-            while len(out) < 10 and not (out and out[-1] in static.info.eos_token_ids):
-                out.append(seq.step())
-            return out
-        finally:
-            seq.close()
-
-    alone = run()
+    alone = generate(static, ids, sampling=sampling)
     assert len(alone) >= 3
-    others = [static.start(encode(static, t), SamplingParams(max_tokens=30)) for t in ("Hello", STORY)]
-    try:
-        for o in others:
-            o.step()
-        assert run() == alone  # the device sampler's noise depends on (seed, step, token) only
-    finally:
-        for o in others:
-            o.close()
+    assert beside_others(static, ids, sampling) == alone  # the device sampler's noise: (seed, step, token) only
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +189,7 @@ def test_a_llama_of_other_shapes_runs_without_code_changes(other_llama: Path) ->
         try:
             assert e.model.config.heads == 8 and e.model.config.kv_heads == 2 and e.model.config.head_dim == 32
             ids = [encode(e, t) for t in ("The capital of France is", STORY * 3, "def f(n):")]
-            runs[mode] = cloud_gpu.concurrent(e, ids, N)
+            runs[mode] = joined(e, ids, [N] * len(ids), staggered=0)
         finally:
             e.close()
     assert runs["on"] == runs["off"]
@@ -216,17 +197,6 @@ def test_a_llama_of_other_shapes_runs_without_code_changes(other_llama: Path) ->
         first = torch.tensor([ids[0]])
         expected = hf.generate(first, max_new_tokens=N, do_sample=False, min_new_tokens=N)[0, len(ids[0]) :]
     assert runs["off"][0] == expected.tolist()
-
-
-def _run(e: CloudEngine, ids: list[int], sampling: SamplingParams) -> list[int]:
-    seq = e.start(ids, sampling)
-    out: list[int] = []
-    try:
-        while len(out) < sampling.max_tokens and not (out and out[-1] in e.info.eos_token_ids):
-            out.append(seq.step())
-        return out
-    finally:
-        seq.close()
 
 
 def test_penalties_on_static_steps_equal_the_eager_path_and_ignore_the_batch(
@@ -245,21 +215,14 @@ def test_penalties_on_static_steps_equal_the_eager_path_and_ignore_the_batch(
         min_tokens=24,
         logit_bias=((eos, 5.0),),
     )
-    want_plain = _run(eager, ids, plain)
-    want = _run(eager, ids, penalised)
+    want_plain = generate(eager, ids, sampling=plain)
+    want = generate(eager, ids, sampling=penalised)
     assert want != want_plain and len(want) == 24 and eos not in want  # min_tokens held EOS off despite the bias
     assert static.static is not None
     before = static.static.steps
-    assert _run(static, ids, penalised) == want
+    assert generate(static, ids, sampling=penalised) == want
     assert static.static.steps - before >= 20
-    others = [static.start(encode(static, t), SamplingParams(max_tokens=40)) for t in ("Hello", STORY)]
-    try:
-        for o in others:
-            o.step()
-        assert _run(static, ids, penalised) == want
-    finally:
-        for o in others:
-            o.close()
+    assert beside_others(static, ids, penalised, max_tokens=40) == want
 
 
 @pytest.mark.parametrize("which", ["eager", "static"])
@@ -269,9 +232,22 @@ def test_a_resumed_penalised_stream_continues_like_the_undisturbed_run(
     e = eager if which == "eager" else static
     ids = encode(e, "<|im_start|>user\nTell me about dogs.<|im_end|>\n<|im_start|>assistant\n")
     sampling = SamplingParams(max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=16)
-    undisturbed = _run(e, ids, sampling)
-    seq = e.start(ids, sampling, replay=undisturbed[:6])
-    try:
-        assert [seq.step() for _ in range(10)] == undisturbed[6:]
-    finally:
-        seq.close()
+    undisturbed = generate(e, ids, sampling=sampling)
+    assert len(undisturbed) == 16
+    driver = CloudDriver(e)  # max_tokens counts new tokens: the 10 after the 6 replayed
+    resumed = driver.add(ids, replace(sampling, max_tokens=10), replay=undisturbed[:6])
+    result = driver.run([resumed])[resumed]
+    assert result.tokens == undisturbed[6:]
+    assert result.prefill_tokens == len(ids) + 6  # the prompt, then one forward per replayed token
+
+
+def test_a_resumed_seeded_stream_draws_what_the_undisturbed_run_drew_on_static_steps(static: CloudEngine) -> None:
+    """The device sampler's noise depends on (seed, step, token), ``step`` counting the replayed tokens: a
+    seeded stream resumed on another worker continues with the undisturbed run's tokens."""
+    ids = encode(static, "<|im_start|>user\nWrite a sentence about the sea.<|im_end|>\n<|im_start|>assistant\n")
+    sampling = SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=99)
+    undisturbed = generate(static, ids, sampling=sampling)
+    assert len(undisturbed) >= 8
+    driver = CloudDriver(static)
+    resumed = driver.add(ids, replace(sampling, max_tokens=len(undisturbed) - 5), replay=undisturbed[:5])
+    assert driver.run([resumed])[resumed].tokens == undisturbed[5:]
