@@ -78,12 +78,18 @@ class Sampler:
                 self._rng.seed()
 
     def record(self, token: int) -> None:
-        """``token`` was generated (or replayed): the penalties count it and the grammar advances over it,
-        whichever sampler chose it."""
+        """``token`` was generated: the penalties count it and the grammar advances over it, whichever
+        sampler chose it."""
         if self.penalties is not None:
             self.penalties.record(token)
         if self.constraint is not None:
             self.constraint.advance(token)
+
+    def replayed(self, token: int) -> None:
+        """A resumed stream's ``token`` was fed back: the penalties count it (the grammar state came
+        already advanced over the replay, ``NewSequence.constraint``)."""
+        if self.penalties is not None:
+            self.penalties.record(token)
 
     def mask(self) -> np.ndarray | None:
         """The allowed next tokens as a bitmask for the device sampler (None: unconstrained)."""

@@ -430,7 +430,7 @@ class Scheduler:
             return
         if seq.replay:
             replayed = seq.replay.popleft()
-            seq.sampler.record(replayed)  # a resumed stream's tokens were generated: penalties count them
+            seq.sampler.replayed(replayed)  # a resumed stream's tokens were generated: penalties count them
             seq.tokens.append(replayed)
             return
         if seq.forks:

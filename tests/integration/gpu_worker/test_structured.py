@@ -1,11 +1,13 @@
 """Structured output on the cloud engine with the real model: the host sampler (eager steps) and the
 device sampler (static steps) choose the same constrained tokens, alone and in a batch, and a resumed
-stream's replayed tokens advance the grammar."""
+stream's replayed tokens advance the grammar (the runtime compiles the constraint and advances it over
+the replay before it adds the sequence: the driver does the same)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -13,7 +15,9 @@ from services.common.constraints import check_constraint
 from services.common.errors import InvalidArgument
 from services.common.sampling import SamplingParams
 from services.gpu_worker.engine import CloudEngine
-from tests.integration.gpu_worker.test_cloud_engine import STORY, encode, engine
+from tests.integration.gpu_worker.driver import CloudDriver
+from tests.integration.gpu_worker.test_cloud_engine import encode, engine
+from tests.integration.gpu_worker.test_static_decode import beside_others
 
 pytestmark = pytest.mark.integration
 SCHEMA = {
@@ -41,14 +45,10 @@ def eager() -> Iterator[CloudEngine]:
 
 
 def run(e: CloudEngine, ids: list[int], sampling: SamplingParams, replay: list[int] | None = None) -> list[int]:
-    seq = e.start(ids, sampling, replay=replay or ())
-    out: list[int] = []
-    try:
-        while len(out) + len(replay or ()) < sampling.max_tokens and not (out and out[-1] in e.info.eos_token_ids):
-            out.append(seq.step())
-        return out
-    finally:
-        seq.close()
+    """The tokens after ``replay`` (``max_tokens`` counts the turn's: the replayed ones too)."""
+    replay = replay or []
+    new = replace(sampling, max_tokens=sampling.max_tokens - len(replay))
+    return CloudDriver(e).generate(ids, new, replay=replay)
 
 
 def test_constrained_json_is_valid_and_the_same_on_eager_and_static_steps_alone_or_batched(
@@ -63,14 +63,7 @@ def test_constrained_json_is_valid_and_the_same_on_eager_and_static_steps_alone_
     before = static.static.steps
     assert run(static, ids, CITY) == want
     assert static.static.steps - before >= 5  # the device sampler's mask ran
-    others = [static.start(encode(static, t), SamplingParams(max_tokens=60)) for t in ("Hello", STORY)]
-    try:
-        for o in others:
-            o.step()
-        assert run(static, ids, CITY) == want
-    finally:
-        for o in others:
-            o.close()
+    assert beside_others(static, ids, CITY, max_tokens=60) == want
 
 
 def test_a_resumed_constrained_stream_continues_like_the_undisturbed_run(static: CloudEngine) -> None:
@@ -83,11 +76,8 @@ def test_a_resumed_constrained_stream_continues_like_the_undisturbed_run(static:
     assert run(static, ids, date, replay=undisturbed[:4]) == undisturbed[4:]
 
 
-def test_a_schema_that_does_not_compile_fails_the_turn_with_invalid_argument(eager: CloudEngine) -> None:
+def test_a_schema_that_does_not_compile_fails_before_the_sequence_is_added(eager: CloudEngine) -> None:
     bad = SamplingParams(max_tokens=4, structured=check_constraint("json_schema", '{"type": "nope"}'))
-    seq = eager.start(encode(eager, "Hi"), bad)
-    try:
-        with pytest.raises(InvalidArgument, match="response_format"):
-            seq.step()
-    finally:
-        seq.close()
+    with pytest.raises(InvalidArgument, match="response_format"):
+        CloudDriver(eager).add(encode(eager, "Hi"), bad)  # compiled as the runtime does, before add
+    assert eager.next_step_in() is None

@@ -7,6 +7,7 @@ import itertools
 from collections import deque
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -330,3 +331,32 @@ def test_a_failed_step_fails_its_sequences_and_the_next_step_runs() -> None:
     c = seq([20], 2)
     s.submit(c)
     assert o.run(c) == [[21, 22]]
+
+
+class CountingConstraint:
+    """Allows every token; records the tokens it was advanced over."""
+
+    def __init__(self) -> None:
+        self.advanced: list[int] = []
+
+    def advance(self, token: int) -> None:
+        self.advanced.append(token)
+
+    def allowed(self) -> np.ndarray:
+        return np.ones(VOCAB, dtype=bool)
+
+    def bitmask(self) -> None:
+        return None
+
+
+def test_replayed_tokens_count_for_the_penalties_but_do_not_advance_the_grammar_again() -> None:
+    """``NewSequence.constraint`` comes advanced over the replay (the runtime does it)."""
+    s, _ = make()
+    constraint = CountingConstraint()
+    state = seq([1, 2, 3], 2, replay=[4, 5])
+    state.sampler = Sampler(SamplingParams(max_tokens=2, presence_penalty=0.5), [1, 2, 3], (), constraint)  # type: ignore[arg-type]
+    s.submit(state)
+    assert Outputs(s).run(state) == [[6, 7]]
+    assert constraint.advanced == [6, 7]
+    penalties = state.sampler.penalties
+    assert penalties is not None and penalties.generated == 4  # replayed 4, 5 and generated 6, 7
