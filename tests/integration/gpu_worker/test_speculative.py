@@ -1,25 +1,34 @@
-"""Speculative decoding with the real models: the INT4 edge draft + our forward equal plain greedy decoding;
-a cancel reaches a speculative prefill."""
+"""Speculative decoding with the real models: the INT4 edge draft + our forward equal plain greedy decoding,
+in the decoder alone and through the SpeculativeEngine stepped as the engine loop steps it (beside
+batched sequences, falling back to the scheduler when the KV budget is short, n choices); a cancel
+reaches a speculative prefill."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from services.common.generation import FinishReason
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.v1.inference_pb2 import FINISH_REASON_CANCELLED
+from services.common.sampling import SamplingParams
 from services.common.settings import load_settings
 from services.gpu_worker.config import GpuWorkerSettings
+from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.spec_engine import SpeculativeEngine
 from services.gpu_worker.speculative import OgDraft, SpeculativeDecoder, load_draft_model
 from services.gpu_worker.startup import start_gpu_worker
+from tests.integration.gpu_worker.driver import CloudDriver
 from tests.integration.gpu_worker.greedy import greedy
-from tests.worker_helpers import cancel_during_prefill, generate, wait_idle, wait_serving
+from tests.integration.gpu_worker.test_cloud_engine import STORY, engine
+from tests.integration.gpu_worker.test_cloud_engine import generate as alone
+from tests.worker_helpers import cancel_during_prefill, generate, stats, wait_idle, wait_serving
 
 pytestmark = pytest.mark.integration
 QUESTIONS = ["Write a short poem about the sea.", "List three tips for writing clean Python code."]
@@ -52,12 +61,98 @@ def _check_one(model: LlamaModel, draft_model: object, prompt: list[int]) -> Non
         return drafts[-1]
 
     dec = SpeculativeDecoder(lambda segs: model.forward(segs, cache), list(range(blocks)), prompt, N, make, k_max=8)
-    out = [dec.next() for _ in range(N)]
+    out: list[int] = []
+    while not dec.finished:
+        out += dec.advance()  # one unit per engine step: the prefill, then draft-and-verify rounds
     assert out == greedy(model, prompt, N)
     assert dec.drafted > 0 and 0 <= dec.accepted <= dec.drafted and 1 <= dec.k.k <= 8
     held = list(drafts[0]._gen.get_sequence(0))  # the draft's own tokens after its last commit
     assert held == dec.tokens[: len(held)] and len(held) > len(prompt)
     dec.close()
+
+
+@pytest.fixture(scope="module")
+def spec_engine() -> Iterator[SpeculativeEngine]:
+    """A speculative engine whose KV budget holds one speculative sequence (of this module's sizes) and
+    one more sequence of the scheduler's: 20 blocks of 16 tokens."""
+    e = SpeculativeEngine(engine(kv_budget_bytes=20 * 368_640), load_draft_model(model_paths().edge_dir, threads=1))
+    assert e.blocks.num_blocks == 20
+    yield e
+    e.close()
+
+
+def test_speculative_sequences_step_beside_batched_ones_and_equal_plain_greedy(spec_engine: SpeculativeEngine) -> None:
+    cloud: CloudEngine = spec_engine.engine
+    prompts = [chat(cloud.tokenizer, q) for q in QUESTIONS]
+    want = [alone(cloud, p, N) for p in prompts]  # the scheduler alone
+    driver = CloudDriver(spec_engine)
+    greedy_ids = [driver.add(p, SamplingParams(max_tokens=N)) for p in prompts[:1]]
+    assert set(greedy_ids) <= set(spec_engine._live)  # speculative
+    logprobs = driver.add(prompts[1], SamplingParams(max_tokens=N, logprobs=True))  # the scheduler's
+    assert logprobs not in spec_engine._live
+    done = driver.run([*greedy_ids, logprobs])
+    assert [done[i].tokens for i in (*greedy_ids, logprobs)] == want
+    assert done[greedy_ids[0]].prefill_tokens == len(prompts[0])
+    assert done[greedy_ids[0]].steps < N  # some rounds gave several tokens
+    assert spec_engine.kv_usage().used_bytes == 0 and spec_engine.next_step_in() is None
+
+
+def test_a_greedy_sequence_waits_in_the_scheduler_when_the_kv_budget_is_short(spec_engine: SpeculativeEngine) -> None:
+    cloud: CloudEngine = spec_engine.engine
+    prompt = chat(cloud.tokenizer, QUESTIONS[0])
+    driver = CloudDriver(spec_engine)
+    first = driver.add(prompt, SamplingParams(max_tokens=N))  # speculative: its blocks taken at add
+    assert first in spec_engine._live
+    held = spec_engine.blocks.num_blocks - spec_engine.blocks.available
+    # Another that needs more than what is left but fits the budget: the scheduler queues it.
+    big = SamplingParams(max_tokens=(spec_engine.blocks.num_blocks - held + 1) * 16 - len(prompt))
+    second = driver.add(prompt, big)
+    assert second not in spec_engine._live
+    driver.run_until(first, 2)
+    assert not driver.results[second].tokens  # it waits for the speculative sequence's blocks
+    done = driver.run([first, second])
+    assert done[first].tokens == alone(cloud, prompt, N)
+    assert done[second].tokens[: len(done[first].tokens)] == done[first].tokens
+    assert spec_engine.kv_usage().used_bytes == 0
+
+
+def test_greedy_choices_of_one_prompt_share_the_schedulers_prefill(spec_engine: SpeculativeEngine) -> None:
+    """n choices: the first is added alone (it would be speculated), then its forks: it goes to the
+    scheduler, whose forks share its prefill."""
+    cloud: CloudEngine = spec_engine.engine
+    prompt = chat(cloud.tokenizer, QUESTIONS[1])
+    driver = CloudDriver(spec_engine)
+    forks = cloud.scheduler.forks_made
+    seqs = driver.choices(prompt, SamplingParams(max_tokens=8, n=2), 2)
+    assert not set(seqs) & set(spec_engine._live)
+    done = driver.run(seqs)
+    assert cloud.scheduler.forks_made - forks == 1
+    assert [done[i].tokens for i in seqs] == [alone(cloud, prompt, 8)] * 2
+    assert spec_engine.kv_usage().used_bytes == 0
+
+
+def test_a_stop_during_a_speculative_prefill_ends_it_after_one_chunk(spec_engine: SpeculativeEngine) -> None:
+    ids = list(spec_engine.tokenizer.encode("Speculate. " + STORY * 8).ids)  # ~140 tokens: 3 chunks of 64
+    driver = CloudDriver(spec_engine)
+    seq = driver.add(ids, SamplingParams(max_tokens=4))
+    assert seq in spec_engine._live
+    chunks = spec_engine.prefill_chunks
+    driver.step_when_ready()
+    assert spec_engine.prefill_chunks - chunks == 1
+    driver.stop(seq)
+    assert spec_engine.kv_usage().used_bytes == 0 and spec_engine.next_step_in() is None
+    assert spec_engine.prefill_chunks - chunks == 1 and not driver.results[seq].tokens
+    again = driver.add(ids, SamplingParams(max_tokens=4))
+    assert driver.run([again])[again].finish in (FinishReason.LENGTH, FinishReason.STOP)
+
+
+async def wait_kv_freed(stub: object, timeout_s: float = 30.0) -> None:
+    """Poll Stats until the worker holds no KV (bounded): a turn ends for the caller at once, its stop
+    reaches the engine loop between two steps."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while (await stats(stub)).kv_used_bytes:  # type: ignore[arg-type]
+        assert asyncio.get_running_loop().time() < deadline, "the worker never freed the cancelled turn's KV"
+        await asyncio.sleep(0.02)  # polling a condition, not readiness
 
 
 def _sample(name: str) -> float:
@@ -120,6 +215,6 @@ async def test_a_cancel_reaches_a_speculative_prefill_after_the_chunk_in_progres
         session, final = await cancel_during_prefill(stub, ids, lambda: engine.prefill_chunks > before)
         assert final.finish_reason == FINISH_REASON_CANCELLED and final.completion_tokens == 0
         await session.call.done_writing()
-        settled = await wait_idle(stub)
+        await wait_idle(stub)
+        await wait_kv_freed(stub)  # the stop reaches the engine after the chunk in flight
     assert engine.prefill_chunks - before < chunks  # not the whole prefill
-    assert settled.kv_used_bytes == 0
