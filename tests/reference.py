@@ -34,9 +34,15 @@ def _strip_eos(tokens: list[int]) -> list[int]:
 
 @cache
 def edge_engine() -> Any:
+    """The batched engine with the int4 kernel an edge worker runs here (``auto``: native where it builds
+    and runs, else MLAS: their greedy tokens differ at near-ties, so the reference must use the same)."""
+    from services.common.settings import load_settings
     from services.edge_worker.batched import BatchedEngine
+    from services.edge_worker.config import EdgeWorkerSettings
+    from services.edge_worker.startup import int4_kernel
 
-    return BatchedEngine(model_paths().edge_dir, model_id="reference", threads=1, max_batch=2)
+    kernel = int4_kernel(load_settings(EdgeWorkerSettings))
+    return BatchedEngine(model_paths().edge_dir, model_id="reference", threads=1, max_batch=2, int4_kernel=kernel)
 
 
 def edge_continuation(ids: list[int], max_tokens: int) -> list[int]:
