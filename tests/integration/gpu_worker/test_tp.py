@@ -36,6 +36,7 @@ from services.local.processes import ServiceProcess
 from services.store.keys import Kind
 from services.store.kv_blocks import KVContext
 from tests.helpers import RedisServer, free_port
+from tests.integration.gpu_worker.driver import CloudDriver
 from tests.integration.gpu_worker.greedy import greedy
 from tests.worker_helpers import META, generate, wait_serving
 
@@ -141,6 +142,18 @@ async def test_tp3_worker_under_torchrun_serves_tp1_greedy_over_grpc(
             assert result.token_ids == expected, "\n".join(lines[-20:])
 
 
+async def test_tp3_worker_batches_concurrent_turns_with_tp1_greedy(
+    single: list[list[int]], tp3: tuple[ServiceProcess, list[str]]
+) -> None:
+    """Turns at once: their rows share packed steps, mirrored by the followers step for step."""
+    proc, lines = tp3
+    async with grpc.aio.insecure_channel(proc.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        results = await asyncio.gather(*(generate(stub, p, max_tokens=MAX_TOKENS) for p in PROMPTS * 2))
+    expected = [s[: s.index(EOS)] if EOS in s else s for s in single] * 2
+    assert [r.token_ids for r in results] == expected, "\n".join(lines[-20:])
+
+
 def _tp1_engine(redis_url: str) -> CloudEngine:
     settings = GpuWorkerSettings()
     redis = RedisPrefixCache(
@@ -159,13 +172,7 @@ def _tp1_engine(redis_url: str) -> CloudEngine:
 
 
 def _engine_greedy(engine: CloudEngine, ids: list[int]) -> list[int]:
-    seq = engine.start(ids, SamplingParams(max_tokens=MAX_TOKENS))
-    out: list[int] = []
-    try:
-        while len(out) < MAX_TOKENS and EOS not in out:
-            out.append(seq.step())
-    finally:
-        seq.close()
+    out = CloudDriver(engine).generate(ids, SamplingParams(max_tokens=MAX_TOKENS))  # Redis loads on its I/O thread
     return out[: out.index(EOS)] if EOS in out else out  # as the worker streams it
 
 
@@ -258,7 +265,7 @@ async def test_import_and_export_kv_rpcs_on_the_tp3_worker(
             try:
                 local = [engine.cache.read_block(b) for b in ids]
             finally:
-                with engine.scheduler.cond:
+                with engine.blocks.lock:
                     engine.blocks.release(ids)
             stored = await asyncio.to_thread(engine.redis.load, ctx, prompt)
             assert len(local) == len(stored) == blocks
