@@ -27,7 +27,7 @@ from services.common.model_paths import model_paths
 from services.common.tokenizer import Tokenizer
 from services.worker.app import run_worker_process
 from services.worker.settings import WorkerSettings
-from services.worker.types import EngineBase, EngineCapabilities, EngineInfo, NewSequence, SequenceOutput
+from services.worker.types import Engine, EngineCapabilities, EngineInfo, NewSequence, SequenceOutput
 
 # Ordinary word-piece ids of SmolLM2's vocabulary (ASCII words), cycled through deterministically.
 _WORDS = tuple(range(1000, 1256))
@@ -43,7 +43,7 @@ class InstantWorkerSettings(WorkerSettings):
     token_interval_ms: float = Field(default=0.0, ge=0.0, le=10_000.0)
 
 
-class InstantEngine(EngineBase):
+class InstantEngine(Engine):
     """Never emits EOS: every turn runs to ``max_tokens`` (or a stop string), with no model time.
 
     A batched engine as the real ones are: each step advances every live sequence by one token; with

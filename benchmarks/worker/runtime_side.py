@@ -48,9 +48,9 @@ def _new_side(tokenizer: Any, streams: int, tokens: int) -> tuple[float, int]:
     from services.common.generation import FinishReason, GenerationRequest
     from services.common.sampling import SamplingParams
     from services.worker.runner import Runner
-    from services.worker.types import EngineBase, EngineCapabilities, EngineInfo, NewSequence, SequenceOutput
+    from services.worker.types import Engine, EngineCapabilities, EngineInfo, NewSequence, SequenceOutput
 
-    class InstantBatchedEngine(EngineBase):
+    class InstantBatchedEngine(Engine):
         def __init__(self) -> None:
             self._info = EngineInfo("bench", tokenizer.get_vocab_size(), 1 << 20, frozenset())
             self._caps = EngineCapabilities("instant")

@@ -55,7 +55,7 @@ from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.sampler import logprobs, logprobs_rows, pick
 from services.edge_worker.sequence import EdgeSequence, fork_of
 from services.edge_worker.spin import SessionChooser
-from services.worker.types import EngineBase, EngineCapabilities, EngineInfo, KVUsage, NewSequence, SequenceOutput
+from services.worker.types import Engine, EngineCapabilities, EngineInfo, KVUsage, NewSequence, SequenceOutput
 
 MODEL_CALLS = Counter(
     "meshserve_edge_model_calls_total",
@@ -98,7 +98,7 @@ def prefill_groups(
     return ordered
 
 
-class BatchedEngine(EngineBase):
+class BatchedEngine(Engine):
     """The INT4 ONNX model of ``model_dir`` (as written by onnxruntime-genai's model builder), batched.
 
     ``max_batch``: rows of one decode call (and KV slots); the worker admits at most that many

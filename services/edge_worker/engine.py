@@ -28,7 +28,7 @@ from tokenizers import Tokenizer
 
 from services.common.generation import FinishReason
 from services.common.sampling import SamplingParams
-from services.worker.types import EngineBase, EngineCapabilities, EngineInfo, NewSequence, SequenceOutput
+from services.worker.types import Engine, EngineCapabilities, EngineInfo, NewSequence, SequenceOutput
 
 _SEED_MASK = 0x7FFFFFFF  # og's random_seed is a C int
 
@@ -142,7 +142,7 @@ class OgSequence:
         self._generator = None  # frees the generator's KV buffers
 
 
-class OgEngine(EngineBase):
+class OgEngine(Engine):
     """The INT4 ONNX model of ``model_dir`` (as written by onnxruntime-genai's model builder).
 
     ``chat_reserve_tokens``: room kept in a chat sequence's KV buffer beyond its first turn, so later

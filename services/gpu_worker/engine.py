@@ -55,7 +55,7 @@ from services.gpu_worker.tp_kv import KVBlockIO, LocalBlocks
 from services.store.kv_blocks import KVContext
 from services.worker.kv_transfer import KVExport, KVImport, KVPrefix
 from services.worker.types import (
-    EngineBase,
+    Engine,
     EngineCapabilities,
     EngineInfo,
     KVUsage,
@@ -113,7 +113,7 @@ def resolve_kv_dtype(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
 
 
-class CloudEngine(EngineBase):
+class CloudEngine(Engine):
     """A Llama-family model served with continuous batching and prefix KV reuse."""
 
     def __init__(

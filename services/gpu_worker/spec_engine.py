@@ -28,6 +28,7 @@ from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.speculative import SpeculativeDecoder, draft_factory, greedy_only
 from services.worker.kv_transfer import KVExport, KVImport, KVPrefix
 from services.worker.types import (
+    Engine,
     EngineCapabilities,
     EngineInfo,
     KVUsage,
@@ -37,7 +38,7 @@ from services.worker.types import (
 )
 
 
-class SpeculativeEngine:
+class SpeculativeEngine(Engine):
     """A :class:`CloudEngine` whose greedy requests decode speculatively (see the module docstring)."""
 
     def __init__(self, engine: CloudEngine, draft_model: Any, *, k_max: int = 8) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -41,71 +42,34 @@ from services.worker.types import SequenceOutput
 log = structlog.get_logger(__name__)
 
 
+@dataclass(slots=True, eq=False)
 class ChoiceState:
     """One sequence's output state (a turn's choice), owned by the event loop."""
 
-    __slots__ = (
-        "budget",
-        "context_len",
-        "detok",
-        "final",
-        "flagged",
-        "generated",
-        "hold",
-        "id",
-        "ids",
-        "index",
-        "logprobs",
-        "min_tokens",
-        "on_end",
-        "prefill",
-        "produced",
-        "stops",
-        "stream",
-        "tail",
-        "text",
-        "texts",
-    )
-
-    def __init__(
-        self,
-        seq_id: int,
-        stream: TurnStream,
-        index: int,
-        detok: IncrementalDetokenizer | ByteLevelDetokenizer,
-        stops: StopStringMatcher,
-        texts: TokenTexts | None,
-        *,
-        min_tokens: int,
-        budget: int,
-        context_len: int,
-        hold: bool,
-        on_end: Callable[[ChoiceState], None],
-    ) -> None:
-        self.id = seq_id
-        self.stream = stream
-        self.index = index
-        self.detok = detok
-        self.stops = stops
-        self.texts = texts
-        self.min_tokens = min_tokens
-        """Tokens (this turn's) before which stop strings are not looked for."""
-        self.budget = budget
-        self.produced = 0
-        self.prefill = context_len
-        self.context_len = context_len
-        self.hold = hold
-        """Its KV is kept for the chat's next turn when it ends (not cancelled)."""
-        self.generated: list[int] = []
-        """Its tokens so far (kept only with ``hold``: the held prefix)."""
-        self.ids: list[int] = []
-        self.text = ""
-        self.logprobs: list[TokenLogprob] = []
-        self.final: Final | None = None
-        self.tail = ""
-        self.flagged = False
-        """Listed in its stream's ``ready``."""
-        self.on_end = on_end
+    id: int
+    stream: TurnStream
+    index: int
+    detok: IncrementalDetokenizer | ByteLevelDetokenizer
+    stops: StopStringMatcher
+    texts: TokenTexts | None
+    min_tokens: int
+    """Tokens (this turn's) before which stop strings are not looked for."""
+    budget: int
+    context_len: int
+    hold: bool
+    """Its KV is kept for the chat's next turn when it ends (not cancelled)."""
+    on_end: Callable[[ChoiceState], None]
+    prefill: int = 0
+    produced: int = 0
+    generated: list[int] = field(default_factory=list)
+    """Its tokens so far (kept only with ``hold``: the held prefix)."""
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    final: Final | None = None
+    tail: str = ""
+    flagged: bool = False
+    """Listed in its stream's ``ready``."""
 
 
 class TurnStream:

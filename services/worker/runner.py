@@ -265,51 +265,34 @@ class Runner:
     async def sequences(
         self, request: GenerationRequest, budget: int, session: ChatSession | None
     ) -> list[NewSequence]:
-        """The engine sequences of a turn: one, or n choices (forks of the first where the engine
-        shares a prefill). A structured-output constraint is compiled here, off the event loop."""
-        sampling = request.sampling
+        """The engine sequences of a turn: one, or n choices (choice ``i`` samples with
+        ``sampling.choice(i)``; forks of the first where the engine shares a prefill; no chat KV kept).
+        A structured-output constraint is compiled here, off the event loop."""
+        sampling = replace(request.sampling, max_tokens=max(budget, 1))
         n = sampling.n
-        common = {
-            "tenant": request.tenant,
-            "shareable": request.shareable,
-            "priority": request.priority,
-            "background": request.background,
-        }
-        if n == 1:
-            reuse = None
-            if session is not None:
-                held = session.take()
-                if held is not None and request.resume_ids:  # exact replay beats reusing a held chat KV
-                    self._free(held)
-                else:
-                    reuse = held
-            seq_sampling = replace(sampling, max_tokens=max(budget, 1))
-            constraint = await self._constraint(seq_sampling, request.resume_ids)
-            return [
-                NewSequence(
-                    next(self._ids),
-                    request.prompt_ids,
-                    seq_sampling,
-                    request.resume_ids,
-                    constraint,
-                    reuse=reuse,
-                    hold=session is not None and self.capabilities.chat,
-                    **common,  # type: ignore[arg-type]
-                )
-            ]
-        fitted = replace(sampling, max_tokens=max(sampling.max_tokens, 1))
+        reuse = None
+        if session is not None and n == 1 and (held := session.take()) is not None:
+            if request.resume_ids:  # exact replay beats reusing a held chat KV
+                self._free(held)
+            else:
+                reuse = held
         seqs: list[NewSequence] = []
         for i in range(n):
-            choice = fitted.choice(i)
-            fork_of = seqs[0].id if i and self.capabilities.forks else None
+            choice = sampling.choice(i)
             seqs.append(
                 NewSequence(
                     next(self._ids),
                     request.prompt_ids,
                     choice,
-                    constraint=await self._constraint(choice, ()),
-                    fork_of=fork_of,
-                    **common,  # type: ignore[arg-type]
+                    request.resume_ids,
+                    await self._constraint(choice, request.resume_ids),
+                    tenant=request.tenant,
+                    shareable=request.shareable,
+                    priority=request.priority,
+                    background=request.background,
+                    fork_of=seqs[0].id if i and self.capabilities.forks else None,
+                    reuse=reuse,
+                    hold=session is not None and n == 1 and self.capabilities.chat,
                 )
             )
         return seqs
@@ -343,10 +326,11 @@ class Runner:
             StopStringMatcher(sampling.stop),
             texts,
             min_tokens=sampling.min_tokens - len(request.resume_ids),
-            budget=budget if sampling.n == 1 else max(sampling.max_tokens, 1),
+            budget=budget,
             context_len=len(context),
             hold=seq.hold,
             on_end=turn.ended,
+            prefill=len(context),
         )
 
     async def sweep_sessions_forever(self) -> None:

@@ -17,6 +17,7 @@ checked when the worker starts and for every turn (:func:`check_sampling`), neve
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -138,105 +139,89 @@ class SequenceOutput:
     """The sequence failed (it is freed); a domain error is shown to the caller, any other is logged."""
 
 
-class Engine(Protocol):
-    """A loaded model that steps every live sequence together (see the module docstring)."""
+class Engine(ABC):
+    """A loaded model that steps every live sequence together (see the module docstring). Engines
+    derive from it; what an engine without an ability does is here."""
+
+    _wake: Callable[[], None] | None = None
 
     @property
+    @abstractmethod
     def info(self) -> EngineInfo: ...
 
     @property
+    @abstractmethod
     def tokenizer(self) -> Tokenizer: ...
 
     @property
+    @abstractmethod
     def capabilities(self) -> EngineCapabilities: ...
 
-    def bind(self, wake: Callable[[], None]) -> None:
-        """The loop thread's wake-up, for work that arrives inside the engine (a KV import, a Redis
-        prefix load done): calling it makes the loop ask :meth:`next_step_in` again. Called once, at
-        start."""
-
+    @abstractmethod
     def add(self, seq: NewSequence) -> None:
         """Take a new sequence; it runs from the next step. Raises a domain error (the turn fails with
         it) when it can never fit (its KV, its choices)."""
 
+    @abstractmethod
     def stop(self, seq_id: int, hold: bool = False) -> None:
         """End a live sequence (a stop string, a cancel) or free a held one: its KV is freed now, or with
         ``hold`` kept for a later ``reuse`` (``EngineCapabilities.chat``). Unknown ids are ignored."""
 
+    @abstractmethod
     def step(self) -> list[SequenceOutput]:
         """Run the model once for every runnable sequence; the outputs of those that got a token, ended
         or failed (a prefill chunk that yields no token yet gives none). Never raises for one
         sequence's failure: that sequence's output carries it."""
 
+    @abstractmethod
     def next_step_in(self) -> float | None:
         """When the next :meth:`step` has work: 0 now, a delay in seconds (only sequences held back
         until then, e.g. background work), or None (nothing until a command or a wake-up)."""
 
+    def bind(self, wake: Callable[[], None]) -> None:
+        """The loop thread's wake-up, for work that arrives inside the engine (a KV import, a Redis
+        prefix load done): :meth:`wake` makes the loop ask :meth:`next_step_in` again. Called at start."""
+        self._wake = wake
+
+    def wake(self) -> None:
+        """*Any thread.* Make the loop thread look again (before it is bound, nothing: it looks at start)."""
+        if self._wake is not None:
+            self._wake()
+
     def hold_background(self, until: float) -> None:
         """*Any thread.* The host's foreground flag (``EngineCapabilities.background``): background
         sequences sit out steps until ``time.monotonic()`` reaches ``until`` (0: now)."""
+        return None
 
     def interrupt_background(self) -> None:
         """*Any thread.* Foreground work is being added: a step of background sequences only that is
         running now may stop part-way and run again later."""
+        return None
 
     def kv_usage(self) -> KVUsage | None:
         """*Any thread*, quick. KV bytes held and the budget (the router's admission); None: not known."""
+        return None
 
     def hot_prefix_blocks(self, block_tokens: int) -> Sequence[bytes]:
         """*Any thread*, quick. Block hashes, in the ``services.store.keys.kv_block_hashes`` scheme at
         ``block_tokens`` per block, of prefixes whose KV the engine can reuse for a *new* request (a
         cross-request prefix cache); each chain from its first block, most recently used first."""
-
-    def import_kv(self, prefix: KVPrefix) -> KVImport:
-        """*Any thread*, blocking (``EngineCapabilities.kv_transfer``): Worker.ImportKV."""
-
-    def export_kv(self, prefix: KVPrefix) -> KVExport:
-        """*Any thread*, blocking (``EngineCapabilities.kv_transfer``): Worker.ExportKV."""
-
-    def embed(self, inputs: Sequence[Sequence[int]], dimensions: int = 0) -> list[list[float]]:
-        """*Any thread*, blocking (``EngineCapabilities.embeddings``): Worker.Embed."""
-
-    def close(self) -> None:
-        """Free the model; called once, after the loop thread stopped."""
-
-
-class EngineBase:
-    """What an engine without an ability does for it (engines derive from this and override)."""
-
-    _wake: Callable[[], None] | None = None
-
-    def bind(self, wake: Callable[[], None]) -> None:
-        self._wake = wake
-
-    def wake(self) -> None:
-        """Make the loop thread look again (see :meth:`Engine.bind`); before it is bound, nothing (the
-        loop looks when it starts)."""
-        if self._wake is not None:
-            self._wake()
-
-    def hold_background(self, until: float) -> None:
-        return None
-
-    def interrupt_background(self) -> None:
-        return None
-
-    def kv_usage(self) -> KVUsage | None:
-        return None
-
-    def hot_prefix_blocks(self, block_tokens: int) -> Sequence[bytes]:
         return ()
 
     def import_kv(self, prefix: KVPrefix) -> KVImport:
+        """*Any thread*, blocking (``EngineCapabilities.kv_transfer``): Worker.ImportKV."""
         raise FailedPrecondition("this worker keeps no KV in the shared Redis prefix cache")
 
     def export_kv(self, prefix: KVPrefix) -> KVExport:
+        """*Any thread*, blocking (``EngineCapabilities.kv_transfer``): Worker.ExportKV."""
         raise FailedPrecondition("this worker keeps no KV in the shared Redis prefix cache")
 
     def embed(self, inputs: Sequence[Sequence[int]], dimensions: int = 0) -> list[list[float]]:
+        """*Any thread*, blocking (``EngineCapabilities.embeddings``): Worker.Embed."""
         raise FailedPrecondition("this worker does not serve embeddings")
 
     def close(self) -> None:
+        """Free the model; called once by its owner, after the loop thread stopped."""
         return None
 
 

@@ -11,7 +11,7 @@ from services.common.generation import Final, FinishReason, GenerationEvent
 from services.common.sampling import SamplingParams
 from services.worker.detokenizer import IncrementalDetokenizer
 from services.worker.stops import StopStringMatcher
-from services.worker.types import EngineBase, EngineCapabilities, EngineInfo, NewSequence, SequenceOutput
+from services.worker.types import Engine, EngineCapabilities, EngineInfo, NewSequence, SequenceOutput
 
 EOS = 0
 
@@ -53,7 +53,7 @@ class FakeSequence:
     log: list[str] = field(default_factory=list)
 
 
-class FakeEngine(EngineBase):
+class FakeEngine(Engine):
     """Every live sequence advances one scripted token per step (repeating the script if ``loop``;
     else its last token forever).
 
