@@ -45,14 +45,18 @@ TARGETS = {
 }
 SERVICE_STREAMS = 64
 SERVICE_SPEEDUP = 2.0
-SERVICE_PATH = "gateway_embedded_router"
+LONE_STEP_MS = (2.0, 10.0)
+"""Model time per step of the lone-stream measure: a GPU's 64-row step, an edge CPU step."""
+LONE_OVERHEAD_MS = 0.2
 
 
-def _side(tree: Path, streams: int, tokens: int, repeats: int, floor: bool) -> dict[str, Any]:
+def _side(tree: Path, streams: int, tokens: int, repeats: int, floor: bool, step_ms: float = 0.0) -> dict[str, Any]:
     cmd = [sys.executable, "-P", str(SIDE), "--tree", str(tree), "--tokenizer-dir", str(model_paths().hf_dir)]
     cmd += ["--streams", str(streams), "--tokens", str(tokens), "--repeats", str(repeats)]
     if floor:
         cmd.append("--floor")
+    if step_ms:
+        cmd += ["--step-ms", str(step_ms)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"the runtime side for {tree} at {streams} streams failed:\n{done.stderr[-2000:]}")
@@ -85,6 +89,23 @@ def in_process(tree: Path, streams: Sequence[int], tokens: int, rounds: int, rep
             for name, rs in runs.items()
         }
         out[str(n)] = {"medians": medians, "runs": runs}
+    return out
+
+
+def lone_stream(tree: Path, tokens: int, rounds: int) -> dict[str, Any]:
+    """One stream over an engine whose step takes ``ms`` of GIL-free model time: what each step costs
+    beyond the model call (the inter-token time minus the model step), per tree."""
+    here = Path.cwd().resolve()
+    out: dict[str, Any] = {}
+    for ms in LONE_STEP_MS:
+        runs: dict[str, list[float]] = {"new": [], "old": []}
+        for r in range(rounds):
+            order = [("new", here), ("old", tree)] if r % 2 == 0 else [("old", tree), ("new", here)]
+            for name, source in order:
+                got = _side(source, 1, tokens, 1, floor=False, step_ms=ms)
+                runs[name].append(got["overhead_ms_per_step"])
+                print(f"[lone stream, {ms:g} ms steps] {name}: +{got['overhead_ms_per_step']:.3f} ms", file=sys.stderr)
+        out[f"{ms:g}"] = {"overhead_ms": {n: statistics.median(v) for n, v in runs.items()}, "runs": runs}
     return out
 
 
@@ -200,6 +221,17 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
                 "pass": ms <= bound["ms_per_step"],
             }
         )
+    for ms, got in report.get("lone_stream", {}).items():
+        over = got["overhead_ms"]["new"]
+        rows.append(
+            {
+                "name": f"worker_runtime_lone_stream_{ms}ms_steps_overhead",
+                "value": round(over, 3),
+                "unit": "ms",
+                "bound": f"<= {LONE_OVERHEAD_MS:g} ms",
+                "pass": over <= LONE_OVERHEAD_MS,
+            }
+        )
     service = report.get("service")
     if service is not None:
         a, b = service["medians"]["new"]["tokens_per_s"], service["medians"]["old"]["tokens_per_s"]
@@ -249,6 +281,22 @@ def markdown(report: dict[str, Any]) -> str:
             f"{m['new']['tokens_per_s'] / m['old']['tokens_per_s']:.1f}x | {m['new']['ms_per_step']:.3f} | "
             f"{m['old']['ms_per_step']:.3f} | {m['floor']['ms_per_step']:.3f} |"
         )
+    lone = report.get("lone_stream")
+    if lone:
+        lines += [
+            "",
+            "## A lone stream: what a step costs beyond the model",
+            "",
+            "One stream over the same engines with a model call of fixed length per step (a sleep, which releases "
+            "the GIL as onnxruntime and torch do): inter-token time minus the model's time, per step.",
+            "",
+            "| model step | new | old |",
+            "|---:|---:|---:|",
+            *[
+                f"| {ms} ms | +{got['overhead_ms']['new']:.3f} ms | +{got['overhead_ms']['old']:.3f} ms |"
+                for ms, got in lone.items()
+            ],
+        ]
     service = report.get("service")
     if service is not None:
         a, b = service["medians"]["new"], service["medians"]["old"]
@@ -313,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tokens": args.tokens,
         "rounds": args.rounds,
         "in_process": in_process(tree, streams, args.tokens, args.rounds, args.repeats),
+        "lone_stream": lone_stream(tree, args.tokens, args.rounds),
     }
     if args.service:
         report["service"] = asyncio.run(through_service(tree, args.tokens, args.service_duration, args.service_rounds))

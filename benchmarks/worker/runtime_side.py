@@ -43,7 +43,7 @@ def _tokenizer(models_dir: str) -> Any:
 # --- the engine loop (this tree's runtime) ------------------------------------------------------------
 
 
-def _new_side(tokenizer: Any, streams: int, tokens: int) -> tuple[float, int]:
+def _new_side(tokenizer: Any, streams: int, tokens: int, step_s: float = 0.0) -> tuple[float, int, float]:
     from services.common.coalesce import FlushWindow
     from services.common.generation import FinishReason, GenerationRequest
     from services.common.sampling import SamplingParams
@@ -56,6 +56,7 @@ def _new_side(tokenizer: Any, streams: int, tokens: int) -> tuple[float, int]:
             self._caps = EngineCapabilities("instant")
             self._live: dict[int, list[int]] = {}
             self.steps = 0
+            self.model_s = 0.0
 
         @property
         def info(self) -> EngineInfo:
@@ -80,6 +81,10 @@ def _new_side(tokenizer: Any, streams: int, tokens: int) -> tuple[float, int]:
 
         def step(self) -> list[SequenceOutput]:
             self.steps += 1
+            if step_s:  # a model call's time, the GIL released as onnxruntime and torch release it
+                began = time.perf_counter()
+                time.sleep(step_s)
+                self.model_s += time.perf_counter() - began
             outputs = []
             for seq_id, state in list(self._live.items()):
                 state[1] += 1
@@ -92,7 +97,7 @@ def _new_side(tokenizer: Any, streams: int, tokens: int) -> tuple[float, int]:
                 outputs.append(out)
             return outputs
 
-    async def run() -> tuple[float, int]:
+    async def run() -> tuple[float, int, float]:
         engine = InstantBatchedEngine()
         runner = Runner(engine, max_active=256, max_queue=0, flush=FlushWindow(0.020, 8))
 
@@ -104,13 +109,13 @@ def _new_side(tokenizer: Any, streams: int, tokens: int) -> tuple[float, int]:
             return got
 
         await asyncio.gather(*(one(i) for i in range(streams)))  # warm-up
-        steps = engine.steps
+        steps, model_s = engine.steps, engine.model_s
         began = time.perf_counter()
         got = sum(await asyncio.gather(*(one(i) for i in range(streams))))
         wall = time.perf_counter() - began
         assert got == streams * tokens, f"{got} tokens, {streams * tokens} expected"
         await runner.aclose()
-        return wall, engine.steps - steps
+        return wall, engine.steps - steps, engine.model_s - model_s
 
     return asyncio.run(run())
 
@@ -123,10 +128,12 @@ class LockstepEngine:
     sequence's ``step()`` waits for one shared zero-cost step of every live sequence, as both real
     engines' sequences waited for their batch thread."""
 
-    def __init__(self, tokenizer: Any, model_id: str = "bench") -> None:
+    def __init__(self, tokenizer: Any, model_id: str = "bench", step_s: float = 0.0) -> None:
         from services.worker.types import EngineInfo
 
         self._tokenizer = tokenizer
+        self._step_s = step_s
+        self.model_s = 0.0
         self._info = EngineInfo(model_id, tokenizer.get_vocab_size(), 1 << 20, frozenset())
         self._cv = threading.Condition()
         self._live = 0
@@ -164,6 +171,10 @@ class LockstepEngine:
                 batch, self._waiting = self._waiting, []
             if batch:
                 self.steps += 1
+                if self._step_s:
+                    began = time.perf_counter()
+                    time.sleep(self._step_s)
+                    self.model_s += time.perf_counter() - began
                 for seq in batch:
                     seq.ready.set()
 
@@ -188,15 +199,15 @@ class _Seq:
             self._engine._close()
 
 
-def _old_side(tokenizer: Any, streams: int, tokens: int) -> tuple[float, int]:
+def _old_side(tokenizer: Any, streams: int, tokens: int, step_s: float = 0.0) -> tuple[float, int, float]:
     from services.common.coalesce import FlushWindow
     from services.common.sampling import SamplingParams
     from services.worker.runner import Runner
     from services.worker.types import GenerationRequest  # type: ignore[attr-defined]
 
-    async def run() -> tuple[float, int]:
-        engine = LockstepEngine(tokenizer)
-        runner = Runner(engine, max_active=256, max_queue=0, flush=FlushWindow(0.020, 8))
+    async def run() -> tuple[float, int, float]:
+        engine = LockstepEngine(tokenizer, step_s=step_s)
+        runner = Runner(engine, max_active=256, max_queue=0, flush=FlushWindow(0.020, 8))  # type: ignore[arg-type]
 
         async def one(i: int) -> int:
             got = 0
@@ -206,13 +217,13 @@ def _old_side(tokenizer: Any, streams: int, tokens: int) -> tuple[float, int]:
             return got
 
         await asyncio.gather(*(one(i) for i in range(streams)))  # warm-up
-        steps = engine.steps
+        steps, model_s = engine.steps, engine.model_s
         began = time.perf_counter()
         got = sum(await asyncio.gather(*(one(i) for i in range(streams))))
         wall = time.perf_counter() - began
         assert got == streams * tokens, f"{got} tokens, {streams * tokens} expected"
         await runner.aclose()
-        return wall, engine.steps - steps
+        return wall, engine.steps - steps, engine.model_s - model_s
 
     return asyncio.run(run())
 
@@ -243,6 +254,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--floor", action="store_true")
+    parser.add_argument("--step-ms", type=float, default=0.0, help="model time per step (a GIL-free sleep)")
     args = parser.parse_args()
     sys.path.insert(0, args.tree)
     import services.worker.types as types
@@ -250,15 +262,16 @@ def main() -> None:
     tokenizer = _tokenizer(args.tokenizer_dir)
     loop = hasattr(types, "EngineCapabilities")
     side = _new_side if loop else _old_side
-    runs = [side(tokenizer, args.streams, args.tokens) for _ in range(args.repeats)]
+    runs = [side(tokenizer, args.streams, args.tokens, args.step_ms / 1000) for _ in range(args.repeats)]
     out: dict[str, Any] = {
         "runtime": "engine_loop" if loop else "thread_per_sequence",
-        "runs": [{"wall_s": wall, "steps": steps} for wall, steps in runs],
+        "runs": [{"wall_s": wall, "steps": steps, "model_s": model} for wall, steps, model in runs],
     }
-    walls = [wall for wall, _ in runs]
-    wall = statistics.median(walls)
+    wall = statistics.median(wall for wall, _, _ in runs)
     out["tokens_per_s"] = args.streams * args.tokens / wall
-    out["ms_per_step"] = wall * 1000 / statistics.median(steps for _, steps in runs)
+    out["ms_per_step"] = wall * 1000 / statistics.median(steps for _, steps, _ in runs)
+    if args.step_ms:  # what a step costs beyond its model call: wall per step minus the model's time per step
+        out["overhead_ms_per_step"] = statistics.median((wall - model) * 1000 / steps for wall, steps, model in runs)
     if args.floor:
         floors = [_floor(tokenizer, args.streams, args.tokens) for _ in range(args.repeats)]
         floor = statistics.median(wall for wall, _ in floors)
