@@ -1,7 +1,7 @@
 """``meshserve bench [SUBCOMMAND]``: the benchmark suites.
 
-``meshserve bench load|soak|gateways|relay|cancel|report|spec|tp-prefix|batch|edge|edge-n|edge-logprobs|``
-``edge-structured|edge-prefill|edge-int4-kernel|edge-quality``
+``meshserve bench load|soak|gateways|relay|worker-runtime|tiers-ab|cancel|report|spec|tp-prefix|batch|edge|``
+``edge-n|edge-logprobs|edge-structured|edge-prefill|edge-int4-kernel|edge-quality``
 ``...`` run the harness of issue 9, the cloud engine's speculative/TP benchmark and the edge tier's (each has
 ``-h``); anything else (``meshserve bench``, ``meshserve bench --only cloud``, ...) goes to
 :func:`benchmarks.mesh.run.main`, the mesh-overhead benchmark, unchanged.
@@ -21,6 +21,10 @@ SUBCOMMANDS = {
     "worker-runtime": (
         "benchmarks.worker.runtime",
         "the worker runtime alone over a zero-cost engine, this tree vs --ab-tree's (issue 37)",
+    ),
+    "tiers-ab": (
+        "benchmarks.worker.tiers_ab",
+        "edge and cloud workers as real processes, this tree vs --ab-tree's, with the issue-27 references (issue 37)",
     ),
     "cancel": ("benchmarks.mesh.cancel", "decode steps a worker runs after the client cancels (edge and cloud)"),
     "report": ("benchmarks.report", "write docs/benchmarks/README.md from the benchmarks' JSON files"),

@@ -93,7 +93,8 @@ def weight_bytes_per_token(model_dir: Path) -> tuple[int, int]:
     return per_token, total
 
 
-async def _stream(stub: inference_pb2_grpc.InferenceStub, max_tokens: int) -> StreamSample:
+async def mesh_stream(stub: inference_pb2_grpc.InferenceStub, max_tokens: int) -> StreamSample:
+    """One greedy request of :data:`PROMPT` through a gateway (EDGE hint, response cache bypassed), timed."""
     request = pb.GenerateRequest(
         prompt=PROMPT,
         sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0),
@@ -156,7 +157,9 @@ def worker_int4_kernel() -> str:
     return int4_kernel(load_settings(EdgeWorkerSettings))
 
 
-async def _round(stub: inference_pb2_grpc.InferenceStub, streams: int, max_tokens: int, pid: int) -> dict[str, Any]:
+async def mesh_round(stub: inference_pb2_grpc.InferenceStub, streams: int, max_tokens: int, pid: int) -> dict[str, Any]:
+    """``streams`` requests at once through a gateway: aggregate tok/s (all tokens / wall time), stream
+    timings, and the worker ``pid``'s CPU per token and peak RSS during the round."""
     peak = _rss(pid)
     stop = asyncio.Event()
 
@@ -169,7 +172,7 @@ async def _round(stub: inference_pb2_grpc.InferenceStub, streams: int, max_token
     watcher = asyncio.create_task(watch())
     cpu = _cpu_s(pid)
     start = time.perf_counter()
-    samples = await asyncio.gather(*(_stream(stub, max_tokens) for _ in range(streams)))
+    samples = await asyncio.gather(*(mesh_stream(stub, max_tokens) for _ in range(streams)))
     wall = time.perf_counter() - start
     cpu = _cpu_s(pid) - cpu
     stop.set()
@@ -242,12 +245,12 @@ async def run(
         assert proc is not None
         async with grpc.aio.insecure_channel(mesh.gateway_address) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
-            await _stream(stub, 4)  # warm the path
+            await mesh_stream(stub, 4)  # warm the path
             idle = _rss(proc.pid)
             for repeat in range(repeats):  # interleaved: every count sees the same mix of load
                 for n in stream_counts:
                     print(f"{n} streams (round {repeat + 1}/{repeats}) ...", file=sys.stderr, flush=True)
-                    samples[n].append(await _round(stub, n, max_tokens, proc.pid))
+                    samples[n].append(await mesh_round(stub, n, max_tokens, proc.pid))
                     if n == 1 and og_model is not None:  # right after the mesh's single stream: same load
                         print("onnxruntime-genai, 1 stream ...", file=sys.stderr, flush=True)
                         og_rounds.append(ortgenai_round(og_model, og_prompt, max_tokens))
