@@ -64,7 +64,7 @@ def test_every_container_command_is_a_meshserve_entry_point() -> None:
     doc = compose_model.load(compose_model.COMPOSE, compose_model.COMPOSE_GPU)
     checked = 0
     for name, service in doc["services"].items():
-        if "build" not in service:  # third-party images (redis, prometheus, grafana)
+        if not compose_model.is_meshserve(service):  # third-party images (redis, prometheus, grafana)
             continue
         parsed = commands.parse(compose_model.command(service))
         if parsed.subcommand == "serve":
@@ -115,7 +115,7 @@ def test_every_setting_is_a_field_of_its_service() -> None:
     for override in (compose_model.COMPOSE_GPU, compose_model.COMPOSE_VERSIONS):
         doc = compose_model.load(compose_model.COMPOSE, override)
         for name, service in doc["services"].items():
-            if "build" in service:
+            if compose_model.is_meshserve(service):
                 for key in compose_model.service_env(service):
                     settings_check.check(key, name)
 
@@ -127,9 +127,13 @@ def test_the_versions_override_adds_a_pool_the_models_file_names(tmp_path: Any) 
     doc = compose_model.load(compose_model.COMPOSE, compose_model.COMPOSE_VERSIONS)
     services = doc["services"]
     worker = compose_model.service_env(services["edge-int8"])
-    mounted = services["gateway"]["configs"][0]
-    assert compose_model.service_env(services["gateway"])["MESHSERVE_ROUTER_MODELS_FILE"] == mounted["target"]
-    models_file = compose_model.DEPLOY / doc["configs"][mounted["source"]]["file"]
+    source, target, mode = next(v for v in services["gateway"]["volumes"] if v.startswith("./")).split(":")
+    assert compose_model.service_env(services["gateway"])["MESHSERVE_ROUTER_MODELS_FILE"] == target and mode == "ro"
+    assert "models:/models:ro" in services["gateway"]["volumes"]  # the override's list keeps the base's mount
+    assert "configs" not in doc  # Compose v1 ignores configs outside a swarm: a bind mount works in both
+    assert "build" not in services["edge-int8"] and services["edge-int8"]["image"] == services["edge-0"]["image"]
+    assert services["edge-int8"]["volumes"] == services["edge-0"]["volumes"]  # models, and the load cache
+    models_file = compose_model.DEPLOY / source
     assert services["edge-int8"]["depends_on"]["models"] == {"condition": "service_completed_successfully"}
     specs, default, by_model = load_settings(
         RouterSettings, models_file=str(models_file), models_dir=str(tmp_path)
@@ -164,7 +168,7 @@ def test_durable_state_lives_in_the_persistent_redis_and_caches_in_the_evicting_
     assert dict(zip(cache[1::2], cache[2::2], strict=False))["--maxmemory-policy"] == "allkeys-lru"
     seen = set()
     for name, service in services.items():
-        for key, value in compose_model.service_env(service).items() if "build" in service else ():
+        for key, value in compose_model.service_env(service).items() if compose_model.is_meshserve(service) else ():
             if key.endswith("REDIS_URL"):
                 want = "redis-state" if key in DURABLE_STATE else "redis"
                 assert value == f"redis://{want}:6379/0", f"{name}: {key}"
