@@ -101,7 +101,7 @@ def test_copied_sources_exist_and_are_not_ignored() -> None:
     for *sources, _dest in copies:
         for source in sources:
             assert (ROOT / source).exists(), source
-            assert sent(source), f"{source} is excluded by Dockerfile.dockerignore"
+            assert sent(source), f"{source} is excluded by .dockerignore"
     assert not sent(".venv") and not sent("tests") and not sent("docs") and not sent(".git")
 
 
