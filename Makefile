@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PROMPT ?= What is the capital of France?
 
-.PHONY: help setup proto proto-check lint layering test test-fast fault fuzz run demo bench bench-load bench-litellm bench-ab bench-report soak clean
+.PHONY: help setup proto proto-check lint layering test compose-test test-fast fault fuzz run demo bench bench-load bench-litellm bench-ab bench-report soak clean
 
 help: ## Show this help.
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  %-12s %s\n", $$1, $$2}'
@@ -28,9 +28,13 @@ lint: ## ruff + mypy.
 layering: ## Import circles, upward imports from services/common, environment reads outside settings (tests/unit/test_import_graph.py holds the known exceptions).
 	$(PY) scripts/import_graph.py --allow-upward 'services.worker.*'
 
-test: setup ## Run the whole test suite (unit, integration, e2e) with real Redis and the real model.
+test: setup ## Run the whole test suite (unit, integration, e2e) with real Redis and the real model, then compose-test.
 	$(MAKE) --no-print-directory proto-check
 	$(VENV)/bin/pytest -q -p no:cacheprovider --durations=30
+	$(MAKE) --no-print-directory compose-test
+
+compose-test: setup ## The compose deployment in real containers: engine installed/started where it can be (skipped with the reason where not), image built, stack up, checked, down -v.
+	@bash scripts/compose_test.sh
 
 test-fast: ## Unit tests only (no setup).
 	$(VENV)/bin/pytest -q tests/unit

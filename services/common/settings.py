@@ -41,6 +41,13 @@ def default_models_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "meshserve" / "models"
 
 
+def default_load_cache_dir(tier: str) -> Path:
+    """Where a worker keeps what it derives from a model at start (``~/.cache/meshserve/load-cache/<tier>``):
+    the running user's cache, whatever ``$MESHSERVE_MODELS_DIR`` is (a container's ``/models`` is
+    read-only to its user, and the directory beside it is ``/``)."""
+    return Path.home() / ".cache" / "meshserve" / "load-cache" / tier
+
+
 class _YamlSection(PydanticBaseSettingsSource):
     """Reads this service's section of the YAML file named by MESHSERVE_CONFIG."""
 

@@ -10,7 +10,7 @@ from pydantic_settings import SettingsConfigDict
 
 from services.common.errors import ConfigError
 from services.common.model_paths import model_paths
-from services.common.settings import default_models_dir
+from services.common.settings import default_load_cache_dir
 from services.worker.settings import WorkerSettings
 
 
@@ -71,8 +71,8 @@ class EdgeWorkerSettings(WorkerSettings):
     per start) in ``load_cache_dir`` and use it on later starts; a stale or corrupt entry is never used
     (docs/edge.md, *Startup*)."""
     load_cache_dir: Path | None = None
-    """Where ``load_cache`` keeps it; empty uses `load-cache/edge` next to the models directory
-    (`~/.cache/meshserve/load-cache/edge`)."""
+    """Where ``load_cache`` keeps it; empty uses the user's cache,
+    `~/.cache/meshserve/load-cache/edge` (whatever the models directory is)."""
     background_max_hold_s: float = Field(default=2.0, gt=0.0, le=10.0)
     """Batched engine: background sequences (batch lines) sit out every step while a foreground turn
     runs on this worker or on another worker of its host; after this long held without a break, one
@@ -99,7 +99,7 @@ class EdgeWorkerSettings(WorkerSettings):
     def resolved_load_cache_dir(self) -> Path | None:
         if not self.load_cache:
             return None
-        return self.load_cache_dir or default_models_dir().parent / "load-cache" / "edge"
+        return self.load_cache_dir or default_load_cache_dir("edge")
 
     def resolved_model_dir(self) -> Path:
         return self.model_dir or model_paths(self.model_id).edge_dir

@@ -10,7 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.common.errors import ConfigError
 from services.common.model_paths import model_paths
-from services.common.settings import default_models_dir
+from services.common.settings import default_load_cache_dir
 from services.worker.settings import WorkerSettings
 
 
@@ -33,8 +33,8 @@ class GpuWorkerSettings(WorkerSettings):
     map them on later starts instead of concatenating them again (~1-4 s); a cached tensor is used only
     if it equals what it stands for (docs/cloud.md, *Startup*)."""
     load_cache_dir: Path | None = None
-    """Where ``load_cache`` keeps them; empty uses `load-cache/cloud` next to the models directory
-    (`~/.cache/meshserve/load-cache/cloud`)."""
+    """Where ``load_cache`` keeps them; empty uses the user's cache,
+    `~/.cache/meshserve/load-cache/cloud` (whatever the models directory is)."""
     max_active_sequences: int = Field(default=32, ge=1, le=256)
     """Sequences generating at once (one continuous batch); more wait in the queue."""
     kv_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
@@ -99,7 +99,7 @@ class GpuWorkerSettings(WorkerSettings):
     def resolved_load_cache_dir(self) -> Path | None:
         if not self.load_cache:
             return None
-        return self.load_cache_dir or default_models_dir().parent / "load-cache" / "cloud"
+        return self.load_cache_dir or default_load_cache_dir("cloud")
 
     def resolved_model(self) -> str:
         return self.model or str(model_paths(self.model_id).hf_dir)

