@@ -302,6 +302,16 @@ def _edge_markdown(edge: dict[str, Any]) -> list[str]:
             f"{_num(g['llamacpp_tokens_per_s'])} | {_times(g['top_vs_llamacpp'])} | "
             f"{_num(g['lone_worker_cpu_ms_per_token'])} / {_num(g['top_worker_cpu_ms_per_token'])} |"
         )
+    new, old = s.get("new", {}), s.get("old", {})
+    og_all = _median([x["ortgenai"]["decode_tokens_per_s"] for x in edge["samples"] if x.get("ortgenai")])
+    llama_all = _median([v for v in (llamacpp_top(x, top) for x in edge["samples"]) if v is not None])
+    lines += [
+        "",
+        f"Without the references: new / old lone stream "
+        f"{_times(_ratio(new.get('lone_tokens_per_s'), old.get('lone_tokens_per_s')))}, {top} streams "
+        f"{_times(_ratio(new.get('top_tokens_per_s'), old.get('top_tokens_per_s')))}. The references over all "
+        f"their runs: onnxruntime-genai {_num(og_all)} tok/s, llama.cpp {_num(llama_all)} tok/s (medians).",
+    ]
     lines += ["", f"Round by round (tree: lone tok/s, og tok/s; {top} streams tok/s, llama.cpp tok/s):", ""]
     for sample in edge["samples"]:
         og = sample.get("ortgenai") or {}

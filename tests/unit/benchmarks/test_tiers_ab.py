@@ -185,6 +185,8 @@ def test_markdown_names_the_trees_kernel_load_and_every_round() -> None:
     assert "int4 kernel: new native, old native" in text
     assert "| new | 110.0 | 100.0 | 1.100x | 205.0 | 150.5 | 1.362x | 10.0 / 4.0 |" in text
     assert "- round 3 new: 108.0, 100.0; 205.0, n/a" in text
+    assert f"new / old lone stream {110 / 102:.3f}x, 16 streams {205 / 190:.3f}x" in text
+    assert "onnxruntime-genai 100.0 tok/s, llama.cpp 150.0 tok/s (medians)" in text
     assert "llama.cpp: `llama-batched-bench -m m`" in text
     assert "| 64 | 410.0 | 390.0 | 1.051x | 2.0 / 2.0 | 0 |" in text
     assert "| 16 | 195.0 | 205.0 | 0.951x | 2.0 / 2.0 | 1 |" in text
