@@ -48,7 +48,6 @@ def edge_engine() -> Any:
 def edge_continuation(ids: list[int], max_tokens: int) -> list[int]:
     """Greedy tokens of the edge engine after ``ids`` (trailing EOS dropped)."""
     from services.common.sampling import SamplingParams
-
     from tests.engine_driver import EngineDriver
 
     return _strip_eos(EngineDriver(edge_engine()).generate(ids, SamplingParams(max_tokens=max_tokens)))
