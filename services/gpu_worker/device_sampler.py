@@ -11,10 +11,11 @@ CUDA graph replays with one seed for the batch. Here randomness is a counter-bas
 the noise of token ``t`` for a row is ``hash(seed, step, t)``, where ``step`` is how many tokens the
 turn has so far (a resumed stream's replayed ones included). No state is carried between steps, so a
 seed reproduces its tokens whatever else shares the batch, whichever kind of step (static or eager)
-ran and on whichever worker a resumed stream continues, and padding rows consume nothing. The warpers' order and semantics follow ``generate``: temperature, then top-k, then top-p
-over the top-k-filtered distribution (at least one token kept). Ties at the top-k boundary keep the
-first ``k`` in sort order (transformers keeps every tied token): a measure-zero difference for
-float logits.
+ran and on whichever worker a resumed stream continues, and padding rows consume nothing. The
+warpers' order and semantics follow ``generate``: temperature, then top-k, then top-p over the
+top-k-filtered distribution (at least one token kept). Ties at the top-k boundary keep the first
+``k`` in sort order (transformers keeps every tied token): a measure-zero difference for float
+logits.
 
 Penalties, ``logit_bias`` and ``min_tokens`` (services/worker/penalties.py) are three dense
 ``[max_rows, vocab]`` buffers the step reads in place: an addend before the repetition scaling (the

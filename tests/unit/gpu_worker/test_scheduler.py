@@ -55,7 +55,9 @@ class FakeForward:
 def make(num_blocks: int = 64, max_step_tokens: int = 8) -> tuple[Scheduler, FakeForward]:
     cache = KVCache(k=[torch.zeros(num_blocks * BT, 1, 2)], v=[torch.zeros(num_blocks * BT, 1, 2)], block_tokens=BT)
     forward = FakeForward(cache)
-    return Scheduler(forward, cache, BlockManager(num_blocks, BT, 100), max_step_tokens=max_step_tokens), forward
+    s = Scheduler(forward, cache, BlockManager(num_blocks, BT, 100), max_step_tokens=max_step_tokens)
+    s.looping = True  # the tests step it as the engine loop does
+    return s, forward
 
 
 def seq(prompt: list[int], max_new: int, priority: int = 0, replay: Sequence[int] = ()) -> SeqState:
