@@ -5,7 +5,6 @@ reaches a speculative prefill."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
@@ -28,7 +27,8 @@ from tests.integration.gpu_worker.driver import CloudDriver
 from tests.integration.gpu_worker.greedy import greedy
 from tests.integration.gpu_worker.test_cloud_engine import STORY, engine
 from tests.integration.gpu_worker.test_cloud_engine import generate as alone
-from tests.worker_helpers import cancel_during_prefill, generate, stats, wait_idle, wait_serving
+from tests.integration.gpu_worker.waits import wait_kv_freed
+from tests.worker_helpers import cancel_during_prefill, generate, wait_idle, wait_serving
 
 pytestmark = pytest.mark.integration
 QUESTIONS = ["Write a short poem about the sea.", "List three tips for writing clean Python code."]
@@ -144,15 +144,6 @@ def test_a_stop_during_a_speculative_prefill_ends_it_after_one_chunk(spec_engine
     assert spec_engine.prefill_chunks - chunks == 1 and not driver.results[seq].tokens
     again = driver.add(ids, SamplingParams(max_tokens=4))
     assert driver.run([again])[again].finish in (FinishReason.LENGTH, FinishReason.STOP)
-
-
-async def wait_kv_freed(stub: object, timeout_s: float = 30.0) -> None:
-    """Poll Stats until the worker holds no KV (bounded): a turn ends for the caller at once, its stop
-    reaches the engine loop between two steps."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while (await stats(stub)).kv_used_bytes:  # type: ignore[arg-type]
-        assert asyncio.get_running_loop().time() < deadline, "the worker never freed the cancelled turn's KV"
-        await asyncio.sleep(0.02)  # polling a condition, not readiness
 
 
 def _sample(name: str) -> float:
