@@ -3,8 +3,9 @@
 ``meshserve bench --only cloud`` (or ``python -m benchmarks.cloud.engine``). In one process, with the same
 prompts for every contender:
 
-1. Throughput at 1, 4 and 16 concurrent streams: our CloudEngine (streams as concurrent threads,
-   as the worker runs them) vs transformers' sequential ``generate`` (one prompt after another)
+1. Throughput at 1, 4 and 16 concurrent streams: our CloudEngine (every stream added at once and
+   stepped together, as the worker's engine loop runs them: driver.py) vs transformers' sequential
+   ``generate`` (one prompt after another)
    vs transformers' ``generate_batch`` (its continuous batching; manager kept warm, set-up not
    timed). Greedy, the same ``max_tokens``; tokens counted as generated (EOS may end one early).
    Rounds interleave the contenders so load drift hits them alike; medians are reported with the
@@ -27,7 +28,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks.cache.bench import start_redis
+from benchmarks.cloud.driver import Stepper
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.gpu_worker.engine import CloudEngine
@@ -73,25 +74,11 @@ class Timer:
 
 
 def ours(engine: CloudEngine, prompts: list[list[int]], n: int) -> tuple[int, Timer]:
-    counts = [0] * len(prompts)
-
-    def one(i: int) -> None:
-        seq = engine.start(prompts[i], SamplingParams(max_tokens=n))
-        try:
-            for _ in range(n):
-                counts[i] += 1
-                if seq.step() in engine.info.eos_token_ids:
-                    break
-        finally:
-            seq.close()
-
     with Timer() as t:
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    return sum(counts), t
+        stepper = Stepper(engine)
+        ids = [stepper.add(p, SamplingParams(max_tokens=n)) for p in prompts]
+        done = stepper.run(ids)
+    return sum(len(done[i].tokens) for i in ids), t
 
 
 def hf_sequential(model: Any, prompts: list[list[int]], n: int) -> tuple[int, Timer]:
@@ -144,13 +131,13 @@ def throughput(engine: CloudEngine, model: Any, prompts: list[list[int]], n: int
 
 
 def ttft(engine: CloudEngine, ids: list[int]) -> tuple[float, int]:
-    seq = engine.start(ids, SamplingParams(max_tokens=1))
-    started = time.perf_counter()
-    try:
-        seq.step()
-        return time.perf_counter() - started, seq.prefill_tokens
-    finally:
-        seq.close()
+    """Seconds to the first token of ``ids`` alone (a Redis prefix load included), and the prompt
+    tokens it prefilled."""
+    stepper = Stepper(engine)
+    seq = stepper.add(ids, SamplingParams(max_tokens=1))
+    stream = stepper.run([seq])[seq]
+    assert stream.prefill_tokens is not None
+    return stream.ttft, stream.prefill_tokens
 
 
 def prefix_ttft(a: CloudEngine, b: CloudEngine, encode: Callable[[str], list[int]], rounds: int) -> dict[str, Any]:

@@ -15,6 +15,9 @@ gpu_worker's own ``CloudEngine`` (its default dtype: bfloat16 on CUDA):
    decode (the integration test's pattern), and all at once in a batch of 8 and 32; every run must
    give the tokens the prompt gets alone. Plus cancel frees KV at once, a request beyond the KV
    budget is RESOURCE_EXHAUSTED, and a repeated prompt reuses its local prefix blocks.
+
+The engine is stepped in this thread as the worker's engine loop steps it (driver.py: add, step,
+stop), without the worker runtime around it.
 3. Throughput: single-stream decode tokens/s, aggregate tokens/s at 1/8/32 concurrent sequences
    (EOS ignored, so every sequence decodes exactly ``--bench-tokens``), and the prefill of a
    512-token prompt (time to first token through the engine, and one bare model forward).
@@ -31,7 +34,6 @@ import json
 import platform
 import statistics
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -41,6 +43,7 @@ from typing import Any
 import torch
 
 from benchmarks.cloud import gpu_targets as cloud_gpu_targets
+from benchmarks.cloud.driver import Stepper
 from services.common.errors import ResourceExhausted
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
@@ -64,41 +67,22 @@ def engine(model: str, device: str, **kw: Any) -> CloudEngine:
     return CloudEngine(model, **options)
 
 
-def generate(
-    e: CloudEngine,
-    ids: list[int],
-    n: int,
-    started: threading.Event | None = None,
-    sampling: SamplingParams | None = None,
-) -> list[int]:
-    seq = e.start(ids, sampling or SamplingParams(max_tokens=n))
-    out: list[int] = []
-    try:
-        while len(out) < n:
-            out.append(seq.step())
-            if started is not None:
-                started.set()
-            if out[-1] in e.info.eos_token_ids:
-                break
-    finally:
-        seq.close()
-    return out
+def generate(e: CloudEngine, ids: list[int], n: int, sampling: SamplingParams | None = None) -> list[int]:
+    """Up to ``n`` tokens of ``ids`` alone (an EOS included)."""
+    return Stepper(e).generate(ids, sampling or SamplingParams(max_tokens=n))
 
 
 def concurrent(e: CloudEngine, prompts: list[list[int]], n: int, staggered: bool = False) -> list[list[int]]:
-    """Every prompt on its own thread (as the worker runs them); ``staggered``: each joins once the last decodes."""
-    results: list[list[int]] = [[] for _ in prompts]
-    threads = []
-    for i, p in enumerate(prompts):
-        started = threading.Event()
-        t = threading.Thread(target=lambda i=i, p=p, s=started: results.__setitem__(i, generate(e, p, n, s)))
-        t.start()
-        threads.append(t)
+    """Every prompt in one batch (as the worker's engine loop runs them); ``staggered``: each is added
+    once the one before it decodes (it joins a running batch)."""
+    stepper = Stepper(e)
+    ids = []
+    for p in prompts:
+        ids.append(stepper.add(p, SamplingParams(max_tokens=n)))
         if staggered:
-            started.wait(300)
-    for t in threads:
-        t.join(600)
-    return results
+            stepper.run_until(lambda: bool(stepper.streams[ids[-1]].tokens))
+    streams = stepper.run(ids)
+    return [streams[i].tokens for i in ids]
 
 
 def first_diff(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -171,20 +155,18 @@ def invariance(e: CloudEngine, n: int) -> dict[str, Any]:
 
 def engine_checks(e: CloudEngine) -> dict[str, Any]:
     ids = list(e.tokenizer.encode(STORY * 8).ids)
-    seq = e.start(ids, SamplingParams(max_tokens=200))
-    seq.step()
-    seq.step()
+    stepper = Stepper(e)
+    seq = stepper.add(ids, SamplingParams(max_tokens=200))
+    stepper.run_until(lambda: len(stepper.streams[seq].tokens) >= 2)
     held = e.kv_usage().used_bytes
-    seq.close()
+    stepper.stop(seq)
     checks: dict[str, Any] = {"cancel_kv_held_before": held, "cancel_kv_used_after": e.kv_usage().used_bytes}
-    big = e.start([1, 2, 3], SamplingParams(max_tokens=10**7))
     try:
-        big.step()
+        big = stepper.add([1, 2, 3], SamplingParams(max_tokens=10**7))
+        stepper.stop(big)
         checks["beyond_budget"] = "no error"
     except ResourceExhausted as exc:
         checks["beyond_budget"] = f"ResourceExhausted: {exc}"
-    finally:
-        big.close()
     before = e.prefix_counters()
     first = generate(e, ids, 16)
     second = generate(e, ids, 16)
@@ -196,14 +178,15 @@ def engine_checks(e: CloudEngine) -> dict[str, Any]:
     chat = list(e.tokenizer.encode(CHAT[0]).ids)
     penalised = SamplingParams(max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.4, min_tokens=24)
     alone = generate(e, chat, 24, sampling=penalised)
-    others = [e.start(list(e.tokenizer.encode(t).ids), SamplingParams(max_tokens=60)) for t in ("Hello", STORY)]
+    beside_others = Stepper(e)
+    others = [
+        beside_others.add(list(e.tokenizer.encode(t).ids), SamplingParams(max_tokens=60)) for t in ("Hello", STORY)
+    ]
     try:
-        for o in others:
-            o.step()
-        beside = generate(e, chat, 24, sampling=penalised)
+        beside_others.run_until(lambda: all(beside_others.streams[o].tokens for o in others))
+        beside = beside_others.generate(chat, penalised)  # the others decode in the same steps
     finally:
-        for o in others:
-            o.close()
+        beside_others.close()
     checks["penalties_batch_invariant"] = alone == beside
     checks["penalties_min_tokens_held"] = len(alone) == 24 and not set(alone) & set(e.info.eos_token_ids)
     checks["penalties_change_answer"] = alone != generate(e, chat, 24)
@@ -222,13 +205,10 @@ def throughput(e: CloudEngine, n: int, levels: Sequence[int], rounds: int) -> di
     out: dict[str, Any] = {}
     single: list[float] = []
     for _ in range(rounds):  # single stream: tokens after the first over the time they took
-        seq = e.start(prompts[0], SamplingParams(max_tokens=n))
-        seq.step()
-        t = time.perf_counter()
-        for _ in range(n - 1):
-            seq.step()
-        single.append((n - 1) / (time.perf_counter() - t))
-        seq.close()
+        stream = Stepper(e)
+        seq = stream.add(prompts[0], SamplingParams(max_tokens=n))
+        stamps = stream.run([seq])[seq].stamps
+        single.append((n - 1) / (stamps[-1] - stamps[0]))
     out["single_stream_decode_tok_s"] = statistics.median(single)
     for c in levels:
         walls, steps = [], []
@@ -259,12 +239,12 @@ def prefill(model: str, device: str, dtype: str, rounds: int) -> dict[str, Any]:
     assert len(ids) == 512
     ttfts = []
     for r in range(rounds + 1):
-        t = time.perf_counter()
-        seq = e.start(ids, SamplingParams(max_tokens=1))  # prefix cache off: a full prefill each round
-        seq.step()
+        stepper = Stepper(e)
+        seq = stepper.add(ids, SamplingParams(max_tokens=1))  # prefix cache off: a full prefill each round
         if r:
-            ttfts.append(time.perf_counter() - t)
-        seq.close()
+            ttfts.append(stepper.run([seq])[seq].ttft)
+        else:
+            stepper.run([seq])
     m = e.model
     cache = m.new_cache(32, 16, e.kv_dtype)
     fwd = []

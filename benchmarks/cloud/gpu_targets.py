@@ -7,8 +7,9 @@ speed does not depend on weight values; EOS is unset, so every stream decodes ex
 * anchors: transformers ``generate`` with ``cache_implementation="static"`` (compiled decode on CUDA)
   for 1 stream and for one static batch of ``--streams`` equal prompts;
 * the engine (``CloudEngine``, static decode steps: CUDA graphs on a GPU) for 1 stream and for
-  ``--streams`` concurrent streams of distinct prompts through continuous batching, each as tokens/s and
-  as a share of the HBM roofline (bytes one decode step reads / the measured device copy bandwidth);
+  ``--streams`` concurrent streams of distinct prompts through continuous batching, stepped in this
+  thread as the worker's engine loop steps it (driver.py), each as tokens/s and as a share of the HBM
+  roofline (bytes one decode step reads / the measured device copy bandwidth);
 * checks: greedy fp32 on the device == the CPU engine (135M shape), the graph path == the eager path
   in bf16 for the same batch, the KV budget held through the run, the graphs' extra memory;
 * through the service: ``Generate`` over gRPC to a ``python -m services.gpu_worker`` process, TTFT
@@ -35,7 +36,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.cloud.driver import Stepper
 from services.common.sampling import SamplingParams
 from services.gpu_worker.engine import CloudEngine
 
@@ -174,48 +175,28 @@ def anchor(
 
 
 def streams(e: CloudEngine, ps: list[list[int]], tokens: int) -> dict[str, Any]:
-    """Every prompt on its own thread (as the worker runs them), all at once; KV use polled meanwhile."""
-    first: list[float] = [0.0] * len(ps)
-    done: list[int] = [0] * len(ps)
+    """Every prompt added at once and stepped together (as the worker's engine loop runs them, driver.py);
+    KV use read after every step."""
     peak = [0]
-    stop = threading.Event()
 
     def poll() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], e.kv_usage().used_bytes)
-            time.sleep(0.002)
+        peak[0] = max(peak[0], e.kv_usage().used_bytes)
 
-    def run(i: int) -> None:
-        seq = e.start(ps[i], SamplingParams(max_tokens=tokens))
-        try:
-            for k in range(tokens):
-                seq.step()
-                if k == 0:
-                    first[i] = time.perf_counter() - began
-                done[i] += 1
-        finally:
-            seq.close()
-
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
+    stepper = Stepper(e)
     steps0 = e.scheduler.steps_total
     static0 = e.static.steps if e.static else 0
     began = time.perf_counter()
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ps))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
+    ids = [stepper.add(p, SamplingParams(max_tokens=tokens)) for p in ps]
+    done = stepper.run(ids, after_step=poll)
     wall = time.perf_counter() - began
-    stop.set()
-    poller.join()
-    assert all(d == tokens for d in done), f"a stream ended early: {done}"
+    counts = [len(done[i].tokens) for i in ids]
+    assert all(n == tokens for n in counts), f"a stream ended early: {counts}"
     return {
         "streams": len(ps),
         "tokens": tokens,
         "wall_s": wall,
         "tok_s": len(ps) * tokens / wall,
-        "ttft_ms_median": 1000 * statistics.median(first),
+        "ttft_ms_median": 1000 * statistics.median(done[i].stamps[0] - began for i in ids),
         "steps": e.scheduler.steps_total - steps0,
         "static_steps": (e.static.steps if e.static else 0) - static0,
         "kv_peak_used_bytes": peak[0],
@@ -224,22 +205,11 @@ def streams(e: CloudEngine, ps: list[list[int]], tokens: int) -> dict[str, Any]:
 
 
 def greedy_batch(e: CloudEngine, ps: list[list[int]], tokens: int) -> list[list[int]]:
-    """Greedy tokens of ``ps`` submitted together (the same batch composition on every engine)."""
-    out: list[list[int]] = [[] for _ in ps]
-    seqs = [e.start(p, SamplingParams(max_tokens=tokens)) for p in ps]
-
-    def run(i: int) -> None:
-        try:
-            out[i] = [seqs[i].step() for _ in range(tokens)]
-        finally:
-            seqs[i].close()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(ps))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    return out
+    """Greedy tokens of ``ps`` added together (the same batch composition on every engine)."""
+    stepper = Stepper(e)
+    ids = [stepper.add(p, SamplingParams(max_tokens=tokens)) for p in ps]
+    done = stepper.run(ids)
+    return [done[i].tokens for i in ids]
 
 
 def first_diffs(a: list[list[int]], b: list[list[int]]) -> list[int | None]:

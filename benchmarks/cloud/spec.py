@@ -98,8 +98,8 @@ def bench_speculative(max_tokens: int, k_max: int, rounds: int, draft_dir: Path 
 
                     def run(d: SpeculativeDecoder = dec) -> list[int]:
                         got = []
-                        while not d.done:
-                            got.append(d.next())
+                        while not d.finished:  # one unit per engine step: a prefill, or a round
+                            got += d.advance()
                         return got
 
                     out, wall, cpu = _timed(run)
