@@ -89,6 +89,7 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
         keepalive_s=settings.queued_keepalive_s,
         flush=settings.flush_window(),
     )
+    runner.start()  # the engine loop runs from the start (a Worker.ImportKV may come before any turn)
     hasher = PrefixHasher(settings.model_id, settings.resolved_model_version(), settings.prefix_block_tokens)
     servicer = WorkerServicer(
         runner,
