@@ -12,10 +12,8 @@ there. When a sequence ends the full blocks it computed are exported to Redis (i
 Counters: prompt tokens computed vs reused from local blocks vs imported from Redis
 (``prefix_counters``, Prometheus ``meshserve_prefix_tokens_total``).
 
-Sampled sequences need transformers' logits warpers (sampler.py), ~1 s of CPU to import that a
-restarting worker does not pay before it serves: the first sampled sequence added before they are
-imported starts the import on the I/O thread, and it and every sequence added after it wait (in
-order) until the import is done; greedy sequences added before it run meanwhile.
+Every token is chosen by the device sampler, one call per step for all rows (scheduler.py,
+device_sampler.py), on CPU as on a GPU.
 
 Load reports: ``kv_usage()`` (bytes held by live sequences, the budget, cached prefix bytes) and
 ``hot_prefix_blocks()`` (chain hashes of recently used cached prompt prefixes).
@@ -49,7 +47,7 @@ from services.gpu_worker.blocks import BlockManager
 from services.gpu_worker.graphs import StaticDecoder
 from services.gpu_worker.model import AllReduce, LlamaModel, Shard
 from services.gpu_worker.prefix import RedisPrefixCache, chain_keys, key_digest
-from services.gpu_worker.sampler import Sampler, import_warpers, warpers_imported
+from services.gpu_worker.sampler import Sampler
 from services.gpu_worker.scheduler import Forward, Scheduler, SeqState
 from services.gpu_worker.tp_kv import KVBlockIO, LocalBlocks
 from services.store.kv_blocks import KVContext
@@ -224,10 +222,6 @@ class CloudEngine(Engine):
         """Loaded, to be submitted by the loop thread (appended by the I/O thread)."""
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloud-prefix-io")
         """Loads prefix blocks from Redis, so the engine loop never waits on the network."""
-        self._deferred: list[NewSequence] = []
-        """Sampled sequences (and those after them) added before transformers' warpers were imported:
-        the I/O thread imports them, then they are added (the loop never waits ~1 s for the import)."""
-        self._importing: Future[None] | None = None
         self._failed: list[SequenceOutput] = []
         self._lock = threading.Lock()
         self._embed_lock = threading.Lock()
@@ -258,18 +252,8 @@ class CloudEngine(Engine):
         """A new sequence; a fork (``fork_of``, not under tensor parallelism) is made from its source's
         prefill. ResourceExhausted when the sequence can never fit the KV budget, InvalidArgument when
         the choices of one prompt cannot fit it at once (both raised here, before anything is queued).
-
-        A sampled sequence added before transformers' warpers are imported waits, with every sequence
-        added after it (their order kept), until the I/O thread imported them; a prompt whose prefix
-        blocks are in Redis but not held locally waits until the I/O thread loaded them."""
-        if self._deferred or (not spec.sampling.greedy and not warpers_imported()):
-            self._deferred.append(spec)
-            if self._importing is None:
-                self._importing = self._io.submit(import_warpers)
-                # Woken once the future is done (a wake-up from inside the import could come before
-                # ``next_step_in`` sees it done, and the loop would sleep with the sequences deferred).
-                self._importing.add_done_callback(lambda _: self.wake())
-            return
+        A prompt whose prefix blocks are in Redis but not held locally waits until the I/O thread
+        loaded them."""
         if spec.fork_of is not None:
             self._add_fork(spec, spec.fork_of)
             return
@@ -292,7 +276,7 @@ class CloudEngine(Engine):
 
     def _add_fork(self, spec: NewSequence, source_id: int) -> None:
         """Attach choice ``spec`` to its source's coming prefill; CANCELLED at once if the source is gone
-        (it was stopped before it started, e.g. while it waited for the warpers' import)."""
+        (it was stopped before it started)."""
         entry = self._states.get(source_id)
         if entry is None:
             self._failed.append(SequenceOutput(spec.id, finish=FinishReason.CANCELLED))
@@ -330,21 +314,6 @@ class CloudEngine(Engine):
                 f"budget holds {self.blocks.num_blocks}; lower n or max_tokens"
             )
 
-    def _add_deferred(self) -> list[SequenceOutput]:
-        """Add the sequences that waited for the import (its failure fails them)."""
-        assert self._importing is not None
-        failed = []
-        deferred, self._deferred, error = self._deferred, [], self._importing.exception()
-        self._importing = None
-        for spec in deferred:
-            try:
-                if error is not None:
-                    raise error
-                self.add(spec)
-            except Exception as exc:
-                failed.append(SequenceOutput(spec.id, error=exc))
-        return failed
-
     def _load(self, state: SeqState, ctx: KVContext, matchable: int) -> None:
         """On the I/O thread: the prompt's blocks from Redis, then hand the sequence to the loop."""
         assert self.redis is not None
@@ -356,7 +325,6 @@ class CloudEngine(Engine):
         self.wake()
 
     def stop(self, seq_id: int, hold: bool = False) -> None:
-        self._deferred = [spec for spec in self._deferred if spec.id != seq_id]
         self._failed = [out for out in self._failed if out.id != seq_id]
         self.scheduler.discard_outputs(seq_id)  # e.g. a fork's CANCELLED: its source was stopped first
         entry = self._states.pop(seq_id, None)
@@ -371,13 +339,9 @@ class CloudEngine(Engine):
     def next_step_in(self) -> float | None:
         if self._loaded or self._failed or self.scheduler.has_work():
             return 0.0
-        if self._importing is not None and self._importing.done():
-            return 0.0
         return None
 
     def step(self) -> list[SequenceOutput]:
-        if self._importing is not None and self._importing.done():
-            self._failed += self._add_deferred()
         while self._loaded:
             state, forks = self._loaded.popleft()
             self._loading.pop(state.id, None)

@@ -14,11 +14,10 @@ transfers read it from other threads) and run without it:
    stall behind a long prompt), then the remaining per-step token budget (``max_step_tokens``)
    goes to *chunked prefill* of admitted prompts, most urgent first.
 3. One ``forward(segments)`` call (the model, or a tensor-parallel wrapper that broadcasts the
-   segments to follower ranks); then one token is chosen per sequence that needs one, and full
-   blocks are named by their chain key so later prompts share them. With a ``StaticDecoder``
-   (graphs.py, setting ``decode_graphs``) a pure decode step runs there instead, with fixed shapes
-   (a CUDA graph on a GPU) and sampling on the device; eager steps then sample with the same device
-   sampler (device_sampler.py), one call for the whole step.
+   segments to follower ranks); then the device sampler (device_sampler.py) chooses every row's token
+   in one call for the whole step, and full blocks are named by their chain key so later prompts
+   share them. With a ``StaticDecoder`` (graphs.py, setting ``decode_graphs``) a pure decode step runs
+   there instead, with fixed shapes (a CUDA graph on a GPU) and the same sampling inside it.
 
 The step returns every sequence's new token at once (:class:`~services.worker.types.SequenceOutput`).
 
@@ -130,9 +129,7 @@ class Scheduler:
         wake: Callable[[], None] | None = None,
     ) -> None:
         self.forward = forward
-        # Pure decode steps run with static shapes (graphs.py); then every token, eager steps'
-        # included, is chosen by the device sampler (one sampler per sequence whatever the step).
-        self.static = static
+        self.static = static  # pure decode steps run with static shapes (graphs.py)
         self.cache = cache
         # Writes imported (Redis) blocks into the cache; under TP it scatters head slices to every rank.
         self.write_blocks = write_blocks or self._write_local
@@ -289,14 +286,13 @@ class Scheduler:
 
     def _run(
         self, plan: list[tuple[SeqState, Segment]]
-    ) -> tuple[list[Tensor], list[int] | None, list[SampledLogprobs | None] | None]:
-        """One model step: per-segment logits (eager), and each segment's next token when the device
-        sampler chose it (static decode on), with the logprobs of the segments that asked for them
-        (computed on the device, fetched in the same copy); the sequences that need no token ignore theirs."""
+    ) -> tuple[list[Tensor], list[int], list[SampledLogprobs | None]]:
+        """One model step: per-segment logits (eager; none from a static step), and each segment's next
+        token, chosen by the device sampler in one call for the whole step, with the logprobs of the
+        segments that asked for them (computed on the device, fetched in the same copy); the
+        sequences that need no token ignore theirs."""
         segments = [seg for _, seg in plan]
         static = self.static
-        if static is None:
-            return self.forward(segments), None, None
         rows = [seq.sampler.row for seq, _ in plan]
         # The device sampler's noise is a function of (seed, step, token), ``step`` the turn's tokens so
         # far: replayed ones included, so a resumed seeded stream draws what the undisturbed one drew.
@@ -306,7 +302,7 @@ class Scheduler:
         # A row that needs no token now (prefill chunk, replay) still gets its grammar's mask: harmless.
         # A prefill that ends with forks to make needs its logits row (a static step returns none).
         masks = [seq.sampler.mask() for seq, _ in plan]
-        if static.fits(segments) and not any(seq.forks for seq, _ in plan):
+        if static is not None and static.fits(segments) and not any(seq.forks for seq, _ in plan):
             return [], *static.step_with_logprobs(segments, rows, steps, penalties, tops, masks=masks)
         logits = self.forward(segments)
         last = torch.cat([row[-1:] for row in logits])
@@ -402,18 +398,14 @@ class Scheduler:
         self,
         plan: list[tuple[SeqState, Segment]],
         logits: list[Tensor],
-        tokens: list[int] | None,
-        logprobs: list[SampledLogprobs | None] | None,
+        tokens: list[int],
+        logprobs: list[SampledLogprobs | None],
         outputs: list[SequenceOutput],
     ) -> None:
         for i, (seq, seg) in enumerate(plan):
             try:
-                if tokens is not None:
-                    row = logits[i] if logits else None
-                    lp = logprobs[i] if logprobs else None
-                    self._advance(seq, len(seg.token_ids), row, outputs, tokens[i], lp)
-                else:
-                    self._advance(seq, len(seg.token_ids), logits[i], outputs)
+                row = logits[i] if logits else None
+                self._advance(seq, len(seg.token_ids), row, outputs, tokens[i], logprobs[i])
             except Exception as exc:  # e.g. a sampling error: that sequence fails, the others go on
                 log.error("gpu_sequence_failed", exc_info=exc)
                 seq.done = True
@@ -425,8 +417,8 @@ class Scheduler:
         n: int,
         row: Tensor | None,
         outputs: list[SequenceOutput],
-        chosen: int | None = None,
-        logprobs: SampledLogprobs | None = None,
+        chosen: int,
+        logprobs: SampledLogprobs | None,
     ) -> None:
         if seq.computed < seq.prompt_len:
             seq.prefilled += n
@@ -444,10 +436,6 @@ class Scheduler:
             assert row is not None, "a prefill step returns logits for every segment"
             for fork in forks:
                 self._fork(seq, fork, row, outputs)
-        if chosen is None:
-            assert row is not None, "an eager step returns logits for every segment"
-            chosen = seq.sampler.pick(row[-1:])
-            logprobs = seq.sampler.last_logprobs
         self._emit(seq, chosen, logprobs if seq.sampler.top is not None else None, outputs)
 
     def _emit(
@@ -486,14 +474,10 @@ class Scheduler:
                 self.cache.copy_block(source.blocks[full], own[0])
             fork.computed = source.computed
             fork.admitted = True
-            sampler = fork.sampler
-            if self.static is not None:  # the static step's sampler, as the source's first token was chosen
-                (token,), (first,) = sample_rows_with_logprobs(
-                    row[-1:], [sampler.row], [0], [sampler.penalties], [sampler.top], masks=[sampler.mask()]
-                )
-            else:
-                token = sampler.pick(row[-1:])
-                first = sampler.last_logprobs
+            sampler = fork.sampler  # the device sampler, as the source's first token was chosen
+            (token,), (first,) = sample_rows_with_logprobs(
+                row[-1:], [sampler.row], [0], [sampler.penalties], [sampler.top], masks=[sampler.mask()]
+            )
         except Exception as exc:  # that choice fails, the others go on
             log.error("gpu_fork_failed", exc_info=exc)
             fork.done = True

@@ -1,5 +1,5 @@
 """tests/engine_driver.py's ``EngineDriver`` for the cloud engine, which does work on its own I/O thread
-(a Redis prefix load, the import of transformers' warpers for sampled sequences): while the engine
+(a Redis prefix load): while the engine
 has nothing to step (``next_step_in() is None``) and sequences are live, the driver waits for the
 engine's wake-up, as the worker's engine loop sleeps until it (services/worker/loop.py)."""
 

@@ -1,7 +1,6 @@
 """The cloud engine with the real model, stepped as the worker's engine loop steps it (add / step / stop):
 logits vs transformers, continuous batching, chunked prefill with decode first, the KV budget, stop,
-logprobs, prefixes via real Redis loaded on the engine's I/O thread, and sampled sequences waiting
-there for transformers' warpers."""
+logprobs, and prefixes via real Redis loaded on the engine's I/O thread."""
 
 from __future__ import annotations
 
@@ -13,9 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.common.errors import ResourceExhausted
-from services.common.generation import FinishReason
 from services.common.sampling import SamplingParams
-from services.gpu_worker import engine as engine_module
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.model import LlamaModel, Segment, Shard
@@ -284,57 +281,3 @@ def test_redis_down_is_a_miss_not_a_failure(cloud: CloudEngine) -> None:
         assert down.prefix_counters()["redis"] == 0
     finally:
         down.close()
-
-
-def test_sampled_sequences_wait_for_the_warpers_import_on_the_io_thread(
-    cloud: CloudEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A sampled sequence added before transformers' warpers are imported waits (with every sequence
-    added after it) while the I/O thread imports them; earlier greedy ones decode meanwhile."""
-    sampled = SamplingParams(max_tokens=N, temperature=0.8, seed=5)
-    prompt, other = encode(cloud, CHAT), encode(cloud, "def fibonacci(n):")
-    want_sampled, want_greedy = generate(cloud, prompt, sampling=sampled), generate(cloud, other)
-    imported, gate, importing = False, threading.Event(), threading.Event()
-
-    def import_warpers() -> None:
-        nonlocal imported
-        importing.set()
-        assert gate.wait(60)
-        imported = True
-
-    monkeypatch.setattr(engine_module, "warpers_imported", lambda: imported)
-    monkeypatch.setattr(engine_module, "import_warpers", import_warpers)
-    driver = CloudDriver(cloud)
-    first = driver.add(other, SamplingParams(max_tokens=N))
-    s = driver.add(prompt, sampled)
-    after = driver.add(other, SamplingParams(max_tokens=N))  # greedy, but after a deferred one: in order
-    dropped = driver.add(prompt, sampled)
-    driver.stop(dropped)  # stopped while deferred: never added
-    assert importing.wait(60)
-    assert driver.run([first])[first].tokens == want_greedy  # the loop went on without the import
-    assert not driver.results[s].tokens and not driver.results[after].tokens
-    assert cloud.next_step_in() is None
-    gate.set()
-    done = driver.run([s, after])
-    assert done[s].tokens == want_sampled and done[after].tokens == want_greedy
-    assert not driver.results[dropped].tokens and cloud.next_step_in() is None
-    assert cloud.kv_usage().used_bytes == 0
-
-
-def test_a_failed_warpers_import_fails_the_sequences_that_waited_for_it(
-    cloud: CloudEngine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def broken() -> None:
-        raise ImportError("transformers is broken")
-
-    monkeypatch.setattr(engine_module, "warpers_imported", lambda: False)
-    monkeypatch.setattr(engine_module, "import_warpers", broken)
-    driver = CloudDriver(cloud)
-    a = driver.add(encode(cloud, CHAT), SamplingParams(max_tokens=N, temperature=0.8, seed=1))
-    fork = driver.add(encode(cloud, CHAT), SamplingParams(max_tokens=N, temperature=0.8, seed=2), fork_of=a)
-    done = driver.run([a, fork])
-    assert all(isinstance(r.error, ImportError) for r in done.values())
-    assert cloud.next_step_in() is None and cloud.kv_usage().used_bytes == 0
-    monkeypatch.undo()
-    seq = driver.add(encode(cloud, CHAT), SamplingParams(max_tokens=2, temperature=0.8, seed=1))
-    assert driver.run([seq])[seq].finish == FinishReason.LENGTH  # the next one imports again

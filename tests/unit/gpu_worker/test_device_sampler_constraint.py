@@ -1,4 +1,4 @@
-"""The cloud samplers under a structured-output constraint: the device mask per row, the host sampler,
+"""The cloud sampler under a structured-output constraint: the device mask per row, a sequence's mask,
 and rows without a constraint left bit-identical."""
 
 from __future__ import annotations
@@ -60,13 +60,13 @@ def test_the_static_buffers_skip_the_mask_when_no_row_is_constrained() -> None:
     assert buffers.sample(logits, sampled=False, constrained=True).tolist() == [0, 9]
 
 
-def test_the_host_sampler_masks_and_advances_the_grammar() -> None:
+def test_a_sequences_mask_constrains_its_token_and_record_advances_the_grammar() -> None:
     constraint = FakeConstraint([3, 4])
     sampler = Sampler(SamplingParams(max_tokens=4), constraint=constraint)  # type: ignore[arg-type]
     logits = torch.zeros(1, VOCAB)
     logits[0, 4] = 1.0
     logits[0, 50] = 9.0
-    token = sampler.pick(logits)
+    (token,) = sample_rows(logits, [sampler.row], [0], [sampler.penalties], masks=[sampler.mask()])
     assert token == 4
     sampler.record(token)
     assert constraint.advanced == [4]

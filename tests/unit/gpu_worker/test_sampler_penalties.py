@@ -1,7 +1,7 @@
-"""The cloud tier's samplers with penalties on hand-made logits: the host sampler (sampler.py) and the
-on-device batch sampler (device_sampler.py) move the argmax as expected, agree with each other, ban
-and force with logit_bias, keep EOS out before min_tokens, and one row's penalties never change another
-row's token."""
+"""The cloud tier's sampler with penalties on hand-made logits: the batch sampler (device_sampler.py, every
+token of the cloud engine) over a sequence's sampling state (sampler.py) moves the argmax as expected,
+bans and forces with logit_bias, keeps EOS out before min_tokens, and one row's penalties never change
+another row's token."""
 
 from __future__ import annotations
 
@@ -23,37 +23,34 @@ def sampler(prompt: list[int], generated: list[int], **kw: object) -> Sampler:
     return s
 
 
-def both(prompt: list[int], generated: list[int], logits: torch.Tensor = LOGITS, **kw: object) -> int:
-    """The host sampler's choice, checked equal to the device sampler's."""
+def pick(prompt: list[int], generated: list[int], logits: torch.Tensor = LOGITS, **kw: object) -> int:
+    """The token the cloud engine chooses for a sequence with this history."""
     s = sampler(prompt, generated, **kw)
-    host = s.pick(logits)
-    device = sample_rows(logits, [s.row], [len(generated)], [s.penalties])[0]
-    assert host == device
-    return host
+    return sample_rows(logits, [s.row], [len(generated)], [s.penalties])[0]
 
 
-def test_penalties_move_the_argmax_on_both_samplers() -> None:
-    assert both([1], []) == 1
-    assert both([1], [], repetition_penalty=1.1) == 2
-    assert both([1], [], frequency_penalty=2.0) == 1  # the prompt does not count for frequency
-    assert both([], [1], frequency_penalty=0.2) == 2
-    assert both([], [1], presence_penalty=0.2) == 2
+def test_penalties_move_the_argmax() -> None:
+    assert pick([1], []) == 1
+    assert pick([1], [], repetition_penalty=1.1) == 2
+    assert pick([1], [], frequency_penalty=2.0) == 1  # the prompt does not count for frequency
+    assert pick([], [1], frequency_penalty=0.2) == 2
+    assert pick([], [1], presence_penalty=0.2) == 2
 
 
-def test_logit_bias_bans_and_forces_on_both_samplers() -> None:
-    assert both([], [], logit_bias=((1, -100.0),)) == 2
-    assert both([], [], logit_bias=((5, 100.0),)) == 5
+def test_logit_bias_bans_and_forces() -> None:
+    assert pick([], [], logit_bias=((1, -100.0),)) == 2
+    assert pick([], [], logit_bias=((5, 100.0),)) == 5
     for seed in range(10):
-        assert both([], [], logit_bias=((4, 100.0),), temperature=1.0, seed=seed) == 4
-        assert both([], [], logit_bias=((1, -100.0), (2, -100.0)), temperature=0.5, seed=seed) not in (1, 2)
+        assert pick([], [], logit_bias=((4, 100.0),), temperature=1.0, seed=seed) == 4
+        assert pick([], [], logit_bias=((1, -100.0), (2, -100.0)), temperature=0.5, seed=seed) not in (1, 2)
 
 
-def test_min_tokens_suppresses_eos_on_both_samplers() -> None:
+def test_min_tokens_suppresses_eos() -> None:
     eos_first = torch.tensor([[9.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
-    assert both([], [], eos_first) == EOS
-    assert both([], [], eos_first, min_tokens=2) == 1
-    assert both([], [3], eos_first, min_tokens=2) == 1
-    assert both([], [3, 3], eos_first, min_tokens=2) == EOS
+    assert pick([], [], eos_first) == EOS
+    assert pick([], [], eos_first, min_tokens=2) == 1
+    assert pick([], [3], eos_first, min_tokens=2) == 1
+    assert pick([], [3, 3], eos_first, min_tokens=2) == EOS
 
 
 def test_a_rows_penalties_never_change_another_rows_token() -> None:
@@ -87,5 +84,5 @@ def test_static_buffers_reset_between_steps() -> None:
 
 def test_greedy_with_penalties_is_deterministic() -> None:
     x = torch.randn(1, 500, generator=torch.Generator().manual_seed(0))
-    picks = {both([1, 2, 3], [4, 5, 4], x, repetition_penalty=1.3, frequency_penalty=0.5) for _ in range(4)}
+    picks = {pick([1, 2, 3], [4, 5, 4], x, repetition_penalty=1.3, frequency_penalty=0.5) for _ in range(4)}
     assert len(picks) == 1
