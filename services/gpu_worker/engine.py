@@ -33,6 +33,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -49,6 +50,7 @@ from services.gpu_worker.model import AllReduce, LlamaModel, Shard
 from services.gpu_worker.prefix import RedisPrefixCache, chain_keys, key_digest
 from services.gpu_worker.sampler import Sampler
 from services.gpu_worker.scheduler import Forward, Scheduler, SeqState
+from services.gpu_worker.speculative import Speculation
 from services.gpu_worker.tp_kv import KVBlockIO, LocalBlocks
 from services.store.kv_blocks import KVContext
 from services.worker.kv_transfer import KVExport, KVImport, KVPrefix
@@ -223,6 +225,8 @@ class CloudEngine(Engine):
         self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloud-prefix-io")
         """Loads prefix blocks from Redis, so the engine loop never waits on the network."""
         self._failed: list[SequenceOutput] = []
+        self.speculation: Speculation | None = None
+        """Greedy requests decoded by draft-and-verify rounds (:meth:`speculate`; None: off)."""
         self._lock = threading.Lock()
         self._embed_lock = threading.Lock()
         self._embeds = shard.world == 1 and wrap_forward is None
@@ -253,7 +257,18 @@ class CloudEngine(Engine):
         prefill. ResourceExhausted when the sequence can never fit the KV budget, InvalidArgument when
         the choices of one prompt cannot fit it at once (both raised here, before anything is queued).
         A prompt whose prefix blocks are in Redis but not held locally waits until the I/O thread
-        loaded them."""
+        loaded them. With speculation on, a greedy request is decoded speculatively where its KV fits."""
+        speculation = self.speculation
+        if speculation is not None and spec.fork_of is not None:
+            leader = speculation.take_back(spec.fork_of)  # the scheduler's forks share its prefill
+            if leader is not None:
+                self._submit(leader)
+        elif speculation is not None and speculation.accepts(spec) and speculation.add(spec):
+            return
+        self._submit(spec)
+
+    def _submit(self, spec: NewSequence) -> None:
+        """``add`` for the scheduler (speculation left out)."""
         if spec.fork_of is not None:
             self._add_fork(spec, spec.fork_of)
             return
@@ -325,6 +340,8 @@ class CloudEngine(Engine):
         self.wake()
 
     def stop(self, seq_id: int, hold: bool = False) -> None:
+        if self.speculation is not None and self.speculation.stop(seq_id):
+            return
         self._failed = [out for out in self._failed if out.id != seq_id]
         self.scheduler.discard_outputs(seq_id)  # e.g. a fork's CANCELLED: its source was stopped first
         entry = self._states.pop(seq_id, None)
@@ -337,7 +354,7 @@ class CloudEngine(Engine):
         self.release(state, ctx)
 
     def next_step_in(self) -> float | None:
-        if self._loaded or self._failed or self.scheduler.has_work():
+        if self._loaded or self._failed or self.scheduler.has_work() or (self.speculation and self.speculation.live):
             return 0.0
         return None
 
@@ -352,7 +369,8 @@ class CloudEngine(Engine):
             except Exception as exc:
                 self._fail(state.id, exc)
         outputs, self._failed = self._failed, []
-        outputs += self.scheduler.step()
+        if self.scheduler.has_work():
+            outputs += self.scheduler.step()
         for out in outputs:
             if out.prefill_tokens is not None and out.id in self._states:
                 self.count_prefill(self._states[out.id][0])
@@ -360,7 +378,21 @@ class CloudEngine(Engine):
                 entry = self._states.pop(out.id, None)
                 if entry is not None:
                     self.release(*entry)
+        if self.speculation is not None:  # after the batch's packed step, one unit each
+            outputs += self.speculation.step()
         return outputs
+
+    def speculate(self, draft_model: Any, *, k_max: int = 8) -> None:
+        """Decode greedy requests speculatively with ``draft_model`` from now on
+        (:class:`~services.gpu_worker.speculative.Speculation`, ``MESHSERVE_GPU_WORKER_SPECULATIVE``)."""
+        self.speculation = Speculation(
+            draft_model,
+            k_max=k_max,
+            forward=self.scheduler.forward,
+            blocks=self.blocks,
+            eos=self._info.eos_token_ids,
+            max_step_tokens=self.scheduler.max_step_tokens,
+        )
 
     def _fail(self, seq_id: int, error: BaseException) -> None:
         entry = self._states.pop(seq_id, None)

@@ -45,8 +45,11 @@ import torch
 from prometheus_client import Counter, Gauge
 from torch import Tensor
 
+from services.common.generation import FinishReason
 from services.common.sampling import SamplingParams
+from services.gpu_worker.blocks import BlockManager
 from services.gpu_worker.plan import Segment
+from services.worker.types import NewSequence, SequenceOutput
 
 log = structlog.get_logger(__name__)
 
@@ -298,3 +301,112 @@ def greedy_only(sampling: SamplingParams) -> bool:
     """Whether a request is speculated (greedy ones only, without penalties or a structured-output
     constraint: the draft and the verify pass apply none; see the module docstring)."""
     return sampling.greedy and not sampling.penalized and sampling.structured is None
+
+
+class Speculation:
+    """The speculative sequences of one cloud engine (``CloudEngine.speculate``): greedy requests without
+    logprobs or a resumed stream, decoded by draft-and-verify rounds over the engine's KV blocks and its
+    scheduler's ``forward`` (the function the batch steps use, so under tensor parallelism they are
+    mirrored on the follower ranks), one unit each (a prefill chunk, or a round) per engine step, after
+    the batch's packed step: on CPU a verify pass of k+1 tokens costs about what a batch step of k+1
+    sequences does, and latency for a single stream is what speculation is for. A sequence whose KV the
+    budget has no room for right now goes to the scheduler, which queues it. No prefix cache (it
+    prefills its whole prompt), in chunks of whole blocks within the scheduler's step budget, so a stop
+    reaches it after one chunk."""
+
+    def __init__(
+        self,
+        draft_model: Any,
+        *,
+        k_max: int,
+        forward: Forward,
+        blocks: BlockManager,
+        eos: frozenset[int],
+        max_step_tokens: int,
+    ) -> None:
+        self.draft_model = draft_model
+        self.k_max = k_max
+        self._forward = forward
+        self._blocks = blocks
+        self._eos = eos
+        bt = blocks.block_tokens
+        self._chunk = max(bt, max_step_tokens // bt * bt)
+        self.prefill_chunks = 0
+        """Prefill forwards of speculative sequences so far (their prompts go in chunks)."""
+        self.live: dict[int, tuple[SpeculativeDecoder, list[int], NewSequence]] = {}
+        """Speculative sequences by id: their decoder, KV blocks and spec."""
+
+    @staticmethod
+    def accepts(spec: NewSequence) -> bool:
+        s = spec.sampling
+        return greedy_only(s) and not spec.replay and not s.logprobs and spec.fork_of is None
+
+    def add(self, spec: NewSequence) -> bool:
+        """Decode ``spec`` speculatively; False when its KV blocks cannot be had now."""
+        bt = self._blocks.block_tokens
+        max_tokens = max(1, spec.sampling.max_tokens)
+        need = -(-(len(spec.prompt_ids) + max_tokens + self.k_max + 1) // bt)
+        with self._blocks.lock:
+            blocks = self._blocks.allocate(need)
+        if blocks is None:
+            return False
+        max_length = len(spec.prompt_ids) + max_tokens + self.k_max + 2
+        decoder = SpeculativeDecoder(
+            self._forward,
+            blocks,
+            spec.prompt_ids,
+            max_tokens,
+            draft_factory(self.draft_model, max_length),
+            k_max=self.k_max,
+            eos=self._eos,
+            prefill_chunk=self._chunk,
+            on_prefill_chunk=self._count_chunk,
+        )
+        self.live[spec.id] = (decoder, blocks, spec)
+        return True
+
+    def _count_chunk(self) -> None:
+        self.prefill_chunks += 1
+
+    def take_back(self, seq_id: int) -> NewSequence | None:
+        """Give up speculating ``seq_id``, not stepped yet (another choice forks it: the scheduler's forks
+        share its prefill); its spec, for the scheduler. None: not a speculative sequence."""
+        entry = self.live.get(seq_id)
+        if entry is None:
+            return None
+        decoder, _, spec = entry
+        if decoder.started:
+            raise RuntimeError(f"sequence {seq_id} is decoding speculatively and cannot be forked")
+        self.stop(seq_id)
+        return spec
+
+    def stop(self, seq_id: int) -> bool:
+        """Free a speculative sequence's KV blocks and draft; False if ``seq_id`` is not one."""
+        entry = self.live.pop(seq_id, None)
+        if entry is None:
+            return False
+        decoder, blocks, _ = entry
+        decoder.close()
+        with self._blocks.lock:
+            self._blocks.release(blocks)
+        return True
+
+    def step(self) -> list[SequenceOutput]:
+        """One unit of every speculative sequence; the outputs of those that produced tokens."""
+        outputs = []
+        for seq_id, (decoder, _, spec) in list(self.live.items()):
+            first = decoder.generated == 0
+            try:
+                tokens = decoder.advance()
+            except Exception as exc:  # that sequence fails, the others go on
+                self.stop(seq_id)
+                outputs.append(SequenceOutput(seq_id, error=exc))
+                continue
+            if not tokens:
+                continue  # a prefill chunk
+            out = SequenceOutput(seq_id, tokens, prefill_tokens=len(spec.prompt_ids) if first else None)
+            if decoder.finished:
+                out.finish = FinishReason.STOP if tokens[-1] in self._eos else FinishReason.LENGTH
+                self.stop(seq_id)
+            outputs.append(out)
+        return outputs

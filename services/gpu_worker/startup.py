@@ -11,7 +11,6 @@ import structlog
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.prefix import RedisPrefixCache
-from services.gpu_worker.spec_engine import SpeculativeEngine
 from services.gpu_worker.speculative import load_draft_model
 from services.gpu_worker.tp import start_leader
 from services.worker.app import RunningWorker, start_worker
@@ -66,7 +65,7 @@ def build_engine(settings: GpuWorkerSettings) -> CloudEngine:
         draft_dir = Path(settings.resolved_draft_model())
         log.info("speculative_draft_loading", draft=str(draft_dir), default=not settings.draft_model)
         draft = load_draft_model(draft_dir, threads=settings.threads or 1)
-        return SpeculativeEngine(engine, draft, k_max=settings.speculative_k_max)  # type: ignore[return-value]
+        engine.speculate(draft, k_max=settings.speculative_k_max)
     return engine
 
 

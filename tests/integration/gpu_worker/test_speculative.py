@@ -1,5 +1,5 @@
 """Speculative decoding with the real models: the INT4 edge draft + our forward equal plain greedy decoding,
-in the decoder alone and through the SpeculativeEngine stepped as the engine loop steps it (beside
+in the decoder alone and through a speculative CloudEngine stepped as the engine loop steps it (beside
 batched sequences, falling back to the scheduler when the KV budget is short, n choices); a cancel
 reaches a speculative prefill."""
 
@@ -20,7 +20,6 @@ from services.common.settings import load_settings
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.model import LlamaModel
-from services.gpu_worker.spec_engine import SpeculativeEngine
 from services.gpu_worker.speculative import OgDraft, SpeculativeDecoder, load_draft_model
 from services.gpu_worker.startup import start_gpu_worker
 from tests.integration.gpu_worker.driver import CloudDriver
@@ -71,25 +70,36 @@ def _check_one(model: LlamaModel, draft_model: object, prompt: list[int]) -> Non
     dec.close()
 
 
+def live(e: CloudEngine) -> dict[int, object]:
+    assert e.speculation is not None
+    return e.speculation.live  # type: ignore[return-value]
+
+
+def chunks_of(e: CloudEngine) -> int:
+    assert e.speculation is not None
+    return e.speculation.prefill_chunks
+
+
 @pytest.fixture(scope="module")
-def spec_engine() -> Iterator[SpeculativeEngine]:
+def spec_engine() -> Iterator[CloudEngine]:
     """A speculative engine whose KV budget holds one speculative sequence (of this module's sizes) and
     one more sequence of the scheduler's: 20 blocks of 16 tokens."""
-    e = SpeculativeEngine(engine(kv_budget_bytes=20 * 368_640), load_draft_model(model_paths().edge_dir, threads=1))
+    e = engine(kv_budget_bytes=20 * 368_640)
+    e.speculate(load_draft_model(model_paths().edge_dir, threads=1))
     assert e.blocks.num_blocks == 20
     yield e
     e.close()
 
 
-def test_speculative_sequences_step_beside_batched_ones_and_equal_plain_greedy(spec_engine: SpeculativeEngine) -> None:
-    cloud: CloudEngine = spec_engine.engine
+def test_speculative_sequences_step_beside_batched_ones_and_equal_plain_greedy(spec_engine: CloudEngine) -> None:
+    cloud = spec_engine
     prompts = [chat(cloud.tokenizer, q) for q in QUESTIONS]
     want = [alone(cloud, p, N) for p in prompts]  # the scheduler alone
     driver = CloudDriver(spec_engine)
     greedy_ids = [driver.add(p, SamplingParams(max_tokens=N)) for p in prompts[:1]]
-    assert set(greedy_ids) <= set(spec_engine._live)  # speculative
+    assert set(greedy_ids) <= set(live(spec_engine))  # speculative
     logprobs = driver.add(prompts[1], SamplingParams(max_tokens=N, logprobs=True))  # the scheduler's
-    assert logprobs not in spec_engine._live
+    assert logprobs not in live(spec_engine)
     done = driver.run([*greedy_ids, logprobs])
     assert [done[i].tokens for i in (*greedy_ids, logprobs)] == want
     assert done[greedy_ids[0]].prefill_tokens == len(prompts[0])
@@ -97,17 +107,17 @@ def test_speculative_sequences_step_beside_batched_ones_and_equal_plain_greedy(s
     assert spec_engine.kv_usage().used_bytes == 0 and spec_engine.next_step_in() is None
 
 
-def test_a_greedy_sequence_waits_in_the_scheduler_when_the_kv_budget_is_short(spec_engine: SpeculativeEngine) -> None:
-    cloud: CloudEngine = spec_engine.engine
+def test_a_greedy_sequence_waits_in_the_scheduler_when_the_kv_budget_is_short(spec_engine: CloudEngine) -> None:
+    cloud = spec_engine
     prompt = chat(cloud.tokenizer, QUESTIONS[0])
     driver = CloudDriver(spec_engine)
     first = driver.add(prompt, SamplingParams(max_tokens=N))  # speculative: its blocks taken at add
-    assert first in spec_engine._live
+    assert first in live(spec_engine)
     held = spec_engine.blocks.num_blocks - spec_engine.blocks.available
     # Another that needs more than what is left but fits the budget: the scheduler queues it.
     big = SamplingParams(max_tokens=(spec_engine.blocks.num_blocks - held + 1) * 16 - len(prompt))
     second = driver.add(prompt, big)
-    assert second not in spec_engine._live
+    assert second not in live(spec_engine)
     driver.run_until(first, 2)
     assert not driver.results[second].tokens  # it waits for the speculative sequence's blocks
     done = driver.run([first, second])
@@ -116,32 +126,32 @@ def test_a_greedy_sequence_waits_in_the_scheduler_when_the_kv_budget_is_short(sp
     assert spec_engine.kv_usage().used_bytes == 0
 
 
-def test_greedy_choices_of_one_prompt_share_the_schedulers_prefill(spec_engine: SpeculativeEngine) -> None:
+def test_greedy_choices_of_one_prompt_share_the_schedulers_prefill(spec_engine: CloudEngine) -> None:
     """n choices: the first is added alone (it would be speculated), then its forks: it goes to the
     scheduler, whose forks share its prefill."""
-    cloud: CloudEngine = spec_engine.engine
+    cloud = spec_engine
     prompt = chat(cloud.tokenizer, QUESTIONS[1])
     driver = CloudDriver(spec_engine)
     forks = cloud.scheduler.forks_made
     seqs = driver.choices(prompt, SamplingParams(max_tokens=8, n=2), 2)
-    assert not set(seqs) & set(spec_engine._live)
+    assert not set(seqs) & set(live(spec_engine))
     done = driver.run(seqs)
     assert cloud.scheduler.forks_made - forks == 1
     assert [done[i].tokens for i in seqs] == [alone(cloud, prompt, 8)] * 2
     assert spec_engine.kv_usage().used_bytes == 0
 
 
-def test_a_stop_during_a_speculative_prefill_ends_it_after_one_chunk(spec_engine: SpeculativeEngine) -> None:
+def test_a_stop_during_a_speculative_prefill_ends_it_after_one_chunk(spec_engine: CloudEngine) -> None:
     ids = list(spec_engine.tokenizer.encode("Speculate. " + STORY * 8).ids)  # ~140 tokens: 3 chunks of 64
     driver = CloudDriver(spec_engine)
     seq = driver.add(ids, SamplingParams(max_tokens=4))
-    assert seq in spec_engine._live
-    chunks = spec_engine.prefill_chunks
+    assert seq in live(spec_engine)
+    chunks = chunks_of(spec_engine)
     driver.step_when_ready()
-    assert spec_engine.prefill_chunks - chunks == 1
+    assert chunks_of(spec_engine) - chunks == 1
     driver.stop(seq)
     assert spec_engine.kv_usage().used_bytes == 0 and spec_engine.next_step_in() is None
-    assert spec_engine.prefill_chunks - chunks == 1 and not driver.results[seq].tokens
+    assert chunks_of(spec_engine) - chunks == 1 and not driver.results[seq].tokens
     again = driver.add(ids, SamplingParams(max_tokens=4))
     assert driver.run([again])[again].finish in (FinishReason.LENGTH, FinishReason.STOP)
 
@@ -168,7 +178,7 @@ async def test_worker_with_speculation_streams_the_plain_workers_text(workers: t
     from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
 
     plain, spec = workers
-    assert isinstance(spec.runner.engine, SpeculativeEngine)  # type: ignore[attr-defined]
+    assert spec.runner.engine.speculation is not None  # type: ignore[attr-defined]
     tokenizer = spec.runner.engine.tokenizer  # type: ignore[attr-defined]
     prompt = chat(tokenizer, QUESTIONS[0])
     drafted = _sample("meshserve_speculative_draft_tokens_total")
@@ -194,18 +204,18 @@ async def test_a_cancel_reaches_a_speculative_prefill_after_the_chunk_in_progres
 
     _plain, spec = workers
     engine = spec.runner.engine  # type: ignore[attr-defined]
-    assert isinstance(engine, SpeculativeEngine)
+    assert engine.speculation is not None
     ids = list(engine.tokenizer.encode("river stone cloud " * 200).ids)
     chunks = -(-len(ids) // engine.scheduler.max_step_tokens)
     assert chunks >= 4, len(ids)
-    before = engine.prefill_chunks
+    before = engine.speculation.prefill_chunks
     async with grpc.aio.insecure_channel(f"127.0.0.1:{spec.port}") as channel:  # type: ignore[attr-defined]
         await wait_serving(channel, "meshserve.internal.v1.Worker")
         stub = worker_pb2_grpc.WorkerStub(channel)
         # Greedy, not resumed: a speculative sequence. Cancelled once its first prefill chunk is done.
-        session, final = await cancel_during_prefill(stub, ids, lambda: engine.prefill_chunks > before)
+        session, final = await cancel_during_prefill(stub, ids, lambda: engine.speculation.prefill_chunks > before)
         assert final.finish_reason == FINISH_REASON_CANCELLED and final.completion_tokens == 0
         await session.call.done_writing()
         await wait_idle(stub)
         await wait_kv_freed(stub)  # the stop reaches the engine after the chunk in flight
-    assert engine.prefill_chunks - before < chunks  # not the whole prefill
+    assert engine.speculation.prefill_chunks - before < chunks  # not the whole prefill
