@@ -247,11 +247,6 @@ class CloudEngine(Engine):
 
     # -- the engine core contract (the loop thread) --------------------------------------------
 
-    def bind(self, wake: Callable[[], None]) -> None:
-        with self.blocks.lock:  # from now on a Worker.ImportKV waits for the loop to write its blocks
-            self.scheduler.looping = True
-        super().bind(wake)
-
     def add(self, spec: NewSequence) -> None:
         """A new sequence; a fork (``fork_of``, not under tensor parallelism) is made from its source's
         prefill. ResourceExhausted when the sequence can never fit the KV budget, InvalidArgument when

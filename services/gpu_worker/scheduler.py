@@ -149,8 +149,6 @@ class Scheduler:
         self.forks_made = 0
         """Choices made from another sequence's prefill (``submit``'s forks)."""
         self._stopped = False
-        self.looping = False
-        """Whether an engine loop steps this scheduler (set, under the lock, when the engine is bound)."""
         self._stalled_at: int | None = None
         """``blocks.available`` when the waiting queue's head last failed to get blocks (None: not stalled)."""
 
@@ -195,18 +193,15 @@ class Scheduler:
         evictable prefix blocks; returns how many were written. Blocking (any thread but the loop's).
 
         Like imports on admission, the blocks are written by the loop thread between two steps
-        (``_plan``), so no forward runs while the cache (on every TP rank) is written. Before an engine
-        loop steps this scheduler (``looping``: a worker pre-warmed before its first turn) the calling
-        thread writes them itself, under the lock the loop's first plan takes. Keys cached already are
-        skipped; the import stops where the KV budget (free + evictable) has no room.
+        (``_plan``), so no forward runs while the cache (on every TP rank) is written (the worker's engine
+        loop runs from the worker's start). Keys cached already are skipped; the import stops where the
+        KV budget (free + evictable) has no room.
         """
         job = ImportJob(list(keys), list(data))
         with self.lock:
             if self._stopped:
                 raise Unavailable("the worker is shutting down; import the prefix into another replica")
             self.imports.append(job)
-            if not self.looping:
-                self._run_imports()
         self.wake()
         while not job.done.wait(0.5):
             if self._stopped:

@@ -56,7 +56,6 @@ def make(num_blocks: int = 64, max_step_tokens: int = 8) -> tuple[Scheduler, Fak
     cache = KVCache(k=[torch.zeros(num_blocks * BT, 1, 2)], v=[torch.zeros(num_blocks * BT, 1, 2)], block_tokens=BT)
     forward = FakeForward(cache)
     s = Scheduler(forward, cache, BlockManager(num_blocks, BT, 100), max_step_tokens=max_step_tokens)
-    s.looping = True  # the tests step it as the engine loop does
     return s, forward
 
 

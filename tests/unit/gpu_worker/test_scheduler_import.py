@@ -56,17 +56,6 @@ def test_imported_blocks_are_cached_unreferenced_and_reused_by_the_next_prompt()
     assert (b.reused_local, b.reused_redis, b.prefilled) == (8, 0, 2)
 
 
-def test_before_a_loop_steps_the_scheduler_the_caller_writes_the_blocks_itself() -> None:
-    """A worker pre-warmed by Worker.ImportKV before its first turn has no engine loop running yet."""
-    s, forward = make()
-    s.looping = False
-    keys = keys_of(list(range(8)))
-    assert s.import_blocks(keys, [block(1.0), block(2.0)]) == 2  # no step needed
-    assert not s.imports and not forward.steps
-    with s.lock:
-        assert s.blocks.cached_prefix(keys) == 2
-
-
 def test_blocks_cached_already_are_skipped() -> None:
     s, _ = make()
     keys = keys_of(list(range(12)))
