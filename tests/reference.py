@@ -47,10 +47,10 @@ def edge_engine() -> Any:
 
 def edge_continuation(ids: list[int], max_tokens: int) -> list[int]:
     """Greedy tokens of the edge engine after ``ids`` (trailing EOS dropped)."""
+    from benchmarks.engine_stepper import EngineStepper
     from services.common.sampling import SamplingParams
-    from tests.engine_driver import EngineDriver
 
-    return _strip_eos(EngineDriver(edge_engine()).generate(ids, SamplingParams(max_tokens=max_tokens)))
+    return _strip_eos(EngineStepper(edge_engine()).generate(ids, SamplingParams(max_tokens=max_tokens)))
 
 
 def edge_greedy(prompt: str, max_tokens: int) -> list[int]:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks.cache.bench import start_redis
-from benchmarks.cloud.driver import Stepper
+from benchmarks.engine_stepper import EngineStepper
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.gpu_worker.engine import CloudEngine
@@ -75,9 +75,9 @@ class Timer:
 
 def ours(engine: CloudEngine, prompts: list[list[int]], n: int) -> tuple[int, Timer]:
     with Timer() as t:
-        stepper = Stepper(engine)
+        stepper = EngineStepper(engine)
         ids = [stepper.add(p, SamplingParams(max_tokens=n)) for p in prompts]
-        done = stepper.run(ids)
+        done = stepper.run(ids, raise_errors=True)
     return sum(len(done[i].tokens) for i in ids), t
 
 
@@ -133,9 +133,9 @@ def throughput(engine: CloudEngine, model: Any, prompts: list[list[int]], n: int
 def ttft(engine: CloudEngine, ids: list[int]) -> tuple[float, int]:
     """Seconds to the first token of ``ids`` alone (a Redis prefix load included), and the prompt
     tokens it prefilled."""
-    stepper = Stepper(engine)
+    stepper = EngineStepper(engine)
     seq = stepper.add(ids, SamplingParams(max_tokens=1))
-    stream = stepper.run([seq])[seq]
+    stream = stepper.run([seq], raise_errors=True)[seq]
     assert stream.prefill_tokens is not None
     return stream.ttft, stream.prefill_tokens
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from benchmarks.cloud import gpu_targets as cloud_gpu_targets
-from benchmarks.cloud.driver import Stepper
+from benchmarks.engine_stepper import EngineStepper
 from services.common.errors import ResourceExhausted
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
@@ -69,19 +69,19 @@ def engine(model: str, device: str, **kw: Any) -> CloudEngine:
 
 def generate(e: CloudEngine, ids: list[int], n: int, sampling: SamplingParams | None = None) -> list[int]:
     """Up to ``n`` tokens of ``ids`` alone (an EOS included)."""
-    return Stepper(e).generate(ids, sampling or SamplingParams(max_tokens=n))
+    return EngineStepper(e).generate(ids, sampling or SamplingParams(max_tokens=n))
 
 
 def concurrent(e: CloudEngine, prompts: list[list[int]], n: int, staggered: bool = False) -> list[list[int]]:
     """Every prompt in one batch (as the worker's engine loop runs them); ``staggered``: each is added
     once the one before it decodes (it joins a running batch)."""
-    stepper = Stepper(e)
+    stepper = EngineStepper(e)
     ids = []
     for p in prompts:
         ids.append(stepper.add(p, SamplingParams(max_tokens=n)))
         if staggered:
-            stepper.run_until(lambda: bool(stepper.streams[ids[-1]].tokens))
-    streams = stepper.run(ids)
+            stepper.run_until(ids[-1])
+    streams = stepper.run(ids, raise_errors=True)
     return [streams[i].tokens for i in ids]
 
 
@@ -155,9 +155,9 @@ def invariance(e: CloudEngine, n: int) -> dict[str, Any]:
 
 def engine_checks(e: CloudEngine) -> dict[str, Any]:
     ids = list(e.tokenizer.encode(STORY * 8).ids)
-    stepper = Stepper(e)
+    stepper = EngineStepper(e)
     seq = stepper.add(ids, SamplingParams(max_tokens=200))
-    stepper.run_until(lambda: len(stepper.streams[seq].tokens) >= 2)
+    stepper.run_until(seq, 2)
     held = e.kv_usage().used_bytes
     stepper.stop(seq)
     checks: dict[str, Any] = {"cancel_kv_held_before": held, "cancel_kv_used_after": e.kv_usage().used_bytes}
@@ -178,12 +178,13 @@ def engine_checks(e: CloudEngine) -> dict[str, Any]:
     chat = list(e.tokenizer.encode(CHAT[0]).ids)
     penalised = SamplingParams(max_tokens=24, repetition_penalty=1.3, frequency_penalty=0.4, min_tokens=24)
     alone = generate(e, chat, 24, sampling=penalised)
-    beside_others = Stepper(e)
+    beside_others = EngineStepper(e)
     others = [
         beside_others.add(list(e.tokenizer.encode(t).ids), SamplingParams(max_tokens=60)) for t in ("Hello", STORY)
     ]
     try:
-        beside_others.run_until(lambda: all(beside_others.streams[o].tokens for o in others))
+        for other in others:
+            beside_others.run_until(other)
         beside = beside_others.generate(chat, penalised)  # the others decode in the same steps
     finally:
         beside_others.close()
@@ -205,9 +206,9 @@ def throughput(e: CloudEngine, n: int, levels: Sequence[int], rounds: int) -> di
     out: dict[str, Any] = {}
     single: list[float] = []
     for _ in range(rounds):  # single stream: tokens after the first over the time they took
-        stream = Stepper(e)
+        stream = EngineStepper(e)
         seq = stream.add(prompts[0], SamplingParams(max_tokens=n))
-        stamps = stream.run([seq])[seq].stamps
+        stamps = stream.run([seq], raise_errors=True)[seq].stamps
         single.append((n - 1) / (stamps[-1] - stamps[0]))
     out["single_stream_decode_tok_s"] = statistics.median(single)
     for c in levels:
@@ -239,12 +240,12 @@ def prefill(model: str, device: str, dtype: str, rounds: int) -> dict[str, Any]:
     assert len(ids) == 512
     ttfts = []
     for r in range(rounds + 1):
-        stepper = Stepper(e)
+        stepper = EngineStepper(e)
         seq = stepper.add(ids, SamplingParams(max_tokens=1))  # prefix cache off: a full prefill each round
         if r:
-            ttfts.append(stepper.run([seq])[seq].ttft)
+            ttfts.append(stepper.run([seq], raise_errors=True)[seq].ttft)
         else:
-            stepper.run([seq])
+            stepper.run([seq], raise_errors=True)
     m = e.model
     cache = m.new_cache(32, 16, e.kv_dtype)
     fwd = []

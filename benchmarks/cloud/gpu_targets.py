@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.cloud.driver import Stepper
+from benchmarks.engine_stepper import EngineStepper
 from services.common.sampling import SamplingParams
 from services.gpu_worker.engine import CloudEngine
 
@@ -182,12 +182,12 @@ def streams(e: CloudEngine, ps: list[list[int]], tokens: int) -> dict[str, Any]:
     def poll() -> None:
         peak[0] = max(peak[0], e.kv_usage().used_bytes)
 
-    stepper = Stepper(e)
+    stepper = EngineStepper(e)
     steps0 = e.scheduler.steps_total
     static0 = e.static.steps if e.static else 0
     began = time.perf_counter()
     ids = [stepper.add(p, SamplingParams(max_tokens=tokens)) for p in ps]
-    done = stepper.run(ids, after_step=poll)
+    done = stepper.run(ids, raise_errors=True, after_step=poll)
     wall = time.perf_counter() - began
     counts = [len(done[i].tokens) for i in ids]
     assert all(n == tokens for n in counts), f"a stream ended early: {counts}"
@@ -206,9 +206,9 @@ def streams(e: CloudEngine, ps: list[list[int]], tokens: int) -> dict[str, Any]:
 
 def greedy_batch(e: CloudEngine, ps: list[list[int]], tokens: int) -> list[list[int]]:
     """Greedy tokens of ``ps`` added together (the same batch composition on every engine)."""
-    stepper = Stepper(e)
+    stepper = EngineStepper(e)
     ids = [stepper.add(p, SamplingParams(max_tokens=tokens)) for p in ps]
-    done = stepper.run(ids)
+    done = stepper.run(ids, raise_errors=True)
     return [done[i].tokens for i in ids]
 
 

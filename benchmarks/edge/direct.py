@@ -1,7 +1,7 @@
 """The edge engine in-process (no mesh): aggregate tokens/s and CPU time per token at N streams.
 
 The streams are added at once and the engine is stepped back to back in this thread, as the worker's
-engine loop steps it (:mod:`benchmarks.edge.driver`; no runtime: no detokenizing, no frames); a stream
+engine loop steps it (:mod:`benchmarks.engine_stepper`; no runtime: no detokenizing, no frames); a stream
 ends at its ``max_tokens`` or at EOS. CPU time is this process's (model threads included), so it is less
 sensitive than wall time to other jobs on a shared machine. Rounds of the engines compared are
 interleaved, and each number is the median over ``repeats`` rounds.
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.edge.driver import Stepper
+from benchmarks.engine_stepper import EngineStepper
 from services.common.sampling import SamplingParams
 from services.worker.types import Engine
 
@@ -57,11 +57,11 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
 
 
 def _round(engine: Engine, prompt: list[int], streams: int, max_tokens: int) -> dict[str, float]:
-    stepper = Stepper(engine)
+    stepper = EngineStepper(engine)
     cpu, start = time.process_time(), time.perf_counter()
     for _ in range(streams):
         stepper.add(prompt, SamplingParams(max_tokens=max_tokens))
-    stamps = [stream.stamps for stream in stepper.run().values()]
+    stamps = [stream.stamps for stream in stepper.run(raise_errors=True).values()]
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(len(s) for s in stamps)
     decode = [(len(s) - 1) / (s[-1] - s[0]) for s in stamps if len(s) > 1 and s[-1] > s[0]]

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.edge.driver import Stepper
+from benchmarks.engine_stepper import EngineStepper
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.config import EdgeWorkerSettings
@@ -34,11 +34,11 @@ PROMPT = (
 
 def _round(engine: BatchedEngine, prompt: list[int], streams: int, max_tokens: int) -> dict[str, float]:
     """The streams added at once and stepped to their end in this thread (the engine loop's way)."""
-    stepper = Stepper(engine)
+    stepper = EngineStepper(engine)
     calls, start = engine.prefill_calls, time.perf_counter()
     for _ in range(streams):
         stepper.add(prompt, SamplingParams(max_tokens=max_tokens))
-    first = [stream.stamps[0] - start for stream in stepper.run().values()]
+    first = [stream.stamps[0] - start for stream in stepper.run(raise_errors=True).values()]
     return {
         "ttft_p50_ms": 1000 * statistics.median(first),
         "ttft_max_ms": 1000 * max(first),

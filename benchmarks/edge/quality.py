@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
-from benchmarks.edge.driver import Stepper
+from benchmarks.engine_stepper import EngineStepper
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
@@ -74,9 +74,9 @@ def engine_variant(model_dir: Path, int4_kernel: str, threads: int, window: int)
 
     def greedy(prompt: list[int], n: int) -> list[int]:
         # exactly n tokens, EOS held off as the fp32 reference's min_new_tokens does
-        stepper = Stepper(engine)
+        stepper = EngineStepper(engine)
         seq_id = stepper.add(prompt, SamplingParams(max_tokens=n, temperature=0.0, min_tokens=n))
-        return stepper.run()[seq_id].tokens
+        return stepper.run([seq_id], raise_errors=True)[seq_id].tokens
 
     return Variant(engine_logits(model_dir, int4_kernel, threads, max(window, 256)), greedy)
 

@@ -9,12 +9,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from benchmarks.engine_stepper import EngineStepper, SequenceResult
 from services.common.constraints import check_constraint
 from services.common.generation import FinishReason
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
-from tests.engine_driver import EngineDriver, Result
 from tests.integration.edge_worker.test_batched_engine import chat, generate
 
 pytestmark = pytest.mark.integration
@@ -30,8 +30,8 @@ def engine() -> Iterator[BatchedEngine]:
     engine.close()
 
 
-def run_choices(engine: BatchedEngine, prompt: list[int], sampling: SamplingParams, n: int) -> list[Result]:
-    driver = EngineDriver(engine)
+def run_choices(engine: BatchedEngine, prompt: list[int], sampling: SamplingParams, n: int) -> list[SequenceResult]:
+    driver = EngineStepper(engine)
     seq_ids = driver.choices(prompt, sampling, n)
     results = driver.run(seq_ids)
     return [results[i] for i in seq_ids]
@@ -67,7 +67,7 @@ def test_stopping_the_first_choice_before_its_prefill_ended_cancels_the_others(
 ) -> None:
     prompt = chat(engine, "Tell me a short story about a cat.")  # two chunks: still prefilling after one step
     before = engine.kv_usage().used_bytes
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     seq_ids = driver.choices(prompt, SamplingParams(max_tokens=4, n=3), 3)
     for _ in range(after_steps):
         assert driver.step() == []
@@ -83,7 +83,7 @@ def test_a_fork_with_no_free_slot_fails_alone(engine: BatchedEngine) -> None:
     clear error, the first choice and the others go on."""
     others = [chat(engine, p) for p in ("What is the sea?", "Count to five.", "Name three colours.")]
     plain = [generate(engine, p, 6) for p in others]
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     running = [driver.add(p, SamplingParams(max_tokens=6)) for p in others]
     driver.step()  # the three hold three of the four slots
     prompt = chat(engine, "Say yes.")
@@ -103,7 +103,7 @@ def test_more_forks_than_free_slots_wait_parked_and_still_equal_the_single_outpu
     prompt = chat(engine, "Tell me a short story about a cat.")
     single = generate(engine, prompt, 8)
     forks = engine.forks_made
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     running = driver.add(other, SamplingParams(max_tokens=8))
     driver.step()
     seq_ids = driver.choices(prompt, SamplingParams(max_tokens=8, n=4), 4)

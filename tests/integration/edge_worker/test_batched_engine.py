@@ -1,5 +1,5 @@
 """The batched edge engine on the real INT4 model, driven as the worker's engine loop drives it (add /
-step / stop, tests/engine_driver.py): batch invariance, replay, chats, parking, stop, sampling."""
+step / stop, benchmarks/engine_stepper.py): batch invariance, replay, chats, parking, stop, sampling."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import onnxruntime_genai as og
 import pytest
 from prometheus_client import REGISTRY
 
+from benchmarks.engine_stepper import EngineStepper, SequenceResult
 from services.common.generation import FinishReason
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.spin import SessionChooser
-from tests.engine_driver import EngineDriver, Result
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["Name three colours.", "What is the sea?", "Tell me a short story about a cat.", "Count to five."]
@@ -43,7 +43,7 @@ def ids_of(engine: BatchedEngine, text: str) -> list[int]:
 
 def generate(engine: BatchedEngine, ids: list[int], n: int, sampling: SamplingParams | None = None) -> list[int]:
     """One sequence alone, run to its end: at most ``n`` tokens (an EOS ends it and is the last)."""
-    return EngineDriver(engine).generate(ids, sampling or SamplingParams(max_tokens=n))
+    return EngineStepper(engine).generate(ids, sampling or SamplingParams(max_tokens=n))
 
 
 def together(
@@ -59,8 +59,8 @@ def together(
 
 def run_together(
     engine: BatchedEngine, runs: Sequence[tuple[list[int], int | SamplingParams]], **options: object
-) -> list[Result]:
-    driver = EngineDriver(engine)
+) -> list[SequenceResult]:
+    driver = EngineStepper(engine)
     seq_ids = [
         driver.add(ids, SamplingParams(max_tokens=how) if isinstance(how, int) else how, **options) for ids, how in runs
     ]
@@ -84,7 +84,7 @@ def test_a_sequence_alone_gets_the_tokens_it_gets_among_fifteen_others() -> None
         texts = [*PROMPTS, *(f"Say something about the number {i}." for i in range(12))]
         prompts = [chat(engine, t) for t in texts]
         alone = generate(engine, prompts[2], 16)
-        driver = EngineDriver(engine)
+        driver = EngineStepper(engine)
         seq_ids = [driver.add(p, SamplingParams(max_tokens=16 if i == 2 else 8 + i)) for i, p in enumerate(prompts)]
         first = driver.step()  # all sixteen prefill in the first step
         assert len(prompts) == len(first) == 16
@@ -104,7 +104,7 @@ def test_new_prompts_of_one_length_share_a_prefill_call_and_decode_as_they_do_al
     metric_calls, metric_rows = prefill_metrics()
     # Added together: their first chunks are prefilled in one step, 3 x 5 tokens in one call (at most
     # prefill_chunk tokens), the fourth in the next call.
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     seq_ids = [driver.add(p, SamplingParams(max_tokens=8)) for p in prompts]
     assert len(driver.step()) == 4  # each got its first token from that step
     assert (engine.prefill_calls - calls, engine.prefill_rows - rows) == (2, 4)
@@ -136,14 +136,14 @@ def test_first_token_equals_onnxruntime_genai(engine: BatchedEngine) -> None:
 
 def test_every_output_ends_with_its_finish_reason_and_reports_its_prefill(engine: BatchedEngine) -> None:
     prompt = chat(engine, PROMPTS[0])
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     seq_id = driver.add(prompt, SamplingParams(max_tokens=3))
     outputs = [out for _ in range(20) for out in driver.step() if out.id == seq_id]
     assert [len(out.tokens) for out in outputs] == [1, 1, 1]  # one token per step
     assert outputs[0].prefill_tokens == len(prompt) and all(out.prefill_tokens is None for out in outputs[1:])
     assert [out.finish for out in outputs] == [None, None, FinishReason.LENGTH]
     assert engine.next_step_in() is None  # nothing left to step
-    said = EngineDriver(engine)
+    said = EngineStepper(engine)
     result = said.run([said.add(chat(engine, "Say yes."), SamplingParams(max_tokens=30))]).popitem()[1]
     assert result.finish == FinishReason.STOP and result.tokens[-1] in engine.info.eos_token_ids
 
@@ -152,7 +152,7 @@ def test_replayed_tokens_continue_exactly_like_the_undisturbed_run(engine: Batch
     prompt = chat(engine, PROMPTS[2])
     undisturbed = generate(engine, prompt, 14)
     assert len(undisturbed) == 14
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     resumed = driver.add(prompt, SamplingParams(max_tokens=9), replay=undisturbed[:5])
     driver.add(chat(engine, PROMPTS[0]), SamplingParams(max_tokens=9))  # beside another sequence
     result = driver.run()[resumed]
@@ -165,7 +165,7 @@ def test_chat_turn_reuses_its_kv_even_after_being_parked(engine: BatchedEngine) 
     follow = ids_of(engine, FOLLOW)
 
     def two_turns(park: bool) -> tuple[list[int], int]:
-        driver = EngineDriver(engine)
+        driver = EngineStepper(engine)
         first = driver.add(prompt, SamplingParams(max_tokens=5), hold=True)
         said = driver.run([first])[first]
         assert said.finish == FinishReason.LENGTH and first in engine._held  # kept for the next turn
@@ -189,7 +189,7 @@ def test_a_chat_turn_stopped_early_with_a_step_past_it_continues_like_a_fresh_se
     processing with the next step): that step fed the turn's last token, so the next turn prefills
     only its new part, and continues as a fresh sequence over the whole context would."""
     prompt = chat(engine, PROMPTS[0])
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     first = driver.add(prompt, SamplingParams(max_tokens=20), hold=True)
     while len(driver.results[first].tokens) < 6:
         driver.step()
@@ -216,7 +216,7 @@ def test_a_stop_during_prefill_frees_the_slot_at_once_and_no_model_call_runs_for
     long_prompt = chat(engine, " ".join(PROMPTS * 4))  # chunks of 16: many steps of prefill
     assert len(long_prompt) > 4 * engine.prefill_chunk
     before = engine.kv_usage().used_bytes
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     seq_id = driver.add(long_prompt, SamplingParams(max_tokens=4))
     calls = engine.prefill_calls
     assert driver.step() == []  # one chunk, no token yet
@@ -267,7 +267,7 @@ def test_adaptive_threading_switches_sessions_without_changing_a_token(engine: B
 def test_logprobs_belong_to_each_token_alone_and_batched(engine: BatchedEngine) -> None:
     sampling = SamplingParams(max_tokens=8, logprobs=True, top_logprobs=2)
     prompts = [chat(engine, p) for p in PROMPTS[:3]]
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     alone = driver.run([driver.add(prompts[1], sampling)])
     (single,) = alone.values()
     results = run_together(engine, [(prompts[0], 8), (prompts[1], sampling), (prompts[2], 8)])
@@ -300,5 +300,5 @@ def test_a_resumed_penalised_stream_continues_like_the_undisturbed_run(engine: B
     prompt = chat(engine, PROMPTS[3])
     undisturbed = generate(engine, prompt, 14, PENALISED)
     rest = replace(PENALISED, max_tokens=9)  # max_tokens: new tokens; min_tokens counts the replayed ones
-    resumed = EngineDriver(engine).generate(prompt, rest, replay=undisturbed[:5])
+    resumed = EngineStepper(engine).generate(prompt, rest, replay=undisturbed[:5])
     assert resumed == undisturbed[5:]

@@ -7,10 +7,10 @@ import json
 import re
 from dataclasses import replace
 
+from benchmarks.engine_stepper import EngineStepper
 from services.common.constraints import check_constraint
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
-from tests.engine_driver import EngineDriver
 from tests.integration.edge_worker.test_batched_engine import PROMPTS, chat, engine, generate, together
 
 __all__ = ["engine"]  # the module-scoped engine fixture of test_batched_engine
@@ -60,5 +60,5 @@ def test_a_resumed_constrained_stream_continues_like_the_undisturbed_run(engine:
     ids = chat(engine, "Describe a person as JSON.")
     undisturbed = generate(engine, ids, 12, replace(PERSON, max_tokens=12))
     assert len(undisturbed) == 12
-    resumed = EngineDriver(engine).generate(ids, replace(PERSON, max_tokens=7), replay=undisturbed[:5])
+    resumed = EngineStepper(engine).generate(ids, replace(PERSON, max_tokens=7), replay=undisturbed[:5])
     assert resumed == undisturbed[5:]  # the driver advances the grammar over the replay, as the runtime does

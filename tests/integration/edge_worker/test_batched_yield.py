@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from benchmarks.engine_stepper import EngineStepper, SequenceResult
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.edge_worker.batched import BatchedEngine
 from services.worker.types import SequenceOutput
-from tests.engine_driver import EngineDriver, Result
 from tests.integration.edge_worker.test_batched_engine import generate, ids_of
 
 pytestmark = pytest.mark.integration
@@ -30,7 +30,7 @@ def engine() -> Iterator[BatchedEngine]:
     engine.close()
 
 
-def run_waiting(driver: EngineDriver) -> dict[int, Result]:
+def run_waiting(driver: EngineStepper) -> dict[int, SequenceResult]:
     """Step until every sequence ended, waiting out the delays the engine asks for (held batch lines)."""
     for _ in range(10_000):
         if all(result.ended for result in driver.results.values()):
@@ -46,7 +46,7 @@ def run_waiting(driver: EngineDriver) -> dict[int, Result]:
 def test_background_rows_sit_out_every_step_of_an_interactive_prefill(engine: BatchedEngine) -> None:
     background_prompt = ids_of(engine, "The sea was calm that morning, and the old fisherman")
     expected = generate(engine, background_prompt, 40)
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     line = driver.add(background_prompt, SamplingParams(max_tokens=40), background=True)
     while len(driver.results[line].tokens) < 5:  # the background line is decoding
         driver.step()
@@ -69,7 +69,7 @@ def test_the_host_flag_holds_a_background_sequence_until_cleared_and_a_stop_free
 ) -> None:
     engine.hold.max_hold_s = 60.0  # only the flag's end, or a stop, may end this hold
     woken: list[bool] = []
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     engine.bind(lambda: woken.append(True))  # the engine loop's wake-up
     try:
         engine.hold_background(time.monotonic() + 60)  # the host's flag: another worker runs a foreground turn
@@ -118,7 +118,7 @@ def test_a_background_call_running_when_foreground_work_arrives_is_stopped_and_r
 ) -> None:
     engine = long_prefill_engine
     prompt, expected = ledger
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     line = driver.add(prompt, SamplingParams(max_tokens=6), background=True)
     before = engine.hold.preemptions
     outputs: list[SequenceOutput] = []
@@ -153,7 +153,7 @@ def test_an_interrupt_before_a_step_of_batch_work_only_stops_that_step_at_once(e
     that step (batch work only) stops before it computes anything, and runs again after the add."""
     prompt = ids_of(engine, "The sea was calm that morning, and the old fisherman")
     expected = generate(engine, prompt, 8)
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     line = driver.add(prompt, SamplingParams(max_tokens=8), background=True)
     driver.step()
     driver.step()

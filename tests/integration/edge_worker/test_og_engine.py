@@ -8,11 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from benchmarks.engine_stepper import EngineStepper
 from services.common.generation import FinishReason
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.edge_worker.engine import OgEngine
-from tests.engine_driver import EngineDriver
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["Name three colours.", "What is the sea?", "Tell me a short story about a cat."]
@@ -32,8 +32,8 @@ def chat(engine: OgEngine, text: str) -> list[int]:
 
 def test_sequences_stepped_together_get_their_tokens_alone(engine: OgEngine) -> None:
     prompts = [chat(engine, p) for p in PROMPTS]
-    alone = [EngineDriver(engine).generate(p, SamplingParams(max_tokens=8)) for p in prompts]
-    driver = EngineDriver(engine)
+    alone = [EngineStepper(engine).generate(p, SamplingParams(max_tokens=8)) for p in prompts]
+    driver = EngineStepper(engine)
     seq_ids = [driver.add(p, SamplingParams(max_tokens=8)) for p in prompts]
     first = driver.step()
     assert [out.prefill_tokens for out in first] == [len(p) for p in prompts]  # the first step prefills
@@ -41,13 +41,13 @@ def test_sequences_stepped_together_get_their_tokens_alone(engine: OgEngine) -> 
     assert [results[i].tokens for i in seq_ids] == alone
     assert all(results[i].finish in (FinishReason.LENGTH, FinishReason.STOP) for i in seq_ids)
     sampling = SamplingParams(max_tokens=8, temperature=0.9, seed=5)
-    assert EngineDriver(engine).generate(prompts[0], sampling) == EngineDriver(engine).generate(prompts[0], sampling)
+    assert EngineStepper(engine).generate(prompts[0], sampling) == EngineStepper(engine).generate(prompts[0], sampling)
 
 
 def test_a_chat_turn_prefills_only_its_new_tokens(engine: OgEngine) -> None:
     prompt = chat(engine, PROMPTS[0])
     follow = list(engine.tokenizer.encode(FOLLOW).ids)
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     first = driver.add(prompt, SamplingParams(max_tokens=5), hold=True)
     said = driver.run([first])[first]
     assert said.finish == FinishReason.LENGTH and engine.next_step_in() is None  # held, not stepped
@@ -59,9 +59,9 @@ def test_a_chat_turn_prefills_only_its_new_tokens(engine: OgEngine) -> None:
 
 def test_a_resumed_stream_continues_the_undisturbed_run(engine: OgEngine) -> None:
     prompt = chat(engine, PROMPTS[2])
-    undisturbed = EngineDriver(engine).generate(prompt, SamplingParams(max_tokens=12))
+    undisturbed = EngineStepper(engine).generate(prompt, SamplingParams(max_tokens=12))
     assert len(undisturbed) == 12
-    driver = EngineDriver(engine)
+    driver = EngineStepper(engine)
     resumed = driver.add(prompt, SamplingParams(max_tokens=7), replay=undisturbed[:5])
     result = driver.run([resumed])[resumed]
     assert result.prefill_tokens == len(prompt) + 5
@@ -70,8 +70,8 @@ def test_a_resumed_stream_continues_the_undisturbed_run(engine: OgEngine) -> Non
 
 def test_a_stop_frees_the_sequence_and_the_others_go_on(engine: OgEngine) -> None:
     prompts = [chat(engine, p) for p in PROMPTS[:2]]
-    plain = EngineDriver(engine).generate(prompts[1], SamplingParams(max_tokens=6))
-    driver = EngineDriver(engine)
+    plain = EngineStepper(engine).generate(prompts[1], SamplingParams(max_tokens=6))
+    driver = EngineStepper(engine)
     stopped = driver.add(prompts[0], SamplingParams(max_tokens=20))
     other = driver.add(prompts[1], SamplingParams(max_tokens=6))
     driver.step()

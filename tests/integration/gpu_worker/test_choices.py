@@ -9,12 +9,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from benchmarks.engine_stepper import EngineStepper
 from services.common.constraints import check_constraint
 from services.common.errors import InvalidArgument
 from services.common.generation import FinishReason
 from services.common.sampling import SamplingParams
 from services.gpu_worker.engine import CloudEngine
-from tests.integration.gpu_worker.driver import CloudDriver
 from tests.integration.gpu_worker.test_cloud_engine import CHAT, STORY, encode, engine, generate
 
 pytestmark = pytest.mark.integration
@@ -28,7 +28,7 @@ def cloud(request: pytest.FixtureRequest) -> Iterator[CloudEngine]:
 
 
 def choices(e: CloudEngine, ids: list[int], sampling: SamplingParams, n: int) -> list[list[int]]:
-    driver = CloudDriver(e)
+    driver = EngineStepper(e)
     seqs = driver.choices(ids, sampling, n)
     done = driver.run(seqs)
     return [done[i].tokens for i in seqs]
@@ -40,9 +40,9 @@ def test_greedy_choices_prefill_once_and_equal_the_single_stream(cloud: CloudEng
     single = generate(cloud, ids, 8)
     before = cloud.prefix_counters()["computed"]
     forks = cloud.scheduler.forks_made
-    driver = CloudDriver(cloud)
+    driver = EngineStepper(cloud)
     seqs = driver.choices(ids, SamplingParams(max_tokens=8, n=3), 3)
-    driver.step_when_ready()  # the prompt fits one step: every choice has its first token
+    driver.step()  # the prompt fits one step: every choice has its first token
     full = len(ids) // cloud.block_tokens
     states = [cloud._states[i][0] for i in seqs]
     assert all(s.blocks[:full] == states[0].blocks[:full] for s in states)  # shared by reference
@@ -65,9 +65,9 @@ def test_seeded_choices_are_reproducible_and_equal_seed_plus_i_alone(cloud: Clou
 
 
 def test_stopping_the_first_choice_before_its_prefill_ends_cancels_the_others(cloud: CloudEngine) -> None:
-    driver = CloudDriver(cloud)
+    driver = EngineStepper(cloud)
     seqs = driver.choices(encode(cloud, "Cancelled. " + STORY * 6), SamplingParams(max_tokens=4, n=3), 3)
-    driver.step_when_ready()  # one chunk of the ~100-token prompt (64-token step budget)
+    driver.step()  # one chunk of the ~100-token prompt (64-token step budget)
     assert cloud.kv_usage().used_bytes > 0  # the forks' blocks are reserved with the first choice's
     driver.stop(seqs[0])
     assert cloud.kv_usage().used_bytes == 0
@@ -81,7 +81,7 @@ def test_stopping_the_first_choice_before_its_prefill_ends_cancels_the_others(cl
 
 
 def test_a_made_fork_outlives_its_source(cloud: CloudEngine) -> None:
-    driver = CloudDriver(cloud)
+    driver = EngineStepper(cloud)
     ids = encode(cloud, STORY)
     seqs = driver.choices(ids, SamplingParams(max_tokens=40, n=2), 2)
     driver.run_until(seqs[1])
@@ -92,7 +92,7 @@ def test_a_made_fork_outlives_its_source(cloud: CloudEngine) -> None:
 
 
 def test_choices_beyond_the_kv_budget_are_invalid_argument(cloud: CloudEngine) -> None:
-    driver = CloudDriver(cloud)
+    driver = EngineStepper(cloud)
     with pytest.raises(InvalidArgument, match="lower n or max_tokens"):
         driver.choices([1, 2, 3], SamplingParams(max_tokens=1000, n=16), 16)
     assert len(driver.results) == 2  # choices 0 and 1 fit (the runtime stops a turn's others on a refusal)
@@ -113,7 +113,7 @@ def test_sampled_choices_each_keep_their_own_grammar_and_logprobs(cloud: CloudEn
         logprobs=True,
         top_logprobs=2,
     )
-    driver = CloudDriver(cloud)
+    driver = EngineStepper(cloud)
     seqs = driver.choices(encode(cloud, STORY), sampling, 3)
     done = driver.run(seqs)
     eos = cloud.info.eos_token_ids

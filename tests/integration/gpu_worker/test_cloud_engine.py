@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from benchmarks.engine_stepper import EngineStepper
 from services.common.errors import ResourceExhausted
 from services.common.sampling import SamplingParams
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.model import LlamaModel, Segment, Shard
 from services.gpu_worker.prefix import RedisPrefixCache
-from tests.integration.gpu_worker.driver import CloudDriver
 
 pytestmark = pytest.mark.integration
 N = 6
@@ -49,13 +49,13 @@ def engine(redis_url: str = "", **kw: object) -> CloudEngine:
 
 def generate(e: CloudEngine, ids: list[int], n: int = N, sampling: SamplingParams | None = None) -> list[int]:
     """Up to ``n`` tokens of ``ids`` alone (an EOS included)."""
-    return CloudDriver(e).generate(ids, sampling or SamplingParams(max_tokens=n))
+    return EngineStepper(e).generate(ids, sampling or SamplingParams(max_tokens=n))
 
 
 def joined(e: CloudEngine, prompts: list[list[int]], counts: list[int], staggered: int) -> list[list[int]]:
     """The first ``staggered`` prompts join one by one (each once the one before it decodes), the rest
     all at once; ``counts[i]`` tokens each, so they leave the batch at different steps."""
-    driver = CloudDriver(e)
+    driver = EngineStepper(e)
     ids = []
     for i, (p, n) in enumerate(zip(prompts, counts, strict=True)):
         ids.append(driver.add(p, SamplingParams(max_tokens=n)))
@@ -110,7 +110,7 @@ def test_batched_equals_single_stream(cloud: CloudEngine) -> None:
 
 
 def test_a_long_prompt_prefills_in_chunks_while_a_stream_decodes_in_every_step(cloud: CloudEngine) -> None:
-    driver = CloudDriver(cloud)
+    driver = EngineStepper(cloud)
     stream = driver.add(encode(cloud, "The capital of France is"), SamplingParams(max_tokens=40))
     driver.run_until(stream)
     long_ids = encode(cloud, "Chunks. " + STORY * 10)  # ~170 tokens, none cached: 4 chunks
@@ -118,7 +118,7 @@ def test_a_long_prompt_prefills_in_chunks_while_a_stream_decodes_in_every_step(c
     prefill_steps = 0
     while not driver.results[long].tokens:
         before = len(driver.results[stream].tokens)
-        driver.step_when_ready()
+        driver.step()
         prefill_steps += 1
         assert len(driver.results[stream].tokens) == before + 1  # decode first: it never stalls
     assert prefill_steps >= 3  # chunks of at most 63 tokens beside the decode row, cut to whole blocks
@@ -130,7 +130,7 @@ def test_a_long_prompt_prefills_in_chunks_while_a_stream_decodes_in_every_step(c
 
 
 def test_stop_frees_kv_at_once_and_the_sequence_is_never_stepped_again(cloud: CloudEngine) -> None:
-    driver = CloudDriver(cloud)
+    driver = EngineStepper(cloud)
     seq = driver.add(encode(cloud, STORY), SamplingParams(max_tokens=200))
     driver.run_until(seq, 2)
     assert cloud.kv_usage().used_bytes > 0  # prompt + 200 tokens reserved
@@ -144,10 +144,10 @@ def test_stop_frees_kv_at_once_and_the_sequence_is_never_stepped_again(cloud: Cl
 
 def test_a_stop_during_a_long_prefill_ends_it_after_the_chunk_in_flight(cloud: CloudEngine) -> None:
     ids = encode(cloud, "river stone cloud " * 100)  # ~300 tokens: 5 chunks
-    driver = CloudDriver(cloud)
+    driver = EngineStepper(cloud)
     seq = driver.add(ids, SamplingParams(max_tokens=4))
     steps = cloud.scheduler.steps_total
-    driver.step_when_ready()  # the first chunk
+    driver.step()  # the first chunk
     assert cloud.kv_usage().used_bytes > 0
     driver.stop(seq)
     assert cloud.kv_usage().used_bytes == 0 and cloud.next_step_in() is None
@@ -155,7 +155,7 @@ def test_a_stop_during_a_long_prefill_ends_it_after_the_chunk_in_flight(cloud: C
 
 
 def test_request_beyond_the_kv_budget_is_resource_exhausted_when_added(cloud: CloudEngine) -> None:
-    driver = CloudDriver(cloud)
+    driver = EngineStepper(cloud)
     with pytest.raises(ResourceExhausted, match="KV budget"):
         driver.add([1, 2, 3], SamplingParams(max_tokens=8000))
     assert cloud.next_step_in() is None and cloud.kv_usage().used_bytes == 0
@@ -171,13 +171,13 @@ def test_admission_waits_for_kv_blocks_higher_priority_first() -> None:
 
         a, low, high = encode(small, CHAT), encode(small, "Hello"), encode(small, "1, 2, 3,")
         plan = {"a": (a, filling(a, 5)), "low": (low, filling(low, 4)), "high": (high, filling(high, 4))}
-        alone = {name: CloudDriver(small).generate(ids, sampling) for name, (ids, sampling) in plan.items()}
-        driver = CloudDriver(small)
+        alone = {name: EngineStepper(small).generate(ids, sampling) for name, (ids, sampling) in plan.items()}
+        driver = EngineStepper(small)
         first = driver.add(*plan["a"])  # 5 blocks of 10
         driver.run_until(first)
         waits = driver.add(*plan["low"], priority=0)
         jumps = driver.add(*plan["high"], priority=5)  # arrives later, admitted first
-        driver.step_when_ready()
+        driver.step()
         assert driver.results[jumps].tokens and not driver.results[waits].tokens  # 9 of 10 blocks held
         done = driver.run([first])  # then its 5 blocks come back: the waiting one is admitted
         driver.run_until(waits)
@@ -189,7 +189,7 @@ def test_admission_waits_for_kv_blocks_higher_priority_first() -> None:
 
 
 def test_greedy_logprobs_name_the_chosen_token_as_the_most_likely(cloud: CloudEngine) -> None:
-    driver = CloudDriver(cloud)
+    driver = EngineStepper(cloud)
     seq = driver.add(encode(cloud, CHAT), SamplingParams(max_tokens=6, logprobs=True, top_logprobs=3))
     result = driver.run([seq])[seq]
     assert result.tokens == generate(cloud, encode(cloud, CHAT))
@@ -212,7 +212,7 @@ def test_prefix_exported_by_a_is_imported_by_b(redis_url: str, cloud: CloudEngin
         a.close()
     b = engine(redis_url, model_version="shared")
     try:
-        driver = CloudDriver(b)
+        driver = EngineStepper(b)
         first = driver.add(ids, SamplingParams(max_tokens=N))  # loaded from Redis on b's I/O thread
         assert driver.run([first])[first].tokens == cold
         reusable = (len(ids) - 1) // 16 * 16
@@ -249,7 +249,7 @@ def test_the_loop_steps_other_sequences_while_a_prefix_loads_from_redis(
             return load(*args)  # type: ignore[arg-type]
 
         monkeypatch.setattr(b.redis, "load", slow_load)
-        driver = CloudDriver(b)
+        driver = EngineStepper(b)
         waiting = driver.add(ids, SamplingParams(max_tokens=N))
         assert loading.wait(60)
         other = driver.add(encode(b, "The capital of France is"), SamplingParams(max_tokens=4))

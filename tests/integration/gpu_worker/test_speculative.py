@@ -12,6 +12,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
+from benchmarks.engine_stepper import EngineStepper
 from services.common.generation import FinishReason
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.v1.inference_pb2 import FINISH_REASON_CANCELLED
@@ -22,7 +23,6 @@ from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.speculative import OgDraft, SpeculativeDecoder, load_draft_model
 from services.gpu_worker.startup import start_gpu_worker
-from tests.integration.gpu_worker.driver import CloudDriver
 from tests.integration.gpu_worker.greedy import greedy
 from tests.integration.gpu_worker.test_cloud_engine import STORY, engine
 from tests.integration.gpu_worker.test_cloud_engine import generate as alone
@@ -95,7 +95,7 @@ def test_speculative_sequences_step_beside_batched_ones_and_equal_plain_greedy(s
     cloud = spec_engine
     prompts = [chat(cloud.tokenizer, q) for q in QUESTIONS]
     want = [alone(cloud, p, N) for p in prompts]  # the scheduler alone
-    driver = CloudDriver(spec_engine)
+    driver = EngineStepper(spec_engine)
     greedy_ids = [driver.add(p, SamplingParams(max_tokens=N)) for p in prompts[:1]]
     assert set(greedy_ids) <= set(live(spec_engine))  # speculative
     logprobs = driver.add(prompts[1], SamplingParams(max_tokens=N, logprobs=True))  # the scheduler's
@@ -110,7 +110,7 @@ def test_speculative_sequences_step_beside_batched_ones_and_equal_plain_greedy(s
 def test_a_greedy_sequence_waits_in_the_scheduler_when_the_kv_budget_is_short(spec_engine: CloudEngine) -> None:
     cloud = spec_engine
     prompt = chat(cloud.tokenizer, QUESTIONS[0])
-    driver = CloudDriver(spec_engine)
+    driver = EngineStepper(spec_engine)
     first = driver.add(prompt, SamplingParams(max_tokens=N))  # speculative: its blocks taken at add
     assert first in live(spec_engine)
     held = spec_engine.blocks.num_blocks - spec_engine.blocks.available
@@ -131,7 +131,7 @@ def test_greedy_choices_of_one_prompt_share_the_schedulers_prefill(spec_engine: 
     scheduler, whose forks share its prefill."""
     cloud = spec_engine
     prompt = chat(cloud.tokenizer, QUESTIONS[1])
-    driver = CloudDriver(spec_engine)
+    driver = EngineStepper(spec_engine)
     forks = cloud.scheduler.forks_made
     seqs = driver.choices(prompt, SamplingParams(max_tokens=8, n=2), 2)
     assert not set(seqs) & set(live(spec_engine))
@@ -143,11 +143,11 @@ def test_greedy_choices_of_one_prompt_share_the_schedulers_prefill(spec_engine: 
 
 def test_a_stop_during_a_speculative_prefill_ends_it_after_one_chunk(spec_engine: CloudEngine) -> None:
     ids = list(spec_engine.tokenizer.encode("Speculate. " + STORY * 8).ids)  # ~140 tokens: 3 chunks of 64
-    driver = CloudDriver(spec_engine)
+    driver = EngineStepper(spec_engine)
     seq = driver.add(ids, SamplingParams(max_tokens=4))
     assert seq in live(spec_engine)
     chunks = chunks_of(spec_engine)
-    driver.step_when_ready()
+    driver.step()
     assert chunks_of(spec_engine) - chunks == 1
     driver.stop(seq)
     assert spec_engine.kv_usage().used_bytes == 0 and spec_engine.next_step_in() is None

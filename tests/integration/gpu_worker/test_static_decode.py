@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from benchmarks.engine_stepper import EngineStepper
 from services.common.errors import ResourceExhausted
 from services.common.sampling import SamplingParams
 from services.gpu_worker.engine import CloudEngine
-from tests.integration.gpu_worker.driver import CloudDriver
 from tests.integration.gpu_worker.test_cloud_engine import STORY, encode, engine, generate, joined, model_dir
 
 pytestmark = pytest.mark.integration
@@ -100,7 +100,7 @@ def test_prefix_imported_from_redis_under_static_steps(redis_url: str, eager: Cl
 
 
 def test_stop_frees_kv_at_once_under_static_steps(eager: CloudEngine, static: CloudEngine) -> None:
-    driver = CloudDriver(static)
+    driver = EngineStepper(static)
     france = encode(static, "The capital of France is")
     other = driver.add(france, SamplingParams(max_tokens=40))
     driver.run_until(other)
@@ -125,12 +125,12 @@ def test_the_kv_budget_holds_the_pad_block(static: CloudEngine) -> None:
     assert cache_bytes <= budget
     assert static.kv_usage().budget_bytes == static.blocks.num_blocks * static.bytes_per_block
     with pytest.raises(ResourceExhausted, match="KV budget"):
-        CloudDriver(static).add([1, 2, 3], SamplingParams(max_tokens=8000))
+        EngineStepper(static).add([1, 2, 3], SamplingParams(max_tokens=8000))
 
 
 def beside_others(e: CloudEngine, ids: list[int], sampling: SamplingParams, max_tokens: int = 30) -> list[int]:
     """``ids``' tokens while two other sequences decode in the same steps (added and decoding first)."""
-    driver = CloudDriver(e)
+    driver = EngineStepper(e)
     others = [driver.add(encode(e, t), SamplingParams(max_tokens=max_tokens)) for t in ("Hello", STORY)]
     for other in others:
         driver.run_until(other)
@@ -234,7 +234,7 @@ def test_a_resumed_penalised_stream_continues_like_the_undisturbed_run(
     sampling = SamplingParams(max_tokens=16, repetition_penalty=1.3, frequency_penalty=0.5, min_tokens=16)
     undisturbed = generate(e, ids, sampling=sampling)
     assert len(undisturbed) == 16
-    driver = CloudDriver(e)  # max_tokens counts new tokens: the 10 after the 6 replayed
+    driver = EngineStepper(e)  # max_tokens counts new tokens: the 10 after the 6 replayed
     resumed = driver.add(ids, replace(sampling, max_tokens=10), replay=undisturbed[:6])
     result = driver.run([resumed])[resumed]
     assert result.tokens == undisturbed[6:]
@@ -248,6 +248,6 @@ def test_a_resumed_seeded_stream_draws_what_the_undisturbed_run_drew_on_static_s
     sampling = SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=99)
     undisturbed = generate(static, ids, sampling=sampling)
     assert len(undisturbed) >= 8
-    driver = CloudDriver(static)
+    driver = EngineStepper(static)
     resumed = driver.add(ids, replace(sampling, max_tokens=len(undisturbed) - 5), replay=undisturbed[:5])
     assert driver.run([resumed])[resumed].tokens == undisturbed[5:]

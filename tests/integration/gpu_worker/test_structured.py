@@ -1,7 +1,7 @@
 """Structured output on the cloud engine with the real model: the host sampler (eager steps) and the
 device sampler (static steps) choose the same constrained tokens, alone and in a batch, and a resumed
 stream's replayed tokens advance the grammar (the runtime compiles the constraint and advances it over
-the replay before it adds the sequence: the driver does the same)."""
+the replay before it adds the sequence: the stepper does the same)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import pytest
 
+from benchmarks.engine_stepper import EngineStepper
 from services.common.constraints import check_constraint
 from services.common.errors import InvalidArgument
 from services.common.sampling import SamplingParams
 from services.gpu_worker.engine import CloudEngine
-from tests.integration.gpu_worker.driver import CloudDriver
 from tests.integration.gpu_worker.test_cloud_engine import encode, engine
 from tests.integration.gpu_worker.test_static_decode import beside_others
 
@@ -48,7 +48,7 @@ def run(e: CloudEngine, ids: list[int], sampling: SamplingParams, replay: list[i
     """The tokens after ``replay`` (``max_tokens`` counts the turn's: the replayed ones too)."""
     replay = replay or []
     new = replace(sampling, max_tokens=sampling.max_tokens - len(replay))
-    return CloudDriver(e).generate(ids, new, replay=replay)
+    return EngineStepper(e).generate(ids, new, replay=replay)
 
 
 def test_constrained_json_is_valid_and_the_same_on_eager_and_static_steps_alone_or_batched(
@@ -79,5 +79,5 @@ def test_a_resumed_constrained_stream_continues_like_the_undisturbed_run(static:
 def test_a_schema_that_does_not_compile_fails_before_the_sequence_is_added(eager: CloudEngine) -> None:
     bad = SamplingParams(max_tokens=4, structured=check_constraint("json_schema", '{"type": "nope"}'))
     with pytest.raises(InvalidArgument, match="response_format"):
-        CloudDriver(eager).add(encode(eager, "Hi"), bad)  # compiled as the runtime does, before add
+        EngineStepper(eager).add(encode(eager, "Hi"), bad)  # compiled as the runtime does, before add
     assert eager.next_step_in() is None

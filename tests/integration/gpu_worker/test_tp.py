@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 import torch
 from tokenizers import Tokenizer
 
+from benchmarks.engine_stepper import EngineStepper
 from services.cache.admin import CacheAdmin, FlushFilter
 from services.common.errors import ConfigError
 from services.common.model_paths import model_paths
@@ -36,7 +37,6 @@ from services.local.processes import ServiceProcess
 from services.store.keys import Kind
 from services.store.kv_blocks import KVContext
 from tests.helpers import RedisServer, free_port
-from tests.integration.gpu_worker.driver import CloudDriver
 from tests.integration.gpu_worker.greedy import greedy
 from tests.worker_helpers import META, generate, wait_serving
 
@@ -172,7 +172,7 @@ def _tp1_engine(redis_url: str) -> CloudEngine:
 
 
 def _engine_greedy(engine: CloudEngine, ids: list[int]) -> list[int]:
-    out = CloudDriver(engine).generate(ids, SamplingParams(max_tokens=MAX_TOKENS))  # Redis loads on its I/O thread
+    out = EngineStepper(engine).generate(ids, SamplingParams(max_tokens=MAX_TOKENS))  # Redis loads on its I/O thread
     return out[: out.index(EOS)] if EOS in out else out  # as the worker streams it
 
 
