@@ -193,7 +193,6 @@ class BatchedEngine(Engine):
             structured=True,
             penalties=True,
             background=True,
-            max_sequences=self.max_batch,
         )
         self.min_rows = min_rows
         self.prefill_chunk = max(4, prefill_chunk)

@@ -45,15 +45,11 @@ class EngineLoop:
     wake-up and starts the thread; ``close`` stops it (the engine's owner closes the engine)."""
 
     def __init__(self, engine: Engine, deliver: Deliver, *, name: str = "engine-loop") -> None:
-        self.engine = engine
-        self._deliver = deliver
-        self._name = name
+        self.engine, self._deliver, self._name = engine, deliver, name
         self._cv = threading.Condition()
         self._commands: list[Callable[[], None]] = []
         self._ready: list[list[SequenceOutput]] = []
-        self._unread = 0
-        self._scheduled = False
-        self._stopped = False
+        self._unread, self._scheduled, self._stopped = 0, False, False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.steps = 0

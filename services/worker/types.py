@@ -75,8 +75,6 @@ class EngineCapabilities:
     """Worker.ImportKV / ExportKV: :meth:`Engine.import_kv` / :meth:`Engine.export_kv`."""
     embeddings: bool = False
     """Worker.Embed: :meth:`Engine.embed`."""
-    max_sequences: int = 0
-    """The most sequences it steps at once (0: no limit of its own); more wait in the engine."""
     refusal_hint: str = ""
     """Appended to a refusal of what it cannot do: where to send such a request instead."""
 
