@@ -2,7 +2,9 @@
 
 A public request's ``meshserve.v1.SamplingParams`` becomes a :class:`SamplingParams` at the service
 edge that receives it (:mod:`services.common.sampling_pb`), through :func:`resolve_sampling`, the
-only place a sampling range is checked or a default applied. The gateway runs the same checks with
+only place a sampling range is checked or a neutral value applied; it records which fields the
+request left unset (:attr:`SamplingParams.defaulted`), which the router fills with the served model's
+generation defaults (:mod:`services.common.generation_defaults`). The gateway runs the same checks with
 its operator's tighter :class:`SamplingLimits`; the router and the workers fit ``max_tokens`` to
 the model's context (:meth:`SamplingParams.fit`), which only they know after tokenizing.
 
@@ -58,13 +60,6 @@ slot of the worker (an edge worker runs 16 rows per decode call)."""
 MAX_TOP_LOGPROBS = 20
 """Most alternatives per token a request may ask for with ``top_logprobs`` (OpenAI's chat limit; its
 legacy completions allow 5, which the HTTP adapter checks)."""
-CHAT_REPETITION_PENALTY = 1.15
-"""``repetition_penalty`` of a chat turn that does not set one (generate requests get 1, off).
-
-SmolLM2-135M-Instruct answers many chat prompts greedily with one sentence repeated until
-``max_tokens`` (``Tell me about the sea``); a mild multiplicative penalty over the prompt and the
-answer so far (transformers' and vLLM's ``repetition_penalty``) ends the loop while keeping greedy
-decoding, so default chat answers stay deterministic and cacheable (docs/gateway.md, *Chat defaults*)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +77,10 @@ class SamplingLimits:
 
 MESH_LIMITS = SamplingLimits()
 """The mesh-wide limits (the router's and the workers')."""
+
+DEFAULTABLE = ("temperature", "top_p", "top_k", "repetition_penalty", "max_tokens", "stop")
+"""The fields a served model has defaults for (docs/router.md, *Generation defaults*); a request that
+leaves one unset gets the model's value, and a field it sets always wins."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +127,11 @@ class SamplingParams:
     n: int = 1
     """Choices to generate (OpenAI's ``n``), 1 to :data:`MAX_CHOICES`; they share the prompt's prefill.
     Choice ``i`` samples with :meth:`choice` ``(i)``'s parameters."""
+    defaulted: frozenset[str] = frozenset()
+    """The fields of :data:`DEFAULTABLE` the request left unset: they hold the mesh's neutral value until
+    the router fills them with the served model's defaults
+    (:meth:`services.common.generation_defaults.GenerationDefaults.apply`), which empties this set.
+    Parameters built directly (tests, benchmarks, warm-ups) have none: every field is explicit."""
 
     def choice(self, index: int) -> SamplingParams:
         """The parameters of choice ``index`` of an n-choice request: ``n`` 1, and with a seed,
@@ -241,9 +245,9 @@ class SamplingParams:
 def resolve_sampling(
     *,
     max_tokens: int = 0,
-    temperature: float = 0.0,
-    top_p: float = 0.0,
-    top_k: int = 0,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
     frequency_penalty: float = 0.0,
@@ -255,18 +259,36 @@ def resolve_sampling(
     n: int = 1,
     logprobs: bool = False,
     top_logprobs: int = 0,
-    chat: bool = False,
     limits: SamplingLimits = MESH_LIMITS,
 ) -> SamplingParams:
-    """Check a caller's sampling values against ``limits`` and apply the documented defaults.
+    """Check a caller's sampling values against ``limits`` and apply the documented neutral values.
 
-    The zero values mean "default" as the proto documents: top_p 0 -> 1, max_tokens 0 stays 0 until
-    :meth:`SamplingParams.fit` (only a service that knows the prompt's length can fit it). Duplicate
-    stop strings are dropped (first occurrence kept). An unset ``repetition_penalty`` (None) is 1 (off),
-    or :data:`CHAT_REPETITION_PENALTY` for a chat turn (``chat``): the one place chat defaults are
-    applied. ``structured`` is a constraint already checked by
+    A field of :data:`DEFAULTABLE` the caller left unset (None; ``max_tokens`` 0; no stop strings) gets
+    its neutral value (greedy, top_p 1, top_k 0, repetition_penalty 1) and is named in
+    :attr:`SamplingParams.defaulted`: the router replaces it with the served model's default, once.
+    ``top_p`` 0 means 1 (off); ``max_tokens`` stays 0 until :meth:`SamplingParams.fit` (only a service
+    that knows the prompt's length can fit it). Duplicate stop strings are dropped (first occurrence
+    kept). ``structured`` is a constraint already checked by
     :func:`services.common.constraints.check_constraint`. Raises :class:`InvalidArgument` naming the field.
     """
+    unset = {
+        name
+        for name, value in (
+            ("temperature", temperature),
+            ("top_p", top_p),
+            ("top_k", top_k),
+            ("repetition_penalty", repetition_penalty),
+        )
+        if value is None
+    }
+    if not max_tokens:
+        unset.add("max_tokens")
+    if not stop:
+        unset.add("stop")
+    temperature = 0.0 if temperature is None else temperature
+    top_p = 0.0 if top_p is None else top_p
+    top_k = 0 if top_k is None else top_k
+    repetition_penalty = 1.0 if repetition_penalty is None else repetition_penalty
     if max_tokens < 0:
         raise InvalidArgument(f"sampling.max_tokens must be >= 0 (got {max_tokens}); use 0 for the server default")
     if limits.max_tokens is not None and max_tokens > limits.max_tokens:
@@ -300,8 +322,6 @@ def resolve_sampling(
                 f"sampling.{name} must be between {-MAX_ABS_PENALTY:g} and {MAX_ABS_PENALTY:g} (got {value:g}); "
                 "use 0 to disable it"
             )
-    if repetition_penalty is None:
-        repetition_penalty = CHAT_REPETITION_PENALTY if chat else 1.0
     if not math.isfinite(repetition_penalty) or not 0.0 < repetition_penalty <= MAX_REPETITION_PENALTY:
         raise InvalidArgument(
             f"sampling.repetition_penalty must be above 0 and at most {MAX_REPETITION_PENALTY:g} "
@@ -362,6 +382,7 @@ def resolve_sampling(
         n=int(n),
         logprobs=bool(logprobs),
         top_logprobs=int(top_logprobs),
+        defaulted=frozenset(unset),
     )
 
 

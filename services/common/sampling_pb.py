@@ -12,17 +12,15 @@ from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import MESH_LIMITS, SamplingLimits, SamplingParams, resolve_sampling
 
 
-def from_pb(
-    msg: inference_pb2.SamplingParams, limits: SamplingLimits = MESH_LIMITS, *, chat: bool = False
-) -> SamplingParams:
-    """The checked parameters of a request, defaults applied (``max_tokens`` still 0 when defaulted:
-    see :meth:`SamplingParams.fit`; ``chat``: a Chat turn's, which has the chat defaults); raises
-    InvalidArgument naming the bad field."""
+def from_pb(msg: inference_pb2.SamplingParams, limits: SamplingLimits = MESH_LIMITS) -> SamplingParams:
+    """The checked parameters of a request, neutral values applied to the fields it left unset (named in
+    ``defaulted``: the router fills them with the model's defaults; ``max_tokens`` still 0 when unset:
+    see :meth:`SamplingParams.fit`); raises InvalidArgument naming the bad field."""
     return resolve_sampling(
         max_tokens=msg.max_tokens,
-        temperature=msg.temperature,
-        top_p=msg.top_p,
-        top_k=msg.top_k,
+        temperature=msg.temperature if msg.HasField("temperature") else None,
+        top_p=msg.top_p if msg.HasField("top_p") else None,
+        top_k=msg.top_k if msg.HasField("top_k") else None,
         seed=msg.seed if msg.HasField("seed") else None,
         stop=msg.stop,
         frequency_penalty=msg.frequency_penalty,
@@ -34,26 +32,33 @@ def from_pb(
         n=msg.n if msg.HasField("n") else 1,
         logprobs=msg.logprobs,
         top_logprobs=msg.top_logprobs,
-        chat=chat,
         limits=limits,
     )
 
 
 def to_pb(params: SamplingParams) -> inference_pb2.SamplingParams:
+    """The wire form. A field the request left unset (``params.defaulted``: the gateway's message to a
+    router in another process) stays unset, so that router applies the model's default; every other
+    field is set (the router's ``WorkerStart``: the worker applies no default)."""
     msg = inference_pb2.SamplingParams(
         max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
         stop=list(params.stop),
         frequency_penalty=params.frequency_penalty,
         presence_penalty=params.presence_penalty,
-        repetition_penalty=params.repetition_penalty,  # always set: the receiver applies no default again
         logit_bias=dict(params.logit_bias),
         min_tokens=params.min_tokens,
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
     )
+    unset = params.defaulted
+    if "temperature" not in unset:
+        msg.temperature = params.temperature
+    if "top_p" not in unset:
+        msg.top_p = params.top_p
+    if "top_k" not in unset:
+        msg.top_k = params.top_k
+    if "repetition_penalty" not in unset:
+        msg.repetition_penalty = params.repetition_penalty
     if params.seed is not None:
         msg.seed = params.seed
     if params.n != 1:  # unset is 1: a receiver from before n existed sees the same message

@@ -118,7 +118,7 @@ def validate_chat_request(request: pb.ChatRequest, limits: Limits) -> SamplingPa
             f"chat turn has {total} characters of messages, above the limit of {limits.max_prompt_chars}; shorten it"
         )
     _validate_model(turn.model, limits)
-    sampling = from_pb(turn.sampling, limits.sampling, chat=True)
+    sampling = from_pb(turn.sampling, limits.sampling)
     validate_routing(turn.routing)
     return sampling
 

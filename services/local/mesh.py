@@ -125,6 +125,12 @@ class MeshConfig:
     reporting the name as its build. With these or ``edge_models`` the router gets a models file
     (:func:`models_file`, docs/router.md): all traffic stays on the prepared build until
     `meshserve models rollout` moves some."""
+    models_file: str = ""
+    """The router's models file (:data:`DEFAULT_MODELS_FILE`: the default model's generation defaults, from
+    its model card; docs/router.md): `meshserve up` passes it. "" serves the default model with its
+    checkpoint's generation defaults only (the tests' meshes: greedy unless a request says otherwise).
+    With ``edge_versions`` or ``edge_models`` the mesh writes its own file, which keeps this file's
+    ``generation`` of the default model."""
     edge_models: dict[str, str] = field(default_factory=dict)
     """More model ids, id -> an onnxruntime-genai directory (its tokenizer.json and chat template are the
     model's, e.g. the distilled student's ``edge-int4``): one more edge worker each."""
@@ -316,6 +322,8 @@ class Mesh:
                 models_dir = cfg.extra_env.get("MESHSERVE_MODELS_DIR")
                 path.write_text(models_file(cfg, model_paths(models_dir=Path(models_dir) if models_dir else None)))
                 router_env["MESHSERVE_ROUTER_MODELS_FILE"] = str(path)
+            elif cfg.models_file:
+                router_env["MESHSERVE_ROUTER_MODELS_FILE"] = cfg.models_file
             gateway_env: dict[str, str | int] = {
                 "MESHSERVE_GATEWAY_API_KEYS": f"dev:{api_key_hash(cfg.api_key)}",
                 "MESHSERVE_GATEWAY_REDIS_URL": self.redis_url,  # rate limits
@@ -583,6 +591,10 @@ def tp_env(ranks: int) -> dict[str, str]:
 __all__ = ["DEV_API_KEY", "Mesh", "MeshConfig", "ServiceProcess", "wait_for_health"]
 
 
+DEFAULT_MODELS_FILE = Path(__file__).resolve().parents[2] / "deploy" / "models.yaml"
+"""The models file `meshserve up` gives its routers: the default model with the generation defaults its
+model card recommends, where an operator sees and changes them (``meshserve up --models-file``)."""
+
 EXTRA_MODEL_BUILD = "1"
 """The build id an extra model id's worker reports (``MeshConfig.edge_models``)."""
 
@@ -592,9 +604,13 @@ def models_file(cfg: MeshConfig, default: ModelPaths) -> str:
     its prepared build as ``prepared`` (all the weight) and each extra version; each extra model id
     with its directory as its tokenizer."""
     versions = [{"name": "prepared", "build": default.version()}] + [{"name": n} for n in cfg.edge_versions]
-    models: list[dict[str, object]] = [
-        {"id": DEFAULT_MODEL_ID, "versions": versions, "rollout": {"weights": {"prepared": 100}}}
-    ]
+    entry: dict[str, object] = {"id": DEFAULT_MODEL_ID, "versions": versions, "rollout": {"weights": {"prepared": 100}}}
+    if cfg.models_file:  # the default model's generation defaults stay those of the file asked for
+        given = yaml.safe_load(Path(cfg.models_file).read_text()) or {}
+        for spec in given.get("models", ()):
+            if spec.get("id") == DEFAULT_MODEL_ID and spec.get("generation"):
+                entry["generation"] = spec["generation"]
+    models: list[dict[str, object]] = [entry]
     models += [
         {"id": model_id, "tokenizer_dir": directory, "versions": [{"name": EXTRA_MODEL_BUILD}]}
         for model_id, directory in cfg.edge_models.items()

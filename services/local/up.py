@@ -19,7 +19,7 @@ import grpc
 from redis.exceptions import RedisError
 
 from services.common.settings import ClientSettings
-from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
+from services.local.mesh import DEFAULT_MODELS_FILE, DEV_API_KEY, Mesh, MeshConfig
 from services.local.processes import LogSink, stdout_sink
 
 START_FAILURES = (RuntimeError, TimeoutError, OSError, RedisError, grpc.RpcError)
@@ -128,6 +128,14 @@ def _parser() -> argparse.ArgumentParser:
         "(repeatable)",
     )
     p.add_argument(
+        "--models-file",
+        default=str(DEFAULT_MODELS_FILE),
+        metavar="PATH",
+        help="the routers' models file: served models, versions and their generation defaults "
+        "(default: deploy/models.yaml, the default model with its model card's sampling; '' for none: "
+        "each model's checkpoint defaults only)",
+    )
+    p.add_argument(
         "--no-restart",
         action="store_true",
         help="do not restart a service that exits (by default each is restarted with backoff, "
@@ -228,6 +236,7 @@ async def run_up(args: argparse.Namespace) -> int:
         tls_key=args.tls_key,
         embed_router=not args.split_router,
         edge_versions=_pairs(args.edge_version, "--edge-version NAME=DIR"),
+        models_file=args.models_file,
         edge_models=_pairs(args.edge_model, "--edge-model ID=DIR"),
         supervise=not args.no_restart,
     )

@@ -52,7 +52,7 @@ from services.common.sampling import SamplingParams
 from services.router.core import SERVICE, Router, Session
 from services.router.embeddings import MAX_EMBED_TOKENS, EmbedRoute, check_tokens
 from services.router.encoding import ENCODED_PROMPTS, INLINE_TOKENIZE_CHARS, EncodeCache, tokenize
-from services.router.models import ModelTable, ServedModel
+from services.router.models import ModelTable, ServedModel, ServedVersion
 from services.router.observe import observe
 from services.router.policy import TierName
 from services.router.tool_parser import ToolCallParser
@@ -125,10 +125,11 @@ class RouterAPI:
 
     async def list_models(self, *, deadline: float | None = None) -> list[ModelInfo]:
         """The served models, the default one first (the HTTP adapter names it in answers to requests that
-        name none), each with the tiers that have replicas now (cloud first)."""
+        name none), each with the tiers that have replicas now (cloud first) and its primary version's
+        generation defaults."""
         models = sorted(self.models.models.values(), key=lambda m: m.id != self.models.default)
         return [
-            ModelInfo(m.id, tuple(sorted(m.tiers(), key=lambda t: t.value, reverse=True)), m.context_length)
+            ModelInfo(m.id, tuple(sorted(m.tiers(), key=lambda t: t.value, reverse=True)), m.context_length, m.defaults)
             for m in models
         ]
 
@@ -147,7 +148,7 @@ class RouterAPI:
             version = model.choose(request.tenant)
             ids = await self._encode_prompt(request.prompt, model)
             req = self.turn_request(
-                ids, request.sampling, request.routing, request.tenant, request.request_id, model=model
+                ids, request.sampling, request.routing, request.tenant, request.request_id, model=model, version=version
             )
             timeout = req.timeout = _time_left(deadline)
             session = Session()
@@ -239,12 +240,20 @@ class RouterAPI:
         request_id: str,
         *,
         model: ServedModel | None = None,
+        version: ServedVersion | None = None,
     ) -> TurnRequest:
+        """The turn to run: the one place a request's unset sampling fields get the model's generation
+        defaults (``version``'s, else the model's primary's; services/common/generation_defaults.py), then
+        ``max_tokens`` fitted to the context."""
         if not prompt_ids:
             raise InvalidArgument("the prompt is empty; send at least one character of text")
         model = model or self.models.get("")
-        sampling = sampling.fit(
-            len(prompt_ids), model.context_length, self._default_max_tokens, vocab_size=model.tokenizer.vocab_size
+        defaults = version.defaults if version is not None else model.defaults
+        sampling = defaults.apply(sampling).fit(
+            len(prompt_ids),
+            model.context_length,
+            defaults.max_tokens or self._default_max_tokens,
+            vocab_size=model.tokenizer.vocab_size,
         )
         return TurnRequest(
             prompt_ids=prompt_ids,
@@ -362,7 +371,9 @@ class ChatSession:
                     choice = effective_choice(turn.tools, turn.tool_choice)
                     ids = await api.encode_chat(conversation, model, prompt_tools(turn.tools, choice))
                     sampling = constrained(turn.sampling, turn.tools, choice)
-                    req = api.turn_request(ids, sampling, turn.routing, self._tenant, self._request_id, model=model)
+                    req = api.turn_request(
+                        ids, sampling, turn.routing, self._tenant, self._request_id, model=model, version=version
+                    )
                     req.timeout = _time_left(self._deadline)
                     req.tools_key = tools_key(turn.tools, choice)
                     if index == 0:

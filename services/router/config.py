@@ -9,6 +9,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults, read_generation_config
 from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
 from services.common.sampling import DEFAULT_MAX_TOKENS
 from services.common.settings import StreamingSettings, default_models_dir
@@ -26,6 +27,34 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class GenerationSpec(_Strict):
+    """Generation defaults in the models file or the settings (services/common/generation_defaults.py): what
+    a request that leaves a sampling field unset gets. Each field set here overrides the layer below it
+    (the checkpoint's generation_config.json < the model < its version < the operator's settings)."""
+
+    temperature: float | None = None
+    """0 to 2; 0 is greedy."""
+    top_p: float | None = None
+    """Above 0, at most 1 (1: off)."""
+    top_k: int | None = None
+    """0 (off) or more."""
+    repetition_penalty: float | None = None
+    """Above 0, at most 2 (1: off); never applied to a turn under structured output or with callable tools."""
+    max_tokens: int | None = None
+    """1 or more: a request's max_tokens 0 (clamped to the room its prompt leaves in the context)."""
+    stop: list[str] | None = None
+    """At most 8 stop strings of 1 to 64 characters."""
+
+    @model_validator(mode="after")
+    def _ranges(self) -> GenerationSpec:
+        self.defaults("generation")
+        return self
+
+    def defaults(self, where: str) -> GenerationDefaults:
+        """These defaults, checked against the requests' own ranges (ValueError naming ``where``)."""
+        return GenerationDefaults.from_mapping(self.model_dump(exclude_none=True), where)
+
+
 class VersionSpec(_Strict):
     """One version of a served model in the models file."""
 
@@ -35,6 +64,9 @@ class VersionSpec(_Strict):
     """The ``model_version`` its workers report (their MESHSERVE_*_WORKER_MODEL_VERSION, or the prepared
     model's manifest version); empty: the name; ``prepared``: the manifest version of the model prepared
     in models_dir (what workers started without MODEL_VERSION report)."""
+
+    generation: GenerationSpec = Field(default_factory=GenerationSpec)
+    """This version's generation defaults, over its model's (a build that wants other sampling)."""
 
     @property
     def build_id(self) -> str:
@@ -71,6 +103,8 @@ class ModelSpec(_Strict):
     versions: list[VersionSpec] = Field(default_factory=list)
     """Empty: one version, the model prepared in models_dir (named by its manifest version)."""
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
+    generation: GenerationSpec = Field(default_factory=GenerationSpec)
+    """The model's generation defaults, over its checkpoint's generation_config.json (the tokenizer_dir's)."""
 
 
 class ModelsFile(_Strict):
@@ -149,7 +183,12 @@ class RouterSettings(StreamingSettings):
     readmit_s: float = Field(default=10.0, ge=0)
     """A re-admitted replica ramps up to its full share of traffic over this many seconds."""
     default_max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=1)
-    """max_tokens used when a request leaves it at 0 (clamped to the room the prompt leaves in the context)."""
+    """max_tokens used when a request leaves it at 0 and its model has no default of its own (clamped to the
+    room the prompt leaves in the context)."""
+    generation_defaults: GenerationSpec = Field(default_factory=GenerationSpec)
+    """The operator's generation defaults, over every served model's own (its checkpoint's
+    generation_config.json, then the models file), as JSON: ``{"temperature": 0}`` makes every model greedy
+    by default. A request's explicit field still wins (docs/router.md, *Generation defaults*)."""
     cache_ttl_s: int = Field(default=3600, ge=1)
     """Lifetime of a response-cache entry in seconds."""
     cache_max_entry_bytes: int = Field(default=1 << 20, ge=64)
@@ -282,6 +321,22 @@ class RouterSettings(StreamingSettings):
             for spec in self._models.models
         ]
         return specs, self._models.default or specs[0].id, True
+
+    def generation_defaults_for(self, spec: ModelSpec, version: VersionSpec) -> GenerationDefaults:
+        """``version``'s generation defaults, every layer merged: the checkpoint's generation_config.json (in
+        the model's tokenizer_dir), the model's and the version's entries of the models file, then the
+        operator's :attr:`generation_defaults`. ValueError naming the source of a bad value."""
+        where = f"models_file {self.models_file}: model {spec.id!r}" if self._models is not None else "settings"
+        layers = [
+            read_generation_config(spec.tokenizer_dir),
+            spec.generation.defaults(f"{where}: generation"),
+            version.generation.defaults(f"{where}: version {version.name!r}: generation"),
+            self.generation_defaults.defaults("MESHSERVE_ROUTER_GENERATION_DEFAULTS"),
+        ]
+        merged = NO_DEFAULTS
+        for layer in layers:
+            merged = layer.over(merged)
+        return merged
 
     @property
     def hf_dir(self) -> Path:

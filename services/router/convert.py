@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from services.common import logprobs_pb, sampling_pb
 from services.common.errors import InvalidArgument
+from services.common.generation_defaults import GenerationDefaults
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import SamplingParams
 from services.router.policy import TierName
@@ -158,7 +159,7 @@ def chat_turn(msg: inference_pb2.ChatTurn, sampling: SamplingParams | None = Non
     tools, choice = _tools(msg)
     return ChatTurn(
         messages=tuple(_message(m, i) for i, m in enumerate(msg.messages)),
-        sampling=sampling if sampling is not None else sampling_pb.from_pb(msg.sampling, chat=True),
+        sampling=sampling if sampling is not None else sampling_pb.from_pb(msg.sampling),
         routing=routing(msg.routing),
         model=msg.model,
         tools=tools,
@@ -259,10 +260,44 @@ class FinalCounter:
         return self.left <= 0
 
 
+def defaults_pb(d: GenerationDefaults) -> inference_pb2.GenerationDefaults:
+    msg = inference_pb2.GenerationDefaults(max_tokens=d.max_tokens or 0, stop=list(d.stop or ()))
+    if d.temperature is not None:
+        msg.temperature = d.temperature
+    if d.top_p is not None:
+        msg.top_p = d.top_p
+    if d.top_k is not None:
+        msg.top_k = d.top_k
+    if d.repetition_penalty is not None:
+        msg.repetition_penalty = d.repetition_penalty
+    return msg
+
+
+def defaults(msg: inference_pb2.GenerationDefaults) -> GenerationDefaults:
+    """As the router sent them (float32 on the wire: 0.2 arrives as 0.200000003, so rounded to 6 digits)."""
+
+    def number(name: str) -> float | None:
+        return round(float(getattr(msg, name)), 6) if msg.HasField(name) else None  # type: ignore[arg-type]
+
+    return GenerationDefaults(
+        temperature=number("temperature"),
+        top_p=number("top_p"),
+        top_k=msg.top_k if msg.HasField("top_k") else None,
+        repetition_penalty=number("repetition_penalty"),
+        max_tokens=msg.max_tokens or None,
+        stop=tuple(msg.stop) or None,
+    )
+
+
 def models_pb(models: list[ModelInfo]) -> inference_pb2.ListModelsResponse:
     return inference_pb2.ListModelsResponse(
         models=[
-            inference_pb2.ModelInfo(id=m.id, tiers=[_TIER_PB[t] for t in m.tiers], context_length=m.context_length)
+            inference_pb2.ModelInfo(
+                id=m.id,
+                tiers=[_TIER_PB[t] for t in m.tiers],
+                context_length=m.context_length,
+                generation_defaults=defaults_pb(m.generation_defaults),
+            )
             for m in models
         ]
     )
@@ -270,7 +305,12 @@ def models_pb(models: list[ModelInfo]) -> inference_pb2.ListModelsResponse:
 
 def models(reply: inference_pb2.ListModelsResponse) -> list[ModelInfo]:
     return [
-        ModelInfo(m.id, tuple(_TIER_FROM_PB[t] for t in m.tiers if t in _TIER_FROM_PB), m.context_length)
+        ModelInfo(
+            m.id,
+            tuple(_TIER_FROM_PB[t] for t in m.tiers if t in _TIER_FROM_PB),
+            m.context_length,
+            defaults(m.generation_defaults),
+        )
         for m in reply.models
     ]
 

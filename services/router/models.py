@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from services.common.errors import NotFound
+from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from services.common.tokenizer import Tokenizer
 from services.router.core import Router
 from services.router.metrics import ROLLBACKS
@@ -33,6 +34,9 @@ class ServedVersion:
     name: str
     build: str
     router: Router
+    defaults: GenerationDefaults = NO_DEFAULTS
+    """Its generation defaults, every layer merged (services/common/generation_defaults.py): what a
+    request leaving a sampling field unset gets on this version."""
     metrics: dict[tuple[str, ...], Any] = field(default_factory=dict)
     """Its labelled metric children, looked up once (``labels()`` costs more than the rest of the count)."""
 
@@ -54,6 +58,11 @@ class ServedModel:
     def choose(self, tenant: str) -> ServedVersion:
         return self.versions[self.rollout.choose(tenant)]
 
+    @property
+    def defaults(self) -> GenerationDefaults:
+        """The primary version's generation defaults (ListModels shows them)."""
+        return self.versions[self.rollout.policy.primary].defaults
+
     def version(self, name: str) -> ServedVersion:
         """The version named ``name`` (empty: the primary); NotFound names this model's versions."""
         found = self.versions.get(name or self.rollout.policy.primary)
@@ -72,11 +81,11 @@ class ModelTable:
         assert default in self.models
 
     @classmethod
-    def single(cls, router: Router, context_length: int) -> ModelTable:
+    def single(cls, router: Router, context_length: int, defaults: GenerationDefaults = NO_DEFAULTS) -> ModelTable:
         """One model, one version: the router that runs every replica (the layout without a models file)."""
         version = router.model_version or "default"
         rollout = Rollout(router.model_id, [version], RolloutPolicy({version: 100}), on_rollback=log_rollback)
-        served = ServedVersion(version, router.model_version, router)
+        served = ServedVersion(version, router.model_version, router, defaults)
         model = ServedModel(router.model_id, context_length, router.tokenizer, {version: served}, rollout)
         return cls([model], router.model_id)
 

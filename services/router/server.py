@@ -170,10 +170,18 @@ async def start_router_api(
         )
 
     try:
-        table = models.ModelTable([_served(spec, router_for, tokenizers[spec.id]) for spec in specs], default_model)
+        table = models.ModelTable(
+            [_served(spec, router_for, tokenizers[spec.id], settings) for spec in specs], default_model
+        )
     except InvalidArgument as exc:
         await registry.close()
         raise ConfigError(f"models_file {settings.models_file}: {exc.message}") from None
+    except ValueError as exc:  # a generation default out of range (a checkpoint's generation_config.json)
+        await registry.close()
+        raise ConfigError(str(exc)) from None
+    for served in table.models.values():
+        for v in served.versions.values():
+            log.info("router_generation_defaults", model=served.id, version=v.name, **v.defaults.as_dict())
     sync = None
     if by_model and settings.redis_url:  # several versions: their policies are shared by the replicas
         store = RolloutStore.from_url(settings.redis_url, timeout_s=settings.rollout_store_timeout_s)
@@ -240,9 +248,15 @@ async def start_router_api(
 
 
 def _served(
-    spec: ModelSpec, router_for: Callable[[ModelSpec, VersionSpec], Router], tokenizer: Tokenizer
+    spec: ModelSpec,
+    router_for: Callable[[ModelSpec, VersionSpec], Router],
+    tokenizer: Tokenizer,
+    settings: RouterSettings,
 ) -> models.ServedModel:
-    versions = {v.name: models.ServedVersion(v.name, v.build_id, router_for(spec, v)) for v in spec.versions}
+    versions = {
+        v.name: models.ServedVersion(v.name, v.build_id, router_for(spec, v), settings.generation_defaults_for(spec, v))
+        for v in spec.versions
+    }
     names = list(versions)
     r = spec.rollout
     rule = None

@@ -25,6 +25,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from services.common.logprobs import TokenLogprob
 from services.common.sampling import SamplingParams
 from services.router.policy import TierName
@@ -224,6 +225,8 @@ class ModelInfo:
     id: str
     tiers: tuple[TierName, ...]
     context_length: int
+    generation_defaults: GenerationDefaults = NO_DEFAULTS
+    """What a request leaving a sampling field unset gets (the primary version's defaults)."""
 
 
 @dataclass

@@ -187,9 +187,10 @@ class OpenAIApp:
     async def model(self, request: web.Request) -> web.Response:
         reply = await self._gateway.ListModels(pb.ListModelsRequest(), metadata=self._metadata(request))
         wanted = request.match_info["model"]
-        if not any(m.id == wanted for m in reply.models):
+        found = next((m for m in reply.models if m.id == wanted), None)
+        if found is None:
             raise _not_found(wanted)
-        return web.json_response(openai_reply.model_entry(wanted))
+        return web.json_response(openai_reply.model_entry(wanted, found))
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         parsed, turn = openai_request.chat_request(await self._json(request))

@@ -294,8 +294,29 @@ def usage_chunk(
 
 
 def models_list(reply: pb.ListModelsResponse) -> dict[str, Any]:
-    return {"object": "list", "data": [model_entry(m.id) for m in reply.models]}
+    return {"object": "list", "data": [model_entry(m.id, m) for m in reply.models]}
 
 
-def model_entry(model_id: str) -> dict[str, Any]:
-    return {"id": model_id, "object": "model", "created": 0, "owned_by": OWNED_BY}
+def generation_defaults(d: pb.GenerationDefaults) -> dict[str, Any]:
+    """A model's generation defaults as JSON: only the fields it has a default for (float32 on the wire,
+    so rounded to 6 digits: 0.2, not 0.20000000298)."""
+    out: dict[str, Any] = {}
+    for name in ("temperature", "top_p", "repetition_penalty"):
+        if d.HasField(name):  # type: ignore[arg-type]
+            out[name] = round(float(getattr(d, name)), 6)
+    if d.HasField("top_k"):
+        out["top_k"] = d.top_k
+    if d.max_tokens:
+        out["max_tokens"] = d.max_tokens
+    if d.stop:
+        out["stop"] = list(d.stop)
+    return out
+
+
+def model_entry(model_id: str, info: pb.ModelInfo | None = None) -> dict[str, Any]:
+    """One ``/v1/models`` entry: OpenAI's fields, and (when the router listed it) the model's
+    ``generation_defaults``: what a request that leaves those fields unset gets."""
+    entry: dict[str, Any] = {"id": model_id, "object": "model", "created": 0, "owned_by": OWNED_BY}
+    if info is not None:
+        entry["generation_defaults"] = generation_defaults(info.generation_defaults)
+    return entry

@@ -158,21 +158,22 @@ def _common(body: dict[str, Any]) -> tuple[Parsed, pb.SamplingParams]:
     max_tokens = _int(body, "max_completion_tokens", 1)
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens", 1)
+    # Omitted fields stay unset: the served model's generation defaults fill them (docs/router.md).
+    sampling = pb.SamplingParams(max_tokens=max_tokens or 0, stop=_stop(body))
+    if body.get("temperature") is not None:
+        sampling.temperature = _number(body, "temperature")
+    if body.get("top_p") is not None:
+        sampling.top_p = _number(body, "top_p")
     top_k = _int(body, "top_k", -1)  # vLLM's extension; -1 (vLLM's "off") and 0 both disable it
-    sampling = pb.SamplingParams(
-        max_tokens=max_tokens or 0,  # omitted: the mesh default
-        temperature=_number(body, "temperature", 1.0),
-        top_p=_number(body, "top_p", 0.0),
-        top_k=max(top_k or 0, 0),
-        stop=_stop(body),
-    )
+    if top_k is not None:
+        sampling.top_k = max(top_k, 0)
     # OpenAI's seed is an int64; ours a uint64: a negative seed maps to its two's complement.
     seed = _int(body, "seed", -(2**63), MAX_SEED)
     if seed is not None:
         sampling.seed = seed % (MAX_SEED + 1)
     sampling.frequency_penalty = _number(body, "frequency_penalty")
     sampling.presence_penalty = _number(body, "presence_penalty")
-    if body.get("repetition_penalty") is not None:  # absent: the mesh default (a chat turn has its own)
+    if body.get("repetition_penalty") is not None:  # absent: the model's default
         sampling.repetition_penalty = _number(body, "repetition_penalty")
     sampling.min_tokens = _int(body, "min_tokens") or 0
     for token, bias in _logit_bias(body).items():

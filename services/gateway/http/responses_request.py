@@ -57,8 +57,9 @@ class ResponsesRequest:
     store: bool
     previous_response_id: str | None
     metadata: dict[str, str] = field(default_factory=dict)
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    """As sent; None: the model's default applies (echoed as null)."""
+    top_p: float | None = None
     max_output_tokens: int | None = None
     tools: list[dict[str, Any]] = field(default_factory=list)
     """The function tools, echoed in the response (Responses' FunctionTool shape)."""
@@ -287,9 +288,13 @@ def parse(body: dict[str, Any]) -> ResponsesRequest:
     if previous is not None and not isinstance(previous, str):
         raise InvalidArgument("'previous_response_id' must be a string: the id of an earlier response")
     max_output = openai_request._int(body, "max_output_tokens", 1)
-    temperature = openai_request._number(body, "temperature", 1.0)
-    top_p = openai_request._number(body, "top_p", 0.0)
-    sampling = pb.SamplingParams(max_tokens=max_output or 0, temperature=temperature, top_p=top_p)
+    # Omitted: unset, for the served model's generation defaults (echoed as null).
+    sampling = pb.SamplingParams(max_tokens=max_output or 0)
+    temperature = top_p = None
+    if body.get("temperature") is not None:
+        sampling.temperature = temperature = openai_request._number(body, "temperature")
+    if body.get("top_p") is not None:
+        sampling.top_p = top_p = openai_request._number(body, "top_p")
     text_format, structured = _text_format(body)
     if structured is not None:
         sampling.structured.CopyFrom(structured_to_pb(structured))
@@ -305,7 +310,7 @@ def parse(body: dict[str, Any]) -> ResponsesRequest:
         previous_response_id=previous,
         metadata=_metadata(body.get("metadata")),
         temperature=temperature,
-        top_p=top_p or 1.0,
+        top_p=None if top_p is None else top_p or 1.0,
         max_output_tokens=max_output,
         tools=tools,
         tool_choice=tool_choice,

@@ -15,6 +15,7 @@ from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import (
     DEFAULT_MAX_TOKENS,
+    DEFAULTABLE,
     MAX_SEED,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -219,11 +220,22 @@ def test_deterministic() -> None:
 # -- pb at the edges ---------------------------------------------------------------------------------
 
 
-def test_from_pb_applies_defaults_and_checks() -> None:
+def test_from_pb_applies_neutral_values_names_the_unset_fields_and_checks() -> None:
     s = from_pb(inference_pb2.SamplingParams())
-    assert s == SamplingParams(max_tokens=0) and s.seed is None
+    assert s == SamplingParams(max_tokens=0, defaulted=frozenset(DEFAULTABLE)) and s.seed is None
     msg = inference_pb2.SamplingParams(max_tokens=5, temperature=0.5, top_p=0.25, top_k=3, seed=0, stop=["x", "x"])
-    assert from_pb(msg) == SamplingParams(max_tokens=5, temperature=0.5, top_p=0.25, top_k=3, seed=0, stop=("x",))
+    assert from_pb(msg) == SamplingParams(
+        max_tokens=5,
+        temperature=0.5,
+        top_p=0.25,
+        top_k=3,
+        seed=0,
+        stop=("x",),
+        defaulted=frozenset({"repetition_penalty"}),
+    )
+    # An explicit 0 is set, not unset: it wins over any model default.
+    zero = from_pb(inference_pb2.SamplingParams(temperature=0.0, top_k=0, top_p=0.0))
+    assert not {"temperature", "top_k", "top_p"} & zero.defaulted and zero.top_p == 1.0
     with pytest.raises(InvalidArgument, match=r"sampling\.temperature"):
         from_pb(inference_pb2.SamplingParams(temperature=3.0))
     with pytest.raises(InvalidArgument, match="above the limit of 4"):
@@ -242,4 +254,15 @@ def test_from_pb_applies_defaults_and_checks() -> None:
 def test_to_pb_round_trips(params: SamplingParams) -> None:
     msg = to_pb(params)
     assert msg.HasField("seed") == (params.seed is not None)
-    assert from_pb(msg) == params
+    assert all(msg.HasField(f) for f in ("temperature", "top_p", "top_k", "repetition_penalty"))
+    back = from_pb(msg)
+    # No stop strings on the wire reads as "the model's default stop strings" (the proto's unset).
+    assert back.defaulted == (frozenset() if params.stop else frozenset({"stop"}))
+    assert dataclasses.replace(back, defaulted=frozenset()) == params
+
+
+def test_to_pb_leaves_the_unset_fields_unset_for_a_router_in_another_process() -> None:
+    request = from_pb(inference_pb2.SamplingParams(max_tokens=4, top_k=7))
+    msg = to_pb(request)
+    assert msg.HasField("top_k") and not any(msg.HasField(f) for f in ("temperature", "top_p", "repetition_penalty"))
+    assert from_pb(msg) == request

@@ -1,9 +1,11 @@
 """Penalties, ``logit_bias`` and ``min_tokens`` in the one sampling type: every bound (a message naming
-the field), the chat default, context/vocabulary fitting, the cache key and the pb round trip."""
+the field), an unset repetition penalty left to the model, context/vocabulary fitting, the cache key and
+the pb round trip."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,6 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.sampling import (
-    CHAT_REPETITION_PENALTY,
     MAX_ABS_PENALTY,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -77,15 +78,14 @@ def test_min_tokens_respects_the_operators_max_tokens() -> None:
         resolve_sampling(min_tokens=5000, limits=SamplingLimits(max_tokens=4096))
 
 
-def test_chat_turns_default_to_the_chat_repetition_penalty_and_an_explicit_value_wins() -> None:
-    assert resolve_sampling().repetition_penalty == 1.0
-    assert resolve_sampling(chat=True).repetition_penalty == CHAT_REPETITION_PENALTY
-    assert resolve_sampling(chat=True, repetition_penalty=1.0).repetition_penalty == 1.0
-    assert from_pb(inference_pb2.SamplingParams(), chat=True).repetition_penalty == CHAT_REPETITION_PENALTY
-    explicit = inference_pb2.SamplingParams(repetition_penalty=1.0)
-    assert from_pb(explicit, chat=True).repetition_penalty == 1.0
-    # The converted request carries the value, so a further hop applies no default again.
-    assert to_pb(from_pb(inference_pb2.SamplingParams(), chat=True)).HasField("repetition_penalty")
+def test_an_unset_repetition_penalty_is_neutral_and_left_to_the_model_and_an_explicit_one_is_kept() -> None:
+    unset = from_pb(inference_pb2.SamplingParams())
+    assert unset.repetition_penalty == 1.0 and "repetition_penalty" in unset.defaulted
+    explicit = from_pb(inference_pb2.SamplingParams(repetition_penalty=1.0))
+    assert explicit.repetition_penalty == 1.0 and "repetition_penalty" not in explicit.defaulted
+    # Unset stays unset on the wire (a router elsewhere applies the model's default), set stays set.
+    assert not to_pb(unset).HasField("repetition_penalty")
+    assert to_pb(explicit).HasField("repetition_penalty")
 
 
 def test_fit_checks_the_vocabulary_and_raises_a_default_max_tokens_to_min_tokens() -> None:
@@ -146,7 +146,7 @@ def test_penalties_change_the_response_cache_key() -> None:
     ],
 )
 def test_to_pb_round_trips(params: SamplingParams) -> None:
-    assert from_pb(to_pb(params)) == params
+    assert replace(from_pb(to_pb(params)), defaulted=frozenset()) == params
 
 
 def test_proto_fields_use_numbers_20_to_29_and_are_documented() -> None:

@@ -132,7 +132,9 @@ async def test_the_router_gets_a_domain_request_its_pending_admission_and_the_de
     await asyncio.wait_for(until(lambda: router.sent > 0), 5)  # the router answers while the reservation runs
     generation, admission, deadline = router.requests[0]
     assert generation.prompt == "hello" and generation.tenant == "acme" and generation.request_id
-    assert generation.sampling == SamplingParams(max_tokens=3, temperature=0.5)
+    # The fields the request left unset go on as such: the router fills them with the model's defaults.
+    unset = frozenset({"top_p", "top_k", "repetition_penalty", "stop"})
+    assert generation.sampling == SamplingParams(max_tokens=3, temperature=0.5, defaulted=unset)
     assert admission is not None and not admission.decision.done() and admission.speculative
     assert deadline is not None and 29 < deadline - time.monotonic() <= 30
     await asyncio.sleep(0.01)

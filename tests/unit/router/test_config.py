@@ -109,3 +109,56 @@ def test_a_models_file_declares_models_versions_and_rollouts(tmp_path) -> None: 
         path.write_text(text)
         with pytest.raises(ConfigError, match=message):
             load_settings(RouterSettings, models_file=str(path))
+
+
+def test_generation_defaults_layer_checkpoint_model_version_and_operator(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    checkpoint = tmp_path / "hf"
+    checkpoint.mkdir()
+    (checkpoint / "generation_config.json").write_text('{"temperature": 0.7, "top_k": 50, "max_new_tokens": 300}')
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        f"models:\n  - id: a\n    tokenizer_dir: {checkpoint}\n"
+        "    generation: {temperature: 0.2, top_p: 0.9}\n"
+        "    versions: [{name: v1}, {name: v2, generation: {repetition_penalty: 1.1}}]\n"
+    )
+    settings = load_settings(RouterSettings, models_file=str(path))
+    specs, _, _ = settings.served_models()
+    v1, v2 = specs[0].versions
+    assert settings.generation_defaults_for(specs[0], v1).as_dict() == {
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "top_k": 50,
+        "max_tokens": 300,
+    }
+    assert settings.generation_defaults_for(specs[0], v2).repetition_penalty == 1.1
+    monkeypatch.setenv("MESHSERVE_ROUTER_GENERATION_DEFAULTS", '{"temperature": 0, "stop": ["END"]}')
+    operator = load_settings(RouterSettings, models_file=str(path))
+    merged = operator.generation_defaults_for(specs[0], v1)
+    assert (merged.temperature, merged.top_p, merged.stop) == (0.0, 0.9, ("END",))
+
+
+def test_the_shipped_models_file_gives_the_default_model_its_model_cards_sampling() -> None:
+    from services.local.mesh import DEFAULT_MODELS_FILE
+
+    settings = load_settings(RouterSettings, models_file=str(DEFAULT_MODELS_FILE))
+    specs, default, _ = settings.served_models()
+    assert default == RouterSettings().model_id
+    assert settings.generation_defaults_for(specs[0], specs[0].versions[0]).as_dict() == {
+        "temperature": 0.2,
+        "top_p": 0.9,
+    }
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("models:\n  - {id: a, generation: {temperature: 5}}\n", "temperature must be between 0 and 2"),
+        ("models:\n  - {id: a, generation: {top_q: 1}}\n", "top_q"),
+        ("models:\n  - {id: a, versions: [{name: v, generation: {top_p: 2}}]}\n", "top_p must be between 0 and 1"),
+    ],
+)
+def test_bad_generation_defaults_are_config_errors_naming_the_field(tmp_path, text: str, message: str) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_settings(RouterSettings, models_file=str(path))

@@ -40,11 +40,15 @@ def test_chat_request_maps_messages_sampling_and_stream_options() -> None:
     assert turn.sampling.top_p == 0.5 and turn.sampling.seed == 7 and list(turn.sampling.stop) == ["\n"]
 
 
-def test_defaults_follow_openai() -> None:
+def test_omitted_sampling_fields_stay_unset_for_the_models_defaults() -> None:
     _, request = openai_request.completion_request({"prompt": ["one prompt"]})
     assert request.prompt == "one prompt"
-    assert request.sampling.temperature == 1.0  # OpenAI's default, not our greedy 0
-    assert not request.sampling.HasField("seed") and request.sampling.max_tokens == 0
+    for name in ("temperature", "top_p", "top_k", "repetition_penalty", "seed"):
+        assert not request.sampling.HasField(name), name  # the served model's default fills it (the router)
+    assert request.sampling.max_tokens == 0 and not request.sampling.stop
+    _, sent = openai_request.completion_request({"prompt": "x", "temperature": 0, "top_p": 1, "top_k": -1})
+    assert sent.sampling.HasField("temperature") and sent.sampling.temperature == 0.0  # explicit 0 wins
+    assert sent.sampling.HasField("top_p") and sent.sampling.HasField("top_k") and sent.sampling.top_k == 0
 
 
 @pytest.mark.parametrize(

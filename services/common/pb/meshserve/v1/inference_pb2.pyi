@@ -149,7 +149,10 @@ Global___ToolChoiceMode: _TypeAlias = ToolChoiceMode  # noqa: Y015
 
 @_typing.final
 class SamplingParams(_message.Message):
-    """Sampling parameters. Zero values mean "use the default" as documented per field."""
+    """Sampling parameters. A field left unset takes the served model's generation default
+    (ListModels shows them: ModelInfo.generation_defaults; docs/router.md "Generation defaults"), then
+    the mesh's neutral value documented per field; a field that is set always wins.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -189,15 +192,17 @@ class SamplingParams(_message.Message):
     N_FIELD_NUMBER: _builtins.int
     STRUCTURED_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
-    """Maximum number of tokens to generate; 0 means the server default (256, or fewer where the prompt
-    leaves less room in the model's context).
+    """Maximum number of tokens to generate; 0 means the model's default (else the router's, 256), fewer
+    where the prompt leaves less room in the model's context.
     """
     temperature: _builtins.float
-    """Softmax temperature in [0, 2]; 0 means greedy decoding."""
+    """Softmax temperature in [0, 2]; 0 means greedy decoding. Unset: the model's default, else 0."""
     top_p: _builtins.float
-    """Nucleus sampling probability mass in (0, 1]; 0 means 1 (disabled)."""
+    """Nucleus sampling probability mass in (0, 1]; 0 means 1 (disabled). Unset: the model's default,
+    else 1.
+    """
     top_k: _builtins.int
-    """Sample only from the k most likely tokens; 0 means disabled."""
+    """Sample only from the k most likely tokens; 0 means disabled. Unset: the model's default, else 0."""
     seed: _builtins.int
     """Seed for sampling; a request with a seed is deterministic and cacheable."""
     frequency_penalty: _builtins.float
@@ -214,8 +219,9 @@ class SamplingParams(_message.Message):
     repetition_penalty: _builtins.float
     """A token of the prompt or of the tokens generated so far has a positive logit divided by this and a
     negative one multiplied by it (vLLM's and transformers' repetition_penalty); above 0, at most 2,
-    1 disables it. Unset: 1 for Generate/Complete, 1.15 for a Chat turn (the chat default, see
-    docs/gateway.md "Chat defaults"); set 1 explicitly to turn it off in a chat.
+    1 disables it. Unset: the model's default, else 1. Under structured output (and for tool calls)
+    the model's default is not applied, and a value set here counts only the generated tokens, not
+    the prompt (docs/structured_output.md "Penalties").
     """
     min_tokens: _builtins.int
     """EOS and the stop strings are ignored until this many tokens have been generated (vLLM's
@@ -243,7 +249,7 @@ class SamplingParams(_message.Message):
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Generation stops before the first occurrence of any of these strings (at most 8, each 1 to 64
-        characters).
+        characters). Empty: the model's default stop strings, else none.
         """
 
     @_builtins.property
@@ -263,9 +269,9 @@ class SamplingParams(_message.Message):
         self,
         *,
         max_tokens: _builtins.int = ...,
-        temperature: _builtins.float = ...,
-        top_p: _builtins.float = ...,
-        top_k: _builtins.int = ...,
+        temperature: _builtins.float | None = ...,
+        top_p: _builtins.float | None = ...,
+        top_k: _builtins.int | None = ...,
         seed: _builtins.int | None = ...,
         stop: _abc.Iterable[_builtins.str] | None = ...,
         frequency_penalty: _builtins.float = ...,
@@ -278,9 +284,9 @@ class SamplingParams(_message.Message):
         n: _builtins.int | None = ...,
         structured: Global___StructuredOutput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_n", b"_n", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "n", b"n", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "structured", b"structured"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_n", b"_n", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "n", b"n", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "structured", b"structured", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_n", b"_n", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "structured", b"structured", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_n", b"_n", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_tokens", b"min_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "stop", b"stop", "structured", b"structured", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__n: _TypeAlias = _typing.Literal["n"]  # noqa: Y015
     _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
@@ -288,12 +294,24 @@ class SamplingParams(_message.Message):
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
+    _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__n) -> _WhichOneofReturnType__n | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
 
@@ -427,22 +445,29 @@ class Usage(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
+    BUDGET_CLOSED_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens in the prompt (after the chat template, for Chat)."""
     completion_tokens: _builtins.int
     """Tokens generated."""
     total_tokens: _builtins.int
     """prompt_tokens + completion_tokens."""
+    budget_closed: _builtins.bool
+    """Structured output: the budget (max_tokens) was about to run out, so the mask forced the shortest
+    valid ending (closing the open strings, arrays and objects) and the answer finished valid, with
+    FINISH_REASON_STOP (docs/structured_output.md "Closing before the budget runs out").
+    """
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
         total_tokens: _builtins.int = ...,
+        budget_closed: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "total_tokens", b"total_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["budget_closed", b"budget_closed", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "total_tokens", b"total_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1031,6 +1056,7 @@ class ModelInfo(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     TIERS_FIELD_NUMBER: _builtins.int
     CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
+    GENERATION_DEFAULTS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Model id to put in GenerateRequest.model."""
     context_length: _builtins.int
@@ -1039,20 +1065,82 @@ class ModelInfo(_message.Message):
     def tiers(self) -> _containers.RepeatedScalarFieldContainer[Global___Tier.ValueType]:
         """Tiers that serve this model."""
 
+    @_builtins.property
+    def generation_defaults(self) -> Global___GenerationDefaults:
+        """What a request that leaves a sampling field unset gets (its primary version's defaults)."""
+
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         tiers: _abc.Iterable[Global___Tier.ValueType] | None = ...,
         context_length: _builtins.int = ...,
+        generation_defaults: Global___GenerationDefaults | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["generation_defaults", b"generation_defaults"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "id", b"id", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "generation_defaults", b"generation_defaults", "id", b"id", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class GenerationDefaults(_message.Message):
+    """A model's generation defaults: from its checkpoint's generation_config.json, the router's models
+    file and the operator's settings (docs/router.md "Generation defaults"). An unset field has no
+    default of the model's: the mesh's neutral value applies (SamplingParams documents each).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEMPERATURE_FIELD_NUMBER: _builtins.int
+    TOP_P_FIELD_NUMBER: _builtins.int
+    TOP_K_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
+    temperature: _builtins.float
+    top_p: _builtins.float
+    top_k: _builtins.int
+    repetition_penalty: _builtins.float
+    """Not applied to turns under structured output or with tools that may be called."""
+    max_tokens: _builtins.int
+    """0: none of the model's (the router's default_max_tokens applies)."""
+    @_builtins.property
+    def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        temperature: _builtins.float | None = ...,
+        top_p: _builtins.float | None = ...,
+        top_k: _builtins.int | None = ...,
+        repetition_penalty: _builtins.float | None = ...,
+        max_tokens: _builtins.int = ...,
+        stop: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "repetition_penalty", b"repetition_penalty", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "max_tokens", b"max_tokens", "repetition_penalty", b"repetition_penalty", "stop", b"stop", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
+    _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
+    _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
+    _WhichOneofArgType__top_k: _TypeAlias = _typing.Literal["_top_k", b"_top_k"]  # noqa: Y015
+    _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
+    _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_k) -> _WhichOneofReturnType__top_k | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
+
+Global___GenerationDefaults: _TypeAlias = GenerationDefaults  # noqa: Y015
 
 @_typing.final
 class ListModelsResponse(_message.Message):
