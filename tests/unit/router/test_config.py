@@ -146,6 +146,7 @@ def test_the_shipped_models_file_gives_the_default_model_its_model_cards_samplin
     assert settings.generation_defaults_for(specs[0], specs[0].versions[0]).as_dict() == {
         "temperature": 0.2,
         "top_p": 0.9,
+        "repetition_penalty": 1.1,
     }
 
 
