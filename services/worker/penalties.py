@@ -8,6 +8,13 @@ then ``frequency_penalty * count + presence_penalty * (count > 0)`` is subtracte
 tokens only (OpenAI's rule), and while fewer than ``min_tokens`` tokens have been generated the EOS
 tokens are banned (-inf).
 
+Under structured output (``sampling.structured``: a JSON schema or object, a regex, a grammar, a tool
+call's constraint) the repetition penalty counts the generated tokens only, never the prompt: the
+constrained text must often copy the prompt's words (a JSON value, a tool argument), and a penalty on
+them makes the model pick other words the grammar allows (docs/structured_output.md, *Penalties*). A
+model's default penalty does not reach a constrained turn at all (the router leaves it out:
+services/common/generation_defaults.py); this rule is for a penalty the request set itself.
+
 The state is sparse (the distinct tokens seen, not a vocabulary-sized row), updated by one
 :meth:`Penalties.record` per token, so a step costs O(distinct tokens) per penalised row and nothing
 for the others. Why our own and not transformers' processors: they take the whole ``input_ids`` every
@@ -41,7 +48,7 @@ class Penalties:
         self._ids = np.zeros(64, dtype=np.int64)
         self._counts = np.zeros(64, dtype=np.float32)  # times generated (0: seen in the prompt only)
         self._n = 0
-        if self.repetition != 1.0:  # only the repetition penalty looks at the prompt
+        if self.repetition != 1.0 and sampling.structured is None:  # only this penalty looks at the prompt
             for token in prompt_ids:
                 self._track(int(token))
 
@@ -66,7 +73,8 @@ class Penalties:
 
     @property
     def seen_ids(self) -> np.ndarray:
-        """Distinct tokens of the prompt (when the repetition penalty is on) and the output so far."""
+        """Distinct tokens of the prompt (when the repetition penalty is on and the turn unconstrained) and
+        of the output so far."""
         return self._ids[: self._n]
 
     def post_values(self) -> np.ndarray:

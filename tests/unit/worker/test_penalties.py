@@ -74,3 +74,20 @@ def test_in_place_adjusts_the_callers_row_and_copy_leaves_it() -> None:
     assert p.apply(row, in_place=True) is row and row[2] == 1.0
     wide = np.zeros(4, dtype=np.float64)  # not float32: copied whatever in_place says
     assert p.apply(wide, in_place=True) is not wide and wide[2] == 0.0
+
+
+def test_under_a_constraint_the_repetition_penalty_counts_the_generated_tokens_only() -> None:
+    """A constrained text must copy the prompt's words (a JSON value, a tool argument): the prompt is not
+    penalised; what the turn itself generated still is, and frequency/presence are as always."""
+    from services.common.constraints import check_constraint
+
+    json_mode = check_constraint("json_object")
+    p = make([1, 2], repetition_penalty=2.0, frequency_penalty=0.5, structured=json_mode)
+    logits = np.array([4.0, 4.0, -4.0, 4.0, 0, 0, 0, 0, 0, 0], dtype=np.float32)
+    out = p.apply(logits)
+    assert out[1] == 4.0 and out[2] == -4.0  # prompt tokens untouched
+    assert list(p.seen_ids) == []
+    p.record(3)
+    assert p.apply(logits)[3] == 4.0 / 2.0 - 0.5  # a generated token: divided, then its frequency
+    plain = make([1, 2], repetition_penalty=2.0)
+    assert plain.apply(logits)[1] == 2.0  # the same penalty without a constraint counts the prompt
