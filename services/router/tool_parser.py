@@ -17,6 +17,11 @@ closes (one delta with the whole arguments). A block that does not parse, or nam
 turn, is content, as the model wrote it. Text that may be the start of ``<tool_call>`` is held back
 until it is known not to be; whitespace between and after calls is dropped. With parallel calls off,
 everything after the first call is dropped.
+
+An output cut short inside a call (``max_tokens``: the turn ends with ``finish_reason`` ``length``) ends
+that call as OpenAI does, never as content: a call whose arguments had begun keeps what was streamed; a
+call whose name is complete (and a tool of the turn) but whose arguments had not begun is sent with
+empty arguments; one cut inside its name (a prefix of a tool's name) is dropped.
 """
 
 from __future__ import annotations
@@ -33,6 +38,10 @@ from services.common.chat_tools import CALL_CLOSE, CALL_OPEN
 from services.router.tools import ToolCallDelta
 
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_NAMED = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+"""A call object whose name is complete (what follows it may be cut)."""
+_NAMING = re.compile(r'\s*\{\s*(?:"(?:n(?:a(?:m(?:e(?:"\s*(?::\s*(?:"([^"\\]*))?)?)?)?)?)?)?)?')
+"""A beginning of a call object cut before its name was complete (group 1: the name so far)."""
 _ID_CHARS = string.ascii_letters + string.digits
 
 
@@ -108,10 +117,12 @@ class ToolCallParser:
         if self._state is _State.TEXT:
             if self._buf.strip():
                 self._content(self._buf, content)
-        elif self._state in (_State.HEAD, _State.RAW):
-            # A call cut short by the end (or a block never closed): whole, or content as written.
-            if self._state is not _State.HEAD or not self._whole_calls(self._buf, deltas):
+        elif self._state is _State.HEAD:
+            # A call cut short by the end (or a block never closed): whole, cut, or content as written.
+            if not self._whole_calls(self._buf, deltas) and not self._cut_call(self._buf, deltas):
                 self._content(self._raw + self._buf, content)
+        elif self._state is _State.RAW:
+            self._content(self._raw + self._buf, content)
         elif self._state in (_State.ARGS, _State.TAIL):
             self.calls += 1  # its first delta went out: a call, cut short
         self._buf = ""
@@ -317,6 +328,29 @@ class ToolCallParser:
         self._raw = ""
         self._text_since_call = False
         self._state = _State.TEXT if self._parallel or not self.calls else _State.DROP
+
+    def _cut_call(self, text: str, deltas: list[ToolCallDelta]) -> bool:
+        """``text`` (the output's end, in a call's head) is a call the end cut short: sent with empty
+        arguments when its name is complete and a tool's, dropped when the end fell inside a tool's
+        name; False when it is not the beginning of a call (content, as written)."""
+        if not text.strip():  # cut right after a block's tag or an array's bracket
+            return self._in_block or self._array
+        named = _NAMED.match(text)
+        if named is not None:
+            try:
+                name = json.loads(f'"{named.group(1)}"')
+            except ValueError:
+                return False
+            if name not in self._names:
+                return False
+            deltas.append(ToolCallDelta(self.calls, self._new_id(), name, ""))
+            self.calls += 1
+            return True
+        naming = _NAMING.fullmatch(text.rstrip())
+        if naming is None:
+            return False
+        partial = naming.group(1) or ""
+        return any(name.startswith(partial) for name in self._names)
 
     def _whole_calls(self, body: str, deltas: list[ToolCallDelta]) -> bool:
         """``body`` (a block's, or the bare output) parsed whole: its calls as one delta each."""

@@ -39,6 +39,8 @@ WEATHER = {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+CUT_AT = 3
+"""max_output_tokens that has the scripted router end the call short (FINISH_REASON_LENGTH)."""
 
 
 class ScriptedRouter(FakeRouter):
@@ -59,6 +61,10 @@ class ScriptedRouter(FakeRouter):
                 text = json.dumps(ANSWER)
                 first = pb.ToolCallDelta(index=0, id=CALL_ID, name=name, arguments=text[:5])
                 yield pb.ChatResponse(sequence=0, tool_calls=[first])
+                if turn.sampling.max_tokens == CUT_AT:  # the router's parse of a call cut by max_tokens
+                    length = pb.Final(finish_reason=pb.FINISH_REASON_LENGTH, usage=usage)
+                    yield pb.ChatResponse(sequence=1, final=length)
+                    continue
                 yield pb.ChatResponse(sequence=1, tool_calls=[pb.ToolCallDelta(index=0, arguments=text[5:])])
                 yield pb.ChatResponse(
                     sequence=2, final=pb.Final(finish_reason=pb.FINISH_REASON_TOOL_CALLS, usage=usage)
@@ -328,6 +334,33 @@ async def test_required_tool_call_is_a_function_call_item(client: openai.AsyncOp
     assert done.type == "function_call" and done.arguments == deltas and done.status == "completed"
     assert events[-1].response.output[0].call_id == CALL_ID  # type: ignore[union-attr]
     assert door.router.requests[-1].turn.tool_choice.function_name == "get_weather"  # type: ignore[attr-defined]
+
+
+async def test_a_call_cut_by_max_output_tokens_is_an_incomplete_function_call(client: openai.AsyncOpenAI) -> None:
+    """As OpenAI: the partial call in the output (never text), the response incomplete for max_output_tokens."""
+    reply = await client.responses.create(
+        model=MODEL, input="Weather in Paris?", tools=[WEATHER], tool_choice="required", max_output_tokens=CUT_AT
+    )  # type: ignore[list-item]
+    assert reply.status == "incomplete" and reply.incomplete_details is not None
+    assert reply.incomplete_details.reason == "max_output_tokens"
+    (call,) = reply.output
+    assert call.type == "function_call" and call.call_id == CALL_ID and call.status == "incomplete"
+    assert call.arguments == json.dumps(ANSWER)[:5] and reply.output_text == ""
+    stream = await client.responses.create(
+        model=MODEL,
+        input="Weather in Paris?",
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice="required",
+        max_output_tokens=CUT_AT,
+        stream=True,
+    )
+    events = [event async for event in stream]
+    kinds = [e.type for e in events]
+    assert kinds[-1] == "response.incomplete" and "response.output_text.delta" not in kinds
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == json.dumps(ANSWER)[:5]
+    done = next(e.item for e in events if e.type == "response.output_item.done")  # type: ignore[union-attr]
+    assert done.type == "function_call" and done.status == "incomplete"
 
 
 async def test_function_call_output_in_the_next_turn(client: openai.AsyncOpenAI, door: Door) -> None:

@@ -360,6 +360,46 @@ async def test_a_chat_turn_with_tools_streams_parsed_calls_and_the_next_turn_see
     await chat.end()
 
 
+@pytest.mark.parametrize(
+    ("pieces", "arguments"),
+    [
+        (['[{"name": "get_weather", "arguments": {"ci', 'ty": "Par'], ['{"city": "Par']),
+        (['[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_w'], ['{"city": "Paris"}']),
+        (
+            ['[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather"'],
+            ['{"city": "Paris"}', ""],
+        ),
+    ],
+    ids=["in-arguments", "in-second-name", "after-second-name"],
+)
+async def test_a_call_cut_by_max_tokens_streams_as_calls_and_ends_with_length(
+    api: RouterAPI, pieces: list[str], arguments: list[str]
+) -> None:
+    """The gRPC front door's events (the HTTP adapter's and Responses' come from them): the partial call
+    as tool-call deltas, finish_reason LENGTH, no content."""
+    chat = api.chat()
+    events = chat.events()
+    user = ChatMessage("user", "Weather in Paris?")
+    required = ToolChoice(ToolChoiceMode.REQUIRED)
+    assert await chat.send(turn("", messages=(user,), tools=(WEATHER,), tool_choice=required))
+    task = asyncio.create_task(anext(events))
+    stream = await worker()
+    await stream.started.wait()
+    stream.answer(*pieces, finish=FinishReason.LENGTH)
+    got = [(await task).event]
+    while not isinstance(got[-1], Done):
+        got.append((await anext(events)).event)
+    chunks = [e for e in got if isinstance(e, Chunk)]
+    assert "".join(c.text for c in chunks) == ""
+    calls: dict[int, str] = {}
+    for d in (d for c in chunks for d in c.tool_calls):
+        calls[d.index] = calls.get(d.index, "") + d.arguments
+        assert d.name in ("", "get_weather")
+    assert [calls[i] for i in sorted(calls)] == arguments
+    assert isinstance(got[-1], Done) and got[-1].finish_reason == FinishReason.LENGTH
+    await chat.end()
+
+
 async def test_tool_choice_none_never_parses_calls_nor_renders_the_tools(api: RouterAPI) -> None:
     chat = api.chat()
     events = chat.events()

@@ -143,3 +143,41 @@ def test_call_ids_look_like_openais() -> None:
     ids = {new_call_id() for _ in range(50)}
     assert len(ids) == 50
     assert all(i.startswith("call_") and len(i) == 29 and i[5:].isalnum() for i in ids)
+
+
+@pytest.mark.parametrize("step", [0, 1, 4])
+@pytest.mark.parametrize(
+    ("text", "kw", "expected"),
+    [
+        # cut inside the arguments: the call keeps what was streamed
+        (f"[{ADD}, " + '{"name": "get_weather", "arguments": {"city": "Par', {}, ["add", "get_weather"]),
+        # cut after the name, before the arguments began: the call, with empty arguments
+        (f"[{ADD}, " + '{"name": "get_weather", "argu', {}, ["add", "get_weather"]),
+        (f"[{ADD}, " + '{"name": "get_weather"', {}, ["add", "get_weather"]),
+        # cut inside the name (or before it): the unfinished call is dropped, never content
+        (f"[{ADD}, " + '{"name": "get_wea', {}, ["add"]),
+        (f"[{ADD}, " + '{"na', {}, ["add"]),
+        (f"[{ADD}, " + "{", {}, ["add"]),
+        (f"[{ADD}, ", {}, ["add"]),
+        ("[", {}, []),
+        ('{"name": "ad', {}, []),
+    ],
+)
+def test_an_output_cut_inside_a_call_ends_it_as_a_call_never_as_content(
+    text: str, kw: dict[str, object], expected: list[str], step: int
+) -> None:
+    content, deltas, n = run(text, step=step, bare_json=True, **kw)
+    assert content == ""
+    assert [c[1] for c in calls(deltas)] == expected and n == len(expected)
+
+
+@pytest.mark.parametrize("step", [0, 3])
+def test_a_block_cut_short_is_a_call_or_nothing_never_content(step: int) -> None:
+    content, deltas, _ = run('Checking. <tool_call>\n{"name": "add", "arg', step=step)
+    assert content.strip() == "Checking." and calls(deltas) == [("call_0", "add", "")]
+    for cut in ("<tool_call>\n", '<tool_call>\n{"name": "a'):
+        content, deltas, n = run("Checking. " + cut, step=step)
+        assert (content.strip(), deltas, n) == ("Checking.", [], 0)
+    # a finished block that names no tool stays content, as before
+    content, _, n = run('<tool_call>{"name": "nope"', step=step)
+    assert n == 0 and content == '<tool_call>{"name": "nope"'

@@ -146,3 +146,39 @@ async def test_text_answers_of_a_request_with_tools_open_with_the_role_chunk(
     assert (deltas[0].role, deltas[0].content) == ("assistant", "")
     assert deltas[1].content == "Sunny." and not deltas[1].tool_calls
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+CUT = [
+    pb.ChatResponse(token_ids=[1], tool_calls=[pb.ToolCallDelta(index=0, id="call_a", name="get_weather")]),
+    pb.ChatResponse(token_ids=[2], tool_calls=[pb.ToolCallDelta(index=0, arguments='{"city": "Par')]),
+    pb.ChatResponse(
+        final=pb.Final(finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(prompt_tokens=9, completion_tokens=2))
+    ),
+]
+"""A call cut by max_tokens, as the router parses it: its deltas so far, then FINISH_REASON_LENGTH."""
+
+
+async def test_a_call_cut_by_max_tokens_is_a_partial_tool_call_with_finish_length(
+    served: tuple[openai.AsyncOpenAI, ScriptedGateway],
+) -> None:
+    """As OpenAI returns it: the partial call in ``tool_calls`` (streamed as argument deltas), ``length``,
+    never the call's JSON as content."""
+    client, gateway = served
+    gateway.frames = CUT
+    reply = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, tool_choice="required", max_tokens=2
+    )
+    (choice,) = reply.choices
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls or []
+    assert (call.id, call.function.name, call.function.arguments) == ("call_a", "get_weather", '{"city": "Par')  # type: ignore[union-attr]
+    stream = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, max_tokens=2, stream=True
+    )
+    chunks = [chunk async for chunk in stream]
+    pieces = [d for c in chunks if c.choices for d in (c.choices[0].delta.tool_calls or [])]
+    assert pieces[0].id == "call_a" and "".join(p.function.arguments or "" for p in pieces if p.function) == (
+        '{"city": "Par'
+    )
+    assert not any(c.choices[0].delta.content for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
