@@ -380,7 +380,7 @@ def test_the_versions_overlay_adds_a_pool_its_models_file_names(tmp_path: Path) 
     volume = next(v for v in gateway["volumes"] if v["name"] == "models-file")
     config = _find(built, "ConfigMap", volume["configMap"]["name"])
     (key,) = config["data"]
-    assert env["MESHSERVE_ROUTER_MODELS_FILE"] == f"{mount['mountPath']}/{key}"
+    assert env["MESHSERVE_ROUTER_MODELS_FILE"] == mount["mountPath"] and mount["subPath"] == key
     path = tmp_path / key
     path.write_text(config["data"][key])
     specs, _, by_model = load_settings(RouterSettings, models_file=str(path), models_dir=str(tmp_path)).served_models()
@@ -391,6 +391,14 @@ def test_the_versions_overlay_adds_a_pool_its_models_file_names(tmp_path: Path) 
         and {v.name: v.build_id for v in specs[0].versions}["int8"] == worker_env["MESHSERVE_EDGE_WORKER_MODEL_VERSION"]
     )
     assert specs[0].rollout.weights == {"prepared": 100, "int8": 0}
+
+
+def test_the_models_files_of_kubernetes_are_the_repositorys() -> None:
+    """The base's ConfigMap holds deploy/models.yaml (the default model's generation defaults); the versions
+    overlay's holds deploy/models.versions.yaml."""
+    for overlay, name in (("cpu", "models.yaml"), ("versions", "models.versions.yaml")):
+        config = _find(kustomize.build(K8S / "overlays" / overlay), "ConfigMap", "meshserve-models")
+        assert yaml.safe_load(config["data"]["models.yaml"]) == yaml.safe_load((K8S.parent / name).read_text())
 
 
 DURABLE_STATE = {

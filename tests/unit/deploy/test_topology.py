@@ -23,7 +23,7 @@ import pytest
 
 from services.common.settings import DEFAULT_INTERNAL_TOKEN, ServiceSettings
 from services.controlplane.frontdoor import FrontDoor
-from services.local.mesh import STATE_REDIS
+from services.local.mesh import DEFAULT_MODELS_FILE, STATE_REDIS
 from tests.unit.deploy import commands, compose_model
 from tests.unit.deploy.up_capture import Captured, capture_up
 
@@ -41,6 +41,8 @@ REPLICATED_ROUTERS = {"ROUTER_RESOLVE": "true"}
 """What compose adds to each worker: `up` lists every gateway's router port; in compose `gateway` is one
 DNS name for both replicas, which the worker re-resolves each heartbeat interval and heartbeats all."""
 COMMON_ONLY = {"MESHSERVE_MODELS_DIR": "/models"}
+FILES = {str(DEFAULT_MODELS_FILE): "/etc/meshserve/models.yaml"}
+"""Files of the repository `up` names by path, and where compose bind-mounts them."""
 REDIS = {"redis", STATE_REDIS}
 """Third-party images: the cache Redis and the state Redis (no meshserve settings, no gRPC health)."""
 """The models volume (``up`` uses ~/.cache/meshserve/models)."""
@@ -95,6 +97,8 @@ def _translator(up: Captured, compose: dict[str, Any]):  # type: ignore[no-untyp
             assert m[0] in addresses, f"{m[0]} is no service `meshserve up` started"
             return addresses[m[0]]
 
+        if value in FILES:
+            return FILES[value]
         return pattern.sub(sub, value)
 
     return translate
