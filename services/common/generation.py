@@ -70,6 +70,9 @@ class Final:
     """Tokens generated in this turn (an EOS counts; resumed tokens do not)."""
     prefill_tokens: int
     """Tokens the model ran before the first new token (less than the context where KV was reused)."""
+    budget_closed: bool = False
+    """Structured output: the mask closed the answer validly because ``max_tokens`` was about to run out
+    (services/worker/grammar.py, ``TokenConstraint.budget_closed``; the caller's usage details say so)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,6 +97,8 @@ async def store_response(
         return
     if progress.crossed:  # part of it came from another build: not the answer of either
         return
+    if done.budget_closed:  # the entry has no room for the flag: a hit would lose it (structured_output.md)
+        return
     key = key_for(tier)
     response = CachedResponse(
         tuple(progress.tokens),

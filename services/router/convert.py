@@ -78,13 +78,16 @@ def route_pb(route: Route) -> inference_pb2.RouteInfo:
     )
 
 
-def final_pb(finish_reason: int, prompt_tokens: int, completion_tokens: int, route: Route) -> inference_pb2.Final:
+def final_pb(
+    finish_reason: int, prompt_tokens: int, completion_tokens: int, route: Route, budget_closed: bool = False
+) -> inference_pb2.Final:
     return inference_pb2.Final(
         finish_reason=finish_reason,  # type: ignore[arg-type]
         usage=inference_pb2.Usage(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            budget_closed=budget_closed,
         ),
         route=route_pb(route),
     )
@@ -231,7 +234,7 @@ _TIER_FROM_PB = {inference_pb2.TIER_EDGE: TierName.EDGE, inference_pb2.TIER_CLOU
 
 
 def done_pb(done: Done) -> inference_pb2.Final:
-    return final_pb(done.finish_reason, done.prompt_tokens, done.completion_tokens, done.route)
+    return final_pb(done.finish_reason, done.prompt_tokens, done.completion_tokens, done.route, done.budget_closed)
 
 
 def event(frame: inference_pb2.GenerateResponse | inference_pb2.ChatResponse, last: bool = True) -> Event:
@@ -244,7 +247,13 @@ def event(frame: inference_pb2.GenerateResponse | inference_pb2.ChatResponse, la
     final = frame.final
     route = Route(_TIER_FROM_PB.get(final.route.tier), final.route.worker_id, final.route.cache_hit, final.route.reason)
     return Done(
-        int(final.finish_reason), final.usage.prompt_tokens, final.usage.completion_tokens, route, frame.index, last
+        int(final.finish_reason),
+        final.usage.prompt_tokens,
+        final.usage.completion_tokens,
+        route,
+        frame.index,
+        last,
+        final.usage.budget_closed,
     )
 
 

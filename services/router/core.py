@@ -527,6 +527,7 @@ class Router:
                     Route(choice.tier, stream.replica.name, False, reason),
                     frame.index,
                     ended,
+                    final.budget_closed,
                 )
                 if ended:
                     return

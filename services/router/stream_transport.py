@@ -80,7 +80,7 @@ def _frame(r: worker_pb2.WorkerResponse) -> GenerationEvent:
         return GenerationEvent(tuple(r.token_ids), r.text, r.index, logprobs, sequence=r.sequence)
     f = r.final
     reason = FinishReason(f.finish_reason or FinishReason.STOP)
-    final = Final(reason, f.prompt_tokens, f.completion_tokens, f.prefill_tokens)
+    final = Final(reason, f.prompt_tokens, f.completion_tokens, f.prefill_tokens, f.budget_closed)
     return GenerationEvent(tuple(r.token_ids), r.text, r.index, final=final, sequence=r.sequence)
 
 

@@ -143,6 +143,9 @@ class Done:
     chunk; ``prompt_tokens`` is the prompt's in each, ``completion_tokens`` that choice's."""
     last: bool = True
     """The turn's last event (its n-th Done)."""
+    budget_closed: bool = False
+    """Structured output: the answer was closed validly because max_tokens was about to run out (the
+    worker's mask forced its ending; docs/structured_output.md); the caller sees it in the usage details."""
 
 
 @dataclass(frozen=True)

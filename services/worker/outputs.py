@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -38,6 +39,9 @@ from services.worker.stats import WorkerCounters
 from services.worker.stops import StopStringMatcher
 from services.worker.token_texts import TokenTexts
 from services.worker.types import SequenceOutput
+
+if TYPE_CHECKING:  # the grammar module needs llguidance; this module only reads its state's flag
+    from services.worker.grammar import TokenConstraint
 
 log = structlog.get_logger(__name__)
 
@@ -70,6 +74,8 @@ class ChoiceState:
     tail: str = ""
     flagged: bool = False
     """Listed in its stream's ``ready``."""
+    constraint: TokenConstraint | None = None
+    """Its structured-output grammar state (the engine loop's; read here once it ended: ``budget_closed``)."""
 
 
 class TurnStream:
@@ -265,7 +271,8 @@ class OutputProcessor:
             else:
                 tail += st.stops.flush()
         st.tail = tail
-        st.final = Final(reason, st.context_len, st.produced, st.prefill if st.produced else 0)
+        closed = st.constraint is not None and st.constraint.budget_closed
+        st.final = Final(reason, st.context_len, st.produced, st.prefill if st.produced else 0, closed)
         self.live.pop(st.id, None)
         st.on_end(st)
 

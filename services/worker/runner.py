@@ -11,6 +11,7 @@ before the next step, which frees their KV; a prefill in progress stops after it
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 import itertools
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -301,7 +302,10 @@ class Runner:
         """The sequence's grammar state (None: unconstrained), compiled on the compiler's pool."""
         if sampling.structured is None:
             return None
-        return await asyncio.to_thread(self.grammars().open, sampling.structured, replay)
+        # max_tokens: the turn's whole budget (``sampling``'s is what is left after the replay)
+        return await asyncio.to_thread(
+            partial(self.grammars().open, max_tokens=sampling.max_tokens + len(replay)), sampling.structured, replay
+        )
 
     def grammars(self) -> GrammarCompiler:
         """The structured-output compiler for this engine's vocabulary, made on first use."""
@@ -331,6 +335,7 @@ class Runner:
             hold=seq.hold,
             on_end=turn.ended,
             prefill=len(context),
+            constraint=seq.constraint,
         )
 
     async def sweep_sessions_forever(self) -> None:

@@ -334,4 +334,5 @@ def _final(final: Final) -> worker_pb2.WorkerFinal:
         prompt_tokens=final.prompt_tokens,
         completion_tokens=final.completion_tokens,
         prefill_tokens=final.prefill_tokens,
+        budget_closed=final.budget_closed,
     )

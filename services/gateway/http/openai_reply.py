@@ -86,12 +86,21 @@ def finish_reason(final: pb.Final) -> str:
     return _FINISH.get(final.finish_reason, "stop")
 
 
-def usage(final: pb.Final | list[pb.Final]) -> dict[str, int]:
-    """OpenAI's usage of one choice's final, or of n choices' finals: the prompt once, completions summed."""
+def usage(final: pb.Final | list[pb.Final]) -> dict[str, Any]:
+    """OpenAI's usage of one choice's final, or of n choices' finals: the prompt once, completions summed;
+    ``completion_tokens_details.budget_closed`` when structured output was closed validly because
+    ``max_tokens`` was about to run out (any choice; docs/structured_output.md)."""
     finals = final if isinstance(final, list) else [final]
     prompt = finals[0].usage.prompt_tokens if finals else 0
     completion = sum(f.usage.completion_tokens for f in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if any(f.usage.budget_closed for f in finals):
+        out["completion_tokens_details"] = {"budget_closed": True}
+    return out
 
 
 def _logprob(value: float) -> float:

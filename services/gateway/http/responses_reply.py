@@ -31,11 +31,14 @@ def _usage(final: pb.Final | None) -> dict[str, Any] | None:
     if final is None:
         return None
     u = final.usage
+    details: dict[str, Any] = {"reasoning_tokens": 0}
+    if u.budget_closed:  # structured output closed validly before max_output_tokens ran out
+        details["budget_closed"] = True
     return {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": details,
         "total_tokens": u.prompt_tokens + u.completion_tokens,
     }
 

@@ -101,3 +101,13 @@ async def test_what_is_never_stored() -> None:
     assert cache.puts == []
     await store_response(cache, key_for, req, progress(), done(CLOUD, pb.FINISH_REASON_STOP))  # type: ignore[arg-type]
     assert [key for key, _ in cache.puts] == [k.key(req, CLOUD)]  # an empty answer is still the cloud's
+
+
+async def test_a_budget_closed_answer_is_not_stored() -> None:
+    """The cache entry has no room for the flag: a hit would serve the answer without it."""
+    from dataclasses import replace
+
+    cache, k, req = FakeCache(), keys(), turn()
+    closed = replace(done(EDGE, pb.FINISH_REASON_STOP), budget_closed=True)
+    await store_response(cache, lambda t: k.key(req, t), req, progress(EDGE), closed)  # type: ignore[arg-type]
+    assert cache.puts == []

@@ -124,3 +124,11 @@ def test_frames_carry_tool_call_deltas() -> None:
     assert convert.tool_calls_pb(chunk.tool_calls) == list(frame.tool_calls)
     done = Done(FinishReason.TOOL_CALLS, 5, 2, Route(TierName.EDGE, "e", False, "hint"))
     assert convert.done_pb(done).finish_reason == pb.FINISH_REASON_TOOL_CALLS
+
+
+def test_a_budget_closed_answer_says_so_across_the_wire() -> None:
+    done = Done(FinishReason.STOP, 5, 9, Route(TierName.EDGE, "edge-a", False, "hint"), budget_closed=True)
+    final = convert.done_pb(done)
+    assert final.usage.budget_closed and final.usage.completion_tokens == 9
+    assert convert.event(pb.GenerateResponse(final=final)) == done
+    assert not convert.done_pb(Done(FinishReason.STOP, 5, 9, done.route)).usage.budget_closed

@@ -113,3 +113,14 @@ def test_completion_logprobs_have_openai_s_shape() -> None:
         "top_logprobs": [{"Hi": -0.25, " yo": -9999.0}, {"bytes:\\xe6": -1.5}],  # the sampled token always in
         "text_offset": [4, 6],
     }
+
+
+def test_a_budget_closed_answer_is_marked_in_the_usage_details() -> None:
+    closed = pb.Final(
+        finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage(prompt_tokens=3, completion_tokens=9, budget_closed=True)
+    )
+    plain = pb.Final(finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage(prompt_tokens=3, completion_tokens=4))
+    assert openai_reply.usage(closed)["completion_tokens_details"] == {"budget_closed": True}
+    assert "completion_tokens_details" not in openai_reply.usage(plain)
+    assert openai_reply.usage([plain, closed])["completion_tokens_details"] == {"budget_closed": True}  # n choices
+    assert openai_reply.chat_completion("rid", "m", "{}", closed)["usage"]["completion_tokens_details"]["budget_closed"]

@@ -35,3 +35,14 @@ async def test_an_empty_answer_is_one_empty_message() -> None:
     await out.text("", [])
     await out.finish("completed")
     assert [(i["type"], i["content"][0]["text"]) for i in out.items] == [("message", "")]
+
+
+def test_a_budget_closed_answer_is_marked_in_the_output_token_details() -> None:
+    from services.gateway.http.responses_reply import _usage
+
+    closed = pb.Final(
+        finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage(prompt_tokens=3, completion_tokens=9, budget_closed=True)
+    )
+    assert _usage(closed)["output_tokens_details"] == {"reasoning_tokens": 0, "budget_closed": True}  # type: ignore[index]
+    plain = pb.Final(finish_reason=pb.FINISH_REASON_STOP, usage=pb.Usage(prompt_tokens=3, completion_tokens=9))
+    assert _usage(plain)["output_tokens_details"] == {"reasoning_tokens": 0}  # type: ignore[index]
