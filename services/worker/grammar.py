@@ -49,21 +49,29 @@ log = structlog.get_logger(__name__)
 
 GRAMMAR_CACHE_ENTRIES = 64
 """Compiled grammars kept per engine (LRU, by the constraint's digest)."""
-CLOSE_MARGIN = 3
-"""Tokens of slack before the last moment to close: one chosen token can add a few to the ending it
-needs (``{"`` opens an object and a key), so closing begins when the tokens left are at most the
-ending's length + EOS + this."""
+CLOSE_MARGIN = 4
+"""The steps before the last moment (the tokens left = the ending + EOS) in which the model may only take
+tokens that keep the ending within what is left after them: one free token can lengthen the ending by a
+few (``{"`` opens an object and a key), which would then no longer fit. At the last moment only the
+ending's next token is allowed."""
 CLOSE_LOOKAHEAD = 16
-"""The ending is re-measured at every step once the tokens left are within this many of the point
-where closing begins (and every :data:`CLOSE_RECHECK` steps before that)."""
-CLOSE_RECHECK = 8
+"""The ending is measured at every step once the tokens left are within this many of those steps by the
+last periodic measurement (taken every :data:`CLOSE_RECHECK` tokens)."""
+CLOSE_TRY = 64
+"""Before the last moment, outside a string, a mask of at most this many tokens has each token tried (its
+ending measured after it); a larger one allows only the ending's next token. Inside a string, the
+string's plain content (no quote, backslash or control byte) keeps the ending as it is and stays allowed."""
+CLOSE_RECHECK = 4
+"""The ending is measured after every this-many tokens, generated or replayed, so when closing begins is a
+function of the tokens alone: a resumed stream closes where the undisturbed one did."""
 CLOSE_LIMIT = 96
 """Longest ending searched for; a constraint that needs more is left to end at ``length``."""
 _IN_STRING = ('"}]', '"]}', '"}}', '"}', '"]', '"')
 """Closing candidates inside a JSON string (as text; tokenized once per vocabulary), most closing first."""
 _ESCAPED = ("n", '"', "\\", "t")
-_OUTSIDE = ("}]", "]}", "}}", "]]", "}", "]", "0", "null", "true", "false", '""', "[]", "{}", '"', ",", ":", " ")
-"""Outside a string: closers, then the shortest values, then what opens a required key or separates."""
+_OUTSIDE = ("}]", "]}", "}}", "]]", "}", "]", ",", "0", "null", "true", "false", '""', "[]", "{}", '"', ":", " ")
+"""Outside a string: closers, then the comma a required property still needs (never valid where a value
+must come), then the shortest values, then what opens a key."""
 _FILLERS = ("0", "a", " ", "x")
 """What a string that may not end yet (``minLength``, a pattern, a unicode escape) gets before its quote."""
 
@@ -107,6 +115,26 @@ class _Closer:
         self._outside = ids(_OUTSIDE)
         self._fillers = ids(_FILLERS)
         self._bytes: dict[int, bytes] = {}
+        self._content: np.ndarray | None = None
+
+    def content_words(self, words: int) -> np.ndarray:
+        """A bitmask (``words`` int32 words) of the tokens that are plain JSON string content: valid UTF-8
+        with no quote, backslash or control byte (built once, ~50 ms)."""
+        if self._content is None:
+            plain = np.zeros(words * 32, dtype=bool)
+            for token in range(min(self._tokenizer.vocab_size, words * 32)):
+                if self._tokenizer.is_special_token(token):
+                    continue
+                data = self._tokenizer.decode_bytes([token])
+                if not data or b'"' in data or b"\\" in data or min(data) < 0x20:
+                    continue
+                try:
+                    data.decode("utf-8")
+                except UnicodeDecodeError:
+                    continue
+                plain[token] = True
+            self._content = np.packbits(plain, bitorder="little").view(np.int32)
+        return self._content
 
     def token_bytes(self, token: int) -> bytes:
         found = self._bytes.get(token)
@@ -148,11 +176,15 @@ class _Closer:
             for tokens in candidates:
                 if tokens and matcher.validate_tokens(tokens) == len(tokens):
                     return tokens
-        mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.flatnonzero(np.unpackbits(mask, bitorder="little"))
-        for token in allowed:
-            if int(token) not in self._eos:
-                return [int(token)]
+        words = np.frombuffer(matcher.compute_bitmask(), dtype="<u4")
+        for word in np.flatnonzero(words):  # the lowest allowed token that is not EOS
+            bits = int(words[word])
+            while bits:
+                low = bits & -bits
+                token = int(word) * 32 + low.bit_length() - 1
+                if token not in self._eos:
+                    return [token]
+                bits ^= low
         return []
 
 
@@ -184,64 +216,97 @@ class TokenConstraint:
         self._lexer = _JsonLexer()
         self._plan: list[int] | None = None  # closing: the ending's tokens still to force
         self._closed = False
-        self._decided_at = -1  # ``_consumed`` when the closing decision below was last made
-        self._forced: int | None = None
-        self._ending_len = 0  # the last measured ending's length
-        self._measured_at = -CLOSE_RECHECK
+        self._decided_at = -1  # ``_consumed`` when the budget's mask below was last decided
+        self._budgeted: np.ndarray | None = None
+        self._ending_len = 0  # the length of the ending at the last periodic measurement
         self._one = np.zeros_like(self._bitmask[0])
+        if self._closer is not None:
+            self._ending_len = self._measure()
 
     @property
     def budget_closed(self) -> bool:
-        """The mask began forcing the answer's ending because the budget (``max_tokens``) was about to run
-        out: the answer ends valid, with EOS (not at ``length``)."""
+        """The mask began closing the answer because the budget (``max_tokens``) was about to run out
+        (first only the tokens that keep a valid ending within it, at the last moment only the ending's):
+        the answer ends valid, with EOS, not at ``length``."""
         return self._closed
 
     def bitmask(self) -> np.ndarray:
         """The allowed next tokens, one bit per token id (int32 words, bit i of word j = token 32j+i).
 
         EOS is allowed only where the text is complete. A matcher in an error state (a replayed token
-        the grammar rejects) allows EOS only, so the sequence ends instead of producing garbage. While
-        the answer is being closed (the budget is about to run out) only the ending's next token is.
+        the grammar rejects) allows EOS only, so the sequence ends instead of producing garbage. Near the
+        end of the budget, only the tokens that keep a valid ending within it (the module docstring).
         """
         if self._matcher.is_error():
             return self._fallback
-        forced = self._closing_token()
-        if forced is not None:
-            self._one.fill(0)
-            self._one.view(np.uint32)[forced >> 5] = np.uint32(1 << (forced & 31))
-            return self._one
+        if self._decided_at != self._consumed:
+            self._decided_at = self._consumed
+            self._budgeted = self._budget_mask()
+        if self._budgeted is not None:
+            return self._budgeted
         llnp.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
         return self._bitmask[0]
 
-    def _closing_token(self) -> int | None:
-        """The token the budget forces now (None: the grammar's whole mask applies)."""
+    def _one_hot(self, token: int) -> np.ndarray:
+        self._one.fill(0)
+        self._one.view(np.uint32)[token >> 5] = np.uint32(1 << (token & 31))
+        return self._one
+
+    def _budget_mask(self) -> np.ndarray | None:
+        """The mask the budget imposes now (None: the grammar's applies unchanged); called once per step."""
         if self._closer is None or self._max_tokens is None:
             return None
-        if self._decided_at == self._consumed:
-            return self._forced
-        self._decided_at = self._consumed
-        self._forced = None
         left = self._max_tokens - self._consumed  # tokens this turn may still produce, this one included
         if left <= 0:
             return None
-        if self._plan is None:
-            due = left <= self._ending_len + 1 + CLOSE_MARGIN + CLOSE_LOOKAHEAD
-            if not due and self._consumed - self._measured_at < CLOSE_RECHECK:
-                return None
-            ending = self._closer.ending(self._matcher, self._lexer, CLOSE_LIMIT)
-            self._measured_at = self._consumed
-            if ending is None:  # none within the limit: the answer ends at length
-                self._ending_len = CLOSE_LIMIT
-                return None
-            self._ending_len = len(ending)
-            if not ending or len(ending) + 1 + CLOSE_MARGIN < left:
-                return None  # complete already (the model may end it), or still time to write
-            if len(ending) + 1 > left:
-                return None  # too late: no valid ending fits (the answer ends at length)
+        if self._plan is not None:  # the last moment has come: the ending, token by token, then EOS
+            return self._restricted(self._one_hot(self._plan[0] if self._plan else int(self.eos_ids[0])))
+        if self._ending_len >= CLOSE_LIMIT or left > self._ending_len + 1 + CLOSE_MARGIN + CLOSE_LOOKAHEAD:
+            return None  # far from it (or no ending found) by the last periodic measurement
+        ending = self._closer.ending(self._matcher, self._lexer, CLOSE_LIMIT)
+        if ending is None:
+            return None  # no ending found: the answer ends at length
+        need = len(ending) + 1  # and its EOS
+        if need > left or need + CLOSE_MARGIN < left:
+            return None  # too late (the answer ends at length), or still free to write
+        first = ending[0] if ending else int(self.eos_ids[0])
+        llnp.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+        grammar = self._bitmask[0]
+        if not ending and int(np.bitwise_count(grammar.view(np.uint32)).sum()) > CLOSE_TRY:
+            return None  # complete, and free text may follow: it may run to the end (length)
+        if need == left:
             self._plan = ending
-            self._closed = True
-        self._forced = self._plan[0] if self._plan else int(self.eos_ids[0])
-        return self._forced
+            return self._restricted(self._one_hot(first))
+        return self._restricted(self._keeping(grammar, first, left))
+
+    def _restricted(self, mask: np.ndarray) -> np.ndarray:
+        """``mask``, noting whether the budget took any token the grammar allows away (``budget_closed``)."""
+        if not self._closed:
+            llnp.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+            self._closed = not np.array_equal(mask, self._bitmask[0])
+        return mask
+
+    def _keeping(self, grammar: np.ndarray, first: int, left: int) -> np.ndarray:
+        """The tokens of ``grammar`` after which a valid ending still fits in ``left - 1`` tokens (always
+        ``first``, the ending's own next token)."""
+        assert self._closer is not None
+        if self._lexer.in_string and not self._lexer.escape:
+            kept = grammar & self._closer.content_words(grammar.size)
+        else:
+            kept = np.zeros_like(grammar)
+            allowed = np.flatnonzero(unpack(grammar, self.vocab_size))
+            if allowed.size <= CLOSE_TRY:
+                for token in (int(t) for t in allowed):
+                    if token in self.eos_ids or not self._matcher.consume_token(token):
+                        continue
+                    lexer = self._lexer.copy()
+                    lexer.feed(self._closer.token_bytes(token))
+                    ending = self._closer.ending(self._matcher, lexer, left - 2)
+                    self._matcher.rollback(1)
+                    if ending is not None and len(ending) + 1 <= left - 1:
+                        kept.view(np.uint32)[token >> 5] |= np.uint32(1 << (token & 31))
+        kept.view(np.uint32)[first >> 5] |= np.uint32(1 << (first & 31))
+        return kept
 
     def allowed(self) -> np.ndarray:
         """The allowed next tokens as a ``[vocab_size]`` bool row."""
@@ -276,6 +341,16 @@ class TokenConstraint:
         if not self._matcher.is_error() and not self._matcher.is_stopped():
             if not self._matcher.consume_token(token):
                 log.warning("grammar_token_rejected", token=token, error=self._matcher.get_error()[:200])
+        if self._closer is not None and self._plan is None and self._consumed % CLOSE_RECHECK == 0:
+            self._ending_len = self._measure()
+
+    def _measure(self) -> int:
+        """The length of the ending from here (:data:`CLOSE_LIMIT` when none is found within it)."""
+        assert self._closer is not None
+        if self._matcher.is_error():
+            return CLOSE_LIMIT
+        ending = self._closer.ending(self._matcher, self._lexer, CLOSE_LIMIT)
+        return CLOSE_LIMIT if ending is None else len(ending)
 
     @property
     def accepting(self) -> bool:

@@ -53,6 +53,30 @@ class WorkerCases:
         assert resumed.token_ids == full.token_ids[k:]  # only the new tokens, none repeated or missing
         assert resumed.final is not None and resumed.final.prompt_tokens == len(prompt) + k
 
+    async def test_json_cut_by_its_budget_is_closed_valid_and_a_resumed_stream_closes_the_same(
+        self, stub: worker_pb2_grpc.WorkerStub, tokenizer: object
+    ) -> None:
+        """The budget-closing mask on the real engine: a JSON answer that would run past max_tokens ends
+        valid, with EOS inside the budget, marked budget_closed on the wire; resumed mid-way (a failover),
+        the stream continues to the same closed answer."""
+        text = {"type": "object", "properties": {"description": {"type": "string"}}, "required": ["description"]}
+        ask = "<|im_start|>user\nDescribe the solar system in detail as JSON.<|im_end|>\n<|im_start|>assistant\n"
+        ids = list(tokenizer.encode(ask).ids)  # type: ignore[attr-defined]
+        sampling = {"max_tokens": 16, "structured": pb.StructuredOutput(json_schema=json.dumps(text))}
+        result = await generate(stub, ids, **sampling)
+        assert result.final is not None and result.final.budget_closed, result.text
+        assert result.reason == pb.FINISH_REASON_STOP and result.final.completion_tokens <= 16
+        assert isinstance(json.loads(result.text)["description"], str)
+
+        async def requests() -> AsyncIterator[worker_pb2.WorkerRequest]:
+            frame = start_frame(ids, **sampling)
+            frame.start.resume_token_ids.extend(result.token_ids[:10])
+            yield frame
+
+        resumed = fold([f async for f in stub.Generate(requests(), metadata=META)])
+        assert result.token_ids[:10] + resumed.token_ids == result.token_ids
+        assert resumed.final is not None and resumed.final.budget_closed
+
     async def test_max_tokens_is_length(self, stub: worker_pb2_grpc.WorkerStub, prompt: list[int]) -> None:
         result = await generate(stub, prompt, max_tokens=3)
         assert len(result.token_ids) == 3 and result.reason == pb.FINISH_REASON_LENGTH

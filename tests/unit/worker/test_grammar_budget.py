@@ -142,23 +142,26 @@ def test_a_tool_call_begun_in_an_auto_turn_is_closed_as_a_call(compiler: Grammar
         assert json.loads(block)["name"] == "get_weather" and "city" in json.loads(block)["arguments"]
 
 
-def test_the_flag_says_the_ending_was_forced_and_the_mask_forced_one_token_at_a_time(
+def test_near_the_end_content_stays_allowed_and_only_the_last_moment_forces_one_token(
     compiler: GrammarCompiler, tokenizer: Tokenizer
 ) -> None:
-    state = compiler.open(check_constraint("json_schema", json.dumps(PERSON)), max_tokens=60)
-    forced_steps = 0
-    for _ in range(60):
+    """Inside a string the model may write on until the tokens left are just the ending and its EOS; then
+    only the ending's tokens are allowed, one at a time."""
+    state = compiler.open(check_constraint("json_object"), max_tokens=24)
+    begun = tokenizer.encode('{"story": "It was a dark', add_special_tokens=False).ids
+    for token in begun:
+        state.advance(token)
+    lengths, sizes = _lengths(tokenizer), []
+    while True:
         allowed = np.flatnonzero(state.allowed())
-        if state.budget_closed:
-            assert allowed.size == 1  # only the ending's next token
-            forced_steps += 1
-            if allowed[0] == EOS:
-                break
-            state.advance(int(allowed[0]))
-            continue
+        sizes.append(allowed.size)
+        if allowed.size == 1 and allowed[0] == EOS:
+            break
         choices = allowed[allowed != EOS]
-        state.advance(int(choices[np.argmax(_lengths(tokenizer)[choices])]))
-    assert state.budget_closed and forced_steps >= 2 and state.accepting
+        state.advance(int(choices[np.argmax(lengths[choices])]))
+    assert state.budget_closed and len(sizes) <= 24 - len(begun)
+    assert sizes[-2:] == [1, 1]  # '"}' (one token), then EOS: forced
+    assert min(sizes[:-2]) > 1000  # the string's content stayed allowed up to then
 
 
 def test_without_a_budget_the_mask_is_the_grammars(compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
@@ -196,10 +199,27 @@ def test_replayed_tokens_count_against_the_budget(compiler: GrammarCompiler, tok
     c = check_constraint("json_object")
     prefix = tokenizer.encode('{"story": "Once upon a time there was a', add_special_tokens=False).ids
     state = compiler.open(c, prefix, max_tokens=len(prefix) + 3)  # a resumed stream with 3 tokens left
-    allowed = np.flatnonzero(state.allowed())
-    assert state.budget_closed and allowed.size == 1
-    tokens: list[int] = []
-    while (token := int(np.flatnonzero(state.allowed())[0])) != EOS:
-        state.advance(token)
-        tokens.append(token)
-    assert len(tokens) + 1 <= 3 and json.loads(tokenizer.decode(prefix + tokens))["story"].startswith("Once")
+    tokens, ended = write(state, 3, random.Random(0), tokenizer)
+    assert ended and state.budget_closed and len(tokens) + 1 <= 3
+    assert json.loads(tokenizer.decode(prefix + tokens))["story"].startswith("Once")
+
+
+def test_a_resumed_stream_closes_where_the_undisturbed_one_did(compiler: GrammarCompiler, tokenizer: Tokenizer) -> None:
+    """When closing begins depends on the tokens alone (replayed ones count and are measured as generated
+    ones), so a stream resumed on another worker continues exactly as it would have."""
+    c = check_constraint("json_schema", json.dumps(PERSON))
+    budget = 70
+    state = compiler.open(c, max_tokens=budget)
+    tokens, ended = write(state, budget, random.Random(3), tokenizer)
+    assert ended and state.budget_closed
+    replayed = compiler.open(c, max_tokens=budget)
+    masks = []
+    for token in tokens:  # the undisturbed run's masks, step by step
+        masks.append(np.flatnonzero(replayed.allowed()).tolist())
+        replayed.advance(token)
+    for cut in (5, 23, 41):
+        resumed = compiler.open(c, tokens[:cut], max_tokens=budget)
+        for i, token in enumerate(tokens[cut:], cut):
+            assert np.flatnonzero(resumed.allowed()).tolist() == masks[i], f"resumed at {cut}: step {i} differs"
+            resumed.advance(token)
+        assert np.flatnonzero(resumed.allowed()).tolist() == [EOS] and resumed.budget_closed
