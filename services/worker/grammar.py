@@ -166,6 +166,7 @@ class _Closer:
                 matcher.rollback(len(plan))
 
     def _candidate(self, matcher: llguidance.LLMatcher, lexer: _JsonLexer) -> list[int]:
+        lists: tuple[list[list[int]], ...]
         if lexer.escape:
             lists = (self._escaped, self._fillers)
         elif lexer.in_string:
