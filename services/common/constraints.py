@@ -63,7 +63,7 @@ class Constraint:
 
     kind: Kind
     text: str = ""
-    """The schema (compact JSON, keys sorted), the regex or the grammar; empty for ``json_object``."""
+    """The schema (compact JSON, keys in the caller's order), the regex or the grammar; empty for ``json_object``."""
 
     @property
     def digest(self) -> str:
@@ -118,7 +118,7 @@ def check_constraint(kind: str, text: str = "", *, field: str = "sampling.struct
 
 
 def schema_text(schema: object, *, field: str = "sampling.structured") -> str:
-    """The canonical text of a parsed JSON schema (keys sorted, compact), after the schema checks."""
+    """The canonical text of a parsed JSON schema (compact, keys in their order), after the schema checks."""
     if not isinstance(schema, dict):
         raise InvalidArgument(f"{field}: the json_schema must be a JSON object (got {type(schema).__name__})")
     depth = _depth(schema, MAX_SCHEMA_DEPTH)
@@ -126,7 +126,10 @@ def schema_text(schema: object, *, field: str = "sampling.structured") -> str:
         raise InvalidArgument(
             f"{field}: the json_schema nests deeper than the limit of {MAX_SCHEMA_DEPTH} levels; flatten it"
         )
-    text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # Keys keep their order: llguidance writes an object's properties in the schema's order (a call's
+    # ``name`` before its ``arguments``, a caller's fields as they listed them), so sorting them here
+    # reordered every answer, and a schema whose keys come in another order is another constraint.
+    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     if len(text.encode("utf-8", "surrogatepass")) > MAX_CONSTRAINT_BYTES:
         raise InvalidArgument(
             f"{field}: the json_schema is over the limit of {MAX_CONSTRAINT_BYTES} bytes; send a smaller one"
