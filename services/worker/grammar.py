@@ -58,12 +58,25 @@ CLOSE_LOOKAHEAD = 16
 """The ending is measured at every step once the tokens left are within this many of those steps by the
 last periodic measurement (taken every :data:`CLOSE_RECHECK` tokens)."""
 CLOSE_TRY = 64
-"""Before the last moment, outside a string, a mask of at most this many tokens has each token tried (its
-ending measured after it); a larger one allows only the ending's next token. Inside a string, the
-string's plain content (no quote, backslash or control byte) keeps the ending as it is and stays allowed."""
+"""In a turn's last :data:`CLOSE_LIMIT` tokens, a mask of at most this many tokens has each token tried
+(its ending measured after it) and keeps those whose ending still fits: a comma in an array of tool
+calls commits to a whole next call (~24 tokens), far more than :data:`CLOSE_MARGIN` covers. A larger
+mask (a string's content, a free value) keeps, near the end, the string's plain content (no quote,
+backslash or control byte: it leaves the ending as it is) and the ending's next token."""
 CLOSE_RECHECK = 4
 """The ending is measured after every this-many tokens, generated or replayed, so when closing begins is a
 function of the tokens alone: a resumed stream closes where the undisturbed one did."""
+CLOSE_TRIES = 16
+"""Most tokens tried in one step (each costs a walk of its ending, ~0.1-0.5 ms); a choice with more of them
+is handled as a large one."""
+CLOSE_SLACK = 8
+"""A token that opens, closes and separates nothing (digits, letters, a string's opening quote and text)
+is kept without a try while the tokens left exceed the ending by this much: its ending grows by a few at
+most (a quote opening a required key: its name, ``": "`` and a value)."""
+CLOSE_GROWTH = 32
+"""Most tokens one token may add to the ending that the small-mask check guards against (a comma opening
+another tool call adds ~24): with more room than the ending and this, no token is tried. An array of
+larger items may still end at ``length`` when its comma comes too late."""
 CLOSE_LIMIT = 96
 """Longest ending searched for; a constraint that needs more is left to end at ``length``."""
 _IN_STRING = ('"}]', '"]}', '"}}', '"}', '"]', '"')
@@ -116,6 +129,7 @@ class _Closer:
         self._fillers = ids(_FILLERS)
         self._bytes: dict[int, bytes] = {}
         self._content: np.ndarray | None = None
+        self._structural: np.ndarray | None = None
 
     def content_words(self, words: int) -> np.ndarray:
         """A bitmask (``words`` int32 words) of the tokens that are plain JSON string content: valid UTF-8
@@ -135,6 +149,17 @@ class _Closer:
                 plain[token] = True
             self._content = np.packbits(plain, bitorder="little").view(np.int32)
         return self._content
+
+    def structural(self, token: int) -> bool:
+        """The token holds a byte that opens or separates JSON (``{[,:`` or a backslash): after it the ending
+        may be much longer (a comma opening another array element); after any other token (digits,
+        letters, quotes, closers, plain text) it grows by a few tokens at most."""
+        if self._structural is None:
+            marks = frozenset(b"{[,:\\")
+            self._structural = np.array(
+                [any(b in marks for b in self._tokenizer.decode_bytes([t])) for t in range(self._tokenizer.vocab_size)]
+            )
+        return bool(self._structural[token]) if token < self._structural.size else True
 
     def token_bytes(self, token: int) -> bytes:
         found = self._bytes.get(token)
@@ -215,10 +240,9 @@ class TokenConstraint:
         self._max_tokens = max_tokens
         self._consumed = 0  # tokens advanced over (replayed ones included)
         self._lexer = _JsonLexer()
-        self._plan: list[int] | None = None  # closing: the ending's tokens still to force
         self._closed = False
-        self._decided_at = -1  # ``_consumed`` when the budget's mask below was last decided
-        self._budgeted: np.ndarray | None = None
+        self._decided_at = -1  # ``_consumed`` when ``_mask`` was last computed
+        self._mask = self._fallback
         self._ending_len = 0  # the length of the ending at the last periodic measurement
         self._one = np.zeros_like(self._bitmask[0])
         if self._closer is not None:
@@ -240,73 +264,94 @@ class TokenConstraint:
         """
         if self._matcher.is_error():
             return self._fallback
-        if self._decided_at != self._consumed:
-            self._decided_at = self._consumed
-            self._budgeted = self._budget_mask()
-        if self._budgeted is not None:
-            return self._budgeted
+        if self._decided_at == self._consumed:  # asked again in the same step: the same answer
+            return self._mask
+        self._decided_at = self._consumed
         llnp.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        return self._bitmask[0]
+        self._mask = self._bitmask[0]
+        budgeted = self._budget_mask(self._mask)
+        if budgeted is not None:
+            if not self._closed:
+                self._closed = not np.array_equal(budgeted, self._mask)
+            self._mask = budgeted
+        return self._mask
 
     def _one_hot(self, token: int) -> np.ndarray:
         self._one.fill(0)
         self._one.view(np.uint32)[token >> 5] = np.uint32(1 << (token & 31))
         return self._one
 
-    def _budget_mask(self) -> np.ndarray | None:
-        """The mask the budget imposes now (None: the grammar's applies unchanged); called once per step."""
+    def _budget_mask(self, grammar: np.ndarray) -> np.ndarray | None:
+        """The mask the budget imposes on the grammar's ``grammar`` now (None: it applies unchanged).
+
+        In a turn's last :data:`CLOSE_LIMIT` tokens: a choice among a few tokens (a comma that would open
+        another array element, a key, ...) keeps only those after which a valid ending still fits;
+        among many (a string's content, a free value), once the tokens left come within
+        :data:`CLOSE_MARGIN` of the ending, the string's plain content and the ending's next token; when
+        they are just the ending and its EOS, the ending alone."""
         if self._closer is None or self._max_tokens is None:
             return None
         left = self._max_tokens - self._consumed  # tokens this turn may still produce, this one included
-        if left <= 0:
+        if left <= 0 or left > CLOSE_LIMIT + 1:
             return None
-        if self._plan is not None:  # the last moment has come: the ending, token by token, then EOS
-            return self._restricted(self._one_hot(self._plan[0] if self._plan else int(self.eos_ids[0])))
+        count = int(np.bitwise_count(grammar.view(np.uint32)).sum())
+        if count <= 1:
+            return None  # nothing to choose
+        if count <= CLOSE_TRY:
+            fitting = self._fitting(grammar, left)
+            if fitting is None or isinstance(fitting, np.ndarray):
+                return fitting
+        return self._near_end(grammar, left)
+
+    def _near_end(self, grammar: np.ndarray, left: int) -> np.ndarray | None:
+        """Many tokens to choose from: free until the tokens left come within :data:`CLOSE_MARGIN` of the
+        ending; then a string's plain content and the ending's next token; at the last moment that token."""
+        assert self._closer is not None
         if self._ending_len >= CLOSE_LIMIT or left > self._ending_len + 1 + CLOSE_MARGIN + CLOSE_LOOKAHEAD:
             return None  # far from it (or no ending found) by the last periodic measurement
         ending = self._closer.ending(self._matcher, self._lexer, CLOSE_LIMIT)
-        if ending is None:
-            return None  # no ending found: the answer ends at length
+        if not ending:
+            return None  # no ending found (the answer ends at length), or complete with free text to follow
         need = len(ending) + 1  # and its EOS
         if need > left or need + CLOSE_MARGIN < left:
             return None  # too late (the answer ends at length), or still free to write
-        first = ending[0] if ending else int(self.eos_ids[0])
-        llnp.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        grammar = self._bitmask[0]
-        if not ending and int(np.bitwise_count(grammar.view(np.uint32)).sum()) > CLOSE_TRY:
-            return None  # complete, and free text may follow: it may run to the end (length)
-        if need == left:
-            self._plan = ending
-            return self._restricted(self._one_hot(first))
-        return self._restricted(self._keeping(grammar, first, left))
-
-    def _restricted(self, mask: np.ndarray) -> np.ndarray:
-        """``mask``, noting whether the budget took any token the grammar allows away (``budget_closed``)."""
-        if not self._closed:
-            llnp.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-            self._closed = not np.array_equal(mask, self._bitmask[0])
-        return mask
-
-    def _keeping(self, grammar: np.ndarray, first: int, left: int) -> np.ndarray:
-        """The tokens of ``grammar`` after which a valid ending still fits in ``left - 1`` tokens (always
-        ``first``, the ending's own next token)."""
-        assert self._closer is not None
-        if self._lexer.in_string and not self._lexer.escape:
+        if need == left:  # the last moment: the ending alone (the next step's is this one's rest)
+            return self._one_hot(ending[0])
+        kept = np.zeros_like(grammar)
+        if self._lexer.in_string and not self._lexer.escape:  # plain content keeps the ending as it is
             kept = grammar & self._closer.content_words(grammar.size)
-        else:
-            kept = np.zeros_like(grammar)
-            allowed = np.flatnonzero(unpack(grammar, self.vocab_size))
-            if allowed.size <= CLOSE_TRY:
-                for token in (int(t) for t in allowed):
-                    if token in self.eos_ids or not self._matcher.consume_token(token):
-                        continue
-                    lexer = self._lexer.copy()
-                    lexer.feed(self._closer.token_bytes(token))
-                    ending = self._closer.ending(self._matcher, lexer, left - 2)
-                    self._matcher.rollback(1)
-                    if ending is not None and len(ending) + 1 <= left - 1:
-                        kept.view(np.uint32)[token >> 5] |= np.uint32(1 << (token & 31))
-        kept.view(np.uint32)[first >> 5] |= np.uint32(1 << (first & 31))
+        kept.view(np.uint32)[ending[0] >> 5] |= np.uint32(1 << (ending[0] & 31))
+        return kept
+
+    def _fitting(self, grammar: np.ndarray, left: int) -> np.ndarray | bool | None:
+        """The tokens of ``grammar`` (a few) after which a valid ending still fits in ``left - 1`` tokens:
+        those that open, close or separate JSON tried on the matcher, the others kept while there is room
+        (None: all of them, or none: the grammar's mask stands; False: too many to try, see
+        :meth:`_near_end`)."""
+        assert self._closer is not None
+        current = self._closer.ending(self._matcher, self._lexer, CLOSE_LIMIT)
+        if current is None:
+            return None  # no ending found from here: the answer ends at length whatever comes next
+        if left - 2 >= len(current) + CLOSE_GROWTH:
+            return None  # room for any token's ending to come
+        tokens = [int(t) for t in np.flatnonzero(unpack(grammar, self.vocab_size))]
+        roomy = len(current) + CLOSE_SLACK <= left
+        tried = [t for t in tokens if t not in self.eos_ids and (self._closer.structural(t) or not roomy)]
+        if len(tried) > CLOSE_TRIES:
+            return False
+        kept = np.zeros_like(grammar)
+        for token in tokens:
+            fits = token not in tried
+            if not fits and self._matcher.consume_token(token):
+                lexer = self._lexer.copy()
+                lexer.feed(self._closer.token_bytes(token))
+                ending = self._closer.ending(self._matcher, lexer, max(left - 2, 0))
+                self._matcher.rollback(1)
+                fits = ending is not None and len(ending) + 1 <= left - 1
+            if fits:
+                kept.view(np.uint32)[token >> 5] |= np.uint32(1 << (token & 31))
+        if not kept.any() or np.array_equal(kept, grammar):
+            return None
         return kept
 
     def allowed(self) -> np.ndarray:
@@ -332,17 +377,12 @@ class TokenConstraint:
         (logged; the sequence may then only end)."""
         token = int(token)
         self._consumed += 1
-        if self._plan is not None:
-            if self._plan and self._plan[0] == token:
-                self._plan.pop(0)
-            else:  # not the ending's token (a replay from another worker): measure again
-                self._plan = None
         if self._closer is not None:
             self._lexer.feed(self._closer.token_bytes(token))
         if not self._matcher.is_error() and not self._matcher.is_stopped():
             if not self._matcher.consume_token(token):
                 log.warning("grammar_token_rejected", token=token, error=self._matcher.get_error()[:200])
-        if self._closer is not None and self._plan is None and self._consumed % CLOSE_RECHECK == 0:
+        if self._closer is not None and self._consumed % CLOSE_RECHECK == 0:
             self._ending_len = self._measure()
 
     def _measure(self) -> int:
