@@ -1,7 +1,7 @@
 """``meshserve bench [SUBCOMMAND]``: the benchmark suites.
 
 ``meshserve bench load|soak|gateways|relay|worker-runtime|tiers-ab|cancel|report|spec|tp-prefix|batch|edge|``
-``edge-n|edge-logprobs|edge-structured|edge-prefill|edge-int4-kernel|edge-quality``
+``edge-n|edge-logprobs|edge-structured|edge-prefill|edge-int4-kernel|edge-quality|structured-guarantees``
 ``...`` run the harness of issue 9, the cloud engine's speculative/TP benchmark and the edge tier's (each has
 ``-h``); anything else (``meshserve bench``, ``meshserve bench --only cloud``, ...) goes to
 :func:`benchmarks.mesh.run.main`, the mesh-overhead benchmark, unchanged.
@@ -34,6 +34,10 @@ SUBCOMMANDS = {
     "edge": (
         "benchmarks.edge.mesh",
         "edge tier: single-stream roofline share, 16 vs 1 stream scaling, memory per stream",
+    ),
+    "structured-guarantees": (
+        "benchmarks.structured.guarantees",
+        "structured output's guarantees on the real model, both tiers and front doors (rates, TARGET lines)",
     ),
     "edge-structured": (
         "benchmarks.edge.structured",
