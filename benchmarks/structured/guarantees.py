@@ -30,8 +30,10 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -277,6 +279,65 @@ async def run_tier(
         return list(await asyncio.gather(*jobs))
 
 
+README_CHATS = [("What is the capital of France?", 0), ("Tell me about the sea", 0), ("Hello", 64), ("Hello", 32)]
+"""The README's chat prompts (`make run`'s demo, `meshserve chat`'s examples) and their max_tokens (0: the
+default, 256)."""
+README_COMPLETIONS = [("The capital of France is", 32), ("Hello", 16), ("The sea is", 0)]
+"""The README's Generate / completion prompts."""
+README_SEED = 7
+
+
+def most_repeated_sentence(text: str) -> int:
+    """How often the answer's most frequent sentence (or line) occurs: a loop repeats one to max_tokens."""
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+|\n+", text) if len(s.strip()) > 3]
+    return max(Counter(sentences).values(), default=0)
+
+
+async def readme_answers(tier: str, gateway: str, base_url: str, api_key: str) -> list[dict[str, Any]]:
+    """The README's prompts on one tier under the model's defaults (only max_tokens as the README sets it,
+    and a seed): chats through gRPC, completions through HTTP."""
+    out: list[dict[str, Any]] = []
+    routing = pb.RoutingOptions(tier=TIERS[tier], cache_policy=pb.CACHE_POLICY_BYPASS)  # type: ignore[arg-type]
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        for prompt, max_tokens in README_CHATS:
+            turn = pb.ChatTurn(
+                messages=[pb.ChatMessage(role="user", content=prompt)],
+                sampling=pb.SamplingParams(max_tokens=max_tokens, seed=README_SEED),
+                routing=routing,
+            )
+
+            async def frames(turn: pb.ChatTurn = turn) -> AsyncIterator[pb.ChatRequest]:
+                yield pb.ChatRequest(turn=turn)
+
+            texts, finish = [], ""
+            async for frame in stub.Chat(frames(), metadata=(("authorization", f"Bearer {api_key}"),)):
+                texts.append(frame.text)
+                if frame.HasField("final"):
+                    finish = _FINISH.get(frame.final.finish_reason, "other")
+            text = "".join(texts)
+            out.append(
+                {"door": "grpc chat", "prompt": prompt, "max_tokens": max_tokens, "text": text, "finish": finish}
+            )
+    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600) as client:
+        for prompt, max_tokens in README_COMPLETIONS:
+            kw: dict[str, Any] = {"max_tokens": max_tokens} if max_tokens else {}
+            reply = await client.completions.create(model="", prompt=prompt, seed=README_SEED, **kw)
+            choice = reply.choices[0]
+            out.append(
+                {
+                    "door": "http completion",
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "text": choice.text,
+                    "finish": choice.finish_reason,
+                }
+            )
+    for answer in out:
+        answer["most_repeated"] = most_repeated_sentence(answer["text"])
+    return out
+
+
 def rates(outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
     """Per tier, door and kind: answers, guarantee held / broken, share finishing at length, budget-closed."""
     rows: list[dict[str, Any]] = []
@@ -315,7 +376,9 @@ def targets(outcomes: Sequence[Outcome]) -> list[str]:
     return lines
 
 
-def markdown(outcomes: Sequence[Outcome], command: str, seconds: dict[str, float]) -> str:
+def markdown(
+    outcomes: Sequence[Outcome], command: str, seconds: dict[str, float], readme: dict[str, list[dict[str, Any]]]
+) -> str:
     lines = [
         "# Structured output: the guarantees on the real model",
         "",
@@ -351,15 +414,34 @@ def markdown(outcomes: Sequence[Outcome], command: str, seconds: dict[str, float
         lines += ["Answers at length (the budget held no valid ending, or the model was mid-way when it ran out):", ""]
         lines += [f"- {o.tier} {o.door} {o.kind} #{o.index}: {o.detail[:200]!r}" for o in at_length]
         lines.append("")
+    if readme:
+        lines += [
+            "## The README's prompts under the default model's defaults",
+            "",
+            f"Only `max_tokens` as the README sets it (0: the default, 256) and seed {README_SEED}; `repeats`: how "
+            "often the answer's most frequent sentence occurs (a loop repeats one until max_tokens).",
+            "",
+            "| tier | door | prompt | max_tokens | finish | repeats | answer |",
+            "|---|---|---|---:|---|---:|---|",
+        ]
+        for tier, answers in readme.items():
+            for a in answers:
+                text = a["text"].replace("|", "\\|").replace("\n", " ⏎ ")
+                cells = (tier, a["door"], a["prompt"], a["max_tokens"], a["finish"], a["most_repeated"], text)
+                lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        lines.append("")
     return "\n".join(lines)
 
 
-async def run(tiers: Sequence[str], doors: Sequence[str], concurrency: int) -> tuple[list[Outcome], dict[str, float]]:
+async def run(
+    tiers: Sequence[str], doors: Sequence[str], concurrency: int
+) -> tuple[list[Outcome], dict[str, float], dict[str, list[dict[str, Any]]]]:
     from services.local.mesh import DEFAULT_MODELS_FILE, DEV_API_KEY, Mesh, MeshConfig
 
     prompts = load_prompts()
     outcomes: list[Outcome] = []
     seconds: dict[str, float] = {}
+    readme: dict[str, list[dict[str, Any]]] = {}
     for tier in tiers:
         config = MeshConfig(
             edge_workers=1 if tier == "edge" else 0,
@@ -374,7 +456,8 @@ async def run(tiers: Sequence[str], doors: Sequence[str], concurrency: int) -> t
                 tier, mesh.gateway_address, mesh.http_base_url, DEV_API_KEY, prompts, doors, concurrency=concurrency
             )
             seconds[tier] = time.perf_counter() - began
-    return outcomes, seconds
+            readme[tier] = await readme_answers(tier, mesh.gateway_address, mesh.http_base_url, DEV_API_KEY)
+    return outcomes, seconds, readme
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -384,12 +467,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight per tier (default 16)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     args = parser.parse_args(argv)
-    outcomes, seconds = asyncio.run(run(args.tiers.split(","), args.doors.split(","), args.concurrency))
+    outcomes, seconds, readme = asyncio.run(run(args.tiers.split(","), args.doors.split(","), args.concurrency))
     command = "python -m benchmarks.structured.guarantees " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"seconds": seconds, "rates": rates(outcomes), "outcomes": [asdict(o) for o in outcomes]}
+    report = {
+        "seconds": seconds,
+        "rates": rates(outcomes),
+        "outcomes": [asdict(o) for o in outcomes],
+        "readme": readme,
+    }
     (args.out / "structured_guarantees.json").write_text(json.dumps(report, indent=1) + "\n")
-    text = markdown(outcomes, command.strip(), seconds)
+    text = markdown(outcomes, command.strip(), seconds, readme)
     (args.out / "structured_guarantees.md").write_text(text)
     print(text)
     return 0 if all(o.valid is not False for o in outcomes) else 1
