@@ -68,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
         help="API key (default: $MESHSERVE_API_KEY, else the local mesh's dev key)",
     )
     chat.add_argument("--max-tokens", type=int, default=256, help="most tokens to generate (default 256)")
-    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), up to 2")
+    chat.add_argument(
+        "--temperature", type=float, default=None, help="0 = greedy, up to 2 (default: the model's, GET /v1/models)"
+    )
     chat.add_argument("--tier", choices=("auto", "edge", "cloud"), default="auto", help="routing hint")
     chat.add_argument("--system", default=None, help="optional system message")
 

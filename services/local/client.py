@@ -41,14 +41,21 @@ def auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
 
 def sampling_params(
     max_tokens: int = 0,
-    temperature: float = 0.0,
-    top_p: float = 0.0,
-    top_k: int = 0,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
     seed: int | None = None,
     stop: Sequence[str] = (),
 ) -> pb.SamplingParams:
-    """A SamplingParams message; zero values mean the server defaults."""
-    params = pb.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, stop=stop)
+    """A SamplingParams message; None (and ``max_tokens`` 0, no stop strings) leaves a field unset, for the
+    served model's generation default."""
+    params = pb.SamplingParams(max_tokens=max_tokens, stop=stop)
+    if temperature is not None:
+        params.temperature = temperature
+    if top_p is not None:
+        params.top_p = top_p
+    if top_k is not None:
+        params.top_k = top_k
     if seed is not None:
         params.seed = seed
     return params
@@ -304,7 +311,7 @@ async def print_stream(
     prompt: str,
     *,
     max_tokens: int = 256,
-    temperature: float = 0.0,
+    temperature: float | None = None,
     tier: str = "auto",
     system: str | None = None,
     out: TextIO | None = None,
