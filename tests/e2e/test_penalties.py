@@ -114,7 +114,9 @@ async def client(door: FrontDoor) -> AsyncIterator[openai.AsyncOpenAI]:
         yield c
 
 
-CHAT = [{"role": "user", "content": "List the numbers from one to twenty, separated by commas."}]  # repeats ", "
+CHAT = [
+    {"role": "user", "content": "Tell me about the sea"}
+]  # greedy, it repeats its sentences: each penalty changes that
 FIELDS: list[dict[str, object]] = [
     {"frequency_penalty": 1.5},
     {"presence_penalty": 2.0},
@@ -125,10 +127,10 @@ FIELDS: list[dict[str, object]] = [
 
 async def _openai_chat(client: openai.AsyncOpenAI, **kw: object) -> tuple[str, str, int]:
     """Non-streamed and streamed: the same text; returns (text, model, completion tokens)."""
-    reply = await client.chat.completions.create(model="", messages=CHAT, max_tokens=16, temperature=0, **kw)  # type: ignore[call-overload]
+    reply = await client.chat.completions.create(model="", messages=CHAT, max_tokens=32, temperature=0, **kw)  # type: ignore[call-overload]
     text = reply.choices[0].message.content or ""
     stream = await client.chat.completions.create(
-        model="", messages=CHAT, max_tokens=16, temperature=0, stream=True, **kw
+        model="", messages=CHAT, max_tokens=32, temperature=0, stream=True, **kw
     )  # type: ignore[call-overload]
     deltas = []
     async for chunk in stream:
@@ -162,7 +164,7 @@ async def test_every_field_through_the_openai_client(client: openai.AsyncOpenAI)
         completion, _ = await _openai_completion(client, **kw)
         assert completion != completion_base, kw
     forced, _, tokens = await _openai_chat(client, logit_bias={"504": 100})
-    assert tokens == 16 and len(set(forced.split())) <= 2  # one token, repeated
+    assert tokens == 32 and len(set(forced.split())) <= 2  # one token, repeated
     # min_tokens: a stop string the answer reaches early is ignored until 14 tokens are out
     word = chat_base.split()[1]  # reached within the answer's first tokens
     _, _, stopped = await _openai_chat(client, stop=[word])
