@@ -11,11 +11,11 @@ before the next step, which frees their KV; a prefill in progress stops after it
 from __future__ import annotations
 
 import asyncio
-from functools import partial
 import itertools
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING
 
 import structlog

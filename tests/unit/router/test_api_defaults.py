@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from services.common.constraints import check_constraint
+from services.common.generation import FinishReason, GenerationRequest
 from services.common.generation_defaults import GenerationDefaults
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling_pb import from_pb
@@ -24,8 +25,7 @@ from services.router.models import ModelTable
 from services.router.policy import TierName
 from services.router.registry import Registry, Replica
 from services.router.tools import Tool, ToolChoice, ToolChoiceMode
-from services.router.types import ChatMessage, ChatTurn, FinishReason, Generation, Routing
-from services.router.worker_stream import TurnStart
+from services.router.types import ChatMessage, ChatTurn, Generation, Routing
 from services.store.response_cache import ResponseCache
 from tests.unit.router.test_api import FakeTransport, FakeWorkerStream, collect, worker
 
@@ -55,7 +55,7 @@ async def api(tokenizer: Tokenizer) -> AsyncIterator[RouterAPI]:
     await cache.close()
 
 
-async def sent(api: RouterAPI, sampling: pb.SamplingParams) -> TurnStart:
+async def sent(api: RouterAPI, sampling: pb.SamplingParams) -> GenerationRequest:
     """What the worker is sent for a Generate whose wire sampling is ``sampling``."""
     request = Generation("Hello there", from_pb(sampling), Routing(use_cache=False))
     task = asyncio.create_task(collect(api.generate(request)))
@@ -92,7 +92,7 @@ async def test_structured_output_gets_the_defaults_but_not_the_default_penalty(a
 WEATHER = Tool("get_weather", "", {"type": "object", "properties": {"city": {"type": "string"}}})
 
 
-async def chat_start(api: RouterAPI, **over: Any) -> TurnStart:
+async def chat_start(api: RouterAPI, **over: Any) -> GenerationRequest:
     chat = api.chat(tenant="acme")
     events = chat.events()
     args: dict[str, Any] = dict(
