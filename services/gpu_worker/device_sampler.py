@@ -100,7 +100,11 @@ def gumbel_noise(seed_lo: Tensor, seed_hi: Tensor, step: Tensor, vocab: int) -> 
     row = _hash32((row + step * 0x632BE5AB) & _M32)
     ids = torch.arange(vocab, device=seed_lo.device, dtype=torch.int64)
     h = _hash32((row[:, None] ^ _hash32(ids)[None, :]) & _M32)
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1), never 0 or 1
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # (2^24 - 0.5) / 2^24 rounds to 1.0 in float32, whose noise is +inf: a token masked to -inf then scored
+    # NaN, which argmax takes (a disallowed token, 1 in 2^24 per token and step). The largest float32 below
+    # 1 instead: every other value is unchanged.
+    u = u.clamp(max=1.0 - 2.0**-24)
     return -torch.log(-torch.log(u))
 
 

@@ -14,18 +14,21 @@ compilation itself runs on the compiler's own small pool and is abandoned after
 :class:`TokenConstraint`: the matcher state, advanced by every accepted (or replayed) token.
 
 **Closing before the budget runs out** (``open(..., max_tokens=)``): vLLM and OpenAI return JSON cut at
-``length`` when ``max_tokens`` runs out mid-value. Here, when the tokens a constrained answer has left
-come down to what it needs to end validly (close the open strings, arrays and objects, write the
-properties its schema still requires, then EOS), the mask allows only the tokens of that ending, so the
-answer ends valid with ``finish_reason: stop`` (:attr:`TokenConstraint.budget_closed` says so; it
-reaches the caller's usage details). llguidance has no query for the shortest way to close a value,
+``length`` when ``max_tokens`` runs out mid-value. Here, in a turn's last tokens, the mask keeps only
+the tokens after which the answer can still end validly within the budget (close the open strings,
+arrays and objects, write the properties its schema still requires, then EOS): a choice among a few
+tokens has each tried, a string's plain content stays allowed, and when the tokens left are exactly the
+ending and its EOS, only the ending's tokens are. The answer ends valid with ``finish_reason: stop``
+(:attr:`TokenConstraint.budget_closed` says the budget restricted it; it reaches the caller's usage
+details). llguidance has no query for the shortest way to close a value,
 so :class:`_Closer` (our own code) finds a short one by walking the matcher: at each point it takes the
 grammar's forced tokens (``compute_ff_tokens``), else the first of a fixed list of closing candidates
 the matcher accepts (``validate_tokens``: ``"``, ``}``, ``]``, ``0``, ``null``, ... chosen by whether
 the text is inside a JSON string), else the lowest token the mask allows, until the matcher accepts;
 then it rolls the matcher back (``rollback``). Each try costs ~1 us in llguidance; a walk of 10 tokens
 ~0.1 ms, done only in a turn's last steps. It is shortest for JSON (what it is for); for a regex or a
-grammar it is a valid ending, not always the shortest.
+grammar it is a valid ending, not always the shortest. Every decision is a function of the tokens so far
+(replayed ones included) and the budget, so a resumed stream masks exactly as the undisturbed one.
 """
 
 from __future__ import annotations

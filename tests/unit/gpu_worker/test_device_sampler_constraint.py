@@ -72,3 +72,18 @@ def test_a_sequences_mask_constrains_its_token_and_record_advances_the_grammar()
     assert constraint.advanced == [4]
     assert np.array_equal(sampler.mask(), constraint.bitmask())  # type: ignore[arg-type]
     assert Sampler(SamplingParams(max_tokens=4)).mask() is None
+
+
+def test_the_noise_is_finite_so_a_masked_token_is_never_drawn() -> None:
+    """Seed 1005, step 33, token 11570 hashes to the largest 24-bit draw, whose uniform value rounded to
+    1.0 in float32 (noise +inf; -inf + inf = NaN, which argmax took: a token the mask had removed)."""
+    from services.gpu_worker.device_sampler import gumbel_noise
+
+    one = torch.tensor([1005]), torch.tensor([0]), torch.tensor([33])
+    noise = gumbel_noise(*one, 49152)
+    assert bool(torch.isfinite(noise).all())
+    logits = torch.zeros(1, 49152)
+    mask = np.zeros(49152 // 32, dtype=np.int32)
+    mask.view(np.uint32)[0] = np.uint32(1 << 2)  # EOS (2) alone, as after a complete JSON value
+    row = RowSampling.from_config(SamplingParams(max_tokens=4, temperature=0.2, top_p=0.9, seed=1005))
+    assert sample_rows(logits, [row], [33], None, masks=[mask]) == [2]
