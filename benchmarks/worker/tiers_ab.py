@@ -149,6 +149,19 @@ def edge_summary(samples: list[dict[str, Any]], streams: int) -> dict[str, dict[
         }
         got["lone_vs_ortgenai"] = _ratio(got["lone_tokens_per_s"], got["ortgenai_tokens_per_s"])
         got["top_vs_llamacpp"] = _ratio(got["top_tokens_per_s"], got["llamacpp_tokens_per_s"])
+        # Each round's own ratio (its run over the reference run right after it), median over the rounds:
+        # less exposed to a reference that ran fast after one tree and slow after the other.
+        got["lone_vs_ortgenai_per_round"] = _median(
+            [
+                r
+                for s in mine
+                if s.get("ortgenai")
+                and (r := _ratio(s["lone"]["decode_tokens_per_s"], s["ortgenai"]["decode_tokens_per_s"])) is not None
+            ]
+        )
+        got["top_vs_llamacpp_per_round"] = _median(
+            [r for s in mine if (r := _ratio(s["top"]["aggregate_tokens_per_s"], llamacpp_top(s, streams))) is not None]
+        )
         out[side] = got
     return out
 
@@ -310,7 +323,11 @@ def _edge_markdown(edge: dict[str, Any]) -> list[str]:
         f"Without the references: new / old lone stream "
         f"{_times(_ratio(new.get('lone_tokens_per_s'), old.get('lone_tokens_per_s')))}, {top} streams "
         f"{_times(_ratio(new.get('top_tokens_per_s'), old.get('top_tokens_per_s')))}. The references over all "
-        f"their runs: onnxruntime-genai {_num(og_all)} tok/s, llama.cpp {_num(llama_all)} tok/s (medians).",
+        f"their runs: onnxruntime-genai {_num(og_all)} tok/s, llama.cpp {_num(llama_all)} tok/s (medians). "
+        f"Each round's own ratio, median over the rounds: lone / og new "
+        f"{_times(new.get('lone_vs_ortgenai_per_round'))}, old {_times(old.get('lone_vs_ortgenai_per_round'))}; "
+        f"{top} / llama.cpp new {_times(new.get('top_vs_llamacpp_per_round'))}, old "
+        f"{_times(old.get('top_vs_llamacpp_per_round'))}.",
     ]
     lines += ["", f"Round by round (tree: lone tok/s, og tok/s; {top} streams tok/s, llama.cpp tok/s):", ""]
     for sample in edge["samples"]:
