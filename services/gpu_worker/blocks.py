@@ -1,7 +1,8 @@
 """KV block accounting: allocation, reference counts and the local prefix LRU (one lock).
 
 The KV cache is ``num_blocks`` fixed-size token blocks (``block_tokens``, the same block size as the
-Redis KV prefix cache, DESIGN.md section 4). A block is *used* while a live sequence references it.
+Redis KV prefix cache: docs/cloud.md, *KV cache and prefix reuse*). A block is *used* while a live
+sequence references it.
 A full block whose tokens are final gets its chain key (services.store.keys.kv_block_keys: the
 hash of the whole prefix up to it, model version and tenant salt); when its last user releases it
 it stays in the cache as an evictable *cached* block, reusable by any later sequence whose prompt

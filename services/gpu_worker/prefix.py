@@ -1,6 +1,6 @@
 """The engine's side of the shared KV prefix cache: chain keys, and Redis I/O from worker threads.
 
-Keys come from services.cache (``KVBlockStore.keys`` / keys.kv_block_keys): the same chain key
+Keys come from services.store (``KVBlockStore.keys`` / services.store.keys.kv_block_keys): the same chain key
 names a block in the local LRU and in Redis, so a prefix computed on one replica (or before a
 restart) is found by any other. ``services.store.kv_blocks`` is asyncio code; the engine runs in threads,
 so :class:`RedisPrefixCache` owns a private event loop thread and its own Redis client. Loads block
@@ -35,7 +35,7 @@ _WRITE_BYTES = 4 << 20
 
 
 def chain_keys(ctx: KVContext, block_tokens: int, token_ids: Sequence[int]) -> list[str]:
-    """Chain keys of the full blocks of ``token_ids`` (services.cache's key schema)."""
+    """Chain keys of the full blocks of ``token_ids`` (services.store.keys' key schema)."""
     return kv_block_keys(
         model_id=ctx.model_id,
         model_version=ctx.model_version,

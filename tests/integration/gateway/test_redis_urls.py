@@ -1,4 +1,4 @@
-"""The gateway on Sentinel and Cluster Redis URLs (DESIGN.md §4): a real Sentinel in front of a real
+"""The gateway on Sentinel and Cluster Redis URLs (docs/cache.md, *Deployments*): a real Sentinel in front of a real
 redis-server, and a real one-node Redis Cluster. Keys made by `meshserve keys create` authenticate, and
 the rate limit counts in that Redis. A malformed URL is a one-line config error (exit code 2)."""
 
