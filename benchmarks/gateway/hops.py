@@ -34,11 +34,9 @@ import asyncio
 import datetime as dt
 import os
 import platform
-import random
 import sys
 import tempfile
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,21 +44,19 @@ from typing import Any
 import grpc
 import redis.asyncio as aioredis
 
+from benchmarks.gateway.hop_timing import INTERNAL, PROMPT, cpu_per_request, latency_samples, stream_call, worker_call
 from benchmarks.gateway.hops_pairs import Probe, paired, summary
 from benchmarks.gateway.hops_report import markdown, write_report
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.common.tokenizer import Tokenizer
 from services.gateway.keystore import KeyStore
 from services.local.mesh import DEV_API_KEY, api_key_hash
 from services.local.processes import ServiceProcess, spawn_redis
 
-PROMPT = "Write a short poem about the sea and the ships that sail on it."
 __all__ = ["markdown", "run", "start_stack", "write_report"]
-INTERNAL = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN), ("x-meshserve-tenant", "bench"))
 
 
 @dataclass
@@ -156,40 +152,6 @@ async def start_stack(profile_dir: Path | None = None, redis_batch: bool = True)
     return Stack(redis_proc, worker, router, gateway, chains["relay"], chains["relay_sync"], redis_url, tmp, services)
 
 
-async def _stream(call: AsyncIterator[Any]) -> tuple[float, float, int]:
-    start = time.perf_counter()
-    first = float("nan")
-    frames = 0
-    async for frame in call:
-        if frame.token_ids:
-            frames += 1
-            if frames == 1:
-                first = time.perf_counter() - start
-        if frame.HasField("final"):
-            break
-    return first, time.perf_counter() - start, frames
-
-
-async def _worker_call(stub: Any, start: worker_pb2.WorkerRequest) -> tuple[float, float, int]:
-    """One request straight to a worker's internal Generate: (TTFT s, total s, frames with tokens)."""
-    t0 = time.perf_counter()
-    call = stub.Generate(metadata=INTERNAL)
-    await call.write(start)
-    first, frames = float("nan"), 0
-    try:
-        while True:
-            frame = await call.read()
-            if frame.token_ids:
-                frames += 1
-                if frames == 1:
-                    first = time.perf_counter() - t0
-            if frame.HasField("final"):
-                break
-    finally:
-        call.cancel()
-    return first, time.perf_counter() - t0, frames
-
-
 def _probes(
     stubs: dict[str, Any], ids: list[int], keystore_key: str, max_tokens: int, cached: bool
 ) -> dict[str, Probe]:
@@ -203,13 +165,13 @@ def _probes(
     )
 
     def via(stub: Any, metadata: Sequence[tuple[str, str]]) -> Probe:
-        return lambda: _stream(stub.Generate(request, metadata=metadata))
+        return lambda: stream_call(stub.Generate(request, metadata=metadata))
 
     probes: dict[str, Probe] = {}
     if not cached:
-        probes["direct_worker"] = lambda: _worker_call(stubs["worker"], start)
-        probes["bare_relay_x2 (floor)"] = lambda: _worker_call(stubs["relay"], start)
-        probes["bare_relay_x2_sync_api"] = lambda: _worker_call(stubs["relay_sync"], start)
+        probes["direct_worker"] = lambda: worker_call(stubs["worker"], start)
+        probes["bare_relay_x2 (floor)"] = lambda: worker_call(stubs["relay"], start)
+        probes["bare_relay_x2_sync_api"] = lambda: worker_call(stubs["relay_sync"], start)
     static = (("authorization", f"Bearer {DEV_API_KEY}"),)
     stored = (("authorization", f"Bearer {keystore_key}"),)
     probes["router"] = via(stubs["router"], INTERNAL)
@@ -220,54 +182,9 @@ def _probes(
     return probes
 
 
-def _cpu_ns(pid: int) -> int:
-    """CPU time of every thread of ``pid`` in ns (/proc schedstat: exact, not 10 ms ticks)."""
-    total = 0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # a thread that ended meanwhile
-    return total
-
-
-async def _latency(probes: dict[str, Probe], requests: int, warmup: int) -> dict[str, list[tuple[float, float, int]]]:
-    for _ in range(warmup):
-        for probe in probes.values():
-            await probe()
-    samples: dict[str, list[tuple[float, float, int]]] = {name: [] for name in probes}
-    order, rng = list(probes), random.Random(0)
-    for _ in range(requests):
-        rng.shuffle(order)
-        for name in order:
-            samples[name].append(await probes[name]())
-    return samples
-
-
 def _pids(procs: dict[str, ServiceProcess]) -> dict[str, int]:
     """Every process's pid by name, and the client's (this process)."""
     return {name: p.proc.pid for name, p in procs.items() if p.proc is not None} | {"client": os.getpid()}
-
-
-async def _cpu(
-    probes: dict[str, Probe], pids: dict[str, int], requests: int, block: int = 10
-) -> dict[str, dict[str, float]]:
-    """CPU ms per request of every process of ``pids``, per path: blocks of ``block`` requests of
-    each path in turn (interleaved like the latency run, so every path sees the same machine load)."""
-    spent: dict[str, dict[str, int]] = {path: dict.fromkeys(pids, 0) for path in probes}
-    for probe in probes.values():
-        for _ in range(block):
-            await probe()
-    for _ in range(max(1, requests // block)):
-        for path, probe in probes.items():
-            before = {n: _cpu_ns(pid) for n, pid in pids.items()}
-            for _ in range(block):
-                await probe()
-            for n, pid in pids.items():
-                spent[path][n] += _cpu_ns(pid) - before[n]
-    done = max(1, requests // block) * block
-    return {path: {n: round(ns / done / 1e6, 3) for n, ns in row.items()} for path, row in spent.items()}
 
 
 async def run(
@@ -301,12 +218,12 @@ async def run(
             stubs[name] = kind(channels[-1])
         ids = Tokenizer(model_paths().hf_dir).encode(PROMPT)
         probes = _probes(stubs, ids, keystore_key, max_tokens, cached=False)
-        latency = await _latency(probes, requests, warmup=30)
+        latency = await latency_samples(probes, requests, warmup=30)
         pairs = await paired(probes, "direct_worker", requests)
-        cpu = await _cpu(probes, _pids(stack.processes()), cpu_requests)
+        cpu = await cpu_per_request(probes, _pids(stack.processes()), cpu_requests)
         hit_probes = _probes(stubs, ids, keystore_key, max_tokens, cached=True)
-        hits = await _latency(hit_probes, requests, warmup=10)
-        hit_cpu = await _cpu(hit_probes, _pids(stack.processes()), cpu_requests)
+        hits = await latency_samples(hit_probes, requests, warmup=10)
+        hit_cpu = await cpu_per_request(hit_probes, _pids(stack.processes()), cpu_requests)
     finally:
         for channel in channels:
             await channel.close()

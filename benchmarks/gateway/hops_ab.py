@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.gateway.hops import INTERNAL, PROMPT, _cpu, _latency, _stream, _worker_call
+from benchmarks.gateway.hop_timing import INTERNAL, PROMPT, cpu_per_request, latency_samples, stream_call, worker_call
 from benchmarks.gateway.hops_pairs import Probe, ab_paired, summary
 from benchmarks.gateway.tree_mesh import TreeMesh, describe, same_services, start_mesh, tree_text
 from services.common.model_paths import model_paths
@@ -72,10 +72,10 @@ def _probes(
     gateway = inference_pb2_grpc.InferenceStub(channel("gateway"))
     embedded = inference_pb2_grpc.InferenceStub(channel("gateway_embedded"))
     static = (("authorization", f"Bearer {DEV_API_KEY}"),)
-    probes: dict[str, Probe] = {} if cached else {"direct_worker": lambda: _worker_call(worker, start)}
-    probes["router"] = lambda: _stream(router.Generate(request, metadata=INTERNAL))
-    probes["gateway_static_key"] = lambda: _stream(gateway.Generate(request, metadata=static))
-    probes["gateway_embedded_router"] = lambda: _stream(embedded.Generate(request, metadata=static))
+    probes: dict[str, Probe] = {} if cached else {"direct_worker": lambda: worker_call(worker, start)}
+    probes["router"] = lambda: stream_call(router.Generate(request, metadata=INTERNAL))
+    probes["gateway_static_key"] = lambda: stream_call(gateway.Generate(request, metadata=static))
+    probes["gateway_embedded_router"] = lambda: stream_call(embedded.Generate(request, metadata=static))
     return probes
 
 
@@ -93,12 +93,12 @@ async def run(tree: Path, requests: int = 300, cpu_requests: int = 200, max_toke
         pairs = await ab_paired(probes, "direct_worker", requests)
         pids = {name: pid for mesh in meshes.values() for name, pid in mesh.pids().items()} | {"client": os.getpid()}
         flat = {f"{side}: {name}": probe for side, ps in probes.items() for name, probe in ps.items()}
-        cpu = await _cpu(flat, pids, cpu_requests)
+        cpu = await cpu_per_request(flat, pids, cpu_requests)
         hit_probes = {
             side: _probes(mesh, side, channels, ids, max_tokens, cached=True) for side, mesh in meshes.items()
         }
         hit_flat = {f"{side}: {name}": probe for side, ps in hit_probes.items() for name, probe in ps.items()}
-        hits = await _latency(hit_flat, requests, warmup=10)
+        hits = await latency_samples(hit_flat, requests, warmup=10)
     finally:
         for channel in channels:
             await channel.close()

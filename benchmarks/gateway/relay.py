@@ -26,19 +26,16 @@ import datetime as dt
 import json
 import os
 import platform
-import random
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from benchmarks.gateway.hops import _cpu_ns
-from benchmarks.load.generator import Result, Workload, closed_loop, make_items, summarize
+from benchmarks.gateway.relay_measure import TARGET_TOKENS_PER_S, measure
 from benchmarks.load.senders import grpc_sender, worker_sender
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
@@ -46,8 +43,6 @@ from services.common.tokenizer import Tokenizer
 from services.local.client import MeshClient
 from services.local.mesh import DEV_API_KEY, api_key_hash
 from services.local.processes import ServiceProcess, spawn_redis
-
-TARGET_TOKENS_PER_S = 5000.0
 
 
 async def _start(name: str, argv: list[str], env: dict[str, str], health: bool = True) -> ServiceProcess:
@@ -97,22 +92,6 @@ async def start_stack(
     return procs
 
 
-async def _measure(send: Any, streams: int, max_tokens: int, duration: float, pids: dict[str, int]) -> dict[str, Any]:
-    items = make_items(
-        Workload(max_tokens=max_tokens, tier="edge"), 100_000, random.Random(1), tag=f"{time.time_ns()}-"
-    )
-    before = {n: _cpu_ns(pid) for n, pid in pids.items()}
-    results: list[Result]
-    results, wall = await closed_loop(send, items, streams, duration)
-    cpu = {n: _cpu_ns(pid) - before[n] for n, pid in pids.items()}
-    summary = summarize(results, wall)
-    frames = sum(len(r.token_times) for r in results if r.status == "OK")
-    tokens = max(1, summary["tokens"])
-    summary["frames_per_token"] = round(frames / tokens, 3)
-    summary["cpu_ms_per_1k_tokens"] = {n: round(ns / 1e6 / tokens * 1000, 2) for n, ns in cpu.items()}
-    return summary
-
-
 async def _run_mode(
     streams: int, max_tokens: int, duration: float, rounds: int, token_interval_ms: float
 ) -> dict[str, list[dict[str, Any]]]:
@@ -132,11 +111,11 @@ async def _run_mode(
                 "gateway_embedded_router": grpc_sender(embedded_client),
             }
             for send in paths.values():  # warm up
-                await _measure(send, streams, max_tokens, 2.0, pids)
+                await measure(send, streams, max_tokens, 2.0, pids)
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in paths}
             for i in range(rounds):
                 for name, send in paths.items():
-                    runs[name].append(await _measure(send, streams, max_tokens, duration, pids))
+                    runs[name].append(await measure(send, streams, max_tokens, duration, pids))
                     print(
                         f"[interval {token_interval_ms:g} ms] round {i + 1}/{rounds} {name}: "
                         f"{runs[name][-1]['tokens_per_s']:.0f} tok/s",

@@ -27,7 +27,7 @@ from typing import Any
 
 import grpc
 
-from benchmarks.gateway.relay import TARGET_TOKENS_PER_S, _measure
+from benchmarks.gateway.relay_measure import TARGET_TOKENS_PER_S, measure
 from benchmarks.gateway.tree_mesh import TreeMesh, describe, same_services, start_mesh, tree_text
 from benchmarks.load.generator import Sender
 from benchmarks.load.senders import grpc_sender, worker_sender
@@ -84,12 +84,12 @@ async def _run_mode(
             senders = {side: await _senders(mesh, side, stack, tokenizer) for side, mesh in meshes.items()}
             order = [(side, name) for side in SIDES for name in PATHS]
             for side, name in order:  # warm up
-                await _measure(senders[side][name], streams, max_tokens, 2.0, pids)
+                await measure(senders[side][name], streams, max_tokens, 2.0, pids)
             rng = random.Random(7)
             for i in range(rounds):
                 rng.shuffle(order)
                 for side, name in order:
-                    got = await _measure(senders[side][name], streams, max_tokens, duration, pids)
+                    got = await measure(senders[side][name], streams, max_tokens, duration, pids)
                     cpu = got["cpu_ms_per_1k_tokens"]
                     got["cpu_ms_per_1k_tokens"] = {"client": cpu["client"]} | {
                         n.removesuffix(f"_{side}"): ms for n, ms in cpu.items() if n.endswith(f"_{side}")

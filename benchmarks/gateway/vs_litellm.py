@@ -42,7 +42,7 @@ from typing import Any
 import aiohttp
 import grpc
 
-from benchmarks.gateway.hops import _cpu_ns
+from benchmarks.gateway.hop_timing import cpu_ns
 from benchmarks.gateway.tree_mesh import start_mesh
 from benchmarks.load.generator import Result, Sender, Workload, closed_loop, make_items, summarize
 from benchmarks.load.senders import grpc_sender, http_sender, worker_sender
@@ -84,7 +84,7 @@ def _tree_cpu_ns(pid: int) -> int:
     while todo:
         current = todo.pop()
         try:
-            total += _cpu_ns(current)
+            total += cpu_ns(current)
             with open(f"/proc/{current}/task/{current}/children") as f:
                 todo += [int(c) for c in f.read().split()]
         except (FileNotFoundError, ProcessLookupError):

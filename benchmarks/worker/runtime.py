@@ -115,7 +115,7 @@ async def through_service(tree: Path, tokens: int, duration: float, rounds: int)
     import tempfile
     from contextlib import AsyncExitStack
 
-    from benchmarks.gateway.relay import _measure
+    from benchmarks.gateway.relay_measure import measure
     from benchmarks.gateway.tree_mesh import start_mesh
     from benchmarks.load.senders import grpc_sender
     from services.local.client import MeshClient
@@ -157,13 +157,13 @@ async def through_service(tree: Path, tokens: int, duration: float, rounds: int)
                 client = await stack.enter_async_context(MeshClient(address, DEV_API_KEY))
                 senders[side] = grpc_sender(client)
             for side in senders:  # warm up
-                await _measure(senders[side], SERVICE_STREAMS, tokens, 2.0, pids)
+                await measure(senders[side], SERVICE_STREAMS, tokens, 2.0, pids)
             order = list(senders)
             rng = random.Random(7)
             for i in range(rounds):
                 rng.shuffle(order)
                 for side in order:
-                    got = await _measure(senders[side], SERVICE_STREAMS, tokens, duration, pids)
+                    got = await measure(senders[side], SERVICE_STREAMS, tokens, duration, pids)
                     got["cpu_ms_per_1k_tokens"] = {"client": got["cpu_ms_per_1k_tokens"]["client"]} | {
                         n.removesuffix(f"_{side}"): ms
                         for n, ms in got["cpu_ms_per_1k_tokens"].items()

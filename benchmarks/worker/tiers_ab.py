@@ -518,7 +518,7 @@ async def cloud_ab(
     """The cloud rounds (module docstring)."""
     import grpc
 
-    from benchmarks.gateway.hops import _cpu_ns
+    from benchmarks.gateway.hop_timing import cpu_ns
     from benchmarks.load.generator import Workload, closed_loop, make_items, summarize
     from benchmarks.load.senders import worker_sender
     from services.common.model_paths import model_paths
@@ -539,10 +539,10 @@ async def cloud_ab(
         proc = workers[side].proc
         assert proc is not None
         pid = proc.pid
-        cpu = _cpu_ns(pid)
+        cpu = cpu_ns(pid)
         results, wall = await closed_loop(senders[side], batch, concurrency, float("inf"), timeout_s=request_timeout_s)
         got = summarize(results, wall)
-        got["worker_cpu_ms_per_token"] = (_cpu_ns(pid) - cpu) / 1e6 / max(1, got["tokens"])
+        got["worker_cpu_ms_per_token"] = (cpu_ns(pid) - cpu) / 1e6 / max(1, got["tokens"])
         return got
 
     senders: dict[str, Any] = {}
