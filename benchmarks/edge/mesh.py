@@ -26,6 +26,8 @@ stream >= 1.0x onnxruntime-genai's (same run, interleaved), 16 streams >= 1.25x 
 throughput (same run, interleaved; SKIPPED, with the reason, without a llama.cpp build); issue 6's
 roofline share and 16-vs-1 ratio follow as references. Numbers from a busy machine are not comparable
 with a quiet one: the load average at the start and end is recorded, re-run with nothing else running.
+``--streams`` without 1 (e.g. ``--streams 16``) runs the other counts; what needs a lone stream (the
+roofline share, onnxruntime-genai's ratio, N vs 1) is reported as not measured, with that reason.
 """
 
 from __future__ import annotations
@@ -189,6 +191,45 @@ async def mesh_round(stub: inference_pb2_grpc.InferenceStub, streams: int, max_t
     }
 
 
+NO_SINGLE_STREAM = "no single-stream round: --streams has no 1"
+"""Why the measures of a lone stream are absent (the roofline share, onnxruntime-genai's ratio, N vs 1)."""
+
+
+def parse_stream_counts(text: str) -> list[int]:
+    """``--streams``: comma-separated counts, each at least 1, sorted and without repeats (the last is
+    the largest, the count llama.cpp is compared at). Raises ValueError with the fix."""
+    try:
+        counts = sorted({int(n) for n in text.split(",") if n.strip()})
+    except ValueError:
+        raise ValueError(f"--streams must be comma-separated whole numbers such as 1,4,16; got {text!r}") from None
+    if not counts or counts[0] < 1:
+        raise ValueError(f"--streams needs at least one count and every count at least 1, such as 1,4,16; got {text!r}")
+    return counts
+
+
+def single_stream_measures(rounds: list[dict[str, Any]], roofline: float) -> dict[str, float | None]:
+    """What the lone stream's round gives: its decode tok/s, its share of the roofline, and the largest
+    count's aggregate tok/s and worker CPU per token against it; each None without a one-stream round
+    (the rest of the report stands without them)."""
+    single = next((r for r in rounds if r["streams"] == 1), None)
+    if single is None:
+        return dict.fromkeys(
+            (
+                "single_stream_decode_tokens_per_s",
+                "single_stream_roofline_share",
+                "scaling_top_vs_single",
+                "cpu_scaling_top_vs_single",
+            )
+        )
+    top = rounds[-1]
+    return {
+        "single_stream_decode_tokens_per_s": single["decode_tokens_per_s"],
+        "single_stream_roofline_share": single["decode_tokens_per_s"] / roofline,
+        "scaling_top_vs_single": top["aggregate_tokens_per_s"] / single["aggregate_tokens_per_s"],
+        "cpu_scaling_top_vs_single": single["worker_cpu_ms_per_token"] / top["worker_cpu_ms_per_token"],
+    }
+
+
 def _median_round(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-key median of one stream count's rounds (peak RSS: the largest)."""
     out: dict[str, Any] = {"streams": samples[0]["streams"], "repeats": len(samples)}
@@ -214,7 +255,8 @@ async def run(
     right after each round of the largest stream count (the same load, as onnxruntime-genai's reference
     after each single-stream round), or why it cannot run."""
     edge_dir = model_paths().edge_dir
-    og_model = ortgenai_model(edge_dir, threads) if ortgenai else None
+    # onnxruntime-genai's reference is timed after each single-stream round: none without one
+    og_model = ortgenai_model(edge_dir, threads) if ortgenai and 1 in stream_counts else None
     og_prompt: list[int] = []
     if og_model is not None:
         from tokenizers import Tokenizer
@@ -261,7 +303,6 @@ async def run(
                         except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
                             llama_found = f"llama.cpp run failed: {exc}"
     rounds = [_median_round(samples[n]) for n in stream_counts]
-    single = next(r for r in rounds if r["streams"] == 1)
     roofline = bandwidth * 1e9 / per_token
     top = rounds[-1]
     return {
@@ -283,14 +324,11 @@ async def run(
         "weight_bytes_per_token": per_token,
         "read_bandwidth_gbs": bandwidth,
         "roofline_tokens_per_s": roofline,
-        "single_stream_decode_tokens_per_s": single["decode_tokens_per_s"],
-        "single_stream_roofline_share": single["decode_tokens_per_s"] / roofline,
+        **single_stream_measures(rounds, roofline),
         "idle_rss_bytes": idle,
         "memory_per_stream_bytes": (top["peak_rss_bytes"] - idle) / top["streams"],
         "rounds": rounds,
         "round_samples": [s for n in stream_counts for s in samples[n]],
-        "scaling_top_vs_single": top["aggregate_tokens_per_s"] / single["aggregate_tokens_per_s"],
-        "cpu_scaling_top_vs_single": single["worker_cpu_ms_per_token"] / top["worker_cpu_ms_per_token"],
         "ortgenai_rounds": og_rounds,
         "ortgenai_decode_tokens_per_s": (
             statistics.median(r["decode_tokens_per_s"] for r in og_rounds) if og_rounds else None
@@ -306,9 +344,11 @@ async def run(
 def judged(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Issue 27's targets: ``{name: {"ratio", "target", "pass", ...}}`` or ``{name: {"skipped": why}}``."""
     out: dict[str, dict[str, Any]] = {}
-    single = report["single_stream_decode_tokens_per_s"]
+    single = report.get("single_stream_decode_tokens_per_s")
     og = report.get("ortgenai_decode_tokens_per_s")
-    if og:
+    if single is None:
+        out["edge_single_stream_vs_ortgenai"] = {"skipped": NO_SINGLE_STREAM}
+    elif og:
         ratio = single / og
         out["edge_single_stream_vs_ortgenai"] = {
             "ratio": ratio,
@@ -349,9 +389,7 @@ def _target_lines(name: str, found: dict[str, Any], detail: str) -> list[str]:
 def targets(report: dict[str, Any]) -> list[str]:
     """Issue 27's two targets, judged (SKIPPED with the reason when a reference was not measured), then
     issue 6's roofline share and 16-vs-1 ratio as references."""
-    share = 100 * report["single_stream_roofline_share"]
     top = report["rounds"][-1]["streams"]
-    scaling = report["scaling_top_vs_single"]
     machine = report["machine"]
     busy = max(machine["load_avg_1m"], machine.get("load_avg_1m_after_mesh", 0.0)) > 0.5 * (machine["cpus"] or 1)
     warning = (
@@ -376,11 +414,17 @@ def targets(report: dict[str, Any]) -> list[str]:
         "  ({streams} streams through the mesh {mesh_tokens_per_s:.1f} tok/s vs llama.cpp Q4_0 "
         "{llamacpp_tokens_per_s:.1f} tok/s, generated tokens over wall time, prefill included)",
     )
+    if report.get("single_stream_roofline_share") is None:
+        reference = f"{NO_SINGLE_STREAM}, so no roofline share and no {top}-vs-1 ratios"
+    else:
+        reference = (
+            f"single-stream decode / memory-bandwidth roofline {100 * report['single_stream_roofline_share']:.0f} %; "
+            f"aggregate tok/s at {top} streams / 1 stream {report['scaling_top_vs_single']:.2f}x; tokens per worker "
+            f"CPU-second at {top} / 1 stream {report['cpu_scaling_top_vs_single']:.2f}x"
+        )
     return [
         *lines,
-        f"  (reference, issue 6: single-stream decode / memory-bandwidth roofline {share:.0f} %; aggregate tok/s at "
-        f"{top} streams / 1 stream {scaling:.2f}x; tokens per worker CPU-second at {top} / 1 stream "
-        f"{report['cpu_scaling_top_vs_single']:.2f}x; load average {machine['load_avg_1m']:.1f} at the start)",
+        f"  (reference, issue 6: {reference}; load average {machine['load_avg_1m']:.1f} at the start)",
     ]
 
 
@@ -402,8 +446,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"(all weights {report['weight_bytes_total'] / mib:.1f} MiB; the embedding table is a gather)",
         f"- measured read bandwidth: {report['read_bandwidth_gbs']:.2f} GB/s "
         f"-> roofline {report['roofline_tokens_per_s']:.1f} tokens/s",
-        f"- single-stream decode: {report['single_stream_decode_tokens_per_s']:.1f} tokens/s = "
-        f"**{report['single_stream_roofline_share'] * 100:.0f} % of the roofline**",
+        (
+            f"- single-stream decode: {report['single_stream_decode_tokens_per_s']:.1f} tokens/s = "
+            f"**{report['single_stream_roofline_share'] * 100:.0f} % of the roofline**"
+            if report.get("single_stream_roofline_share") is not None
+            else f"- single-stream decode: not measured ({NO_SINGLE_STREAM})"
+        ),
         f"- memory per stream (peak RSS at {report['rounds'][-1]['streams']} streams - idle, / streams): "
         f"{report['memory_per_stream_bytes'] / mib:.1f} MiB (idle worker {report['idle_rss_bytes'] / mib:.0f} MiB)",
         "",
@@ -411,8 +459,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Medians of {report['rounds'][0].get('repeats', 1)} interleaved rounds per stream count:",
         "",
-        "| streams | aggregate tok/s | x single | worker CPU ms/token | TTFT p50 (ms) | ITL p50 (ms) |"
-        " decode tok/s per stream |",
+        f"| streams | aggregate tok/s | x {_base_label(report['rounds'][0]['streams'])} | worker CPU ms/token | "
+        "TTFT p50 (ms) | ITL p50 (ms) | decode tok/s per stream |",
         "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     base = report["rounds"][0]["aggregate_tokens_per_s"] or float("nan")
@@ -426,6 +474,11 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("direct"):
         lines += edge_direct.markdown(report["direct"], report["roofline_tokens_per_s"])
     return "\n".join(lines) + "\n"
+
+
+def _base_label(streams: int) -> str:
+    """The column of each round's aggregate tok/s over the first (smallest) count's."""
+    return "single" if streams == 1 else f"{streams} streams"
 
 
 def _reference_lines(report: dict[str, Any]) -> list[str]:
@@ -528,7 +581,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     args = parser.parse_args(argv)
-    counts = [int(n) for n in args.streams.split(",")]
+    try:
+        counts = parse_stream_counts(args.streams)
+    except ValueError as exc:
+        parser.error(str(exc))
     report = asyncio.run(
         run(
             args.max_tokens,

@@ -8,8 +8,17 @@ from typing import Any
 import pytest
 
 from benchmarks import cli as bench_cli
-from benchmarks.edge import llamacpp
-from benchmarks.edge.mesh import _median_round, judged, llamacpp_runner, markdown, targets
+from benchmarks.edge import llamacpp, mesh
+from benchmarks.edge.mesh import (
+    NO_SINGLE_STREAM,
+    _median_round,
+    judged,
+    llamacpp_runner,
+    markdown,
+    parse_stream_counts,
+    single_stream_measures,
+    targets,
+)
 
 
 def _report(load: float, single: float, top: float, share: float) -> dict[str, Any]:
@@ -138,3 +147,68 @@ def test_unknown_in_process_engine_variants_are_refused_before_loading(tmp_path:
     for kind in ("batched-fast", "vllm", "batched-nbitshead-8bit"):
         with pytest.raises(ValueError, match="unknown engine kind"):
             load_engine(kind, tmp_path, threads=1, max_batch=2)
+
+
+def _round(streams: int, tokens_per_s: float) -> dict[str, Any]:
+    return {"streams": streams, "aggregate_tokens_per_s": tokens_per_s, "worker_cpu_ms_per_token": 5.0,
+            "peak_rss_bytes": 2, "ttft_ms_p50": 1.0, "itl_ms_p50": 1.0, "decode_tokens_per_s": tokens_per_s / streams,
+            "repeats": 1}  # fmt: skip
+
+
+def _report_without_a_lone_stream(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    report = _report(load=0.3, single=1.0, top=1.0, share=0.5) | {"rounds": rounds}
+    report |= single_stream_measures(rounds, roofline=100.0)
+    report["llamacpp"] = {"rounds": [{"streams": 1, "aggregate_tokens_per_s": 100.0},
+                                     {"streams": 16, "aggregate_tokens_per_s": 160.0}]}  # fmt: skip
+    return report
+
+
+def test_stream_counts_are_sorted_and_a_bad_set_is_refused_in_one_sentence(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert parse_stream_counts("16") == [16]
+    assert parse_stream_counts("16,1,4,4") == [1, 4, 16]  # the last is the largest: llama.cpp's count
+    for bad in ("0,4", "four", ""):
+        with pytest.raises(ValueError, match="--streams"):
+            parse_stream_counts(bad)
+    with pytest.raises(SystemExit) as exit_info:
+        mesh.main(["--streams", "0,16"])
+    assert exit_info.value.code == 2
+    assert "every count at least 1, such as 1,4,16; got '0,16'" in capsys.readouterr().err
+
+
+def test_without_a_lone_stream_the_rest_is_reported_and_the_single_stream_measures_say_why() -> None:
+    rounds = [_round(4, 120.0), _round(16, 210.0)]
+    assert single_stream_measures(rounds, roofline=100.0) == {
+        "single_stream_decode_tokens_per_s": None, "single_stream_roofline_share": None,
+        "scaling_top_vs_single": None, "cpu_scaling_top_vs_single": None,
+    }  # fmt: skip
+    report = _report_without_a_lone_stream(rounds)
+    report["ortgenai_decode_tokens_per_s"] = None
+    found = judged(report)
+    assert found["edge_single_stream_vs_ortgenai"] == {"skipped": NO_SINGLE_STREAM}
+    assert found["edge_16_streams_vs_llamacpp"]["ratio"] == pytest.approx(210.0 / 160.0)
+    lines = targets(report)
+    assert lines[0] == f"TARGET edge_single_stream_vs_ortgenai: SKIPPED ({NO_SINGLE_STREAM})"
+    assert lines[1] == "TARGET edge_16_streams_vs_llamacpp: 1.31x (target >= 1.25x): PASS"
+    assert "no single-stream round: --streams has no 1, so no roofline share and no 16-vs-1 ratios" in lines[-1]
+    text = markdown(report)
+    assert f"- single-stream decode: not measured ({NO_SINGLE_STREAM})" in text
+    assert "| streams | aggregate tok/s | x 4 streams |" in text and "| 16 | 210.0 | 1.75 |" in text
+
+
+def test_a_run_at_16_streams_only_writes_its_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``python -m benchmarks.edge --streams 16`` (issue 42: it ended in a StopIteration traceback)."""
+    seen: dict[str, Any] = {}
+
+    async def fake_run(max_tokens: int, threads: int, counts: list[int], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        seen["counts"] = counts
+        return _report_without_a_lone_stream([_round(n, 200.0) for n in counts])
+
+    monkeypatch.setattr(mesh, "run", fake_run)
+    monkeypatch.setattr(mesh, "llamacpp_runner", lambda args, counts: "no llama.cpp build found")
+    assert mesh.main(["--streams", "16", "--no-direct", "--out", str(tmp_path)]) == 0
+    assert seen["counts"] == [16]
+    text = (tmp_path / "edge.md").read_text()
+    assert f"TARGET edge_single_stream_vs_ortgenai: SKIPPED ({NO_SINGLE_STREAM})" in text
+    assert "| 16 | 200.0 | 1.00 |" in text
