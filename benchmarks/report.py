@@ -2,7 +2,9 @@
 
 One table per performance target of the issues; each row reads one number out of one JSON file
 (target, measured, pass/fail, date, the command that reproduces it). A file or key that is not
-there shows as "not measured yet" — nothing is estimated or carried over by hand.
+there shows as "not measured yet" — nothing is estimated or carried over by hand. Then *All reports*:
+one line per current report (:data:`REPORTS`: its files, what it measures, the command that writes
+it); a file of the directory that no entry names is listed as undescribed, so the index stays whole.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ NOT_MEASURED = "not measured yet"
 
 _EDGE = "python -m benchmarks.edge.mesh"
 _HOPS = "python -m benchmarks.gateway.hops"
+_RUNTIME = "meshserve bench worker-runtime --ab-tree TREE --service"
+_TIERS = "meshserve bench tiers-ab --ab-tree TREE"
+_GUARANTEES = "python -m benchmarks.structured.guarantees"
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,28 @@ def _edge_round(d: dict[str, Any], streams: int) -> float:
 def _paired(d: dict[str, Any], path: str, key: str) -> float:
     """A number of hops' paired phase (each path alone against the direct call: benchmarks/gateway/hops_pairs.py)."""
     return float(_dig(d, "paired", path, key))
+
+
+def _target(name: str) -> Callable[[dict[str, Any]], float]:
+    """Reads one row of a report's ``targets`` list (the benchmark's own TARGET rows) by name; a
+    skipped row has no value (TypeError: shown as not measured)."""
+    return lambda d: float(next(row for row in d["targets"] if row["name"] == name)["value"])
+
+
+def _structured(tier: str, key: str) -> Callable[[dict[str, Any]], float]:
+    """One tier's structured-output guarantee measure (benchmarks/structured/guarantees.py's rates):
+    ``invalid`` answers of every kind, or the % of JSON and tool answers (``length``) cut at max_tokens."""
+
+    def read(d: dict[str, Any]) -> float:
+        rows = [r for r in d["rates"] if r["tier"] == tier]
+        if not rows:
+            raise KeyError(tier)
+        if key == "invalid":
+            return float(sum(r["invalid"] for r in rows))
+        shaped = [r for r in rows if r["kind"] != "stop"]
+        return 100 * sum(r["length"] for r in shaped) / sum(r["answers"] for r in shaped)
+
+    return read
 
 
 def _prefix_rounds(d: dict[str, Any]) -> float:
@@ -150,6 +177,19 @@ TABLES: dict[str, list[Row]] = {
         Row("n=4 vs 4 separate requests, time to the last token (256-token prompt)", "edge_n.json", "≥ 1.5x",
             lambda d: float(d["rows"][-1]["speedup"]), "x", lambda v: v >= 1.5, "meshserve bench edge-n"),
     ],
+    "Structured output: the guarantees on the real model, default sampling, max_tokens 96 (issue 41)": [
+        *(
+            row
+            for tier in ("edge", "cloud")
+            for row in (
+                Row(f"{tier} tier, invalid answers (JSON object, JSON schema, tools, stop strings; gRPC and HTTP)",
+                    "structured_guarantees.json", "0", _structured(tier, "invalid"), "answers",
+                    lambda v: v == 0, _GUARANTEES),
+                Row(f"{tier} tier, JSON and tool answers finished at max_tokens", "structured_guarantees.json",
+                    "≤ 10 %", _structured(tier, "length"), "%", lambda v: v <= 10.0, _GUARANTEES),
+            )
+        ),
+    ],
     "Batch inference (issue 28)": [
         Row("interactive TTFT p99 rise while a batch runs", "batch.json", "≤ 10 %",
             lambda d: 100 * float(d["rise"]), "%", lambda v: v <= 10.0, "meshserve bench batch"),
@@ -185,6 +225,36 @@ TABLES: dict[str, list[Row]] = {
             "meshserve bench spec"),
         Row("acceptance rate", "cloud_spec.json", "(reported)",
             lambda d: 100 * _dig(d, "speculative", "acceptance"), "%", None, "meshserve bench spec"),
+    ],
+    "Worker runtime alone: the engine loop vs the thread per sequence, zero-cost engine (issue 37)": [
+        Row("64 streams, tok/s / the old runtime's, in-process", "worker_runtime.json", "≥ 5x",
+            _target("worker_runtime_64_streams_vs_old"), "x", lambda v: v >= 5.0, _RUNTIME),
+        Row("64 streams, runtime ms per engine step, in-process", "worker_runtime.json", "≤ 0.75 ms",
+            _target("worker_runtime_64_streams_ms_per_step"), "ms", lambda v: v <= 0.75, _RUNTIME),
+        Row("256 streams, tok/s / the old runtime's, in-process", "worker_runtime.json", "≥ 10x",
+            _target("worker_runtime_256_streams_vs_old"), "x", lambda v: v >= 10.0, _RUNTIME),
+        Row("256 streams, runtime ms per engine step, in-process", "worker_runtime.json", "≤ 3 ms",
+            _target("worker_runtime_256_streams_ms_per_step"), "ms", lambda v: v <= 3.0, _RUNTIME),
+        Row("lone stream, runtime overhead per step over 2 ms model steps", "worker_runtime.json", "≤ 0.2 ms",
+            _target("worker_runtime_lone_stream_2ms_steps_overhead"), "ms", lambda v: v <= 0.2, _RUNTIME),
+        Row("lone stream, runtime overhead per step over 10 ms model steps", "worker_runtime.json", "≤ 0.2 ms",
+            _target("worker_runtime_lone_stream_10ms_steps_overhead"), "ms", lambda v: v <= 0.2, _RUNTIME),
+        Row("64 streams through a real gateway and worker process, tok/s / the old tree's", "worker_runtime.json",
+            "≥ 2x", _target("worker_runtime_service_64_streams_vs_old"), "x", lambda v: v >= 2.0, _RUNTIME),
+    ],
+    "Both tiers' real workers, this tree vs the tree before the engine loop (issue 37: no regression)": [
+        Row("edge, lone stream: the new tree's ratio to onnxruntime-genai / the old tree's", "tiers_ab.json",
+            "≥ 1.0x", _target("edge_lone_stream_vs_ortgenai_new_vs_old"), "x", lambda v: v >= 1.0, _TIERS),
+        Row("edge, 16 streams: the new tree's ratio to llama.cpp / the old tree's", "tiers_ab.json", "≥ 1.0x",
+            _target("edge_16_streams_vs_llamacpp_new_vs_old"), "x", lambda v: v >= 1.0, _TIERS),
+        Row("edge, lone stream, the new tree / onnxruntime-genai (issue 27's target, same run)", "tiers_ab.json",
+            "≥ 1.0x", _target("edge_single_stream_vs_ortgenai"), "x", lambda v: v >= 1.0, _TIERS),
+        Row("edge, 16 streams, the new tree / llama.cpp (issue 27's target, same run)", "tiers_ab.json", "≥ 1.25x",
+            _target("edge_16_streams_vs_llamacpp"), "x", lambda v: v >= 1.25, _TIERS),
+        Row("cloud worker on CPU, 16 streams, tok/s new / old", "tiers_ab.json", "≥ 1.0x",
+            _target("cloud_16_streams_new_vs_old"), "x", lambda v: v >= 1.0, _TIERS),
+        Row("cloud worker on CPU, 64 streams, tok/s new / old", "tiers_ab.json", "≥ 1.0x",
+            _target("cloud_64_streams_new_vs_old"), "x", lambda v: v >= 1.0, _TIERS),
     ],
     "Cancel latency (issue 7: within one decode step)": [
         Row("decode steps after cancel, p99", "cancel.json", "≤ 1 step", lambda d: d["steps_after_cancel_p99"],
@@ -227,7 +297,120 @@ TABLES: dict[str, list[Row]] = {
 }  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Report:
+    """One current report: its files, what it measures, the command that writes it."""
+
+    markdown: str | None
+    """The Markdown report, relative to the benchmarks directory (None: the benchmark writes none)."""
+    data: str | None
+    """Its JSON file in the benchmarks directory."""
+    measures: str
+    command: str
+    charts: tuple[str, ...] = ()
+    """PNG files the same run wrote beside it."""
+
+    def files(self) -> list[str]:
+        return [name for name in (self.markdown, self.data, *self.charts) if name is not None]
+
+
+def _load_charts(name: str) -> tuple[str, ...]:
+    return tuple(f"{name}_{kind}.png" for kind in ("e2e", "ttft", "throughput"))
+
+
+REPORTS: list[Report] = [
+    Report("hops.md", "hops.json", "gateway + router over a direct worker call, model compute removed: added "
+           "TTFT/e2e (round robin and paired), CPU per request by process, exact-hit TTFT (issues 3, 4)", _HOPS),
+    Report("hops_ab.md", "hops_ab.json", "the hops benchmark with two source trees side by side in one run",
+           "python -m benchmarks.gateway.hops --ab-tree TREE"),
+    Report("frontdoor.md", "frontdoor.json", "Envoy, HTTP adapter and gateway over the router and over a real edge "
+           "worker (max_tokens 1); cache-hit TTFT over SSE vs gRPC (issue 3)",
+           "python -m benchmarks.gateway.frontdoor"),
+    Report("frontdoor_split.md", "frontdoor_split.json", "the front-door benchmark with the router as its own "
+           "process", "python -m benchmarks.gateway.frontdoor --split-router"),
+    Report("mesh_overhead.md", "mesh_overhead.json", "gateway + router vs the worker called directly, real model",
+           "meshserve bench"),
+    Report("relay.md", "relay.json", "tokens relayed per second through gateway + router, paced and instant "
+           "synthetic worker (issue 9)", "meshserve bench relay"),
+    Report("relay_ab.md", "relay_ab.json", "the relay benchmark with two source trees side by side in one run",
+           "meshserve bench relay --ab-tree TREE"),
+    Report("gateways.md", "gateways.json", "meshserve's front doors vs the LiteLLM proxy over one fake OpenAI "
+           "backend (issue 9)", "meshserve bench gateways"),
+    Report("ratelimit.md", "ratelimit.json", "the gateway's Redis rate limiter: admit + settle per request",
+           "python -m benchmarks.gateway.ratelimit"),
+    Report("tracing.md", "tracing.json", "tracing's cost per request", "python -m benchmarks.gateway.tracing"),
+    Report("request_path.md", "request_path.json", "the files and functions one request runs through, gateway "
+           "and worker", "python scripts/request_path.py"),
+    Report("cache.md", "cache.json", "the cache layer vs raw redis-py; cache-hit TTFT through the mesh (issue 4)",
+           "python -m benchmarks.cache.bench"),
+    Report("router.md", "router.json", "cache-aware vs round-robin routing, simulated",
+           "python -m benchmarks.router.bench"),
+    Report("router_prefix.md", "router_prefix.json", "cache-aware vs round-robin routing over real cloud workers "
+           "(prefix hit rate, prefill tokens, TTFT)", "python -m benchmarks.router.prefix"),
+    Report("edge.md", "edge.json", "the edge tier through the mesh vs onnxruntime-genai and llama.cpp; roofline "
+           "share, 1/4/16-stream scaling, memory per stream, the engines in-process (issues 6, 27)",
+           "python -m benchmarks.edge"),
+    Report("edge_int4_kernel.md", "edge_int4_kernel.json", "our int4 kernel vs onnxruntime's MatMulNBits, one "
+           "thread", "meshserve bench edge-int4-kernel"),
+    Report("edge_quality.md", "edge_quality.json", "perplexity of the edge graph with our int4 kernel vs MLAS' "
+           "(issue 27)", "meshserve bench edge-quality"),
+    Report("edge_logprobs.md", "edge_logprobs.json", "edge per-token CPU at 16 streams with top_logprobs=5 vs "
+           "without (issue 24)", "meshserve bench edge-logprobs"),
+    Report("edge_structured.md", "edge_structured.json", "edge per-token CPU at 16 streams with a JSON-schema "
+           "constraint vs without (issue 24)", "meshserve bench edge-structured"),
+    Report("edge_n.md", "edge_n.json", "n=4 choices vs four separate requests, time to the last token (issue 24)",
+           "meshserve bench edge-n"),
+    Report("edge_prefill.md", "edge_prefill.json", "16 new prompts at once: one prefill call per prompt length "
+           "vs one per prompt", "meshserve bench edge-prefill"),
+    Report("cloud.md", "cloud.json", "the cloud engine on CPU: continuous batching vs transformers, prefix KV "
+           "reuse local and through Redis (issues 5, 7)", "meshserve bench --only cloud"),
+    Report("cloud_spec.md", "cloud_spec.json", "speculative decoding speed-up and acceptance; tensor parallelism "
+           "(issue 7)", "meshserve bench spec"),
+    Report("cloud_tp_prefix.md", "cloud_tp_prefix.json", "prefix KV through Redis between a TP=3 worker and TP=1",
+           "meshserve bench tp-prefix"),
+    Report("cloud_gpu.md", "cloud_gpu.json", "the cloud engine on a GPU: graph-captured decode (issue 22)",
+           "python -m benchmarks.cloud.gpu"),
+    Report("worker_runtime.md", "worker_runtime.json", "the worker runtime alone over a zero-cost engine, this "
+           "tree vs the tree before the engine loop, in-process and through the service (issue 37)", _RUNTIME),
+    Report("tiers_ab.md", "tiers_ab.json", "both tiers' real workers, this tree vs the tree before the engine "
+           "loop, with the issue-27 references (issue 37)", _TIERS),
+    Report("structured_guarantees.md", "structured_guarantees.json", "structured output's guarantees on the real "
+           "model, both tiers and front doors: invalid answers, answers at max_tokens (issue 41)", _GUARANTEES),
+    Report("cancel.md", "cancel.json", "decode steps a worker runs after the client cancels (issue 7)",
+           "meshserve bench cancel"),
+    Report("batch.md", "batch.json", "interactive TTFT p99 while a batch runs (issue 28)", "meshserve bench batch"),
+    Report("restart.md", "restart.json", "each service of `meshserve up` back after kill -9 under load (issue 26)",
+           "python -m benchmarks.mesh.restart"),
+    Report("load.md", "load.json", "closed-loop load through the mesh vs baselines, workload mix; charts",
+           "meshserve bench load", _load_charts("load")),
+    Report("load_open.md", "load_open.json", "open-loop load (offered request rates) through the mesh; charts",
+           "meshserve bench load --mode open --name load_open", _load_charts("load_open")),
+    Report("../soak.md", "soak.json", "10 minutes at 80 % of measured capacity: RSS and open-fd growth (issue 9)",
+           "meshserve bench soak --minutes 10"),
+]  # fmt: skip
+"""Every current report; tests/unit/benchmarks/test_report.py checks that it names each file of docs/benchmarks."""
+
+
+def all_reports(bench_dir: Path) -> list[str]:
+    """The *All reports* lines: one per entry of :data:`REPORTS` with a file here, then any file of the
+    directory no entry names (README.md aside)."""
+    lines = []
+    named: set[str] = {"README.md"}
+    for report in REPORTS:
+        named.update(report.files())
+        present = [name for name in report.files() if (bench_dir / name).exists()]
+        if not present:
+            continue
+        links = ", ".join(f"[{name.replace('../', 'docs/')}]({name})" for name in present)
+        lines.append(f"- {links}: {report.measures}. `{report.command}`")
+    strays = sorted(p.name for p in bench_dir.iterdir() if p.is_file() and p.name not in named)
+    lines += [f"- [{name}]({name}): not described yet (add it to benchmarks/report.py's REPORTS)" for name in strays]
+    return lines
+
+
 def _fmt(v: float, unit: str) -> str:
+    if unit == "answers":  # a count
+        return f"{v:,.0f}"
     if unit == "tok/s":
         return f"{v:,.0f} tok/s"
     if unit == "x":
@@ -266,6 +449,11 @@ def generate(bench_dir: Path) -> str:
         "Every number was measured on the 2-core build machine, usually while other work ran on it, so wall",
         "times are noisy (see each benchmark's own .md for its conditions and for CPU-time measures).",
         '"not measured yet" means the benchmark has not written that number here.',
+        "",
+        "The index of docs/benchmarks: every benchmark has one current report here, listed under "
+        "[All reports](#all-reports) with what it measures and the command that writes it; the tables below "
+        "judge the targets from those reports' JSON. Earlier runs are rows of each report's *Earlier runs* "
+        "table, their full text in git.",
     ]
     for title, rows in TABLES.items():
         lines += [
@@ -276,8 +464,17 @@ def generate(bench_dir: Path) -> str:
             "|---|---|---:|---|---|---|",
         ]
         lines += [render_row(row, load(row.source)) for row in rows]
-    runs = sorted(p.name for p in bench_dir.glob("*.json"))
-    lines += ["", "## All result files", "", ", ".join(f"[{n}]({n})" for n in runs) or "none"]
+    lines += [
+        "",
+        "## All reports",
+        "",
+        "One current report per benchmark (and per mode that writes its own file: the split layout, the A/B run of "
+        "two trees, the open loop). A report may end with *Earlier runs*: one row per run before it, with the commit "
+        "that holds that run's full report (benchmarks/earlier_runs.py keeps the section when the benchmark "
+        "rewrites the report). Each line: the files, what they measure, the command that writes them.",
+        "",
+        *(all_reports(bench_dir) or ["none"]),
+    ]
     return "\n".join(lines) + "\n"
 
 

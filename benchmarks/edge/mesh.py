@@ -50,6 +50,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from benchmarks import earlier_runs
 from benchmarks.edge import direct as edge_direct
 from benchmarks.edge import llamacpp
 from benchmarks.stats import StreamSample, summarize, time_stream
@@ -616,7 +617,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["targets"] = judged(report)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "edge.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "edge.md").write_text(markdown(report))
+    earlier_runs.write(args.out / "edge.md", markdown(report))
     print(markdown(report))
     print("\n".join(targets(report)))
     return 0

@@ -37,6 +37,7 @@ from pathlib import Path
 import aiohttp
 import grpc
 
+from benchmarks import earlier_runs
 from benchmarks.mesh.run import _direct, _encode
 from benchmarks.stats import percentile, time_stream
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
@@ -309,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
     markdown = _markdown(report)
-    (args.out / f"{stem}.md").write_text(markdown)
+    earlier_runs.write(args.out / f"{stem}.md", markdown)
     print(markdown)
     return 0
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks import earlier_runs
 from benchmarks.gateway.hop_timing import INTERNAL, PROMPT, cpu_per_request, latency_samples, stream_call, worker_call
 from benchmarks.gateway.hops_pairs import Probe, ab_paired, summary
 from benchmarks.gateway.tree_mesh import TreeMesh, describe, same_services, start_mesh, tree_text
@@ -213,4 +214,4 @@ def markdown(report: dict[str, Any]) -> str:
 def write_report(report: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "hops_ab.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "hops_ab.md").write_text(markdown(report))
+    earlier_runs.write(out / "hops_ab.md", markdown(report))

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from benchmarks import earlier_runs
+
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [
@@ -152,4 +154,4 @@ def _cpu_table(cpu: dict[str, dict[str, float]], title: str) -> list[str]:
 def write_report(report: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "hops.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "hops.md").write_text(markdown(report))
+    earlier_runs.write(out / "hops.md", markdown(report))

@@ -35,6 +35,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks import earlier_runs
 from benchmarks.gateway.relay_measure import TARGET_TOKENS_PER_S, measure
 from benchmarks.load.senders import grpc_sender, worker_sender
 from services.common.model_paths import model_paths
@@ -281,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = derive(asyncio.run(run(args.streams, args.max_tokens, args.duration, args.rounds, args.token_interval_ms)))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "relay.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / "relay.md").write_text(markdown(report))
+    earlier_runs.write(args.out / "relay.md", markdown(report))
     print(markdown(report))
     return 0
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks import earlier_runs
 from benchmarks.gateway.relay_measure import TARGET_TOKENS_PER_S, measure
 from benchmarks.gateway.tree_mesh import TreeMesh, describe, same_services, start_mesh, tree_text
 from benchmarks.load.generator import Sender
@@ -204,4 +205,4 @@ def markdown(report: dict[str, Any]) -> str:
 def write_report(report: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "relay_ab.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "relay_ab.md").write_text(markdown(report))
+    earlier_runs.write(out / "relay_ab.md", markdown(report))

@@ -43,6 +43,7 @@ from typing import Any
 import psutil
 import redis.asyncio as aioredis
 
+from benchmarks import earlier_runs
 from benchmarks.load import soak_probe, soak_report
 from benchmarks.load.bench import UNLIMITED, parse_mix
 from benchmarks.load.generator import (
@@ -325,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["json_path"] = str(args.out / "soak.json")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1) + "\n")
-    args.doc.write_text(soak_report.markdown(report))
+    earlier_runs.write(args.doc, soak_report.markdown(report))
     print(soak_report.markdown(report))
     return 0 if report["verdict"]["pass"] else 1
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks import earlier_runs
 from benchmarks.stats import percentile, time_stream
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
@@ -273,7 +274,7 @@ def main() -> None:
     report = asyncio.run(_main(cfg, args.rounds))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{args.name}.md").write_text(_markdown(report))
+    earlier_runs.write(args.out / f"{args.name}.md", _markdown(report))
     print(_markdown(report))
 
 

@@ -471,6 +471,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "python -m benchmarks.structured.guarantees " + " ".join(argv if argv is not None else sys.argv[1:])
     args.out.mkdir(parents=True, exist_ok=True)
     report = {
+        "benchmark": "structured_guarantees",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime()),
+        "command": command.strip(),
         "seconds": seconds,
         "rates": rates(outcomes),
         "outcomes": [asdict(o) for o in outcomes],

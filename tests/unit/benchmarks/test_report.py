@@ -118,3 +118,56 @@ def test_markdown_and_charts_of_a_load_run(tmp_path: Path) -> None:
         charts.throughput_chart(report, tmp_path / "tput.png"),
     ):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_issue_37_and_41_targets_are_read_from_their_reports(tmp_path: Path) -> None:
+    runtime = [{"name": "worker_runtime_64_streams_vs_old", "value": 10.89},
+               {"name": "worker_runtime_256_streams_ms_per_step", "value": 3.5}]  # fmt: skip
+    _write(tmp_path, "worker_runtime.json", {"date": "2026-12-02T06:50:53+00:00", "command": "rt", "targets": runtime})
+    tiers = [{"name": "edge_16_streams_vs_llamacpp", "value": 0.91},
+             {"name": "cloud_16_streams_new_vs_old", "value": None, "skipped": "no cloud run"}]  # fmt: skip
+    _write(tmp_path, "tiers_ab.json", {"date": "2026-12-02", "command": "tiers", "targets": tiers})
+    rates = [
+        {"tier": "edge", "door": "grpc", "kind": "json_object", "answers": 40, "invalid": 0, "length": 2},
+        {"tier": "edge", "door": "grpc", "kind": "tools", "answers": 10, "invalid": 1, "length": 3},
+        {"tier": "edge", "door": "grpc", "kind": "stop", "answers": 50, "invalid": 0, "length": 30},
+    ]
+    _write(tmp_path, "structured_guarantees.json", {"date": "2026-12-02T06:46+00:00", "rates": rates})
+    text = generate(tmp_path)
+    row = _row(text, "64 streams, tok/s / the old runtime's, in-process")
+    assert "10.89x" in row and "| pass |" in row and "`rt`" in row
+    assert "**fail**" in _row(text, "256 streams, runtime ms per engine step, in-process")
+    assert f"| {NOT_MEASURED} (no such number in worker_runtime.json) |" in _row(
+        text, "lone stream, runtime overhead per step over 2 ms model steps"
+    )
+    assert "0.91x" in _row(text, "edge, 16 streams, the new tree / llama.cpp (issue 27's target, same run)")
+    assert NOT_MEASURED in _row(text, "cloud worker on CPU, 16 streams, tok/s new / old")  # skipped: no number
+    invalid = _row(text, "edge tier, invalid answers (JSON object, JSON schema, tools, stop strings; gRPC and HTTP)")
+    assert "| 0 | 1 | **fail** |" in invalid and "`python -m benchmarks.structured.guarantees`" in invalid
+    length = _row(text, "edge tier, JSON and tool answers finished at max_tokens")
+    assert "10.00 %" in length and "| pass |" in length  # 5 of the 50 JSON and tool answers; stop strings aside
+    assert NOT_MEASURED in _row(text, "cloud tier, JSON and tool answers finished at max_tokens")
+
+
+def test_all_reports_lists_each_report_once_and_names_an_undescribed_file(tmp_path: Path) -> None:
+    for name in ("edge.md", "edge.json", "stray_2026-01-01.md"):
+        (tmp_path / name).write_text("{}")
+    text = generate(tmp_path)
+    section = text.split("## All reports", 1)[1]
+    edge = [line for line in section.splitlines() if "[edge.md](edge.md)" in line]
+    assert len(edge) == 1 and "[edge.json](edge.json)" in edge[0] and "`python -m benchmarks.edge`" in edge[0]
+    assert "- [stray_2026-01-01.md](stray_2026-01-01.md): not described yet" in section
+    assert "hops.md" not in section  # a report with no file here is not listed
+
+
+def test_every_file_of_docs_benchmarks_is_one_described_report() -> None:
+    """docs/benchmarks holds one current report per benchmark, each named by exactly one REPORTS entry."""
+    from benchmarks.report import REPORTS
+
+    bench_dir = Path(__file__).resolve().parents[3] / "docs" / "benchmarks"
+    named = [name for report in REPORTS for name in report.files()]
+    assert len(named) == len(set(named))
+    missing = [name for name in named if not (bench_dir / name).exists()]
+    assert missing == []
+    undescribed = sorted(p.name for p in bench_dir.iterdir() if p.name != "README.md" and p.name not in named)
+    assert undescribed == []
