@@ -1,4 +1,4 @@
-"""The HTTP adapter behind Envoy serves Prometheus /metrics (DESIGN §6: on every service): requests
+"""The HTTP adapter behind Envoy serves Prometheus /metrics (docs/metrics.md: every service serves one): requests
 through the front door are counted there by endpoint and status."""
 
 from __future__ import annotations
