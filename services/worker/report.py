@@ -88,13 +88,14 @@ class LoadReporter:
         running = [t.request for t in runner.running]
         held = runner.sessions.held_prefixes()
         load = (admission.active, admission.queued, admission.max_active)
-        return await asyncio.to_thread(self.build, running, held, load)
+        return await asyncio.to_thread(self.build, running, held, load, runner.counters.snapshot())
 
     def build(
         self,
         running_requests: Sequence[GenerationRequest],
         held: Sequence[HeldPrefix],
         load: tuple[int, int, int],
+        counters: CounterSnapshot,
     ) -> LoadReport:
         """The blocking part of :meth:`report` (call from a thread): engine hooks and hashing."""
         running = [HeldPrefix(r.context, r.tenant, r.shareable) for r in running_requests]
@@ -103,7 +104,7 @@ class LoadReporter:
             active_sequences=load[0],
             queue_depth=load[1],
             max_active_sequences=load[2],
-            counters=self.runner.counters.snapshot(),
+            counters=counters,
             kv_used_bytes=usage.used_bytes if usage else 0,
             kv_budget_bytes=usage.budget_bytes if usage else 0,
             kv_tokens=sum(len(p.token_ids) for p in (*running, *held)),
