@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Callable, Sequence
 
+from services.worker.token_texts import TokenTexts
 from services.worker.types import Tokenizer
 
 _CONTEXT_TOKENS = 6
@@ -52,21 +53,14 @@ class IncrementalDetokenizer:
 
 class ByteLevelDetokenizer:
     """The same deltas for a byte-level BPE tokenizer (GPT-2's, SmolLM2's) without calling it: each
-    token's bytes (:class:`Detokenizers`' table) through an incremental UTF-8 decoder, special tokens
-    skipped. About a tenth of :class:`IncrementalDetokenizer`'s two ``decode`` calls per token; the
-    concatenation is exactly what decoding all of the tokens at once gives (tested on the real
-    tokenizer), and a character is released as soon as its last byte comes."""
+    token's bytes (:class:`~services.worker.token_texts.TokenTexts`) through an incremental UTF-8
+    decoder, special tokens skipped. About a tenth of :class:`IncrementalDetokenizer`'s two ``decode``
+    calls per token; the concatenation is exactly what decoding all of the tokens at once gives (tested
+    on the real tokenizer), and a character is released as soon as its last byte comes."""
 
-    def __init__(self, table: dict[int, bytes], raw: Callable[[int], bytes]) -> None:
-        self._table = table
-        self._raw = raw
+    def __init__(self, token_bytes: Callable[[int], bytes]) -> None:
+        self._bytes = token_bytes
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-
-    def _bytes(self, token: int) -> bytes:
-        found = self._table.get(token)
-        if found is None:
-            found = self._table[token] = self._raw(token)
-        return found
 
     def add(self, token_id: int) -> str:
         """Text released by ``token_id`` (empty while a multi-byte character is incomplete)."""
@@ -80,46 +74,20 @@ class ByteLevelDetokenizer:
 class Detokenizers:
     """Makes the detokenizer of each sequence for one tokenizer: :class:`ByteLevelDetokenizer` when the
     tokenizer is a byte-level BPE whose added tokens are all special (what ``decode`` then does is
-    known exactly), else :class:`IncrementalDetokenizer`. The byte table is shared by all sequences."""
+    known exactly: each token's bytes, specials skipped), else :class:`IncrementalDetokenizer`."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, texts: TokenTexts) -> None:
         self._tok = tokenizer
-        self._table: dict[int, bytes] = {}
-        decoder = getattr(tokenizer, "decoder", None)  # a tokenizers.Tokenizer's pipeline (test fakes have none)
-        added = getattr(tokenizer, "get_added_tokens_decoder", None)
-        self._piece: Callable[[int], str | None] | None = None
-        if type(decoder).__name__ == "ByteLevel" and added is not None:
-            specials = added()
-            if all(token.special for token in specials.values()):
-                self._table.update({token_id: b"" for token_id in specials})
-                self._piece = tokenizer.id_to_token  # type: ignore[attr-defined]
-                self._bytes_of = byte_level()
+        self._texts = texts
+        added = getattr(tokenizer, "get_added_tokens_decoder", None)  # tokenizers.Tokenizer's (fakes have none)
+        specials = added() if added is not None else None
+        self.fast = texts.byte_level and specials is not None and all(t.special for t in specials.values())
+        self._skip = frozenset(specials or ())
 
-    @property
-    def fast(self) -> bool:
-        return self._piece is not None
-
-    def _raw(self, token: int) -> bytes:
-        assert self._piece is not None
-        piece = self._piece(token)
-        if piece is None:
-            return b""
-        return bytes(self._bytes_of[c] for c in piece)
+    def _bytes(self, token: int) -> bytes:
+        return b"" if token in self._skip else self._texts.get(token)[1]
 
     def new(self, context_ids: Sequence[int] = ()) -> IncrementalDetokenizer | ByteLevelDetokenizer:
-        if self._piece is None:
+        if not self.fast:
             return IncrementalDetokenizer(self._tok, context_ids)
-        return ByteLevelDetokenizer(self._table, self._raw)  # a byte-level decoder needs no context
-
-
-def byte_level() -> dict[str, int]:
-    """GPT-2's ``bytes_to_unicode`` inverted: printable character -> the byte it stands for."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars = list(keep)
-    extra = 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
+        return ByteLevelDetokenizer(self._bytes)  # a byte-level decoder needs no context

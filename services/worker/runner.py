@@ -227,8 +227,8 @@ class Runner:
         self.running: set[Turn] = set()
         """Turns admitted and not ended (the load report reads their requests)."""
         self._ids = itertools.count(1)
-        self._texts: TokenTexts | None = None
-        self._detokenizers = Detokenizers(engine.tokenizer)
+        self._texts = TokenTexts(engine.tokenizer)
+        self._detokenizers = Detokenizers(engine.tokenizer, self._texts)
         self._grammars: GrammarCompiler | None = None
         self._started = False
 
@@ -249,9 +249,7 @@ class Runner:
             pass
 
     def token_texts(self) -> TokenTexts:
-        """The engine's token texts and bytes (logprobs frames), built on first use and kept."""
-        if self._texts is None:
-            self._texts = TokenTexts(self.engine.tokenizer)
+        """The engine's token texts and bytes (logprobs frames, the byte-level detokenizer), kept per id."""
         return self._texts
 
     def turn(self, request: GenerationRequest, session: ChatSession | None = None) -> Turn:

@@ -4,7 +4,7 @@ the router, gateway and HTTP adapter never need one).
 Our own because ``tokenizers`` has no "bytes of one token" call: decoding a token alone loses the
 bytes of a partial UTF-8 character (U+FFFD). A byte-level BPE vocabulary (GPT-2's, SmolLM2's) spells
 every byte as one printable character (``bytes_to_unicode``), which
-:func:`~services.worker.detokenizer.byte_level` inverts; a
+:func:`byte_level` inverts; a
 SentencePiece ``<0xNN>`` piece is its byte; a special (added) token, or any tokenizer without a
 vocabulary (test fakes), is its decoded text.
 """
@@ -15,8 +15,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from services.common.logprobs import SampledLogprobs, TokenLogprob, TopLogprob, token_text
-from services.worker.detokenizer import byte_level
 from services.worker.types import Tokenizer
+
+
+def byte_level() -> dict[str, int]:
+    """GPT-2's ``bytes_to_unicode`` inverted: printable character -> the byte it stands for."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
 
 
 class TokenTexts:
@@ -28,6 +40,8 @@ class TokenTexts:
         decoder: Any = getattr(tokenizer, "decoder", None)
         self._bytes_of = byte_level() if type(decoder).__name__ == "ByteLevel" else None
         self._piece = getattr(tokenizer, "id_to_token", None)
+        self.byte_level = self._bytes_of is not None and self._piece is not None
+        """A byte-level BPE vocabulary: every token's bytes come from its piece."""
 
     def get(self, token_id: int) -> tuple[str, bytes]:
         found = self._cache.get(token_id)

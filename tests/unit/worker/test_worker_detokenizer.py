@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.worker.detokenizer import Detokenizers, IncrementalDetokenizer
+from services.worker.token_texts import TokenTexts
 from tests.unit.worker.fakes import TOKENIZER, VOCAB
 
 E_ACUTE = (VOCAB.index(b"\xc3"), VOCAB.index(b"\xa9"))
@@ -54,7 +55,7 @@ def test_the_byte_level_detokenizer_gives_what_the_real_tokenizer_decodes(ids: l
     # Any ids of SmolLM2's vocabulary: specials (skipped), word pieces, byte tokens of partial UTF-8
     # characters (the low ids of its byte alphabet), after any prompt.
     tokenizer = _real_tokenizer_cached()
-    factory = Detokenizers(tokenizer)
+    factory = Detokenizers(tokenizer, TokenTexts(tokenizer))
     assert factory.fast
     fast = factory.new(context)
     slow = IncrementalDetokenizer(tokenizer, context)
@@ -69,7 +70,7 @@ def test_the_byte_level_detokenizer_holds_only_a_split_character() -> None:
     tokenizer = _real_tokenizer_cached()
     text = "é ü 日本"
     ids = tokenizer.encode(text).ids
-    fast = Detokenizers(tokenizer).new()
+    fast = Detokenizers(tokenizer, TokenTexts(tokenizer)).new()
     deltas = [fast.add(i) for i in ids]
     assert "".join(deltas) == text and "\ufffd" not in "".join(deltas)
     partial = [i for i, d in zip(ids, deltas, strict=True) if d == ""]
@@ -77,8 +78,8 @@ def test_the_byte_level_detokenizer_holds_only_a_split_character() -> None:
 
 
 def test_a_fake_tokenizer_gets_the_general_detokenizer() -> None:
-    assert not Detokenizers(TOKENIZER).fast
-    assert isinstance(Detokenizers(TOKENIZER).new(), IncrementalDetokenizer)
+    assert not Detokenizers(TOKENIZER, TokenTexts(TOKENIZER)).fast
+    assert isinstance(Detokenizers(TOKENIZER, TokenTexts(TOKENIZER)).new(), IncrementalDetokenizer)
 
 
 _CACHE: list[object] = []
