@@ -1057,10 +1057,16 @@ class ModelInfo(_message.Message):
     TIERS_FIELD_NUMBER: _builtins.int
     CONTEXT_LENGTH_FIELD_NUMBER: _builtins.int
     GENERATION_DEFAULTS_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Model id to put in GenerateRequest.model."""
     context_length: _builtins.int
     """Maximum prompt + completion tokens."""
+    state: _builtins.str
+    """"awake" (a replica serves now), "waking" (a request woke it; it serves within seconds),
+    "asleep" (its replicas released their memory; the next request wakes one and waits for it) or
+    "stopped" (no replica runs; the next request is held while one starts).
+    """
     @_builtins.property
     def tiers(self) -> _containers.RepeatedScalarFieldContainer[Global___Tier.ValueType]:
         """Tiers that serve this model."""
@@ -1076,10 +1082,11 @@ class ModelInfo(_message.Message):
         tiers: _abc.Iterable[Global___Tier.ValueType] | None = ...,
         context_length: _builtins.int = ...,
         generation_defaults: Global___GenerationDefaults | None = ...,
+        state: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["generation_defaults", b"generation_defaults"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "generation_defaults", b"generation_defaults", "id", b"id", "tiers", b"tiers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "generation_defaults", b"generation_defaults", "id", b"id", "state", b"state", "tiers", b"tiers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -25,13 +25,15 @@ _sym_db = _symbol_database.Default()
 from services.common.pb.meshserve.v1 import inference_pb2 as meshserve_dot_v1_dot_inference__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"meshserve/internal/v1/worker.proto\x12\x15meshserve.internal.v1\x1a\x1cmeshserve/v1/inference.proto\"\xd5\x01\n\x0bWorkerStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x04 \x03(\r\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x18\n\x10shareable_prefix\x18\x06 \x01(\x08\x12\x10\n\x08priority\x18\x07 \x01(\r\x12\x12\n\nbackground\x18\x08 \x01(\x08\"\x0e\n\x0cWorkerCancel\"\x85\x01\n\rWorkerRequest\x12\x33\n\x05start\x18\x01 \x01(\x0b\x32\".meshserve.internal.v1.WorkerStartH\x00\x12\x35\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32#.meshserve.internal.v1.WorkerCancelH\x00\x42\x08\n\x06\x61\x63tion\"\xa1\x01\n\x0bWorkerFinal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x04 \x01(\r\x12\x15\n\rbudget_closed\x18\x05 \x01(\x08\"\xc3\x01\n\x0eWorkerResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\x05\x66inal\x18\x04 \x01(\x0b\x32\".meshserve.internal.v1.WorkerFinal\x12\x0e\n\x06queued\x18\x05 \x01(\x08\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r\"\x0e\n\x0cStatsRequest\"\xc1\x04\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12 \n\x04tier\x18\x02 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\r\n\x05model\x18\x03 \x01(\t\x12\x18\n\x10\x61\x63tive_sequences\x18\x04 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\r\x12\x1c\n\x14max_active_sequences\x18\x06 \x01(\r\x12\x1f\n\x17sequences_started_total\x18\x07 \x01(\x04\x12!\n\x19sequences_cancelled_total\x18\x08 \x01(\x04\x12\x1e\n\x16tokens_generated_total\x18\t \x01(\x04\x12\x1c\n\x14prefill_tokens_total\x18\n \x01(\x04\x12 \n\x18recent_tokens_per_second\x18\x0b \x01(\x02\x12\x15\n\rkv_used_bytes\x18\x0c \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\r \x01(\x04\x12\x11\n\tkv_tokens\x18\x0e \x01(\x04\x12\x16\n\x0eheld_sequences\x18\x0f \x01(\r\x12\x1b\n\x13prefix_block_tokens\x18\x10 \x01(\r\x12\x19\n\x11hot_prefix_blocks\x18\x11 \x03(\x0c\x12\x15\n\rmodel_version\x18\x12 \x01(\t\x12\x1b\n\x13prompt_tokens_total\x18\x13 \x01(\x04\x12\x13\n\x0bstream_port\x18\x15 \x01(\r\x12\r\n\x05\x62uild\x18\x16 \x01(\tJ\x04\x08\x14\x10\x15R\x0cgenerate_mux\"V\n\x07MuxOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"\xad\x01\n\x05MuxUp\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12.\n\x04open\x18\x02 \x01(\x0b\x32\x1e.meshserve.internal.v1.MuxOpenH\x00\x12\x14\n\nhalf_close\x18\x04 \x01(\x08H\x00\x12\x0f\n\x05\x61\x62ort\x18\x05 \x01(\x08H\x00\x12\x35\n\x07request\x18\x03 \x01(\x0b\x32$.meshserve.internal.v1.WorkerRequestB\x06\n\x04kind\" \n\x0e\x42\x61\x63kgroundHold\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\"z\n\nMuxRequest\x12,\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x1c.meshserve.internal.v1.MuxUp\x12>\n\x0f\x62\x61\x63kground_hold\x18\x02 \x01(\x0b\x32%.meshserve.internal.v1.BackgroundHold\"?\n\x06MuxEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"\x8a\x01\n\x07MuxDown\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\x39\n\x08response\x18\x02 \x01(\x0b\x32%.meshserve.internal.v1.WorkerResponseH\x00\x12,\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x1d.meshserve.internal.v1.MuxEndH\x00\x42\x06\n\x04kind\"=\n\x0bMuxResponse\x12.\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x1e.meshserve.internal.v1.MuxDown\"j\n\x0fKvPrefixRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x18\n\x10shareable_prefix\x18\x04 \x01(\x08\"\x98\x01\n\x10KvImportResponse\x12\x14\n\x0c\x62lock_tokens\x18\x01 \x01(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x0e\n\x06\x62locks\x18\x03 \x01(\r\x12\x13\n\x0b\x62locks_held\x18\x04 \x01(\r\x12\x17\n\x0f\x62locks_imported\x18\x05 \x01(\r\x12\x19\n\x11redis_unavailable\x18\x06 \x01(\x08\"\x80\x01\n\x10KvExportResponse\x12\x14\n\x0c\x62lock_tokens\x18\x01 \x01(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x0e\n\x06\x62locks\x18\x03 \x01(\r\x12\x16\n\x0e\x62locks_written\x18\x04 \x01(\r\x12\x17\n\x0f\x62locks_not_held\x18\x05 \x01(\r\" \n\x0b\x45mbedTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"p\n\x12WorkerEmbedRequest\x12\x32\n\x06inputs\x18\x01 \x03(\x0b\x32\".meshserve.internal.v1.EmbedTokens\x12\x12\n\ndimensions\x18\x02 \x01(\r\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"Y\n\x13WorkerEmbedResponse\x12+\n\nembeddings\x18\x01 \x03(\x0b\x32\x17.meshserve.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r2\xd1\x03\n\x06Worker\x12[\n\x08Generate\x12$.meshserve.internal.v1.WorkerRequest\x1a%.meshserve.internal.v1.WorkerResponse(\x01\x30\x01\x12P\n\x05Stats\x12#.meshserve.internal.v1.StatsRequest\x1a\".meshserve.internal.v1.WorkerStats\x12[\n\x08ImportKV\x12&.meshserve.internal.v1.KvPrefixRequest\x1a\'.meshserve.internal.v1.KvImportResponse\x12[\n\x08\x45xportKV\x12&.meshserve.internal.v1.KvPrefixRequest\x1a\'.meshserve.internal.v1.KvExportResponse\x12^\n\x05\x45mbed\x12).meshserve.internal.v1.WorkerEmbedRequest\x1a*.meshserve.internal.v1.WorkerEmbedResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"meshserve/internal/v1/worker.proto\x12\x15meshserve.internal.v1\x1a\x1cmeshserve/v1/inference.proto\"\xd5\x01\n\x0bWorkerStart\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x18\n\x10resume_token_ids\x18\x04 \x03(\r\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x18\n\x10shareable_prefix\x18\x06 \x01(\x08\x12\x10\n\x08priority\x18\x07 \x01(\r\x12\x12\n\nbackground\x18\x08 \x01(\x08\"\x0e\n\x0cWorkerCancel\"\x85\x01\n\rWorkerRequest\x12\x33\n\x05start\x18\x01 \x01(\x0b\x32\".meshserve.internal.v1.WorkerStartH\x00\x12\x35\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32#.meshserve.internal.v1.WorkerCancelH\x00\x42\x08\n\x06\x61\x63tion\"\xa1\x01\n\x0bWorkerFinal\x12\x31\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x04 \x01(\r\x12\x15\n\rbudget_closed\x18\x05 \x01(\x08\"\xc3\x01\n\x0eWorkerResponse\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x31\n\x05\x66inal\x18\x04 \x01(\x0b\x32\".meshserve.internal.v1.WorkerFinal\x12\x0e\n\x06queued\x18\x05 \x01(\x08\x12,\n\x08logprobs\x18\x06 \x03(\x0b\x32\x1a.meshserve.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r\"\x0e\n\x0cStatsRequest\"\x91\x05\n\x0bWorkerStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12 \n\x04tier\x18\x02 \x01(\x0e\x32\x12.meshserve.v1.Tier\x12\r\n\x05model\x18\x03 \x01(\t\x12\x18\n\x10\x61\x63tive_sequences\x18\x04 \x01(\r\x12\x13\n\x0bqueue_depth\x18\x05 \x01(\r\x12\x1c\n\x14max_active_sequences\x18\x06 \x01(\r\x12\x1f\n\x17sequences_started_total\x18\x07 \x01(\x04\x12!\n\x19sequences_cancelled_total\x18\x08 \x01(\x04\x12\x1e\n\x16tokens_generated_total\x18\t \x01(\x04\x12\x1c\n\x14prefill_tokens_total\x18\n \x01(\x04\x12 \n\x18recent_tokens_per_second\x18\x0b \x01(\x02\x12\x15\n\rkv_used_bytes\x18\x0c \x01(\x04\x12\x17\n\x0fkv_budget_bytes\x18\r \x01(\x04\x12\x11\n\tkv_tokens\x18\x0e \x01(\x04\x12\x16\n\x0eheld_sequences\x18\x0f \x01(\r\x12\x1b\n\x13prefix_block_tokens\x18\x10 \x01(\r\x12\x19\n\x11hot_prefix_blocks\x18\x11 \x03(\x0c\x12\x15\n\rmodel_version\x18\x12 \x01(\t\x12\x1b\n\x13prompt_tokens_total\x18\x13 \x01(\x04\x12\x13\n\x0bstream_port\x18\x15 \x01(\r\x12\r\n\x05\x62uild\x18\x16 \x01(\t\x12\x36\n\x0bmodel_state\x18\x17 \x01(\x0e\x32!.meshserve.internal.v1.ModelState\x12\x16\n\x0eresident_bytes\x18\x18 \x01(\x04J\x04\x08\x14\x10\x15R\x0cgenerate_mux\"$\n\x0cSleepRequest\x12\x14\n\x0conly_if_idle\x18\x01 \x01(\x08\"\r\n\x0bWakeRequest\"r\n\x0fModelStateReply\x12\x36\n\x0bmodel_state\x18\x01 \x01(\x0e\x32!.meshserve.internal.v1.ModelState\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\x12\x16\n\x0eresident_bytes\x18\x03 \x01(\x04\"V\n\x07MuxOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x13\n\x0btraceparent\x18\x03 \x01(\t\x12\x12\n\ntimeout_ms\x18\x04 \x01(\r\"\xad\x01\n\x05MuxUp\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12.\n\x04open\x18\x02 \x01(\x0b\x32\x1e.meshserve.internal.v1.MuxOpenH\x00\x12\x14\n\nhalf_close\x18\x04 \x01(\x08H\x00\x12\x0f\n\x05\x61\x62ort\x18\x05 \x01(\x08H\x00\x12\x35\n\x07request\x18\x03 \x01(\x0b\x32$.meshserve.internal.v1.WorkerRequestB\x06\n\x04kind\" \n\x0e\x42\x61\x63kgroundHold\x12\x0e\n\x06ttl_ms\x18\x01 \x01(\r\"z\n\nMuxRequest\x12,\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x1c.meshserve.internal.v1.MuxUp\x12>\n\x0f\x62\x61\x63kground_hold\x18\x02 \x01(\x0b\x32%.meshserve.internal.v1.BackgroundHold\"?\n\x06MuxEnd\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\x16\n\x0eretry_after_ms\x18\x03 \x01(\r\"\x8a\x01\n\x07MuxDown\x12\x0e\n\x06stream\x18\x01 \x01(\x04\x12\x39\n\x08response\x18\x02 \x01(\x0b\x32%.meshserve.internal.v1.WorkerResponseH\x00\x12,\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x1d.meshserve.internal.v1.MuxEndH\x00\x42\x06\n\x04kind\"=\n\x0bMuxResponse\x12.\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x1e.meshserve.internal.v1.MuxDown\"j\n\x0fKvPrefixRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\r\x12\x13\n\x0bprompt_text\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x18\n\x10shareable_prefix\x18\x04 \x01(\x08\"\x98\x01\n\x10KvImportResponse\x12\x14\n\x0c\x62lock_tokens\x18\x01 \x01(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x0e\n\x06\x62locks\x18\x03 \x01(\r\x12\x13\n\x0b\x62locks_held\x18\x04 \x01(\r\x12\x17\n\x0f\x62locks_imported\x18\x05 \x01(\r\x12\x19\n\x11redis_unavailable\x18\x06 \x01(\x08\"\x80\x01\n\x10KvExportResponse\x12\x14\n\x0c\x62lock_tokens\x18\x01 \x01(\r\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x0e\n\x06\x62locks\x18\x03 \x01(\r\x12\x16\n\x0e\x62locks_written\x18\x04 \x01(\r\x12\x17\n\x0f\x62locks_not_held\x18\x05 \x01(\r\" \n\x0b\x45mbedTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"p\n\x12WorkerEmbedRequest\x12\x32\n\x06inputs\x18\x01 \x03(\x0b\x32\".meshserve.internal.v1.EmbedTokens\x12\x12\n\ndimensions\x18\x02 \x01(\r\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"Y\n\x13WorkerEmbedResponse\x12+\n\nembeddings\x18\x01 \x03(\x0b\x32\x17.meshserve.v1.Embedding\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r*s\n\nModelState\x12\x15\n\x11MODEL_STATE_AWAKE\x10\x00\x12\x16\n\x12MODEL_STATE_ASLEEP\x10\x01\x12\x16\n\x12MODEL_STATE_WAKING\x10\x02\x12\x1e\n\x1aMODEL_STATE_FALLING_ASLEEP\x10\x03\x32\xfb\x04\n\x06Worker\x12[\n\x08Generate\x12$.meshserve.internal.v1.WorkerRequest\x1a%.meshserve.internal.v1.WorkerResponse(\x01\x30\x01\x12P\n\x05Stats\x12#.meshserve.internal.v1.StatsRequest\x1a\".meshserve.internal.v1.WorkerStats\x12[\n\x08ImportKV\x12&.meshserve.internal.v1.KvPrefixRequest\x1a\'.meshserve.internal.v1.KvImportResponse\x12[\n\x08\x45xportKV\x12&.meshserve.internal.v1.KvPrefixRequest\x1a\'.meshserve.internal.v1.KvExportResponse\x12^\n\x05\x45mbed\x12).meshserve.internal.v1.WorkerEmbedRequest\x1a*.meshserve.internal.v1.WorkerEmbedResponse\x12T\n\x05Sleep\x12#.meshserve.internal.v1.SleepRequest\x1a&.meshserve.internal.v1.ModelStateReply\x12R\n\x04Wake\x12\".meshserve.internal.v1.WakeRequest\x1a&.meshserve.internal.v1.ModelStateReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshserve.internal.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_MODELSTATE']._serialized_start=2990
+  _globals['_MODELSTATE']._serialized_end=3105
   _globals['_WORKERSTART']._serialized_start=92
   _globals['_WORKERSTART']._serialized_end=305
   _globals['_WORKERCANCEL']._serialized_start=307
@@ -45,33 +47,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=821
   _globals['_STATSREQUEST']._serialized_end=835
   _globals['_WORKERSTATS']._serialized_start=838
-  _globals['_WORKERSTATS']._serialized_end=1415
-  _globals['_MUXOPEN']._serialized_start=1417
-  _globals['_MUXOPEN']._serialized_end=1503
-  _globals['_MUXUP']._serialized_start=1506
-  _globals['_MUXUP']._serialized_end=1679
-  _globals['_BACKGROUNDHOLD']._serialized_start=1681
-  _globals['_BACKGROUNDHOLD']._serialized_end=1713
-  _globals['_MUXREQUEST']._serialized_start=1715
-  _globals['_MUXREQUEST']._serialized_end=1837
-  _globals['_MUXEND']._serialized_start=1839
-  _globals['_MUXEND']._serialized_end=1902
-  _globals['_MUXDOWN']._serialized_start=1905
-  _globals['_MUXDOWN']._serialized_end=2043
-  _globals['_MUXRESPONSE']._serialized_start=2045
-  _globals['_MUXRESPONSE']._serialized_end=2106
-  _globals['_KVPREFIXREQUEST']._serialized_start=2108
-  _globals['_KVPREFIXREQUEST']._serialized_end=2214
-  _globals['_KVIMPORTRESPONSE']._serialized_start=2217
-  _globals['_KVIMPORTRESPONSE']._serialized_end=2369
-  _globals['_KVEXPORTRESPONSE']._serialized_start=2372
-  _globals['_KVEXPORTRESPONSE']._serialized_end=2500
-  _globals['_EMBEDTOKENS']._serialized_start=2502
-  _globals['_EMBEDTOKENS']._serialized_end=2534
-  _globals['_WORKEREMBEDREQUEST']._serialized_start=2536
-  _globals['_WORKEREMBEDREQUEST']._serialized_end=2648
-  _globals['_WORKEREMBEDRESPONSE']._serialized_start=2650
-  _globals['_WORKEREMBEDRESPONSE']._serialized_end=2739
-  _globals['_WORKER']._serialized_start=2742
-  _globals['_WORKER']._serialized_end=3207
+  _globals['_WORKERSTATS']._serialized_end=1495
+  _globals['_SLEEPREQUEST']._serialized_start=1497
+  _globals['_SLEEPREQUEST']._serialized_end=1533
+  _globals['_WAKEREQUEST']._serialized_start=1535
+  _globals['_WAKEREQUEST']._serialized_end=1548
+  _globals['_MODELSTATEREPLY']._serialized_start=1550
+  _globals['_MODELSTATEREPLY']._serialized_end=1664
+  _globals['_MUXOPEN']._serialized_start=1666
+  _globals['_MUXOPEN']._serialized_end=1752
+  _globals['_MUXUP']._serialized_start=1755
+  _globals['_MUXUP']._serialized_end=1928
+  _globals['_BACKGROUNDHOLD']._serialized_start=1930
+  _globals['_BACKGROUNDHOLD']._serialized_end=1962
+  _globals['_MUXREQUEST']._serialized_start=1964
+  _globals['_MUXREQUEST']._serialized_end=2086
+  _globals['_MUXEND']._serialized_start=2088
+  _globals['_MUXEND']._serialized_end=2151
+  _globals['_MUXDOWN']._serialized_start=2154
+  _globals['_MUXDOWN']._serialized_end=2292
+  _globals['_MUXRESPONSE']._serialized_start=2294
+  _globals['_MUXRESPONSE']._serialized_end=2355
+  _globals['_KVPREFIXREQUEST']._serialized_start=2357
+  _globals['_KVPREFIXREQUEST']._serialized_end=2463
+  _globals['_KVIMPORTRESPONSE']._serialized_start=2466
+  _globals['_KVIMPORTRESPONSE']._serialized_end=2618
+  _globals['_KVEXPORTRESPONSE']._serialized_start=2621
+  _globals['_KVEXPORTRESPONSE']._serialized_end=2749
+  _globals['_EMBEDTOKENS']._serialized_start=2751
+  _globals['_EMBEDTOKENS']._serialized_end=2783
+  _globals['_WORKEREMBEDREQUEST']._serialized_start=2785
+  _globals['_WORKEREMBEDREQUEST']._serialized_end=2897
+  _globals['_WORKEREMBEDRESPONSE']._serialized_start=2899
+  _globals['_WORKEREMBEDRESPONSE']._serialized_end=2988
+  _globals['_WORKER']._serialized_start=3108
+  _globals['_WORKER']._serialized_end=3743
 # @@protoc_insertion_point(module_scope)

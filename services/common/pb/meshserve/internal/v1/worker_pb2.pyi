@@ -9,6 +9,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from services.common.pb.meshserve.v1 import inference_pb2 as _inference_pb2
 import builtins as _builtins
 import sys
@@ -20,6 +21,40 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _ModelState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ModelStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ModelState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MODEL_STATE_AWAKE: _ModelState.ValueType  # 0
+    """Loaded and serving (the default: a worker that never slept)."""
+    MODEL_STATE_ASLEEP: _ModelState.ValueType  # 1
+    """Released: the process, its imports and its connection to the router stay; the model's memory
+    (weights or graph session, KV) is given back. A Wake loads it again.
+    """
+    MODEL_STATE_WAKING: _ModelState.ValueType  # 2
+    """A Wake is loading the model."""
+    MODEL_STATE_FALLING_ASLEEP: _ModelState.ValueType  # 3
+    """A Sleep is releasing the model (no new turn is admitted meanwhile)."""
+
+class ModelState(_ModelState, metaclass=_ModelStateEnumTypeWrapper):
+    """Where a worker's model is: in memory, released (the process stays, its memory given back), or on
+    the way between. Sleep and Wake move it; the worker reports it in every load report.
+    """
+
+MODEL_STATE_AWAKE: ModelState.ValueType  # 0
+"""Loaded and serving (the default: a worker that never slept)."""
+MODEL_STATE_ASLEEP: ModelState.ValueType  # 1
+"""Released: the process, its imports and its connection to the router stay; the model's memory
+(weights or graph session, KV) is given back. A Wake loads it again.
+"""
+MODEL_STATE_WAKING: ModelState.ValueType  # 2
+"""A Wake is loading the model."""
+MODEL_STATE_FALLING_ASLEEP: ModelState.ValueType  # 3
+"""A Sleep is releasing the model (no new turn is admitted meanwhile)."""
+Global___ModelState: _TypeAlias = ModelState  # noqa: Y015
 
 @_typing.final
 class WorkerStart(_message.Message):
@@ -282,6 +317,8 @@ class WorkerStats(_message.Message):
     PROMPT_TOKENS_TOTAL_FIELD_NUMBER: _builtins.int
     STREAM_PORT_FIELD_NUMBER: _builtins.int
     BUILD_FIELD_NUMBER: _builtins.int
+    MODEL_STATE_FIELD_NUMBER: _builtins.int
+    RESIDENT_BYTES_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Worker replica id."""
     tier: _inference_pb2.Tier.ValueType
@@ -331,6 +368,10 @@ class WorkerStats(_message.Message):
     Two workers of one build give the same greedy tokens for the same input, so the router resumes a
     broken stream on a worker of the same build first (docs/router.md, Failures). Empty: unknown.
     """
+    model_state: Global___ModelState.ValueType
+    """Whether the model is in memory (services/worker/sleep.py): only an awake worker is routed to."""
+    resident_bytes: _builtins.int
+    """The worker process's resident memory now, in bytes (0: not measured)."""
     @_builtins.property
     def hot_prefix_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
         """KV block hashes (services.store.keys.kv_block_hashes: the SHA-256 chain over model id and
@@ -362,14 +403,87 @@ class WorkerStats(_message.Message):
         prompt_tokens_total: _builtins.int = ...,
         stream_port: _builtins.int = ...,
         build: _builtins.str = ...,
+        model_state: Global___ModelState.ValueType = ...,
+        resident_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sequences", b"active_sequences", "build", b"build", "held_sequences", b"held_sequences", "hot_prefix_blocks", b"hot_prefix_blocks", "kv_budget_bytes", b"kv_budget_bytes", "kv_tokens", b"kv_tokens", "kv_used_bytes", b"kv_used_bytes", "max_active_sequences", b"max_active_sequences", "model", b"model", "model_version", b"model_version", "prefill_tokens_total", b"prefill_tokens_total", "prefix_block_tokens", b"prefix_block_tokens", "prompt_tokens_total", b"prompt_tokens_total", "queue_depth", b"queue_depth", "recent_tokens_per_second", b"recent_tokens_per_second", "sequences_cancelled_total", b"sequences_cancelled_total", "sequences_started_total", b"sequences_started_total", "stream_port", b"stream_port", "tier", b"tier", "tokens_generated_total", b"tokens_generated_total", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_sequences", b"active_sequences", "build", b"build", "held_sequences", b"held_sequences", "hot_prefix_blocks", b"hot_prefix_blocks", "kv_budget_bytes", b"kv_budget_bytes", "kv_tokens", b"kv_tokens", "kv_used_bytes", b"kv_used_bytes", "max_active_sequences", b"max_active_sequences", "model", b"model", "model_state", b"model_state", "model_version", b"model_version", "prefill_tokens_total", b"prefill_tokens_total", "prefix_block_tokens", b"prefix_block_tokens", "prompt_tokens_total", b"prompt_tokens_total", "queue_depth", b"queue_depth", "recent_tokens_per_second", b"recent_tokens_per_second", "resident_bytes", b"resident_bytes", "sequences_cancelled_total", b"sequences_cancelled_total", "sequences_started_total", b"sequences_started_total", "stream_port", b"stream_port", "tier", b"tier", "tokens_generated_total", b"tokens_generated_total", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WorkerStats: _TypeAlias = WorkerStats  # noqa: Y015
+
+@_typing.final
+class SleepRequest(_message.Message):
+    """Asks a worker to release its model."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ONLY_IF_IDLE_FIELD_NUMBER: _builtins.int
+    only_if_idle: _builtins.bool
+    """Only when no turn is running, queued or kept between chat turns (the router's idle policy sets
+    it); FAILED_PRECONDITION otherwise. Unset: running turns are cancelled first.
+    """
+    def __init__(
+        self,
+        *,
+        only_if_idle: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["only_if_idle", b"only_if_idle"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SleepRequest: _TypeAlias = SleepRequest  # noqa: Y015
+
+@_typing.final
+class WakeRequest(_message.Message):
+    """Asks a worker to load its model again."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WakeRequest: _TypeAlias = WakeRequest  # noqa: Y015
+
+@_typing.final
+class ModelStateReply(_message.Message):
+    """A worker's model state after a Sleep or Wake."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_STATE_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    RESIDENT_BYTES_FIELD_NUMBER: _builtins.int
+    model_state: Global___ModelState.ValueType
+    """The state reached."""
+    seconds: _builtins.float
+    """Seconds the release or the load took (0 when there was nothing to do)."""
+    resident_bytes: _builtins.int
+    """The process's resident memory after it, in bytes."""
+    def __init__(
+        self,
+        *,
+        model_state: Global___ModelState.ValueType = ...,
+        seconds: _builtins.float = ...,
+        resident_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["model_state", b"model_state", "resident_bytes", b"resident_bytes", "seconds", b"seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelStateReply: _TypeAlias = ModelStateReply  # noqa: Y015
 
 @_typing.final
 class MuxOpen(_message.Message):

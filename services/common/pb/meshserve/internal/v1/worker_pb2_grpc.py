@@ -60,6 +60,16 @@ class WorkerStub:
                 request_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerEmbedRequest.SerializeToString,
                 response_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerEmbedResponse.FromString,
                 _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/meshserve.internal.v1.Worker/Sleep',
+                request_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.SleepRequest.SerializeToString,
+                response_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.ModelStateReply.FromString,
+                _registered_method=True)
+        self.Wake = channel.unary_unary(
+                '/meshserve.internal.v1.Worker/Wake',
+                request_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WakeRequest.SerializeToString,
+                response_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.ModelStateReply.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -112,6 +122,25 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """Releases the model's memory; the process stays (services/worker/sleep.py). Idempotent: an
+        asleep worker answers at once. FAILED_PRECONDITION with only_if_idle while turns run;
+        FAILED_PRECONDITION on an engine that declares no sleep.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Wake(self, request, context):
+        """Loads the model again and answers once it serves. Calls during one load share it (one load for
+        every caller); when every caller of a load has gone away (cancelled) the worker goes back to
+        sleep after it. RESOURCE_EXHAUSTED when the host lacks the memory, UNAVAILABLE when the load
+        fails (the worker stays asleep and says why in its log).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -139,6 +168,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerEmbedRequest.FromString,
                     response_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerEmbedResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.SleepRequest.FromString,
+                    response_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.ModelStateReply.SerializeToString,
+            ),
+            'Wake': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wake,
+                    request_deserializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.WakeRequest.FromString,
+                    response_serializer=meshserve_dot_internal_dot_v1_dot_worker__pb2.ModelStateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -277,6 +316,60 @@ class Worker:
             '/meshserve.internal.v1.Worker/Embed',
             meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerEmbedRequest.SerializeToString,
             meshserve_dot_internal_dot_v1_dot_worker__pb2.WorkerEmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.internal.v1.Worker/Sleep',
+            meshserve_dot_internal_dot_v1_dot_worker__pb2.SleepRequest.SerializeToString,
+            meshserve_dot_internal_dot_v1_dot_worker__pb2.ModelStateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wake(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.internal.v1.Worker/Wake',
+            meshserve_dot_internal_dot_v1_dot_worker__pb2.WakeRequest.SerializeToString,
+            meshserve_dot_internal_dot_v1_dot_worker__pb2.ModelStateReply.FromString,
             options,
             channel_credentials,
             insecure,

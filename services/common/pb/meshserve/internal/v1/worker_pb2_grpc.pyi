@@ -60,6 +60,17 @@ class WorkerStub:
     on a tensor-parallel cloud worker; INVALID_ARGUMENT for an empty input, a token id outside the
     vocabulary or an input longer than the context.
     """
+    Sleep: _grpc.UnaryUnaryMultiCallable[_worker_pb2.SleepRequest, _worker_pb2.ModelStateReply]
+    """Releases the model's memory; the process stays (services/worker/sleep.py). Idempotent: an
+    asleep worker answers at once. FAILED_PRECONDITION with only_if_idle while turns run;
+    FAILED_PRECONDITION on an engine that declares no sleep.
+    """
+    Wake: _grpc.UnaryUnaryMultiCallable[_worker_pb2.WakeRequest, _worker_pb2.ModelStateReply]
+    """Loads the model again and answers once it serves. Calls during one load share it (one load for
+    every caller); when every caller of a load has gone away (cancelled) the worker goes back to
+    sleep after it. RESOURCE_EXHAUSTED when the host lacks the memory, UNAVAILABLE when the load
+    fails (the worker stays asleep and says why in its log).
+    """
 
 @_typing.type_check_only
 class WorkerAsyncStub(WorkerStub):
@@ -90,6 +101,17 @@ class WorkerAsyncStub(WorkerStub):
     by cloud workers; FAILED_PRECONDITION on an edge worker (its INT4 graph outputs logits only) and
     on a tensor-parallel cloud worker; INVALID_ARGUMENT for an empty input, a token id outside the
     vocabulary or an input longer than the context.
+    """
+    Sleep: _aio.UnaryUnaryMultiCallable[_worker_pb2.SleepRequest, _worker_pb2.ModelStateReply]  # type: ignore[assignment]
+    """Releases the model's memory; the process stays (services/worker/sleep.py). Idempotent: an
+    asleep worker answers at once. FAILED_PRECONDITION with only_if_idle while turns run;
+    FAILED_PRECONDITION on an engine that declares no sleep.
+    """
+    Wake: _aio.UnaryUnaryMultiCallable[_worker_pb2.WakeRequest, _worker_pb2.ModelStateReply]  # type: ignore[assignment]
+    """Loads the model again and answers once it serves. Calls during one load share it (one load for
+    every caller); when every caller of a load has gone away (cancelled) the worker goes back to
+    sleep after it. RESOURCE_EXHAUSTED when the host lacks the memory, UNAVAILABLE when the load
+    fails (the worker stays asleep and says why in its log).
     """
 
 class WorkerServicer(metaclass=_abc_1.ABCMeta):
@@ -148,6 +170,29 @@ class WorkerServicer(metaclass=_abc_1.ABCMeta):
         by cloud workers; FAILED_PRECONDITION on an edge worker (its INT4 graph outputs logits only) and
         on a tensor-parallel cloud worker; INVALID_ARGUMENT for an empty input, a token id outside the
         vocabulary or an input longer than the context.
+        """
+
+    @_abc_1.abstractmethod
+    def Sleep(
+        self,
+        request: _worker_pb2.SleepRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.ModelStateReply, _abc.Awaitable[_worker_pb2.ModelStateReply]]:
+        """Releases the model's memory; the process stays (services/worker/sleep.py). Idempotent: an
+        asleep worker answers at once. FAILED_PRECONDITION with only_if_idle while turns run;
+        FAILED_PRECONDITION on an engine that declares no sleep.
+        """
+
+    @_abc_1.abstractmethod
+    def Wake(
+        self,
+        request: _worker_pb2.WakeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_worker_pb2.ModelStateReply, _abc.Awaitable[_worker_pb2.ModelStateReply]]:
+        """Loads the model again and answers once it serves. Calls during one load share it (one load for
+        every caller); when every caller of a load has gone away (cancelled) the worker goes back to
+        sleep after it. RESOURCE_EXHAUSTED when the host lacks the memory, UNAVAILABLE when the load
+        fails (the worker stays asleep and says why in its log).
         """
 
 def add_WorkerServicer_to_server(servicer: WorkerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
