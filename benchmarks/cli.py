@@ -1,6 +1,6 @@
 """``meshserve bench [SUBCOMMAND]``: the benchmark suites.
 
-``meshserve bench load|soak|gateways|relay|worker-runtime|tiers-ab|cancel|report|spec|tp-prefix|batch|edge|``
+``meshserve bench load|soak|gateways|relay|worker-runtime|tiers-ab|wake|cancel|report|spec|tp-prefix|batch|edge|``
 ``edge-n|edge-logprobs|edge-structured|edge-prefill|edge-int4-kernel|edge-quality|structured-guarantees``
 ``...`` run the harness of issue 9, the cloud engine's speculative/TP benchmark and the edge tier's (each has
 ``-h``); anything else (``meshserve bench``, ``meshserve bench --only cloud``, ...) goes to
@@ -25,6 +25,10 @@ SUBCOMMANDS = {
     "tiers-ab": (
         "benchmarks.worker.tiers_ab",
         "edge and cloud workers as real processes, this tree vs --ab-tree's, with the issue-27 references (issue 37)",
+    ),
+    "wake": (
+        "benchmarks.mesh.wake",
+        "a sleeping or stopped model's first request vs the same model awake; 64 at once; neighbours (issue 39)",
     ),
     "cancel": ("benchmarks.mesh.cancel", "decode steps a worker runs after the client cancels (edge and cloud)"),
     "report": ("benchmarks.report", "write docs/benchmarks/README.md from the benchmarks' JSON files"),

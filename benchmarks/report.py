@@ -376,6 +376,9 @@ REPORTS: list[Report] = [
            "loop, with the issue-27 references (issue 37)", _TIERS),
     Report("structured_guarantees.md", "structured_guarantees.json", "structured output's guarantees on the real "
            "model, both tiers and front doors: invalid answers, answers at max_tokens (issue 41)", _GUARANTEES),
+    Report("wake.md", "wake.json", "a sleeping or stopped model's first token vs the same model awake, resident "
+           "memory asleep, 64 requests at a sleeping model, neighbours' TTFT during wakes (issue 39)",
+           "meshserve bench wake"),
     Report("cancel.md", "cancel.json", "decode steps a worker runs after the client cancels (issue 7)",
            "meshserve bench cancel"),
     Report("batch.md", "batch.json", "interactive TTFT p99 while a batch runs (issue 28)", "meshserve bench batch"),

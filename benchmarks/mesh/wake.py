@@ -1,0 +1,406 @@
+"""``meshserve bench wake``: what a sleeping or stopped model costs its first request (issue 39).
+
+Starts local meshes (the launcher of ``meshserve up``) and measures, each against the same model
+awake in the same run:
+
+- **edge and cloud wake**: the time to the first token of a short prompt (greedy, 1 token, response
+  cache bypassed) on an awake replica, then on the same replica put to sleep (``Worker.Sleep``): the
+  router holds the request and wakes the replica. ``--rounds`` interleaved pairs, medians compared.
+- **memory**: the edge worker's resident memory (``WorkerStats.resident_bytes``) awake and asleep.
+- **64 at once**: 64 requests reach a sleeping edge model together; all must complete, and the
+  router's ``meshserve_router_wakes_total`` must grow by exactly 1.
+- **neighbours**: TTFT p50 of requests to an awake model (the default one) while another model
+  (a second edge model id) is put to sleep and woken again and again, against a run with no wake.
+- **from zero**: a mesh with ``min_replicas 0`` and a stop policy: once the scaler of ``meshserve up``
+  has stopped the edge worker process, the time from a request's arrival to its first token.
+
+Writes docs/benchmarks/wake.json and wake.md with TARGET lines (and prints them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.stats import percentile
+from services.common.model_paths import model_paths
+from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.settings import DEFAULT_INTERNAL_TOKEN
+from services.local.client import MeshClient, routing_options, sampling_params
+from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
+
+INTERNAL = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),)
+PROMPT = "What is the capital of France?"
+OTHER_MODEL = "wake-bench-other"
+"""The second edge model id of the neighbours phase (the default model's INT4 graph under another id)."""
+
+TARGETS = {
+    "edge_wake_extra_ttft_s": 1.5,
+    "cloud_wake_extra_ttft_s": 3.0,
+    "edge_asleep_resident_share": 0.20,
+    "from_zero_ttft_s": 8.0,
+    "neighbour_ttft_p50_ratio": 1.10,
+}
+STATE = worker_pb2.ModelState
+
+
+def _log(text: str) -> None:
+    print(f"wake: {text}", file=sys.stderr, flush=True)
+
+
+def _config(**kw: Any) -> MeshConfig:
+    config = MeshConfig(**kw)
+    config.extra_env["MESHSERVE_GATEWAY_REQUESTS_PER_MINUTE"] = "100000000"
+    config.extra_env["MESHSERVE_ROUTER_WAKE_DEADLINE_S"] = "120"
+    return config
+
+
+async def _ttft(client: MeshClient, tier: str, model: str = "") -> float:
+    """Seconds from the call to its first token (a short greedy prompt, cache bypassed)."""
+    request = pb.GenerateRequest(
+        model=model,
+        prompt=PROMPT,
+        sampling=sampling_params(max_tokens=1, temperature=0.0),
+        routing=routing_options(tier, pb.CACHE_POLICY_BYPASS),
+    )
+    started = time.perf_counter()
+    call = client.generate_call(request, timeout_s=180)
+    first: float | None = None
+    try:
+        async for frame in call:
+            if first is None and (frame.token_ids or frame.text):
+                first = time.perf_counter() - started
+    finally:
+        call.cancel()
+    if first is None:
+        raise RuntimeError("the request ended without a token")
+    return first
+
+
+async def _stats(worker: worker_pb2_grpc.WorkerStub) -> worker_pb2.WorkerStats:
+    stats: worker_pb2.WorkerStats = await worker.Stats(worker_pb2.StatsRequest(), metadata=INTERNAL, timeout=10)
+    return stats
+
+
+async def _sleep(worker: worker_pb2_grpc.WorkerStub, client: MeshClient, model: str = "") -> worker_pb2.ModelStateReply:
+    """Puts the worker to sleep and waits until the router lists the model as not awake (bounded)."""
+    reply: worker_pb2.ModelStateReply = await worker.Sleep(
+        worker_pb2.SleepRequest(only_if_idle=False), metadata=INTERNAL, timeout=60
+    )
+    deadline = time.perf_counter() + 10
+    while time.perf_counter() < deadline:
+        models = {m.id: m for m in await client.list_models()}
+        info = models.get(model) if model else next(iter(models.values()))
+        if info is not None and info.state != "awake":
+            break
+        await asyncio.sleep(0.05)
+    return reply
+
+
+def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _wakes(mesh: Mesh) -> float:
+    """The router's ``meshserve_router_wakes_total`` summed over its labels (every router of the mesh)."""
+    total = 0.0
+    for name, url in mesh.metrics_urls().items():
+        if not (name.startswith("gateway") or name.startswith("router")):
+            continue
+        total += sum(v for (metric, _), v in _scrape(url).items() if metric == "meshserve_router_wakes_total")
+    return total
+
+
+async def _by_model(mesh: Mesh) -> dict[str, tuple[str, worker_pb2_grpc.WorkerStub, grpc.aio.Channel]]:
+    found = {}
+    for proc in mesh.workers("edge") + mesh.workers("cloud"):
+        channel = grpc.aio.insecure_channel(proc.address)
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        stats = await _stats(stub)
+        found[f"{proc.name.split('-')[0]}:{stats.model}"] = (proc.address, stub, channel)
+    return found
+
+
+async def _wake_pairs(client: MeshClient, worker: worker_pb2_grpc.WorkerStub, tier: str, rounds: int) -> dict[str, Any]:
+    awake: list[float] = []
+    asleep: list[float] = []
+    rss_awake: list[int] = []
+    rss_asleep: list[int] = []
+    await _ttft(client, tier)  # warm-up
+    for i in range(rounds):
+        awake.append(statistics.median([await _ttft(client, tier) for _ in range(3)]))
+        rss_awake.append((await _stats(worker)).resident_bytes)
+        reply = await _sleep(worker, client)
+        await asyncio.sleep(0.5)
+        rss_asleep.append((await _stats(worker)).resident_bytes or reply.resident_bytes)
+        asleep.append(await _ttft(client, tier))
+        _log(f"{tier} round {i + 1}/{rounds}: awake {awake[-1]:.3f} s, asleep {asleep[-1]:.3f} s")
+    return {
+        "rounds": rounds,
+        "awake_ttft_s": awake,
+        "asleep_ttft_s": asleep,
+        "awake_ttft_s_median": statistics.median(awake),
+        "asleep_ttft_s_median": statistics.median(asleep),
+        "extra_ttft_s": statistics.median(asleep) - statistics.median(awake),
+        "resident_bytes_awake": int(statistics.median(rss_awake)),
+        "resident_bytes_asleep": int(statistics.median(rss_asleep)),
+    }
+
+
+async def _burst(mesh: Mesh, client: MeshClient, worker: worker_pb2_grpc.WorkerStub, n: int) -> dict[str, Any]:
+    await _sleep(worker, client)
+    before = _wakes(mesh)
+    results = await asyncio.gather(*(_ttft(client, "edge") for _ in range(n)), return_exceptions=True)
+    await asyncio.sleep(1.0)
+    wakes = _wakes(mesh) - before
+    done = [r for r in results if isinstance(r, float)]
+    errors = sorted({f"{type(r).__name__}: {r}"[:160] for r in results if not isinstance(r, float)})
+    return {
+        "requests": n,
+        "completed": len(done),
+        "wakes": wakes,
+        "ttft_s_p50": percentile(done, 50) if done else None,
+        "ttft_s_max": max(done) if done else None,
+        "errors": errors,
+    }
+
+
+async def _steady(client: MeshClient, seconds: float, concurrency: int = 2) -> list[float]:
+    """TTFTs of the default model's requests, ``concurrency`` closed loops for ``seconds``."""
+    out: list[float] = []
+    end = time.perf_counter() + seconds
+
+    async def loop() -> None:
+        while time.perf_counter() < end:
+            out.append(await _ttft(client, "edge"))
+
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    return out
+
+
+async def _neighbours(client: MeshClient, other: worker_pb2_grpc.WorkerStub, seconds: float) -> dict[str, Any]:
+    await _steady(client, 2.0)  # warm-up
+    quiet = await _steady(client, seconds)
+    stop = asyncio.Event()
+    woken = 0
+
+    async def wake_again_and_again() -> None:
+        nonlocal woken
+        while not stop.is_set():
+            await _sleep(other, client, OTHER_MODEL)
+            await _ttft(client, "edge", OTHER_MODEL)
+            woken += 1
+
+    waker = asyncio.create_task(wake_again_and_again())
+    try:
+        busy = await _steady(client, seconds)
+    finally:
+        stop.set()
+        await waker
+    return {
+        "seconds": seconds,
+        "quiet_requests": len(quiet),
+        "during_wakes_requests": len(busy),
+        "wakes_of_the_other_model": woken,
+        "quiet_ttft_s_p50": percentile(quiet, 50),
+        "during_wakes_ttft_s_p50": percentile(busy, 50),
+        "ratio": percentile(busy, 50) / percentile(quiet, 50),
+    }
+
+
+async def _from_zero(rounds: int, idle_after_s: float, stop_after_s: float) -> dict[str, Any]:
+    config = _config(edge_workers=1, cloud_workers=0, supervise=True, warm_spares=False)
+    config.min_replicas = 0  # type: ignore[attr-defined]
+    config.idle_after_s = idle_after_s  # type: ignore[attr-defined]
+    config.stop_after_s = stop_after_s  # type: ignore[attr-defined]
+    ttfts: list[float] = []
+    async with Mesh(config, sink=lambda _n, _l: None) as mesh, MeshClient(mesh.gateway_address, DEV_API_KEY) as client:
+        await _ttft(client, "edge")
+        for i in range(rounds):
+            deadline = time.perf_counter() + idle_after_s + stop_after_s + 60
+            while any(p.proc is not None and p.proc.returncode is None for p in mesh.workers("edge")):
+                if time.perf_counter() > deadline:
+                    raise RuntimeError("the scaler did not stop the idle edge worker")
+                await asyncio.sleep(0.2)
+            ttfts.append(await _ttft(client, "edge"))
+            _log(f"from zero round {i + 1}/{rounds}: first token after {ttfts[-1]:.3f} s")
+    return {"rounds": rounds, "ttft_s": ttfts, "ttft_s_median": statistics.median(ttfts), "ttft_s_max": max(ttfts)}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    edge_dir = str(model_paths().edge_dir)
+    config = _config(edge_workers=1, cloud_workers=0, edge_models={OTHER_MODEL: edge_dir})
+    _log("edge mesh: wake, memory, 64 at once, neighbours")
+    async with Mesh(config, sink=lambda _n, _l: None) as mesh, MeshClient(mesh.gateway_address, DEV_API_KEY) as client:
+        workers = await _by_model(mesh)
+        try:
+            default = next(v for k, v in workers.items() if k.startswith("edge:") and not k.endswith(OTHER_MODEL))
+            other = workers[f"edge:{OTHER_MODEL}"]
+            results["edge"] = await _wake_pairs(client, default[1], "edge", args.rounds)
+            results["burst"] = await _burst(mesh, client, default[1], args.burst)
+            results["neighbours"] = await _neighbours(client, other[1], args.neighbour_seconds)
+        finally:
+            for _address, _stub, channel in workers.values():
+                await channel.close()
+    _log("cloud mesh: wake")
+    async with (
+        Mesh(_config(edge_workers=0, cloud_workers=1), sink=lambda _n, _l: None) as mesh,
+        MeshClient(mesh.gateway_address, DEV_API_KEY) as client,
+    ):
+        async with grpc.aio.insecure_channel(mesh.workers("cloud")[0].address) as channel:
+            results["cloud"] = await _wake_pairs(client, worker_pb2_grpc.WorkerStub(channel), "cloud", args.rounds)
+    _log("from zero: stop policy")
+    results["from_zero"] = await _from_zero(args.zero_rounds, args.idle_after_s, args.stop_after_s)
+    report = {
+        "benchmark": "wake",
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m": os.getloadavg()[0]},
+        "command": "meshserve bench wake " + " ".join(args.argv),
+        "results": results,
+    }
+    report["targets"] = targets(report)
+    return report
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    r = report["results"]
+    rows = []
+
+    def row(name: str, value: float, unit: str, bound: str, ok: bool) -> None:
+        rows.append({"name": name, "value": round(value, 3), "unit": unit, "bound": bound, "pass": ok})
+
+    for tier in ("edge", "cloud"):
+        if tier in r:
+            extra, bound = r[tier]["extra_ttft_s"], TARGETS[f"{tier}_wake_extra_ttft_s"]
+            row(f"{tier}_wake_extra_ttft", extra, "s", f"<= {bound:g} s", extra <= bound)
+    if "edge" in r and r["edge"]["resident_bytes_awake"]:
+        share = r["edge"]["resident_bytes_asleep"] / r["edge"]["resident_bytes_awake"]
+        bound = TARGETS["edge_asleep_resident_share"]
+        row("edge_asleep_resident_share", share, "x", f"<= {bound:g}x", share <= bound)
+    if "from_zero" in r:
+        got, bound = r["from_zero"]["ttft_s_max"], TARGETS["from_zero_ttft_s"]
+        row("from_zero_first_token", got, "s", f"<= {bound:g} s", got <= bound)
+    if "burst" in r:
+        b = r["burst"]
+        ok = b["completed"] == b["requests"] and b["wakes"] == 1
+        rows.append(
+            {
+                "name": f"burst_{b['requests']}_at_a_sleeping_model",
+                "value": f"{b['completed']}/{b['requests']} completed, {b['wakes']:g} wake(s)",
+                "unit": "",
+                "bound": f"{b['requests']} complete, exactly 1 wake",
+                "pass": ok,
+            }
+        )
+    if "neighbours" in r:
+        ratio, bound = r["neighbours"]["ratio"], TARGETS["neighbour_ttft_p50_ratio"]
+        row("neighbour_ttft_p50_during_wakes", ratio, "x", f"<= {bound:g}x the run with no wake", ratio <= bound)
+    return rows
+
+
+def target_line(row: dict[str, Any]) -> str:
+    unit = row["unit"]
+    value = f"{row['value']}{'x' if unit == 'x' else (' ' + unit if unit else '')}"
+    return f"TARGET {row['name']}: {value} (target {row['bound']}): {'PASS' if row['pass'] else 'FAIL'}"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    r = report["results"]
+    lines = [
+        "# Scale from zero: the first request to a sleeping or stopped model (issue 39)",
+        "",
+        f"{report['date']} · {report['machine']['cpus']} CPUs shared with other work (1-min load average "
+        f"{report['machine']['load_avg_1m']:.2f} at the end) · `{report['command']}`",
+        "",
+        "Every figure is measured against the same model awake in the same run: TTFT of a short greedy "
+        "prompt (1 token, response cache bypassed) through gateway → router → worker.",
+        "",
+        "```",
+        *(target_line(t) for t in report["targets"]),
+        "```",
+        "",
+        "| tier | rounds | TTFT awake (median) | TTFT asleep (median) | extra | RSS awake | RSS asleep |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for tier in ("edge", "cloud"):
+        if tier in r:
+            t = r[tier]
+            lines.append(
+                f"| {tier} | {t['rounds']} | {t['awake_ttft_s_median'] * 1000:.0f} ms | "
+                f"{t['asleep_ttft_s_median'] * 1000:.0f} ms | {t['extra_ttft_s'] * 1000:.0f} ms | "
+                f"{t['resident_bytes_awake'] / 2**20:.0f} MiB | {t['resident_bytes_asleep'] / 2**20:.0f} MiB |"
+            )
+    if "burst" in r:
+        b = r["burst"]
+        lines += [
+            "",
+            f"**{b['requests']} at once at a sleeping edge model:** {b['completed']} completed, "
+            f"{b['wakes']:g} wake(s) counted by the router; TTFT p50 "
+            f"{(b['ttft_s_p50'] or 0) * 1000:.0f} ms, max {(b['ttft_s_max'] or 0) * 1000:.0f} ms."
+            + (f" Errors: {'; '.join(b['errors'])}" if b["errors"] else ""),
+        ]
+    if "neighbours" in r:
+        n = r["neighbours"]
+        lines += [
+            "",
+            f"**Neighbours:** the default model's TTFT p50 (2 closed loops, {n['seconds']:g} s each run) "
+            f"{n['quiet_ttft_s_p50'] * 1000:.1f} ms with no wake ({n['quiet_requests']} requests), "
+            f"{n['during_wakes_ttft_s_p50'] * 1000:.1f} ms while `{OTHER_MODEL}` was put to sleep and woken "
+            f"{n['wakes_of_the_other_model']} times ({n['during_wakes_requests']} requests): {n['ratio']:.3f}x.",
+        ]
+    if "from_zero" in r:
+        z = r["from_zero"]
+        lines += [
+            "",
+            "**From zero processes** (`min_replicas: 0`, stop policy; the scaler of `meshserve up` starts the "
+            "worker when the router holds a request): first token after "
+            + ", ".join(f"{s:.2f} s" for s in z["ttft_s"])
+            + f" (median {z['ttft_s_median']:.2f} s).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="meshserve bench wake", description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="awake/asleep pairs per tier (default 5)")
+    parser.add_argument("--burst", type=int, default=64, help="requests at once at a sleeping model (default 64)")
+    parser.add_argument("--neighbour-seconds", type=float, default=20.0, help="each neighbours run (default 20)")
+    parser.add_argument("--zero-rounds", type=int, default=3, help="requests from zero processes (default 3)")
+    parser.add_argument("--idle-after-s", type=float, default=1.0, help="from zero: idle_after_s (default 1)")
+    parser.add_argument("--stop-after-s", type=float, default=3.0, help="from zero: stop_after_s (default 3)")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
+    args = parser.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
+    report = asyncio.run(run(args))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "wake.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / "wake.md").write_text(markdown(report))
+    for row in report["targets"]:
+        print(target_line(row))
+    return 0 if all(row["pass"] for row in report["targets"]) else 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
