@@ -88,6 +88,7 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
         chat_idle_timeout_s=settings.chat_idle_timeout_s,
         keepalive_s=settings.queued_keepalive_s,
         flush=settings.flush_window(),
+        sleep_margin_bytes=settings.sleep_memory_margin_bytes,
     )
     runner.start()  # the engine loop runs from the start (a Worker.ImportKV may come before any turn)
     hasher = PrefixHasher(settings.model_id, settings.resolved_model_version(), settings.prefix_block_tokens)
@@ -158,6 +159,7 @@ async def start_worker(settings: WorkerSettings, engine: Engine, *, tier: str) -
         )
         heartbeater.start()
         server.on_stop.append(heartbeater.close)
+        runner.model.on_change.append(lambda _state: heartbeater.beat_now())  # routers learn it at once
     return RunningWorker(server, servicer, runner, heartbeater, stream)
 
 

@@ -17,6 +17,8 @@ resolution keeps the last known set. Contract:
   default grows to 120 s): a router restarted on its port (``meshserve up`` restarts a crashed one,
   services/local/supervise.py) hears from every worker within ~2 s of serving again, and it serves
   only once one has registered;
+* :meth:`Heartbeater.beat_now` sends the next heartbeat to every router at once instead of after
+  the period (the model fell asleep or woke: services/worker/sleep.py);
 * :meth:`Heartbeater.leave` (graceful shutdown) cancels the loops and sends one last heartbeat with
   ``leaving`` set, so routers stop sending new work at once instead of after the TTL.
 """
@@ -88,6 +90,7 @@ class Heartbeater:
         """Per router: heartbeats answered."""
         self._changed = asyncio.Event()
         self._resolve_failing = False
+        self._kicks: dict[str, asyncio.Event] = {}
 
     def start(self) -> None:
         if self.resolve:
@@ -162,13 +165,26 @@ class Heartbeater:
                 raise
             except Exception as exc:  # unreachable, refused, bad credential: keep trying, quietly
                 self._state(router, False, error=_describe(exc))
-                await asyncio.sleep(backoff)
+                await self._pause(router, backoff)
                 backoff = min(backoff * 2, self.max_backoff_s)
                 continue
             self.beats[router] += 1
             self._state(router, True, ttl_s=ttl)
             backoff = self.interval_s
-            await asyncio.sleep(min(self.interval_s, ttl / 3) if ttl > 0 else self.interval_s)
+            await self._pause(router, min(self.interval_s, ttl / 3) if ttl > 0 else self.interval_s)
+
+    async def _pause(self, router: str, delay_s: float) -> None:
+        """Until the next heartbeat to ``router``: ``delay_s``, or sooner after :meth:`beat_now`."""
+        kick = self._kicks.setdefault(router, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(kick.wait(), delay_s)
+        kick.clear()
+
+    def beat_now(self) -> None:
+        """Send the next heartbeat to every router now (the load report changed in a way that matters:
+        the model fell asleep or woke). A beat in flight is followed by another one."""
+        for router in self.routers:
+            self._kicks.setdefault(router, asyncio.Event()).set()
 
     async def wait_state(self, router: str, up: bool) -> None:
         """Until the last heartbeat to ``router`` succeeded (``up``) or failed (not ``up``)."""

@@ -14,6 +14,9 @@ ended meanwhile (a stop string found in step t) was stepped once more for nothin
 the engine before step t+2. The loop runs at most :data:`MAX_UNREAD_STEPS` steps ahead of the event
 loop's processing, so memory and the work done past a stop stay bounded when the event loop is the
 slower of the two (a zero-cost engine, a loaded host).
+
+Paused (:meth:`EngineLoop.pause`, while the model sleeps: services/worker/sleep.py), the thread runs
+commands only (the release and the restore are commands) and never asks the engine for a step.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class EngineLoop:
         self._commands: list[Callable[[], None]] = []
         self._ready: list[list[SequenceOutput]] = []
         self._unread, self._scheduled, self._stopped = 0, False, False
+        self._paused = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.steps = 0
@@ -89,6 +93,21 @@ class EngineLoop:
 
         self._command(run)
         return future
+
+    def pause(self) -> None:
+        """Step nothing from now on (commands still run) until :meth:`resume`: the model is released."""
+        with self._cv:
+            self._paused = True
+
+    def resume(self) -> None:
+        """Step again after :meth:`pause` (the model is loaded)."""
+        with self._cv:
+            self._paused = False
+            self._cv.notify()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
 
     def wake(self) -> None:
         """Make the loop thread ask the engine for work again (the engine's own arrivals)."""
@@ -144,8 +163,8 @@ class EngineLoop:
                     if self._stopped:
                         return
                     wait = (
-                        engine.next_step_in() if self._unread < MAX_UNREAD_STEPS else None
-                    )  # None: the drain wakes us
+                        engine.next_step_in() if self._unread < MAX_UNREAD_STEPS and not self._paused else None
+                    )  # None: the drain (or resume) wakes us
                     if self._commands or (wait is not None and wait <= 0):
                         break
                     self._cv.wait(wait)
@@ -155,7 +174,7 @@ class EngineLoop:
                     command()
                 except Exception:  # a command's failure is its own (add reports it); the loop goes on
                     log.exception("engine_command_failed")
-            if self._unread >= MAX_UNREAD_STEPS:
+            if self._unread >= MAX_UNREAD_STEPS or self._paused:
                 continue
             wait = engine.next_step_in()
             if wait is None or wait > 0:

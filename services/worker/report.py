@@ -5,6 +5,8 @@ Engine-agnostic. Load (active, queued, slots) comes from admission, lifetime cou
 knows one (``kv_usage()``, ``hot_prefix_blocks()``, see ``types.py``), else from what the runtime
 itself knows:
 
+* ``model_state`` and ``resident_bytes``: where the model is (services/worker/sleep.py) and the
+  process's resident memory;
 * ``kv_tokens``: context tokens of the sequences running now plus those of chats kept between turns;
 * ``hot_prefix_blocks``: block hashes (``services.store.keys.kv_block_hashes``, the scheme of the KV
   prefix cache, salted with each request's tenant unless shareable) of the engine's prefix cache
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 
@@ -50,6 +52,10 @@ class LoadReport:
     prefix_block_tokens: int
     hot_prefix_blocks: tuple[bytes, ...]
     model_version: str
+    model_state: int = 0
+    """:class:`~services.worker.sleep.ModelState` (0 awake, 1 asleep, 2 waking, 3 falling asleep)."""
+    resident_bytes: int = 0
+    """The process's resident memory (0: not measured)."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,9 @@ class LoadReporter:
         running = [t.request for t in runner.running]
         held = runner.sessions.held_prefixes()
         load = (admission.active, admission.queued, admission.max_active)
-        return await asyncio.to_thread(self.build, running, held, load, runner.counters.snapshot())
+        state = int(runner.model.state)
+        report = await asyncio.to_thread(self.build, running, held, load, runner.counters.snapshot())
+        return replace(report, model_state=state)
 
     def build(
         self,
@@ -112,6 +120,7 @@ class LoadReporter:
             prefix_block_tokens=self.hasher.block_tokens,
             hot_prefix_blocks=self._hot_blocks([*reversed(running), *held]),
             model_version=self.hasher.model_version,
+            resident_bytes=self.runner.model.memory.resident_bytes(),
         )
 
     def _engine_kv_usage(self) -> KVUsage | None:

@@ -28,6 +28,7 @@ from services.worker.detokenizer import Detokenizers
 from services.worker.loop import EngineLoop
 from services.worker.outputs import ChoiceState, OutputProcessor, TurnStream
 from services.worker.sessions import ChatSession, ChatSessions, HeldPrefix
+from services.worker.sleep import ModelSleep
 from services.worker.slots import Admission
 from services.worker.stats import WorkerCounters
 from services.worker.stops import StopStringMatcher
@@ -97,6 +98,17 @@ class Turn:
         try:
             runner.admission.ensure_room()
             runner.counters.sequence_started()
+            if not runner.model.enter(self):  # asleep: the shared wake, then this turn runs
+                with tracing.span("worker.wake_wait"):
+                    async with aclosing(self._wake()) as waking:
+                        async for queued in waking:
+                            yield queued
+                if self._cancelled.is_set():  # cancelled while the model woke: it never ran
+                    runner.counters.sequence_cancelled()
+                    context = len(request.prompt_ids) + len(request.resume_ids)
+                    for i in range(n):
+                        yield GenerationEvent(index=i, final=Final(FinishReason.CANCELLED, context, 0, 0))
+                    return
             with tracing.span("worker.queue_wait"):
                 admitted = False
                 async with aclosing(self._admit(n)) as admit:  # closed with us: a queued wait ends at once
@@ -136,6 +148,27 @@ class Turn:
                     yield event
         finally:
             self.cancel()
+            runner.model.leave(self)
+
+    async def _wake(self) -> AsyncGenerator[GenerationEvent, None]:
+        """Wake the model (one load shared with every other caller) and enter it as a user: keepalives
+        meanwhile. Raises the wake's error (no memory, a failed load); closed early, this caller left."""
+        runner = self._runner
+        while not runner.model.enter(self):
+            wake = asyncio.ensure_future(runner.model.wake())
+            cancelled = asyncio.ensure_future(self._cancelled.wait())
+            try:
+                while not (await asyncio.wait({wake, cancelled}, timeout=runner.keepalive_s))[0]:
+                    yield QUEUED
+            finally:
+                for waiting in (wake, cancelled):
+                    if not waiting.done():
+                        waiting.cancel()  # this caller goes away; the load goes on for the others
+            if self._cancelled.is_set():
+                if wake.done() and not wake.cancelled():
+                    wake.exception()  # seen: nobody waits for this turn's answer any more
+                return
+            wake.result()
 
     async def _read(self, n: int, phase: tracing.Span) -> AsyncGenerator[GenerationEvent, None]:
         runner = self._runner
@@ -213,6 +246,7 @@ class Runner:
         chat_idle_timeout_s: float = 120.0,
         keepalive_s: float = 1.0,
         flush: FlushWindow | None = None,
+        sleep_margin_bytes: int = 64 << 20,
     ) -> None:
         self.engine = engine
         self.capabilities = engine.capabilities
@@ -224,6 +258,8 @@ class Runner:
         self.processor = OutputProcessor(engine.info.eos_token_ids, self.counters, self.loop.stop, self.flush)
         self.sessions = ChatSessions(max_open_chats if self.capabilities.chat else 0, chat_idle_timeout_s, self._free)
         self.admission = Admission(max_active, max_queue)
+        self.model = ModelSleep(engine, self.loop, self.sessions, margin_bytes=sleep_margin_bytes)
+        """Sleep and wake (services/worker/sleep.py): every turn is a user of the model while it runs."""
         self.running: set[Turn] = set()
         """Turns admitted and not ended (the load report reads their requests)."""
         self._ids = itertools.count(1)

@@ -27,6 +27,7 @@ from services.worker.mux import MuxCalls
 from services.worker.report import LoadReport, LoadReporter, PrefixHasher
 from services.worker.runner import Runner, Turn
 from services.worker.sessions import ChatSession
+from services.worker.sleep import Transition
 from services.worker.types import check_sampling, validate_prompt
 
 log = structlog.get_logger(__name__)
@@ -50,7 +51,7 @@ class _Stream:
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """The Worker service: Generate, Stats, ImportKV, ExportKV, Embed. ``tier`` is "edge" or "cloud".
+    """The Worker service: Generate, Stats, ImportKV, ExportKV, Embed, Sleep, Wake. ``tier`` is "edge" or "cloud".
 
     The router's streams do not come as Generate calls but over the stream transport
     (services/worker/mux_tcp.py), which runs :meth:`Generate` per stream.
@@ -121,7 +122,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prompt_tokens_total=snap.prompt_tokens_total,
             stream_port=self.stream_port,
             build=self.build(r.model_version),
+            model_state=r.model_state,  # type: ignore[arg-type]  # ModelState's numbers are the pb's
+            resident_bytes=r.resident_bytes,
         )
+
+    async def Sleep(
+        self, request: worker_pb2.SleepRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ModelStateReply:
+        return _state_reply(await self.runner.model.sleep(request.only_if_idle))
+
+    async def Wake(
+        self, request: worker_pb2.WakeRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ModelStateReply:
+        """A cancelled call is this caller going away (its task is cancelled inside ``wake``)."""
+        return _state_reply(await self.runner.model.wake())
 
     def build(self, model_version: str) -> str:
         """``WorkerStats.build``: model id and version, then the engine's own build ("" when it has none)."""
@@ -158,17 +172,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def _kv(
         self, op: kv_transfer.Op, request: worker_pb2.KvPrefixRequest
     ) -> kv_transfer.KVImport | kv_transfer.KVExport:
-        """Redis I/O and the engine's scheduler hand-off block: the whole call runs in a thread."""
-        return await asyncio.to_thread(
-            kv_transfer.run,
-            self.runner.engine,
-            op,
-            token_ids=tuple(request.prompt_token_ids),
-            text=request.prompt_text,
-            tenant=request.tenant,
-            shareable=request.shareable_prefix,
-            tier=self.tier,
-        )
+        """Redis I/O and the engine's scheduler hand-off block: the whole call runs in a thread (the
+        model woken if asleep, and kept awake while it runs)."""
+        model = self.runner.model
+        call = await model.use()
+        try:
+            return await asyncio.to_thread(
+                kv_transfer.run,
+                self.runner.engine,
+                op,
+                token_ids=tuple(request.prompt_token_ids),
+                text=request.prompt_text,
+                tenant=request.tenant,
+                shareable=request.shareable_prefix,
+                tier=self.tier,
+            )
+        finally:
+            model.release_call(call)
 
     async def Embed(
         self, request: worker_pb2.WorkerEmbedRequest, context: grpc.aio.ServicerContext
@@ -182,7 +202,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         inputs = [tuple(item.token_ids) for item in request.inputs]
         began = time.perf_counter()
         labels = {"service": self.service, "tier": self.tier}
-        vectors = await asyncio.to_thread(self.runner.engine.embed, inputs, request.dimensions)
+        call = await self.runner.model.use()  # woken if asleep, and kept awake while it runs
+        try:
+            vectors = await asyncio.to_thread(self.runner.engine.embed, inputs, request.dimensions)
+        finally:
+            self.runner.model.release_call(call)
         tokens = sum(len(ids) for ids in inputs)
         metrics.TOKENS.labels(**labels, direction="input").inc(tokens)
         metrics.REQUEST_DURATION.labels(**labels, status="OK").observe(time.perf_counter() - began)
@@ -326,6 +350,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
 
 _QUEUED = worker_pb2.WorkerResponse(queued=True)
+
+
+def _state_reply(t: Transition) -> worker_pb2.ModelStateReply:
+    return worker_pb2.ModelStateReply(
+        model_state=int(t.state),  # type: ignore[arg-type]  # ModelState's numbers are the pb's
+        seconds=t.seconds,
+        resident_bytes=t.resident_bytes,
+    )
 
 
 def _final(final: Final) -> worker_pb2.WorkerFinal:

@@ -109,6 +109,18 @@ class ChatSessions:
                 old.seq = None
             self.evicted_total += 1
 
+    def clear(self) -> int:
+        """Free every held sequence (the model goes to sleep); returns how many were freed. Their
+        sessions still work: their next turns prefill the whole context."""
+        freed = 0
+        while self._held:
+            _, session = self._held.popitem(last=False)
+            if session.seq is not None:
+                self.release(session.seq)
+                session.seq = None
+                freed += 1
+        return freed
+
     def sweep(self) -> int:
         """Free sequences idle longer than ``idle_timeout_s``; returns how many were freed."""
         deadline = self.now() - self.idle_timeout_s

@@ -67,6 +67,10 @@ class WorkerSettings(StreamingSettings):
     build would (the router sees the TTFT; the sequence itself runs at full speed). 0, the default, is
     off; keep it under the router's stall_timeout_s. Shows the automatic rollback of a slow canary on
     real workers (tests/integration/router/test_model_versions_real.py)."""
+    sleep_memory_margin_bytes: int = Field(default=64 << 20, ge=0)
+    """Worker.Wake loads the model only if the host's available memory (MemAvailable) holds what the
+    model took when it was last awake plus this margin; else RESOURCE_EXHAUSTED and the worker stays
+    asleep (services/worker/sleep.py)."""
     stream_port: int = Field(default=0, ge=0, le=65535)
     """Port of the stream transport (plain TCP on ``host``; services/common/muxwire.py), where routers
     send every request stream: 0 picks a free port (announced in the load report). Routers must be
