@@ -58,9 +58,15 @@ class ResourceExhausted(MeshError):
 
 
 class Unavailable(MeshError):
-    """No healthy backend can serve the request right now."""
+    """No healthy backend can serve the request right now. ``retry_after_ms`` > 0: when to retry (a model
+    that is waking up or whose wake failed: sent as the ``retry-after-ms`` trailer and HTTP
+    ``Retry-After``); 0: no advice."""
 
     code = "UNAVAILABLE"
+
+    def __init__(self, message: str, retry_after_ms: int = 0) -> None:
+        super().__init__(message)
+        self.retry_after_ms = max(0, int(retry_after_ms))
 
 
 class DeadlineExceeded(MeshError):

@@ -19,7 +19,8 @@ import structlog
 
 from services.common import metadata as md
 from services.common import tracing
-from services.common.errors import MeshError, ResourceExhausted
+from services.common.errors import MeshError
+from services.common.status_errors import retry_trailer
 
 log = structlog.get_logger(__name__)
 
@@ -35,10 +36,10 @@ def status_for(exc: MeshError) -> grpc.StatusCode:
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """Abort the RPC with the status that ``exc`` maps to. Always raises."""
     if isinstance(exc, MeshError):
-        if isinstance(exc, ResourceExhausted):
+        if (trailer := retry_trailer(exc)) is not None:
             # Added to what the handler set (the gateway's x-request-id), not in place of it.
             earlier = tuple(context.trailing_metadata() or ())
-            context.set_trailing_metadata((*earlier, (md.RETRY_AFTER_MS, str(exc.retry_after_ms))))
+            context.set_trailing_metadata((*earlier, trailer))
         await context.abort(status_for(exc), exc.message)
     log.error("internal_error", exc_info=exc)
     await context.abort(grpc.StatusCode.INTERNAL, "internal error; the server log has the details")

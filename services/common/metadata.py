@@ -36,8 +36,16 @@ def unreadable_key(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
 def retry_after_ms(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> int:
     """The ``retry-after-ms`` delay in a call's trailing metadata (``DEFAULT_RETRY_AFTER_MS`` if absent
     or not a whole number of milliseconds)."""
+    found = sent_retry_after_ms(trailing_metadata)
+    return DEFAULT_RETRY_AFTER_MS if found is None else found
+
+
+def sent_retry_after_ms(trailing_metadata: Iterable[tuple[str, str | bytes]] | None) -> int | None:
+    """The ``retry-after-ms`` delay in a call's trailing metadata; None when it sent none (or an unreadable
+    one): an UNAVAILABLE with the trailer was written by a mesh service, one without it may be the
+    transport's own."""
     for key, value in trailing_metadata or ():
         if key == RETRY_AFTER_MS:
             text = value.decode() if isinstance(value, bytes) else str(value)
-            return int(text) if text.isdigit() else DEFAULT_RETRY_AFTER_MS
-    return DEFAULT_RETRY_AFTER_MS
+            return int(text) if text.isdigit() else None
+    return None

@@ -62,9 +62,13 @@ def from_status(
     details: str | None,
     upstream: Upstream,
     retry_after_ms: int = md.DEFAULT_RETRY_AFTER_MS,
+    *,
+    retry_sent: bool = False,
 ) -> MeshError:
     """The domain error for ``upstream``'s status ``code`` with its message ``details`` and, for
-    RESOURCE_EXHAUSTED, its retry delay (see the module docstring)."""
+    RESOURCE_EXHAUSTED, its retry delay (see the module docstring). ``retry_sent``: the status carried a
+    ``retry-after-ms`` trailer; a router's UNAVAILABLE with one (a model waking up, or whose wake failed)
+    keeps its message, which names the model, and its delay."""
     caller_text = upstream is Upstream.ROUTER
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         fixed = "the request's parameters were rejected; check them against ListModels"
@@ -83,6 +87,8 @@ def from_status(
         return Cancelled("the request was cancelled")
     if upstream is Upstream.WORKER:  # the router logs the worker's failure where it decides what to do
         return Unavailable(WORKER_FAILED)
+    if code == grpc.StatusCode.UNAVAILABLE and retry_sent and retry_after_ms > 0:
+        return Unavailable(_one_line(details, "the model is not available yet; retry later"), retry_after_ms)
     log.warning("router_call_failed", code=code.name, details=details)
     if code == grpc.StatusCode.UNAVAILABLE:
         return Unavailable("no inference backend is available right now; retry in a few seconds")
@@ -91,4 +97,14 @@ def from_status(
 
 def from_rpc_error(exc: grpc.aio.AioRpcError, upstream: Upstream) -> MeshError:
     """:func:`from_status` of a failed gRPC call (its retry delay read from the ``retry-after-ms`` trailer)."""
-    return from_status(exc.code(), exc.details(), upstream, md.retry_after_ms(exc.trailing_metadata()))
+    sent = md.sent_retry_after_ms(exc.trailing_metadata())
+    retry = md.DEFAULT_RETRY_AFTER_MS if sent is None else sent
+    return from_status(exc.code(), exc.details(), upstream, retry, retry_sent=sent is not None)
+
+
+def retry_trailer(exc: MeshError) -> tuple[str, str] | None:
+    """The ``retry-after-ms`` trailer a server sends with ``exc``: always for RESOURCE_EXHAUSTED, for
+    UNAVAILABLE when it advises a delay (a model waking up); None otherwise."""
+    if isinstance(exc, ResourceExhausted) or (isinstance(exc, Unavailable) and exc.retry_after_ms > 0):
+        return (md.RETRY_AFTER_MS, str(exc.retry_after_ms))
+    return None

@@ -125,11 +125,17 @@ class RouterAPI:
 
     async def list_models(self, *, deadline: float | None = None) -> list[ModelInfo]:
         """The served models, the default one first (the HTTP adapter names it in answers to requests that
-        name none), each with the tiers that have replicas now (cloud first) and its primary version's
-        generation defaults."""
+        name none), each with the tiers that have replicas now (cloud first), its primary version's
+        generation defaults and model state (a sleeping or stopped model is listed too)."""
         models = sorted(self.models.models.values(), key=lambda m: m.id != self.models.default)
         return [
-            ModelInfo(m.id, tuple(sorted(m.tiers(), key=lambda t: t.value, reverse=True)), m.context_length, m.defaults)
+            ModelInfo(
+                m.id,
+                tuple(sorted(m.tiers(), key=lambda t: t.value, reverse=True)),
+                m.context_length,
+                m.defaults,
+                m.state(),
+            )
             for m in models
         ]
 

@@ -55,6 +55,31 @@ class GenerationSpec(_Strict):
         return GenerationDefaults.from_mapping(self.model_dump(exclude_none=True), where)
 
 
+class IdleSpec(_Strict):
+    """A model version's idle policy (docs/router.md, *Scale from zero*): after ``idle_after_s`` without a
+    request its replicas beyond ``min_replicas`` go to sleep (the process stays, the model's memory is
+    released); a request for it then is held while one wakes."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    """Replicas kept awake however idle the version is; 0: all of them may sleep (or stop, with
+    ``stop_after_s``), and a request arriving with none running is held until one starts."""
+    idle_after_s: float | None = Field(default=None, gt=0)
+    """Seconds without a request after which replicas beyond ``min_replicas`` sleep; null: never."""
+    stop_after_s: float | None = Field(default=None, gt=0)
+    """Seconds without a request after which `meshserve up` stops the version's worker processes (needs
+    ``min_replicas: 0``); null: never. The router itself only exports the idle time
+    (``meshserve_router_idle_seconds``)."""
+
+    @model_validator(mode="after")
+    def _stop_needs_zero(self) -> IdleSpec:
+        if self.stop_after_s is not None and self.min_replicas > 0:
+            raise ValueError(
+                f"stop_after_s stops every replica, but min_replicas is {self.min_replicas}; "
+                "set min_replicas to 0 or drop stop_after_s"
+            )
+        return self
+
+
 class VersionSpec(_Strict):
     """One version of a served model in the models file."""
 
@@ -67,6 +92,8 @@ class VersionSpec(_Strict):
 
     generation: GenerationSpec = Field(default_factory=GenerationSpec)
     """This version's generation defaults, over its model's (a build that wants other sampling)."""
+    idle: IdleSpec | None = None
+    """This version's idle policy, in place of its model's (the whole block; unset: the model's)."""
 
     @property
     def build_id(self) -> str:
@@ -105,6 +132,9 @@ class ModelSpec(_Strict):
     rollout: RolloutSpec = Field(default_factory=RolloutSpec)
     generation: GenerationSpec = Field(default_factory=GenerationSpec)
     """The model's generation defaults, over its checkpoint's generation_config.json (the tokenizer_dir's)."""
+    idle: IdleSpec | None = None
+    """The idle policy of its versions (unset: the router's ``idle_*`` settings; default: one replica
+    always awake, never sleep)."""
 
 
 class ModelsFile(_Strict):
@@ -224,6 +254,21 @@ class RouterSettings(StreamingSettings):
     """How often each worker's gRPC health and Stats are polled."""
     health_timeout_s: float = Field(default=0.5, gt=0)
     """Timeout of one health/Stats probe."""
+    idle_min_replicas: int = Field(default=1, ge=0)
+    """The idle policy of a model that has none in the models file (and of the one model without a models file):
+    replicas kept awake however idle (:class:`IdleSpec`; docs/router.md, *Scale from zero*)."""
+    idle_after_s: float | None = Field(default=None, gt=0)
+    """Idle policy default: seconds without a request after which replicas beyond ``idle_min_replicas`` sleep;
+    unset: never."""
+    idle_stop_after_s: float | None = Field(default=None, gt=0)
+    """Idle policy default: seconds without a request after which `meshserve up` stops the workers (needs
+    ``idle_min_replicas`` 0); unset: never."""
+    wake_deadline_s: float = Field(default=60.0, gt=0)
+    """A request held while its model wakes (or a worker starts) waits at most this long, then gets UNAVAILABLE
+    (HTTP 503) with a retry-after."""
+    max_held_per_model: int = Field(default=1024, ge=1)
+    """Requests held at once per model version while it wakes; one more is refused with RESOURCE_EXHAUSTED
+    (HTTP 429) and a retry-after."""
     probe_timeouts_to_down: int = Field(default=3, ge=1, le=100)
     """A healthy worker is marked down after this many probes in a row time out (1 = the first).
     Refused connections and NOT_SERVING mark it down at once; stalled streams eject it at once."""
@@ -285,6 +330,11 @@ class RouterSettings(StreamingSettings):
             )
         if self.default_max_tokens >= self.context_length:
             raise ValueError("default_max_tokens must be smaller than context_length; lower it")
+        if self.idle_stop_after_s is not None and self.idle_min_replicas > 0:
+            raise ValueError(
+                f"MESHSERVE_ROUTER_IDLE_STOP_AFTER_S stops every replica, but MESHSERVE_ROUTER_IDLE_MIN_REPLICAS "
+                f"is {self.idle_min_replicas}; set it to 0 or unset the stop"
+            )
         if self.models_file is not None:
             self._models = _read_models_file(self.models_file)
             for spec in self._models.models:
@@ -337,6 +387,18 @@ class RouterSettings(StreamingSettings):
         for layer in layers:
             merged = layer.over(merged)
         return merged
+
+    def idle_for(self, spec: ModelSpec, version: VersionSpec) -> IdleSpec:
+        """``version``'s idle policy: its own ``idle:``, else its model's, else the ``idle_*`` settings."""
+        return (
+            version.idle
+            or spec.idle
+            or IdleSpec(
+                min_replicas=self.idle_min_replicas,
+                idle_after_s=self.idle_after_s,
+                stop_after_s=self.idle_stop_after_s,
+            )
+        )
 
     @property
     def hf_dir(self) -> Path:

@@ -306,6 +306,7 @@ def models_pb(models: list[ModelInfo]) -> inference_pb2.ListModelsResponse:
                 tiers=[_TIER_PB[t] for t in m.tiers],
                 context_length=m.context_length,
                 generation_defaults=defaults_pb(m.generation_defaults),
+                state=m.state,
             )
             for m in models
         ]
@@ -319,6 +320,7 @@ def models(reply: inference_pb2.ListModelsResponse) -> list[ModelInfo]:
             tuple(_TIER_FROM_PB[t] for t in m.tiers if t in _TIER_FROM_PB),
             m.context_length,
             defaults(m.generation_defaults),
+            m.state,
         )
         for m in reply.models
     ]

@@ -58,6 +58,7 @@ from services.router.policy import (
 from services.router.registry import Registry, Replica
 from services.router.slo_queue import Admission, Ticket
 from services.router.types import Chunk, Done, PendingAdmission, Route, TurnRequest, admitted
+from services.router.wake import Waker
 from services.router.worker_stream import (
     RESUMABLE,
     RETRYABLE,
@@ -124,6 +125,7 @@ class Router:
         transport: WorkerTransport,
         serves: Callable[[Replica], bool] | None = None,
         host_hold: HostHold | None = None,
+        waker: Waker | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.transport = transport
@@ -156,6 +158,13 @@ class Router:
         self.host_hold = host_hold
         """Told of every foreground turn's start and end on a replica: the host's background work holds
         meanwhile (services/router/host_hold.py; None: not told)."""
+        self.waker = waker
+        """Holds a request while the version has no awake replica and wakes one (services/router/wake.py);
+        None: no holding (a request finding no awake replica is refused at once)."""
+
+    def replicas(self) -> list[Replica]:
+        """Every replica of this model version the registry knows (healthy or not, awake or not)."""
+        return [r for r in self.registry.replicas if self.serves is None or self.serves(r)]
 
     def healthy(self, tier: TierName) -> list[Replica]:
         """The healthy replicas of ``tier`` that serve this router's model version."""
@@ -330,6 +339,12 @@ class Router:
         ticket: Ticket | None = None
         running: Replica | None = None
         broken: Replica | None = None  # the worker a resume replaces
+        waker = self.waker
+        if waker is not None:
+            waker.touch()
+            if session.stream is None and waker.must_hold():  # a chat already on a replica goes on there
+                with tracing.span("router.hold"):
+                    await waker.hold(req.timeout)
         try:
             while True:
                 if session.stream is None:
@@ -395,6 +410,8 @@ class Router:
         finally:
             if ticket is not None:
                 self.admission.release(ticket)
+            if waker is not None:
+                waker.touch()
 
     def _failed(
         self,

@@ -86,3 +86,38 @@ ROLLOUT_EPOCH = Gauge(
     "a change has spread.",
     ["model"],
 )
+HELD = Gauge(
+    "meshserve_router_held_requests",
+    "Requests held now, waiting for a replica of their model version to wake up or to start (scale from zero: "
+    "the local scaler and KEDA start a worker on it).",
+    ["model", "version"],
+)
+WAKES = Counter(
+    "meshserve_router_wakes_total",
+    "Wakes of a sleeping replica started for held requests, by outcome (ok; failed: the load failed; no_memory: "
+    "the host was short of memory; abandoned: every held request went away first and the wake was cancelled).",
+    ["model", "version", "outcome"],
+)
+WAKE_SECONDS = Histogram(
+    "meshserve_router_wake_seconds",
+    "Time from the router's Wake call to the replica answering awake.",
+    ["model", "version"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 20, 30, 60, 120),
+)
+HELD_TIMEOUTS = Counter(
+    "meshserve_router_held_timeouts_total",
+    "Held requests answered UNAVAILABLE because no replica of their version was awake within the wake deadline.",
+    ["model", "version"],
+)
+MODEL_REPLICAS = Gauge(
+    "meshserve_router_model_replicas",
+    "Replicas of a model version the router knows, by model state (awake, waking, asleep; falling asleep counts "
+    "as asleep).",
+    ["model", "version", "state"],
+)
+IDLE_SECONDS = Gauge(
+    "meshserve_router_idle_seconds",
+    "Seconds since the model version's last request (or since the router started); the stop policy of "
+    "`meshserve up` and KEDA's scale to zero read it.",
+    ["model", "version"],
+)

@@ -23,6 +23,7 @@ from services.router.metrics import ROLLBACKS
 from services.router.policy import TierName
 from services.router.registry import Replica
 from services.router.rollout import RollbackEvent, Rollout, RolloutPolicy
+from services.router.wake import version_state
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +58,10 @@ class ServedModel:
 
     def choose(self, tenant: str) -> ServedVersion:
         return self.versions[self.rollout.choose(tenant)]
+
+    def state(self) -> str:
+        """Its primary version's model state for ListModels: awake, waking, asleep or stopped."""
+        return version_state(self.versions[self.rollout.policy.primary].router.replicas())
 
     @property
     def defaults(self) -> GenerationDefaults:

@@ -34,19 +34,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import math
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import metadata as md
-from services.common.errors import ResourceExhausted
+from services.common.errors import MeshError, ResourceExhausted, Unavailable
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.serving import grpc_options
+from services.common.status_errors import Upstream, from_rpc_error
 from services.router.metrics import EJECTIONS
 from services.router.policy import TierName
 
@@ -54,6 +56,29 @@ log = structlog.get_logger(__name__)
 MAX_REPORTED_BLOCKS = 4096
 """Hot prefix blocks kept from one report (a worker sends at most 1024 by default); the rest are
 ignored, so a peer's oversized report cannot make the router hold more than ~130 KiB per replica."""
+
+
+class ModelState(enum.Enum):
+    """Whether a worker holds its model in memory (``WorkerStats.model_state``): only an awake replica is
+    routed to; the others stay known and probed (services/router/wake.py wakes one for held requests)."""
+
+    AWAKE = "awake"
+    ASLEEP = "asleep"
+    WAKING = "waking"
+    FALLING_ASLEEP = "falling_asleep"
+
+
+_STATE_FROM_PB = {
+    worker_pb2.MODEL_STATE_AWAKE: ModelState.AWAKE,
+    worker_pb2.MODEL_STATE_ASLEEP: ModelState.ASLEEP,
+    worker_pb2.MODEL_STATE_WAKING: ModelState.WAKING,
+    worker_pb2.MODEL_STATE_FALLING_ASLEEP: ModelState.FALLING_ASLEEP,
+}
+
+
+def model_state(value: int) -> ModelState:
+    """The domain state of a pb ``ModelState`` (an unknown number: awake, as a worker before the field)."""
+    return _STATE_FROM_PB.get(value, ModelState.AWAKE)  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True)
@@ -78,6 +103,10 @@ class WorkerReport:
     model_id: str = ""
     build: str = ""
     """The worker's build (``WorkerStats.build``): equal builds give equal greedy tokens; "" = unknown."""
+    model_state: ModelState = ModelState.AWAKE
+    """Whether the worker holds its model (``WorkerStats.model_state``; a worker before it: awake)."""
+    resident_bytes: int = 0
+    """The worker process's resident memory (``WorkerStats.resident_bytes``; 0: not reported)."""
 
     @classmethod
     def from_pb(cls, s: worker_pb2.WorkerStats) -> WorkerReport:
@@ -99,6 +128,8 @@ class WorkerReport:
             prefill_tokens_total=s.prefill_tokens_total,
             stream_port=s.stream_port,
             build=s.build,
+            model_state=model_state(s.model_state),
+            resident_bytes=s.resident_bytes,
         )
 
     @property
@@ -150,6 +181,16 @@ class Replica:
     def build(self) -> str:
         """The build the worker reports serving ("" until it reports one)."""
         return self.report.build
+
+    @property
+    def state(self) -> ModelState:
+        """Whether it holds its model (its latest report)."""
+        return self.report.model_state
+
+    @property
+    def routable(self) -> bool:
+        """Healthy and awake: new turns may go to it (an asleep one is woken first: services/router/wake.py)."""
+        return self.healthy and self.report.model_state is ModelState.AWAKE
 
     @property
     def has_slot(self) -> bool:
@@ -223,6 +264,9 @@ class Registry:
         self._task: asyncio.Task[None] | None = None
         self._draining: dict[asyncio.Future[None], grpc.aio.Channel] = {}
         self._any_up: bool | None = None
+        self.listeners: list[Callable[[], object]] = []
+        """Called whenever a replica registers, leaves, changes health or model state: requests held for
+        a wake (services/router/wake.py) look again at once."""
 
     async def start(self) -> None:
         """Open the channels, probe every replica once, then keep polling in the background."""
@@ -244,6 +288,9 @@ class Registry:
 
     def apply_report(self, replica: Replica, report: WorkerReport) -> None:
         """Take ``report`` as ``replica``'s current load (pushed or pulled, the latest wins)."""
+        changed = report.model_state is not replica.report.model_state
+        if changed:
+            log.info("worker_model_state", worker=report.worker_id or replica.name, state=report.model_state.value)
         replica.report = report
         replica.reported_at = time.monotonic()
         replica.worker_id = report.worker_id or replica.worker_id
@@ -266,6 +313,49 @@ class Registry:
                     router_model_version=self._model_version,
                     fix="give the worker and the router the same prefix_block_tokens and prepared model",
                 )
+        if changed:
+            self.signal()
+
+    def signal(self) -> None:
+        """Tell the listeners that the replicas changed (see :attr:`listeners`)."""
+        for listener in self.listeners:
+            listener()
+
+    async def wake(self, replica: Replica, timeout_s: float) -> None:
+        """Ask ``replica`` to load its model (``Worker.Wake``; one load for every caller). Returns once it
+        answers awake (its report says so at once); cancelling the call cancels this caller's share of the
+        load (the worker goes back to sleep when nobody else waits). ResourceExhausted: the host is short of
+        memory; Unavailable: the load failed or the worker did not answer."""
+        meta = ((md.INTERNAL_TOKEN, self._token),)
+        try:
+            reply = await replica.stub.Wake(worker_pb2.WakeRequest(), timeout=timeout_s, metadata=meta)
+        except grpc.aio.AioRpcError as exc:
+            error = from_rpc_error(exc, Upstream.WORKER)
+            raise error if isinstance(error, ResourceExhausted) else Unavailable(error.message) from None
+        self._set_state(replica, model_state(reply.model_state), reply.resident_bytes)
+
+    async def sleep(self, replica: Replica, timeout_s: float) -> bool:
+        """Ask ``replica`` to release its model if it is idle (``Worker.Sleep(only_if_idle=True)``). False:
+        it is busy (FAILED_PRECONDITION) or cannot sleep (a worker without Sleep); MeshError when it failed."""
+        meta = ((md.INTERNAL_TOKEN, self._token),)
+        try:
+            reply = await replica.stub.Sleep(
+                worker_pb2.SleepRequest(only_if_idle=True), timeout=timeout_s, metadata=meta
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED):
+                return False
+            error: MeshError = from_rpc_error(exc, Upstream.WORKER)
+            raise error from None
+        self._set_state(replica, model_state(reply.model_state), reply.resident_bytes)
+        return True
+
+    def _set_state(self, replica: Replica, state: ModelState, resident_bytes: int) -> None:
+        """What a Sleep or Wake answer says, taken at once (a static worker's next Stats probe may be 1 s away)."""
+        report = replace(
+            replica.report, model_state=state, resident_bytes=resident_bytes or replica.report.resident_bytes
+        )
+        self.apply_report(replica, report)
 
     async def heartbeat(
         self, address: str, tier: TierName, report: WorkerReport | None = None, *, leaving: bool = False
@@ -334,9 +424,11 @@ class Registry:
         return {r.tier for r in self.replicas}
 
     def healthy(self, tier: TierName) -> list[Replica]:
-        return [r for r in self.replicas if r.tier is tier and r.healthy]
+        """The routable replicas of ``tier``: healthy and awake (:attr:`Replica.routable`)."""
+        return [r for r in self.replicas if r.tier is tier and r.routable]
 
     def healthy_tiers(self) -> set[TierName]:
+        """Tiers with a healthy replica, awake or not (an asleep one serves once woken)."""
         return {r.tier for r in self.replicas if r.healthy}
 
     def mark_down(self, replica: Replica, reason: str) -> None:
@@ -401,6 +493,7 @@ class Registry:
         r.healthy = up
 
     def _notify(self) -> None:
+        self.signal()
         any_up = any(r.healthy for r in self.replicas)
         if any_up != self._any_up:
             self._any_up = any_up

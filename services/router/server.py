@@ -27,13 +27,14 @@ from services.router.core import SERVICE, Router
 from services.router.host_hold import HostHold
 from services.router.location import PrefixLocator
 from services.router.policy import ReplicaSelector, TierName
-from services.router.registry import Registry
+from services.router.registry import Registry, Replica
 from services.router.registry_servicer import WorkerRegistryServicer
 from services.router.rollout import RollbackRule, Rollout, RolloutPolicy
 from services.router.rollout_sync import RolloutSync
 from services.router.servicer import RouterServicer
 from services.router.slo_queue import Admission
 from services.router.stream_transport import StreamTransport
+from services.router.wake import IdleSweeper, Waker
 from services.store.response_cache import ResponseCache
 from services.store.rollouts import RolloutStore
 
@@ -82,8 +83,15 @@ async def start_router_api(
     holder: list[RunningServer] = []
     pending: set[asyncio.Task[None]] = set()
 
+    holds_from_zero = False  # set once the versions' idle policies are known
+
+    def serving() -> bool:
+        """SERVING while a worker is up (awake or asleep), or while a version may be held for a worker to
+        start (min_replicas 0: the local scaler or KEDA starts one on the held-requests gauge)."""
+        return bool(registry.healthy_tiers()) or holds_from_zero
+
     async def apply(running: RunningServer) -> None:  # the state when it runs: a late task sets no stale one
-        await running.set_serving(bool(registry.healthy_tiers()))
+        await running.set_serving(serving())
 
     def on_change(any_up: bool) -> None:
         log.info("router_workers_available", available=any_up)
@@ -128,9 +136,27 @@ async def start_router_api(
         else None
     )
 
+    wakers: list[Waker] = []
+
     def router_for(spec: ModelSpec, version: VersionSpec) -> Router:
         """One version's Router: its own admission over its own replicas (all of them without a models file)."""
         match = models.serves(spec.id, version.build_id) if by_model else None
+
+        def replicas() -> list[Replica]:
+            return [r for r in registry.replicas if match is None or match(r)]
+
+        waker = Waker(
+            model=spec.id,
+            version=version.name,
+            replicas=replicas,
+            wake=registry.wake,
+            sleep=registry.sleep,
+            idle=settings.idle_for(spec, version),
+            deadline_s=settings.wake_deadline_s,
+            max_held=settings.max_held_per_model,
+        )
+        registry.listeners.append(waker.notify)
+        wakers.append(waker)
 
         def slots(tier: TierName) -> int:  # a replica out of KV room gives none: new turns wait or spill
             return sum(
@@ -167,6 +193,7 @@ async def start_router_api(
             transport=transport,
             serves=match,
             host_hold=host_hold,
+            waker=waker,
         )
 
     try:
@@ -182,6 +209,19 @@ async def start_router_api(
     for served in table.models.values():
         for v in served.versions.values():
             log.info("router_generation_defaults", model=served.id, version=v.name, **v.defaults.as_dict())
+    holds_from_zero = any(w.idle.min_replicas == 0 for w in wakers)
+    for w in wakers:
+        idle = w.idle
+        log.info(
+            "router_idle_policy",
+            model=w.model,
+            version=w.version,
+            min_replicas=idle.min_replicas,
+            idle_after_s=idle.idle_after_s,
+            stop_after_s=idle.stop_after_s,
+        )
+    sweeper = IdleSweeper(wakers)
+    sweeper.start()
     sync = None
     if by_model and settings.redis_url:  # several versions: their policies are shared by the replicas
         store = RolloutStore.from_url(settings.redis_url, timeout_s=settings.rollout_store_timeout_s)
@@ -222,15 +262,16 @@ async def start_router_api(
         register,
         [SERVICE_NAME, ADMIN_SERVICE_NAME, *([REGISTRY_SERVICE_NAME] if registration else [])],
         internal=True,
-        serving=bool(registry.healthy_tiers()),
+        serving=serving(),
         announce=announce,
     )
     holder.append(server)
     for running in follow:
-        await running.set_serving(bool(registry.healthy_tiers()))
+        await running.set_serving(serving())
         holder.append(running)
 
     async def close() -> None:
+        await sweeper.close()
         for shadow in list(api.shadows):
             shadow.cancel()
         if sync is not None:

@@ -230,6 +230,9 @@ class ModelInfo:
     context_length: int
     generation_defaults: GenerationDefaults = NO_DEFAULTS
     """What a request leaving a sampling field unset gets (the primary version's defaults)."""
+    state: str = ""
+    """``awake``, ``waking``, ``asleep`` or ``stopped``: its primary version's replicas (services/router/wake.py
+    ``version_state``); "" from a router before scale from zero."""
 
 
 @dataclass

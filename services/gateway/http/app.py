@@ -33,7 +33,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from services.common import metadata as md
 from services.common import tracing
-from services.common.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted
+from services.common.errors import InvalidArgument, MeshError, NotFound, ResourceExhausted, Unavailable
 from services.common.pb.meshserve.v1 import batch_pb2_grpc, inference_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.gateway.http import openai_reply, openai_request, streams
@@ -60,15 +60,11 @@ def _grpc_error(exc: grpc.aio.AioRpcError) -> MeshError:
     """The domain error for a gateway status (the gateway's messages are written for callers)."""
     code = exc.code().name
     message = exc.details() or "the request failed"
+    sent = md.sent_retry_after_ms(exc.trailing_metadata())
     if code == "RESOURCE_EXHAUSTED":
-        retry_ms = 1000
-        for key, value in exc.trailing_metadata() or ():
-            if key == md.RETRY_AFTER_MS:
-                try:
-                    retry_ms = int(value)
-                except (TypeError, ValueError):
-                    pass
-        return ResourceExhausted(message, retry_after_ms=retry_ms)
+        return ResourceExhausted(message, retry_after_ms=md.DEFAULT_RETRY_AFTER_MS if sent is None else sent)
+    if code == "UNAVAILABLE" and sent:  # a model waking up (or whose wake failed): when to retry
+        return Unavailable(message, retry_after_ms=sent)
     if code not in openai_reply.HTTP_STATUS:
         code = "INTERNAL"
     error = MeshError(message)
@@ -79,7 +75,7 @@ def _grpc_error(exc: grpc.aio.AioRpcError) -> MeshError:
 def error_response(exc: MeshError) -> web.Response:
     status, body = openai_reply.error_body(exc.code, exc.message)
     headers = {}
-    if isinstance(exc, ResourceExhausted):
+    if isinstance(exc, ResourceExhausted) or (isinstance(exc, Unavailable) and exc.retry_after_ms > 0):
         headers = {
             "Retry-After": str(openai_reply.retry_after_s(exc.retry_after_ms)),
             "retry-after-ms": str(exc.retry_after_ms),

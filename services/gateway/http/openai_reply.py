@@ -324,8 +324,11 @@ def generation_defaults(d: pb.GenerationDefaults) -> dict[str, Any]:
 
 def model_entry(model_id: str, info: pb.ModelInfo | None = None) -> dict[str, Any]:
     """One ``/v1/models`` entry: OpenAI's fields, and (when the router listed it) the model's
-    ``generation_defaults``: what a request that leaves those fields unset gets."""
+    ``generation_defaults`` (what a request that leaves those fields unset gets) and ``state``
+    (``awake``, ``waking``, ``asleep`` or ``stopped``: a sleeping model wakes on its first request)."""
     entry: dict[str, Any] = {"id": model_id, "object": "model", "created": 0, "owned_by": OWNED_BY}
     if info is not None:
         entry["generation_defaults"] = generation_defaults(info.generation_defaults)
+        if info.state:
+            entry["state"] = info.state
     return entry
