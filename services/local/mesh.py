@@ -33,7 +33,7 @@ import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import yaml
 
@@ -51,6 +51,8 @@ from services.local.processes import (
     wait_redis,
     yield_on_wakeup,
 )
+from services.local.scaler import Scaler, SupervisedWorkers, sink_logger, stop_policies
+from services.local.scaler import run as scaler_run
 from services.local.supervise import RestartPolicy, Supervisor
 
 DEV_API_KEY = "msk-local-dev-key"
@@ -138,11 +140,41 @@ class MeshConfig:
     """Restart a child that exits on its own (``meshserve up``; services/local/supervise.py). Off for
     tests that kill a service to watch the mesh without it."""
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    min_replicas: int | None = None
+    """The default model's idle policy (``idle:`` in the models file, docs/deploy.md *Scale from zero*):
+    replicas kept awake; 0 lets every one sleep (and, with ``stop_after_s``, stop). None: the models
+    file's (or the router's default, 1)."""
+    idle_after_s: float | None = None
+    """Seconds without a request after which the default model's workers sleep (None: the models file's)."""
+    stop_after_s: float | None = None
+    """Seconds without a request after which the local scaler (services/local/scaler.py, with
+    ``supervise``) stops the default model's worker processes; needs ``min_replicas`` 0. A held request
+    starts one again."""
+    scale_interval_s: float = 0.5
+    """How often the local scaler reads the routers' metrics."""
     warm_spares: bool = True
     """With ``supervise``: each Python service (workers, gateways, cache, batch runners, HTTP adapters; not
     a cloud worker under torchrun) keeps a warm spare, a process that has done its imports (torch,
     onnxruntime, grpc: most of a restart on a loaded machine) and waits; a restart runs the service in
     it (services/local/child.py). Costs one idle process per service (~80-400 MB each)."""
+
+    def __post_init__(self) -> None:
+        if self.min_replicas is not None and self.min_replicas < 0:
+            raise ValueError(f"min_replicas is {self.min_replicas}; give 0 or more")
+        for name in ("idle_after_s", "stop_after_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} is {value}; give a number of seconds above 0")
+        if self.stop_after_s is not None and self.min_replicas != 0:
+            raise ValueError(
+                "stop_after_s stops every worker of the model, which needs min_replicas 0 "
+                f"(it is {self.min_replicas}); pass --min-replicas 0 with --stop-after-s"
+            )
+
+    def idle_policy(self) -> dict[str, object]:
+        """The ``idle:`` entry these fields give the default model ({} when none is set)."""
+        fields = {"min_replicas": self.min_replicas, "idle_after_s": self.idle_after_s}
+        return {k: v for k, v in {**fields, "stop_after_s": self.stop_after_s}.items() if v is not None}
 
 
 class Mesh:
@@ -170,6 +202,11 @@ class Mesh:
         """Restarts crashed children once the mesh is up (``MeshConfig.supervise``)."""
         self.on_change: Callable[[], object] | None = None
         """Called after a supervised child exited or came back (``meshserve up`` rewrites its state file)."""
+        self.models: dict[str, Any] = {}
+        """The routers' models file as read (its ``idle:`` policies drive the local scaler); {} for none."""
+        self.scaler: Scaler | None = None
+        """Stops idle models' workers and starts one for a held request (``supervise`` and a stop policy)."""
+        self._scaling: asyncio.Task[None] | None = None
 
     @property
     def gateway_address(self) -> str:
@@ -240,6 +277,7 @@ class Mesh:
             **({"state_dir": self.state_dir} if self.state_dir else {}),
             "metrics": metrics,
             **({"services": self.supervisor.snapshot()} if self.supervisor is not None else {}),
+            **({"scale_events": self.scaler.events[-20:]} if self.scaler is not None else {}),
         }
 
     def workers(self, tier: str) -> list[ServiceProcess]:
@@ -316,7 +354,7 @@ class Mesh:
                 "MESHSERVE_ROUTER_REDIS_URL": self.redis_url,
                 "MESHSERVE_ROUTER_EDGE_MAX_PROMPT_TOKENS": cfg.edge_max_prompt_tokens,
             }
-            if cfg.edge_versions or cfg.edge_models:
+            if cfg.edge_versions or cfg.edge_models or cfg.idle_policy():
                 self._models_tmp = tempfile.TemporaryDirectory(prefix="meshserve-models-")
                 path = Path(self._models_tmp.name) / "models.yaml"
                 models_dir = cfg.extra_env.get("MESHSERVE_MODELS_DIR")
@@ -324,6 +362,8 @@ class Mesh:
                 router_env["MESHSERVE_ROUTER_MODELS_FILE"] = str(path)
             elif cfg.models_file:
                 router_env["MESHSERVE_ROUTER_MODELS_FILE"] = cfg.models_file
+            if models_path := router_env.get("MESHSERVE_ROUTER_MODELS_FILE"):
+                self.models = read_models(str(models_path))
             gateway_env: dict[str, str | int] = {
                 "MESHSERVE_GATEWAY_API_KEYS": f"dev:{api_key_hash(cfg.api_key)}",
                 "MESHSERVE_GATEWAY_REDIS_URL": self.redis_url,  # rate limits
@@ -445,6 +485,7 @@ class Mesh:
                 await self.front_door.start()
             if cfg.supervise:
                 self._supervise()
+                self._scale()
         except BaseException:
             await self.stop()
             raise
@@ -497,6 +538,35 @@ class Mesh:
             for adapter in self.front_door.adapters:
                 sup.watch(adapter, adapter_ready, pin("MESHSERVE_GATEWAY_HTTP_PORT"), standby=spares)
 
+    def workers_by_model(self) -> dict[str, list[str]]:
+        """Model id -> the names of the worker processes serving it, in start order (edge first)."""
+        out: dict[str, list[str]] = {}
+        for name in self.processes:
+            if name.startswith("edge-model-"):
+                out.setdefault(name.removeprefix("edge-model-"), []).append(name)
+            elif name.startswith(("edge-", "cloud-")):
+                out.setdefault(DEFAULT_MODEL_ID, []).append(name)
+        return out
+
+    def router_metrics_urls(self) -> list[str]:
+        """The /metrics URLs of every router (the router process's, or each gateway's with its router)."""
+        names = ["router"] if "router" in self.processes else self._gateway_names()
+        urls = self.metrics_urls()
+        return [urls[n] for n in names if n in urls]
+
+    def _scale(self) -> None:
+        """Start the local scaler (services/local/scaler.py) when a model has a stop policy."""
+        assert self.supervisor is not None
+        policies = stop_policies(self.models, self.workers_by_model())
+        if not policies:
+            return
+        self.scaler = Scaler(
+            policies, SupervisedWorkers(self.supervisor), log=sink_logger(self.sink), on_change=self._changed
+        )
+        self._scaling = asyncio.create_task(
+            scaler_run(self.scaler, self.router_metrics_urls, self.config.scale_interval_s), name="local-scaler"
+        )
+
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
@@ -507,7 +577,11 @@ class Mesh:
         the gateways' processes the gateways stop after the workers instead: their routers must be
         there to hear them leave (new requests meanwhile get UNAVAILABLE: no worker left), and their
         streams finish first.
-        Supervision ends first: nothing stopped here is restarted."""
+        Scaling and supervision end first: nothing stopped here is restarted."""
+        if self._scaling is not None:
+            self._scaling.cancel()
+            await asyncio.gather(self._scaling, return_exceptions=True)
+            self._scaling = None
         if self.supervisor is not None:
             await self.supervisor.close()
         if self.front_door is not None:
@@ -600,19 +674,39 @@ EXTRA_MODEL_BUILD = "1"
 
 
 def models_file(cfg: MeshConfig, default: ModelPaths) -> str:
-    """The router's models file (YAML) for ``cfg``'s extra versions and models: the default model with
+    """The router's models file (YAML) for ``cfg``. With extra versions or models: the default model with
     its prepared build as ``prepared`` (all the weight) and each extra version; each extra model id
-    with its directory as its tokenizer."""
-    versions = [{"name": "prepared", "build": default.version()}] + [{"name": n} for n in cfg.edge_versions]
-    entry: dict[str, object] = {"id": DEFAULT_MODEL_ID, "versions": versions, "rollout": {"weights": {"prepared": 100}}}
-    if cfg.models_file:  # the default model's generation defaults stay those of the file asked for
-        given = yaml.safe_load(Path(cfg.models_file).read_text()) or {}
-        for spec in given.get("models", ()):
-            if spec.get("id") == DEFAULT_MODEL_ID and spec.get("generation"):
-                entry["generation"] = spec["generation"]
-    models: list[dict[str, object]] = [entry]
-    models += [
-        {"id": model_id, "tokenizer_dir": directory, "versions": [{"name": EXTRA_MODEL_BUILD}]}
-        for model_id, directory in cfg.edge_models.items()
-    ]
-    return yaml.safe_dump({"default": DEFAULT_MODEL_ID, "models": models}, sort_keys=False)
+    with its directory as its tokenizer; the default model keeps the ``generation`` and ``idle`` of the
+    file asked for (``cfg.models_file``). Without: the file asked for as it is (or the default model
+    alone). Either way the idle flags (:meth:`MeshConfig.idle_policy`) set the default model's ``idle``
+    over the file's."""
+    given = read_models(cfg.models_file) if cfg.models_file else {}
+    if cfg.edge_versions or cfg.edge_models:
+        versions = [{"name": "prepared", "build": default.version()}] + [{"name": n} for n in cfg.edge_versions]
+        weights = {"weights": {"prepared": 100}}
+        entry: dict[str, Any] = {"id": DEFAULT_MODEL_ID, "versions": versions, "rollout": weights}
+        for spec in given.get("models", ()):  # the default model's defaults and idle policy stay the file's
+            if spec.get("id") == DEFAULT_MODEL_ID:
+                entry.update({k: spec[k] for k in ("generation", "idle") if spec.get(k)})
+        models: list[dict[str, Any]] = [entry]
+        models += [
+            {"id": model_id, "tokenizer_dir": directory, "versions": [{"name": EXTRA_MODEL_BUILD}]}
+            for model_id, directory in cfg.edge_models.items()
+        ]
+        content: dict[str, Any] = {"default": DEFAULT_MODEL_ID, "models": models}
+    else:
+        content = given or {"default": DEFAULT_MODEL_ID, "models": [{"id": DEFAULT_MODEL_ID}]}
+        models = content.setdefault("models", [])
+        entry = next((m for m in models if m.get("id") == DEFAULT_MODEL_ID), {})
+        if not entry:
+            entry = {"id": DEFAULT_MODEL_ID}
+            models.append(entry)
+    if policy := cfg.idle_policy():
+        entry["idle"] = {**(entry.get("idle") or {}), **policy}
+    return yaml.safe_dump(content, sort_keys=False)
+
+
+def read_models(path: str) -> dict[str, Any]:
+    """A models file's content ({} when empty)."""
+    content = yaml.safe_load(Path(path).read_text())
+    return content if isinstance(content, dict) else {}

@@ -179,9 +179,11 @@ class ServiceProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, sig)
 
-    async def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM (graceful drain), then SIGKILL after ``timeout_s``; its warm spare goes too."""
-        await self.stop_standby()
+    async def stop(self, timeout_s: float = 15.0, *, keep_standby: bool = False) -> None:
+        """SIGTERM (graceful drain), then SIGKILL after ``timeout_s``; its warm spare goes too, unless
+        ``keep_standby`` (a worker stopped while idle: the spare makes its start from zero quicker)."""
+        if not keep_standby:
+            await self.stop_standby()
         if self.proc is None:
             return
         self.signal(signal.SIGTERM)

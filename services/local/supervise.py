@@ -20,6 +20,12 @@ Warm spares (``standby``): a restart runs the service in a spare process that ha
 imports (``ServiceProcess.start_standby``, services/local/child.py), started when the watch begins
 and again once a restarted service serves; the mesh gives one to each Python service.
 
+Stopped on purpose: :meth:`Supervisor.stop_service` stops a running child and parks its watch (the
+state says ``stopped (idle)``, or the reason given; no restart, no crash-loop count) until
+:meth:`Supervisor.start_service` starts it again and waits until it serves. The local scaler
+(services/local/scaler.py) stops an idle model's workers this way and starts one when a request is
+held for it. A stopped child keeps its warm spare, so its start from zero skips the imports.
+
 Stopping: :meth:`Supervisor.close` cancels every watch (a restart under way included, its new
 process stopped) before the mesh stops its children, so Ctrl-C never races a restart.
 """
@@ -84,8 +90,9 @@ class ServiceRecord:
     """What ``meshserve status`` shows of one supervised child."""
 
     state: str = "running"
-    """``running``, ``restarting`` (waiting out the backoff or for the new process to serve) or
-    ``crash loop`` (restarting too often, see the module docstring)."""
+    """``running``, ``restarting`` (waiting out the backoff or for the new process to serve),
+    ``crash loop`` (restarting too often, see the module docstring), ``stopped (<reason>)`` (stopped on
+    purpose: :meth:`Supervisor.stop_service`) or ``starting`` (:meth:`Supervisor.start_service`)."""
     restarts: int = 0
     last_exit: str = ""
     last_exit_at: str = ""
@@ -94,6 +101,12 @@ class ServiceRecord:
     in_a_row: int = 0
     recent: deque[float] = field(default_factory=deque)
     """Monotonic times of the restarts within the crash-loop window."""
+    stopped_for: str = ""
+    """Why it was stopped on purpose ("" while it is not): its exit is then no crash to restart."""
+    stopped_at: str = ""
+    """UTC time it was last stopped on purpose (ISO 8601), "" if never."""
+    resumed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set by :meth:`Supervisor.start_service` once the stopped child serves again: its watch goes on."""
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -102,6 +115,7 @@ class ServiceRecord:
             "last_exit": self.last_exit,
             "last_exit_at": self.last_exit_at,
             "pid": self.pid,
+            **({"stopped_at": self.stopped_at} if self.stopped_at else {}),
         }
 
 
@@ -116,6 +130,7 @@ class Supervisor:
         self.on_change = on_change
         self.records: dict[str, ServiceRecord] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._watched: dict[str, tuple[ServiceProcess, Ready]] = {}
         self._closed = False
 
     def watch(
@@ -132,12 +147,71 @@ class Supervisor:
         if self._closed:
             raise RuntimeError("the supervisor is closed")
         self.records[proc.name] = ServiceRecord(pid=proc.proc.pid if proc.proc else None)
+        self._watched[proc.name] = (proc, ready)
         self._tasks[proc.name] = asyncio.create_task(
             self._watch(proc, ready, before_restart, standby), name=f"watch-{proc.name}"
         )
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         return {name: record.as_dict() for name, record in self.records.items()}
+
+    def is_running(self, name: str) -> bool:
+        """The child runs and serves (or is being started on purpose): neither stopped nor restarting."""
+        record = self.records.get(name)
+        return record is not None and record.state in ("running", "starting")
+
+    def is_stopped(self, name: str) -> bool:
+        """The child was stopped on purpose (:meth:`stop_service`) and not started since."""
+        record = self.records.get(name)
+        return record is not None and bool(record.stopped_for) and record.state != "starting"
+
+    async def stop_service(self, name: str, reason: str = "idle", grace_s: float = 15.0) -> bool:
+        """Stop a running child on purpose: SIGTERM (it drains and tells the routers it leaves), and no
+        restart until :meth:`start_service`. False (nothing done) unless it is ``running``: one being
+        restarted or in a crash loop is left to the restart policy."""
+        record = self.records[name]
+        if self._closed or record.state != "running" or record.stopped_for:
+            return False
+        proc, _ = self._watched[name]
+        record.stopped_for = reason
+        record.resumed = asyncio.Event()
+        record.state = f"stopped ({reason})"
+        record.stopped_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        self._log("service_stopped", "info", service=name, reason=reason, pid=record.pid)
+        await proc.stop(grace_s, keep_standby=True)  # its watch sees the exit and parks
+        record.pid = None
+        self._changed()
+        return True
+
+    async def start_service(self, name: str) -> None:
+        """Start a child stopped on purpose and wait until it serves (its ``ready`` check); its watch
+        (the restart policy) then goes on. A child that does not come up is killed, stays stopped, and
+        the error is raised: the caller decides when to try again. Nothing to do unless it is stopped."""
+        record = self.records[name]
+        if self._closed or not record.stopped_for or record.state == "starting":
+            return
+        proc, ready = self._watched[name]
+        reason = record.stopped_for
+        record.state = "starting"
+        self._log("service_starting", "info", service=name, stopped_for=reason)
+        self._changed()
+        try:
+            await proc.respawn()
+            record.pid = proc.proc.pid if proc.proc else None
+            await ready(proc)
+        except BaseException:
+            proc.signal(signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                await proc.stop(5.0, keep_standby=True)
+            record.pid = None
+            record.state = f"stopped ({reason})"
+            self._changed()
+            raise
+        record.stopped_for = ""
+        record.state = "running"
+        record.resumed.set()
+        self._log("service_started_again", "info", service=name, pid=record.pid)
+        self._changed()
 
     async def close(self) -> None:
         """Stop watching (nothing is restarted after this); a child being restarted is stopped."""
@@ -168,6 +242,12 @@ class Supervisor:
             assert proc.proc is not None
             returncode = await proc.proc.wait()
             proc.kill_group()  # what it started (torchrun's ranks) goes with it
+            if record.stopped_for:  # stopped on purpose: no restart until start_service
+                await record.resumed.wait()
+                up_since = time.monotonic()
+                if standby:
+                    await self._start_standby(proc)  # start_service used the spare
+                continue
             now = time.monotonic()
             if now - up_since >= policy.reset_after_s:
                 record.in_a_row = 0

@@ -58,6 +58,40 @@ def _gateway_replicas(text: str) -> int:
     return count
 
 
+def _count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"{count}: give 0 or more")
+    return count
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: give a number of seconds above 0")
+    return seconds
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """``meshserve up``'s arguments, with the checks that span several flags."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.stop_after_s is not None and args.min_replicas != 0:
+        parser.error(
+            "--stop-after-s stops every worker of the model, so it needs --min-replicas 0 "
+            "(without it the model keeps that many replicas: use --idle-after-s to let them sleep)"
+        )
+    if args.stop_after_s is not None and args.no_restart:
+        parser.error("--stop-after-s needs the supervisor that --no-restart turns off (it stops and starts workers)")
+    return args
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshserve up", description="Start the local mesh as processes.")
     p.add_argument("--edge-workers", type=int, default=2, help="edge worker replicas (default 2)")
@@ -134,6 +168,32 @@ def _parser() -> argparse.ArgumentParser:
         help="the routers' models file: served models, versions and their generation defaults "
         "(default: deploy/models.yaml, the default model with its model card's sampling; '' for none: "
         "each model's checkpoint defaults only)",
+    )
+    idle = p.add_argument_group(
+        "idle policy of the default model (the models file's `idle:`, docs/deploy.md *Scale from zero*)"
+    )
+    idle.add_argument(
+        "--min-replicas",
+        type=_count,
+        default=None,
+        metavar="N",
+        help="replicas kept awake while idle (default: the models file's, else 1); 0 lets every one sleep",
+    )
+    idle.add_argument(
+        "--idle-after-s",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="seconds without a request after which workers sleep: the process stays, the model's memory "
+        "is released, and the next request wakes it (default: the models file's, else never)",
+    )
+    idle.add_argument(
+        "--stop-after-s",
+        type=_seconds,
+        default=None,
+        metavar="S",
+        help="with --min-replicas 0: seconds without a request after which the model's worker processes "
+        "are stopped; a request then is held while one starts again",
     )
     p.add_argument(
         "--no-restart",
@@ -239,6 +299,9 @@ async def run_up(args: argparse.Namespace) -> int:
         models_file=args.models_file,
         edge_models=_pairs(args.edge_model, "--edge-model ID=DIR"),
         supervise=not args.no_restart,
+        min_replicas=args.min_replicas,
+        idle_after_s=args.idle_after_s,
+        stop_after_s=args.stop_after_s,
     )
     sink = HoldingSink(stdout_sink())
     mesh = Mesh(config, sink=sink)
@@ -326,8 +389,7 @@ async def _start(mesh: Mesh, stop: asyncio.Event) -> int | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    return asyncio.run(run_up(args))
+    return asyncio.run(run_up(parse_args(argv)))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -173,3 +173,84 @@ async def test_a_restart_runs_in_the_warm_spare_with_the_current_environment() -
         await sup.close()
         await proc.stop(5)
     assert again.returncode is not None and proc._standby is None  # stopping the service stops its spare
+
+
+async def test_a_child_stopped_on_purpose_is_not_restarted_until_started_again() -> None:
+    log = Log()
+    changes: list[str] = []
+    proc = ServiceProcess("edge-0", ["sh", "-c", "exec sleep 60"], {}, log)
+    await proc.spawn()
+    assert proc.proc is not None
+    first = proc.proc
+    sup = Supervisor(log, FAST, on_change=lambda: changes.append(sup.records["edge-0"].state))
+    sup.watch(proc, noop_ready)
+    try:
+        assert sup.is_running("edge-0") and not sup.is_stopped("edge-0")
+        assert await sup.stop_service("edge-0", "idle", grace_s=5)
+        assert first.returncode is not None  # it was stopped (SIGTERM), and stays so
+        for _ in range(20):  # well past the restart backoff (10 ms): nothing restarts it
+            await asyncio.sleep(0.01)
+        record = sup.snapshot()["edge-0"]
+        assert record["state"] == "stopped (idle)" and record["pid"] is None and record["restarts"] == 0
+        assert record["stopped_at"]
+        assert sup.is_stopped("edge-0") and not sup.is_running("edge-0")
+        assert proc.proc is first and not log.events("service_exited")
+        assert not await sup.stop_service("edge-0")  # already stopped: nothing to do
+
+        await sup.start_service("edge-0")
+        assert proc.proc is not first and proc.proc.returncode is None
+        assert sup.records["edge-0"].state == "running" and sup.is_running("edge-0")
+        assert changes == ["stopped (idle)", "starting", "running"]
+        assert [e["event"] for e in log.events("service_stopped") + log.events("service_started_again")] == [
+            "service_stopped",
+            "service_started_again",
+        ]
+        second = proc.proc
+        second.kill()  # started again, it is supervised again: a crash is restarted
+        await _until(lambda: sup.records["edge-0"].restarts == 1 and sup.records["edge-0"].state == "running")
+        assert proc.proc is not second
+    finally:
+        await sup.close()
+        await proc.stop(5)
+
+
+async def test_a_failed_start_from_stopped_leaves_it_stopped_and_raises() -> None:
+    log = Log()
+    proc = ServiceProcess("edge-0", ["sh", "-c", "exec sleep 60"], {}, log)
+    await proc.spawn()
+    attempts = 0
+
+    async def ready(p: ServiceProcess) -> None:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            raise TimeoutError("edge-0 did not report SERVING within 1 s")
+
+    sup = Supervisor(log, FAST)
+    sup.watch(proc, ready)
+    try:
+        assert await sup.stop_service("edge-0")
+        with pytest.raises(TimeoutError):
+            await sup.start_service("edge-0")
+        assert proc.proc is not None and proc.proc.returncode is not None  # killed, not left half up
+        assert sup.records["edge-0"].state == "stopped (idle)" and sup.is_stopped("edge-0")
+        await sup.start_service("edge-0")
+        assert sup.records["edge-0"].state == "running" and proc.proc.returncode is None
+    finally:
+        await sup.close()
+        await proc.stop(5)
+
+
+async def test_only_a_running_child_is_stopped_on_purpose() -> None:
+    log = Log()
+    proc = ServiceProcess("bad", ["sh", "-c", "exit 3"], {}, log)
+    await proc.spawn()
+    sup = Supervisor(log, RestartPolicy(base_s=5.0, cap_s=5.0))
+    sup.watch(proc, noop_ready)
+    try:
+        await _until(lambda: sup.records["bad"].state == "restarting")
+        assert not await sup.stop_service("bad")  # the restart policy's
+        assert sup.records["bad"].state == "restarting" and not sup.is_stopped("bad")
+    finally:
+        await sup.close()
+        await proc.stop(5)

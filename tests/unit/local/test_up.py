@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from services.local.processes import stdout_sink
-from services.local.up import MAX_GATEWAYS, HoldingSink, _parser, cli_command
+from services.local.up import MAX_GATEWAYS, HoldingSink, _parser, cli_command, parse_args
 
 
 def test_lines_wait_until_the_demo_answer_is_written_then_come_in_order() -> None:
@@ -102,3 +102,22 @@ def test_the_printed_module_form_runs(tmp_path: Path) -> None:
         [sys.executable, "-m", "services.cli", "--help"], capture_output=True, text=True, timeout=60, check=False
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_the_idle_flags_parse_and_stop_needs_min_replicas_zero(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse_args(["--min-replicas", "0", "--idle-after-s", "2.5", "--stop-after-s", "30"])
+    assert (args.min_replicas, args.idle_after_s, args.stop_after_s) == (0, 2.5, 30.0)
+    defaults = parse_args([])
+    assert (defaults.min_replicas, defaults.idle_after_s, defaults.stop_after_s) == (None, None, None)
+    for argv, said in (
+        (["--stop-after-s", "30"], "--stop-after-s stops every worker of the model, so it needs --min-replicas 0"),
+        (["--min-replicas", "1", "--stop-after-s", "30"], "needs --min-replicas 0"),
+        (["--min-replicas", "0", "--stop-after-s", "30", "--no-restart"], "needs the supervisor"),
+        (["--min-replicas", "-1"], "give 0 or more"),
+        (["--idle-after-s", "0"], "give a number of seconds above 0"),
+        (["--idle-after-s", "soon"], "is not a number of seconds"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2
+        assert said in capsys.readouterr().err
