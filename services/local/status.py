@@ -6,12 +6,15 @@ What it shows, and where each figure comes from:
   (``RouterAdmin.ListReplicas``, internal credential);
 - with several models or versions, each model's rollout (weights, primary, stickiness, shadow,
   automatic rollback) and per-version counters (``RouterAdmin.ListRollouts``);
-- load (active / slots), queue, tokens generated and tokens/s per replica: each worker's own
-  ``Worker.Stats``, read when the frame is taken. The router's copies of load and queue come from the
-  workers' heartbeats (``heartbeat_interval_s``, 1 s by default), so they are shown only for a worker
-  that does not answer. tokens/s is the change of the token count between two frames over the time
-  between them; the first frame (and ``--once``) shows the worker's own rate, a 5 s trailing average,
-  which a burst reaches only after 5 s and leaves only 5 s after it ended;
+- load (active / slots), queue, tokens generated and tokens/s per replica, its model's state (awake,
+  asleep, waking, falling asleep: scale from zero, docs/deploy.md) and its resident memory: each
+  worker's own ``Worker.Stats``, read when the frame is taken. A worker ``meshserve up``'s scaler
+  stopped while idle is listed too, as ``stopped`` (from the state file). The router's copies of
+  load and queue come from the workers' heartbeats (``heartbeat_interval_s``, 1 s by default), so
+  they are shown only for a worker that does not answer. tokens/s is the change of the token count
+  between two frames over the time between them; the first frame (and ``--once``) shows the
+  worker's own rate, a 5 s trailing average, which a burst reaches only after 5 s and leaves only 5 s
+  after it ended;
 - response and KV cache hit ratios and entries: the cache service's ``Cache.Stats`` (optional);
 - requests, rate-limit rejections, load shedding and errors: the services' Prometheus ``/metrics``
   (optional; ``--metrics name=url``);
@@ -22,17 +25,20 @@ What it shows, and where each figure comes from:
   responses; its append-only file's directory), or one Redis for both: the same state file.
 
 Addresses default to those ``meshserve up`` records in its state file (:func:`state_path`), so
-``meshserve status`` alone watches the local mesh. ``--once`` prints one frame and exits.
+``meshserve status`` alone watches the local mesh. ``--once`` prints one frame and exits; ``--json``
+prints one frame as JSON (the same figures) and exits.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
+import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -59,6 +65,14 @@ from services.local.rollout_cli import describe
 from services.local.state import read_state, state_path
 
 _TIERS = {inference_pb2.TIER_EDGE: "edge", inference_pb2.TIER_CLOUD: "cloud"}
+_MODEL_STATES = {
+    worker_pb2.MODEL_STATE_AWAKE: "awake",
+    worker_pb2.MODEL_STATE_ASLEEP: "asleep",
+    worker_pb2.MODEL_STATE_WAKING: "waking",
+    worker_pb2.MODEL_STATE_FALLING_ASLEEP: "falling asleep",
+}
+STOPPED = "stopped"
+"""The model state of a worker process ``meshserve up`` stopped on purpose (its scaler, while idle)."""
 _CACHE_KINDS = {cache_pb2.CACHE_KIND_RESPONSE: "response", cache_pb2.CACHE_KIND_KV: "kv prefix"}
 # Prometheus counters summed into the traffic line: label -> (metric name, label filter).
 _COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
@@ -87,6 +101,10 @@ class ReplicaView:
     tokens_total: int | None = None
     stats_at: float | None = None
     """``time.monotonic()`` when the worker's own Stats answered (None: the router's view only)."""
+    model_state: str | None = None
+    """awake, asleep, waking, falling asleep (its Stats), ``stopped`` (its process, by the scaler); None: unknown."""
+    resident_bytes: int | None = None
+    """The worker process's resident memory (its Stats); None: unknown."""
 
 
 @dataclass
@@ -158,6 +176,20 @@ async def _worker_stats(replica: ReplicaView, meta: tuple[tuple[str, str], ...])
     replica.max_active = stats.max_active_sequences
     replica.tokens_per_s = stats.recent_tokens_per_second
     replica.tokens_total = stats.tokens_generated_total
+    replica.model_state = _MODEL_STATES.get(stats.model_state, "?")
+    replica.resident_bytes = stats.resident_bytes or None
+
+
+def add_stopped(view: MeshView) -> None:
+    """List the workers ``meshserve up`` stopped on purpose (state ``stopped (idle)`` in its state file):
+    they have left the router's view, but are replicas of the mesh that a held request starts again."""
+    listed = {r.name for r in view.replicas}
+    for name, record in view.services.items():
+        tier = name.split("-", 1)[0]
+        if tier in ("edge", "cloud") and str(record.get("state", "")).startswith(STOPPED) and name not in listed:
+            view.replicas.append(
+                ReplicaView(tier, name, "-", False, 0, 0, 0, 0, 0, False, model_state=STOPPED, resident_bytes=0)
+            )
 
 
 def _rates_since(view: MeshView, previous: MeshView | None) -> None:
@@ -255,19 +287,23 @@ def render(view: MeshView) -> Group:
             "tokens/s",
             "tokens",
             "ejections",
+            "model",
+            "memory",
         ):
-            table.add_column(column, justify="left" if column in ("replica", "address", "health") else "right")
+            table.add_column(column, justify="left" if column in ("replica", "address", "health", "model") else "right")
         for r in rows:
             table.add_row(
                 r.name + (" (registered)" if r.self_registered else ""),
                 r.address,
-                Text("up", style="green") if r.healthy else Text("down", style="red"),
+                _health(r),
                 f"{r.active}/{r.max_active}",
                 str(r.queued),
                 str(r.in_flight),
                 "-" if r.tokens_per_s is None else f"{r.tokens_per_s:.1f}",
                 "-" if r.tokens_total is None else str(r.tokens_total),
                 str(r.ejections),
+                Text(r.model_state or "-", style=_MODEL_STYLES.get(r.model_state or "", "")),
+                _mib(r.resident_bytes),
             )
         parts.append(table)
     if len(view.rollouts) > 1 or any(len(m.versions) > 1 for m in view.rollouts):
@@ -294,7 +330,40 @@ def render(view: MeshView) -> Group:
     return Group(*parts)  # type: ignore[arg-type]
 
 
-_STATE_STYLES = {"running": "green", "restarting": "yellow", "crash loop": "bold red"}
+_STATE_STYLES = {"running": "green", "restarting": "yellow", "crash loop": "bold red", "starting": "yellow"}
+_MODEL_STYLES = {"awake": "green", "waking": "yellow", "falling asleep": "yellow", "asleep": "blue", STOPPED: "dim"}
+
+
+def _health(replica: ReplicaView) -> Text:
+    if replica.model_state == STOPPED:
+        return Text(STOPPED, style="dim")
+    return Text("up", style="green") if replica.healthy else Text("down", style="red")
+
+
+def _mib(size: int | None) -> str:
+    if size is None:
+        return "-"
+    return f"{size / 2**20:.0f} MiB"
+
+
+def as_json(view: MeshView) -> dict[str, object]:
+    """The frame as JSON-ready data: the figures the text shows (replicas with their model state and
+    resident memory, caches, traffic, supervised services, Redis roles, problems)."""
+    return {
+        "router": view.router,
+        "router_serving": view.router_serving,
+        "taken_at": view.taken_at.isoformat(timespec="seconds"),
+        "replicas": [{k: v for k, v in dataclasses.asdict(r).items() if k != "stats_at"} for r in view.replicas],
+        "cache": {
+            kind: {"hit_ratio": ratio, "hits": hits, "misses": misses, "entries": entries}
+            for kind, (ratio, hits, misses, entries) in view.cache.items()
+        },
+        "requests": view.requests,
+        "counters": view.counters,
+        "services": view.services,
+        "redis": view.redis,
+        "problems": view.problems,
+    }
 
 
 def _services_table(services: dict[str, dict[str, object]]) -> Table:
@@ -315,7 +384,7 @@ def _services_table(services: dict[str, dict[str, object]]) -> Table:
     return table
 
 
-def redis_roles(state: dict[str, object]) -> dict[str, str]:
+def redis_roles(state: Mapping[str, object]) -> dict[str, str]:
     """``cache`` and ``state`` -> the URL (with the password hidden) of each Redis role ``meshserve up``
     recorded, the state Redis's data directory with it; one ``cache+state`` entry when one Redis holds both."""
     cache, durable = str(state.get("redis") or ""), str(state.get("state_redis") or "")
@@ -355,6 +424,7 @@ def _parser() -> argparse.ArgumentParser:
         help="Prometheus endpoints to read traffic counters from (default: from the state file)",
     )
     p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--json", action="store_true", help="print one frame as JSON and exit")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default 1)")
     p.add_argument(
         "--internal-token",
@@ -397,8 +467,14 @@ async def _run(args: argparse.Namespace) -> int:
         last = await gather(router, cache=cache, metrics=metrics, token=args.internal_token, previous=last)
         last.services = _supervised(state)
         last.redis = redis_roles(state)
+        add_stopped(last)
         return render(last)
 
+    if args.json:
+        await frame()
+        assert last is not None
+        print(json.dumps(as_json(last), indent=2))
+        return 0
     if args.once:
         console = Console(width=None if sys.stdout.isatty() else 140)
         console.print(await frame())

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from rich.console import Console
 
 from services.local.state import write_state
-from services.local.status import MeshView, ReplicaView, _add_metrics, _parser, _rates_since, _targets, render
+from services.local.status import (
+    MeshView,
+    ReplicaView,
+    _add_metrics,
+    _parser,
+    _rates_since,
+    _targets,
+    add_stopped,
+    as_json,
+    render,
+)
 
 
 def frame(view: MeshView) -> str:
@@ -22,7 +33,9 @@ def frame(view: MeshView) -> str:
 def test_frame_groups_replicas_by_tier_with_health_load_and_tokens() -> None:
     view = MeshView(router="127.0.0.1:7000", router_serving=True)
     view.replicas = [
-        ReplicaView("edge", "edge-0", "127.0.0.1:7001", True, 1, 0, 4, 1, 0, False, 12.5, 340),
+        ReplicaView(
+            "edge", "edge-0", "127.0.0.1:7001", True, 1, 0, 4, 1, 0, False, 12.5, 340, None, "awake", 300 * 2**20
+        ),
         ReplicaView("edge", "edge-1", "127.0.0.1:7002", False, 0, 0, 4, 0, 2, True),
         ReplicaView("cloud", "cloud-0", "127.0.0.1:7003", True, 0, 2, 8, 0, 0, False, 3.0, 96),
     ]
@@ -38,8 +51,8 @@ def test_frame_groups_replicas_by_tier_with_health_load_and_tokens() -> None:
         for line in text.splitlines()
         if line.startswith("│")
     }
-    assert cells["edge-0"] == ["127.0.0.1:7001", "up", "1/4", "0", "1", "12.5", "340", "0"]
-    assert cells["edge-1 (registered)"] == ["127.0.0.1:7002", "down", "0/4", "0", "0", "-", "-", "2"]
+    assert cells["edge-0"] == ["127.0.0.1:7001", "up", "1/4", "0", "1", "12.5", "340", "0", "awake", "300 MiB"]
+    assert cells["edge-1 (registered)"] == ["127.0.0.1:7002", "down", "0/4", "0", "0", "-", "-", "2", "-", "-"]
     assert cells["response"] == ["25.0%", "3", "9", "4"]
     assert "traffic: requests 14 · errors 2 · rate limited 2 · RESOURCE_EXHAUSTED 2" in text
     assert "unreachable: cache 127.0.0.1:1: UNAVAILABLE" in text
@@ -141,3 +154,41 @@ def test_the_redis_line_names_each_role_and_hides_passwords() -> None:
     out = io.StringIO()
     Console(file=out, width=200).print(render(view))
     assert "redis: cache redis://127.0.0.1:6001/0 · state redis://***@127.0.0.1:6002/0" in out.getvalue()
+
+
+def test_each_replica_shows_its_model_state_and_memory_and_a_stopped_worker_is_listed() -> None:
+    view = MeshView(router="127.0.0.1:7000", router_serving=True)
+    view.replicas = [
+        ReplicaView("edge", "edge-0", "127.0.0.1:7001", True, 0, 0, 4, 0, 0, True, 0.0, 0, 1.0, "asleep", 60 * 2**20),
+        ReplicaView("edge", "edge-1", "127.0.0.1:7002", True, 0, 0, 4, 0, 0, True, 0.0, 0, 1.0, "waking", 90 * 2**20),
+        ReplicaView("cloud", "cloud-0", "127.0.0.1:7003", True, 0, 0, 8, 0, 0, True, model_state="falling asleep"),
+    ]
+    view.services = {
+        "gateway": {"state": "running", "restarts": 0},
+        "edge-0": {"state": "running", "restarts": 0},
+        "edge-2": {"state": "stopped (idle)", "restarts": 0, "stopped_at": "2026-12-02T14:00:00+00:00"},
+        "cloud-1": {"state": "stopped (idle)", "restarts": 0},
+        "edge-1": {"state": "stopped (idle)", "restarts": 0},  # listed by the router already (starting)
+    }
+    add_stopped(view)
+    text = frame(view)
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines() if line.startswith("│")]
+    cells = {row[0]: row[1:] for row in rows if len(row) == 11}  # the replica tables' rows
+    services = {row[0]: row[1:] for row in rows if len(row) == 5}
+    assert cells["edge-0 (registered)"][-2:] == ["asleep", "60 MiB"]
+    assert cells["edge-1 (registered)"][-2:] == ["waking", "90 MiB"]
+    assert cells["cloud-0 (registered)"][-2:] == ["falling asleep", "-"]
+    assert cells["edge-2"] == ["-", "stopped", "0/0", "0", "0", "-", "-", "0", "stopped", "0 MiB"]
+    assert cells["cloud-1"][1] == "stopped" and cells["cloud-1"][-2] == "stopped"
+    assert services["edge-2"][0] == "stopped (idle)" and services["gateway"][0] == "running"
+    data = as_json(view)
+    states = {r["name"]: (r["model_state"], r["resident_bytes"]) for r in data["replicas"]}  # type: ignore[attr-defined]
+    assert states == {
+        "edge-0": ("asleep", 60 * 2**20),
+        "edge-1": ("waking", 90 * 2**20),
+        "cloud-0": ("falling asleep", None),
+        "edge-2": ("stopped", 0),
+        "cloud-1": ("stopped", 0),
+    }
+    assert data["services"]["edge-2"]["state"] == "stopped (idle)"  # type: ignore[index]
+    json.dumps(data)  # JSON-ready as it is
