@@ -24,6 +24,7 @@ ERRORS = {
     ),
     "exhausted": (errors.ResourceExhausted("queue full", retry_after_ms=250), grpc.StatusCode.RESOURCE_EXHAUSTED),
     "unavailable": (errors.Unavailable("no healthy worker"), grpc.StatusCode.UNAVAILABLE),
+    "waking": (errors.Unavailable("model 'a' is waking up", retry_after_ms=5000), grpc.StatusCode.UNAVAILABLE),
     "deadline": (errors.DeadlineExceeded("too slow"), grpc.StatusCode.DEADLINE_EXCEEDED),
     "cancelled": (errors.Cancelled("cancelled"), grpc.StatusCode.CANCELLED),
     "bug": (ZeroDivisionError("secret internal detail"), grpc.StatusCode.INTERNAL),
@@ -86,6 +87,17 @@ async def test_resource_exhausted_carries_retry_after_trailer(stub: inference_pb
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.Complete(pb.GenerateRequest(prompt="exhausted"))
     assert ("retry-after-ms", "250") in tuple(err.value.trailing_metadata() or ())
+
+
+async def test_unavailable_carries_a_retry_after_trailer_only_when_it_advises_one(
+    stub: inference_pb2_grpc.InferenceStub,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Complete(pb.GenerateRequest(prompt="waking"))
+    assert ("retry-after-ms", "5000") in tuple(err.value.trailing_metadata() or ())
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.Complete(pb.GenerateRequest(prompt="unavailable"))
+    assert "retry-after-ms" not in dict(err.value.trailing_metadata() or ())
 
 
 async def test_internal_service_refuses_calls_without_the_token() -> None:

@@ -111,3 +111,22 @@ def test_status_numbers_on_the_wire() -> None:
     assert status_code(14) is grpc.StatusCode.UNAVAILABLE
     assert status_code(0) is grpc.StatusCode.OK
     assert status_code(999) is grpc.StatusCode.UNKNOWN
+
+
+def test_a_routers_unavailable_with_a_retry_trailer_keeps_its_message_and_delay() -> None:
+    waking = "model 'a' is waking up and did not become ready within 60 s; retry after 5 s"
+    mapped = from_rpc_error(rpc_error(grpc.StatusCode.UNAVAILABLE, waking, ((md.RETRY_AFTER_MS, "5000"),)), ROUTER)
+    assert isinstance(mapped, errors.Unavailable) and mapped.retry_after_ms == 5000 and mapped.message == waking
+    plain = from_rpc_error(rpc_error(grpc.StatusCode.UNAVAILABLE, "failed to connect to 10.0.0.7", ()), ROUTER)
+    assert isinstance(plain, errors.Unavailable) and plain.retry_after_ms == 0 and "10.0.0.7" not in plain.message
+    worker = from_rpc_error(rpc_error(grpc.StatusCode.UNAVAILABLE, "secret", ((md.RETRY_AFTER_MS, "5000"),)), WORKER)
+    assert isinstance(worker, errors.Unavailable) and "secret" not in worker.message
+
+
+def test_the_retry_trailer_of_each_error() -> None:
+    from services.common.status_errors import retry_trailer
+
+    assert retry_trailer(errors.ResourceExhausted("full", 250)) == (md.RETRY_AFTER_MS, "250")
+    assert retry_trailer(errors.Unavailable("waking", 5000)) == (md.RETRY_AFTER_MS, "5000")
+    assert retry_trailer(errors.Unavailable("no backend")) is None
+    assert retry_trailer(errors.InvalidArgument("bad")) is None

@@ -163,3 +163,73 @@ def test_bad_generation_defaults_are_config_errors_naming_the_field(tmp_path, te
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         load_settings(RouterSettings, models_file=str(path))
+
+
+def test_the_idle_policy_comes_from_the_version_else_the_model_else_the_settings(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from services.router.config import IdleSpec
+
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        "models:\n"
+        "  - id: a\n"
+        "    idle: {min_replicas: 0, idle_after_s: 30, stop_after_s: 600}\n"
+        "    versions: [{name: v1}, {name: v2, idle: {min_replicas: 2}}]\n"
+        "  - {id: b}\n"
+    )
+    settings = load_settings(RouterSettings, models_file=str(path), idle_after_s=5)
+    specs, _, _ = settings.served_models()
+    a, b = specs
+    assert settings.idle_for(a, a.versions[0]) == IdleSpec(min_replicas=0, idle_after_s=30, stop_after_s=600)
+    assert settings.idle_for(a, a.versions[1]) == IdleSpec(min_replicas=2)  # the whole block, not field by field
+    assert settings.idle_for(b, b.versions[0]) == IdleSpec(min_replicas=1, idle_after_s=5)
+
+
+def test_the_idle_policy_defaults_keep_one_replica_awake_and_never_sleep() -> None:
+    from services.router.config import IdleSpec
+
+    settings = RouterSettings()
+    specs, _, _ = settings.served_models()
+    assert settings.idle_for(specs[0], specs[0].versions[0]) == IdleSpec(min_replicas=1)
+    assert (settings.wake_deadline_s, settings.max_held_per_model) == (60.0, 1024)
+
+
+def test_idle_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHSERVE_ROUTER_IDLE_MIN_REPLICAS", "0")
+    monkeypatch.setenv("MESHSERVE_ROUTER_IDLE_AFTER_S", "2.5")
+    monkeypatch.setenv("MESHSERVE_ROUTER_IDLE_STOP_AFTER_S", "60")
+    monkeypatch.setenv("MESHSERVE_ROUTER_WAKE_DEADLINE_S", "10")
+    monkeypatch.setenv("MESHSERVE_ROUTER_MAX_HELD_PER_MODEL", "16")
+    settings = load_settings(RouterSettings)
+    assert (settings.idle_min_replicas, settings.idle_after_s, settings.idle_stop_after_s) == (0, 2.5, 60)
+    assert (settings.wake_deadline_s, settings.max_held_per_model) == (10, 16)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("models:\n  - {id: a, idle: {min_replicas: -1}}\n", "min_replicas"),
+        ("models:\n  - {id: a, idle: {idle_after_s: 0}}\n", "idle_after_s"),
+        ("models:\n  - {id: a, idle: {idle_after_s: 5, stop_after_s: 60}}\n", "set min_replicas to 0"),
+        ("models:\n  - {id: a, idle: {idle_after: 5}}\n", "idle_after"),
+        ("models:\n  - {id: a, versions: [{name: v, idle: {stop_after_s: -1, min_replicas: 0}}]}\n", "stop_after_s"),
+    ],
+)
+def test_bad_idle_policies_are_config_errors_naming_the_field(tmp_path, text: str, message: str) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "models.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_settings(RouterSettings, models_file=str(path))
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"idle_stop_after_s": 60}, "IDLE_MIN_REPLICAS is 1"),
+        ({"wake_deadline_s": 0}, "WAKE_DEADLINE_S"),
+        ({"max_held_per_model": 0}, "MAX_HELD_PER_MODEL"),
+        ({"idle_after_s": -1}, "IDLE_AFTER_S"),
+    ],
+)
+def test_bad_idle_settings_are_config_errors(fields: dict[str, float], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings(RouterSettings, **fields)

@@ -96,3 +96,43 @@ async def test_a_model_id_with_a_slash_can_be_retrieved(http: TestClient) -> Non
     assert (await response.json())["id"] == "org/model-a"
     missing = await http.get("/v1/models/org/other")
     assert missing.status == 404 and (await error(missing))["code"] == "model_not_found"
+
+
+class WakingUp:
+    """A gateway whose router answers that the model is still waking up."""
+
+    def __init__(self, retry_ms: str | None) -> None:
+        self.retry_ms = retry_ms
+
+    async def ListModels(self, request: pb.ListModelsRequest, metadata: object = None) -> pb.ListModelsResponse:
+        import grpc
+
+        trailers = grpc.aio.Metadata(*([("retry-after-ms", self.retry_ms)] if self.retry_ms is not None else []))
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.aio.Metadata(),
+            trailers,
+            "model 'a' is waking up and did not become ready within 60 s; retry after 5 s",
+        )
+
+
+@pytest.mark.parametrize(("retry_ms", "header"), [("4500", "5"), ("5000", "5"), (None, None)])
+async def test_unavailable_with_a_retry_after_is_503_with_a_retry_after_header(
+    retry_ms: str | None, header: str | None
+) -> None:
+    async with TestClient(TestServer(build_app(WakingUp(retry_ms)), host="127.0.0.1")) as client:  # type: ignore[arg-type]
+        response = await client.get("/v1/models")
+        assert response.status == 503
+        assert response.headers.get("Retry-After") == header  # seconds, rounded up
+        err = await error(response)
+        assert err["type"] == "service_unavailable" and "'a' is waking up" in str(err["message"])
+
+
+def test_an_unavailable_domain_error_with_a_retry_after_is_503_with_the_header() -> None:
+    from services.common.errors import Unavailable
+    from services.gateway.http.app import error_response
+
+    response = error_response(Unavailable("model 'a' could not wake up", retry_after_ms=1200))
+    assert response.status == 503
+    assert response.headers["Retry-After"] == "2" and response.headers["retry-after-ms"] == "1200"
+    assert "Retry-After" not in error_response(Unavailable("no backend")).headers

@@ -16,7 +16,7 @@ class Listed:
     async def ListModels(self, request: pb.ListModelsRequest, metadata: object = None) -> pb.ListModelsResponse:
         card = pb.GenerationDefaults(temperature=0.2, top_p=0.9, max_tokens=64, stop=["\n\n"])
         return pb.ListModelsResponse(
-            models=[pb.ModelInfo(id="card", generation_defaults=card), pb.ModelInfo(id="plain")]
+            models=[pb.ModelInfo(id="card", generation_defaults=card, state="asleep"), pb.ModelInfo(id="plain")]
         )
 
 
@@ -44,3 +44,10 @@ def test_an_explicit_zero_default_is_shown() -> None:
     from services.gateway.http.openai_reply import generation_defaults
 
     assert generation_defaults(pb.GenerationDefaults(temperature=0.0, top_k=0)) == {"temperature": 0.0, "top_k": 0}
+
+
+async def test_the_model_list_shows_a_sleeping_models_state(http: TestClient) -> None:
+    body = await (await http.get("/v1/models")).json()
+    card, plain = body["data"]
+    assert card["state"] == "asleep"  # listed while asleep: its first request wakes it
+    assert "state" not in plain  # a router that says nothing of it
