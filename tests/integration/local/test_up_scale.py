@@ -1,0 +1,122 @@
+"""`meshserve up --min-replicas 0 --stop-after-s S` as a real subprocess: scale to zero and back.
+
+The real mesh (one edge worker, the router in the gateway): once the model has had no request for S
+seconds, the local scaler stops the edge worker's process (the supervisor does not restart it, the state
+file and `meshserve status --json` say it is stopped); then a request arrives, the router holds it, the
+scaler sees the held gauge and starts the worker, which registers by heartbeat, and the request is
+answered by it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.local.mesh import DEV_API_KEY
+from tests.integration.local.test_up import _read_until, _running, _up
+
+pytestmark = pytest.mark.integration
+STOP_AFTER_S = "3"
+
+
+def _read(state_file: Path) -> dict[str, object]:
+    try:
+        state = json.loads(state_file.read_text())
+    except (OSError, ValueError):  # between two rewrites
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def _gone(pid: int) -> bool:
+    """No such process any more (or only its zombie)."""
+    try:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return True
+
+
+async def _until_state(
+    state_file: Path, found: Callable[[dict[str, object]], bool], timeout_s: float
+) -> dict[str, object]:
+    """The state file's content once ``found`` holds for it (`meshserve up` rewrites it on every change)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        state = _read(state_file)
+        if state and found(state):
+            return state
+        assert loop.time() < deadline, f"state not reached in {timeout_s} s: {state.get('services')}"
+        await asyncio.sleep(0.1)  # polling a file the mesh rewrites, not waiting for readiness
+
+
+def _edge(state: dict[str, object]) -> dict[str, object]:
+    services = state.get("services")
+    assert isinstance(services, dict)
+    record = services["edge-0"]
+    assert isinstance(record, dict)
+    return record
+
+
+async def test_an_idle_model_is_stopped_and_a_request_starts_it_from_zero(tmp_path: Path) -> None:
+    argv = ["--edge-workers", "1", "--cloud-workers", "0", "--min-replicas", "0", "--stop-after-s", STOP_AFTER_S]
+    state_file = tmp_path / "mesh.json"
+    # a start from zero on a loaded 2-core machine may take longer than the 60 s default deadline
+    async with _up(tmp_path, *argv, MESHSERVE_ROUTER_WAKE_DEADLINE_S="240") as (proc, marker):
+        assert proc.stderr is not None and proc.stdout is not None
+        log: list[str] = []
+
+        async def drain(stream: asyncio.StreamReader) -> None:  # the merged log: never let its pipe fill
+            while line := await stream.readline():
+                log.append(line.decode())
+
+        draining = asyncio.create_task(drain(proc.stdout))
+        await asyncio.wait_for(_read_until(proc.stderr, lambda line: "Ctrl-C stops" in line), 240)
+        stderr = asyncio.create_task(drain(proc.stderr))
+        first = _read(state_file)
+        pid = _edge(first)["pid"]
+        assert isinstance(pid, int)
+
+        stopped = await _until_state(state_file, lambda s: _edge(s)["state"] == "stopped (idle)", 120)
+        assert _edge(stopped)["pid"] is None and _edge(stopped)["restarts"] == 0
+        assert _gone(pid)  # the worker's process itself, not only its registration
+        assert any('"scale_to_zero"' in line for line in log)
+        status = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.cli",
+            "status",
+            "--json",
+            env={**os.environ, "MESHSERVE_STATE_FILE": str(state_file)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(status.communicate(), 120)
+        assert status.returncode == 0, err.decode()[-2000:]
+        replicas = {r["name"]: r for r in json.loads(out)["replicas"]}
+        assert replicas["edge-0"]["model_state"] == "stopped"
+
+        async with grpc.aio.insecure_channel(str(first["gateway"])) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            request = pb.GenerateRequest(prompt="Hello", sampling=pb.SamplingParams(max_tokens=4, temperature=0.0))
+            meta = (("authorization", f"Bearer {DEV_API_KEY}"),)
+            frames = [f async for f in stub.Generate(request, metadata=meta, timeout=300)]
+        assert frames[-1].HasField("final") and frames[-1].final.usage.completion_tokens >= 1
+        assert frames[-1].final.route.worker_id == "edge-0"
+        started = _read(state_file)
+        assert _edge(started)["state"] == "running" and _edge(started)["restarts"] == 0  # started, not a crash
+        assert any('"scale_from_zero_done"' in line for line in log)
+
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 90) == 0
+        await asyncio.wait_for(asyncio.gather(draining, stderr), 30)
+        assert _running(marker) == []
