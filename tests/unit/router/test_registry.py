@@ -164,3 +164,34 @@ def test_max_replicas_is_at_least_one() -> None:
 
     with pytest.raises(ValueError):
         RouterSettings(max_replicas=0, edge_workers=["127.0.0.1:1"])
+
+
+def test_a_report_carries_the_model_state_and_only_awake_replicas_are_routed_to() -> None:
+    from services.router.registry import ModelState
+
+    stats = worker_pb2.WorkerStats(model_state=worker_pb2.MODEL_STATE_ASLEEP, resident_bytes=123)
+    report = WorkerReport.from_pb(stats)
+    assert (report.model_state, report.resident_bytes) == (ModelState.ASLEEP, 123)
+    assert WorkerReport.from_pb(worker_pb2.WorkerStats()).model_state is ModelState.AWAKE  # a worker before it
+    reg = _registry()
+    asleep, awake = _replica(healthy=True), Replica("127.0.0.1:2", TierName.EDGE, None, None, healthy=True)  # type: ignore[arg-type]
+    reg.replicas += [asleep, awake]
+    reg.apply_report(asleep, report)
+    assert reg.healthy(TierName.EDGE) == [awake]  # the asleep one stays known, not routed to
+    assert reg.healthy_tiers() == {TierName.EDGE} and asleep in reg.replicas
+    assert not asleep.routable and awake.routable
+
+
+def test_a_change_of_model_state_tells_the_listeners() -> None:
+    reg = _registry()
+    told: list[int] = []
+    reg.listeners.append(lambda: told.append(1))
+    r = _replica(healthy=True)
+    reg.replicas.append(r)
+    asleep = worker_pb2.WorkerStats(worker_id="w", model_state=worker_pb2.MODEL_STATE_ASLEEP)
+    reg.apply_report(r, WorkerReport.from_pb(asleep))
+    assert told == [1]
+    reg.apply_report(r, WorkerReport.from_pb(asleep))  # no change: nobody told
+    assert told == [1]
+    reg.apply_report(r, WorkerReport.from_pb(worker_pb2.WorkerStats(worker_id="w")))
+    assert told == [1, 1]
