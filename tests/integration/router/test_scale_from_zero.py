@@ -116,14 +116,14 @@ async def test_an_idle_worker_sleeps_and_a_held_request_wakes_it_stream_and_unar
     assert await idle.state() == "asleep"  # still listed
     before = idle.wakes()
 
-    frames = []
+    frames: list[pb.GenerateResponse] = []
     listed_while_streaming = ""
     request = pb.GenerateRequest(prompt="Name a colour.", sampling=pb.SamplingParams(max_tokens=8))
     async for frame in idle.stub.Generate(request, metadata=META):
         if not frames:  # the turn is in flight: the model is awake and cannot fall asleep meanwhile
             listed_while_streaming = await idle.state()
         frames.append(frame)
-    assert frames[-1].HasField("final") and frames[-1].final.completion_tokens > 0
+    assert frames[-1].HasField("final") and frames[-1].final.usage.completion_tokens > 0
     assert any(f.text for f in frames)  # the held stream got its tokens
     assert idle.wakes() == before + 1
     assert listed_while_streaming == "awake"
@@ -132,7 +132,7 @@ async def test_an_idle_worker_sleeps_and_a_held_request_wakes_it_stream_and_unar
     reply = await idle.stub.Complete(
         pb.GenerateRequest(prompt="Name a fruit.", sampling=pb.SamplingParams(max_tokens=4)), metadata=META
     )
-    assert reply.final.completion_tokens > 0
+    assert reply.final.usage.completion_tokens > 0
     assert idle.wakes() == before + 2
 
 
@@ -147,7 +147,7 @@ async def test_16_requests_at_a_sleeping_model_are_served_by_exactly_one_wake(id
 
     calls = [asyncio.create_task(one(i)) for i in range(16)]
     replies = await asyncio.gather(*calls)
-    assert all(r.final.completion_tokens > 0 for r in replies)
+    assert all(r.final.usage.completion_tokens > 0 for r in replies)
     assert idle.wakes() == before + 1
     assert held._value.get() == 0
     assert idle.wakes("abandoned") == 0
