@@ -14,6 +14,7 @@ from services.router.registry import ModelState, Replica
 from services.router.wake import Waker
 from services.store.response_cache import ResponseCache
 from tests.unit.router.test_core_transport import FakeTransport, _request, _router
+from tests.unit.router.test_wake import _until
 
 
 def _with_waker(router: Router, woken: list[str], gate: asyncio.Event) -> Waker:
@@ -50,8 +51,7 @@ async def test_a_request_is_held_until_a_replica_wakes_then_served_there(
         return [e async for e in router.run_turn(_request(), Session())]
 
     turns = [asyncio.create_task(run()) for _ in range(3)]
-    while waker.held < 3:
-        await asyncio.sleep(0)
+    await _until(lambda: waker.held == 3)
     assert transport.opened == []  # nothing reaches a worker while it sleeps
     gate.set()
     results = await asyncio.gather(*turns)
