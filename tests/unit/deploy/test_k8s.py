@@ -4,7 +4,9 @@ Schemas come from the pinned PyPI package kubernetes-validate (strict mode: unkn
 Beyond the schemas: commands are meshserve entry points, every setting is a real settings field,
 probes ask the port the service listens on, the drain fits in terminationGracePeriodSeconds, HPAs
 scale on metrics the services export (through the prometheus-adapter rules), selectors match pods,
-and the GPU overlay gives each TP rank one GPU.
+and the GPU overlay gives each TP rank one GPU. KEDA's ScaledObjects (overlays/scale-from-zero)
+validate against KEDA's own CRD schema, vendored in deploy/k8s/crds (strict as well), query series the
+services export, and every worker workload has exactly one autoscaler (an HPA or a ScaledObject).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -24,7 +27,9 @@ from tests.unit.deploy import commands, exported_metrics, kustomize, settings_ch
 
 K8S = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.33.0"
-OVERLAYS = ["cpu", "gpu", "versions"]
+OVERLAYS = ["cpu", "gpu", "versions", "scale-from-zero"]
+CRDS = {"ScaledObject": K8S / "crds" / "keda.sh_scaledobjects.yaml"}
+"""Kinds of the resources that are not Kubernetes' own -> the CRD their schema comes from."""
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -67,12 +72,61 @@ def _expand(arg: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\((\w+)\)", lambda m: env[m[1]], arg)
 
 
+def _strict(schema: Any) -> Any:
+    """An openAPIV3Schema with unknown fields refused, as kubernetes_validate's strict mode (and the API
+    server's strict field validation) does: every object schema that lists properties and neither
+    allows more nor preserves unknown fields gets ``additionalProperties: false``."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items()}
+    if (
+        "properties" in schema
+        and "additionalProperties" not in schema
+        and not schema.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def _crd_validator(kind: str) -> jsonschema.protocols.Validator:
+    crd = yaml.safe_load(CRDS[kind].read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["served"] and v["storage"]]
+    schema = _strict(version["schema"]["openAPIV3Schema"])
+    schema["properties"]["apiVersion"]["enum"] = [f"{crd['spec']['group']}/{version['name']}"]
+    schema["properties"]["kind"]["enum"] = [crd["spec"]["names"]["kind"]]
+    schema["properties"]["metadata"] = {  # ObjectMeta, as far as manifests use it
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "minLength": 1},
+            "namespace": {"type": "string"},
+            "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+            "annotations": {"type": "object", "additionalProperties": {"type": "string"}},
+        },
+        "required": ["name"],
+        "additionalProperties": False,
+    }
+    schema["required"] = sorted({*schema.get("required", []), "apiVersion", "kind", "metadata", "spec"})
+    validator = jsonschema.validators.validator_for(schema)
+    validator.check_schema(schema)
+    return validator(schema)
+
+
+def validate(resource: dict[str, Any]) -> None:
+    """Against Kubernetes 1.33's schema, or the vendored CRD's for a custom resource (both strict)."""
+    if resource["kind"] in CRDS:
+        _crd_validator(resource["kind"]).validate(resource)
+    else:
+        kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True)
+
+
 def test_every_resource_validates_against_the_kubernetes_schema(built: list[dict[str, Any]]) -> None:
     kinds = {r["kind"] for r in built}
     assert {"Deployment", "StatefulSet", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget"} <= kinds
     assert {"ConfigMap", "Secret", "Namespace"} <= kinds
     for resource in built:
-        kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True)
+        validate(resource)
         if resource["kind"] != "Namespace":
             assert resource["metadata"]["namespace"] == "meshserve"
 
@@ -226,7 +280,9 @@ def test_hpas_scale_on_exported_metrics_through_the_adapter_rules(built: list[di
         provided[rule["name"]["as"]] = queried
     workloads = {(w["kind"], w["metadata"]["name"]) for w in _workloads(built)}
     hpas = [r for r in built if r["kind"] == "HorizontalPodAutoscaler"]
-    assert {h["metadata"]["name"] for h in hpas} >= {"gateway", "edge-worker", "gpu-worker"}
+    assert "gateway" in {h["metadata"]["name"] for h in hpas}
+    if not [r for r in built if r["kind"] == "ScaledObject"]:  # without KEDA the workers have HPAs
+        assert {h["metadata"]["name"] for h in hpas} >= {"edge-worker", "gpu-worker"}
     custom = set()
     for hpa in hpas:
         ref = hpa["spec"]["scaleTargetRef"]
@@ -235,7 +291,8 @@ def test_hpas_scale_on_exported_metrics_through_the_adapter_rules(built: list[di
             if metric["type"] == "Pods":
                 custom.add(metric["pods"]["metric"]["name"])
                 assert metric["pods"]["metric"]["name"] in provided
-    assert {"meshserve_queue_depth", "meshserve_time_to_first_token_seconds_p90"} <= custom
+    if {h["metadata"]["name"] for h in hpas} >= {"edge-worker", "gpu-worker"}:
+        assert {"meshserve_queue_depth", "meshserve_time_to_first_token_seconds_p90"} <= custom
 
 
 def test_gpu_overlay_gives_each_tp_rank_a_gpu() -> None:
@@ -466,3 +523,124 @@ def test_workers_keep_their_load_cache_where_compose_does(
             assert spec["securityContext"]["fsGroup"] == spec["securityContext"]["runAsUser"] == 10001, name
             assert not [k for k in _container_env(built, container) if "LOAD_CACHE" in k], name
     assert workers >= 2
+
+
+WORKERS = {("Deployment", "edge-worker"), ("StatefulSet", "gpu-worker")}
+"""The worker workloads every overlay autoscales (the versions overlay's edge-int8 pool has a fixed size)."""
+AUTOSCALERS = {"HorizontalPodAutoscaler", "ScaledObject"}
+
+
+def test_every_worker_workload_has_exactly_one_autoscaler(built: list[dict[str, Any]]) -> None:
+    """KEDA makes an HPA of its own for each ScaledObject: a workload with an HPA of ours as well would
+    have two controllers fighting over its replicas."""
+    owners: dict[tuple[str, str], list[str]] = {}
+    for scaler in (r for r in built if r["kind"] in AUTOSCALERS):
+        ref = scaler["spec"]["scaleTargetRef"]
+        owners.setdefault((ref["kind"], ref["name"]), []).append(f"{scaler['kind']}/{scaler['metadata']['name']}")
+    workloads = {(w["kind"], w["metadata"]["name"]) for w in _workloads(built)}
+    assert set(owners) <= workloads, "an autoscaler targets no workload of the overlay"
+    assert all(len(found) == 1 for found in owners.values()), owners
+    assert WORKERS <= set(owners)
+
+
+def _scaled_objects(overlay: str = "scale-from-zero") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    built = kustomize.build(K8S / "overlays" / overlay)
+    return built, [r for r in built if r["kind"] == "ScaledObject"]
+
+
+PROMETHEUS_SCALER_FIELDS = {
+    "serverAddress",
+    "query",
+    "queryParameters",
+    "threshold",
+    "activationThreshold",
+    "namespace",
+    "customHeaders",
+    "ignoreNullValues",
+    "unsafeSsl",
+    "awsRegion",
+    "timeout",
+    "identityOwner",
+}
+"""The trigger metadata KEDA's prometheus scaler reads (pkg/scalers/prometheus_scaler.go); the CRD
+types trigger metadata only as a map of strings."""
+
+
+def test_the_scale_from_zero_overlay_scales_each_worker_from_zero_on_the_held_gauge() -> None:
+    built, scaled = _scaled_objects()
+    assert {(s["spec"]["scaleTargetRef"]["kind"], s["spec"]["scaleTargetRef"]["name"]) for s in scaled} == WORKERS
+    assert not [h for h in built if h["kind"] == "HorizontalPodAutoscaler" and h["metadata"]["name"] != "gateway"]
+    adapter = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())["prometheus"]
+    prometheus = f"{adapter['url']}:{adapter['port']}"  # the Prometheus prometheus-adapter reads
+    series = exported_metrics.all_series()
+    for scaled_object in scaled:
+        spec = scaled_object["spec"]
+        assert spec["minReplicaCount"] == 0 and spec["maxReplicaCount"] >= 1
+        assert spec["cooldownPeriod"] > 0 and spec["pollingInterval"] <= 15  # a held request waits for the poll
+        triggers = {t["name"]: t for t in spec["triggers"]}
+        for trigger in triggers.values():
+            assert trigger["type"] == "prometheus"
+            assert set(trigger["metadata"]) <= PROMETHEUS_SCALER_FIELDS
+            assert trigger["metadata"]["serverAddress"] == prometheus
+            for name in re.findall(r"\b(meshserve_\w+)\{", trigger["metadata"]["query"]):
+                assert name in series, f"{scaled_object['metadata']['name']}: {name} is exported by no service"
+            assert 'namespace="meshserve"' in trigger["metadata"]["query"]
+            float(trigger["metadata"]["threshold"])
+        held = triggers["held"]["metadata"]
+        assert (
+            held["query"] == f'sum(meshserve_router_held_requests{{namespace="meshserve",model="{DEFAULT_MODEL_ID}"}})'
+        )
+        assert float(held["activationThreshold"]) == 0  # one held request activates it from 0
+        recent = triggers["recent"]["metadata"]
+        assert "meshserve_router_idle_seconds" in recent["query"] and DEFAULT_MODEL_ID in recent["query"]
+    metrics = exported_metrics.exported()
+    assert set(metrics["meshserve_router_held_requests"].labels) == {"model", "version"}
+    assert set(metrics["meshserve_router_idle_seconds"].labels) == {"model", "version"}
+
+
+def test_the_routers_of_the_scale_from_zero_overlay_hold_for_a_model_with_no_replica() -> None:
+    """The gateways' routers: min_replicas 0 (a request for a model with no worker is held, not
+    refused) and a wake deadline long enough for a pod's start; the other overlays keep one replica."""
+    from services.common.settings import load_settings
+    from services.router.config import RouterSettings
+
+    built, _ = _scaled_objects()
+    gateway = _find(built, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"][0]
+    env = _container_env(built, gateway)
+    settings = load_settings(
+        RouterSettings,
+        idle_min_replicas=env["MESHSERVE_ROUTER_IDLE_MIN_REPLICAS"],
+        wake_deadline_s=env["MESHSERVE_ROUTER_WAKE_DEADLINE_S"],
+    )
+    assert settings.idle_min_replicas == 0 and settings.wake_deadline_s >= 120
+    cpu = kustomize.build(K8S / "overlays" / "cpu")
+    cpu_env = _container_env(cpu, _find(cpu, "Deployment", "gateway")["spec"]["template"]["spec"]["containers"][0])
+    assert "MESHSERVE_ROUTER_IDLE_MIN_REPLICAS" not in cpu_env
+
+
+def test_the_vendored_crd_is_kedas_scaled_object_and_its_schema_catches_mistakes() -> None:
+    crd = yaml.safe_load(CRDS["ScaledObject"].read_text())
+    assert crd["kind"] == "CustomResourceDefinition" and crd["metadata"]["name"] == "scaledobjects.keda.sh"
+    _, scaled = _scaled_objects()
+    good = scaled[0]
+    validate(good)
+
+    def broken(edit: Any) -> dict[str, Any]:
+        copy = json.loads(json.dumps(good))
+        edit(copy)
+        return copy
+
+    mistakes = [
+        broken(lambda r: r["spec"].update(minReplicas=0)),  # the HPA's field name, unknown to KEDA
+        broken(lambda r: r["spec"].update(minReplicaCount="0")),  # a string
+        broken(lambda r: r["spec"].pop("triggers")),
+        broken(lambda r: r["spec"]["triggers"][0].pop("type")),
+        broken(lambda r: r["spec"]["triggers"][0]["metadata"].update(threshold=1)),  # metadata values are strings
+        broken(lambda r: r["spec"]["scaleTargetRef"].pop("name")),
+        broken(lambda r: r["spec"]["advanced"]["horizontalPodAutoscalerConfig"].update(behaviour={})),
+        broken(lambda r: r.update(apiVersion="keda.sh/v1")),
+        broken(lambda r: r["metadata"].update(nmae="x")),
+    ]
+    for mistake in mistakes:
+        with pytest.raises(jsonschema.ValidationError):
+            validate(mistake)
