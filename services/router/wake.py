@@ -21,7 +21,9 @@ One :class:`Waker` per model version (per :class:`~services.router.core.Router`)
   about every second: it exports the idle time and the replicas by state, and once ``idle_after_s`` has
   passed since the version's last request with nothing held or in flight, it asks the awake replicas
   beyond ``min_replicas`` to sleep (``Sleep(only_if_idle)``: a busy worker refuses, and is asked again
-  on a later sweep).
+  on a later sweep). The idle clock is this router's, but work the replicas report that this router did
+  not send (another router replica's: running or queued sequences, prompt tokens counted since the last
+  sweep) restarts it too, so one router does not put to sleep a version another one keeps busy.
 
 Held requests keep their place in the normal path: after the hold they go through admission
 (services/router/slo_queue.py) with their priority and tenant like any request, and a stream stays a
@@ -104,6 +106,7 @@ class Waker:
         self._changed = asyncio.Event()
         self._sleeping: set[Replica] = set()
         self._sleeps: set[asyncio.Task[None]] = set()
+        self._seen: dict[Replica, int] = {}
         self._held_gauge = HELD.labels(model, version)
         self._held_gauge.set(0)
         self._idle_gauge = IDLE_SECONDS.labels(model, version)
@@ -257,9 +260,11 @@ class Waker:
 
     def sweep(self) -> None:
         """One round of the idle policy (see the module docstring); the sleeps run as tasks of their own."""
+        replicas = self._replicas()
+        if self._busy_elsewhere(replicas):
+            self.touch()
         idle_s = self._clock() - self.last_request
         self._idle_gauge.set(idle_s)
-        replicas = self._replicas()
         counts = dict.fromkeys(self._by_state, 0)
         for r in replicas:
             state = r.state
@@ -275,6 +280,16 @@ class Waker:
                 task = asyncio.create_task(self._sleep(replica, idle_s), name=f"sleep-{replica.name}")
                 self._sleeps.add(task)
                 task.add_done_callback(self._sleeps.discard)
+
+    def _busy_elsewhere(self, replicas: Sequence[Replica]) -> bool:
+        """Whether the replicas' own reports show work this router did not send (another router's, or a
+        gateway's embedded one): sequences running or queued, or prompt tokens counted since the last sweep.
+        Such a version is not idle, even if this router saw no request."""
+        seen, self._seen = self._seen, {r: r.report.prompt_tokens_total for r in replicas}
+        return any(
+            r.report.active + r.report.queued > r.in_flight or (r in seen and r.report.prompt_tokens_total != seen[r])
+            for r in replicas
+        )
 
     async def _sleep(self, replica: Replica, idle_s: float) -> None:
         self._sleeping.add(replica)

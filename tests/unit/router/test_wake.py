@@ -308,3 +308,19 @@ def test_version_state() -> None:
     assert version_state([_replica("a", ModelState.ASLEEP), _replica("b", ModelState.WAKING)]) == "waking"
     assert version_state([_replica("a", ModelState.FALLING_ASLEEP)]) == "asleep"
     assert version_state([_replica("a", ModelState.ASLEEP), _replica("b", ModelState.AWAKE)]) == "awake"
+
+
+async def test_work_another_router_sends_keeps_the_version_awake() -> None:
+    now = [0.0]
+    replica = _replica("r:1", ModelState.AWAKE)
+    fleet = Fleet(replica)
+    waker = fleet.waker_for("shared", idle=IdleSpec(min_replicas=0, idle_after_s=5), clock=lambda: now[0])
+    waker.sweep()
+    now[0] = 6
+    replica.report = replace(replica.report, prompt_tokens_total=40)  # another router's turn ran there
+    waker.sweep()
+    await asyncio.sleep(0)
+    assert fleet.slept == [] and waker.last_request == 6
+    now[0] = 12
+    waker.sweep()
+    await _until(lambda: fleet.slept == ["r:1"])
