@@ -35,9 +35,9 @@ class Waking(inference_pb2_grpc.InferenceServicer):
 @pytest.fixture
 async def remote() -> AsyncIterator[RemoteRouter]:
     settings = ServiceSettings(port=0, internal_token="t", shutdown_grace_s=0)
+    servicer = Waking()  # type: ignore[abstract]
     server = await start_server(
-        settings,
-        lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(Waking(), s),  # type: ignore[abstract], ["meshserve.v1.Inference"]
+        settings, lambda s: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, s), ["meshserve.v1.Inference"]
     )
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         yield RemoteRouter(inference_pb2_grpc.InferenceStub(channel), "t")
