@@ -149,8 +149,8 @@ class Scaler:
         """Every scale event so far (also logged), newest last; bounded to the last 100."""
 
     @property
-    def models(self) -> list[str]:
-        return list(self._pools)
+    def policies(self) -> list[StopPolicy]:
+        return [pool.policy for pool in self._pools.values()]
 
     def busy(self, model: str) -> bool:
         task = self._pools[model].busy

@@ -341,6 +341,11 @@ async def run_up(args: argparse.Namespace) -> int:
                 if mesh.front_door is not None
                 else ""
             )
+            + "".join(
+                f"  scale from zero: {p.model}'s workers ({', '.join(p.workers)}) stop after {p.stop_after_s:g} s "
+                "without a request; a request then starts one\n"
+                for p in (mesh.scaler.policies if mesh.scaler is not None else [])
+            )
             + f"  live view: {cli} status\n"
             + "  Ctrl-C stops everything.\n",
             file=sys.stderr,

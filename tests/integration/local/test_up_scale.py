@@ -20,6 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.common.model_paths import DEFAULT_MODEL_ID
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.local.mesh import DEV_API_KEY
@@ -80,7 +81,9 @@ async def test_an_idle_model_is_stopped_and_a_request_starts_it_from_zero(tmp_pa
                 log.append(line.decode())
 
         draining = asyncio.create_task(drain(proc.stdout))
-        await asyncio.wait_for(_read_until(proc.stderr, lambda line: "Ctrl-C stops" in line), 240)
+        banner = await asyncio.wait_for(_read_until(proc.stderr, lambda line: "Ctrl-C stops" in line), 240)
+        said = f"scale from zero: {DEFAULT_MODEL_ID}'s workers (edge-0) stop after {STOP_AFTER_S} s without a request"
+        assert any(said in line for line in banner), banner
         stderr = asyncio.create_task(drain(proc.stderr))
         first = _read(state_file)
         pid = _edge(first)["pid"]
