@@ -16,6 +16,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -60,6 +61,23 @@ async def _until_state(
         await asyncio.sleep(0.1)  # polling a file the mesh rewrites, not waiting for readiness
 
 
+async def _status(state_file: Path) -> dict[str, dict[str, Any]]:
+    """`meshserve status --json`'s replicas by name, as a user runs it (the mesh found in the state file)."""
+    status = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        "status",
+        "--json",
+        env={**os.environ, "MESHSERVE_STATE_FILE": str(state_file)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(status.communicate(), 120)
+    assert status.returncode == 0, err.decode()[-2000:]
+    return {str(r["name"]): r for r in json.loads(out)["replicas"]}  # type: ignore[no-any-return]
+
+
 def _edge(state: dict[str, object]) -> dict[str, object]:
     services = state.get("services")
     assert isinstance(services, dict)
@@ -92,20 +110,7 @@ async def test_an_idle_model_is_stopped_and_a_request_starts_it_from_zero(tmp_pa
         stopped = await _until_state(state_file, lambda s: _edge(s)["state"] == "stopped (idle)", 120)
         assert _edge(stopped)["pid"] is None and _edge(stopped)["restarts"] == 0
         assert _gone(pid)  # the worker's process itself, not only its registration
-        assert any('"scale_to_zero"' in line for line in log)
-        status = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "services.cli",
-            "status",
-            "--json",
-            env={**os.environ, "MESHSERVE_STATE_FILE": str(state_file)},
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(status.communicate(), 120)
-        assert status.returncode == 0, err.decode()[-2000:]
-        replicas = {r["name"]: r for r in json.loads(out)["replicas"]}
+        replicas = await _status(state_file)
         assert replicas["edge-0"]["model_state"] == "stopped"
 
         async with grpc.aio.insecure_channel(str(first["gateway"])) as channel:
@@ -117,9 +122,12 @@ async def test_an_idle_model_is_stopped_and_a_request_starts_it_from_zero(tmp_pa
         assert frames[-1].final.route.worker_id == "edge-0"
         started = _read(state_file)
         assert _edge(started)["state"] == "running" and _edge(started)["restarts"] == 0  # started, not a crash
-        assert any('"scale_from_zero_done"' in line for line in log)
+        awake = (await _status(state_file))["edge-0"]  # its own Worker.Stats now
+        assert awake["model_state"] == "awake" and awake["resident_bytes"] > 0 and awake["healthy"]
 
         proc.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(proc.wait(), 90) == 0
         await asyncio.wait_for(asyncio.gather(draining, stderr), 30)
+        events = [json.loads(line.split("|", 1)[1])["event"] for line in log if line.startswith("scaler ")]
+        assert events[:3] == ["scale_to_zero", "scale_from_zero", "scale_from_zero_done"], events
         assert _running(marker) == []
