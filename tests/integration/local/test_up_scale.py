@@ -75,7 +75,7 @@ async def _status(state_file: Path) -> dict[str, dict[str, Any]]:
     )
     out, err = await asyncio.wait_for(status.communicate(), 120)
     assert status.returncode == 0, err.decode()[-2000:]
-    return {str(r["name"]): r for r in json.loads(out)["replicas"]}  # type: ignore[no-any-return]
+    return {str(r["name"]): r for r in json.loads(out)["replicas"]}
 
 
 def _edge(state: dict[str, object]) -> dict[str, object]:
