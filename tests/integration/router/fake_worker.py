@@ -50,6 +50,14 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     stream_port: int = 0  # announced in Stats: the stream's port, or (tests) a port that does not serve it
     model: str = ""  # the model id and build reported in Stats (a router with a models file routes by them)
     model_version: str = ""
+    model_state: int = worker_pb2.MODEL_STATE_AWAKE  # reported in Stats; Sleep and Wake change it
+    wake_gate: asyncio.Event | None = None  # Wake waits for it (a slow load) when set
+    wake_error: MeshError | None = None  # Wake fails with this (the worker stays asleep)
+    wake_calls: int = 0
+    wake_started: asyncio.Event = field(default_factory=asyncio.Event)
+    wake_cancelled: asyncio.Event = field(default_factory=asyncio.Event)  # a caller went away mid-load
+    sleep_calls: int = 0
+    slept: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def address(self) -> str:
@@ -140,6 +148,33 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             self.stream.close(0.0)
             await self.stream.finish()
 
+    async def Sleep(
+        self, request: worker_pb2.SleepRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ModelStateReply:
+        self.sleep_calls += 1
+        self.model_state = worker_pb2.MODEL_STATE_ASLEEP
+        self.slept.set()
+        return worker_pb2.ModelStateReply(model_state=self.model_state)
+
+    async def Wake(
+        self, request: worker_pb2.WakeRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ModelStateReply:
+        self.wake_calls += 1
+        self.wake_started.set()
+        self.model_state = worker_pb2.MODEL_STATE_WAKING
+        try:
+            if self.wake_gate is not None:
+                await self.wake_gate.wait()
+        except asyncio.CancelledError:
+            self.model_state = worker_pb2.MODEL_STATE_ASLEEP  # every caller left: back to sleep
+            self.wake_cancelled.set()
+            raise
+        if self.wake_error is not None:
+            self.model_state = worker_pb2.MODEL_STATE_ASLEEP
+            raise self.wake_error
+        self.model_state = worker_pb2.MODEL_STATE_AWAKE
+        return worker_pb2.ModelStateReply(model_state=self.model_state)
+
     async def Stats(
         self, request: worker_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.WorkerStats:
@@ -155,6 +190,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
             stream_port=self.stream_port,
             model=self.model,
             model_version=self.model_version,
+            model_state=self.model_state,  # type: ignore[arg-type]
         )
 
 
