@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -189,14 +190,16 @@ class Scaler:
 
     def _event(self, event: str, level: str, **values: object) -> None:
         getattr(self.log, level)(event, **values)
-        self.events.append({"event": event, **values})
+        at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+        self.events.append({"event": event, "at": at, **values})
         del self.events[:-100]
         if self.on_change is not None:
             self.on_change()
 
     async def _stop(self, pool: _Pool, names: list[str], signal: ModelSignal) -> None:
         model = pool.policy.model
-        stopped = [n for n in names if await self.workers.stop(n)]
+        done = await asyncio.gather(*(self.workers.stop(n) for n in names))  # each drains: side by side
+        stopped = [n for n, ok in zip(names, done, strict=True) if ok]
         if stopped:
             self._event(
                 "scale_to_zero",
