@@ -61,7 +61,7 @@ def test_frames_carry_events() -> None:
     assert convert.event(pb.ChatResponse(turn=1, final=convert.done_pb(done))) == done
     cached = Done(FinishReason.LENGTH, 5, 2, Route(None, "", True, "cache_hit"))
     assert convert.event(pb.GenerateResponse(final=convert.done_pb(cached))) == cached
-    models = [ModelInfo("m", (TierName.CLOUD, TierName.EDGE), 2048)]
+    models = [ModelInfo("m", (TierName.CLOUD, TierName.EDGE), 2048), ModelInfo("z", (), 512, state="asleep")]
     assert convert.models(convert.models_pb(models)) == models
 
 
