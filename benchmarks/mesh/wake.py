@@ -230,16 +230,23 @@ async def _neighbours(client: MeshClient, other: worker_pb2_grpc.WorkerStub, sec
 
 
 async def _from_zero(rounds: int, idle_after_s: float, stop_after_s: float) -> dict[str, Any]:
-    config = _config(edge_workers=1, cloud_workers=0, supervise=True, warm_spares=False)
-    config.min_replicas = 0  # type: ignore[attr-defined]
-    config.idle_after_s = idle_after_s  # type: ignore[attr-defined]
-    config.stop_after_s = stop_after_s  # type: ignore[attr-defined]
+    # No warm spare: "from zero processes" means no process of the model at all, imports included.
+    config = _config(
+        edge_workers=1,
+        cloud_workers=0,
+        supervise=True,
+        warm_spares=False,
+        min_replicas=0,
+        idle_after_s=idle_after_s,
+        stop_after_s=stop_after_s,
+    )
     ttfts: list[float] = []
     async with Mesh(config, sink=lambda _n, _l: None) as mesh, MeshClient(mesh.gateway_address, DEV_API_KEY) as client:
         await _ttft(client, "edge")
         for i in range(rounds):
             deadline = time.perf_counter() + idle_after_s + stop_after_s + 60
-            while any(p.proc is not None and p.proc.returncode is None for p in mesh.workers("edge")):
+            assert mesh.supervisor is not None
+            while not all(mesh.supervisor.is_stopped(p.name) for p in mesh.workers("edge")):
                 if time.perf_counter() > deadline:
                     raise RuntimeError("the scaler did not stop the idle edge worker")
                 await asyncio.sleep(0.2)
@@ -273,7 +280,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             results["cloud"] = await _wake_pairs(client, worker_pb2_grpc.WorkerStub(channel), "cloud", args.rounds)
     _log("from zero: stop policy")
     results["from_zero"] = await _from_zero(args.zero_rounds, args.idle_after_s, args.stop_after_s)
-    report = {
+    report: dict[str, Any] = {
         "benchmark": "wake",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m": os.getloadavg()[0]},
