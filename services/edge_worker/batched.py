@@ -36,6 +36,7 @@ needed it is parked (its valid KV copied out, compact) and copied back when its 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -48,6 +49,7 @@ import onnxruntime as ort
 from prometheus_client import Counter
 from tokenizers import Tokenizer
 
+from services.common.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from services.common.generation import FinishReason
 from services.edge_worker.graph import load_sessions
 from services.edge_worker.hold import BackgroundHold
@@ -161,16 +163,27 @@ class BatchedEngine(Engine):
                 "adaptive_threading cannot be combined with int4_kernel 'native' (its threads are in the graph)"
             )
         adaptive = adaptive_threading and not spinning and (threads or os.cpu_count() or 1) > 1
-        wanted = [session_options(spinning, False)]
-        if adaptive:  # the choices for small calls: these threads sleeping (above), spinning, one thread
-            wanted += [session_options(True, True), session_options(False, False, 1)]
-        sessions = load_sessions(
-            model_dir / decoder["filename"], wanted, lm_head=lm_head, cache_dir=load_cache_dir, int4_kernel=int4_kernel
-        )
+
+        def load() -> list[ort.InferenceSession]:  # fresh options each time: a load registers the custom ops in them
+            wanted = [session_options(spinning, False)]
+            if adaptive:  # the choices for small calls: these threads sleeping (above), spinning, one thread
+                wanted += [session_options(True, True), session_options(False, False, 1)]
+            return load_sessions(
+                model_dir / decoder["filename"],
+                wanted,
+                lm_head=lm_head,
+                cache_dir=load_cache_dir,
+                int4_kernel=int4_kernel,
+            )
+
+        self._load = load
+        """The sessions as at start (the edited graph from the load cache when it has it): :meth:`restore_model`."""
+        sessions = load()
         # the native kernel computes every row the same way whatever M is: one row is batch invariant too
         one_row_invariant = int4_kernel == "native"
-        self._session = sessions[0]
         self._small_sessions = sessions
+        """The decoder sessions (the first runs every call unless adaptive threading picks another);
+        empty while released (:meth:`release_model`)."""
         self.chooser = SessionChooser(len(sessions), max_rows=adaptive_max_rows) if adaptive else None
         """Which session each small decode call runs on (None: always the first)."""
         min_rows = 2 if batch_invariant and not one_row_invariant else 1  # see the module docstring
@@ -193,22 +206,25 @@ class BatchedEngine(Engine):
             structured=True,
             penalties=True,
             background=True,
+            sleeps=True,
         )
         self.min_rows = min_rows
         self.prefill_chunk = max(4, prefill_chunk)
-        self._kv = KvSlots(
-            layers=int(decoder["num_hidden_layers"]),
-            kv_heads=int(decoder["num_key_value_heads"]),
-            head_size=int(decoder["head_size"]),
-            slots=self.max_batch,
-            capacity=kv_capacity,
-            max_capacity=self._info.context_length,
-        )
+
+        def new_kv(capacity: int = kv_capacity) -> KvSlots:
+            return KvSlots(
+                layers=int(decoder["num_hidden_layers"]),
+                kv_heads=int(decoder["num_key_value_heads"]),
+                head_size=int(decoder["head_size"]),
+                slots=self.max_batch,
+                capacity=capacity,
+                max_capacity=self._info.context_length,
+            )
+
+        self._new_kv = new_kv
+        self._kv = new_kv()
         self._owners: list[EdgeSequence | None] = [None] * self.max_batch
-        width = self._session.get_outputs()[0].shape[-1]
-        self._decode_logits: np.ndarray | None = (
-            np.empty((self.max_batch, 1, width), np.float32) if isinstance(width, int) and width > 0 else None
-        )
+        self._decode_logits: np.ndarray | None = self._logits_buffer()
         """Where decode calls write their logits (bound as the output, rows ``[0, rows)``): no output allocation
         and no copy per step (0.36 ms of a ~10 ms one-row step, measured). A step's rows are read before the next
         call; None when the graph leaves the vocabulary's width open (then onnxruntime allocates as usual)."""
@@ -245,6 +261,14 @@ class BatchedEngine(Engine):
         self._preemptible: ort.RunOptions | None = None
         """The run options of the step in progress when it holds background sequences only and began
         while nothing held them (guarded by ``_lock``): foreground work arriving sets its ``terminate``."""
+
+    @property
+    def _session(self) -> ort.InferenceSession:
+        return self._small_sessions[0]
+
+    def _logits_buffer(self) -> np.ndarray | None:
+        width = self._session.get_outputs()[0].shape[-1]
+        return np.empty((self.max_batch, 1, width), np.float32) if isinstance(width, int) and width > 0 else None
 
     @property
     def info(self) -> EngineInfo:
@@ -302,6 +326,45 @@ class BatchedEngine(Engine):
         """Bytes of valid KV in slots plus parked copies (buffer pages beyond them are never touched)."""
         held = sum(seq.kv_len for seq in list(self._owners) if seq is not None)
         return KVUsage(used_bytes=held * self._kv.bytes_per_token + self._parked_bytes)
+
+    @property
+    def released(self) -> bool:
+        """The model is released (:meth:`release_model`) and not restored yet."""
+        return not self._small_sessions
+
+    def release_model(self) -> None:
+        """Drop the onnxruntime sessions (the graph and its weights), the KV slot buffers, parked chats
+        and the logits buffer; the tokenizer, the session chooser's timings and the counters stay
+        (the engine loop thread, no live sequence: services/worker/sleep.py)."""
+        if self._live:
+            raise FailedPrecondition("the edge engine cannot release its model while sequences run")
+        for seq in list(self._held.values()):
+            self._free(seq)
+        self._held.clear()
+        self._owners = [None] * self.max_batch
+        self._parked_bytes = 0
+        self._small_sessions = []
+        self._decode_logits = None
+        self._kv = self._new_kv(0)  # no buffer pages: nothing runs until restore
+        gc.collect()  # the sessions' last references may sit in cycles (bindings, views)
+
+    def restore_model(self) -> None:
+        """Build the sessions again as at start (the edited graph from the load cache: no calibration
+        run, the same tokens) and fresh KV slots. ResourceExhausted when onnxruntime cannot allocate,
+        Unavailable when the load fails; the engine stays released then."""
+        if not self.released:
+            return
+        try:
+            sessions = self._load()
+        except Exception as exc:
+            if isinstance(exc, MemoryError) or "bad_alloc" in str(exc) or "Failed to allocate" in str(exc):
+                raise ResourceExhausted(
+                    "the host ran out of memory loading the edge model; free memory and wake it again"
+                ) from None
+            raise Unavailable(f"the edge model failed to load ({exc})") from None
+        self._small_sessions = sessions
+        self._decode_logits = self._logits_buffer()
+        self._kv = self._new_kv()
 
     @property
     def preemptible(self) -> bool:

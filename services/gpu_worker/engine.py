@@ -27,6 +27,7 @@ padding rows' block, outside the block manager.
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 from collections import OrderedDict, deque
@@ -40,7 +41,7 @@ import torch
 from prometheus_client import Counter
 from tokenizers import Tokenizer
 
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from services.common.generation import FinishReason
 from services.gpu_worker import embed as embedding
 from services.gpu_worker import kv_transfer
@@ -146,6 +147,91 @@ class CloudEngine(Engine):
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype)
         shard = shard or Shard()
+        self.block_tokens = block_tokens
+        self.tensor_parallel = shard.world > 1 or wrap_forward is not None
+        """Forks (``NewSequence.fork_of``) would copy blocks on this rank only: under tensor parallelism
+        the engine declares no forks, and n choices are independent sequences."""
+        self.decode_graphs = resolve_decode_graphs(
+            decode_graphs, self.device, tp=shard.world > 1 or wrap_forward is not None
+        )
+        self.model_id = model_id
+        self.model_version = model_version or model_id
+        self.prefix_cache = prefix_cache
+        # Redis blocks hold every KV head; a TP rank holds a slice, so TP needs the group's gather/scatter.
+        self.redis = redis if shard.world == 1 or kv_io is not None else None
+        self.kv_io: KVBlockIO = kv_io or LocalBlocks()
+
+        def load() -> None:  # the model and everything sized by it: at start, and again by restore_model()
+            self._load_model(
+                model,
+                shard=shard,
+                all_reduce=all_reduce,
+                allow_download=allow_download,
+                load_cache_dir=load_cache_dir,
+                kv_budget_bytes=kv_budget_bytes,
+                max_step_tokens=max_step_tokens,
+                wrap_forward=wrap_forward,
+                max_batch=max_batch,
+            )
+
+        self._reload = load
+        self._released = False
+        self._draft: tuple[Any, int] | None = None
+        load()
+        cfg = self.model.config
+        self._tokenizer = _load_tokenizer(model, allow_download)
+        dtypes = f"{str(self.dtype).removeprefix('torch.')}/kv={str(self.kv_dtype).removeprefix('torch.')}"
+        self._info = EngineInfo(
+            model_id=model_id,
+            vocab_size=cfg.vocab,
+            context_length=cfg.max_positions,
+            eos_token_ids=frozenset(_eos_ids(model, allow_download)),
+            build=f"torch:{self.device.type}/{dtypes}/tp={shard.world}/decode={self.decode_graphs}",
+        )
+        self._caps = EngineCapabilities(
+            "cloud",
+            forks=not self.tensor_parallel,  # a fork copies blocks on this rank only
+            logprobs=True,
+            structured=True,
+            penalties=True,
+            kv_transfer=True,  # refused with the reason when the prefix cache or Redis is off (kv_transfer.py)
+            embeddings=shard.world == 1 and wrap_forward is None,
+            # the followers of a tensor-parallel group hold their own shards and mirror each step: a
+            # release and restore across the group is not built (the worker answers Sleep FAILED_PRECONDITION)
+            sleeps=not self.tensor_parallel,
+        )
+        self._states: dict[int, tuple[SeqState, KVContext | None]] = {}
+        """Live sequences by id, with their KV key context (None: prefix caching off)."""
+        self._loading: dict[int, Future[None]] = {}
+        """Sequences whose prefix blocks are being loaded from Redis (not submitted yet)."""
+        self._loaded: deque[tuple[SeqState, Sequence[SeqState]]] = deque()
+        """Loaded, to be submitted by the loop thread (appended by the I/O thread)."""
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloud-prefix-io")
+        """Loads prefix blocks from Redis, so the engine loop never waits on the network."""
+        self._failed: list[SequenceOutput] = []
+        self.speculation: Speculation | None = None
+        """Greedy requests decoded by draft-and-verify rounds (:meth:`speculate`; None: off)."""
+        self._lock = threading.Lock()
+        self._embed_lock = threading.Lock()
+        self._embeds = shard.world == 1 and wrap_forward is None
+        self.counters = {"computed": 0, "local": 0, "redis": 0}
+        self._recent: OrderedDict[str, list[str]] = OrderedDict()  # last prompt block key -> its chain
+
+    def _load_model(
+        self,
+        model: str,
+        *,
+        shard: Shard,
+        all_reduce: AllReduce | None,
+        allow_download: bool,
+        load_cache_dir: Path | None,
+        kv_budget_bytes: int,
+        max_step_tokens: int,
+        wrap_forward: Callable[[Forward], Forward] | None,
+        max_batch: int,
+    ) -> None:
+        """Load the weights (mapped from the checkpoint and the fused-weights cache) and build the KV
+        cache, the block manager, the static decoder (its CUDA graphs) and the scheduler over them."""
         self.model = LlamaModel.load(
             model,
             device=self.device,
@@ -156,25 +242,13 @@ class CloudEngine(Engine):
             cache_dir=load_cache_dir,
         )
         cfg = self.model.config
-        self.block_tokens = block_tokens
+        block_tokens = self.block_tokens
         self.bytes_per_block = cfg.kv_bytes_per_token(self.kv_dtype, shard.world) * block_tokens
         num_blocks = kv_budget_bytes // self.bytes_per_block
-        self.tensor_parallel = shard.world > 1 or wrap_forward is not None
-        """Forks (``NewSequence.fork_of``) would copy blocks on this rank only: under tensor parallelism
-        the engine declares no forks, and n choices are independent sequences."""
-        self.decode_graphs = resolve_decode_graphs(
-            decode_graphs, self.device, tp=shard.world > 1 or wrap_forward is not None
-        )
         # Static decode keeps the budget's last block out of the block manager: padding rows write there.
         usable = num_blocks - 1 if self.decode_graphs != "off" else num_blocks
         self.blocks = BlockManager(usable, block_tokens, self.bytes_per_block)
         self.cache = self.model.new_cache(num_blocks, block_tokens, self.kv_dtype)
-        self.model_id = model_id
-        self.model_version = model_version or model_id
-        self.prefix_cache = prefix_cache
-        # Redis blocks hold every KV head; a TP rank holds a slice, so TP needs the group's gather/scatter.
-        self.redis = redis if shard.world == 1 or kv_io is not None else None
-        self.kv_io: KVBlockIO = kv_io or LocalBlocks()
         forward: Forward = lambda segments: self.model.forward(segments, self.cache)  # noqa: E731
         if wrap_forward is not None:
             forward = wrap_forward(forward)
@@ -198,40 +272,52 @@ class CloudEngine(Engine):
             static=self.static,
             wake=self.wake,
         )
-        self._tokenizer = _load_tokenizer(model, allow_download)
-        dtypes = f"{str(self.dtype).removeprefix('torch.')}/kv={str(self.kv_dtype).removeprefix('torch.')}"
-        self._info = EngineInfo(
-            model_id=model_id,
-            vocab_size=cfg.vocab,
-            context_length=cfg.max_positions,
-            eos_token_ids=frozenset(_eos_ids(model, allow_download)),
-            build=f"torch:{self.device.type}/{dtypes}/tp={shard.world}/decode={self.decode_graphs}",
-        )
-        self._caps = EngineCapabilities(
-            "cloud",
-            forks=not self.tensor_parallel,  # a fork copies blocks on this rank only
-            logprobs=True,
-            structured=True,
-            penalties=True,
-            kv_transfer=True,  # refused with the reason when the prefix cache or Redis is off (kv_transfer.py)
-            embeddings=shard.world == 1 and wrap_forward is None,
-        )
-        self._states: dict[int, tuple[SeqState, KVContext | None]] = {}
-        """Live sequences by id, with their KV key context (None: prefix caching off)."""
-        self._loading: dict[int, Future[None]] = {}
-        """Sequences whose prefix blocks are being loaded from Redis (not submitted yet)."""
-        self._loaded: deque[tuple[SeqState, Sequence[SeqState]]] = deque()
-        """Loaded, to be submitted by the loop thread (appended by the I/O thread)."""
-        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cloud-prefix-io")
-        """Loads prefix blocks from Redis, so the engine loop never waits on the network."""
-        self._failed: list[SequenceOutput] = []
-        self.speculation: Speculation | None = None
-        """Greedy requests decoded by draft-and-verify rounds (:meth:`speculate`; None: off)."""
-        self._lock = threading.Lock()
-        self._embed_lock = threading.Lock()
-        self._embeds = shard.world == 1 and wrap_forward is None
-        self.counters = {"computed": 0, "local": 0, "redis": 0}
-        self._recent: OrderedDict[str, list[str]] = OrderedDict()  # last prompt block key -> its chain
+        if self._draft is not None:  # speculation runs over the new scheduler and blocks
+            self.speculate(self._draft[0], k_max=self._draft[1])
+
+    @property
+    def released(self) -> bool:
+        """The weights and KV are released (:meth:`release_model`) and not restored yet."""
+        return self._released
+
+    def release_model(self) -> None:
+        """Drop the weights (and their prepacked copies), the KV cache, the static decoder's CUDA graphs
+        and the scheduler; on CUDA the allocator's cached blocks go back too (``empty_cache``). The
+        tokenizer, the Redis prefix cache client, the draft model of speculation and the counters stay;
+        the local prefix cache is emptied (its blocks were in the KV cache). Loop thread, no live sequence."""
+        if self._released:
+            return
+        if self._states or self._loading or (self.speculation is not None and self.speculation.live):
+            raise FailedPrecondition("the cloud engine cannot release its model while sequences run")
+        self.model.packer.wait()  # its thread holds the weights until it is done
+        self.blocks = BlockManager(1, self.block_tokens, self.bytes_per_block)  # nothing held, nothing cached
+        with self._lock:
+            self._recent.clear()
+        self.speculation = None
+        del self.scheduler, self.static, self.cache, self.model
+        self._released = True
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def restore_model(self) -> None:
+        """Load the weights again as at start (the fused-weights cache is mapped, not rebuilt) and a fresh
+        KV cache. ResourceExhausted when the device or the host runs out of memory, Unavailable when
+        the load fails; the engine stays released then."""
+        if not self._released:
+            return
+        try:
+            self._reload()
+        except Exception as exc:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError)):
+                raise ResourceExhausted(
+                    "the host or the GPU ran out of memory loading the cloud model; free memory and wake it again"
+                ) from None
+            raise Unavailable(f"the cloud model failed to load ({exc})") from None
+        self._released = False
 
     @property
     def info(self) -> EngineInfo:
@@ -335,6 +421,8 @@ class CloudEngine(Engine):
         self.wake()
 
     def stop(self, seq_id: int, hold: bool = False) -> None:
+        if self._released:  # nothing lives while released (a late stop of a cancelled turn)
+            return
         if self.speculation is not None and self.speculation.stop(seq_id):
             return
         self._failed = [out for out in self._failed if out.id != seq_id]
@@ -349,6 +437,8 @@ class CloudEngine(Engine):
         self.release(state, ctx)
 
     def next_step_in(self) -> float | None:
+        if self._released:
+            return None
         if self._loaded or self._failed or self.scheduler.has_work() or (self.speculation and self.speculation.live):
             return 0.0
         return None
@@ -380,6 +470,7 @@ class CloudEngine(Engine):
     def speculate(self, draft_model: Any, *, k_max: int = 8) -> None:
         """Decode greedy requests speculatively with ``draft_model`` from now on
         (:class:`~services.gpu_worker.speculative.Speculation`, ``MESHSERVE_GPU_WORKER_SPECULATIVE``)."""
+        self._draft = (draft_model, k_max)
         self.speculation = Speculation(
             draft_model,
             k_max=k_max,

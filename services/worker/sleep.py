@@ -1,8 +1,8 @@
 """Sleep and wake: the worker gives its model's memory back while idle and loads it again on demand.
 
 States (:class:`ModelState`, the numbers of ``meshserve.internal.v1.ModelState``): ``AWAKE`` ->
-``FALLING_ASLEEP`` (the engine releases its model on the loop thread: :meth:`Engine.release`) ->
-``ASLEEP`` -> ``WAKING`` (:meth:`Engine.restore`) -> ``AWAKE``. The process stays: imports, the
+``FALLING_ASLEEP`` (the engine releases its model on the loop thread: :meth:`Engine.release_model`) ->
+``ASLEEP`` -> ``WAKING`` (:meth:`Engine.restore_model`) -> ``AWAKE``. The process stays: imports, the
 tokenizer, the servicer and its connections to the routers.
 
 Contract (:class:`ModelSleep`, event loop only):
@@ -259,7 +259,7 @@ class ModelSleep:
             awake_bytes = self.memory.resident_bytes()
             self.loop.pause()
             try:
-                await asyncio.wrap_future(self.loop.call(lambda engine: engine.release()))
+                await asyncio.wrap_future(self.loop.call(lambda engine: engine.release_model()))
             except Exception as exc:
                 log.exception("model_release_failed")
                 await self._recover()
@@ -285,7 +285,7 @@ class ModelSleep:
     async def _recover(self) -> None:
         """After a failed release: load what may be gone, and serve again."""
         try:
-            await asyncio.wrap_future(self.loop.call(lambda engine: engine.restore()))
+            await asyncio.wrap_future(self.loop.call(lambda engine: engine.restore_model()))
         except Exception:
             log.exception("model_restore_after_failed_release_failed")
         self.loop.resume()
@@ -320,7 +320,7 @@ class ModelSleep:
             self.loads += 1
             self._set(ModelState.WAKING)
             try:
-                await asyncio.wrap_future(self.loop.call(lambda engine: engine.restore()))
+                await asyncio.wrap_future(self.loop.call(lambda engine: engine.restore_model()))
             except MeshError as exc:
                 self._wake_failed("no_memory" if isinstance(exc, ResourceExhausted) else "failed", exc)
                 raise

@@ -76,8 +76,8 @@ class EngineCapabilities:
     embeddings: bool = False
     """Worker.Embed: :meth:`Engine.embed`."""
     sleeps: bool = False
-    """Worker.Sleep / Wake: :meth:`Engine.release` gives the model's memory back (weights or graph
-    session, KV) and :meth:`Engine.restore` loads it again (services/worker/sleep.py)."""
+    """Worker.Sleep / Wake: :meth:`Engine.release_model` gives the model's memory back (weights or graph
+    session, KV) and :meth:`Engine.restore_model` loads it again (services/worker/sleep.py)."""
     refusal_hint: str = ""
     """Appended to a refusal of what it cannot do: where to send such a request instead."""
 
@@ -221,16 +221,16 @@ class Engine(ABC):
         """*Any thread*, blocking (``EngineCapabilities.embeddings``): Worker.Embed."""
         raise FailedPrecondition("this worker does not serve embeddings")
 
-    def release(self) -> None:
+    def release_model(self) -> None:
         """Give the model's memory back (``EngineCapabilities.sleeps``): weights or graph session, KV
         and everything sized by the model; the info, tokenizer and capabilities stay. Called on the
-        loop thread (the loop steps nothing until :meth:`restore`), only with no live sequence (held
+        loop thread (the loop steps nothing until :meth:`restore_model`), only with no live sequence (held
         chat sequences are freed first). Any-thread hooks (``kv_usage``, ``hot_prefix_blocks``) keep
         answering meanwhile (nothing held). FailedPrecondition on an engine that cannot."""
         raise FailedPrecondition(f"this worker's {self.capabilities.name} engine cannot release its model (sleep)")
 
-    def restore(self) -> None:
-        """Load the model again after :meth:`release` (loop thread), as it was at start: the same
+    def restore_model(self) -> None:
+        """Load the model again after :meth:`release_model` (loop thread), as it was at start: the same
         tokens for the same input. Raises ResourceExhausted when the host lacks the memory, Unavailable
         when the load fails (the engine stays released and a later call may try again)."""
         raise FailedPrecondition(f"this worker's {self.capabilities.name} engine cannot restore its model (wake)")

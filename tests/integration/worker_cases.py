@@ -8,11 +8,13 @@ same model called directly: ``reference(ids, n) -> greedy ids``, trailing EOS dr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 import grpc
 import pytest
@@ -198,3 +200,64 @@ async def run_as_process(module: str, prefix: str, **env: str) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@dataclass
+class SleepingWorker:
+    """A worker process (:func:`sleeping_worker`): its stub and the events of its log lines so far."""
+
+    stub: worker_pb2_grpc.WorkerStub
+    events: list[str] = field(default_factory=list)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def count(self, event: str) -> int:
+        return self.events.count(event)
+
+    async def wait_count(self, event: str, n: int, timeout_s: float = 60.0) -> None:
+        """Until ``event`` was logged ``n`` times (its line may come after the reply it caused)."""
+        async with asyncio.timeout(timeout_s):
+            while self.count(event) < n:
+                self._changed.clear()
+                await self._changed.wait()
+
+
+@contextlib.asynccontextmanager
+async def sleeping_worker(module: str, prefix: str, **env: str) -> AsyncIterator[SleepingWorker]:
+    """``python -m <module>`` in its own process (its resident memory is the worker's alone), serving;
+    its JSON log lines' events are collected. SIGTERM at the end."""
+    environ = {**os.environ, f"{prefix}PORT": "0", f"{prefix}THREADS": "1", f"{prefix}SHUTDOWN_GRACE_S": "2", **env}
+    environ[f"{prefix}LOG_JSON"] = "true"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", module, env=environ, stderr=asyncio.subprocess.PIPE
+    )
+    assert proc.stderr is not None
+    reader: asyncio.Task[None] | None = None
+    try:
+        port = None
+        while port is None:
+            line = await asyncio.wait_for(proc.stderr.readline(), 180)
+            assert line, f"{module} exited before serving"
+            if b'"service_started"' in line:
+                port = int(json.loads(line)["port"])
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await wait_serving(channel, timeout_s=120)
+            worker = SleepingWorker(worker_pb2_grpc.WorkerStub(channel))
+
+            async def read(stream: asyncio.StreamReader) -> None:
+                async for raw in stream:
+                    with contextlib.suppress(ValueError):
+                        worker.events.append(str(json.loads(raw).get("event", "")))
+                        worker._changed.set()
+
+            reader = asyncio.create_task(read(proc.stderr))
+            yield worker
+    finally:
+        if proc.returncode is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 60)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+        if reader is not None:
+            reader.cancel()

@@ -36,13 +36,13 @@ class SleepyEngine(FakeEngine):
         self.restore_gate: threading.Event | None = None
         self.restore_error: BaseException | None = None
 
-    def release(self) -> None:
+    def release_model(self) -> None:
         assert not self.live, "released with live sequences"
         self.held.clear()
         self.loaded = False
         self.released += 1
 
-    def restore(self) -> None:
+    def restore_model(self) -> None:
         if self.restore_gate is not None:
             assert self.restore_gate.wait(10)
         if self.restore_error is not None:
