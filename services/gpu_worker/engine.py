@@ -620,7 +620,8 @@ class CloudEngine(Engine):
             return dict(self.counters)
 
     def close(self) -> None:
-        self.scheduler.stop()
+        if not self._released:  # released: no scheduler, no import waiting on it
+            self.scheduler.stop()
         self._io.shutdown(wait=False, cancel_futures=True)
         if self.redis is not None:
             self.redis.close()

@@ -16,7 +16,7 @@ from services.common.settings import ServiceSettings, load_settings
 from services.worker.app import start_worker
 from services.worker.heartbeat import Heartbeater
 from services.worker.settings import WorkerSettings
-from tests.unit.worker.fakes import FakeEngine
+from tests.unit.worker.fakes import FakeEngine, SleepyEngine
 
 TOKEN = "hb-token"
 
@@ -86,6 +86,33 @@ async def test_worker_registers_keeps_beating_with_its_load_and_says_goodbye(
         await worker.stop()
     assert recorder.beats[-1].leaving  # graceful stop says goodbye
     assert recorder.beats[-1].address == first.address
+
+
+async def test_a_model_state_change_is_heartbeated_at_once(registry: tuple[Recorder, RunningServer]) -> None:
+    recorder, server = registry
+    recorder.ttl_ms = 600_000  # the period stays 60 s: only a state change can send the next beats
+    settings = load_settings(
+        WorkerSettings,
+        port=0,
+        internal_token=TOKEN,
+        router_address=f"127.0.0.1:{server.port}",
+        heartbeat_interval_s=60.0,
+        shutdown_grace_s=0,
+    )
+    worker = await start_worker(settings, SleepyEngine(), tier="edge")
+    try:
+        await recorder.wait_for(1)
+        assert recorder.beats[0].stats.model_state == worker_pb2.MODEL_STATE_AWAKE
+        assert recorder.beats[0].stats.resident_bytes > 0
+        await worker.runner.model.sleep()
+        await recorder.wait_for(2)
+        while recorder.beats[-1].stats.model_state != worker_pb2.MODEL_STATE_ASLEEP:
+            await recorder.wait_for(len(recorder.beats) + 1)
+        await worker.runner.model.wake()
+        while recorder.beats[-1].stats.model_state != worker_pb2.MODEL_STATE_AWAKE:
+            await recorder.wait_for(len(recorder.beats) + 1)
+    finally:
+        await worker.stop()
 
 
 async def test_heartbeats_need_the_internal_credential(registry: tuple[Recorder, RunningServer]) -> None:

@@ -17,42 +17,10 @@ from services.common.generation import FinishReason, GenerationEvent, Generation
 from services.common.sampling import SamplingParams
 from services.worker.runner import Runner
 from services.worker.sleep import WAKES, HostMemory, ModelState
-from services.worker.types import EngineCapabilities
-from tests.unit.worker.fakes import TOKENIZER, FakeEngine
+from tests.unit.worker.fakes import TOKENIZER, FakeEngine, SleepyEngine
 
 PROMPT = tuple(TOKENIZER.encode("hi"))
 MiB = 1 << 20
-
-
-class SleepyEngine(FakeEngine):
-    """A scripted engine that declares sleep; ``gate`` (when set) holds each restore until released."""
-
-    def __init__(self, **kw: object) -> None:
-        super().__init__(**kw)  # type: ignore[arg-type]
-        self._caps = EngineCapabilities("fake", chat=self._caps.chat, penalties=True, sleeps=True)
-        self.released = 0
-        self.restored = 0
-        self.loaded = True
-        self.restore_gate: threading.Event | None = None
-        self.restore_error: BaseException | None = None
-
-    def release_model(self) -> None:
-        assert not self.live, "released with live sequences"
-        self.held.clear()
-        self.loaded = False
-        self.released += 1
-
-    def restore_model(self) -> None:
-        if self.restore_gate is not None:
-            assert self.restore_gate.wait(10)
-        if self.restore_error is not None:
-            raise self.restore_error
-        self.loaded = True
-        self.restored += 1
-
-    def step(self):  # type: ignore[no-untyped-def]
-        assert self.loaded, "stepped while released"
-        return super().step()
 
 
 class FakeMemory(HostMemory):
