@@ -138,7 +138,7 @@ async def test_an_idle_worker_sleeps_and_a_held_request_wakes_it_stream_and_unar
 
 async def test_16_requests_at_a_sleeping_model_are_served_by_exactly_one_wake(idle: Idle) -> None:
     await idle.asleep()
-    before = idle.wakes()
+    before, abandoned = idle.wakes(), idle.wakes("abandoned")
     held = HELD.labels(idle.waker.model, idle.waker.version)
 
     async def one(i: int) -> pb.GenerateResponse:
@@ -150,4 +150,4 @@ async def test_16_requests_at_a_sleeping_model_are_served_by_exactly_one_wake(id
     assert all(r.final.usage.completion_tokens > 0 for r in replies)
     assert idle.wakes() == before + 1
     assert held._value.get() == 0
-    assert idle.wakes("abandoned") == 0
+    assert idle.wakes("abandoned") == abandoned
