@@ -21,7 +21,7 @@ One :class:`Waker` per model version (per :class:`~services.router.core.Router`)
   about every second: it exports the idle time and the replicas by state, and once ``idle_after_s`` has
   passed since the version's last request with nothing held or in flight, it asks the awake replicas
   beyond ``min_replicas`` to sleep (``Sleep(only_if_idle)``: a busy worker refuses, and is asked again
-  on a later sweep). The idle clock is this router's, but work the replicas report that this router did
+  :data:`SLEEP_RETRY_S` later). The idle clock is this router's, but work the replicas report that this router did
   not send (another router replica's: running or queued sequences, prompt tokens counted since the last
   sweep) restarts it too, so one router does not put to sleep a version another one keeps busy.
 
@@ -51,6 +51,9 @@ RETRY_AFTER_S = 5
 """What a held request that timed out, or whose wake failed, is told to wait before it retries."""
 SLEEP_TIMEOUT_S = 30.0
 """Longest wait for a worker's answer to Sleep (it releases its model before it answers)."""
+SLEEP_RETRY_S = 5.0
+"""A replica that refused to sleep (busy, or an engine that cannot) is asked again after this long, not on
+every sweep."""
 _NOT_AWAKE = (ModelState.ASLEEP, ModelState.FALLING_ASLEEP)
 
 WakeCall = Callable[[Replica, float], Awaitable[None]]
@@ -107,6 +110,7 @@ class Waker:
         self._sleeping: set[Replica] = set()
         self._sleeps: set[asyncio.Task[None]] = set()
         self._seen: dict[Replica, int] = {}
+        self._refused: dict[Replica, float] = {}  # replica -> when it last refused or failed to sleep
         self._held_gauge = HELD.labels(model, version)
         self._held_gauge.set(0)
         self._idle_gauge = IDLE_SECONDS.labels(model, version)
@@ -274,9 +278,11 @@ class Waker:
         after = self.idle.idle_after_s
         if after is None or idle_s < after or self.held or any(r.in_flight for r in replicas):
             return
+        now = self._clock()
+        self._refused = {r: t for r, t in self._refused.items() if r in replicas and now - t < SLEEP_RETRY_S}
         awake = sorted((r for r in replicas if r.routable), key=lambda r: r.address)
         for replica in awake[self.idle.min_replicas :]:
-            if replica not in self._sleeping:
+            if replica not in self._sleeping and replica not in self._refused:
                 task = asyncio.create_task(self._sleep(replica, idle_s), name=f"sleep-{replica.name}")
                 self._sleeps.add(task)
                 task.add_done_callback(self._sleeps.discard)
@@ -296,6 +302,7 @@ class Waker:
         try:
             slept = await self._sleep_call(replica, SLEEP_TIMEOUT_S)
         except MeshError as exc:
+            self._refused[replica] = self._clock()
             log.warning(
                 "model_sleep_failed", model=self.model, version=self.version, worker=replica.name, why=exc.message
             )
@@ -304,6 +311,8 @@ class Waker:
                 log.info(
                     "model_asleep", model=self.model, version=self.version, worker=replica.name, idle_s=round(idle_s, 1)
                 )
+            else:
+                self._refused[replica] = self._clock()
         finally:
             self._sleeping.discard(replica)
 

@@ -13,7 +13,7 @@ from services.router.config import IdleSpec
 from services.router.metrics import HELD, HELD_TIMEOUTS, WAKES
 from services.router.policy import TierName
 from services.router.registry import ModelState, Replica, WorkerReport
-from services.router.wake import Waker, version_state
+from services.router.wake import SLEEP_RETRY_S, Waker, version_state
 
 
 def _replica(address: str, state: ModelState, *, healthy: bool = True, reported_at: float = 0.0) -> Replica:
@@ -288,6 +288,10 @@ async def test_a_busy_replica_is_asked_again_later() -> None:
     await asyncio.sleep(0)
     assert fleet.slept == []
     fleet.busy.clear()
+    waker.sweep()
+    await asyncio.sleep(0)
+    assert fleet.slept == []  # not asked again on every sweep
+    now[0] += SLEEP_RETRY_S
     waker.sweep()
     await _until(lambda: fleet.slept == ["r:1"])
 
