@@ -45,7 +45,7 @@ from services.local.client import MeshClient, routing_options, sampling_params
 from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
 
 INTERNAL = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),)
-PROMPT = "What is the capital of France?"
+PROMPT = "The capital of France is"
 OTHER_MODEL = "wake-bench-other"
 """The second edge model id of the neighbours phase (the default model's INT4 graph under another id)."""
 
@@ -83,7 +83,8 @@ async def _ttft(client: MeshClient, tier: str, model: str = "") -> float:
     first: float | None = None
     try:
         async for frame in call:
-            if first is None and (frame.token_ids or frame.text):
+            # A first token that ends the answer (end of sequence) comes only as the final's count.
+            if first is None and (frame.token_ids or frame.text or frame.final.usage.completion_tokens):
                 first = time.perf_counter() - started
     finally:
         call.cancel()
