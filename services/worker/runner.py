@@ -154,21 +154,26 @@ class Turn:
         """Wake the model (one load shared with every other caller) and enter it as a user: keepalives
         meanwhile. Raises the wake's error (no memory, a failed load); closed early, this caller left."""
         runner = self._runner
-        while not runner.model.enter(self):
-            wake = asyncio.ensure_future(runner.model.wake())
-            cancelled = asyncio.ensure_future(self._cancelled.wait())
-            try:
-                while not (await asyncio.wait({wake, cancelled}, timeout=runner.keepalive_s))[0]:
-                    yield QUEUED
-            finally:
-                for waiting in (wake, cancelled):
-                    if not waiting.done():
-                        waiting.cancel()  # this caller goes away; the load goes on for the others
-            if self._cancelled.is_set():
-                if wake.done() and not wake.cancelled():
-                    wake.exception()  # seen: nobody waits for this turn's answer any more
-                return
-            wake.result()
+        model = runner.model
+        model.waiting += 1  # busy from here to enter(): no Sleep(only_if_idle) slips in between
+        try:
+            while not model.enter(self):
+                wake = asyncio.ensure_future(model.wake())
+                cancelled = asyncio.ensure_future(self._cancelled.wait())
+                try:
+                    while not (await asyncio.wait({wake, cancelled}, timeout=runner.keepalive_s))[0]:
+                        yield QUEUED
+                finally:
+                    for waiting in (wake, cancelled):
+                        if not waiting.done():
+                            waiting.cancel()  # this caller goes away; the load goes on for the others
+                if self._cancelled.is_set():
+                    if wake.done() and not wake.cancelled():
+                        wake.exception()  # seen: nobody waits for this turn's answer any more
+                    return
+                wake.result()
+        finally:
+            model.waiting -= 1
 
     async def _read(self, n: int, phase: tracing.Span) -> AsyncGenerator[GenerationEvent, None]:
         runner = self._runner

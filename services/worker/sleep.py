@@ -173,6 +173,8 @@ class ModelSleep:
         self._calls_done = asyncio.Event()
         self._calls_done.set()
         self._callers = 0
+        self.waiting = 0
+        """Turns waiting for a wake to enter (the runner counts them): busy, and the load not abandoned."""
         self._sleeping: asyncio.Future[Transition] | None = None
         self._load: asyncio.Future[Transition] | None = None
         MODEL_STATE.set(0)
@@ -216,7 +218,7 @@ class ModelSleep:
         self.sessions.sweep()
         if self._users:
             return f"{len(self._users)} turns or calls are running or queued"
-        if self._callers:
+        if self._callers or self.waiting:
             return "a wake is in progress"
         if self.sessions.held:
             return f"{self.sessions.held} chats keep their KV between turns"
@@ -331,7 +333,7 @@ class ModelSleep:
             seconds = time.perf_counter() - began
             WAKE_SECONDS.observe(seconds)
             self._set(ModelState.AWAKE)
-            abandoned = self._callers == 0 and not self._users
+            abandoned = self._callers == 0 and not self._users and not self.waiting
             WAKES.labels("abandoned" if abandoned else "ok").inc()
             resident = self.memory.resident_bytes()
             log.info("model_woken", seconds=round(seconds, 3), resident_bytes=resident, callers=self._callers)
