@@ -17,6 +17,7 @@ ends one token before the last generated one.
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from typing import Any
 import onnxruntime_genai as og
 from tokenizers import Tokenizer
 
+from services.common.errors import FailedPrecondition, Unavailable
 from services.common.generation import FinishReason
 from services.common.sampling import SamplingParams
 from services.worker.types import Engine, EngineCapabilities, EngineInfo, NewSequence, SequenceOutput
@@ -150,10 +152,16 @@ class OgEngine(Engine):
     """
 
     def __init__(self, model_dir: Path, *, model_id: str, threads: int = 0, chat_reserve_tokens: int = 512) -> None:
-        config = og.Config(str(model_dir))
-        if threads:
-            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
-        self._model = og.Model(config)
+        def load() -> og.Model:
+            config = og.Config(str(model_dir))
+            if threads:
+                config.overlay(
+                    json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}})
+                )
+            return og.Model(config)
+
+        self._load = load
+        self._model: og.Model | None = load()
         genai = json.loads((model_dir / "genai_config.json").read_text())["model"]
         eos = genai.get("eos_token_id", [])
         self._info = EngineInfo(
@@ -167,7 +175,10 @@ class OgEngine(Engine):
         self.chat_reserve_tokens = chat_reserve_tokens
         # og's generator exposes no logits (no logprobs, no grammar mask) and only its own repetition penalty
         self._caps = EngineCapabilities(
-            "og", chat=True, refusal_hint="use the batched edge engine (MESHSERVE_EDGE_WORKER_ENGINE=batched)"
+            "og",
+            chat=True,
+            sleeps=True,
+            refusal_hint="use the batched edge engine (MESHSERVE_EDGE_WORKER_ENGINE=batched)",
         )
         self._live: dict[int, OgSequence] = {}
         self._held: dict[int, OgSequence] = {}
@@ -186,7 +197,29 @@ class OgEngine(Engine):
 
     @property
     def model(self) -> og.Model:
+        if self._model is None:
+            raise FailedPrecondition("the og engine's model is released (asleep)")
         return self._model
+
+    def release_model(self) -> None:
+        """Drop the ``og.Model`` (its session and weights) and every held chat generator (loop thread,
+        no live sequence: services/worker/sleep.py)."""
+        if self._live:
+            raise FailedPrecondition("the og engine cannot release its model while sequences run")
+        for seq in self._held.values():
+            seq.close()
+        self._held.clear()
+        self._model = None
+        gc.collect()
+
+    def restore_model(self) -> None:
+        """Load the ``og.Model`` again as at start; Unavailable when the load fails."""
+        if self._model is not None:
+            return
+        try:
+            self._model = self._load()
+        except Exception as exc:
+            raise Unavailable(f"the edge model failed to load ({exc})") from None
 
     def add(self, spec: NewSequence) -> None:
         if spec.reuse is not None and (held := self._held.pop(spec.reuse, None)) is not None:
@@ -199,7 +232,7 @@ class OgEngine(Engine):
         if spec.hold:  # with KV room for later turns (see ``OgSequence.reuse``)
             wanted = len(spec.prompt_ids) + spec.sampling.max_tokens + self.chat_reserve_tokens
             max_length = min(self._info.context_length, wanted)
-        seq = OgSequence(self._model, spec.prompt_ids, spec.sampling, max_length=max_length, replay=spec.replay)
+        seq = OgSequence(self.model, spec.prompt_ids, spec.sampling, max_length=max_length, replay=spec.replay)
         seq.hold = spec.hold
         self._live[spec.id] = seq
 

@@ -80,3 +80,12 @@ def test_a_stop_frees_the_sequence_and_the_others_go_on(engine: OgEngine) -> Non
     assert results[other].tokens == plain and len(driver.results[stopped].tokens) == 1
     driver.stop(stopped)  # unknown (already freed) ids are ignored
     assert engine.next_step_in() is None
+
+
+def test_a_released_model_restored_gives_the_same_greedy_tokens(engine: OgEngine) -> None:
+    prompt = chat(engine, PROMPTS[0])
+    before = EngineStepper(engine).generate(prompt, SamplingParams(max_tokens=8))
+    engine.release_model()
+    assert engine.capabilities.sleeps
+    engine.restore_model()
+    assert EngineStepper(engine).generate(prompt, SamplingParams(max_tokens=8)) == before
