@@ -16,8 +16,11 @@ which does not restart a worker stopped on purpose and shows it as ``stopped (id
 file (``meshserve status``). A started worker registers with the routers by heartbeat, and the requests
 they hold go to it.
 
-Bounds: one start or stop at a time per model; a start only when none of the model's workers runs (a
-model with a worker up is the routers' business: they wake it, or queue); a failed start is logged and
+Bounds: one start or stop at a time per model. From zero, the first worker starts as soon as a request
+is held (the held requests go to it); the model's other stopped workers (the other tier, the other
+replicas: a stop ends all of them) follow one at a time while the model stays in use (a request held,
+or idle for less than ``stop_after_s``), so a start from zero gives back the mesh that was stopped, not
+one worker of it. A failed start is logged and
 tried again after a backoff (:class:`Backoff`: 0.5 s doubling to 8 s), while requests stay held (the
 routers' wake deadline ends them with 503 + Retry-After if no start succeeds).
 """
@@ -166,12 +169,17 @@ class Scaler:
             signal = signals.get(model, ModelSignal())
             names = pool.policy.workers
             running = [n for n in names if self.workers.is_running(n)]
+            stopped = [n for n in names if self.workers.is_stopped(n)]  # a crashed one is the restart policy's
+            in_use = signal.held > 0 or (signal.idle_s is not None and signal.idle_s < pool.policy.stop_after_s)
             if signal.held > 0 and not running:
-                if now < pool.retry_at:
-                    continue
-                stopped = [n for n in names if self.workers.is_stopped(n)]
-                if stopped:  # a worker that crashed is the restart policy's, not ours
-                    pool.busy = asyncio.create_task(self._start(pool, stopped[0], signal), name=f"scale-up-{model}")
+                if now >= pool.retry_at and stopped:
+                    start = self._start(pool, stopped[0], signal, "scale_from_zero")
+                    pool.busy = asyncio.create_task(start, name=f"scale-up-{model}")
+            elif running and stopped and in_use and now >= pool.retry_at:
+                # The first worker serves the held requests; the rest of what was stopped (the other
+                # tier, the other replicas) comes back while the model is in use, one at a time.
+                start = self._start(pool, stopped[0], signal, "scale_up")
+                pool.busy = asyncio.create_task(start, name=f"scale-up-{model}")
             elif (
                 running
                 and signal.held <= 0
@@ -210,9 +218,11 @@ class Scaler:
                 stop_after_s=pool.policy.stop_after_s,
             )
 
-    async def _start(self, pool: _Pool, name: str, signal: ModelSignal) -> None:
+    async def _start(self, pool: _Pool, name: str, signal: ModelSignal, event: str) -> None:
+        """Start ``name``; ``event`` is ``scale_from_zero`` (none ran) or ``scale_up`` (the rest of the
+        stopped workers); its ``_failed`` and ``_done`` events follow."""
         model = pool.policy.model
-        self._event("scale_from_zero", "info", model=model, worker=name, held_requests=int(signal.held))
+        self._event(event, "info", model=model, worker=name, held_requests=int(signal.held))
         began = self.clock()
         try:
             await self.workers.start(name)
@@ -224,7 +234,7 @@ class Scaler:
             pool.retry_at = self.clock() + delay
             error = " ".join(str(exc).split()) or type(exc).__name__
             self._event(
-                "scale_from_zero_failed",
+                f"{event}_failed",
                 "error",
                 model=model,
                 worker=name,
@@ -237,7 +247,7 @@ class Scaler:
         pool.retry_at = 0.0
         pool.started_at = self.clock()
         took = round(self.clock() - began, 2)
-        self._event("scale_from_zero_done", "info", model=model, worker=name, start_s=took)
+        self._event(f"{event}_done", "info", model=model, worker=name, start_s=took)
 
 
 def sink_logger(sink: LogSink, name: str = SCALER) -> Any:

@@ -1,6 +1,7 @@
 """The local scaler's policy (services/local/scaler.py) over fakes: routers' metrics text in, starts and
 stops out. Stops only a model with a stop policy (min_replicas 0 and stop_after_s) once it has been idle
-that long; starts one worker when a request is held and none runs; never two starts at once; a failed
+that long; starts one worker when a request is held and none runs, then the rest of what it stopped while the model
+is in use; never two starts at once; a failed
 start is retried only after its backoff."""
 
 from __future__ import annotations
@@ -156,11 +157,47 @@ async def test_a_held_request_starts_one_worker_and_a_second_start_never_overlap
     workers.gate.set()
     await settle()
     assert workers.running == {"edge-0"}
-    s.tick({MODEL: ModelSignal(held=1, idle_s=0.3)})  # one is up: the routers' business now
-    await settle()
-    assert workers.calls == [("start", "edge-0")]
     assert log.events() == ["scale_from_zero", "scale_from_zero_done"]
     assert log.lines[0]["held_requests"] == 3
+
+
+async def test_the_rest_of_the_stopped_workers_follow_one_at_a_time_while_the_model_is_in_use() -> None:
+    workers, log = FakeWorkers(), Log()
+    workers.stopped = {"edge-0", "edge-1", "cloud-0"}
+    s = scaler(workers, log)
+    s.tick({MODEL: ModelSignal(held=2, idle_s=0.1)})
+    await settle()
+    assert workers.running == {"edge-0"}
+    workers.gate = asyncio.Event()
+    s.tick({MODEL: ModelSignal(held=0, idle_s=0.5)})  # served; in use (idle < stop_after_s): the next comes back
+    await settle()
+    s.tick({MODEL: ModelSignal(held=0, idle_s=0.6)})  # one start at a time
+    await settle()
+    assert workers.calls == [("start", "edge-0"), ("start", "edge-1")]
+    workers.gate.set()
+    await settle()
+    s.tick({MODEL: ModelSignal(held=0, idle_s=0.7)})
+    await settle()
+    assert workers.running == {"edge-0", "edge-1", "cloud-0"}  # the mesh that was stopped, the other tier too
+    assert log.events() == [
+        "scale_from_zero",
+        "scale_from_zero_done",
+        "scale_up",
+        "scale_up_done",
+        "scale_up",
+        "scale_up_done",
+    ]
+
+
+async def test_the_rest_stays_stopped_while_the_model_is_idle() -> None:
+    workers, log = FakeWorkers(), Log()
+    workers.stopped = {"edge-0", "edge-1", "cloud-0"}
+    s = scaler(workers, log)
+    s.tick({MODEL: ModelSignal(held=1, idle_s=0.1)})
+    await settle()
+    s.tick({MODEL: ModelSignal(held=0, idle_s=None)})  # no router says it is in use
+    await settle()
+    assert workers.calls == [("start", "edge-0")]
 
 
 async def test_a_just_started_worker_is_not_stopped_on_a_stale_idle_gauge() -> None:
