@@ -78,16 +78,16 @@ async def _status(state_file: Path) -> dict[str, dict[str, Any]]:
     return {str(r["name"]): r for r in json.loads(out)["replicas"]}
 
 
-def _edge(state: dict[str, object]) -> dict[str, object]:
+def _edge(state: dict[str, object], name: str = "edge-0") -> dict[str, object]:
     services = state.get("services")
     assert isinstance(services, dict)
-    record = services["edge-0"]
+    record = services[name]
     assert isinstance(record, dict)
     return record
 
 
 async def test_an_idle_model_is_stopped_and_a_request_starts_it_from_zero(tmp_path: Path) -> None:
-    argv = ["--edge-workers", "1", "--cloud-workers", "0", "--min-replicas", "0", "--stop-after-s", STOP_AFTER_S]
+    argv = ["--edge-workers", "2", "--cloud-workers", "0", "--min-replicas", "0", "--stop-after-s", STOP_AFTER_S]
     state_file = tmp_path / "mesh.json"
     # a start from zero on a loaded 2-core machine may take longer than the 60 s default deadline
     async with _up(tmp_path, *argv, MESHSERVE_ROUTER_WAKE_DEADLINE_S="240") as (proc, marker):
@@ -100,14 +100,16 @@ async def test_an_idle_model_is_stopped_and_a_request_starts_it_from_zero(tmp_pa
 
         draining = asyncio.create_task(drain(proc.stdout))
         banner = await asyncio.wait_for(_read_until(proc.stderr, lambda line: "Ctrl-C stops" in line), 240)
-        said = f"scale from zero: {DEFAULT_MODEL_ID}'s workers (edge-0) stop after {STOP_AFTER_S} s without a request"
+        names = "edge-0, edge-1"
+        said = f"scale from zero: {DEFAULT_MODEL_ID}'s workers ({names}) stop after {STOP_AFTER_S} s without a request"
         assert any(said in line for line in banner), banner
         stderr = asyncio.create_task(drain(proc.stderr))
         first = _read(state_file)
         pid = _edge(first)["pid"]
         assert isinstance(pid, int)
 
-        stopped = await _until_state(state_file, lambda s: _edge(s)["state"] == "stopped (idle)", 120)
+        both_stopped = lambda s: all(_edge(s, n)["state"] == "stopped (idle)" for n in ("edge-0", "edge-1"))  # noqa: E731
+        stopped = await _until_state(state_file, both_stopped, 120)
         assert _edge(stopped)["pid"] is None and _edge(stopped)["restarts"] == 0
         assert _gone(pid)  # the worker's process itself, not only its registration
         replicas = await _status(state_file)
@@ -124,10 +126,14 @@ async def test_an_idle_model_is_stopped_and_a_request_starts_it_from_zero(tmp_pa
         assert _edge(started)["state"] == "running" and _edge(started)["restarts"] == 0  # started, not a crash
         awake = (await _status(state_file))["edge-0"]  # its own Worker.Stats now
         assert awake["model_state"] == "awake" and awake["resident_bytes"] > 0 and awake["healthy"]
+        # the other replica that was stopped comes back too while the model is in use
+        back = await _until_state(state_file, lambda s: _edge(s, "edge-1")["state"] == "running", 120)
+        assert _edge(back, "edge-1")["restarts"] == 0
 
         proc.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(proc.wait(), 90) == 0
         await asyncio.wait_for(asyncio.gather(draining, stderr), 30)
         events = [json.loads(line.split("|", 1)[1])["event"] for line in log if line.startswith("scaler ")]
-        assert events[:3] == ["scale_to_zero", "scale_from_zero", "scale_from_zero_done"], events
+        expected = ["scale_to_zero", "scale_from_zero", "scale_from_zero_done", "scale_up", "scale_up_done"]
+        assert events[:5] == expected, events
         assert _running(marker) == []
