@@ -91,8 +91,9 @@ class ServiceRecord:
 
     state: str = "running"
     """``running``, ``restarting`` (waiting out the backoff or for the new process to serve),
-    ``crash loop`` (restarting too often, see the module docstring), ``stopped (<reason>)`` (stopped on
-    purpose: :meth:`Supervisor.stop_service`) or ``starting`` (:meth:`Supervisor.start_service`)."""
+    ``crash loop`` (restarting too often, see the module docstring), ``stopping (<reason>)`` then
+    ``stopped (<reason>)`` (stopped on purpose: :meth:`Supervisor.stop_service`; the pid is ``None`` once
+    stopped) or ``starting`` (:meth:`Supervisor.start_service`)."""
     restarts: int = 0
     last_exit: str = ""
     last_exit_at: str = ""
@@ -175,11 +176,13 @@ class Supervisor:
         proc, _ = self._watched[name]
         record.stopped_for = reason
         record.resumed = asyncio.Event()
-        record.state = f"stopped ({reason})"
+        record.state = f"stopping ({reason})"  # until its process has exited: its pid is still shown
         record.stopped_at = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         self._log("service_stopped", "info", service=name, reason=reason, pid=record.pid)
+        self._changed()
         await proc.stop(grace_s, keep_standby=True)  # its watch sees the exit and parks
         record.pid = None
+        record.state = f"stopped ({reason})"
         self._changed()
         return True
 

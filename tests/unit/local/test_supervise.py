@@ -200,7 +200,7 @@ async def test_a_child_stopped_on_purpose_is_not_restarted_until_started_again()
         await sup.start_service("edge-0")
         assert proc.proc is not first and proc.proc.returncode is None
         assert sup.records["edge-0"].state == "running" and sup.is_running("edge-0")
-        assert changes == ["stopped (idle)", "starting", "running"]
+        assert changes == ["stopping (idle)", "stopped (idle)", "starting", "running"]
         assert [e["event"] for e in log.events("service_stopped") + log.events("service_started_again")] == [
             "service_stopped",
             "service_started_again",
