@@ -20,6 +20,21 @@ from typing import Any
 
 NOT_MEASURED = "not measured yet"
 
+
+def target_line(row: dict[str, Any]) -> str:
+    """The line a benchmark prints for one of its TARGET rows (and writes into its report):
+    ``TARGET <name>: <value> (target <bound>): PASS|FAIL``, or ``TARGET <name>: SKIPPED (<why>)``.
+
+    A row: ``name``, ``value``, ``unit`` (``"x"`` is written against the number, any other after a
+    space, ``""`` none), ``bound`` (the target as printed, e.g. ``"<= 3 s"``), ``pass``; optional
+    ``format`` (a format spec for the value, e.g. ``".3f"``). A row with ``skipped`` (why) has no value."""
+    if "skipped" in row:
+        return f"TARGET {row['name']}: SKIPPED ({row['skipped']})"
+    unit = row.get("unit", "")
+    value = f"{row['value']:{row.get('format', '')}}{'x' if unit == 'x' else (' ' + unit if unit else '')}"
+    return f"TARGET {row['name']}: {value} (target {row['bound']}): {'PASS' if row['pass'] else 'FAIL'}"
+
+
 _EDGE = "python -m benchmarks.edge.mesh"
 _HOPS = "python -m benchmarks.gateway.hops"
 _RUNTIME = "meshserve bench worker-runtime --ab-tree TREE --service"

@@ -37,6 +37,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import earlier_runs
+from benchmarks.report import target_line
 from benchmarks.stats import percentile
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
@@ -337,12 +338,6 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         ratio, bound = r["neighbours"]["ratio"], TARGETS["neighbour_ttft_p50_ratio"]
         row("neighbour_ttft_p50_during_wakes", ratio, "x", f"<= {bound:g}x the run with no wake", ratio <= bound)
     return rows
-
-
-def target_line(row: dict[str, Any]) -> str:
-    unit = row["unit"]
-    value = f"{row['value']}{'x' if unit == 'x' else (' ' + unit if unit else '')}"
-    return f"TARGET {row['name']}: {value} (target {row['bound']}): {'PASS' if row['pass'] else 'FAIL'}"
 
 
 def markdown(report: dict[str, Any]) -> str:

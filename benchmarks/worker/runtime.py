@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.gateway.tree_mesh import check_tree, describe, tree_text
+from benchmarks.report import target_line
 from services.common.model_paths import model_paths
 
 SIDE = Path(__file__).with_name("runtime_side.py")
@@ -246,11 +247,6 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-def target_line(row: dict[str, Any]) -> str:
-    value = f"{row['value']}{'x' if row['unit'] == 'x' else ' ' + row['unit']}"
-    return f"TARGET {row['name']}: {value} (target {row['bound']}): {'PASS' if row['pass'] else 'FAIL'}"
 
 
 def markdown(report: dict[str, Any]) -> str:

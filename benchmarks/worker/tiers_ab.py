@@ -44,6 +44,8 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
+from benchmarks.report import target_line
+
 SIDES = ("new", "old")
 EDGE_LONE_VS_ORTGENAI = 1.0  # issue 27
 EDGE_TOP_VS_LLAMACPP = 1.25  # issue 27
@@ -192,7 +194,16 @@ def _row(name: str, value: float | None, bound: float, detail: str, skipped: str
     if value is None:
         return {"name": name, "skipped": skipped or "not measured", "detail": detail}
     shown = round(value, 3)
-    return {"name": name, "value": shown, "bound": bound, "pass": shown >= bound, "detail": detail}
+    target = f">= {bound}x"
+    return {
+        "name": name,
+        "value": shown,
+        "unit": "x",
+        "format": ".3f",
+        "bound": target,
+        "pass": shown >= bound,
+        "detail": detail,
+    }
 
 
 def _num(value: float | None, spec: str = ".1f") -> str:
@@ -258,13 +269,6 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             detail += f"; {failed} requests FAILED" if failed else ""
             rows.append(_row(f"cloud_{streams}_streams_new_vs_old", got.get("new_vs_old"), NEW_VS_OLD, detail))
     return rows
-
-
-def target_line(row: dict[str, Any]) -> str:
-    if "skipped" in row:
-        return f"TARGET {row['name']}: SKIPPED ({row['skipped']})"
-    verdict = "PASS" if row["pass"] else "FAIL"
-    return f"TARGET {row['name']}: {row['value']:.3f}x (target >= {row['bound']}x): {verdict}"
 
 
 def busy_warning(machine: dict[str, Any]) -> str | None:

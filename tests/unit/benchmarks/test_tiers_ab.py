@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from benchmarks import cli as bench_cli
+from benchmarks.report import target_line
 from benchmarks.worker.tiers_ab import (
     LogTail,
     cloud_summary,
@@ -19,7 +20,6 @@ from benchmarks.worker.tiers_ab import (
     output_lines,
     resolved_int4_kernel,
     side_order,
-    target_line,
     targets,
 )
 

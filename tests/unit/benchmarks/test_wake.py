@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks.mesh import wake
+from benchmarks.report import target_line
 
 
 def _report(**over: Any) -> dict[str, Any]:
@@ -63,5 +64,5 @@ def test_the_report_prints_every_target_line() -> None:
     report = _report()
     text = wake.markdown(report)
     for row in report["targets"]:
-        assert wake.target_line(row) in text
+        assert target_line(row) in text
     assert "TARGET cloud_wake_extra_ttft: 3.5 s (target <= 3 s): FAIL" in text
