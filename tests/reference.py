@@ -37,12 +37,12 @@ def edge_engine() -> Any:
     """The batched engine with the int4 kernel an edge worker runs here (``auto``: native where it builds
     and runs, else MLAS: their greedy tokens differ at near-ties, so the reference must use the same)."""
     from services.common.settings import load_settings
-    from services.edge_worker.batched import BatchedEngine
     from services.edge_worker.config import EdgeWorkerSettings
+    from services.edge_worker.ort_engine import OrtEngine
     from services.edge_worker.startup import int4_kernel
 
     kernel = int4_kernel(load_settings(EdgeWorkerSettings))
-    return BatchedEngine(model_paths().edge_dir, model_id="reference", threads=1, max_batch=2, int4_kernel=kernel)
+    return OrtEngine(model_paths().edge_dir, model_id="reference", threads=1, max_batch=2, int4_kernel=kernel)
 
 
 def edge_continuation(ids: list[int], max_tokens: int) -> list[int]:

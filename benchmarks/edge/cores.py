@@ -70,7 +70,7 @@ def kernel_table(
     long_prompt = (prompt * (100 // max(1, len(prompt)) + 1))[:100]
     table: dict[int, dict[str, Any]] = {}
     for kind, streams in cases:
-        engine: Any = edge_direct.load_engine(kind, model_dir, 1, max(2, streams))  # a BatchedEngine
+        engine: Any = edge_direct.load_engine(kind, model_dir, 1, max(2, streams))  # a OrtEngine
         try:
             timer = DecodeTimer(engine, max(engine.min_rows, streams))
             edge_direct._round(engine, long_prompt, streams, 4)  # warm-up

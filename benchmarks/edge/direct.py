@@ -22,10 +22,10 @@ from services.worker.types import Engine
 
 def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Engine:
     if kind == "og":
-        from services.edge_worker.engine import OgEngine
+        from services.edge_worker.og_engine import OgEngine
 
         return OgEngine(model_dir, model_id="bench", threads=threads)
-    from services.edge_worker.batched import BatchedEngine
+    from services.edge_worker.ort_engine import OrtEngine
 
     # Variants, joined with '-': "batched-1row": a lone sequence decodes in one row
     # (MESHSERVE_EDGE_WORKER_BATCH_INVARIANT=false); "batched-nbitshead": the LM head as built
@@ -42,7 +42,7 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
     from services.edge_worker.config import EdgeWorkerSettings
 
     worker = load_settings(EdgeWorkerSettings)  # the worker's spinning (its environment's), as in the mesh
-    return BatchedEngine(
+    return OrtEngine(
         model_dir,
         model_id="bench",
         threads=threads,

@@ -34,7 +34,7 @@ from services.common.generation import GenerationRequest
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.sampling import SamplingParams
-from services.edge_worker.batched import BatchedEngine
+from services.edge_worker.ort_engine import OrtEngine
 from services.worker.runner import Runner
 
 PROMPT = (
@@ -72,7 +72,7 @@ async def _round(runner: Runner, prompt: tuple[int, ...], streams: int, sampling
 
 def measure(streams: int, max_tokens: int, repeats: int, threads: int, top: int) -> dict[str, Any]:
     edge_dir = model_paths().edge_dir
-    engine = BatchedEngine(edge_dir, model_id="bench", threads=threads, max_batch=max(2, streams))
+    engine = OrtEngine(edge_dir, model_id="bench", threads=threads, max_batch=max(2, streams))
     prompt = tuple(Tokenizer.from_file(str(edge_dir / "tokenizer.json")).encode(PROMPT).ids)
     variants = {
         "baseline": SamplingParams(max_tokens=max_tokens),

@@ -2,10 +2,10 @@
 
 The batched engine (the real INT4 model, in this process) gets ``--streams`` requests of the same
 prompt length at once, in rounds that alternate between prefill grouping on (the default: new prompts
-whose first chunks have the same length share a call, ``BatchedEngine.group_prefill``) and off (one
+whose first chunks have the same length share a call, ``OrtEngine.group_prefill``) and off (one
 sequence per prefill call, as before). Measured per round: each stream's time to its first token (p50
 and max) and the round's wall time. The tokens are the same both ways (tested in
-tests/integration/edge_worker/test_batched_engine.py). No target: a measurement.
+tests/integration/edge_worker/test_ort_engine.py). No target: a measurement.
 
 ``meshserve bench edge-prefill [--streams 16] [--max-tokens 8] [--repeats 6]``
 """
@@ -23,8 +23,8 @@ from typing import Any
 
 from benchmarks.engine_stepper import EngineStepper
 from services.common.sampling import SamplingParams
-from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.config import EdgeWorkerSettings
+from services.edge_worker.ort_engine import OrtEngine
 
 PROMPT = (
     "<|im_start|>user\nWrite a short story about a lighthouse keeper who finds a message in a bottle, "
@@ -32,7 +32,7 @@ PROMPT = (
 )
 
 
-def _round(engine: BatchedEngine, prompt: list[int], streams: int, max_tokens: int) -> dict[str, float]:
+def _round(engine: OrtEngine, prompt: list[int], streams: int, max_tokens: int) -> dict[str, float]:
     """The streams added at once and stepped to their end in this thread (the engine loop's way)."""
     stepper = EngineStepper(engine)
     calls, start = engine.prefill_calls, time.perf_counter()
@@ -49,7 +49,7 @@ def _round(engine: BatchedEngine, prompt: list[int], streams: int, max_tokens: i
 
 def measure(*, streams: int, max_tokens: int, repeats: int, threads: int) -> dict[str, Any]:
     settings = EdgeWorkerSettings()
-    engine = BatchedEngine(settings.resolved_model_dir(), model_id="bench", threads=threads, max_batch=streams)
+    engine = OrtEngine(settings.resolved_model_dir(), model_id="bench", threads=threads, max_batch=streams)
     try:
         prompt = list(engine.tokenizer.encode(PROMPT).ids)
         rounds: dict[str, list[dict[str, float]]] = {"grouped": [], "one per call": []}

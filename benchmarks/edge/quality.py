@@ -6,7 +6,7 @@ built: the edited decoder (int8 LM head with its outlier channels) with the 4-bi
 onnxruntime's MLAS (``int4_kernel=mlas``) and on our kernel (``native``, when this machine can build
 it), teacher-forced over the held-out text in windows (every position's logits: the graph without
 its last-positions slice, KV bound in place as the engine binds it), and greedy decoding through the
-engine itself (``BatchedEngine``, one sequence). The reference is the fp32 checkpoint
+engine itself (``OrtEngine``, one sequence). The reference is the fp32 checkpoint
 (:mod:`services.models.evaluate`: perplexity, top-1 agreement, 32-token greedy agreement).
 
 Prints ``TARGET edge_native_perplexity: <native / mlas> (target <= 1.005): PASS|FAIL`` (native within
@@ -31,10 +31,10 @@ import onnxruntime as ort
 from benchmarks.engine_stepper import EngineStepper
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
-from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.graph import load_sessions
 from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.native.kernel import unavailable_reason
+from services.edge_worker.ort_engine import OrtEngine
 from services.models.evaluate import HELDOUT, EvalResult, Logits, Variant, evaluate, load_variant, markdown_table
 
 TARGET_RATIO = 1.005
@@ -70,7 +70,7 @@ def engine_logits(model_dir: Path, int4_kernel: str, threads: int, capacity: int
 
 
 def engine_variant(model_dir: Path, int4_kernel: str, threads: int, window: int) -> Variant:
-    engine = BatchedEngine(model_dir, model_id="quality", threads=threads, max_batch=2, int4_kernel=int4_kernel)
+    engine = OrtEngine(model_dir, model_id="quality", threads=threads, max_batch=2, int4_kernel=int4_kernel)
 
     def greedy(prompt: list[int], n: int) -> list[int]:
         # exactly n tokens, EOS held off as the fp32 reference's min_new_tokens does

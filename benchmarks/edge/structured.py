@@ -52,11 +52,11 @@ def _round(engine: Any, grammars: Any, prompt: list[int], streams: int, sampling
 
 
 def measure(streams: int, max_tokens: int, repeats: int, threads: int) -> dict[str, Any]:
-    from services.edge_worker.batched import BatchedEngine
+    from services.edge_worker.ort_engine import OrtEngine
     from services.worker.grammar import GrammarCompiler
 
     edge_dir = model_paths().edge_dir
-    engine = BatchedEngine(edge_dir, model_id="bench", threads=threads, max_batch=streams)
+    engine = OrtEngine(edge_dir, model_id="bench", threads=threads, max_batch=streams)
     info = engine.info
     grammars = GrammarCompiler(engine.tokenizer, info.vocab_size, info.eos_token_ids)  # the runtime's compiler
     try:

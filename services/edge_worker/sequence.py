@@ -1,4 +1,4 @@
-"""One sequence of the batched edge engine (:mod:`services.edge_worker.batched`): its tokens, where
+"""One sequence of the batched edge engine (:mod:`services.edge_worker.ort_engine`): its tokens, where
 its KV is (a slot, or parked), its sampler state, and the chat reuse rule. Only the engine loop
 thread touches it.
 """

@@ -1,4 +1,4 @@
-"""Edge worker wiring: the generic Worker servicer over a :class:`BatchedEngine` (or :class:`OgEngine`)."""
+"""Edge worker wiring: the generic Worker servicer over a :class:`OrtEngine` (or :class:`OgEngine`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import asyncio
 import structlog
 
 from services.common.errors import ConfigError
-from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.config import EdgeWorkerSettings
-from services.edge_worker.engine import OgEngine
 from services.edge_worker.native.kernel import KernelUnavailable, compile_kernel
+from services.edge_worker.og_engine import OgEngine
+from services.edge_worker.ort_engine import OrtEngine
 from services.worker.app import RunningWorker, start_worker
 
 TIER = "edge"
@@ -38,7 +38,7 @@ def int4_kernel(settings: EdgeWorkerSettings) -> str:
     return "native"
 
 
-def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
+def build_engine(settings: EdgeWorkerSettings) -> OrtEngine | OgEngine:
     """Load the model named by the settings (blocking: seconds); ConfigError (one sentence) when
     ``int4_kernel=native`` cannot be built or run here (:func:`int4_kernel`)."""
     if settings.engine == "og":
@@ -49,7 +49,7 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
             chat_reserve_tokens=settings.chat_reserve_tokens,
         )
     kernel = int4_kernel(settings)
-    return BatchedEngine(
+    return OrtEngine(
         settings.check_model(),
         model_id=settings.model_id,
         threads=settings.threads,
@@ -68,9 +68,7 @@ def build_engine(settings: EdgeWorkerSettings) -> BatchedEngine | OgEngine:
     )
 
 
-async def start_edge_worker(
-    settings: EdgeWorkerSettings, engine: BatchedEngine | OgEngine | None = None
-) -> RunningWorker:
+async def start_edge_worker(settings: EdgeWorkerSettings, engine: OrtEngine | OgEngine | None = None) -> RunningWorker:
     """Serve an edge worker in this process; loads the model in a thread unless ``engine`` is given."""
     if engine is None:
         engine = await asyncio.to_thread(build_engine, settings)

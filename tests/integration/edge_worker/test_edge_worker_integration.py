@@ -12,8 +12,8 @@ import pytest
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.sampling import SamplingParams
 from services.common.settings import load_settings
-from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.config import EdgeWorkerSettings
+from services.edge_worker.ort_engine import OrtEngine
 from services.edge_worker.startup import start_edge_worker
 from services.worker.app import RunningWorker
 from services.worker.types import Engine, NewSequence
@@ -103,7 +103,7 @@ class TestEdgeWorker(WorkerCases):
 
     @pytest.fixture
     def reference(self, edge_worker: RunningWorker) -> object:
-        assert isinstance(edge_worker.runner.engine, BatchedEngine)
+        assert isinstance(edge_worker.runner.engine, OrtEngine)
 
         def greedy(ids: list[int], n: int) -> list[int]:
             return on_engine_loop(edge_worker, (ids, n, False))[0]
@@ -114,7 +114,7 @@ class TestEdgeWorker(WorkerCases):
         self, stub: worker_pb2_grpc.WorkerStub, prompt: list[int], edge_worker: RunningWorker
     ) -> None:
         engine = edge_worker.runner.engine
-        assert isinstance(engine, BatchedEngine)
+        assert isinstance(engine, OrtEngine)
         session = Session(stub)
         first = await session.turn(prompt, max_tokens=4)
         context = [*prompt, *first.token_ids, *prompt[-3:]]
@@ -135,7 +135,7 @@ async def test_chat_turn_two_prefills_only_its_new_tokens(
     edge_worker: RunningWorker, edge_stub: worker_pb2_grpc.WorkerStub
 ) -> None:
     engine = edge_worker.runner.engine
-    assert isinstance(engine, BatchedEngine)
+    assert isinstance(engine, OrtEngine)
     prompt = list(engine.tokenizer.encode(CHAT).ids)
     follow_up = list(engine.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd two animals?<|im_end|>\n").ids)
     session = Session(edge_stub)
@@ -163,7 +163,7 @@ async def test_chat_turn_two_prefills_only_its_new_tokens(
 
 
 async def test_the_og_engine_still_serves_when_chosen() -> None:
-    from services.edge_worker.engine import OgEngine
+    from services.edge_worker.og_engine import OgEngine
     from tests.worker_helpers import generate
 
     settings = load_settings(EdgeWorkerSettings, port=0, threads=1, engine="og", worker_id="edge-og", warmup=False)

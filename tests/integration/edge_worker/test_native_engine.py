@@ -18,14 +18,14 @@ import onnxruntime as ort
 import pytest
 
 from services.common.model_paths import model_paths
-from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.graph import edited_graph, load_session
 from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.native.attention_graph import OP as ATTENTION_OP
 from services.edge_worker.native.attention_graph import use_attention_op
 from services.edge_worker.native.graph import DOMAIN, OP
 from services.edge_worker.native.kernel import unavailable_reason
-from tests.integration.edge_worker.test_batched_engine import PROMPTS, chat, generate, together
+from services.edge_worker.ort_engine import OrtEngine
+from tests.integration.edge_worker.test_ort_engine import PROMPTS, chat, generate, together
 
 pytestmark = [
     pytest.mark.integration,
@@ -34,9 +34,9 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[BatchedEngine]:
-    # two threads: the op's helper thread shares the columns; small KV capacity and chunks as in test_batched_engine
-    engine = BatchedEngine(
+def engine() -> Iterator[OrtEngine]:
+    # two threads: the op's helper thread shares the columns; small KV capacity and chunks as in test_ort_engine
+    engine = OrtEngine(
         model_paths().edge_dir,
         model_id="t",
         threads=2,
@@ -50,7 +50,7 @@ def engine() -> Iterator[BatchedEngine]:
 
 
 def test_a_lone_sequence_decodes_in_one_row_with_the_tokens_it_gets_in_any_batch(
-    engine: BatchedEngine, monkeypatch: pytest.MonkeyPatch
+    engine: OrtEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     assert engine.min_rows == 1 and "rows>=1" in engine.info.build and "int4=native" in engine.info.build
     prompts = [chat(engine, p) for p in PROMPTS]
@@ -72,10 +72,10 @@ def test_a_lone_sequence_decodes_in_one_row_with_the_tokens_it_gets_in_any_batch
     assert engine.rows - rows_before > engine.steps - steps_before  # some decode calls had several rows
 
 
-def test_threads_that_spin_a_bounded_time_give_the_same_tokens(engine: BatchedEngine) -> None:
+def test_threads_that_spin_a_bounded_time_give_the_same_tokens(engine: OrtEngine) -> None:
     """The worker's default (``INTRA_OP_SPINNING=true``, ``INTRA_OP_SPIN_US=200``) against the fixture's
     sleeping threads: the same kernels, so the same greedy tokens alone and batched."""
-    spinning = BatchedEngine(
+    spinning = OrtEngine(
         model_paths().edge_dir, model_id="t", threads=2, max_batch=4, int4_kernel="native", spinning=True, spin_us=200
     )
     try:
@@ -133,7 +133,7 @@ def test_every_matmulnbits_but_the_head_runs_on_the_op() -> None:
     assert head.op_type != OP  # the int8 head (MatMulIntegerToFloat) stays as it is
 
 
-def test_native_logits_are_close_to_mlas(engine: BatchedEngine) -> None:
+def test_native_logits_are_close_to_mlas(engine: OrtEngine) -> None:
     path = model_paths().edge_dir / "model.onnx"
     sessions = {}
     for kernel in ("mlas", "native"):

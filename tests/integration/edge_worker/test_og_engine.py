@@ -12,7 +12,7 @@ from benchmarks.engine_stepper import EngineStepper
 from services.common.generation import FinishReason
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
-from services.edge_worker.engine import OgEngine
+from services.edge_worker.og_engine import OgEngine
 
 pytestmark = pytest.mark.integration
 PROMPTS = ["Name three colours.", "What is the sea?", "Tell me a short story about a cat."]

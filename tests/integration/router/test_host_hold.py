@@ -20,8 +20,8 @@ from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import MAX_MESSAGE_BYTES
 from services.common.settings import load_settings
-from services.edge_worker.batched import BatchedEngine
 from services.edge_worker.config import EdgeWorkerSettings
+from services.edge_worker.ort_engine import OrtEngine
 from services.edge_worker.startup import build_engine, start_edge_worker
 from services.router.config import RouterSettings
 from services.router.server import start_router_api
@@ -37,16 +37,16 @@ TOKEN = "host-hold-token"
 class Mesh:
     stub: inference_pb2_grpc.InferenceStub
     workers: list[RunningWorker]
-    engines: list[BatchedEngine]
+    engines: list[OrtEngine]
 
-    def engine_of(self, worker_id: str) -> BatchedEngine:
+    def engine_of(self, worker_id: str) -> OrtEngine:
         return next(e for w, e in zip(self.workers, self.engines, strict=True) if w.servicer.worker_id == worker_id)
 
 
 @pytest.fixture(scope="module")
 async def mesh(redis_srv: RedisServer) -> AsyncIterator[Mesh]:
     workers: list[RunningWorker] = []
-    engines: list[BatchedEngine] = []
+    engines: list[OrtEngine] = []
     for name in ("edge-hold-a", "edge-hold-b"):
         settings = load_settings(
             EdgeWorkerSettings,
@@ -59,7 +59,7 @@ async def mesh(redis_srv: RedisServer) -> AsyncIterator[Mesh]:
             background_max_hold_s=10.0,  # the most allowed: the bound stays out of the first test
         )
         engine = await asyncio.to_thread(build_engine, settings)
-        assert isinstance(engine, BatchedEngine)
+        assert isinstance(engine, OrtEngine)
         engines.append(engine)
         workers.append(await start_edge_worker(settings, engine))
     settings = load_settings(

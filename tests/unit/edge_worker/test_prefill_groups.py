@@ -1,4 +1,4 @@
-"""Which prefilling sequences share a model call (services/edge_worker/batched.py, ``prefill_groups``):
+"""Which prefilling sequences share a model call (services/edge_worker/ort_engine.py, ``prefill_groups``):
 first chunks of one length, at most ``max_tokens`` tokens per call, later chunks alone, order kept."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from services.edge_worker.batched import prefill_groups
+from services.edge_worker.ort_engine import prefill_groups
 
 CHUNK = 16
 

@@ -64,7 +64,7 @@ def test_report_counts_each_file_once_and_excludes_infrastructure() -> None:
     worker = rp.Recorded(
         {
             "services/common/tracing.py": ["b"],
-            "services/edge_worker/batched.py": ["e"],
+            "services/edge_worker/ort_engine.py": ["e"],
             "services/worker/settings.py": ["f"],
         }
     )
@@ -92,4 +92,4 @@ def test_report_counts_each_file_once_and_excludes_infrastructure() -> None:
     assert "Total files (both processes, each file once): 6" in text
     assert "Files excluding cross-cutting infrastructure: 3" in text
     assert "## gateway process: 4 files (2 excluding infrastructure)" in text
-    assert "- `services/edge_worker/`: batched.py" in text
+    assert "- `services/edge_worker/`: ort_engine.py" in text

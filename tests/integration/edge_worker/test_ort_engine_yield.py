@@ -14,18 +14,18 @@ import pytest
 from benchmarks.engine_stepper import EngineStepper, SequenceResult
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
-from services.edge_worker.batched import BatchedEngine
+from services.edge_worker.ort_engine import OrtEngine
 from services.worker.types import SequenceOutput
-from tests.integration.edge_worker.test_batched_engine import generate, ids_of
+from tests.integration.edge_worker.test_ort_engine import generate, ids_of
 
 pytestmark = pytest.mark.integration
 LONG_PROMPT = " ".join(f"item {i}," for i in range(60)) + " and that is the list."
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[BatchedEngine]:
+def engine() -> Iterator[OrtEngine]:
     # A small prefill chunk: the interactive prompt takes several steps to prefill.
-    engine = BatchedEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=4, prefill_chunk=16)
+    engine = OrtEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=4, prefill_chunk=16)
     yield engine
     engine.close()
 
@@ -43,7 +43,7 @@ def run_waiting(driver: EngineStepper) -> dict[int, SequenceResult]:
     raise AssertionError("sequences did not end")
 
 
-def test_background_rows_sit_out_every_step_of_an_interactive_prefill(engine: BatchedEngine) -> None:
+def test_background_rows_sit_out_every_step_of_an_interactive_prefill(engine: OrtEngine) -> None:
     background_prompt = ids_of(engine, "The sea was calm that morning, and the old fisherman")
     expected = generate(engine, background_prompt, 40)
     driver = EngineStepper(engine)
@@ -65,7 +65,7 @@ def test_background_rows_sit_out_every_step_of_an_interactive_prefill(engine: Ba
 
 
 def test_the_host_flag_holds_a_background_sequence_until_cleared_and_a_stop_frees_it_at_once(
-    engine: BatchedEngine,
+    engine: OrtEngine,
 ) -> None:
     engine.hold.max_hold_s = 60.0  # only the flag's end, or a stop, may end this hold
     woken: list[bool] = []
@@ -96,15 +96,15 @@ def test_the_host_flag_holds_a_background_sequence_until_cleared_and_a_stop_free
 
 
 @pytest.fixture(scope="module")
-def long_prefill_engine() -> Iterator[BatchedEngine]:
+def long_prefill_engine() -> Iterator[OrtEngine]:
     # One prefill call for a whole long prompt (hundreds of ms on one thread): long enough to stop part-way.
-    engine = BatchedEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=4, prefill_chunk=2048)
+    engine = OrtEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=4, prefill_chunk=2048)
     yield engine
     engine.close()
 
 
 @pytest.fixture(scope="module")
-def ledger(long_prefill_engine: BatchedEngine) -> tuple[list[int], list[int]]:
+def ledger(long_prefill_engine: OrtEngine) -> tuple[list[int], list[int]]:
     """A prompt of over 1,000 tokens and its 6 greedy tokens run alone (the reference of both arrivals)."""
     engine = long_prefill_engine
     prompt = ids_of(engine, " ".join(f"entry {i} of the ledger," for i in range(160)))
@@ -114,7 +114,7 @@ def ledger(long_prefill_engine: BatchedEngine) -> tuple[list[int], list[int]]:
 
 @pytest.mark.parametrize("arrival", ["host_flag", "foreground_add"])
 def test_a_background_call_running_when_foreground_work_arrives_is_stopped_and_run_again_whole(
-    long_prefill_engine: BatchedEngine, ledger: tuple[list[int], list[int]], arrival: str
+    long_prefill_engine: OrtEngine, ledger: tuple[list[int], list[int]], arrival: str
 ) -> None:
     engine = long_prefill_engine
     prompt, expected = ledger
@@ -148,7 +148,7 @@ def test_a_background_call_running_when_foreground_work_arrives_is_stopped_and_r
         assert len(results[fg].tokens) == 2
 
 
-def test_an_interrupt_before_a_step_of_batch_work_only_stops_that_step_at_once(engine: BatchedEngine) -> None:
+def test_an_interrupt_before_a_step_of_batch_work_only_stops_that_step_at_once(engine: OrtEngine) -> None:
     """The foreground add that comes with the interrupt may reach the loop after its next step began:
     that step (batch work only) stops before it computes anything, and runs again after the add."""
     prompt = ids_of(engine, "The sea was calm that morning, and the old fisherman")

@@ -10,10 +10,10 @@ from dataclasses import replace
 from benchmarks.engine_stepper import EngineStepper
 from services.common.constraints import check_constraint
 from services.common.sampling import SamplingParams
-from services.edge_worker.batched import BatchedEngine
-from tests.integration.edge_worker.test_batched_engine import PROMPTS, chat, engine, generate, together
+from services.edge_worker.ort_engine import OrtEngine
+from tests.integration.edge_worker.test_ort_engine import PROMPTS, chat, engine, generate, together
 
-__all__ = ["engine"]  # the module-scoped engine fixture of test_batched_engine
+__all__ = ["engine"]  # the module-scoped engine fixture of test_ort_engine
 
 DATE = SamplingParams(max_tokens=12, structured=check_constraint("regex", r"[0-9]{4}-[0-9]{2}-[0-9]{2}"))
 PERSON = SamplingParams(
@@ -32,7 +32,7 @@ PERSON = SamplingParams(
 )
 
 
-def test_the_output_matches_the_constraint_and_ends_with_eos(engine: BatchedEngine) -> None:
+def test_the_output_matches_the_constraint_and_ends_with_eos(engine: OrtEngine) -> None:
     ids = chat(engine, "When did the first person land on the moon?")
     date = generate(engine, ids, DATE.max_tokens, DATE)  # the sequence ends at its EOS
     assert date[-1] in engine.info.eos_token_ids
@@ -43,7 +43,7 @@ def test_the_output_matches_the_constraint_and_ends_with_eos(engine: BatchedEngi
     assert set(value) == {"name", "age"} and isinstance(value["age"], int)
 
 
-def test_a_constrained_row_decodes_the_same_alone_and_in_a_batch(engine: BatchedEngine) -> None:
+def test_a_constrained_row_decodes_the_same_alone_and_in_a_batch(engine: OrtEngine) -> None:
     prompts = [chat(engine, p) for p in PROMPTS]
     alone = generate(engine, prompts[1], 12, DATE)
     plain = [generate(engine, p, 12) for p in prompts]
@@ -55,7 +55,7 @@ def test_a_constrained_row_decodes_the_same_alone_and_in_a_batch(engine: Batched
     assert got[:1] + got[2:4] == plain[:1] + plain[2:]  # the mask never touches another row
 
 
-def test_a_resumed_constrained_stream_continues_like_the_undisturbed_run(engine: BatchedEngine) -> None:
+def test_a_resumed_constrained_stream_continues_like_the_undisturbed_run(engine: OrtEngine) -> None:
     """The replayed tokens advance the grammar: the rest is the undisturbed run's, still valid."""
     ids = chat(engine, "Describe a person as JSON.")
     undisturbed = generate(engine, ids, 12, replace(PERSON, max_tokens=12))

@@ -1,6 +1,7 @@
-"""Batched edge engine: every live sequence's decode step runs in one onnxruntime call.
+"""The onnxruntime edge engine (setting ``engine: batched``, the default): every live sequence's
+decode step runs in one onnxruntime call.
 
-Why not one ``og.Generator`` per sequence (:mod:`services.edge_worker.engine`): decode of a 135M INT4
+Why not one ``og.Generator`` per sequence (:mod:`services.edge_worker.og_engine`): decode of a 135M INT4
 model reads all weights for every token, and onnxruntime-genai holds the GIL during a step, so N
 sequences take turns and N streams give ~1x one stream's tokens/s. onnxruntime-genai's own batching
 ``og.Engine`` was measured slower than that up to 8 streams and ~1.2x at 16, with batched greedy
@@ -10,7 +11,7 @@ directly on onnxruntime (which releases the GIL): one decode call has one row pe
 by past and present (:mod:`services.edge_worker.kvslots`).
 
 The engine core contract (services/worker/types.py): the worker's engine loop thread adds and stops
-sequences between steps and calls :meth:`BatchedEngine.step` back to back; a step prefills new
+sequences between steps and calls :meth:`OrtEngine.step` back to back; a step prefills new
 prompts (chunked; new prompts whose first chunks have the same length share one call:
 ``prefill_groups``), then runs one decode call for all the rest, and returns every row's token.
 
@@ -100,7 +101,7 @@ def prefill_groups(
     return ordered
 
 
-class BatchedEngine(Engine):
+class OrtEngine(Engine):
     """The INT4 ONNX model of ``model_dir`` (as written by onnxruntime-genai's model builder), batched.
 
     ``max_batch``: rows of one decode call (and KV slots); the worker admits at most that many

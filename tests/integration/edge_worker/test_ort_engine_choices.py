@@ -14,30 +14,28 @@ from services.common.constraints import check_constraint
 from services.common.generation import FinishReason
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
-from services.edge_worker.batched import BatchedEngine
-from tests.integration.edge_worker.test_batched_engine import chat, generate
+from services.edge_worker.ort_engine import OrtEngine
+from tests.integration.edge_worker.test_ort_engine import chat, generate
 
 pytestmark = pytest.mark.integration
 DATE = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[BatchedEngine]:
-    engine = BatchedEngine(
-        model_paths().edge_dir, model_id="t", threads=1, max_batch=4, kv_capacity=16, prefill_chunk=16
-    )
+def engine() -> Iterator[OrtEngine]:
+    engine = OrtEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=4, kv_capacity=16, prefill_chunk=16)
     yield engine
     engine.close()
 
 
-def run_choices(engine: BatchedEngine, prompt: list[int], sampling: SamplingParams, n: int) -> list[SequenceResult]:
+def run_choices(engine: OrtEngine, prompt: list[int], sampling: SamplingParams, n: int) -> list[SequenceResult]:
     driver = EngineStepper(engine)
     seq_ids = driver.choices(prompt, sampling, n)
     results = driver.run(seq_ids)
     return [results[i] for i in seq_ids]
 
 
-def test_greedy_choices_share_one_prefill_and_equal_the_single_output(engine: BatchedEngine) -> None:
+def test_greedy_choices_share_one_prefill_and_equal_the_single_output(engine: OrtEngine) -> None:
     prompt = chat(engine, "Tell me a short story about a cat.")  # > 16 tokens: two prefill chunks
     single = generate(engine, prompt, 10)
     calls = engine.prefill_calls
@@ -50,7 +48,7 @@ def test_greedy_choices_share_one_prefill_and_equal_the_single_output(engine: Ba
     assert [c.prefill_tokens for c in choices] == [len(prompt), 0, 0]  # the forks computed nothing themselves
 
 
-def test_seeded_choices_are_reproducible_and_choice_i_samples_with_seed_plus_i(engine: BatchedEngine) -> None:
+def test_seeded_choices_are_reproducible_and_choice_i_samples_with_seed_plus_i(engine: OrtEngine) -> None:
     prompt = chat(engine, "Name three colours.")
     sampling = SamplingParams(max_tokens=8, temperature=1.0, seed=7, n=3)
     first = [c.tokens for c in run_choices(engine, prompt, sampling, 3)]
@@ -63,7 +61,7 @@ def test_seeded_choices_are_reproducible_and_choice_i_samples_with_seed_plus_i(e
 
 @pytest.mark.parametrize("after_steps", [0, 1])
 def test_stopping_the_first_choice_before_its_prefill_ended_cancels_the_others(
-    engine: BatchedEngine, after_steps: int
+    engine: OrtEngine, after_steps: int
 ) -> None:
     prompt = chat(engine, "Tell me a short story about a cat.")  # two chunks: still prefilling after one step
     before = engine.kv_usage().used_bytes
@@ -78,7 +76,7 @@ def test_stopping_the_first_choice_before_its_prefill_ended_cancels_the_others(
     assert generate(engine, chat(engine, "Count to five."), 3)  # the engine goes on
 
 
-def test_a_fork_with_no_free_slot_fails_alone(engine: BatchedEngine) -> None:
+def test_a_fork_with_no_free_slot_fails_alone(engine: OrtEngine) -> None:
     """Every slot held by a sequence of the step: the fork cannot be made; that choice fails with a
     clear error, the first choice and the others go on."""
     others = [chat(engine, p) for p in ("What is the sea?", "Count to five.", "Name three colours.")]
@@ -94,7 +92,7 @@ def test_a_fork_with_no_free_slot_fails_alone(engine: BatchedEngine) -> None:
     assert [results[i].tokens for i in running] == plain
 
 
-def test_more_forks_than_free_slots_wait_parked_and_still_equal_the_single_output(engine: BatchedEngine) -> None:
+def test_more_forks_than_free_slots_wait_parked_and_still_equal_the_single_output(engine: OrtEngine) -> None:
     """A sequence decoding beside four choices on four slots: a fork made when no slot is free parks
     one made before it in the same step (its KV copied out); the one left out waits in the engine for
     a slot, and every choice still gives the n = 1 tokens."""
@@ -113,7 +111,7 @@ def test_more_forks_than_free_slots_wait_parked_and_still_equal_the_single_outpu
     assert results[running].tokens == plain
 
 
-def test_sampled_choices_each_keep_their_own_grammar_and_logprobs(engine: BatchedEngine) -> None:
+def test_sampled_choices_each_keep_their_own_grammar_and_logprobs(engine: OrtEngine) -> None:
     """n with structured output and logprobs: every choice (forks included) is held to the regex by its
     own grammar state and reports one logprob entry per token it generated."""
     prompt = chat(engine, "What is today's date?")

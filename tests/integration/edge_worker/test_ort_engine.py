@@ -14,7 +14,7 @@ from benchmarks.engine_stepper import EngineStepper, SequenceResult
 from services.common.generation import FinishReason
 from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
-from services.edge_worker.batched import BatchedEngine
+from services.edge_worker.ort_engine import OrtEngine
 from services.edge_worker.spin import SessionChooser
 
 pytestmark = pytest.mark.integration
@@ -23,31 +23,29 @@ FOLLOW = "<|im_end|>\n<|im_start|>user\nAnd two animals?<|im_end|>\n"
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[BatchedEngine]:
+def engine() -> Iterator[OrtEngine]:
     # A small first KV capacity and prefill chunk, so growth and chunking run too.
-    engine = BatchedEngine(
-        model_paths().edge_dir, model_id="t", threads=1, max_batch=4, kv_capacity=16, prefill_chunk=16
-    )
+    engine = OrtEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=4, kv_capacity=16, prefill_chunk=16)
     yield engine
     engine.close()
 
 
-def chat(engine: BatchedEngine, text: str) -> list[int]:
+def chat(engine: OrtEngine, text: str) -> list[int]:
     ids = engine.tokenizer.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n").ids
     return list(ids)
 
 
-def ids_of(engine: BatchedEngine, text: str) -> list[int]:
+def ids_of(engine: OrtEngine, text: str) -> list[int]:
     return list(engine.tokenizer.encode(text).ids)
 
 
-def generate(engine: BatchedEngine, ids: list[int], n: int, sampling: SamplingParams | None = None) -> list[int]:
+def generate(engine: OrtEngine, ids: list[int], n: int, sampling: SamplingParams | None = None) -> list[int]:
     """One sequence alone, run to its end: at most ``n`` tokens (an EOS ends it and is the last)."""
     return EngineStepper(engine).generate(ids, sampling or SamplingParams(max_tokens=n))
 
 
 def together(
-    engine: BatchedEngine, runs: Sequence[tuple[list[int], int | SamplingParams]], **options: object
+    engine: OrtEngine, runs: Sequence[tuple[list[int], int | SamplingParams]], **options: object
 ) -> list[list[int]]:
     """The sequences added at once and stepped together until all ended; their tokens in order."""
     results = run_together(engine, runs, **options)
@@ -58,7 +56,7 @@ def together(
 
 
 def run_together(
-    engine: BatchedEngine, runs: Sequence[tuple[list[int], int | SamplingParams]], **options: object
+    engine: OrtEngine, runs: Sequence[tuple[list[int], int | SamplingParams]], **options: object
 ) -> list[SequenceResult]:
     driver = EngineStepper(engine)
     seq_ids = [
@@ -68,7 +66,7 @@ def run_together(
     return [results[i] for i in seq_ids]
 
 
-def test_greedy_tokens_do_not_depend_on_what_shares_the_batch(engine: BatchedEngine) -> None:
+def test_greedy_tokens_do_not_depend_on_what_shares_the_batch(engine: OrtEngine) -> None:
     prompts = [chat(engine, p) for p in PROMPTS]
     alone = [generate(engine, p, 12) for p in prompts]
     rows_before, steps_before = engine.rows, engine.steps
@@ -79,7 +77,7 @@ def test_greedy_tokens_do_not_depend_on_what_shares_the_batch(engine: BatchedEng
 
 
 def test_a_sequence_alone_gets_the_tokens_it_gets_among_fifteen_others() -> None:
-    engine = BatchedEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=16)
+    engine = OrtEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=16)
     try:
         texts = [*PROMPTS, *(f"Say something about the number {i}." for i in range(12))]
         prompts = [chat(engine, t) for t in texts]
@@ -97,7 +95,7 @@ def test_a_sequence_alone_gets_the_tokens_it_gets_among_fifteen_others() -> None
         engine.close()
 
 
-def test_new_prompts_of_one_length_share_a_prefill_call_and_decode_as_they_do_alone(engine: BatchedEngine) -> None:
+def test_new_prompts_of_one_length_share_a_prefill_call_and_decode_as_they_do_alone(engine: OrtEngine) -> None:
     prompts = [chat(engine, p)[:5] for p in PROMPTS]  # four different prompts of five tokens
     alone = [generate(engine, p, 8) for p in prompts]
     calls, rows = engine.prefill_calls, engine.prefill_rows
@@ -122,7 +120,7 @@ def prefill_metrics() -> tuple[float, float]:
     return calls, rows
 
 
-def test_first_token_equals_onnxruntime_genai(engine: BatchedEngine) -> None:
+def test_first_token_equals_onnxruntime_genai(engine: OrtEngine) -> None:
     model = og.Model(str(model_paths().edge_dir))
     for text in PROMPTS[:2]:
         ids = chat(engine, text)
@@ -134,7 +132,7 @@ def test_first_token_equals_onnxruntime_genai(engine: BatchedEngine) -> None:
         assert generate(engine, ids, 1) == [int(generator.get_next_tokens()[0])]
 
 
-def test_every_output_ends_with_its_finish_reason_and_reports_its_prefill(engine: BatchedEngine) -> None:
+def test_every_output_ends_with_its_finish_reason_and_reports_its_prefill(engine: OrtEngine) -> None:
     prompt = chat(engine, PROMPTS[0])
     driver = EngineStepper(engine)
     seq_id = driver.add(prompt, SamplingParams(max_tokens=3))
@@ -148,7 +146,7 @@ def test_every_output_ends_with_its_finish_reason_and_reports_its_prefill(engine
     assert result.finish == FinishReason.STOP and result.tokens[-1] in engine.info.eos_token_ids
 
 
-def test_replayed_tokens_continue_exactly_like_the_undisturbed_run(engine: BatchedEngine) -> None:
+def test_replayed_tokens_continue_exactly_like_the_undisturbed_run(engine: OrtEngine) -> None:
     prompt = chat(engine, PROMPTS[2])
     undisturbed = generate(engine, prompt, 14)
     assert len(undisturbed) == 14
@@ -160,7 +158,7 @@ def test_replayed_tokens_continue_exactly_like_the_undisturbed_run(engine: Batch
     assert result.tokens == undisturbed[5:]
 
 
-def test_chat_turn_reuses_its_kv_even_after_being_parked(engine: BatchedEngine) -> None:
+def test_chat_turn_reuses_its_kv_even_after_being_parked(engine: OrtEngine) -> None:
     prompt = chat(engine, PROMPTS[0])
     follow = ids_of(engine, FOLLOW)
 
@@ -184,7 +182,7 @@ def test_chat_turn_reuses_its_kv_even_after_being_parked(engine: BatchedEngine) 
     assert parked == kept
 
 
-def test_a_chat_turn_stopped_early_with_a_step_past_it_continues_like_a_fresh_sequence(engine: BatchedEngine) -> None:
+def test_a_chat_turn_stopped_early_with_a_step_past_it_continues_like_a_fresh_sequence(engine: OrtEngine) -> None:
     """A stop string found in step t stops the turn after step t+1 ran (the loop overlaps output
     processing with the next step): that step fed the turn's last token, so the next turn prefills
     only its new part, and continues as a fresh sequence over the whole context would."""
@@ -203,7 +201,7 @@ def test_a_chat_turn_stopped_early_with_a_step_past_it_continues_like_a_fresh_se
     assert result.tokens == generate(engine, context, 6)
 
 
-def test_seeded_sampling_gives_the_same_tokens_alone_and_batched(engine: BatchedEngine) -> None:
+def test_seeded_sampling_gives_the_same_tokens_alone_and_batched(engine: OrtEngine) -> None:
     prompt = chat(engine, PROMPTS[2])
     sampling = SamplingParams(max_tokens=10, temperature=0.9, top_p=0.9, top_k=40, seed=7)
     alone = generate(engine, prompt, 10, sampling)
@@ -212,7 +210,7 @@ def test_seeded_sampling_gives_the_same_tokens_alone_and_batched(engine: Batched
     assert generate(engine, prompt, 10, SamplingParams(max_tokens=10, temperature=0.9, seed=8)) != alone
 
 
-def test_a_stop_during_prefill_frees_the_slot_at_once_and_no_model_call_runs_for_it(engine: BatchedEngine) -> None:
+def test_a_stop_during_prefill_frees_the_slot_at_once_and_no_model_call_runs_for_it(engine: OrtEngine) -> None:
     long_prompt = chat(engine, " ".join(PROMPTS * 4))  # chunks of 16: many steps of prefill
     assert len(long_prompt) > 4 * engine.prefill_chunk
     before = engine.kv_usage().used_bytes
@@ -238,7 +236,7 @@ def test_a_stop_during_prefill_frees_the_slot_at_once_and_no_model_call_runs_for
 
 
 def test_the_lm_head_as_built_also_keeps_greedy_tokens_independent_of_the_batch() -> None:
-    engine = BatchedEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=4, lm_head="nbits")
+    engine = OrtEngine(model_paths().edge_dir, model_id="t", threads=1, max_batch=4, lm_head="nbits")
     try:
         prompts = [chat(engine, p) for p in PROMPTS]
         alone = [generate(engine, p, 10) for p in prompts]
@@ -248,10 +246,10 @@ def test_the_lm_head_as_built_also_keeps_greedy_tokens_independent_of_the_batch(
         engine.close()
 
 
-def test_adaptive_threading_switches_sessions_without_changing_a_token(engine: BatchedEngine) -> None:
+def test_adaptive_threading_switches_sessions_without_changing_a_token(engine: OrtEngine) -> None:
     prompts = [chat(engine, p) for p in PROMPTS[:3]]
     alone = [generate(engine, p, 12) for p in prompts]
-    adaptive = BatchedEngine(model_paths().edge_dir, model_id="t", threads=2, max_batch=4, adaptive_threading=True)
+    adaptive = OrtEngine(model_paths().edge_dir, model_id="t", threads=2, max_batch=4, adaptive_threading=True)
     try:
         # A chooser that moves between the three sessions (2 threads sleeping / spinning, 1 thread) all the time.
         adaptive.chooser = SessionChooser(3, probe_every=1, max_probe_every=1, probe_calls=1, window=1)
@@ -264,7 +262,7 @@ def test_adaptive_threading_switches_sessions_without_changing_a_token(engine: B
         adaptive.close()
 
 
-def test_logprobs_belong_to_each_token_alone_and_batched(engine: BatchedEngine) -> None:
+def test_logprobs_belong_to_each_token_alone_and_batched(engine: OrtEngine) -> None:
     sampling = SamplingParams(max_tokens=8, logprobs=True, top_logprobs=2)
     prompts = [chat(engine, p) for p in PROMPTS[:3]]
     driver = EngineStepper(engine)
@@ -284,7 +282,7 @@ PENALISED = SamplingParams(
 )
 
 
-def test_penalised_rows_are_batch_invariant_and_leave_the_other_rows_alone(engine: BatchedEngine) -> None:
+def test_penalised_rows_are_batch_invariant_and_leave_the_other_rows_alone(engine: OrtEngine) -> None:
     prompts = [chat(engine, p) for p in PROMPTS]
     plain = [generate(engine, p, 14) for p in prompts]
     penalised = generate(engine, prompts[1], 14, PENALISED)
@@ -295,7 +293,7 @@ def test_penalised_rows_are_batch_invariant_and_leave_the_other_rows_alone(engin
     assert together(engine, runs) == [plain[0], penalised, *plain[2:]]
 
 
-def test_a_resumed_penalised_stream_continues_like_the_undisturbed_run(engine: BatchedEngine) -> None:
+def test_a_resumed_penalised_stream_continues_like_the_undisturbed_run(engine: OrtEngine) -> None:
     """The replayed tokens count as generated: the penalties after the replay are the undisturbed run's."""
     prompt = chat(engine, PROMPTS[3])
     undisturbed = generate(engine, prompt, 14, PENALISED)
