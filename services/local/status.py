@@ -51,6 +51,8 @@ from rich.table import Table
 from rich.text import Text
 
 from services.common import metadata as md
+from services.common import model_state_pb
+from services.common.model_state import ModelState
 from services.common.pb.meshserve.internal.v1 import (
     cache_pb2,
     cache_pb2_grpc,
@@ -66,10 +68,10 @@ from services.local.state import read_state, state_path
 
 _TIERS = {inference_pb2.TIER_EDGE: "edge", inference_pb2.TIER_CLOUD: "cloud"}
 _MODEL_STATES = {
-    worker_pb2.MODEL_STATE_AWAKE: "awake",
-    worker_pb2.MODEL_STATE_ASLEEP: "asleep",
-    worker_pb2.MODEL_STATE_WAKING: "waking",
-    worker_pb2.MODEL_STATE_FALLING_ASLEEP: "falling asleep",
+    ModelState.AWAKE: "awake",
+    ModelState.ASLEEP: "asleep",
+    ModelState.WAKING: "waking",
+    ModelState.FALLING_ASLEEP: "falling asleep",
 }
 STOPPED = "stopped"
 """The model state of a worker process ``meshserve up`` stopped on purpose (its scaler, while idle)."""
@@ -176,7 +178,8 @@ async def _worker_stats(replica: ReplicaView, meta: tuple[tuple[str, str], ...])
     replica.max_active = stats.max_active_sequences
     replica.tokens_per_s = stats.recent_tokens_per_second
     replica.tokens_total = stats.tokens_generated_total
-    replica.model_state = _MODEL_STATES.get(stats.model_state, "?")
+    state = model_state_pb.from_pb(stats.model_state)
+    replica.model_state = "?" if state is None else _MODEL_STATES[state]
     replica.resident_bytes = stats.resident_bytes or None
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import math
 import time
 from collections.abc import Callable, Collection, Sequence
@@ -45,7 +44,9 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import metadata as md
+from services.common import model_state_pb
 from services.common.errors import MeshError, ResourceExhausted, Unavailable
+from services.common.model_state import ModelState
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.serving import grpc_options
 from services.common.status_errors import Upstream, from_rpc_error
@@ -58,27 +59,10 @@ MAX_REPORTED_BLOCKS = 4096
 ignored, so a peer's oversized report cannot make the router hold more than ~130 KiB per replica."""
 
 
-class ModelState(enum.Enum):
-    """Whether a worker holds its model in memory (``WorkerStats.model_state``): only an awake replica is
-    routed to; the others stay known and probed (services/router/wake.py wakes one for held requests)."""
-
-    AWAKE = "awake"
-    ASLEEP = "asleep"
-    WAKING = "waking"
-    FALLING_ASLEEP = "falling_asleep"
-
-
-_STATE_FROM_PB = {
-    worker_pb2.MODEL_STATE_AWAKE: ModelState.AWAKE,
-    worker_pb2.MODEL_STATE_ASLEEP: ModelState.ASLEEP,
-    worker_pb2.MODEL_STATE_WAKING: ModelState.WAKING,
-    worker_pb2.MODEL_STATE_FALLING_ASLEEP: ModelState.FALLING_ASLEEP,
-}
-
-
 def model_state(value: int) -> ModelState:
-    """The domain state of a pb ``ModelState`` (an unknown number: awake, as a worker before the field)."""
-    return _STATE_FROM_PB.get(value, ModelState.AWAKE)  # type: ignore[call-overload]
+    """The state of a pb ``ModelState`` (an unknown number: awake, as a worker before the field)."""
+    state = model_state_pb.from_pb(value)
+    return ModelState.AWAKE if state is None else state
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,10 @@ from collections.abc import Awaitable, Callable, Sequence
 import structlog
 
 from services.common.errors import MeshError, ResourceExhausted, Unavailable
+from services.common.model_state import ModelState
 from services.router.config import IdleSpec
 from services.router.metrics import HELD, HELD_TIMEOUTS, IDLE_SECONDS, MODEL_REPLICAS, WAKE_SECONDS, WAKES
-from services.router.registry import ModelState, Replica
+from services.router.registry import Replica
 
 log = structlog.get_logger(__name__)
 

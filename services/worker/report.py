@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import structlog
 
 from services.common.generation import GenerationRequest
+from services.common.model_state import ModelState
 from services.store.keys import kv_block_hashes
 from services.worker.runner import Runner
 from services.worker.sessions import HeldPrefix
@@ -52,8 +53,8 @@ class LoadReport:
     prefix_block_tokens: int
     hot_prefix_blocks: tuple[bytes, ...]
     model_version: str
-    model_state: int = 0
-    """:class:`~services.worker.sleep.ModelState` (0 awake, 1 asleep, 2 waking, 3 falling asleep)."""
+    model_state: ModelState = ModelState.AWAKE
+    """Where the model is (services/worker/sleep.py)."""
     resident_bytes: int = 0
     """The process's resident memory (0: not measured)."""
 
@@ -94,7 +95,7 @@ class LoadReporter:
         running = [t.request for t in runner.running]
         held = runner.sessions.held_prefixes()
         load = (admission.active, admission.queued, admission.max_active)
-        state = int(runner.model.state)
+        state = runner.model.state
         report = await asyncio.to_thread(self.build, running, held, load, runner.counters.snapshot())
         return replace(report, model_state=state)
 

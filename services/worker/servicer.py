@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from services.common import logprobs_pb, metrics, sampling_pb
+from services.common import logprobs_pb, metrics, model_state_pb, sampling_pb
 from services.common.errors import FailedPrecondition, InvalidArgument, MeshError, ResourceExhausted
 from services.common.generation import Final, FinishReason, GenerationRequest
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
@@ -122,7 +122,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prompt_tokens_total=snap.prompt_tokens_total,
             stream_port=self.stream_port,
             build=self.build(r.model_version),
-            model_state=r.model_state,  # type: ignore[arg-type]  # ModelState's numbers are the pb's
+            model_state=model_state_pb.to_pb(r.model_state),
             resident_bytes=r.resident_bytes,
         )
 
@@ -354,7 +354,7 @@ _QUEUED = worker_pb2.WorkerResponse(queued=True)
 
 def _state_reply(t: Transition) -> worker_pb2.ModelStateReply:
     return worker_pb2.ModelStateReply(
-        model_state=int(t.state),  # type: ignore[arg-type]  # ModelState's numbers are the pb's
+        model_state=model_state_pb.to_pb(t.state),
         seconds=t.seconds,
         resident_bytes=t.resident_bytes,
     )

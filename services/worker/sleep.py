@@ -1,6 +1,6 @@
 """Sleep and wake: the worker gives its model's memory back while idle and loads it again on demand.
 
-States (:class:`ModelState`, the numbers of ``meshserve.internal.v1.ModelState``): ``AWAKE`` ->
+States (:class:`~services.common.model_state.ModelState`): ``AWAKE`` ->
 ``FALLING_ASLEEP`` (the engine releases its model on the loop thread: :meth:`Engine.release_model`) ->
 ``ASLEEP`` -> ``WAKING`` (:meth:`Engine.restore_model`) -> ``AWAKE``. The process stays: imports, the
 tokenizer, the servicer and its connections to the routers.
@@ -40,13 +40,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Protocol
 
 import structlog
 from prometheus_client import Counter, Gauge, Histogram
 
 from services.common.errors import FailedPrecondition, MeshError, ResourceExhausted, Unavailable
+from services.common.model_state import ModelState
 from services.worker.loop import EngineLoop
 from services.worker.sessions import ChatSessions
 from services.worker.types import Engine
@@ -57,6 +57,8 @@ MODEL_STATE = Gauge(
     "meshserve_worker_model_state",
     "Where the worker's model is: 0 awake, 1 asleep (memory released), 2 waking (loading), 3 falling asleep.",
 )
+_GAUGED = {ModelState.AWAKE: 0, ModelState.ASLEEP: 1, ModelState.WAKING: 2, ModelState.FALLING_ASLEEP: 3}
+"""The gauge's value of each state (docs/metrics.md; the same numbers as the wire's)."""
 SLEEPS = Counter("meshserve_worker_sleeps_total", "Times the worker released its model (Worker.Sleep).")
 WAKES = Counter(
     "meshserve_worker_wakes_total",
@@ -71,15 +73,6 @@ WAKE_SECONDS = Histogram(
 RESIDENT = Gauge("meshserve_worker_resident_bytes", "The worker process's resident memory (RSS), in bytes.")
 for _outcome in ("ok", "abandoned", "failed", "no_memory"):
     WAKES.labels(_outcome)
-
-
-class ModelState(IntEnum):
-    """Where the model is (the numbers of ``meshserve.internal.v1.ModelState``)."""
-
-    AWAKE = 0
-    ASLEEP = 1
-    WAKING = 2
-    FALLING_ASLEEP = 3
 
 
 @dataclass(frozen=True)
@@ -372,7 +365,7 @@ class ModelSleep:
         if state is self.state:
             return
         self.state = state
-        MODEL_STATE.set(int(state))
+        MODEL_STATE.set(_GAUGED[state])
         for hook in list(self.on_change):
             try:
                 hook(state)

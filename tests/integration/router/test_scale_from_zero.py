@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from services.common.model_state import ModelState
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import RunningServer
@@ -25,7 +26,7 @@ from services.edge_worker.startup import start_edge_worker
 from services.router.config import RouterSettings
 from services.router.core import Router
 from services.router.metrics import HELD, WAKES
-from services.router.registry import ModelState, Replica
+from services.router.registry import Replica
 from services.router.server import start_router
 from services.router.wake import Waker
 from services.worker.app import RunningWorker

@@ -167,7 +167,7 @@ def test_max_replicas_is_at_least_one() -> None:
 
 
 def test_a_report_carries_the_model_state_and_only_awake_replicas_are_routed_to() -> None:
-    from services.router.registry import ModelState
+    from services.common.model_state import ModelState
 
     stats = worker_pb2.WorkerStats(model_state=worker_pb2.MODEL_STATE_ASLEEP, resident_bytes=123)
     report = WorkerReport.from_pb(stats)

@@ -14,9 +14,10 @@ import pytest
 
 from services.common.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from services.common.generation import FinishReason, GenerationEvent, GenerationRequest
+from services.common.model_state import ModelState
 from services.common.sampling import SamplingParams
 from services.worker.runner import Runner
-from services.worker.sleep import WAKES, HostMemory, ModelState
+from services.worker.sleep import WAKES, HostMemory
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine, SleepyEngine
 
 PROMPT = tuple(TOKENIZER.encode("hi"))
