@@ -10,7 +10,7 @@ nothing imported:
   settings, logging) importing a module of any other package of services/.
 - **environment reads**: a named variable read from the environment (``os.environ.get("X")``,
   ``os.environ["X"]``, ``"X" in os.environ``, ``os.getenv("X")``) outside the settings module
-  (``services.common.settings``), where every setting is parsed, typed and documented. Copying the
+  (``services.common.config``), where every setting is parsed, typed and documented. Copying the
   whole environment for a child process (``dict(os.environ)``) reads no setting and is not reported.
 
 An edge goes to the module an import names: ``from services.a import b`` names ``services.a.b`` when
@@ -35,7 +35,7 @@ from pathlib import Path
 
 PACKAGE = "services"
 GROUND_FLOOR = "services.common"
-SETTINGS_MODULES = frozenset({"services.common.settings"})
+SETTINGS_MODULES = frozenset({"services.common.config"})
 """Where named environment variables may be read."""
 GENERATED = ("services/common/pb",)
 

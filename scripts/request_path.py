@@ -55,8 +55,7 @@ INFRASTRUCTURE_NAMES = frozenset(
         "tracing_interceptor.py",
         "interceptors.py",
         "errors.py",
-        "settings.py",
-        "config.py",  # a service's settings class
+        "config.py",  # a package's settings
     }
 )
 """Cross-cutting infrastructure, by file name in any package (plus everything under services/common/pb/)."""

@@ -21,7 +21,7 @@ _DELEGATED = {
     "status": ("services.local.status", "main"),
     "serve": ("services.local.launch", "serve_main"),
     "health": ("services.local.launch", "health_main"),
-    "frontdoor": ("services.controlplane.serve", "main"),
+    "frontdoor": ("services.controlplane.server", "main"),
     "batch": ("services.batch.cli", "main"),
 }
 
@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
         commands.add_parser("distill", help="distill the cloud model into a smaller student and export it to INT4")
     )
 
-    from services.common.settings import DEFAULT_ADDRESS, ClientSettings
+    from services.common.config import DEFAULT_ADDRESS, ClientSettings
 
     env = ClientSettings()
     chat = commands.add_parser("chat", help="stream an answer through the gateway")

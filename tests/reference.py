@@ -36,10 +36,10 @@ def _strip_eos(tokens: list[int]) -> list[int]:
 def edge_engine() -> Any:
     """The batched engine with the int4 kernel an edge worker runs here (``auto``: native where it builds
     and runs, else MLAS: their greedy tokens differ at near-ties, so the reference must use the same)."""
-    from services.common.settings import load_settings
+    from services.common.config import load_settings
     from services.edge_worker.config import EdgeWorkerSettings
     from services.edge_worker.ort_engine import OrtEngine
-    from services.edge_worker.startup import int4_kernel
+    from services.edge_worker.server import int4_kernel
 
     kernel = int4_kernel(load_settings(EdgeWorkerSettings))
     return OrtEngine(model_paths().edge_dir, model_id="reference", threads=1, max_batch=2, int4_kernel=kernel)

@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.generation import Final, FinishReason, GenerationEvent
 from services.common.logprobs import TokenLogprob
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
 
 META = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN), ("x-request-id", "test"))
 

@@ -233,8 +233,8 @@ async def _exact_hits(address: str, kind: str, request: object, requests: int) -
     """The same greedy request ``requests`` + 10 times through ``address`` (gateway or router): TTFT of the hits."""
     import grpc
 
+    from services.common.config import DEFAULT_INTERNAL_TOKEN
     from services.common.pb.meshserve.v1 import inference_pb2_grpc
-    from services.common.settings import DEFAULT_INTERNAL_TOKEN
     from services.local.mesh import DEV_API_KEY
 
     metadata = {

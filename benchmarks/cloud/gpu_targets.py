@@ -314,9 +314,9 @@ async def _grpc_rows(port: int, vocab: int, args: argparse.Namespace) -> dict[st
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from services.common.config import DEFAULT_INTERNAL_TOKEN
     from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
     from services.common.pb.meshserve.v1 import inference_pb2
-    from services.common.settings import DEFAULT_INTERNAL_TOKEN
 
     meta = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN), ("x-request-id", "bench"))
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

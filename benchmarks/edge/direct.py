@@ -38,7 +38,7 @@ def load_engine(kind: str, model_dir: Path, threads: int, max_batch: int) -> Eng
     unknown = set(variants) - {"1row", "nbitshead", "spin", "adaptive", "native"}
     if base != "batched" or unknown:
         raise ValueError(f"unknown engine kind {kind!r}")
-    from services.common.settings import load_settings
+    from services.common.config import load_settings
     from services.edge_worker.config import EdgeWorkerSettings
 
     worker = load_settings(EdgeWorkerSettings)  # the worker's spinning (its environment's), as in the mesh

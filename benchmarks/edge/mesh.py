@@ -152,10 +152,10 @@ def ortgenai_round(model: Any, prompt: list[int], max_tokens: int) -> dict[str, 
 
 def worker_int4_kernel() -> str:
     """The int4 kernel the mesh's edge worker runs: its setting (the worker inherits this environment),
-    resolved by the worker's own rule (:func:`services.edge_worker.startup.int4_kernel`)."""
-    from services.common.settings import load_settings
+    resolved by the worker's own rule (:func:`services.edge_worker.server.int4_kernel`)."""
+    from services.common.config import load_settings
     from services.edge_worker.config import EdgeWorkerSettings
-    from services.edge_worker.startup import int4_kernel
+    from services.edge_worker.server import int4_kernel
 
     return int4_kernel(load_settings(EdgeWorkerSettings))
 

@@ -32,9 +32,9 @@ from services.common.pb.meshserve.v1 import inference_pb2
 
 if TYPE_CHECKING:
     import tokenizers
-from services.common.settings import DEFAULT_INTERNAL_TOKEN, load_settings
+from services.common.config import DEFAULT_INTERNAL_TOKEN, load_settings
 from services.edge_worker.config import EdgeWorkerSettings
-from services.edge_worker.startup import start_edge_worker
+from services.edge_worker.server import start_edge_worker
 
 TARGET = 1.5
 META = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN), ("x-request-id", "bench-n"))

@@ -27,8 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
+from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
 
 _META = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),)
 

@@ -40,10 +40,10 @@ import grpc
 from benchmarks import earlier_runs
 from benchmarks.mesh.run import _direct, _encode
 from benchmarks.stats import percentile, time_stream
+from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.controlplane.envoy import envoy_binary
 from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
 from services.local.processes import free_port

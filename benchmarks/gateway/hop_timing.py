@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from benchmarks.gateway.hops_pairs import Probe
+from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.pb.meshserve.internal.v1 import worker_pb2
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
 
 PROMPT = "Write a short poem about the sea and the ships that sail on it."
 INTERNAL = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN), ("x-meshserve-tenant", "bench"))

@@ -25,8 +25,8 @@ from pydantic_settings import SettingsConfigDict
 from services.common.generation import FinishReason
 from services.common.model_paths import model_paths
 from services.common.tokenizer import Tokenizer
-from services.worker.app import run_worker_process
-from services.worker.settings import WorkerSettings
+from services.worker.config import WorkerSettings
+from services.worker.server import run_worker_process
 from services.worker.types import Engine, EngineCapabilities, EngineInfo, NewSequence, SequenceOutput
 
 # Ordinary word-piece ids of SmolLM2's vocabulary (ASCII words), cycled through deterministically.

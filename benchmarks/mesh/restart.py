@@ -112,8 +112,8 @@ async def _kill_and_time(mesh: Mesh, name: str, workers: int) -> dict[str, float
 
 
 async def _busiest_edge(mesh: Mesh) -> str:
+    from services.common.config import DEFAULT_INTERNAL_TOKEN
     from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
-    from services.common.settings import DEFAULT_INTERNAL_TOKEN
 
     loads: dict[str, int] = {}
     for worker in mesh.workers("edge"):

@@ -31,12 +31,12 @@ import grpc
 
 from benchmarks.router.sim import SimConfig, simulate
 from benchmarks.stats import percentile
+from services.common.config import ServiceSettings, load_settings
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import MAX_MESSAGE_BYTES, start_server
-from services.common.settings import ServiceSettings, load_settings
 from services.common.tokenizer import Tokenizer
 from services.router.config import RouterSettings
 from services.router.policy import Candidate, ReplicaSelector, RoundRobin, TierName, block_hashes, choose_tier

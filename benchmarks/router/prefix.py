@@ -43,11 +43,11 @@ import grpc
 
 from benchmarks import earlier_runs
 from benchmarks.stats import percentile, time_stream
+from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.common.tokenizer import Tokenizer
 from services.local.mesh import Mesh, MeshConfig
 

@@ -20,8 +20,8 @@ from pydantic_settings import SettingsConfigDict
 from runtime_side import LockstepEngine, _tokenizer
 
 from services.common.model_paths import model_paths
-from services.worker.app import run_worker_process
-from services.worker.settings import WorkerSettings
+from services.worker.config import WorkerSettings
+from services.worker.server import run_worker_process
 
 
 class LockstepWorkerSettings(WorkerSettings):

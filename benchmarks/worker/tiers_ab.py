@@ -53,9 +53,9 @@ NEW_VS_OLD = 1.0  # issue 37: no regression
 EDGE_WORKER = ["-P", "-m", "services.edge_worker"]
 CLOUD_WORKER = ["-P", "-m", "services.gpu_worker"]
 KERNEL_PROBE = (
-    "from services.common.settings import load_settings\n"
+    "from services.common.config import load_settings\n"
     "from services.edge_worker.config import EdgeWorkerSettings\n"
-    "from services.edge_worker.startup import int4_kernel\n"
+    "from services.edge_worker.server import int4_kernel\n"
     "print('int4_kernel=' + int4_kernel(load_settings(EdgeWorkerSettings)))\n"
 )
 
@@ -104,7 +104,7 @@ def cloud_worker_settings(side: str, max_active: int) -> dict[str, str]:
 
 def resolved_int4_kernel(tree: Path, settings: dict[str, str]) -> str:
     """The int4 kernel ``tree``'s edge worker runs with ``settings``: ``auto`` resolved by that tree's own
-    rule (services/edge_worker/startup.py's ``int4_kernel``), in a process of that tree."""
+    rule (services/edge_worker/server.py's ``int4_kernel``), in a process of that tree."""
     env = {**os.environ, **settings, "PYTHONPATH": str(tree)}
     done = subprocess.run(
         [sys.executable, "-P", "-c", KERNEL_PROBE], env=env, capture_output=True, text=True, timeout=600, check=False

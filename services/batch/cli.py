@@ -19,9 +19,9 @@ from pathlib import Path
 import grpc
 from tqdm import tqdm
 
+from services.common.config import DEFAULT_ADDRESS, ClientSettings
 from services.common.pb.meshserve.v1 import batch_pb2 as pb
 from services.common.pb.meshserve.v1 import batch_pb2_grpc
-from services.common.settings import DEFAULT_ADDRESS, ClientSettings
 from services.local.state import recorded
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")

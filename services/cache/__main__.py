@@ -7,9 +7,9 @@ import sys
 
 from services.cache.config import CacheSettings
 from services.cache.server import start_cache_service
+from services.common.config import load_settings
 from services.common.errors import ConfigError
 from services.common.logging import configure_logging
-from services.common.settings import load_settings
 
 
 async def _main() -> None:

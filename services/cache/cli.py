@@ -19,8 +19,8 @@ from google.protobuf.json_format import MessageToDict
 
 from services.cache import kv_rpc, where
 from services.common import metadata as md
+from services.common.config import ClientSettings
 from services.common.pb.meshserve.internal.v1 import cache_pb2, cache_pb2_grpc
-from services.common.settings import ClientSettings
 from services.local.state import recorded
 
 _KINDS = {

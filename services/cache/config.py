@@ -11,7 +11,7 @@ from typing import ClassVar
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from services.common.settings import ServiceSettings
+from services.common.config import ServiceSettings
 from services.store.connection import check_redis_url
 
 

@@ -16,9 +16,9 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from services.common import metadata as md
+from services.common.config import ClientSettings
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2, router_admin_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
-from services.common.settings import ClientSettings
 from services.local.state import recorded
 
 _TIERS = {"auto": inference_pb2.TIER_AUTO, "edge": inference_pb2.TIER_EDGE, "cloud": inference_pb2.TIER_CLOUD}

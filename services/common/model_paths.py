@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.settings import default_models_dir
+from services.common.config import default_models_dir
 
 DEFAULT_MODEL_ID = "smollm2-135m-instruct"
 

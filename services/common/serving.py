@@ -23,12 +23,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import tracing
+from services.common.config import ServiceSettings
 from services.common.errors import ConfigError
 from services.common.grpc_compat import patch_grpc_aio
 from services.common.interceptors import ErrorInterceptor, InternalAuthInterceptor
 from services.common.logging import quiet_grpc_decode_errors
 from services.common.metrics import start_metrics_server
-from services.common.settings import ServiceSettings
 
 log = structlog.get_logger(__name__)
 

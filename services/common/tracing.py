@@ -62,7 +62,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from services.common import metadata as md
-from services.common.settings import YamlSettings, load_settings
+from services.common.config import YamlSettings, load_settings
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan, TracerProvider

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from services.edge_worker.config import EdgeWorkerSettings
-from services.edge_worker.startup import TIER, build_engine
-from services.worker.app import run_worker_process
+from services.edge_worker.server import TIER, build_engine
+from services.worker.server import run_worker_process
 
 
 def main() -> None:

@@ -8,10 +8,10 @@ from typing import ClassVar, Literal
 from pydantic import Field, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.common.config import default_load_cache_dir
 from services.common.errors import ConfigError
 from services.common.model_paths import model_paths
-from services.common.settings import default_load_cache_dir
-from services.worker.settings import WorkerSettings
+from services.worker.config import WorkerSettings
 
 
 class EdgeWorkerSettings(WorkerSettings):

@@ -7,8 +7,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.common.config import StreamingSettings
 from services.common.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from services.common.settings import StreamingSettings
 from services.gateway.auth import parse_api_keys
 from services.gateway.policy import PolicyBook, TenantPolicy
 from services.store.connection import check_redis_url

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from redis.exceptions import RedisError
 
-from services.common.settings import ClientSettings
+from services.common.config import ClientSettings
 from services.gateway.keystore import KeyRecord, KeyStore
 from services.gateway.policy import POLICY_FIELDS
 from services.local.state import recorded

@@ -6,9 +6,9 @@ Under torchrun (``WORLD_SIZE`` > 1) rank 0 serves and the other ranks follow its
 from __future__ import annotations
 
 from services.gpu_worker.config import GpuWorkerSettings
-from services.gpu_worker.startup import TIER, build_engine
+from services.gpu_worker.server import TIER, build_engine
 from services.gpu_worker.tp import RankEnv, follower_main
-from services.worker.app import run_worker_process
+from services.worker.server import run_worker_process
 
 
 def main() -> None:

@@ -52,9 +52,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from services.common.config import load_settings
 from services.common.errors import ConfigError
 from services.common.logging import configure_logging
-from services.common.settings import load_settings
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import resolve_device, resolve_dtype
 from services.gpu_worker.model import KVCache, LlamaModel, Shard

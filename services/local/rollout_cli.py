@@ -19,9 +19,9 @@ import sys
 import grpc
 
 from services.common import metadata as md
+from services.common.config import ClientSettings
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2, router_admin_pb2_grpc
-from services.common.settings import ClientSettings
 from services.local.state import read_state, state_path
 from services.router.rollout import parse_weights
 

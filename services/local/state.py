@@ -14,7 +14,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from services.common.settings import ClientSettings
+from services.common.config import ClientSettings
 
 
 def state_path() -> Path:

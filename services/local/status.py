@@ -52,6 +52,7 @@ from rich.text import Text
 
 from services.common import metadata as md
 from services.common import model_state_pb
+from services.common.config import DEFAULT_INTERNAL_TOKEN, ClientSettings
 from services.common.model_state import ModelState
 from services.common.pb.meshserve.internal.v1 import (
     cache_pb2,
@@ -62,7 +63,6 @@ from services.common.pb.meshserve.internal.v1 import (
     worker_pb2_grpc,
 )
 from services.common.pb.meshserve.v1 import inference_pb2
-from services.common.settings import DEFAULT_INTERNAL_TOKEN, ClientSettings
 from services.local.rollout_cli import describe
 from services.local.state import read_state, state_path
 

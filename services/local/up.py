@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 from redis.exceptions import RedisError
 
-from services.common.settings import ClientSettings
+from services.common.config import ClientSettings
 from services.local.mesh import DEFAULT_MODELS_FILE, DEV_API_KEY, Mesh, MeshConfig
 from services.local.processes import LogSink, stdout_sink
 

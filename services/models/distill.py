@@ -350,8 +350,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``meshserve distill``."""
+    from services.common.config import default_models_dir
     from services.common.model_paths import model_paths
-    from services.common.settings import default_models_dir
     from services.models import quantize, teacher_text
 
     models_dir = args.models_dir or default_models_dir()

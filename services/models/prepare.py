@@ -37,8 +37,8 @@ from typing import Any, BinaryIO
 
 from tqdm import tqdm
 
+from services.common.config import default_models_dir
 from services.common.model_paths import ModelPaths, model_paths
-from services.common.settings import default_models_dir
 from services.models import biascorrect
 from services.models.quantize import Int4Options
 from services.models.sources import (

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import sys
 
+from services.common.config import load_settings
 from services.common.errors import ConfigError
 from services.common.logging import configure_logging
-from services.common.settings import load_settings
 from services.router.config import RouterSettings
 from services.router.server import start_router
 

@@ -9,10 +9,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import NoDecode, SettingsConfigDict
 
+from services.common.config import StreamingSettings, default_models_dir
 from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults, read_generation_config
 from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
 from services.common.sampling import DEFAULT_MAX_TOKENS
-from services.common.settings import StreamingSettings, default_models_dir
 from services.store.connection import check_redis_url
 
 WorkerList = Annotated[list[str], NoDecode]

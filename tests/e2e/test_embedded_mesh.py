@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2, router_admin_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.local.mesh import Mesh, MeshConfig
 from tests.e2e.conftest import auth
 from tests.helpers import RedisServer

@@ -13,8 +13,8 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
+from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.pb.meshserve.internal.v1 import worker_pb2
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.controlplane.frontdoor import FrontDoor
 from services.local.mesh import Mesh
 from tests.e2e.conftest import API_KEY, worker_stub

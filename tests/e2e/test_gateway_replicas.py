@@ -15,12 +15,12 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2 as admin_pb
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.controlplane.xds import GRPC_CLUSTER
 from services.local.mesh import Mesh, MeshConfig
 from tests.e2e.conftest import auth

@@ -27,8 +27,8 @@ from google.protobuf.message import Message
 from hypothesis import given
 from hypothesis import strategies as st
 
+from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.pb.meshserve.internal.v1 import cache_pb2, registry_pb2, router_admin_pb2, worker_pb2
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.local.mesh import Mesh
 from tests.fuzz.conftest import examples, record
 from tests.fuzz.strategies import message

@@ -108,7 +108,7 @@ def test_named_environment_reads_are_found_and_copies_of_the_environment_are_not
                 "import os\nenv = dict(os.environ)\nenv2 = {**os.environ, 'X': '1'}\nos.environ['Y'] = '2'\n"
             ),
             "services/common/__init__.py": "",
-            "services/common/settings.py": "import os\nmodels = os.environ.get('MESHSERVE_MODELS_DIR')\n",
+            "services/common/config.py": "import os\nmodels = os.environ.get('MESHSERVE_MODELS_DIR')\n",
         },
     )
     assert [str(f) for f in ig.env_reads(root)] == [
@@ -152,4 +152,4 @@ def test_the_ground_floor_imports_nothing_above_it(graph: dict[str, list[object]
 
 def test_no_module_outside_the_settings_module_reads_a_named_environment_variable() -> None:
     reads = [str(f) for f in ig.env_reads(ROOT)]
-    assert reads == [], "read it through a settings class of services/common/settings.py (or a service's config)"
+    assert reads == [], "read it through a settings class of services/common/config.py (or a service's config)"

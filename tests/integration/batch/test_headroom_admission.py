@@ -18,13 +18,13 @@ from services.batch.capacity import Capacity, Headroom
 from services.batch.config import BatchSettings
 from services.batch.runner import Runner
 from services.common import metadata as md
+from services.common.config import load_settings
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2 as rpb
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.common.settings import load_settings
 from services.edge_worker.config import EdgeWorkerSettings
-from services.edge_worker.startup import start_edge_worker
+from services.edge_worker.server import start_edge_worker
 from services.router.config import RouterSettings
 from services.router.server import start_router_api
 from services.store.batches import BatchStore, parse_input

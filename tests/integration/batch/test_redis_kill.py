@@ -20,10 +20,10 @@ import redis.asyncio as aioredis
 from services.batch.capacity import Capacity
 from services.batch.config import BatchSettings
 from services.batch.runner import Runner
+from services.common.config import ServiceSettings
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import RunningServer, start_server
-from services.common.settings import ServiceSettings
 from services.gateway.servicer import SERVICE_NAME
 from services.local.mesh import STATE_REDIS, Mesh, MeshConfig
 from services.local.processes import ServiceProcess, wait_redis

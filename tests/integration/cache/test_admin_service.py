@@ -11,12 +11,12 @@ import pytest
 
 from services.cache.config import CacheSettings
 from services.cache.server import start_cache_service
+from services.common.config import load_settings
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import cache_pb2, cache_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.sampling import SamplingParams
-from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
 from services.router.config import RouterSettings
 from services.router.server import start_router

@@ -20,23 +20,23 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.cache.cli import main as cache_cli
+from services.common.config import load_settings
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2, router_admin_pb2_grpc, worker_pb2
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc as wpb_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.serving import RunningServer
-from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
-from services.gpu_worker.startup import start_gpu_worker
+from services.gpu_worker.server import start_gpu_worker
 from services.local.state import write_state
 from services.router.config import RouterSettings
 from services.router.server import start_router
 from services.store.connection import redis_from_url
 from services.store.guard import Guard
 from services.store.kv_blocks import KVBlockStore, KVContext
-from services.worker.app import RunningWorker
+from services.worker.server import RunningWorker
 from tests.helpers import RedisServer, free_port, redis_server
 from tests.worker_helpers import META, fold, wait_serving
 

@@ -8,8 +8,8 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.config import ServiceSettings
 from services.common.serving import start_server
-from services.common.settings import ServiceSettings
 
 
 async def _status(port: int) -> int:

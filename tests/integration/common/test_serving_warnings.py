@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from structlog.testing import capture_logs
 
+from services.common.config import ServiceSettings
 from services.common.serving import start_server
-from services.common.settings import ServiceSettings
 
 
 class _Exposed(ServiceSettings):

@@ -8,12 +8,12 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from services.common.config import load_settings
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
 from services.common.pb.meshserve.v1.inference_pb2 import FINISH_REASON_CANCELLED
-from services.common.settings import load_settings
 from services.edge_worker.config import EdgeWorkerSettings
-from services.edge_worker.startup import start_edge_worker
-from services.worker.app import RunningWorker
+from services.edge_worker.server import start_edge_worker
+from services.worker.server import RunningWorker
 from tests.worker_helpers import (
     CANCEL,
     Session,

@@ -16,11 +16,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.config import load_settings
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
-from services.common.settings import load_settings
 from services.edge_worker.config import EdgeWorkerSettings
-from services.edge_worker.startup import start_edge_worker
-from services.worker.app import RunningWorker
+from services.edge_worker.server import start_edge_worker
+from services.worker.server import RunningWorker
 from tests.worker_helpers import generate, stats, wait_serving
 
 pytestmark = pytest.mark.integration

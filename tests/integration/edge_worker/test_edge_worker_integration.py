@@ -9,13 +9,13 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from services.common.config import load_settings
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.sampling import SamplingParams
-from services.common.settings import load_settings
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.ort_engine import OrtEngine
-from services.edge_worker.startup import start_edge_worker
-from services.worker.app import RunningWorker
+from services.edge_worker.server import start_edge_worker
+from services.worker.server import RunningWorker
 from services.worker.types import Engine, NewSequence
 from tests.integration.worker_cases import WorkerCases, run_as_process
 from tests.worker_helpers import Session, stats, wait_serving

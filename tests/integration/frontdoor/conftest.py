@@ -13,15 +13,15 @@ from dataclasses import dataclass
 
 import pytest
 
+from services.common.config import ServiceSettings
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import RunningServer, start_server
-from services.common.settings import ServiceSettings
 from services.controlplane.frontdoor import FrontDoor
-from services.gateway.__main__ import serve
 from services.gateway.auth import hash_api_key
 from services.gateway.config import GatewaySettings
+from services.gateway.server import serve
 from services.gateway.servicer import SERVICE_NAME
 from tests.helpers import RedisServer
 

@@ -18,9 +18,9 @@ import pytest
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.serving import RunningServer
 from services.controlplane.frontdoor import FrontDoor
-from services.gateway.__main__ import serve
 from services.gateway.auth import hash_api_key
 from services.gateway.config import GatewaySettings
+from services.gateway.server import serve
 from tests.helpers import RedisServer
 from tests.integration.frontdoor.conftest import API_KEY, INTERNAL_TOKEN, MODEL, WORDS, FakeRouter, sink, start_router
 

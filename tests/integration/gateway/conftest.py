@@ -10,15 +10,15 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from services.common.config import ServiceSettings
 from services.common.errors import ResourceExhausted
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import RunningServer, start_server
-from services.common.settings import ServiceSettings
-from services.gateway.__main__ import serve, start_gateway
 from services.gateway.admission import Gate
 from services.gateway.auth import hash_api_key
 from services.gateway.config import GatewaySettings
+from services.gateway.server import serve, start_gateway
 from services.gateway.servicer import SERVICE_NAME
 from services.local.client import MeshClient, wait_for_health
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.local.client import MeshClient, sampling_params
 from services.local.mesh import DEV_API_KEY, api_key_hash
 from services.local.processes import ServiceProcess, free_port

@@ -12,8 +12,8 @@ from prometheus_client import REGISTRY
 
 from services.common import metadata as md
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.gateway.__main__ import serve
 from services.gateway.config import GatewaySettings
+from services.gateway.server import serve
 from services.local.client import MeshClient, auth_metadata
 from tests.helpers import free_port
 from tests.integration.gateway.conftest import (

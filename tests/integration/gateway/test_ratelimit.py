@@ -14,10 +14,10 @@ import redis
 from services.common import metadata as md
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.gateway.__main__ import redis_client
 from services.gateway.admission import Gate
 from services.gateway.policy import TenantPolicy
 from services.gateway.ratelimit import RateLimiter
+from services.gateway.server import redis_client
 from services.store.gateway_keys import rate_limit_keys
 from tests.helpers import redis_server
 from tests.integration.gateway.conftest import KEYS, StartFn

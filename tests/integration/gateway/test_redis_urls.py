@@ -20,7 +20,7 @@ from services.common import metadata as md
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.gateway import keys_cli
-from services.gateway.__main__ import redis_client
+from services.gateway.server import redis_client
 from services.store.gateway_keys import rate_limit_keys
 from tests.helpers import SENTINEL_MASTER, RedisServer, free_port, redis_cluster_node, redis_sentinel
 from tests.integration.gateway.conftest import KEYS, StartFn

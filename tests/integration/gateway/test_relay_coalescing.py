@@ -16,10 +16,10 @@ import grpc
 import pytest
 
 from benchmarks.gateway.relay import start_stack
+from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.common.tokenizer import Tokenizer
 from services.local.client import MeshClient, sampling_params
 from services.local.mesh import DEV_API_KEY

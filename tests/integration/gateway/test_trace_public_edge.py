@@ -14,13 +14,13 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, format_span_id, format_trace_id
 
 from services.common import tracing
+from services.common.config import ServiceSettings
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import start_server
-from services.common.settings import ServiceSettings
 from services.common.tracing import TracingSettings
-from services.gateway.__main__ import serve
-from services.gateway.http.__main__ import serve as serve_http
 from services.gateway.http.config import HttpAdapterSettings
+from services.gateway.http.server import serve as serve_http
+from services.gateway.server import serve
 from services.gateway.servicer import SERVICE_NAME
 from services.local.client import wait_for_health
 from tests.integration.gateway.conftest import INTERNAL_TOKEN, KEYS, FakeRouter, gateway_settings

@@ -13,14 +13,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from services.common.config import load_settings
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1.inference_pb2 import FINISH_REASON_CANCELLED
-from services.common.settings import load_settings
 from services.gpu_worker import embed
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
-from services.gpu_worker.startup import start_gpu_worker
-from services.worker.app import RunningWorker
+from services.gpu_worker.server import start_gpu_worker
+from services.worker.server import RunningWorker
 from tests.integration.gpu_worker.waits import wait_kv_freed
 from tests.integration.worker_cases import WorkerCases
 from tests.worker_helpers import (

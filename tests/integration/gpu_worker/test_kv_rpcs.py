@@ -14,17 +14,17 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.cache.admin import CacheAdmin, FlushFilter
+from services.common.config import load_settings
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
-from services.common.settings import load_settings
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
-from services.gpu_worker.startup import start_gpu_worker
+from services.gpu_worker.server import start_gpu_worker
 from services.store.connection import redis_from_url
 from services.store.guard import Guard
 from services.store.keys import Kind, kv_block_hashes
 from services.store.kv_blocks import KVBlockStore, KVContext
-from services.worker.app import RunningWorker
+from services.worker.server import RunningWorker
 from tests.helpers import RedisServer, redis_server
 from tests.worker_helpers import META, TurnResult, fold, wait_serving
 

@@ -13,16 +13,16 @@ import torch
 from prometheus_client import REGISTRY
 
 from benchmarks.engine_stepper import EngineStepper
+from services.common.config import load_settings
 from services.common.generation import FinishReason
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.v1.inference_pb2 import FINISH_REASON_CANCELLED
 from services.common.sampling import SamplingParams
-from services.common.settings import load_settings
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.model import LlamaModel
+from services.gpu_worker.server import start_gpu_worker
 from services.gpu_worker.speculative import OgDraft, SpeculativeDecoder, load_draft_model
-from services.gpu_worker.startup import start_gpu_worker
 from tests.integration.gpu_worker.greedy import greedy
 from tests.integration.gpu_worker.test_cloud_engine import STORY, engine
 from tests.integration.gpu_worker.test_cloud_engine import generate as alone

@@ -19,9 +19,9 @@ from redis.exceptions import OutOfMemoryError
 
 from services.common.pb.meshserve.v1 import batch_pb2 as bpb
 from services.common.pb.meshserve.v1 import batch_pb2_grpc
-from services.gateway.__main__ import start_gateway
 from services.gateway.config import GatewaySettings
 from services.gateway.keystore import KeyStore
+from services.gateway.server import start_gateway
 from services.local.mesh import STATE_REDIS, Mesh, MeshConfig
 from services.local.processes import wait_redis
 from services.store.responses import ResponseStore

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from services.common.config import ServiceSettings
 from services.common.errors import MeshError, Unavailable
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2
 from services.common.serving import MAX_MESSAGE_BYTES, RunningServer, start_server
-from services.common.settings import ServiceSettings
 from services.worker.mux import MuxCalls
 from services.worker.mux_tcp import StreamMuxServer
 

@@ -15,18 +15,18 @@ import grpc
 import pytest
 
 from services.common import metadata as md
+from services.common.config import load_settings
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import MAX_MESSAGE_BYTES
-from services.common.settings import load_settings
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.ort_engine import OrtEngine
-from services.edge_worker.startup import build_engine, start_edge_worker
+from services.edge_worker.server import build_engine, start_edge_worker
 from services.router.config import RouterSettings
 from services.router.server import start_router_api
 from services.router.stream_transport import StreamConnection
-from services.worker.app import RunningWorker
+from services.worker.server import RunningWorker
 from tests.helpers import RedisServer
 
 pytestmark = pytest.mark.integration

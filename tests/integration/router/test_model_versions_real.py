@@ -23,19 +23,19 @@ from dataclasses import replace
 
 import pytest
 
+from services.common.config import load_settings
 from services.common.errors import NotFound
 from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2 as admin_pb
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import SamplingParams
-from services.common.settings import load_settings
 from services.edge_worker.config import EdgeWorkerSettings
-from services.edge_worker.startup import start_edge_worker
+from services.edge_worker.server import start_edge_worker
 from services.router.api import RouterAPI
 from services.router.metrics import ROLLBACKS
 from services.router.rollout import RolloutPolicy
 from services.router.types import ChatMessage, ChatTurn, Done, Generation, Routing
-from services.worker.app import RunningWorker
+from services.worker.server import RunningWorker
 from tests.integration.router.harness import ADMIN_META as ADMIN
 from tests.integration.router.harness import HF_DIR, META, TOKEN, ModelsRouter, open_models_router
 

@@ -14,13 +14,13 @@ from contextlib import AsyncExitStack
 import grpc
 import pytest
 
+from services.common.config import load_settings
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import RunningServer
-from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
 from services.edge_worker.config import EdgeWorkerSettings
-from services.edge_worker.startup import start_edge_worker
+from services.edge_worker.server import start_edge_worker
 from services.router.config import RouterSettings
 from services.router.core import Router
 from services.router.server import start_router

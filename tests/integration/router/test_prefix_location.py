@@ -15,18 +15,18 @@ import grpc
 import pytest
 
 from services.cache.cli import main as cache_cli
+from services.common.config import load_settings
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2 as admin_pb
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import RunningServer
-from services.common.settings import load_settings
 from services.gpu_worker.config import GpuWorkerSettings
-from services.gpu_worker.startup import start_gpu_worker
+from services.gpu_worker.server import start_gpu_worker
 from services.router.config import RouterSettings
 from services.router.core import Router
 from services.router.server import start_router
-from services.worker.app import RunningWorker
+from services.worker.server import RunningWorker
 from tests.helpers import RedisServer
 from tests.integration.router.harness import wait_serving
 

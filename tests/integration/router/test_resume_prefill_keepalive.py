@@ -16,15 +16,15 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import pytest
 
+from services.common.config import load_settings
 from services.common.model_paths import DEFAULT_MODEL_ID
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
 from services.router.config import RouterSettings
 from services.router.server import start_router
-from services.worker.app import RunningWorker, start_worker
-from services.worker.settings import WorkerSettings
+from services.worker.config import WorkerSettings
+from services.worker.server import RunningWorker, start_worker
 from services.worker.types import EngineInfo, NewSequence, SequenceOutput
 from tests.integration.router.harness import META, TOKEN, wait_serving
 from tests.unit.worker.fakes import EOS, VOCAB, ByteTokenizer, FakeEngine

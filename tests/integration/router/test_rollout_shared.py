@@ -18,12 +18,12 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import REGISTRY
 
+from services.common.config import load_settings
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2 as admin_pb
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import SamplingParams
 from services.common.serving import RunningServer
-from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
 from services.router.api import RouterAPI
 from services.router.config import RouterSettings

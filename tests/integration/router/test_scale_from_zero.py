@@ -15,21 +15,21 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from services.common.config import load_settings
 from services.common.model_state import ModelState
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import RunningServer
-from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
 from services.edge_worker.config import EdgeWorkerSettings
-from services.edge_worker.startup import start_edge_worker
+from services.edge_worker.server import start_edge_worker
 from services.router.config import RouterSettings
 from services.router.core import Router
 from services.router.metrics import HELD, WAKES
 from services.router.registry import Replica
 from services.router.server import start_router
 from services.router.wake import Waker
-from services.worker.app import RunningWorker
+from services.worker.server import RunningWorker
 from tests.integration.router.harness import META, TOKEN, wait_serving
 
 pytestmark = pytest.mark.integration

@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from services.common.config import load_settings
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import MAX_MESSAGE_BYTES
-from services.common.settings import load_settings
 from services.common.tokenizer import Tokenizer
 from services.router.config import RouterSettings
 from services.router.server import start_router

@@ -225,13 +225,13 @@ def _fake_tree(root: Path, resolve: str) -> Path:
     for package in ("services", "services/common", "services/edge_worker"):
         (root / package).mkdir(parents=True, exist_ok=True)
         (root / package / "__init__.py").write_text("")
-    (root / "services/common/settings.py").write_text(
+    (root / "services/common/config.py").write_text(
         "import os\n\ndef load_settings(cls):\n    return cls(os.environ.get('MESHSERVE_EDGE_WORKER_THREADS'))\n"
     )
     (root / "services/edge_worker/config.py").write_text(
         "class EdgeWorkerSettings:\n    def __init__(self, threads):\n        self.threads = threads\n"
     )
-    (root / "services/edge_worker/startup.py").write_text(
+    (root / "services/edge_worker/server.py").write_text(
         f"def int4_kernel(settings):\n    print('a log line')\n    return {resolve}\n"
     )
     return root

@@ -12,9 +12,9 @@ import pytest
 
 from services.cache import kv_rpc
 from services.cache.cli import _parser, main
+from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2
-from services.common.settings import DEFAULT_INTERNAL_TOKEN
 from services.common.tokenizer import Tokenizer
 
 

@@ -12,8 +12,8 @@ from contextlib import aclosing
 import pytest
 
 from services.common.coalesce import FlushWindow, coalesced
+from services.common.config import StreamingSettings, load_settings
 from services.common.errors import ConfigError
-from services.common.settings import StreamingSettings, load_settings
 from tests.unit.common.frames import Frame, merge
 
 LONG = 10.0  # a window no test waits out: a frame that comes out at all was not held by it

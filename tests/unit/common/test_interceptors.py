@@ -8,10 +8,10 @@ import grpc
 import pytest
 
 from services.common import errors
+from services.common.config import ServiceSettings
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import RunningServer, start_server
-from services.common.settings import ServiceSettings
 
 ERRORS = {
     "invalid": (errors.InvalidArgument("prompt is empty; send a non-empty prompt"), grpc.StatusCode.INVALID_ARGUMENT),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.settings import default_load_cache_dir, load_settings
+from services.common.config import default_load_cache_dir, load_settings
 from services.edge_worker.config import EdgeWorkerSettings
 from services.gpu_worker.config import GpuWorkerSettings
 

@@ -11,13 +11,13 @@ import aiohttp
 import grpc
 from prometheus_client import REGISTRY
 
+from services.common.config import load_settings
 from services.common.metrics import track_load
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
-from services.common.settings import load_settings
 from services.router.policy import TierName
 from services.router.slo_queue import Admission as RouterAdmission
-from services.worker.app import start_worker
-from services.worker.settings import WorkerSettings
+from services.worker.config import WorkerSettings
+from services.worker.server import start_worker
 from services.worker.slots import Admission as WorkerAdmission
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine
 from tests.worker_helpers import generate, stats

@@ -18,9 +18,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import INVALID_SPAN
 
 from services.common import tracing
+from services.common.config import load_settings
 from services.common.errors import ConfigError
 from services.common.interceptors import outbound_metadata
-from services.common.settings import load_settings
 from services.common.tracing import TracingSettings
 
 T = TypeVar("T")
@@ -202,7 +202,7 @@ async def test_otlp_exporter_sends_spans_to_a_collector(collector: tuple[_Collec
 def test_bad_tracing_settings_stop_a_worker_with_exit_2_and_one_line() -> None:
     # A process of its own: the worker configures logging for the whole interpreter.
     script = (
-        "from services.worker.app import run_worker_process\n"
+        "from services.worker.server import run_worker_process\n"
         "from services.edge_worker.config import EdgeWorkerSettings\n"
         "from tests.unit.worker.fakes import FakeEngine\n"
         "run_worker_process(EdgeWorkerSettings, lambda settings: FakeEngine(), tier='edge')\n"

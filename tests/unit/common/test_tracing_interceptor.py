@@ -12,11 +12,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import Span
 
 from services.common import errors, tracing
+from services.common.config import ServiceSettings
 from services.common.interceptors import outbound_metadata
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import RunningServer, start_server
-from services.common.settings import ServiceSettings
 
 
 class Echo(inference_pb2_grpc.InferenceServicer):

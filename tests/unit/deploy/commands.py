@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services import cli
-from services.controlplane import serve as frontdoor
+from services.controlplane import server as frontdoor
 from services.local import launch
 
 # Delegated subcommands parse their own arguments; the rest parse with the top-level parser.

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 import yaml
 
-from services.common.settings import default_load_cache_dir
+from services.common.config import default_load_cache_dir
 from tests.unit.deploy import commands, compose_model, settings_check
 
 SCHEMA = json.loads((compose_model.DEPLOY / "schemas" / "compose-spec.json").read_text())
@@ -121,7 +121,7 @@ def test_every_setting_is_a_field_of_its_service() -> None:
 
 
 def test_the_versions_override_adds_a_pool_the_models_file_names(tmp_path: Any) -> None:
-    from services.common.settings import load_settings
+    from services.common.config import load_settings
     from services.router.config import RouterSettings
 
     doc = compose_model.load(compose_model.COMPOSE, compose_model.COMPOSE_VERSIONS)

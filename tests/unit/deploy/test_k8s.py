@@ -21,8 +21,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.common.config import ServiceSettings
 from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
-from services.common.settings import ServiceSettings
 from tests.unit.deploy import commands, exported_metrics, kustomize, settings_check
 
 K8S = Path(__file__).resolve().parents[3] / "deploy" / "k8s"
@@ -427,7 +427,7 @@ def test_kubernetes_sets_what_compose_and_up_set(built: list[dict[str, Any]]) ->
 
 
 def test_the_versions_overlay_adds_a_pool_its_models_file_names(tmp_path: Path) -> None:
-    from services.common.settings import load_settings
+    from services.common.config import load_settings
     from services.router.config import RouterSettings
 
     built = kustomize.build(K8S / "overlays" / "versions")
@@ -501,7 +501,7 @@ def test_workers_keep_their_load_cache_where_compose_does(
     """Each worker container mounts an emptyDir at its default load-cache directory (the image user's
     ~/.cache/meshserve/load-cache, as compose's load-cache volume): written by the uid-10001 user (the
     pod's fsGroup), kept across restarts of the container, so a restarted worker loads from it."""
-    from services.common.settings import default_load_cache_dir
+    from services.common.config import default_load_cache_dir
     from tests.unit.deploy import compose_model
 
     monkeypatch.setenv("HOME", "/home/meshserve")
@@ -601,7 +601,7 @@ def test_the_scale_from_zero_overlay_scales_each_worker_from_zero_on_the_held_ga
 def test_the_routers_of_the_scale_from_zero_overlay_hold_for_a_model_with_no_replica() -> None:
     """The gateways' routers: min_replicas 0 (a request for a model with no worker is held, not
     refused) and a wake deadline long enough for a pod's start; the other overlays keep one replica."""
-    from services.common.settings import load_settings
+    from services.common.config import load_settings
     from services.router.config import RouterSettings
 
     built, _ = _scaled_objects()

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from services.common.settings import DEFAULT_INTERNAL_TOKEN, ServiceSettings
+from services.common.config import DEFAULT_INTERNAL_TOKEN, ServiceSettings
 from services.controlplane.frontdoor import FrontDoor
 from services.local.mesh import DEFAULT_MODELS_FILE, STATE_REDIS
 from tests.unit.deploy import commands, compose_model

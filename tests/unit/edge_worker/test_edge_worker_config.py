@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
+from services.common.config import load_settings
 from services.common.errors import ConfigError
-from services.common.settings import load_settings
-from services.edge_worker import startup
+from services.edge_worker import server as startup
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.native import kernel as native_kernel
-from services.edge_worker.startup import build_engine
+from services.edge_worker.server import build_engine
 
 
 def test_env_vars_and_defaults(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

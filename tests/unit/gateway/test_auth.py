@@ -7,8 +7,8 @@ import hmac
 
 import pytest
 
+from services.common.config import load_settings
 from services.common.errors import ConfigError, Unauthenticated
-from services.common.settings import load_settings
 from services.gateway import auth
 from services.gateway.auth import ApiKeyAuthenticator, hash_api_key, parse_api_keys, presented_key
 from services.gateway.config import GatewaySettings

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from services.common.config import ServiceSettings, load_settings
 from services.common.errors import ConfigError
-from services.common.settings import ServiceSettings, load_settings
 from services.gateway.config import GatewaySettings
 from services.local.mesh import MeshConfig
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.config import load_settings
 from services.common.errors import ConfigError, InvalidArgument
-from services.common.settings import load_settings
 from services.gateway.config import GatewaySettings
 from services.gateway.policy import PolicyBook, TenantPolicy, allowed_priority, check_request, estimate_prompt_tokens
 

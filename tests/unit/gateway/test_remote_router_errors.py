@@ -10,11 +10,11 @@ import grpc
 import pytest
 
 from services.common import errors
+from services.common.config import ServiceSettings
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.sampling import SamplingParams
 from services.common.serving import start_server
-from services.common.settings import ServiceSettings
 from services.gateway.remote_router import RemoteRouter
 from services.router.types import Generation
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from services.common.config import load_settings
 from services.common.errors import ConfigError
-from services.common.settings import load_settings
 from services.gpu_worker.config import GpuWorkerSettings
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.common.config import load_settings
 from services.common.model_paths import DEFAULT_MODEL_ID, ModelPaths
-from services.common.settings import load_settings
 from services.local.mesh import DEFAULT_MODELS_FILE, EXTRA_MODEL_BUILD, MeshConfig, models_file
 from services.router.config import RouterSettings
 

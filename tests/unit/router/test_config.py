@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.config import load_settings
 from services.common.errors import ConfigError
-from services.common.settings import load_settings
 from services.router.config import RouterSettings
 
 
@@ -33,8 +33,8 @@ def test_bad_address() -> None:
 
 
 def test_tenant_maps_parse_and_explain_mistakes() -> None:
+    from services.common.config import load_settings
     from services.common.errors import ConfigError
-    from services.common.settings import load_settings
     from services.router.config import RouterSettings
 
     s = load_settings(

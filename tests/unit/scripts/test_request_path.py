@@ -65,7 +65,7 @@ def test_report_counts_each_file_once_and_excludes_infrastructure() -> None:
         {
             "services/common/tracing.py": ["b"],
             "services/edge_worker/ort_engine.py": ["e"],
-            "services/worker/settings.py": ["f"],
+            "services/worker/config.py": ["f"],
         }
     )
     idle = {"gateway": rp.Recorded({"services/router/registry.py": ["g"]}), "worker": rp.Recorded()}
@@ -75,7 +75,7 @@ def test_report_counts_each_file_once_and_excludes_infrastructure() -> None:
     assert report["infrastructure"] == [
         "services/common/pb/meshserve/v1/inference_pb2_grpc.py",
         "services/common/tracing.py",
-        "services/worker/settings.py",
+        "services/worker/config.py",
     ]
     assert report["sides"]["gateway"]["files"] == 4
     assert report["sides"]["gateway"]["files_excluding_infrastructure"] == 2

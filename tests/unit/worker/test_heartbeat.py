@@ -9,13 +9,13 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from services.common.config import ServiceSettings, load_settings
 from services.common.pb.meshserve.internal.v1 import registry_pb2, registry_pb2_grpc, worker_pb2
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.serving import RunningServer, start_server
-from services.common.settings import ServiceSettings, load_settings
-from services.worker.app import start_worker
+from services.worker.config import WorkerSettings
 from services.worker.heartbeat import Heartbeater
-from services.worker.settings import WorkerSettings
+from services.worker.server import start_worker
 from tests.unit.worker.fakes import FakeEngine, SleepyEngine
 
 TOKEN = "hb-token"

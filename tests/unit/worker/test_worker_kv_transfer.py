@@ -9,12 +9,12 @@ from dataclasses import replace
 import grpc
 import pytest
 
+from services.common.config import load_settings
 from services.common.errors import FailedPrecondition, MeshError, Unavailable
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
-from services.common.settings import load_settings
-from services.worker.app import start_worker
+from services.worker.config import WorkerSettings
 from services.worker.kv_transfer import KVExport, KVImport, KVPrefix
-from services.worker.settings import WorkerSettings
+from services.worker.server import start_worker
 from tests.unit.worker.fakes import TOKENIZER, VOCAB, FakeEngine
 from tests.worker_helpers import META
 

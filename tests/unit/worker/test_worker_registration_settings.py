@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.config import load_settings
 from services.common.errors import ConfigError
-from services.common.settings import load_settings
-from services.worker.settings import WorkerSettings
+from services.worker.config import WorkerSettings
 
 
 def test_router_addresses_are_a_comma_list_from_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,14 +7,14 @@ from typing import Any
 
 import grpc
 
+from services.common.config import load_settings
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.common.settings import load_settings
 from services.store.keys import kv_block_hashes
-from services.worker.app import RunningWorker, start_worker
+from services.worker.config import WorkerSettings
 from services.worker.report import LoadReporter, PrefixHasher
 from services.worker.runner import Runner
-from services.worker.settings import WorkerSettings
+from services.worker.server import RunningWorker, start_worker
 from services.worker.types import KVUsage
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine
 from tests.worker_helpers import META, generate, stats

@@ -12,11 +12,11 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import pytest
 
+from services.common.config import load_settings
 from services.common.model_state import ModelState
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
-from services.common.settings import load_settings
-from services.worker.app import RunningWorker, start_worker
-from services.worker.settings import WorkerSettings
+from services.worker.config import WorkerSettings
+from services.worker.server import RunningWorker, start_worker
 from services.worker.types import Engine
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine, SleepyEngine
 from tests.worker_helpers import META, generate

@@ -11,9 +11,9 @@ SCRIPT = """
 import asyncio
 from grpc.aio import _call
 from services.common import grpc_compat
-from services.gateway.http.__main__ import serve
+from services.gateway.http.server import serve
 from services.gateway.http.config import HttpAdapterSettings
-from services.common.settings import load_settings
+from services.common.config import load_settings
 
 async def main():
     assert _call._StreamRequestMixin._write is not grpc_compat._write, "patched before serve()?"

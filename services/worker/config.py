@@ -9,10 +9,10 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
+from services.common.config import StreamingSettings
 from services.common.errors import ConfigError
 from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
 from services.common.sampling import DEFAULT_MAX_TOKENS
-from services.common.settings import StreamingSettings
 
 
 class WorkerSettings(StreamingSettings):

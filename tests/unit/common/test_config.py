@@ -8,8 +8,8 @@ import pytest
 from pydantic import model_validator
 from pydantic_settings import SettingsConfigDict
 
+from services.common.config import DEFAULT_INTERNAL_TOKEN, ClientSettings, ServiceSettings, load_settings
 from services.common.errors import ConfigError
-from services.common.settings import DEFAULT_INTERNAL_TOKEN, ClientSettings, ServiceSettings, load_settings
 
 
 class DemoSettings(ServiceSettings):

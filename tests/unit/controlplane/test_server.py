@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from services import cli
-from services.controlplane.serve import parser
+from services.controlplane.server import parser
 
 
 def test_defaults_are_the_container_ones() -> None:

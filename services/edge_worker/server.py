@@ -11,7 +11,7 @@ from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.native.kernel import KernelUnavailable, compile_kernel
 from services.edge_worker.og_engine import OgEngine
 from services.edge_worker.ort_engine import OrtEngine
-from services.worker.app import RunningWorker, start_worker
+from services.worker.server import RunningWorker, start_worker
 
 TIER = "edge"
 

@@ -20,17 +20,17 @@ from typing import TypeVar
 import structlog
 
 from services.common import metrics
+from services.common.config import load_settings
 from services.common.errors import ConfigError
 from services.common.logging import configure_logging
 from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.serving import MAX_MESSAGE_BYTES, RunningServer, start_server
-from services.common.settings import load_settings
+from services.worker.config import WorkerSettings
 from services.worker.heartbeat import Heartbeater
 from services.worker.mux_tcp import StreamMuxServer
 from services.worker.report import LoadReporter, PrefixHasher
 from services.worker.runner import Runner
 from services.worker.servicer import _TIERS, WorkerServicer
-from services.worker.settings import WorkerSettings
 from services.worker.types import Engine
 
 log = structlog.get_logger(__name__)

@@ -13,7 +13,7 @@ from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.prefix import RedisPrefixCache
 from services.gpu_worker.speculative import load_draft_model
 from services.gpu_worker.tp import start_leader
-from services.worker.app import RunningWorker, start_worker
+from services.worker.server import RunningWorker, start_worker
 
 TIER = "cloud"
 log = structlog.get_logger(__name__)
