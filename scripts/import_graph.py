@@ -1,6 +1,7 @@
-"""Check the layering of services/: import circles, upward imports, settings read outside settings.
+"""Check the layering of services/: import circles, upward imports, settings read outside settings,
+services importing the CLI or the launcher.
 
-Three checks over the source (generated code in services/common/pb left out), read with ``ast``,
+Four checks over the source (generated code in services/common/pb left out), read with ``ast``,
 nothing imported:
 
 - **cycles**: groups of modules that import each other, directly or through others. Every import
@@ -12,6 +13,10 @@ nothing imported:
   ``os.environ["X"]``, ``"X" in os.environ``, ``os.getenv("X")``) outside the settings module
   (``services.common.config``), where every setting is parsed, typed and documented. Copying the
   whole environment for a child process (``dict(os.environ)``) reads no setting and is not reported.
+- **top floors**: the two floors above the services, top first: ``services.cli`` (the ``meshserve``
+  command) and ``services.local`` (the launcher of the local mesh). A module imports a top floor only
+  from inside it or from a floor above it: ``services.cli`` only from ``services.cli``,
+  ``services.local`` only from ``services.local`` and ``services.cli``.
 
 An edge goes to the module an import names: ``from services.a import b`` names ``services.a.b`` when
 that is a module, else ``services.a`` (``b`` is defined there). The packages above a module (whose
@@ -29,7 +34,7 @@ import argparse
 import ast
 import fnmatch
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +43,8 @@ GROUND_FLOOR = "services.common"
 SETTINGS_MODULES = frozenset({"services.common.config"})
 """Where named environment variables may be read."""
 GENERATED = ("services/common/pb",)
+TOP_FLOORS = ("services.cli", "services.local")
+"""The floors above the services, top first: each is imported only from inside it or a floor above it."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,18 @@ def upward_imports(
     ]
 
 
+def top_floor_imports(graph: Mapping[str, Iterable[Found]], floors: Sequence[str] = TOP_FLOORS) -> list[Found]:
+    """Imports of a module of one of ``floors`` (top first) by a module that is neither in that floor
+    nor in one above it: a service importing the CLI or the launcher, or the launcher the CLI."""
+    return [
+        found
+        for module, imports in sorted(graph.items())
+        for found in imports
+        for i, floor in enumerate(floors)
+        if _within(found.target, floor) and not any(_within(module, above) for above in floors[: i + 1])
+    ]
+
+
 def _is_environ(node: ast.expr) -> bool:
     """``os.environ``, or ``environ`` (``from os import environ``)."""
     if isinstance(node, ast.Attribute):
@@ -227,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     circles = cycles(graph)
     upward = upward_imports(graph, allow=args.allow_upward)
     reads = env_reads(args.root)
+    from_below = top_floor_imports(graph)
     print(f"modules: {len(graph)}")
     print(f"import circles: {len(circles)}")
     for group in circles:
@@ -237,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"named environment reads outside {', '.join(sorted(SETTINGS_MODULES))}: {len(reads)}")
     for found in reads:
         print(f"  {found}")
-    return 1 if circles or upward or reads else 0
+    print(f"imports of {' or '.join(TOP_FLOORS)} from a floor below: {len(from_below)}")
+    for found in from_below:
+        print(f"  {found}")
+    return 1 if circles or upward or reads or from_below else 0
 
 
 if __name__ == "__main__":

@@ -38,9 +38,9 @@ from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.processes import ServiceProcess
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.prefix import RedisPrefixCache, chain_keys
-from services.local.processes import ServiceProcess
 from services.store.kv_blocks import KVContext
 
 MODEL_ID = "smollm2-135m-instruct"

@@ -44,9 +44,9 @@ from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.processes import free_port
 from services.controlplane.envoy import envoy_binary
 from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
-from services.local.processes import free_port
 
 PROMPT = "The capital of France is"
 AUTH = (("authorization", f"Bearer {DEV_API_KEY}"),)

@@ -51,10 +51,11 @@ from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.processes import ServiceProcess
 from services.common.tokenizer import Tokenizer
 from services.gateway.keystore import KeyStore
 from services.local.mesh import DEV_API_KEY, api_key_hash
-from services.local.processes import ServiceProcess, spawn_redis
+from services.local.redis_server import spawn_redis
 
 __all__ = ["markdown", "run", "start_stack", "write_report"]
 

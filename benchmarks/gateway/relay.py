@@ -38,12 +38,13 @@ import grpc
 from benchmarks import earlier_runs
 from benchmarks.gateway.relay_measure import TARGET_TOKENS_PER_S, measure
 from benchmarks.load.senders import grpc_sender, worker_sender
+from services.cli.client import MeshClient
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
+from services.common.processes import ServiceProcess
 from services.common.tokenizer import Tokenizer
-from services.local.client import MeshClient
 from services.local.mesh import DEV_API_KEY, api_key_hash
-from services.local.processes import ServiceProcess, spawn_redis
+from services.local.redis_server import spawn_redis
 
 
 async def _start(name: str, argv: list[str], env: dict[str, str], health: bool = True) -> ServiceProcess:

@@ -32,10 +32,10 @@ from benchmarks.gateway.relay_measure import TARGET_TOKENS_PER_S, measure
 from benchmarks.gateway.tree_mesh import TreeMesh, describe, same_services, start_mesh, tree_text
 from benchmarks.load.generator import Sender
 from benchmarks.load.senders import grpc_sender, worker_sender
+from services.cli.client import MeshClient
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
 from services.common.tokenizer import Tokenizer
-from services.local.client import MeshClient
 from services.local.mesh import DEV_API_KEY
 
 SIDES = ("a", "b")

@@ -26,8 +26,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.processes import ServiceProcess
 from services.local.mesh import DEV_API_KEY, api_key_hash
-from services.local.processes import ServiceProcess, spawn_redis
+from services.local.redis_server import spawn_redis
 
 LAYOUTS = ("split", "embedded")
 WORKER_MODULE = "benchmarks.gateway.instant_worker"

@@ -46,12 +46,12 @@ from benchmarks.gateway.hop_timing import cpu_ns
 from benchmarks.gateway.tree_mesh import start_mesh
 from benchmarks.load.generator import Result, Sender, Workload, closed_loop, make_items, summarize
 from benchmarks.load.senders import grpc_sender, http_sender, worker_sender
+from services.cli.client import MeshClient
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
+from services.common.processes import ServiceProcess, free_port
 from services.common.tokenizer import Tokenizer
-from services.local.client import MeshClient
 from services.local.mesh import DEV_API_KEY
-from services.local.processes import ServiceProcess, free_port
 
 LITELLM = Path(".venv-litellm/bin/litellm")
 PATHS = {

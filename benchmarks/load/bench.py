@@ -47,10 +47,10 @@ from benchmarks.load.generator import (
     summarize,
 )
 from benchmarks.load.senders import grpc_sender, http_sender, worker_sender
+from services.cli.client import MeshClient
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
-from services.local.client import MeshClient
+from services.common.processes import ServiceProcess
 from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
-from services.local.processes import ServiceProcess
 
 UNLIMITED = {
     "MESHSERVE_GATEWAY_REQUESTS_PER_MINUTE": "100000000",

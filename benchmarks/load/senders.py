@@ -20,10 +20,10 @@ import aiohttp
 import grpc
 
 from benchmarks.load.generator import Result, Sender, WorkItem
+from services.cli.client import TIERS, MeshClient, routing_options, sampling_params
 from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.local.client import TIERS, MeshClient, routing_options, sampling_params
 
 _TIER_NAMES = {pb.TIER_EDGE: "edge", pb.TIER_CLOUD: "cloud"}
 

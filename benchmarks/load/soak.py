@@ -57,7 +57,7 @@ from benchmarks.load.generator import (
     summarize,
 )
 from benchmarks.load.senders import grpc_sender
-from services.local.client import MeshClient
+from services.cli.client import MeshClient
 from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
 
 Samples = dict[str, list[tuple[float, float]]]

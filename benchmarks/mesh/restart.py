@@ -37,11 +37,11 @@ from typing import Any
 
 import grpc
 
+from services.cli.status import gather
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.processes import ServiceProcess
 from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
-from services.local.processes import ServiceProcess
-from services.local.status import gather
 
 TARGET_S = 10.0
 SERVICES = ("edge", "cloud-0", "cache", "redis", "gateway")

@@ -39,11 +39,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from benchmarks import earlier_runs
 from benchmarks.report import target_line
 from benchmarks.stats import percentile
+from services.cli.client import MeshClient, routing_options, sampling_params
 from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.local.client import MeshClient, routing_options, sampling_params
 from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
 
 INTERNAL = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),)

@@ -119,7 +119,7 @@ async def through_service(tree: Path, tokens: int, duration: float, rounds: int)
     from benchmarks.gateway.relay_measure import measure
     from benchmarks.gateway.tree_mesh import start_mesh
     from benchmarks.load.senders import grpc_sender
-    from services.local.client import MeshClient
+    from services.cli.client import MeshClient
     from services.local.mesh import DEV_API_KEY
 
     tmp = tempfile.TemporaryDirectory(prefix="meshserve-worker-runtime-")

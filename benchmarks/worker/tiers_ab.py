@@ -527,8 +527,8 @@ async def cloud_ab(
     from benchmarks.load.senders import worker_sender
     from services.common.model_paths import model_paths
     from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
+    from services.common.processes import ServiceProcess
     from services.common.tokenizer import Tokenizer
-    from services.local.processes import ServiceProcess
 
     logs = LogTail()
     workers: dict[str, ServiceProcess] = {}

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from services.local.processes import LogSink, ServiceProcess
+from services.common.processes import LogSink, ServiceProcess
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "envoy" / "envoy.yaml"
 _POLL_S = 0.05

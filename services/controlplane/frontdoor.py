@@ -15,9 +15,9 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from services.common.processes import LogSink, ServiceProcess, free_port
 from services.controlplane.envoy import Envoy, EnvoyConfig
 from services.controlplane.xds import GRPC_CLUSTER, HTTP_CLUSTER, FileXds
-from services.local.processes import LogSink, ServiceProcess, free_port
 
 
 class FrontDoor:

@@ -71,8 +71,8 @@ async def _resolved(targets: Sequence[str], interval_s: float, deadline_s: float
 
 
 async def run(args: argparse.Namespace) -> int:
+    from services.common.processes import stdout_sink
     from services.controlplane.frontdoor import FrontDoor
-    from services.local.processes import stdout_sink
 
     targets = [t.strip() for t in args.gateways.split(",") if t.strip()]
     stop = asyncio.Event()

@@ -3,7 +3,7 @@
 Topology (defaults): two redis-servers (unless a Redis URL is given): the cache Redis (response
 cache, KV prefix blocks, rate-limit buckets; ``--maxmemory`` and ``allkeys-lru``, no persistence, see
 docs/cache.md) and the state Redis (API keys, files, batches, stored responses: an append-only file,
-``noeviction``; :data:`~services.local.processes.STATE_REDIS_ARGS`), router, 2 edge workers, 1 cloud
+``noeviction``; :data:`~services.local.redis_server.STATE_REDIS_ARGS`), router, 2 edge workers, 1 cloud
 worker, cache admin, gateway, one batch runner.
 Every service binds port 0 on loopback; its ``service_started`` log line tells us
 the port, and we wait on its gRPC health before starting what depends on it. The router starts
@@ -38,19 +38,9 @@ from typing import IO, Any
 import yaml
 
 from services.common.model_paths import DEFAULT_MODEL_ID, ModelPaths, model_paths
+from services.common.processes import LogSink, ServiceProcess, free_port, stdout_sink, wait_for_health, yield_on_wakeup
 from services.controlplane.frontdoor import FrontDoor
-from services.local.processes import (
-    STATE_REDIS_ARGS,
-    LogSink,
-    ServiceProcess,
-    cache_redis_args,
-    free_port,
-    spawn_redis,
-    stdout_sink,
-    wait_for_health,
-    wait_redis,
-    yield_on_wakeup,
-)
+from services.local.redis_server import STATE_REDIS_ARGS, cache_redis_args, spawn_redis, wait_redis
 from services.local.scaler import Scaler, SupervisedWorkers, sink_logger, stop_policies
 from services.local.scaler import run as scaler_run
 from services.local.supervise import RestartPolicy, Supervisor
@@ -85,7 +75,7 @@ class MeshConfig:
     state_redis_url: str | None = None
     """The Redis of the mesh's durable state: API keys, files, batches and stored /v1/responses (the
     gateways' MESHSERVE_GATEWAY_STATE_REDIS_URL, the batch runners' and the HTTP adapters' Redis).
-    None: a redis-server of its own (:data:`~services.local.processes.STATE_REDIS_ARGS`: append-only
+    None: a redis-server of its own (:data:`~services.local.redis_server.STATE_REDIS_ARGS`: append-only
     file, ``noeviction``) when the mesh starts its cache Redis (``redis_url`` ""), else ``redis_url``
     itself (one Redis for both, as a deployment with a single Redis); "": start one in any case; a URL:
     use that Redis."""
@@ -95,7 +85,7 @@ class MeshConfig:
     mesh. One mesh at a time may use a directory (a lock file in it says so)."""
     redis_batch: bool = True
     """Run the Redis we start under SCHED_BATCH, so that a command does not make it preempt the
-    gateway that sent it (:func:`services.local.processes.yield_on_wakeup`)."""
+    gateway that sent it (:func:`services.common.processes.yield_on_wakeup`)."""
     api_key: str = DEV_API_KEY
     edge_threads: int = 1
     cloud_threads: int = 2
@@ -156,7 +146,7 @@ class MeshConfig:
     """With ``supervise``: each Python service (workers, gateways, cache, batch runners, HTTP adapters; not
     a cloud worker under torchrun) keeps a warm spare, a process that has done its imports (torch,
     onnxruntime, grpc: most of a restart on a loaded machine) and waits; a restart runs the service in
-    it (services/local/child.py). Costs one idle process per service (~80-400 MB each)."""
+    it (services/common/child.py). Costs one idle process per service (~80-400 MB each)."""
 
     def __post_init__(self) -> None:
         if self.min_replicas is not None and self.min_replicas < 0:

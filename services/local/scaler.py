@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import structlog
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.local.processes import LogSink
+from services.common.processes import LogSink
 from services.local.supervise import Supervisor
 
 HELD = "meshserve_router_held_requests"

@@ -17,7 +17,7 @@ CrashLoopBackOff do): a fault that clears (a port freed, a disk emptied) heals w
 the mesh, and the cap keeps a broken service from eating the CPU the others need.
 
 Warm spares (``standby``): a restart runs the service in a spare process that has already done its
-imports (``ServiceProcess.start_standby``, services/local/child.py), started when the watch begins
+imports (``ServiceProcess.start_standby``, services/common/child.py), started when the watch begins
 and again once a restarted service serves; the mesh gives one to each Python service.
 
 Stopped on purpose: :meth:`Supervisor.stop_service` stops a running child and parks its watch (the
@@ -42,7 +42,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from services.local.processes import LogSink, ServiceProcess
+from services.common.processes import LogSink, ServiceProcess
 
 Ready = Callable[[ServiceProcess], Awaitable[None]]
 BeforeRestart = Callable[[ServiceProcess], None]

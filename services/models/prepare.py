@@ -11,7 +11,7 @@ Steps (each skipped when its output is already complete, so the command is cheap
 3. ``manifest.json``: ``version`` = short content hash of the weights, the source and the INT4 choices.
 4. speculative draft ``draft-int8/`` (CLI only, ``--no-draft`` skips it): :mod:`services.models.draft`.
 
-The command itself (arguments, the steps in order, exit codes) is :mod:`services.models.prepare_cli`.
+The command itself (arguments, the steps in order, exit codes) is :mod:`services.cli.prepare`.
 
 Every directory is built under a hidden ``.<name>.partial`` sibling and renamed into place, so an
 interrupted run never leaves a half model; a lock file keeps two runs from building at once.

@@ -10,7 +10,7 @@ from pathlib import Path
 from benchmarks.load import bench as loadbench
 from benchmarks.load.generator import Workload, make_items
 from benchmarks.load.senders import grpc_sender
-from services.local.client import MeshClient
+from services.cli.client import MeshClient
 from services.local.mesh import DEV_API_KEY, Mesh
 
 

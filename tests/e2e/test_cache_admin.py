@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from services.cache.cli import main as cache_cli
+from services.cli.cache import main as cache_cli
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.local.mesh import Mesh

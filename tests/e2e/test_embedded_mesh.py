@@ -61,7 +61,7 @@ LIGHTHOUSE = "We are sailing along a rocky coast at night in thick fog. Where is
 
 async def test_the_embedded_router_locates_prefixes(mesh: Mesh, capsys: pytest.CaptureFixture[str]) -> None:
     """RouterAdmin.PrefixLocation (`meshserve cache where`) is served in this layout as well."""
-    from services.cache.cli import main as cache_cli
+    from services.cli.cache import main as cache_cli
 
     async with grpc.aio.insecure_channel(mesh.router_address) as channel:
         reply = await router_admin_pb2_grpc.RouterAdminStub(channel).PrefixLocation(

@@ -35,6 +35,7 @@ import grpc
 import pytest
 from rich.console import Console
 
+from services.cli.status import MeshView, gather, redis_roles, render
 from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2 as admin_pb
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2_grpc
@@ -42,7 +43,6 @@ from services.common.pb.meshserve.v1 import batch_pb2 as bpb
 from services.common.pb.meshserve.v1 import batch_pb2_grpc, inference_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.local.mesh import STATE_REDIS, Mesh, MeshConfig
-from services.local.status import MeshView, gather, redis_roles, render
 from tests.fault.conftest import (
     PROMPTS,
     ROUTER_ENV,

@@ -27,8 +27,8 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, settings
 
+from services.common.processes import wait_for_health
 from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
-from services.local.processes import wait_for_health
 
 SCALE = float(os.environ.get("MESHSERVE_FUZZ_SCALE", "1"))
 MAX_TOKENS_LIMIT = 16

@@ -1,6 +1,7 @@
 """The layering of services/ (scripts/import_graph.py): no import circles, nothing imported upward
 from the ground floor (services.common), no named environment variable read outside the settings
-module. The checker itself is tested first on small trees, so that a clean result means a clean tree."""
+module, no service importing the CLI (services.cli) or the launcher (services.local). The checker
+itself is tested first on small trees, so that a clean result means a clean tree."""
 
 from __future__ import annotations
 
@@ -121,6 +122,32 @@ def test_named_environment_reads_are_found_and_copies_of_the_environment_are_not
     ]
 
 
+def test_the_cli_and_the_launcher_are_imported_only_from_their_floor_or_above(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "services/__init__.py": "",
+            "services/cli/__init__.py": "from services.cli import up\n",
+            "services/cli/up.py": "from services.local.mesh import Mesh\nfrom services.gateway import keys\n",
+            "services/local/__init__.py": "",
+            "services/local/mesh.py": "from services.controlplane import door\nfrom services.local import state\n",
+            "services/local/state.py": "def f():\n    from services.cli import up\n",
+            "services/gateway/__init__.py": "",
+            "services/gateway/keys.py": "from services.local.state import recorded\n",
+            "services/controlplane/__init__.py": "",
+            "services/controlplane/door.py": "import services.cli\n",
+            "services/common/__init__.py": "",
+            "services/common/config.py": "",
+        },
+    )
+    assert [str(f) for f in ig.top_floor_imports(ig.build_graph(root))] == [
+        "services.controlplane.door:1 -> services.cli",
+        "services.gateway.keys:1 -> services.local.state",
+        "services.local.state:2 -> services.cli.up",
+    ]
+    assert ig.main(["--root", str(root)]) == 1
+
+
 def test_the_command_exits_1_on_a_finding_and_0_on_a_clean_tree(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -148,6 +175,11 @@ def test_services_has_no_import_circle(graph: dict[str, list[object]]) -> None:
 def test_the_ground_floor_imports_nothing_above_it(graph: dict[str, list[object]]) -> None:
     upward = [str(f) for f in ig.upward_imports(graph, allow=ALLOWED_UPWARD)]
     assert upward == [], "services.common imports from a package above it; move the shared piece down"
+
+
+def test_no_service_imports_the_cli_or_the_launcher(graph: dict[str, list[object]]) -> None:
+    found = [str(f) for f in ig.top_floor_imports(graph)]
+    assert found == [], "a service imports services.cli or services.local; move what it needs below the services"
 
 
 def test_no_module_outside_the_settings_module_reads_a_named_environment_variable() -> None:

@@ -23,10 +23,11 @@ from services.batch.runner import Runner
 from services.common.config import ServiceSettings
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.processes import ServiceProcess
 from services.common.serving import RunningServer, start_server
 from services.gateway.servicer import SERVICE_NAME
 from services.local.mesh import STATE_REDIS, Mesh, MeshConfig
-from services.local.processes import ServiceProcess, wait_redis
+from services.local.redis_server import wait_redis
 from services.store.batches import BatchStore, parse_input
 
 pytestmark = pytest.mark.integration

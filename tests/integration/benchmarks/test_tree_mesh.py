@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gateway.tree_mesh import start_mesh
+from services.cli.client import MeshClient, sampling_params
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.local.client import MeshClient, sampling_params
 from services.local.mesh import DEV_API_KEY
 
 pytestmark = pytest.mark.integration

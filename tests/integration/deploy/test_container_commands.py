@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
-from services.local.processes import free_port, wait_for_health
+from services.common.processes import free_port, wait_for_health
 from tests.unit.deploy import commands, compose_model
 from tests.worker_helpers import generate
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import yaml
 
+from services.common.processes import free_port
 from services.controlplane.envoy import Envoy, EnvoyConfig, envoy_binary, render_bootstrap
 from services.controlplane.xds import GRPC_CLUSTER, HTTP_CLUSTER, FileXds
-from services.local.processes import free_port
 
 STRICT_RUNTIME = {"envoy.features.fail_on_any_deprecated_feature": True}
 

@@ -20,8 +20,8 @@ import pytest
 from services import cli
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.processes import free_port, wait_for_health
 from services.controlplane.server import resolve
-from services.local.processes import free_port, wait_for_health
 from tests.helpers import RedisServer
 from tests.integration.frontdoor.conftest import API_KEY, WORDS, FakeRouter, start_gateway, start_router
 

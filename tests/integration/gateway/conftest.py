@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 
+from services.cli.client import MeshClient, wait_for_health
 from services.common.config import ServiceSettings
 from services.common.errors import ResourceExhausted
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
@@ -20,7 +21,6 @@ from services.gateway.auth import hash_api_key
 from services.gateway.config import GatewaySettings
 from services.gateway.server import serve, start_gateway
 from services.gateway.servicer import SERVICE_NAME
-from services.local.client import MeshClient, wait_for_health
 
 INTERNAL_TOKEN = "test-internal-token"
 KEYS = {"acme": "key-acme-123", "globex": "key-globex-456"}

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.cli.client import MeshClient, sampling_params
 from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.local.client import MeshClient, sampling_params
+from services.common.processes import ServiceProcess, free_port
 from services.local.mesh import DEV_API_KEY, api_key_hash
-from services.local.processes import ServiceProcess, free_port
 from tests.helpers import redis_server
 
 INTERNAL = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),)

@@ -12,11 +12,11 @@ import pytest
 import structlog
 from structlog.testing import capture_logs
 
+from services.cli.client import MeshClient, auth_metadata
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.gateway.observe import PROMPT_CHARS
 from services.gateway.server import serve
-from services.local.client import MeshClient, auth_metadata
 from tests.integration.gateway.conftest import KEYS, FakeRouter, Stack, gateway_settings
 
 pytestmark = pytest.mark.integration

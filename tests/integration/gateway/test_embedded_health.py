@@ -14,8 +14,8 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.processes import ServiceProcess, free_port
 from services.local.mesh import DEV_API_KEY, api_key_hash
-from services.local.processes import ServiceProcess, free_port
 from tests.helpers import redis_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

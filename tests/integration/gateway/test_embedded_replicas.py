@@ -17,8 +17,8 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
+from services.cli.client import MeshClient
 from services.gateway.keystore import KeyStore
-from services.local.client import MeshClient
 from tests.integration.gateway.embedded import embedded_mesh, greedy_request, worker_idle, worker_stats
 
 pytestmark = pytest.mark.integration

@@ -18,15 +18,15 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
+from services.cli.client import MeshClient, sampling_params
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
+from services.common.processes import ServiceProcess
 from services.common.tokenizer import Tokenizer
 from services.gateway.keystore import KeyStore
-from services.local.client import MeshClient, sampling_params
 from services.local.mesh import DEV_API_KEY
-from services.local.processes import ServiceProcess
 from services.store.gateway_keys import rate_limit_keys
 from tests.integration.gateway.embedded import INTERNAL, embedded_mesh, greedy_request, worker_idle, worker_stats
 

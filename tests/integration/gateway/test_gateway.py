@@ -10,11 +10,11 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
+from services.cli.client import MeshClient, auth_metadata
 from services.common import metadata as md
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.gateway.config import GatewaySettings
 from services.gateway.server import serve
-from services.local.client import MeshClient, auth_metadata
 from tests.helpers import free_port
 from tests.integration.gateway.conftest import (
     DEFAULT_DEADLINE_S,
@@ -294,7 +294,7 @@ async def test_chat_without_key_is_unauthenticated(stub, router: FakeRouter) -> 
 async def test_print_stream_writes_answer_and_route(stack: Stack, router: FakeRouter) -> None:
     import io
 
-    from services.local.client import print_stream
+    from services.cli.client import print_stream
 
     out, err = io.StringIO(), io.StringIO()
     result = await print_stream(stack.address, KEYS["acme"], "hello", out=out, err=err)

@@ -9,12 +9,12 @@ import jwt
 import pytest
 import redis.asyncio as aioredis
 
+from services.cli.keys import main as keys_main
 from services.common import metadata as md
 from services.common.errors import Unauthenticated
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.gateway.identity import Authenticator
 from services.gateway.keycache import KeyRecordCache
-from services.gateway.keys_cli import main as keys_main
 from services.gateway.keystore import KeyStore
 from tests.integration.gateway.conftest import KEYS, LIMITED_KEY, Gateways, StartFn
 

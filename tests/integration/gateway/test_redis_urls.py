@@ -16,10 +16,10 @@ import pytest
 import redis
 from redis.asyncio.cluster import RedisCluster
 
+from services.cli import keys
 from services.common import metadata as md
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
-from services.gateway import keys_cli
 from services.gateway.server import redis_client
 from services.store.gateway_keys import rate_limit_keys
 from tests.helpers import SENTINEL_MASTER, RedisServer, free_port, redis_cluster_node, redis_sentinel
@@ -61,7 +61,7 @@ async def _generate(stub: inference_pb2_grpc.InferenceStub, key: str) -> grpc.St
 
 def _create_key(url: str, capsys: pytest.CaptureFixture[str]) -> str:
     """`meshserve keys create` against ``url``; the plaintext key it printed."""
-    assert keys_cli.main(["--redis-url", url, "create", "--tenant", "stored"]) == 0
+    assert keys.main(["--redis-url", url, "create", "--tenant", "stored"]) == 0
     out = capsys.readouterr().out
     return next(line.split()[-1] for line in out.splitlines() if line.startswith("api key:"))
 

@@ -16,14 +16,14 @@ import grpc
 import pytest
 
 from benchmarks.gateway.relay import start_stack
+from services.cli.client import MeshClient, sampling_params
 from services.common.config import DEFAULT_INTERNAL_TOKEN
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
+from services.common.processes import ServiceProcess
 from services.common.tokenizer import Tokenizer
-from services.local.client import MeshClient, sampling_params
 from services.local.mesh import DEV_API_KEY
-from services.local.processes import ServiceProcess
 
 TOKENS = 200
 PROMPTS = [f"Stream number {i} tells a story about coalesced frames." for i in range(6)]

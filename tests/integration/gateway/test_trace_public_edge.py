@@ -13,6 +13,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, format_span_id, format_trace_id
 
+from services.cli.client import wait_for_health
 from services.common import tracing
 from services.common.config import ServiceSettings
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
@@ -22,7 +23,6 @@ from services.gateway.http.config import HttpAdapterSettings
 from services.gateway.http.server import serve as serve_http
 from services.gateway.server import serve
 from services.gateway.servicer import SERVICE_NAME
-from services.local.client import wait_for_health
 from tests.integration.gateway.conftest import INTERNAL_TOKEN, KEYS, FakeRouter, gateway_settings
 
 pytestmark = pytest.mark.integration

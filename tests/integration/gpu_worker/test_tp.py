@@ -27,13 +27,13 @@ from services.cache.admin import CacheAdmin, FlushFilter
 from services.common.errors import ConfigError
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
+from services.common.processes import ServiceProcess
 from services.common.sampling import SamplingParams
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import CloudEngine
 from services.gpu_worker.model import LlamaModel
 from services.gpu_worker.prefix import RedisPrefixCache, chain_keys
 from services.gpu_worker.tp import RankEnv, check_degree, load_model, model_config
-from services.local.processes import ServiceProcess
 from services.store.keys import Kind
 from services.store.kv_blocks import KVContext
 from tests.helpers import RedisServer, free_port

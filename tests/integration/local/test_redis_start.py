@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.local.processes import (
+from services.local.redis_server import (
     REDIS_OVERCOMMIT_NOTE,
     REDIS_STATE_OVERCOMMIT_NOTE,
     STATE_REDIS_ARGS,

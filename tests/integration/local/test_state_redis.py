@@ -23,7 +23,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.keystore import KeyStore
 from services.gateway.server import start_gateway
 from services.local.mesh import STATE_REDIS, Mesh, MeshConfig
-from services.local.processes import wait_redis
+from services.local.redis_server import wait_redis
 from services.store.responses import ResponseStore
 
 pytestmark = pytest.mark.integration

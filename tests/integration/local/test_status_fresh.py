@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from services.cli.status import gather
 from services.common.config import load_settings
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.tokenizer import Tokenizer
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.server import start_edge_worker
-from services.local.status import gather
 from services.router.config import RouterSettings
 from services.router.server import start_router
 from tests.integration.router.harness import META, TOKEN, tokenizer, wait_serving

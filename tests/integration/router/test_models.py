@@ -254,7 +254,7 @@ async def test_a_bad_rollout_is_refused_and_changes_nothing(models: Models) -> N
 async def test_cache_where_answers_for_any_model_and_version(
     models: Models, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from services.cache.cli import main as cache_cli
+    from services.cli.cache import main as cache_cli
 
     async def where(**fields: str) -> admin_pb.PrefixLocationResponse:
         req = admin_pb.PrefixLocationRequest(text="Hello there", tier=pb.TIER_EDGE, **fields)  # type: ignore[arg-type]
@@ -287,7 +287,7 @@ async def test_the_cli_changes_the_rollout_and_status_shows_it(
     from rich.console import Console
 
     from services.cli import main
-    from services.local.status import gather, render
+    from services.cli.status import gather, render
 
     router = f"127.0.0.1:{models.server.port}"
     common = ["--router", router, "--internal-token", TOKEN]

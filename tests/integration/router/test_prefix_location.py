@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from services.cache.cli import main as cache_cli
+from services.cli.cache import main as cache_cli
 from services.common.config import load_settings
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2 as admin_pb
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2_grpc

@@ -308,7 +308,7 @@ async def test_the_cli_through_one_router_changes_both_and_status_shows_the_epoc
     from rich.console import Console
 
     from services.cli import main
-    from services.local.status import gather, render
+    from services.cli.status import gather, render
 
     a, b = await start(), await start()
     common = ["--router", f"127.0.0.1:{a.server.port}", "--internal-token", TOKEN]

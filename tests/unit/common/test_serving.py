@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import pytest
 
 from services.common.errors import ConfigError
+from services.common.processes import free_port
 from services.common.serving import start_server
 from services.gateway.config import GatewaySettings
-from services.local.processes import free_port
 from services.router.config import RouterSettings
 
 

@@ -468,7 +468,7 @@ DURABLE_STATE = {
 def test_the_state_redis_keeps_an_append_only_file_on_a_volume_and_never_evicts(built: list[dict[str, Any]]) -> None:
     """The state Redis runs as `meshserve up` runs it (the launcher's own flags), its data on a
     persistent volume; the durable state's settings name it and the caches' settings do not."""
-    from services.local.processes import STATE_REDIS_ARGS
+    from services.local.redis_server import STATE_REDIS_ARGS
 
     redis = _find(built, "StatefulSet", "redis-state")
     assert redis["spec"]["replicas"] == 1

@@ -370,7 +370,7 @@ async def test_split_router_starts_the_router_first_and_the_gateway_after_it() -
 
 
 def test_split_and_embed_router_flags_exclude_each_other() -> None:
-    from services.local.up import _parser
+    from services.cli.up import _parser
 
     with pytest.raises(SystemExit):
         _parser().parse_args(["--split-router", "--embed-router"])

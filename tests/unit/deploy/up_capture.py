@@ -1,6 +1,6 @@
 """What ``meshserve up`` starts, recorded without starting anything.
 
-:func:`capture_up` runs the real launcher code path: ``services.local.up.run_up`` with ``meshserve up``'s
+:func:`capture_up` runs the real launcher code path: ``services.cli.up.run_up`` with ``meshserve up``'s
 default arguments builds the :class:`MeshConfig`, and the real :meth:`Mesh.start` builds every child's
 argv and environment. Only the process layer is replaced: children, Redis and the front door are
 stand-ins that record what they were given and report themselves started and healthy.
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from unittest import mock
 
+import services.cli.up as up
 import services.local.mesh as mesh
-import services.local.processes as processes
-import services.local.up as up
+import services.local.redis_server as redis_server
 
 
 @dataclass
@@ -148,8 +148,8 @@ async def capture_up(argv: list[str] | None = None) -> Captured:
     with (
         mock.patch.object(mesh, "wait_for_health", health),
         mock.patch.object(mesh, "ServiceProcess", RecordingProcess),
-        mock.patch.object(processes, "ServiceProcess", RecordingProcess),  # Redis (spawn_redis)
-        mock.patch.object(processes, "wait_redis", mock.AsyncMock(side_effect=redis_ready)),
+        mock.patch.object(redis_server, "ServiceProcess", RecordingProcess),  # Redis (spawn_redis)
+        mock.patch.object(redis_server, "wait_redis", mock.AsyncMock(side_effect=redis_ready)),
         mock.patch.object(mesh, "FrontDoor", RecordingFrontDoor),
     ):
         # No supervision: the recorded children are no OS processes to watch (the topology is the same).

@@ -101,7 +101,7 @@ async def test_health_exit_code_follows_the_serving_status(capsys: pytest.Captur
 
 
 def test_health_of_nothing_listening_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    from services.local.processes import free_port
+    from services.common.processes import free_port
 
     address = f"127.0.0.1:{free_port()}"
     assert cli.main(["health", address, "--timeout", "0.5"]) == 1

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from services.local.processes import ServiceProcess
+from services.common.processes import ServiceProcess
 from services.local.supervise import SUPERVISOR, RestartPolicy, Supervisor, exit_reason
 
 FAST = RestartPolicy(base_s=0.01, cap_s=0.04, reset_after_s=30.0, loop_restarts=3, loop_window_s=60.0)

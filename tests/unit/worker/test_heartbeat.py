@@ -136,7 +136,7 @@ async def test_heartbeats_need_the_internal_credential(registry: tuple[Recorder,
 
 
 async def test_an_unreachable_router_is_retried_with_backoff_until_it_comes_up() -> None:
-    from services.local.processes import free_port
+    from services.common.processes import free_port
 
     port = free_port()
     recorder = Recorder()

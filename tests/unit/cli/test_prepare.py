@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from services.models.prepare_cli import show_progress_bars
+from services.cli.prepare import show_progress_bars
 
 
 class _Tty(io.StringIO):

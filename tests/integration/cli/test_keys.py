@@ -71,6 +71,6 @@ def test_the_environment_and_the_flag_win_over_the_state_file(
 def test_with_no_mesh_up_the_default_is_the_local_redis_port(
     no_redis_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.gateway.keys_cli import DEFAULT_REDIS_URL, default_redis_url
+    from services.cli.keys import DEFAULT_REDIS_URL, default_redis_url
 
     assert default_redis_url() == DEFAULT_REDIS_URL

@@ -2,7 +2,7 @@
 ``up``, ``bench``, ``keys``, ``cache``, ``batch``, and the
 container entry points ``serve``, ``health`` and ``frontdoor``.
 
-``up`` and ``bench`` hand their arguments to :func:`services.local.up.main` and
+``up`` and ``bench`` hand their arguments to :func:`services.cli.up.main` and
 :func:`benchmarks.cli.main`, imported only when used so the other commands start fast.
 """
 
@@ -15,14 +15,14 @@ import sys
 from collections.abc import Sequence
 
 _DELEGATED = {
-    "up": ("services.local.up", "main"),
+    "up": ("services.cli.up", "main"),
     "bench": ("benchmarks.cli", "main"),
-    "cache": ("services.cache.cli", "main"),
-    "status": ("services.local.status", "main"),
+    "cache": ("services.cli.cache", "main"),
+    "status": ("services.cli.status", "main"),
     "serve": ("services.local.launch", "serve_main"),
     "health": ("services.local.launch", "health_main"),
     "frontdoor": ("services.controlplane.server", "main"),
-    "batch": ("services.batch.cli", "main"),
+    "batch": ("services.cli.batch", "main"),
 }
 
 
@@ -33,18 +33,17 @@ def _parser() -> argparse.ArgumentParser:
     models = commands.add_parser("models", help="manage prepared models").add_subparsers(
         dest="models_command", required=True, metavar="ACTION"
     )
-    from services.models import evaluate, prepare_cli
+    from services.cli import prepare
+    from services.models import evaluate
 
-    prepare_cli.add_arguments(
-        models.add_parser("prepare", help="build the cloud checkpoint, edge model, draft, manifest")
-    )
+    prepare.add_arguments(models.add_parser("prepare", help="build the cloud checkpoint, edge model, draft, manifest"))
     evaluate.add_arguments(
         models.add_parser("eval", help="perplexity and greedy agreement of fp32, INT4 and student models")
     )
 
-    from services.local import rollout_cli
+    from services.cli import rollout
 
-    rollout_cli.add_arguments(models)
+    rollout.add_arguments(models)
 
     from services.models import distill
 
@@ -74,9 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     chat.add_argument("--tier", choices=("auto", "edge", "cloud"), default="auto", help="routing hint")
     chat.add_argument("--system", default=None, help="optional system message")
 
-    from services.gateway import keys_cli
+    from services.cli import keys
 
-    keys_cli.add_arguments(commands.add_parser("keys", help="create, list and revoke the gateway's API keys"))
+    keys.add_arguments(commands.add_parser("keys", help="create, list and revoke the gateway's API keys"))
 
     commands.add_parser("up", help="start the whole mesh locally (see `meshserve up -h`)", add_help=False)
     commands.add_parser(
@@ -108,7 +107,7 @@ def _delegate(command: str, argv: Sequence[str]) -> int:
 def _chat(args: argparse.Namespace) -> int:
     import grpc
 
-    from services.local.client import print_stream
+    from services.cli.client import print_stream
 
     api_key = args.api_key
     if api_key is None:
@@ -147,17 +146,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _delegate(argv[0], argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "keys":
-        from services.gateway import keys_cli
+        from services.cli import keys
 
-        return keys_cli.run(args)
+        return keys.run(args)
     if args.command == "models" and args.models_command in ("versions", "rollout", "rollback"):
-        from services.local import rollout_cli
+        from services.cli import rollout
 
-        return rollout_cli.run(args)
+        return rollout.run(args)
     if args.command == "models":
-        from services.models import evaluate, prepare_cli
+        from services.cli import prepare
+        from services.models import evaluate
 
-        return evaluate.run(args) if args.models_command == "eval" else prepare_cli.run(args)
+        return evaluate.run(args) if args.models_command == "eval" else prepare.run(args)
     if args.command == "distill":
         from services.models import distill
 

@@ -50,6 +50,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from services.cli.rollout import describe
 from services.common import metadata as md
 from services.common import model_state_pb
 from services.common.config import DEFAULT_INTERNAL_TOKEN, ClientSettings
@@ -63,7 +64,6 @@ from services.common.pb.meshserve.internal.v1 import (
     worker_pb2_grpc,
 )
 from services.common.pb.meshserve.v1 import inference_pb2
-from services.local.rollout_cli import describe
 from services.local.state import read_state, state_path
 
 _TIERS = {inference_pb2.TIER_EDGE: "edge", inference_pb2.TIER_CLOUD: "cloud"}

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cache.cli import _parser, _request, main
+from services.cli.cache import _parser, _request, main
 from services.common.pb.meshserve.internal.v1 import cache_pb2
 
 
@@ -33,7 +33,7 @@ def test_missing_address_says_how_to_fix(
 
 
 def test_where_maps_to_a_prefix_location_request() -> None:
-    from services.cache import where
+    from services.cli import cache_where as where
     from services.common.pb.meshserve.internal.v1 import router_admin_pb2
     from services.common.pb.meshserve.v1 import inference_pb2
 
@@ -60,7 +60,7 @@ def test_where_without_a_router_says_how_to_fix(
 
 
 def test_where_hints_at_the_tenant_when_nothing_holds_the_prompt() -> None:
-    from services.cache import where
+    from services.cli import cache_where as where
     from services.common.pb.meshserve.internal.v1 import router_admin_pb2
     from services.common.pb.meshserve.v1 import inference_pb2
 

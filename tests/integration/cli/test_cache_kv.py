@@ -19,7 +19,7 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
-from services.cache.cli import main as cache_cli
+from services.cli.cache import main as cache_cli
 from services.common.config import load_settings
 from services.common.model_paths import model_paths
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2, router_admin_pb2_grpc, worker_pb2

@@ -19,8 +19,8 @@ import grpc
 from redis.exceptions import RedisError
 
 from services.common.config import ClientSettings
+from services.common.processes import LogSink, stdout_sink
 from services.local.mesh import DEFAULT_MODELS_FILE, DEV_API_KEY, Mesh, MeshConfig
-from services.local.processes import LogSink, stdout_sink
 
 START_FAILURES = (RuntimeError, TimeoutError, OSError, RedisError, grpc.RpcError)
 """What :meth:`Mesh.start` raises when a child dies, is slow, or a tool (redis-server, Envoy) is missing."""
@@ -352,7 +352,7 @@ async def run_up(args: argparse.Namespace) -> int:
             flush=True,
         )
         if args.demo:
-            from services.local.client import print_stream
+            from services.cli.client import print_stream
 
             with sink.holding():
                 await print_stream(mesh.gateway_address, api_key, args.demo, max_tokens=96)

@@ -20,11 +20,11 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_up_and_bench_get_their_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[tuple[str, list[str]]] = []
-    up = types.ModuleType("services.local.up")
+    up = types.ModuleType("services.cli.up")
     up.main = lambda argv: seen.append(("up", argv)) or 0  # type: ignore[attr-defined]
     bench = types.ModuleType("benchmarks.mesh.run")
     bench.main = lambda argv: seen.append(("bench", argv)) or 3  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "services.local.up", up)
+    monkeypatch.setitem(sys.modules, "services.cli.up", up)
     monkeypatch.setitem(sys.modules, "benchmarks.mesh.run", bench)
     assert cli.main(["up", "--port", "0", "--help"]) == 0
     assert cli.main(["bench", "--quick"]) == 3
@@ -44,7 +44,7 @@ def test_chat_requires_a_prompt(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_chat_with_no_mesh_up_says_how_to_start_one(capsys: pytest.CaptureFixture[str]) -> None:
-    from services.local.processes import free_port
+    from services.common.processes import free_port
 
     address = f"127.0.0.1:{free_port()}"  # nothing listens there
     assert cli.main(["chat", "--address", address, "--max-tokens", "1", "Hello"]) == 1

@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from services.cache import where
+from services.cli import cache_where
 from services.common import metadata as md
 from services.common.errors import ConfigError, MeshError
 from services.common.pb.meshserve.internal.v1 import (
@@ -145,7 +145,7 @@ async def find_worker(args: argparse.Namespace) -> str:
     the router's AioRpcError when it cannot be asked."""
     if args.worker:
         return str(args.worker)
-    router = where.router_address(args)
+    router = cache_where.router_address(args)
     if not router:
         raise UsageError(
             "no cloud worker address; pass --worker host:port (`meshserve status` lists the replicas), "
@@ -210,7 +210,7 @@ async def _run(args: argparse.Namespace) -> tuple[int, str]:
         return 2, f"{prog}: {exc}"
     except grpc.aio.AioRpcError as exc:
         return 1, (
-            f"{prog}: cannot list the cloud workers of router {where.router_address(args)} "
+            f"{prog}: cannot list the cloud workers of router {cache_where.router_address(args)} "
             f"({exc.code().name}: {_one_line(exc.details())}); pass --worker host:port"
         )
     try:

@@ -10,8 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from rich.console import Console
 
-from services.local.state import write_state
-from services.local.status import (
+from services.cli.status import (
     MeshView,
     ReplicaView,
     _add_metrics,
@@ -22,6 +21,7 @@ from services.local.status import (
     as_json,
     render,
 )
+from services.local.state import write_state
 
 
 def frame(view: MeshView) -> str:
@@ -139,7 +139,7 @@ def test_frame_shows_the_supervised_services_restarts_and_crash_loops() -> None:
 
 
 def test_the_redis_line_names_each_role_and_hides_passwords() -> None:
-    from services.local.status import redis_roles
+    from services.cli.status import redis_roles
 
     two = {"redis": "redis://127.0.0.1:6001/0", "state_redis": "redis://:s3cret@127.0.0.1:6002/0", "state_dir": "/d"}
     assert redis_roles(two) == {

@@ -1,24 +1,15 @@
 """ServiceProcess relays a child's log lines, and survives a line longer than its reader's limit;
-Redis as the mesh starts it runs under SCHED_BATCH (``yield_on_wakeup``)."""
+``yield_on_wakeup`` puts every thread of a process under SCHED_BATCH."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import sys
-import tempfile
 
 import pytest
-import redis.asyncio as aioredis
 
-from services.local.processes import (
-    LOG_LINE_LIMIT,
-    REDIS_OVERCOMMIT_NOTE,
-    ServiceProcess,
-    redis_sink,
-    spawn_redis,
-    yield_on_wakeup,
-)
+from services.common.processes import LOG_LINE_LIMIT, ServiceProcess, yield_on_wakeup
 
 
 async def test_a_line_over_the_limit_is_dropped_and_the_relay_goes_on() -> None:
@@ -79,30 +70,3 @@ async def test_yield_on_wakeup_covers_every_thread_and_the_threads_started_later
             proc.kill()
             await proc.wait()
     assert not yield_on_wakeup(proc.pid)  # gone: nothing to change, no error
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux-only")
-@pytest.mark.parametrize("batch", [True, False])
-async def test_spawn_redis_starts_a_redis_that_answers_under_the_asked_policy(batch: bool) -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, url = await spawn_redis(tmp, lambda _name, _line: None, dict(os.environ), batch=batch)
-        try:
-            assert proc.proc is not None
-            want = os.SCHED_BATCH if batch else os.SCHED_OTHER
-            assert set(_policies(proc.proc.pid)) == {want}
-            client = aioredis.Redis.from_url(url)
-            try:
-                assert await client.set("k", "v")
-                assert await client.get("k") == b"v"
-            finally:
-                await client.aclose()
-        finally:
-            await proc.stop()
-
-
-def test_redis_sink_replaces_the_overcommit_warning_with_one_line() -> None:
-    got: list[tuple[str, str]] = []
-    relay = redis_sink(lambda name, line: got.append((name, line)))
-    relay("redis", "1:M 27 Nov 2026 01:28:09.216 # Server initialized")
-    relay("redis", "1:M 27 Nov 2026 01:28:09.216 # WARNING Memory overcommit must be enabled! Without it, ...")
-    assert got == [("redis", "1:M 27 Nov 2026 01:28:09.216 # Server initialized"), ("redis", REDIS_OVERCOMMIT_NOTE)]

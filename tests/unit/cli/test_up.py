@@ -1,4 +1,4 @@
-"""services/local/up.py: the log sink that keeps service lines out of the demo answer; `--gateways`."""
+"""services/cli/up.py: the log sink that keeps service lines out of the demo answer; `--gateways`."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.local.processes import stdout_sink
-from services.local.up import MAX_GATEWAYS, HoldingSink, _parser, cli_command, parse_args
+from services.cli.up import MAX_GATEWAYS, HoldingSink, _parser, cli_command, parse_args
+from services.common.processes import stdout_sink
 
 
 def test_lines_wait_until_the_demo_answer_is_written_then_come_in_order() -> None:

@@ -1,5 +1,5 @@
 """``meshserve cache stats|flush|warm|where|import|export``: a thin client of the cache admin service
-(``where``: of the router, see where.py; ``import``/``export``: of a cloud worker, see kv_rpc.py).
+(``where``: of the router, see cache_where.py; ``import``/``export``: of a cloud worker, see cache_kv.py).
 
 The address comes from ``--address``, else ``$MESHSERVE_CACHE_ADDRESS``, else the mesh ``meshserve up``
 is running (its state file; it also prints the address); the internal credential from
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from services.cache import kv_rpc, where
+from services.cli import cache_kv, cache_where
 from services.common import metadata as md
 from services.common.config import ClientSettings
 from services.common.pb.meshserve.internal.v1 import cache_pb2, cache_pb2_grpc
@@ -55,8 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     warm = sub.add_parser("warm", help="send shared system prompts through the router once")
     warm.add_argument("prompts", nargs="+", help="prompts to warm (quote each one)")
     warm.add_argument("--max-tokens", type=int, default=1, help="tokens to generate per prompt (default 1)")
-    where.add_parser(sub)
-    kv_rpc.add_parsers(sub)
+    cache_where.add_parser(sub)
+    cache_kv.add_parsers(sub)
     return p
 
 
@@ -99,7 +99,7 @@ async def _call(args: argparse.Namespace) -> object:
 
 
 def _where(args: argparse.Namespace) -> int:
-    address = where.router_address(args)
+    address = cache_where.router_address(args)
     if not address:
         print(
             "meshserve cache where: no router address; pass --router host:port, set MESHSERVE_ROUTER_ADDRESS "
@@ -108,12 +108,12 @@ def _where(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        reply = asyncio.run(where.locate(address, where.request(args), args.internal_token))
+        reply = asyncio.run(cache_where.locate(address, cache_where.request(args), args.internal_token))
     except grpc.aio.AioRpcError as exc:
         print(f"meshserve cache where: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    print(where.render(reply, args.json))
-    if hint := where.tenant_hint(args, reply):
+    print(cache_where.render(reply, args.json))
+    if hint := cache_where.tenant_hint(args, reply):
         print(hint)
     return 0
 
@@ -122,8 +122,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.action == "where":
         return _where(args)
-    if args.action in kv_rpc.ACTIONS:
-        return kv_rpc.main(args)
+    if args.action in cache_kv.ACTIONS:
+        return cache_kv.main(args)
     args.address = args.address or ClientSettings().cache_address or recorded("cache")
     if not args.address:
         print(

@@ -1,12 +1,13 @@
-"""Exec a program that dies with its launcher: ``python -m services.local.child PARENT_PID ARGV...``.
+"""Exec a program that dies with its launcher: ``python -m services.common.child PARENT_PID ARGV...``.
 
-`meshserve up` starts every service through this. Before exec'ing ARGV it asks Linux to send it
+Every child of :class:`services.common.processes.ServiceProcess` (so every service `meshserve up`
+starts) is started through this. Before exec'ing ARGV it asks Linux to send it
 SIGTERM when the launcher dies (PR_SET_PDEATHSIG survives exec), so a launcher killed even by
 SIGKILL leaves no orphan servers behind. Doing this here instead of in a ``preexec_fn`` keeps
 Python code out of the window between fork and exec in the (multi-threaded, gRPC-using) launcher.
 
-``python -m services.local.child --standby PARENT_PID PYTHON -m MODULE``: a warm spare of a Python
-service (services/local/processes.py, ``ServiceProcess.start_standby``). It imports MODULE (``MODULE.__main__``
+``python -m services.common.child --standby PARENT_PID PYTHON -m MODULE``: a warm spare of a Python
+service (services/common/processes.py, ``ServiceProcess.start_standby``). It imports MODULE (``MODULE.__main__``
 for a package, and so everything the service imports: torch, onnxruntime, grpc — seconds of CPU, most
 of a worker's restart on a loaded machine), then waits for one JSON line on stdin, ``{"env": {...}}``: the
 environment to run with. It then runs MODULE as ``python -m MODULE`` would, in this process. Importing
@@ -31,7 +32,7 @@ def main(argv: list[str]) -> None:
     standby = argv[:1] == ["--standby"]
     argv = argv[1:] if standby else argv
     if len(argv) < 2:
-        sys.exit("usage: python -m services.local.child [--standby] PARENT_PID PROGRAM [ARGS...]")
+        sys.exit("usage: python -m services.common.child [--standby] PARENT_PID PROGRAM [ARGS...]")
     parent = int(argv[0])
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
