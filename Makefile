@@ -25,7 +25,7 @@ lint: ## ruff + mypy.
 	$(VENV)/bin/ruff format --check services tests benchmarks scripts
 	$(VENV)/bin/mypy services benchmarks
 
-layering: ## Import circles, upward imports from services/common, environment reads outside settings, services importing services.cli or services.local (tests/unit/test_import_graph.py holds the known exceptions).
+layering: ## Import circles, upward imports from services/common, environment reads outside settings, services importing services.cli or services.local, the router's balancer importing its front end (tests/unit/test_import_graph.py holds the known exceptions).
 	$(PY) scripts/import_graph.py
 
 test: setup ## Run the whole test suite (unit, integration, e2e) with real Redis and the real model, then compose-test.

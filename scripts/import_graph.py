@@ -1,7 +1,7 @@
 """Check the layering of services/: import circles, upward imports, settings read outside settings,
-services importing the CLI or the launcher.
+services importing the CLI or the launcher, a service's lower part importing its upper part.
 
-Four checks over the source (generated code in services/common/pb left out), read with ``ast``,
+Five checks over the source (generated code in services/common/pb left out), read with ``ast``,
 nothing imported:
 
 - **cycles**: groups of modules that import each other, directly or through others. Every import
@@ -17,6 +17,9 @@ nothing imported:
   command) and ``services.local`` (the launcher of the local mesh). A module imports a top floor only
   from inside it or from a floor above it: ``services.cli`` only from ``services.cli``,
   ``services.local`` only from ``services.local`` and ``services.cli``.
+- **parts of a service**: inside one service, a lower part never imports an upper one
+  (``LOWER_PARTS``): the router's load balancer (``services.router.balancer``) never imports its
+  front end (``services.router.frontend``), which calls it.
 
 An edge goes to the module an import names: ``from services.a import b`` names ``services.a.b`` when
 that is a module, else ``services.a`` (``b`` is defined there). The packages above a module (whose
@@ -45,6 +48,8 @@ SETTINGS_MODULES = frozenset({"services.common.config"})
 GENERATED = ("services/common/pb",)
 TOP_FLOORS = ("services.cli", "services.local")
 """The floors above the services, top first: each is imported only from inside it or a floor above it."""
+LOWER_PARTS = (("services.router.balancer", "services.router.frontend"),)
+"""(lower, upper) parts of one service: no module of ``lower`` imports a module of ``upper``."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +236,17 @@ def env_reads(root: Path, settings_modules: Iterable[str] = SETTINGS_MODULES) ->
     ]
 
 
+def part_imports(graph: Mapping[str, Iterable[Found]], parts: Sequence[tuple[str, str]] = LOWER_PARTS) -> list[Found]:
+    """Imports of a module of an upper part by a module of the lower part below it (``parts``)."""
+    return [
+        found
+        for module, imports in sorted(graph.items())
+        for found in imports
+        for lower, upper in parts
+        if _within(module, lower) and _within(found.target, upper)
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1], help="repository root")
@@ -247,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     upward = upward_imports(graph, allow=args.allow_upward)
     reads = env_reads(args.root)
     from_below = top_floor_imports(graph)
+    upper_parts = part_imports(graph)
     print(f"modules: {len(graph)}")
     print(f"import circles: {len(circles)}")
     for group in circles:
@@ -260,7 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"imports of {' or '.join(TOP_FLOORS)} from a floor below: {len(from_below)}")
     for found in from_below:
         print(f"  {found}")
-    return 1 if circles or upward or reads or from_below else 0
+    print(f"imports of a service's upper part from its lower part: {len(upper_parts)}")
+    for found in upper_parts:
+        print(f"  {found}")
+    return 1 if circles or upward or reads or from_below or upper_parts else 0
 
 
 if __name__ == "__main__":

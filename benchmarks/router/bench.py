@@ -38,8 +38,12 @@ from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import MAX_MESSAGE_BYTES, start_server
 from services.common.tokenizer import Tokenizer
+from services.router.balancer.blocks import block_hashes
+from services.router.balancer.policies.base import Candidate
+from services.router.balancer.policies.cache_aware import CacheAware
+from services.router.balancer.policies.round_robin import RoundRobin
+from services.router.balancer.tiers import TierName, choose_tier
 from services.router.config import RouterSettings
-from services.router.policy import Candidate, ReplicaSelector, RoundRobin, TierName, block_hashes, choose_tier
 from services.router.server import start_router
 from services.worker.mux import MuxCalls
 from services.worker.mux_tcp import StreamMuxServer
@@ -56,7 +60,7 @@ def decision_cost(n: int = 20000, rounds: int = 20) -> dict[str, float]:
     prompts = [rng.choice(systems) + [rng.randrange(3, 40000) for _ in range(112)] for _ in range(256)]
     names = [f"10.0.0.{i}:7101" for i in range(8)]
     loads = [rng.randrange(0, 6) for _ in names]
-    selector = ReplicaSelector()
+    selector = CacheAware()
     rr = RoundRobin()
     healthy = {TierName.EDGE, TierName.CLOUD}
 
@@ -66,7 +70,7 @@ def decision_cost(n: int = 20000, rounds: int = 20) -> dict[str, float]:
 
     def round_robin(prompt: list[int]) -> None:
         choose_tier(len(prompt), None, healthy, 128)
-        rr.pick("cloud", names)
+        rr.select([Candidate(a, b) for a, b in zip(names, loads, strict=True)], (), group="cloud")
 
     def hashing(prompt: list[int]) -> None:
         block_hashes(prompt, 16)

@@ -1,7 +1,7 @@
 """Discrete-event simulation of a tier of replicas with prefix KV caches, driven by the real policy.
 
-The replica choice is made by the router's own code (:class:`ReplicaSelector` or
-:class:`RoundRobin` from ``services.router.policy``); only the replicas are modelled:
+The replica choice is made by the router's own code (:class:`CacheAware` or
+:class:`RoundRobin` from services/router/balancer/policies/); only the replicas are modelled:
 
 - each replica runs ``slots`` sequences at once, later ones wait FIFO;
 - each holds an LRU cache of ``cache_blocks`` prefix blocks (``block`` tokens, chained hashes as
@@ -21,7 +21,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from benchmarks.stats import percentile
-from services.router.policy import Candidate, ReplicaSelector, RoundRobin, block_hashes
+from services.router.balancer.blocks import block_hashes
+from services.router.balancer.policies.base import Candidate, ReplicaPolicy
+from services.router.balancer.policies.cache_aware import CacheAware
+from services.router.balancer.policies.round_robin import RoundRobin
 
 
 @dataclass
@@ -62,8 +65,7 @@ def simulate(policy: str, cfg: SimConfig) -> dict[str, float]:
     ]
     replicas = [_Replica(f"r{i}") for i in range(cfg.replicas)]
     by_name = {r.name: r for r in replicas}
-    selector = ReplicaSelector(rng=random.Random(cfg.seed))
-    rr = RoundRobin()
+    selector: ReplicaPolicy = RoundRobin() if policy == "round_robin" else CacheAware(rng=random.Random(cfg.seed))
     events: list[tuple[float, int, str, int, int, str]] = []  # time, order, kind, conv, turn, replica
     order = 0
 
@@ -103,12 +105,7 @@ def simulate(policy: str, cfg: SimConfig) -> dict[str, float]:
         if kind == "arrive":
             history[conv] += [rng.randrange(3, 40000) for _ in range(rng.randrange(*cfg.user_tokens))]
             blocks = block_hashes(history[conv], cfg.block)
-            if policy == "round_robin":
-                picked = rr.pick("edge", [r.name for r in replicas])
-                assert picked is not None
-                name = picked
-            else:
-                name = selector.select([Candidate(r.name, r.load) for r in replicas], blocks).name
+            name = selector.select([Candidate(r.name, r.load) for r in replicas], blocks, group="edge").name
             r = by_name[name]
             if r.running < cfg.slots:
                 start(r, now, now, conv, blocks, turn)

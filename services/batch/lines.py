@@ -18,7 +18,7 @@ from services.gateway.http import openai_reply, openai_request
 from services.gateway.validation import Limits, validate_chat_request, validate_generate
 
 BATCH_PRIORITY = 0
-"""The routing priority of every batch line: the lowest class (services/router/fairness.py)."""
+"""The routing priority of every batch line: the lowest class (services/router/balancer/fairness.py)."""
 CHAT = "/v1/chat/completions"
 
 

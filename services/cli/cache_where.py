@@ -2,7 +2,7 @@
 (of the default model's primary version, or of ``--model`` and ``--version``).
 
 A thin client of ``RouterAdmin.PrefixLocation`` (the router knows what its workers hold and asks
-Redis once; see services/router/location.py). The router's address comes from ``--router``, else
+Redis once; see services/router/frontend/location.py). The router's address comes from ``--router``, else
 ``$MESHSERVE_ROUTER_ADDRESS``, else the mesh ``meshserve up`` runs (its state file); both layouts
 serve it (the router as its own process, or embedded in the gateway).
 """

@@ -23,7 +23,7 @@ from services.common.config import ClientSettings
 from services.common.errors import InvalidArgument
 from services.common.pb.meshserve.internal.v1 import router_admin_pb2, router_admin_pb2_grpc
 from services.local.state import read_state, state_path
-from services.router.rollout import parse_weights
+from services.router.frontend.rollout import parse_weights
 
 _RULE_KEYS = {"error_rate": "error_rate_margin", "ttft_ms": "ttft_p99_margin_ms", "window_s": "window_s"}
 

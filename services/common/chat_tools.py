@@ -10,7 +10,7 @@ the Hermes / Qwen2.5 convention, which the template then renders as any conversa
 * the tools' signatures go into the system message (appended to the caller's system message, or as
   a system message of their own), with the instruction to answer a call as
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (:data:`CALL_OPEN`,
-  :data:`CALL_CLOSE`: what services/router/tool_parser.py parses out of the model's output);
+  :data:`CALL_CLOSE`: what services/router/frontend/tool_parser.py parses out of the model's output);
 * an assistant message's calls are rendered back in that same form after its content;
 * consecutive ``tool`` messages become one user message of ``<tool_response>...</tool_response>``
   blocks, in order.

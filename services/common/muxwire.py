@@ -19,7 +19,7 @@ cancelling the call: every stream on it ends. A frame longer than ``max_frame`` 
 does not parse ends the connection (:class:`WireError`).
 
 This module holds only framing (:class:`FrameProtocol`) and the constants; the worker's listener is
-services/worker/mux_tcp.py, the router's client services/router/stream_transport.py.
+services/worker/mux_tcp.py, the router's client services/router/balancer/stream_transport.py.
 """
 
 from __future__ import annotations

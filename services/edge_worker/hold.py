@@ -10,7 +10,7 @@ work is active:
   chat turn that just ended keeps its sequence: its next turn, or an agent's next call, often comes
   at once);
 * **host**: the host's foreground flag (:attr:`BackgroundHold.host_until`) has not expired. The router
-  sets it while it runs a foreground turn on any worker of this host (services/router/host_hold.py),
+  sets it while it runs a foreground turn on any worker of this host (services/router/balancer/host_hold.py),
   renewing it while the turn runs; a flag that is not renewed (the router is gone or stopped) expires
   by itself, so it never holds a line for longer than its time to live.
 

@@ -28,7 +28,7 @@ class GatewaySettings(StreamingSettings):
     MESHSERVE_ROUTER_*; it serves workers' registrations and `meshserve status` on its own port,
     MESHSERVE_ROUTER_PORT; it reads the prepared model's tokenizer). The default, as under `meshserve
     up`, compose and Kubernetes, unless `router_address` is given: then false, the split layout
-    (`meshserve up --split-router`). See services/router/api.py."""
+    (`meshserve up --split-router`). See services/router/frontend/api.py."""
     overlap_admission: bool = True
     """With `embed_router`: the router prepares a request (tokenize, cache lookup, replica choice, worker
     call) while its rate-limit reservation is in flight; the worker gets work, and the caller an answer,

@@ -26,7 +26,7 @@ from services.common.interceptors import outbound_metadata
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.status_errors import Upstream, from_rpc_error
-from services.router import convert
+from services.router.frontend import convert
 from services.router.types import (
     ChatTurn,
     Chunk,

@@ -1,7 +1,7 @@
 """The public `meshserve.v1.Inference` service: authenticate, validate, then call the router.
 
 The router is an :class:`~services.router.types.InferenceRouter`: the router's own API in this process
-(the embedded layout, :class:`~services.router.api.RouterAPI`) or a client of one in another
+(the embedded layout, :class:`~services.router.frontend.api.RouterAPI`) or a client of one in another
 (:class:`~services.gateway.remote_router.RemoteRouter`); this servicer has one path for both. It turns
 the public protos into the router's domain requests, and the router's events into frames, which it
 numbers and stamps with its request id (nothing else does). Deadlines: the caller's (capped at
@@ -36,7 +36,7 @@ from services.gateway.identity import Identity
 from services.gateway.observe import observe
 from services.gateway.policy import check_embed_inputs
 from services.gateway.validation import GrammarChecks, Limits, validate_chat_request, validate_embed, validate_generate
-from services.router import convert
+from services.router.frontend import convert
 from services.router.types import (
     Chunk,
     Done,

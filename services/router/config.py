@@ -13,6 +13,7 @@ from services.common.config import StreamingSettings, default_models_dir
 from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults, read_generation_config
 from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
 from services.common.sampling import DEFAULT_MAX_TOKENS
+from services.router.balancer.policies import POLICIES
 from services.store.connection import check_redis_url
 
 WorkerList = Annotated[list[str], NoDecode]
@@ -101,7 +102,7 @@ class VersionSpec(_Strict):
 
 
 class RollbackSpec(_Strict):
-    """Automatic rollback of a canary (services/router/rollout.py, RollbackRule)."""
+    """Automatic rollback of a canary (services/router/frontend/rollout.py, RollbackRule)."""
 
     error_rate_margin: float = Field(default=0.05, ge=0)
     ttft_p99_margin_ms: float = Field(default=500.0, ge=0)
@@ -182,8 +183,9 @@ class RouterSettings(StreamingSettings):
     tier (``route.reason`` ``failover_cross_build``). 0: do not wait."""
     stall_timeout_s: float = Field(default=30.0, gt=0)
     """A worker that sends nothing for this long is treated as failed (ejected, request failed over)."""
-    routing_policy: Literal["cache_aware", "round_robin"] = "cache_aware"
-    """Replica choice: bounded-load consistent hashing + longest prefix + P2C, or plain round-robin."""
+    routing_policy: str = "cache_aware"
+    """Replica choice, a name in services/router/balancer/policies' ``POLICIES``: ``cache_aware``
+    (bounded-load consistent hashing + longest prefix + P2C) or ``round_robin``."""
     prefix_block_tokens: int = Field(default=16, ge=1)
     """Block size (tokens) of the prefix hashes used for cache-aware routing."""
     balance_epsilon: float = Field(default=0.25, gt=0)
@@ -205,7 +207,7 @@ class RouterSettings(StreamingSettings):
     hold_background_on_host: bool = True
     """While a foreground turn runs on any worker of a host (the host part of its address), tell that
     host's workers to hold their background sequences (batch lines), which share its cores
-    (services/router/host_hold.py; docs/batch.md)."""
+    (services/router/balancer/host_hold.py; docs/batch.md)."""
     eject_base_s: float = Field(default=1.0, gt=0)
     """First ejection of a failing replica lasts this long; each further one doubles it."""
     eject_max_s: float = Field(default=30.0, gt=0)
@@ -235,7 +237,7 @@ class RouterSettings(StreamingSettings):
     """Shadow copies (a rollout's shadow version) running at once; more are shed, never delaying a caller."""
     rollout_poll_s: float = Field(default=1.0, gt=0, le=60)
     """With a models file and ``redis_url``: the rollout policies are shared by every router replica through
-    Redis (services/router/rollout_sync.py); a change announced on pub/sub is applied at once, and every
+    Redis (services/router/frontend/rollout_sync.py); a change announced on pub/sub is applied at once, and every
     replica re-reads the policies at least this often (the bound when an announcement is lost)."""
     rollout_store_timeout_s: float = Field(default=0.5, gt=0)
     """Timeout of each call to the shared rollout store; a slower Redis counts as unreachable (the last known
@@ -275,6 +277,13 @@ class RouterSettings(StreamingSettings):
 
     _check_redis_url = field_validator("redis_url")(check_redis_url)
     _models: ModelsFile | None = PrivateAttr(default=None)
+
+    @field_validator("routing_policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        if name not in POLICIES:
+            raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(sorted(POLICIES))}")
+        return name
 
     @field_validator("edge_workers", "cloud_workers", mode="before")
     @classmethod

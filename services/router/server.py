@@ -18,23 +18,24 @@ from services.common.pb.meshserve.internal.v1 import registry_pb2, registry_pb2_
 from services.common.pb.meshserve.v1 import inference_pb2, inference_pb2_grpc
 from services.common.serving import RunningServer, start_server
 from services.common.tokenizer import Tokenizer
-from services.router import models
-from services.router.admin_servicer import SERVICE_NAME as ADMIN_SERVICE_NAME
-from services.router.admin_servicer import RouterAdminServicer
-from services.router.api import RouterAPI
+from services.router.balancer.core import SERVICE, Router
+from services.router.balancer.host_hold import HostHold
+from services.router.balancer.policies import PolicyOptions, make_policy
+from services.router.balancer.registry import Registry, Replica
+from services.router.balancer.slo_queue import Admission
+from services.router.balancer.stream_transport import StreamTransport
+from services.router.balancer.tiers import TierName
+from services.router.balancer.wake import IdleSweeper, Waker
 from services.router.config import ModelSpec, RouterSettings, VersionSpec
-from services.router.core import SERVICE, Router
-from services.router.host_hold import HostHold
-from services.router.location import PrefixLocator
-from services.router.policy import ReplicaSelector, TierName
-from services.router.registry import Registry, Replica
-from services.router.registry_servicer import WorkerRegistryServicer
-from services.router.rollout import RollbackRule, Rollout, RolloutPolicy
-from services.router.rollout_sync import RolloutSync
-from services.router.servicer import RouterServicer
-from services.router.slo_queue import Admission
-from services.router.stream_transport import StreamTransport
-from services.router.wake import IdleSweeper, Waker
+from services.router.frontend import models
+from services.router.frontend.admin_servicer import SERVICE_NAME as ADMIN_SERVICE_NAME
+from services.router.frontend.admin_servicer import RouterAdminServicer
+from services.router.frontend.api import RouterAPI
+from services.router.frontend.location import PrefixLocator
+from services.router.frontend.registry_servicer import WorkerRegistryServicer
+from services.router.frontend.rollout import RollbackRule, Rollout, RolloutPolicy
+from services.router.frontend.rollout_sync import RolloutSync
+from services.router.frontend.servicer import RouterServicer
 from services.store.response_cache import ResponseCache
 from services.store.rollouts import RolloutStore
 
@@ -100,7 +101,7 @@ async def start_router_api(
             pending.add(task)
             task.add_done_callback(pending.discard)
 
-    selector = ReplicaSelector(epsilon=settings.balance_epsilon)
+    selector = make_policy(settings.routing_policy, PolicyOptions(epsilon=settings.balance_epsilon))
     transport = StreamTransport(settings.internal_token)
 
     def forget(address: str) -> None:  # a replica left: what the router kept for it goes too
@@ -184,7 +185,6 @@ async def start_router_api(
             failovers_after_first_token=settings.failovers_after_first_token,
             admission=admission,
             selector=selector,
-            policy=settings.routing_policy,
             block_tokens=settings.prefix_block_tokens,
             stall_timeout_s=settings.stall_timeout_s,
             resume_same_build_wait_s=settings.resume_same_build_wait_s,

@@ -1,10 +1,10 @@
 """Tools of a chat turn in domain types: the functions, the caller's choice, the calls, their limits,
 and the one place that turns (tools, tool_choice) into the constraint the generation must obey.
 
-No transport here: services/router/convert.py builds these from ``meshserve.v1`` protos (the gateway's
+No transport here: services/router/frontend/convert.py builds these from ``meshserve.v1`` protos (the gateway's
 HTTP adapter builds the protos from OpenAI JSON). Rendering the tools into the prompt is the
 tokenizer's (services/common/chat_tools.py); parsing the model's output into calls is
-services/router/tool_parser.py's, on the router, so gRPC and HTTP callers get the same calls.
+services/router/frontend/tool_parser.py's, on the router, so gRPC and HTTP callers get the same calls.
 
 Every limit is a module constant; a turn over one is INVALID_ARGUMENT naming the field and the limit.
 """
@@ -277,7 +277,7 @@ def tool_constraint(tools: Sequence[Tool], choice: ToolChoice) -> ToolConstraint
 
     Every call's JSON carries llguidance's ``x-guidance`` layout (:data:`_COMPACT`): compact, as
     ``json.dumps`` writes it. The output under each is what
-    :class:`~services.router.tool_parser.ToolCallParser` parses (tests/unit/router/test_tools.py runs
+    :class:`~services.router.frontend.tool_parser.ToolCallParser` parses (tests/unit/router/test_tools.py runs
     both over the model's vocabulary).
     """
     if not calls_possible(tools, choice):

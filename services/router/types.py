@@ -1,10 +1,10 @@
 """The router's API in domain types: what a caller asks, what it gets back, and its admission.
 
 No transport here: the gateway builds these in its own process (the embedded layout) and the
-router's gRPC servicer builds them from protos (the split layout); :mod:`services.router.convert`
+router's gRPC servicer builds them from protos (the split layout); :mod:`services.router.frontend.convert`
 is the only place that knows both.
 
-A caller asks :class:`~services.router.api.RouterAPI` for a :class:`Generation` (a prompt) or a
+A caller asks :class:`~services.router.frontend.api.RouterAPI` for a :class:`Generation` (a prompt) or a
 chat's :class:`ChatTurn` (messages) and gets a stream of :class:`Chunk` events ending with one
 :class:`Done`. Request ids and frame sequence numbers are not part of the events: whoever writes
 frames stamps them, once.
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 from services.common.generation_defaults import NO_DEFAULTS, GenerationDefaults
 from services.common.logprobs import TokenLogprob
 from services.common.sampling import SamplingParams
-from services.router.policy import TierName
+from services.router.balancer.tiers import TierName
 from services.router.tools import Tool, ToolCall, ToolCallDelta, ToolChoice
 
 MAX_PRIORITY = 9
@@ -231,8 +231,8 @@ class ModelInfo:
     generation_defaults: GenerationDefaults = NO_DEFAULTS
     """What a request leaving a sampling field unset gets (the primary version's defaults)."""
     state: str = ""
-    """``awake``, ``waking``, ``asleep`` or ``stopped``: its primary version's replicas (services/router/wake.py
-    ``version_state``); "" from a router before scale from zero."""
+    """``awake``, ``waking``, ``asleep`` or ``stopped``: its primary version's replicas
+    (services/router/balancer/wake.py ``version_state``); "" from a router before scale from zero."""
 
 
 @dataclass
@@ -318,7 +318,7 @@ class ChatChannel(Protocol):
 
 class InferenceRouter(Protocol):
     """What a caller of the router relies on: the router in this process
-    (:class:`~services.router.api.RouterAPI`) or a client of one in another
+    (:class:`~services.router.frontend.api.RouterAPI`) or a client of one in another
     (services/gateway/remote_router.py)."""
 
     overlaps_admission: bool

@@ -10,7 +10,7 @@ replicas hold), stores it and publishes the model id on
 :data:`services.store.keys.ROLLOUT_CHANNEL`, so writes of one model are totally ordered and a reader
 applies a policy only when its epoch is newer than the one it holds (a late notice, or a poll that
 crosses a write, never steps back). The policy is an opaque JSON object here; the router's rollout
-domain (services/router/rollout.py) gives it meaning.
+domain (services/router/frontend/rollout.py) gives it meaning.
 
 Every call is bounded by ``timeout_s``; any Redis failure (an error, a timeout, a closed connection)
 raises :class:`~services.common.errors.Unavailable`, so callers decide how to fail open without

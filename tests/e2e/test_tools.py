@@ -4,7 +4,7 @@ the next turn) and through the official ``openai`` client via Envoy, streaming a
 SmolLM2-135M-Instruct's template knows no tools: they reach it through the documented fallback
 rendering (services/common/chat_tools.py), and the unconstrained 135M model answers them with text.
 The parse / stream path with calls in the output is covered with scripted output in
-tests/unit/router/test_api.py, test_tool_parser.py and tests/unit/gateway/http/test_app_tools.py.
+tests/unit/router/frontend/test_api.py, test_tool_parser.py and tests/unit/gateway/http/test_app_tools.py.
 The tests that need calls from the real model need the tool constraint applied to the generation
 (services/router/tools.py, ``constrained``), applied since the structured-output merge (``CONSTRAINT_APPLIED``).
 """

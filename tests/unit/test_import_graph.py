@@ -1,6 +1,7 @@
 """The layering of services/ (scripts/import_graph.py): no import circles, nothing imported upward
 from the ground floor (services.common), no named environment variable read outside the settings
-module, no service importing the CLI (services.cli) or the launcher (services.local). The checker
+module, no service importing the CLI (services.cli) or the launcher (services.local), the router's
+load balancer never importing its front end. The checker
 itself is tested first on small trees, so that a clean result means a clean tree."""
 
 from __future__ import annotations
@@ -148,6 +149,29 @@ def test_the_cli_and_the_launcher_are_imported_only_from_their_floor_or_above(tm
     assert ig.main(["--root", str(root)]) == 1
 
 
+def test_the_routers_balancer_never_imports_its_front_end(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            "services/__init__.py": "",
+            "services/router/__init__.py": "",
+            "services/router/server.py": (
+                "from services.router.frontend import api\nfrom services.router.balancer import core\n"
+            ),
+            "services/router/types.py": "",
+            "services/router/frontend/__init__.py": "",
+            "services/router/frontend/api.py": "from services.router.balancer.core import Router\n",
+            "services/router/balancer/__init__.py": "",
+            "services/router/balancer/core.py": "from services.router import types\n",
+            "services/router/balancer/wake.py": "def f():\n    from services.router.frontend.api import RouterAPI\n",
+        },
+    )
+    assert [str(f) for f in ig.part_imports(ig.build_graph(root))] == [
+        "services.router.balancer.wake:2 -> services.router.frontend.api"
+    ]
+    assert ig.main(["--root", str(root)]) == 1
+
+
 def test_the_command_exits_1_on_a_finding_and_0_on_a_clean_tree(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -185,3 +209,10 @@ def test_no_service_imports_the_cli_or_the_launcher(graph: dict[str, list[object
 def test_no_module_outside_the_settings_module_reads_a_named_environment_variable() -> None:
     reads = [str(f) for f in ig.env_reads(ROOT)]
     assert reads == [], "read it through a settings class of services/common/config.py (or a service's config)"
+
+
+def test_no_lower_part_of_a_service_imports_its_upper_part(graph: dict[str, list[object]]) -> None:
+    found = [str(f) for f in ig.part_imports(graph)]
+    assert found == [], (
+        "the router's balancer imports its front end; move the shared piece to the balancer or the router's root"
+    )

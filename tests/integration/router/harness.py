@@ -21,9 +21,9 @@ from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import RunningServer
 from services.common.tokenizer import Tokenizer
-from services.router.api import RouterAPI
+from services.router.balancer.core import Router
 from services.router.config import RouterSettings
-from services.router.core import Router
+from services.router.frontend.api import RouterAPI
 from services.router.server import start_router, start_router_api
 from tests.integration.router.fake_worker import FakeWorker, start_fake
 

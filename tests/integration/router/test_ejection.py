@@ -10,8 +10,9 @@ import random
 import pytest
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.router.policy import Candidate, ReplicaSelector
-from services.router.registry import Registry
+from services.router.balancer.policies.base import Candidate
+from services.router.balancer.policies.cache_aware import CacheAware
+from services.router.balancer.registry import Registry
 from tests.integration.router.fake_worker import start_fake
 from tests.integration.router.harness import TOKEN
 
@@ -40,7 +41,7 @@ async def test_ejected_replica_waits_out_its_backoff_then_takes_traffic_graduall
         assert a.ejections == 1 and a.readmitted_at > 0
         assert a.load > b.load == 0  # the re-admission penalty
 
-        selector = ReplicaSelector(rng=random.Random(0))
+        selector = CacheAware(rng=random.Random(0))
         share = {a.address: 0, b.address: 0}
         for _ in range(6):  # six concurrent short requests, each held while the next is placed
             pick = selector.select([Candidate(r.address, r.load) for r in (a, b)], [])

@@ -23,9 +23,9 @@ from services.common.serving import MAX_MESSAGE_BYTES
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.ort_engine import OrtEngine
 from services.edge_worker.server import build_engine, start_edge_worker
+from services.router.balancer.stream_transport import StreamConnection
 from services.router.config import RouterSettings
 from services.router.server import start_router_api
-from services.router.stream_transport import StreamConnection
 from services.worker.server import RunningWorker
 from tests.helpers import RedisServer
 

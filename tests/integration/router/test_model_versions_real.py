@@ -31,9 +31,9 @@ from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import SamplingParams
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.server import start_edge_worker
-from services.router.api import RouterAPI
+from services.router.frontend.api import RouterAPI
+from services.router.frontend.rollout import RolloutPolicy
 from services.router.metrics import ROLLBACKS
-from services.router.rollout import RolloutPolicy
 from services.router.types import ChatMessage, ChatTurn, Done, Generation, Routing
 from services.worker.server import RunningWorker
 from tests.integration.router.harness import ADMIN_META as ADMIN
@@ -123,7 +123,7 @@ def greedy(prompt: str, *, use_cache: bool, max_tokens: int = 6, model: str = ""
 
 def sampled(prompt: str, *, max_tokens: int = 1, model: str = "") -> Generation:
     """A tiny request with unseeded sampling: never answered from the response cache nor collapsed with
-    another (services/router/core.py serves only deterministic requests from those), so each one is
+    another (services/router/balancer/core.py serves only deterministic requests from those), so each one is
     routed by the rollout's draw."""
     return Generation(
         model=model,

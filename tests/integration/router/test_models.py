@@ -18,9 +18,9 @@ from services.common.pb.meshserve.internal.v1 import router_admin_pb2 as admin_p
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
-from services.router.api import RouterAPI
+from services.router.balancer.tiers import TierName
+from services.router.frontend.api import RouterAPI
 from services.router.metrics import ROLLBACKS
-from services.router.policy import TierName
 from services.router.types import ChatMessage, ChatTurn, Done, Generation, Routing
 from tests.integration.router.fake_worker import FakeWorker, start_fake
 from tests.integration.router.harness import ADMIN_META, HF_DIR, META, TOKEN, ModelsRouter, open_models_router

@@ -21,8 +21,8 @@ from services.common.serving import RunningServer
 from services.common.tokenizer import Tokenizer
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.server import start_edge_worker
+from services.router.balancer.core import Router
 from services.router.config import RouterSettings
-from services.router.core import Router
 from services.router.server import start_router
 from tests.integration.router.harness import META, TOKEN, wait_serving
 

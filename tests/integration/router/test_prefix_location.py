@@ -23,8 +23,8 @@ from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.common.serving import RunningServer
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.server import start_gpu_worker
+from services.router.balancer.core import Router
 from services.router.config import RouterSettings
-from services.router.core import Router
 from services.router.server import start_router
 from services.worker.server import RunningWorker
 from tests.helpers import RedisServer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.router.registry import Registry
+from services.router.balancer.registry import Registry
 from tests.integration.router.fake_worker import start_fake
 from tests.integration.router.harness import TOKEN
 

@@ -24,11 +24,11 @@ from services.common.serving import RunningServer
 from services.common.tokenizer import Tokenizer
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.server import start_edge_worker
+from services.router.balancer.core import Router
+from services.router.balancer.registry import Registry
+from services.router.balancer.tiers import TierName
 from services.router.config import RouterSettings
-from services.router.core import Router
 from services.router.metrics import REPLICA_DECISIONS
-from services.router.policy import TierName
-from services.router.registry import Registry
 from services.router.server import start_router
 from services.router.types import TurnRequest
 from services.worker.server import RunningWorker

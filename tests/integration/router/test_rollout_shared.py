@@ -25,8 +25,8 @@ from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.sampling import SamplingParams
 from services.common.serving import RunningServer
 from services.common.tokenizer import Tokenizer
-from services.router.api import RouterAPI
 from services.router.config import RouterSettings
+from services.router.frontend.api import RouterAPI
 from services.router.server import start_router_api
 from services.router.types import Generation, Routing
 from services.store.keys import rollout_key

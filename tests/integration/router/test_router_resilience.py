@@ -9,8 +9,8 @@ import pytest
 
 from services.common import errors
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
-from services.router.policy import TierName
-from services.router.registry import Registry, WorkerReport
+from services.router.balancer.registry import Registry, WorkerReport
+from services.router.balancer.tiers import TierName
 from tests.integration.router.fake_worker import start_fake
 from tests.integration.router.harness import LONG_PROMPT, META, TOKEN, Mesh, final, generate, request, tokens
 

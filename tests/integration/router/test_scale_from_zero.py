@@ -23,12 +23,12 @@ from services.common.serving import RunningServer
 from services.common.tokenizer import Tokenizer
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.server import start_edge_worker
+from services.router.balancer.core import Router
+from services.router.balancer.registry import Replica
+from services.router.balancer.wake import Waker
 from services.router.config import RouterSettings
-from services.router.core import Router
 from services.router.metrics import HELD, WAKES
-from services.router.registry import Replica
 from services.router.server import start_router
-from services.router.wake import Waker
 from services.worker.server import RunningWorker
 from tests.integration.router.harness import META, TOKEN, wait_serving
 

@@ -1,4 +1,4 @@
-"""The router's worker streams over the stream transport (services/router/stream_transport.py): a
+"""The router's worker streams over the stream transport (services/router/balancer/stream_transport.py): a
 real router, fake workers serving the worker runtime's own listener (services/worker/mux_tcp.py)
 over real TCP. One connection per worker carries every stream; cancel and a worker's death behave
 as before; a worker whose stream port cannot be used is a failed worker (ejected, the request

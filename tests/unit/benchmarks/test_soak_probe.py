@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 
 from benchmarks.load.soak import FILL_PROMPTS, fd_change, fill_items, redis_summary
 from benchmarks.load.soak_probe import Endpoints, LogCounter, fd_kinds, port_owners, redis_client_owners, redis_stats
-from services.router.encoding import ENCODED_PROMPTS
+from services.router.frontend.encoding import ENCODED_PROMPTS
 from tests.helpers import RedisServer
 
 

@@ -14,8 +14,8 @@ from prometheus_client import REGISTRY
 from services.common.config import load_settings
 from services.common.metrics import track_load
 from services.common.pb.meshserve.internal.v1 import worker_pb2_grpc
-from services.router.policy import TierName
-from services.router.slo_queue import Admission as RouterAdmission
+from services.router.balancer.slo_queue import Admission as RouterAdmission
+from services.router.balancer.tiers import TierName
 from services.worker.config import WorkerSettings
 from services.worker.server import start_worker
 from services.worker.slots import Admission as WorkerAdmission

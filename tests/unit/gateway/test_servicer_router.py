@@ -21,7 +21,7 @@ from services.gateway.config import GatewaySettings
 from services.gateway.identity import Authenticator
 from services.gateway.ratelimit import Reservation
 from services.gateway.servicer import GatewayServicer
-from services.router.policy import TierName
+from services.router.balancer.tiers import TierName
 from services.router.types import (
     ChatChannel,
     Chunk,

@@ -233,3 +233,12 @@ def test_bad_idle_policies_are_config_errors_naming_the_field(tmp_path, text: st
 def test_bad_idle_settings_are_config_errors(fields: dict[str, float], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_settings(RouterSettings, **fields)
+
+
+def test_the_routing_policy_is_a_name_from_the_policy_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MESHSERVE_ROUTER_EDGE_WORKERS", "127.0.0.1:1")
+    monkeypatch.setenv("MESHSERVE_ROUTER_ROUTING_POLICY", "round_robin")
+    assert load_settings(RouterSettings).routing_policy == "round_robin"
+    monkeypatch.setenv("MESHSERVE_ROUTER_ROUTING_POLICY", "fastest")
+    with pytest.raises(ConfigError, match="unknown routing policy 'fastest'; choose one of cache_aware, round_robin"):
+        load_settings(RouterSettings)

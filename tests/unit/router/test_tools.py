@@ -15,7 +15,7 @@ from services.common.model_paths import model_paths
 from services.common.sampling import SamplingParams
 from services.common.tokenizer import Tokenizer
 from services.router import tools as t
-from services.router.tool_parser import ToolCallParser
+from services.router.frontend.tool_parser import ToolCallParser
 from services.router.tools import Tool, ToolCall, ToolChoice, ToolChoiceMode
 
 WEATHER = Tool(

@@ -38,12 +38,12 @@ def test_only_files_under_the_measured_trees_services_count(tmp_path: Path) -> N
 def test_files_first_called_after_the_first_token_are_set_apart(tmp_path: Path) -> None:
     rp = load()
     rows = [
-        [str(tmp_path / "services/router/core.py"), "RouterCore.generate", 1.0],
-        [str(tmp_path / "services/router/core.py"), "RouterCore._finish", 3.0],  # same file: still counted
+        [str(tmp_path / "services/router/balancer/core.py"), "RouterCore.generate", 1.0],
+        [str(tmp_path / "services/router/balancer/core.py"), "RouterCore._finish", 3.0],  # same file: still counted
         [str(tmp_path / "services/store/response_codec.py"), "encode_response", 2.5],
     ]
     recorded = rp.Recorded.from_rows(tmp_path, rows, cutoff=2.0)
-    assert recorded.files == {"services/router/core.py"}
+    assert recorded.files == {"services/router/balancer/core.py"}
     assert recorded.late == {"services/store/response_codec.py": ["encode_response"]}
     report = rp.summarize("/tree", "abc123", {"gateway": recorded}, {})
     assert report["total_files"] == 1
@@ -58,7 +58,7 @@ def test_report_counts_each_file_once_and_excludes_infrastructure() -> None:
             "services/gateway/servicer.py": ["a"],
             "services/common/tracing.py": ["b"],
             "services/common/pb/meshserve/v1/inference_pb2_grpc.py": ["c"],
-            "services/router/core.py": ["d"],
+            "services/router/balancer/core.py": ["d"],
         }
     )
     worker = rp.Recorded(
@@ -68,7 +68,7 @@ def test_report_counts_each_file_once_and_excludes_infrastructure() -> None:
             "services/worker/config.py": ["f"],
         }
     )
-    idle = {"gateway": rp.Recorded({"services/router/registry.py": ["g"]}), "worker": rp.Recorded()}
+    idle = {"gateway": rp.Recorded({"services/router/balancer/registry.py": ["g"]}), "worker": rp.Recorded()}
     report = rp.summarize("/tree", "abc123", {"gateway": gateway, "worker": worker}, idle)
     assert report["total_files"] == 6  # tracing.py is in both processes and counts once
     assert report["files_excluding_infrastructure"] == 3
@@ -83,9 +83,9 @@ def test_report_counts_each_file_once_and_excludes_infrastructure() -> None:
         "services/common": ["tracing.py"],
         "services/common/pb": ["inference_pb2_grpc.py"],
         "services/gateway": ["servicer.py"],
-        "services/router": ["core.py"],
+        "services/router/balancer": ["core.py"],
     }
-    assert report["idle_window_files"] == ["services/router/registry.py"]
+    assert report["idle_window_files"] == ["services/router/balancer/registry.py"]
     assert report["request_files_also_seen_idle"] == []
 
     text = rp.render_markdown(report)

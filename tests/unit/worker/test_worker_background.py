@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from services.common.generation import GenerationRequest
 from services.common.sampling import SamplingParams
-from services.router.stream_transport import _start_pb
+from services.router.balancer.stream_transport import _start_pb
 from services.worker.runner import Runner
 from tests.unit.worker.fakes import TOKENIZER, FakeEngine
 

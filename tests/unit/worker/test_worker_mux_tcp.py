@@ -1,6 +1,6 @@
 """The stream transport end to end over real TCP on 127.0.0.1: the worker's listener
 (services/worker/mux_tcp.py) with a fake Generate, the router's StreamConnection
-(services/router/stream_transport.py), and raw sockets that break the rules."""
+(services/router/balancer/stream_transport.py), and raw sockets that break the rules."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from services.common import errors, muxwire
 from services.common.pb.meshserve.internal.v1 import worker_pb2
-from services.router.stream_transport import StreamConnection, split_host
-from services.router.worker_stream import WorkerFailed
+from services.router.balancer.stream_transport import StreamConnection, split_host
+from services.router.balancer.worker_stream import WorkerFailed
 from services.worker import mux_tcp
 from services.worker.mux import MuxCalls
 from services.worker.mux_tcp import StreamMuxServer

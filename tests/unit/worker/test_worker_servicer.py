@@ -16,7 +16,7 @@ from services.common.config import DEFAULT_INTERNAL_TOKEN, load_settings
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.serving import MAX_MESSAGE_BYTES
-from services.router.stream_transport import StreamConnection
+from services.router.balancer.stream_transport import StreamConnection
 from services.worker.config import WorkerSettings
 from services.worker.server import RunningWorker, start_worker
 from tests.unit.worker.fakes import EOS, TOKENIZER, VOCAB, FakeEngine

@@ -285,7 +285,7 @@ _tool = st.fixed_dictionaries(
 )
 @settings(max_examples=300, deadline=None)
 def test_any_tools_json_is_a_turn_or_a_400_never_a_crash(tools: Any, choice: Any, calls: Any, extra: Any) -> None:
-    from services.router import convert
+    from services.router.frontend import convert
 
     body = {
         "messages": [
