@@ -9,7 +9,9 @@ last row is the same as in the full graph (and a decode row, length 1, is unchan
 
 The edit is a ``Slice`` in front of the LM head, made in memory at load time: the prepared model on
 disk (and onnxruntime-genai's use of it) is unchanged; the weights are read from the model directory.
-The edited graph is kept in a cache directory for the next start (:mod:`services.edge_worker.load_cache`).
+The edit itself is :mod:`services.edge_worker.graph_edit` (the one user of ``onnx`` on a worker), run only
+when the load cache has no entry: the edited graph is kept in a cache directory for the next start
+(:mod:`services.edge_worker.load_cache`).
 ``lm_head="int8"`` also moves the head onto onnxruntime's int8 GEMM (:mod:`services.edge_worker.int8head`).
 ``int4_kernel="native"`` moves the 4-bit matmuls onto our row-invariant kernel, an onnxruntime custom op
 (:mod:`services.edge_worker.native.graph`), and the attention onto our own op
@@ -18,47 +20,28 @@ The edited graph is kept in a cache directory for the next start (:mod:`services
 
 from __future__ import annotations
 
-import json
-import os
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import structlog
-from onnx import helper, numpy_helper
-from tokenizers import Tokenizer
 
-from services.edge_worker import int8head
-from services.edge_worker.int8head import CALIBRATION_TOKENS, OUTLIER_CHANNELS, int8_lm_head, outlier_channels
 from services.edge_worker.load_cache import GraphCache, graph_key
-from services.edge_worker.native import attention_graph, swiglu_graph
-from services.edge_worker.native import graph as native_graph
 from services.edge_worker.native import kernel as native_kernel
 from services.models.biascorrect import CALIBRATION_TEXT
 
 log = structlog.get_logger(__name__)
 
-LAST_POSITIONS = 2
-
-
-def _last_positions(model: onnx.ModelProto) -> None:
-    graph = model.graph
-    head = next((node for node in graph.node if "logits" in node.output), None)
-    if head is None:
-        raise ValueError("the decoder graph has no node producing 'logits'")
-    hidden = head.input[0]
-    sliced = f"{hidden}/last_positions"
-    names = ("last_positions_starts", "last_positions_ends", "last_positions_axes")
-    values = (-LAST_POSITIONS, np.iinfo(np.int64).max, 1)
-    for name, value in zip(names, values, strict=True):
-        graph.initializer.append(numpy_helper.from_array(np.array([value], dtype=np.int64), name))
-    index = list(graph.node).index(head)
-    graph.node.insert(index, helper.make_node("Slice", [hidden, *names], [sliced], name="/lm_head/LastPositions"))
-    head.input[0] = sliced
-    for output in graph.output:
-        if output.name == "logits":
-            output.type.tensor_type.shape.dim[1].dim_param = "last_positions"
+_HERE = Path(__file__).parent
+EDIT_SOURCES = (_HERE / "graph_edit.py", _HERE / "int8head.py")
+"""The modules that make the edit: a change to either makes a new cache entry."""
+NATIVE_SOURCES = (
+    _HERE / "native" / "graph.py",
+    _HERE / "native" / "attention_graph.py",
+    _HERE / "native" / "swiglu_graph.py",
+)
+"""The modules that put the native ops into the graph (their C sources: ``native_kernel.SOURCES``)."""
 
 
 LM_HEADS = ("nbits", "int8")
@@ -123,6 +106,8 @@ def load_sessions(
         graph = cache.get(key)
         log.info("edge_graph_cache", hit=graph is not None, entry=str(cache_dir / f"{key}.onnx"))
     if graph is None:
+        from services.edge_worker.graph_edit import edited_graph  # onnx: only on a cache miss (graph_edit.py)
+
         graph = edited_graph(
             model_path, options[0], lm_head=lm_head, int4_kernel=int4_kernel, last_positions=last_positions
         )
@@ -131,60 +116,17 @@ def load_sessions(
     return [ort.InferenceSession(graph, each, providers=["CPUExecutionProvider"]) for each in options]
 
 
-def edited_graph(
-    model_path: Path,
-    options: ort.SessionOptions,
-    *,
-    lm_head: str,
-    int4_kernel: str = "mlas",
-    last_positions: bool = True,
-) -> bytes:
-    """The serialized graph :func:`load_session` runs (``options`` must name the external data folder);
-    ``last_positions=False`` leaves out the slice to the last :data:`LAST_POSITIONS` positions."""
-    model = onnx.load(str(model_path), load_external_data=False)
-    outliers = None
-    if lm_head == "int8":
-        tokenizer = Tokenizer.from_file(str(model_path.parent / "tokenizer.json"))
-        ids = tokenizer.encode(CALIBRATION_TEXT.read_text()).ids[:CALIBRATION_TOKENS]
-        decoder = json.loads((model_path.parent / "genai_config.json").read_text())["model"]["decoder"]
-        outliers = outlier_channels(model, options, list(ids), int(decoder["head_size"]))
-    if last_positions:
-        _last_positions(model)
-    if lm_head == "int8" and not int8_lm_head(model, model_path.parent, outliers):
-        raise ValueError(f"lm_head 'int8' needs an 8-bit MatMulNBits LM head, which {model_path} does not have")
-    if int4_kernel == "native":
-        replaced = native_graph.use_int4_op(model, model_path.parent, _native_threads(options))
-        log.info("edge_int4_native_op", replaced=replaced, swiglu_fused=swiglu_graph.use_swiglu_op(model))
-        log.info("edge_native_attention_op", replaced=attention_graph.use_attention_op(model))
-    return model.SerializeToString()
-
-
-def _native_threads(options: ort.SessionOptions) -> int:
-    """The native kernel's threads: the session's intra-op threads (0, onnxruntime's default: one per core)."""
-    return options.intra_op_num_threads or os.cpu_count() or 1
-
-
 def _cache_key(model_path: Path, lm_head: str, options: ort.SessionOptions, int4_kernel: str = "mlas") -> str:
     settings: dict[str, object] = {
         "lm_head": lm_head,
         # the calibration run's threads: a different split of its sums could rank a near-tie differently
         "intra_op_threads": options.intra_op_num_threads,
-        "last_positions": LAST_POSITIONS,
-        "outlier_channels": OUTLIER_CHANNELS,
-        "calibration_tokens": CALIBRATION_TOKENS,
     }
-    versions = {"onnx": onnx.__version__, "onnxruntime": ort.__version__, "numpy": np.__version__}
-    sources = [Path(__file__), Path(int8head.__file__), CALIBRATION_TEXT]
+    versions = {"onnx": version("onnx"), "onnxruntime": ort.__version__, "numpy": np.__version__}
+    sources = [Path(__file__), *EDIT_SOURCES, CALIBRATION_TEXT]  # the edit's constants are in its sources
     if int4_kernel != "mlas":  # only then: the default's key (and its cached entries) stay as they were
         settings["int4_kernel"] = int4_kernel
-        settings["int4_kernel_threads"] = _native_threads(options)
+        settings["int4_kernel_threads"] = native_kernel.kernel_threads(options.intra_op_num_threads)
         # the C sources too: they define the packed layout the edited graph's weights are in
-        sources += [
-            Path(native_graph.__file__),
-            Path(native_kernel.__file__),
-            Path(attention_graph.__file__),
-            Path(swiglu_graph.__file__),
-            *native_kernel.SOURCES,
-            *native_kernel.HEADERS,
-        ]
+        sources += [*NATIVE_SOURCES, Path(native_kernel.__file__), *native_kernel.SOURCES, *native_kernel.HEADERS]
     return graph_key(model_path, settings=settings, sources=sources, versions=versions)

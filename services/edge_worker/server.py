@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 import structlog
 
 from services.common.errors import ConfigError
 from services.edge_worker.config import EdgeWorkerSettings
 from services.edge_worker.native.kernel import KernelUnavailable, compile_kernel
-from services.edge_worker.og_engine import OgEngine
 from services.edge_worker.ort_engine import OrtEngine
 from services.worker.server import RunningWorker, start_worker
+
+if TYPE_CHECKING:
+    from services.edge_worker.og_engine import OgEngine
 
 TIER = "edge"
 
@@ -42,6 +45,8 @@ def build_engine(settings: EdgeWorkerSettings) -> OrtEngine | OgEngine:
     """Load the model named by the settings (blocking: seconds); ConfigError (one sentence) when
     ``int4_kernel=native`` cannot be built or run here (:func:`int4_kernel`)."""
     if settings.engine == "og":
+        from services.edge_worker.og_engine import OgEngine  # onnxruntime-genai: only for this engine
+
         return OgEngine(
             settings.check_model(),
             model_id=settings.model_id,

@@ -56,6 +56,12 @@ class KernelUnavailable(RuntimeError):
     """The kernel cannot be built or run here (no gcc, not x86-64, no AVX2/FMA/F16C, or the build failed)."""
 
 
+def kernel_threads(intra_op_threads: int) -> int:
+    """The native kernel's threads for a session of ``intra_op_threads`` (0, onnxruntime's default: one
+    per core)."""
+    return intra_op_threads or os.cpu_count() or 1
+
+
 def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "meshserve" / "int4-kernel"
 

@@ -18,7 +18,8 @@ import onnxruntime as ort
 import pytest
 
 from services.common.model_paths import model_paths
-from services.edge_worker.graph import edited_graph, load_session
+from services.edge_worker.graph import load_session
+from services.edge_worker.graph_edit import edited_graph
 from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.native.attention_graph import OP as ATTENTION_OP
 from services.edge_worker.native.attention_graph import use_attention_op
