@@ -342,7 +342,7 @@ async def run_up(args: argparse.Namespace) -> int:
                 else ""
             )
             + "".join(
-                f"  scale from zero: {p.model}'s workers ({', '.join(p.workers)}) stop after {p.stop_after_s:g} s "
+                f"  scale from zero: {p.pool}'s workers ({', '.join(p.workers)}) stop after {p.stop_after_s:g} s "
                 "without a request; a request then starts one\n"
                 for p in (mesh.scaler.policies if mesh.scaler is not None else [])
             )

@@ -41,7 +41,7 @@ from services.common.model_paths import DEFAULT_MODEL_ID, ModelPaths, model_path
 from services.common.processes import LogSink, ServiceProcess, free_port, stdout_sink, wait_for_health, yield_on_wakeup
 from services.controlplane.frontdoor import FrontDoor
 from services.local.redis_server import STATE_REDIS_ARGS, cache_redis_args, spawn_redis, wait_redis
-from services.local.scaler import Scaler, SupervisedWorkers, sink_logger, stop_policies
+from services.local.scaler import Scaler, SupervisedWorkers, WorkerMap, sink_logger, stop_policies
 from services.local.scaler import run as scaler_run
 from services.local.supervise import RestartPolicy, Supervisor
 
@@ -528,14 +528,24 @@ class Mesh:
             for adapter in self.front_door.adapters:
                 sup.watch(adapter, adapter_ready, pin("MESHSERVE_GATEWAY_HTTP_PORT"), standby=spares)
 
-    def workers_by_model(self) -> dict[str, list[str]]:
-        """Model id -> the names of the worker processes serving it, in start order (edge first)."""
-        out: dict[str, list[str]] = {}
+    def workers_by_version(self) -> WorkerMap:
+        """Model id -> version -> the names of the worker processes serving it, in start order (edge
+        first). The versions are those of the models file the mesh writes (:func:`models_file`); with
+        no extra version or model the default model's workers are under None (the file asked for
+        names its versions, not which worker runs which)."""
+        split = bool(self.config.edge_versions or self.config.edge_models)
+        out: dict[str, dict[str | None, list[str]]] = {}
+        version: str | None
         for name in self.processes:
             if name.startswith("edge-model-"):
-                out.setdefault(name.removeprefix("edge-model-"), []).append(name)
+                model, version = name.removeprefix("edge-model-"), EXTRA_MODEL_BUILD
+            elif name.startswith("edge-version-"):
+                model, version = DEFAULT_MODEL_ID, name.removeprefix("edge-version-")
             elif name.startswith(("edge-", "cloud-")):
-                out.setdefault(DEFAULT_MODEL_ID, []).append(name)
+                model, version = DEFAULT_MODEL_ID, PREPARED_VERSION if split else None
+            else:
+                continue
+            out.setdefault(model, {}).setdefault(version, []).append(name)
         return out
 
     def router_metrics_urls(self) -> list[str]:
@@ -547,7 +557,7 @@ class Mesh:
     def _scale(self) -> None:
         """Start the local scaler (services/local/scaler.py) when a model has a stop policy."""
         assert self.supervisor is not None
-        policies = stop_policies(self.models, self.workers_by_model())
+        policies = stop_policies(self.models, self.workers_by_version())
         if not policies:
             return
         self.scaler = Scaler(
@@ -662,6 +672,10 @@ model card recommends, where an operator sees and changes them (``meshserve up -
 EXTRA_MODEL_BUILD = "1"
 """The build id an extra model id's worker reports (``MeshConfig.edge_models``)."""
 
+PREPARED_VERSION = "prepared"
+"""The default model's version that its own workers (edge-N, cloud-N) serve in the models file the mesh
+writes with extra versions or models."""
+
 
 def models_file(cfg: MeshConfig, default: ModelPaths) -> str:
     """The router's models file (YAML) for ``cfg``. With extra versions or models: the default model with
@@ -672,8 +686,8 @@ def models_file(cfg: MeshConfig, default: ModelPaths) -> str:
     over the file's."""
     given = read_models(cfg.models_file) if cfg.models_file else {}
     if cfg.edge_versions or cfg.edge_models:
-        versions = [{"name": "prepared", "build": default.version()}] + [{"name": n} for n in cfg.edge_versions]
-        weights = {"weights": {"prepared": 100}}
+        versions = [{"name": PREPARED_VERSION, "build": default.version()}] + [{"name": n} for n in cfg.edge_versions]
+        weights = {"weights": {PREPARED_VERSION: 100}}
         entry: dict[str, Any] = {"id": DEFAULT_MODEL_ID, "versions": versions, "rollout": weights}
         for spec in given.get("models", ()):  # the default model's defaults and idle policy stay the file's
             if spec.get("id") == DEFAULT_MODEL_ID:

@@ -1,12 +1,16 @@
 """The local scaler of ``meshserve up``: the stop policy of the idle policy (docs/deploy.md, *Scale from zero*).
 
-A model whose idle policy has ``min_replicas: 0`` and ``stop_after_s`` loses its worker processes once
-the routers have seen no request for it that long, and gets one back as soon as a request for it is
-held. The routers say both in their Prometheus metrics (the same gauges KEDA reads on Kubernetes):
+A model version whose idle policy has ``min_replicas: 0`` and ``stop_after_s`` (its own ``idle:``, else
+its model's, as the routers apply them) loses its worker processes once the routers have seen no
+request for it that long, and gets one back as soon as a request for it is held. Each version is its
+own pool when the mesh knows which workers serve which version (``meshserve up --edge-version``): a
+canary that nobody calls stops while the stable version serves, and a request held for the canary
+starts the canary's worker. Otherwise the model is one pool over all its versions. The routers say
+both in their Prometheus metrics (the same gauges KEDA reads on Kubernetes):
 
-- ``meshserve_router_idle_seconds{model,version}``: seconds since the version's last request. The
-  model is idle for the smallest value over its versions and over every router (each gateway replica
-  has its own router and sees only its own requests);
+- ``meshserve_router_idle_seconds{model,version}``: seconds since the version's last request. A pool
+  is idle for the smallest value over its versions and over every router (each gateway replica has
+  its own router and sees only its own requests);
 - ``meshserve_router_held_requests{model,version}``: requests waiting for a replica, summed.
 
 :class:`Scaler` is the policy alone, over text and a :class:`Workers` interface, so it tests with fakes;
@@ -16,7 +20,7 @@ which does not restart a worker stopped on purpose and shows it as ``stopped (id
 file (``meshserve status``). A started worker registers with the routers by heartbeat, and the requests
 they hold go to it.
 
-Bounds: one start or stop at a time per model. From zero, the first worker starts as soon as a request
+Bounds: one start or stop at a time per pool. From zero, the first worker starts as soon as a request
 is held (the held requests go to it); the model's other stopped workers (the other tier, the other
 replicas: a stop ends all of them) follow one at a time while the model stays in use (a request held,
 or idle for less than ``stop_after_s``), so a start from zero gives back the mesh that was stopped, not
@@ -33,7 +37,7 @@ import datetime as dt
 import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import structlog
@@ -50,28 +54,42 @@ SCALER = "scaler"
 
 @dataclass(frozen=True)
 class StopPolicy:
-    """One model's stop policy: its idle policy with ``min_replicas: 0`` and ``stop_after_s`` set."""
+    """One pool's stop policy: an idle policy with ``min_replicas: 0`` and ``stop_after_s`` set."""
 
     model: str
     stop_after_s: float
     workers: tuple[str, ...]
-    """The supervised worker processes serving the model, in the order they are started from zero."""
+    """The supervised worker processes of the pool, in the order they are started from zero."""
+    version: str | None = None
+    """The version the workers serve (its own signals); None: the model's, whatever the version."""
+
+    @property
+    def pool(self) -> str:
+        """How logs and tasks name the pool: ``model`` or ``model@version``."""
+        return self.model if self.version is None else f"{self.model}@{self.version}"
 
 
 @dataclass(frozen=True)
 class ModelSignal:
-    """What the routers say of one model, over its versions and every router."""
+    """What the routers say of one model (over its versions) or of one version, over every router."""
 
     held: float = 0.0
     idle_s: float | None = None
     """None: no router exports it (yet): the scaler then stops nothing."""
+    versions: Mapping[str, ModelSignal] = field(default_factory=dict, compare=False)
+    """The model's signal per version (empty for a version's own)."""
+
+    def of(self, version: str | None) -> ModelSignal:
+        """The signal of ``version`` (none heard: no news), or the model's own for None."""
+        return self if version is None else self.versions.get(version, ModelSignal())
 
 
 def read_signals(texts: Iterable[str]) -> dict[str, ModelSignal]:
     """Model -> its held requests (summed) and idle seconds (the least) from Prometheus exposition texts,
-    one per router. A text that does not parse is skipped (a router restarting mid-scrape)."""
-    held: dict[str, float] = {}
-    idle: dict[str, float] = {}
+    one per router, over its versions and per version (:meth:`ModelSignal.of`). A text that does not
+    parse is skipped (a router restarting mid-scrape)."""
+    held: dict[tuple[str, str], float] = {}
+    idle: dict[tuple[str, str], float] = {}
     for text in texts:
         try:
             families = list(text_string_to_metric_families(text))
@@ -82,11 +100,22 @@ def read_signals(texts: Iterable[str]) -> dict[str, ModelSignal]:
                 model = sample.labels.get("model")
                 if model is None or math.isnan(sample.value):
                     continue
+                key = (model, sample.labels.get("version", ""))
                 if sample.name == HELD:
-                    held[model] = held.get(model, 0.0) + sample.value
+                    held[key] = held.get(key, 0.0) + sample.value
                 elif sample.name == IDLE:
-                    idle[model] = min(idle.get(model, math.inf), sample.value)
-    return {m: ModelSignal(held=held.get(m, 0.0), idle_s=idle.get(m)) for m in {*held, *idle}}
+                    idle[key] = min(idle.get(key, math.inf), sample.value)
+    per_version: dict[str, dict[str, ModelSignal]] = {}
+    for model, version in {*held, *idle}:
+        key = (model, version)
+        per_version.setdefault(model, {})[version] = ModelSignal(held=held.get(key, 0.0), idle_s=idle.get(key))
+    out = {}
+    for model, versions in per_version.items():
+        idles = [v.idle_s for v in versions.values() if v.idle_s is not None]
+        out[model] = ModelSignal(
+            held=sum(v.held for v in versions.values()), idle_s=min(idles) if idles else None, versions=versions
+        )
+    return out
 
 
 class Workers(Protocol):
@@ -130,7 +159,7 @@ class _Pool:
 
 
 class Scaler:
-    """Decides, per model with a stop policy, to stop its workers or start one; :meth:`tick` once per
+    """Decides, per pool with a stop policy, to stop its workers or start one; :meth:`tick` once per
     poll. Starts and stops run as tasks, so a slow start (a model load) never delays a poll."""
 
     def __init__(
@@ -148,7 +177,7 @@ class Scaler:
         self.log = log
         self.backoff = backoff or Backoff()
         self.on_change = on_change
-        self._pools = {p.model: _Pool(p) for p in policies if p.workers}
+        self._pools = {p.pool: _Pool(p) for p in policies if p.workers}
         self.events: list[dict[str, object]] = []
         """Every scale event so far (also logged), newest last; bounded to the last 100."""
 
@@ -156,17 +185,18 @@ class Scaler:
     def policies(self) -> list[StopPolicy]:
         return [pool.policy for pool in self._pools.values()]
 
-    def busy(self, model: str) -> bool:
-        task = self._pools[model].busy
+    def busy(self, pool: str) -> bool:
+        """A start or stop of ``pool`` (:attr:`StopPolicy.pool`) is under way."""
+        task = self._pools[pool].busy
         return task is not None and not task.done()
 
     def tick(self, signals: Mapping[str, ModelSignal]) -> None:
-        """One decision per model from the routers' latest ``signals``."""
+        """One decision per pool from the routers' latest ``signals`` (model -> signal)."""
         now = self.clock()
-        for model, pool in self._pools.items():
-            if self.busy(model):
+        for name, pool in self._pools.items():
+            if self.busy(name):
                 continue
-            signal = signals.get(model, ModelSignal())
+            signal = signals.get(pool.policy.model, ModelSignal()).of(pool.policy.version)
             names = pool.policy.workers
             running = [n for n in names if self.workers.is_running(n)]
             stopped = [n for n in names if self.workers.is_stopped(n)]  # a crashed one is the restart policy's
@@ -174,12 +204,12 @@ class Scaler:
             if signal.held > 0 and not running:
                 if now >= pool.retry_at and stopped:
                     start = self._start(pool, stopped[0], signal, "scale_from_zero")
-                    pool.busy = asyncio.create_task(start, name=f"scale-up-{model}")
+                    pool.busy = asyncio.create_task(start, name=f"scale-up-{name}")
             elif running and stopped and in_use and now >= pool.retry_at:
                 # The first worker serves the held requests; the rest of what was stopped (the other
                 # tier, the other replicas) comes back while the model is in use, one at a time.
                 start = self._start(pool, stopped[0], signal, "scale_up")
-                pool.busy = asyncio.create_task(start, name=f"scale-up-{model}")
+                pool.busy = asyncio.create_task(start, name=f"scale-up-{name}")
             elif (
                 running
                 and signal.held <= 0
@@ -187,7 +217,7 @@ class Scaler:
                 and signal.idle_s >= pool.policy.stop_after_s
                 and now - pool.started_at >= pool.policy.stop_after_s
             ):
-                pool.busy = asyncio.create_task(self._stop(pool, running, signal), name=f"scale-down-{model}")
+                pool.busy = asyncio.create_task(self._stop(pool, running, signal), name=f"scale-down-{name}")
 
     async def close(self) -> None:
         """Cancel the starts and stops under way (the mesh is stopping)."""
@@ -205,14 +235,13 @@ class Scaler:
             self.on_change()
 
     async def _stop(self, pool: _Pool, names: list[str], signal: ModelSignal) -> None:
-        model = pool.policy.model
         done = await asyncio.gather(*(self.workers.stop(n) for n in names))  # each drains: side by side
         stopped = [n for n, ok in zip(names, done, strict=True) if ok]
         if stopped:
             self._event(
                 "scale_to_zero",
                 "info",
-                model=model,
+                **self._names(pool),
                 workers=stopped,
                 idle_s=round(signal.idle_s or 0.0, 1),
                 stop_after_s=pool.policy.stop_after_s,
@@ -221,8 +250,7 @@ class Scaler:
     async def _start(self, pool: _Pool, name: str, signal: ModelSignal, event: str) -> None:
         """Start ``name``; ``event`` is ``scale_from_zero`` (none ran) or ``scale_up`` (the rest of the
         stopped workers); its ``_failed`` and ``_done`` events follow."""
-        model = pool.policy.model
-        self._event(event, "info", model=model, worker=name, held_requests=int(signal.held))
+        self._event(event, "info", **self._names(pool), worker=name, held_requests=int(signal.held))
         began = self.clock()
         try:
             await self.workers.start(name)
@@ -236,7 +264,7 @@ class Scaler:
             self._event(
                 f"{event}_failed",
                 "error",
-                model=model,
+                **self._names(pool),
                 worker=name,
                 error=error,
                 failures=pool.failures,
@@ -247,7 +275,13 @@ class Scaler:
         pool.retry_at = 0.0
         pool.started_at = self.clock()
         took = round(self.clock() - began, 2)
-        self._event(f"{event}_done", "info", model=model, worker=name, start_s=took)
+        self._event(f"{event}_done", "info", **self._names(pool), worker=name, start_s=took)
+
+    @staticmethod
+    def _names(pool: _Pool) -> dict[str, str]:
+        """The model (and version) an event is about."""
+        policy = pool.policy
+        return {"model": policy.model} if policy.version is None else {"model": policy.model, "version": policy.version}
 
 
 def sink_logger(sink: LogSink, name: str = SCALER) -> Any:
@@ -269,15 +303,26 @@ def sink_logger(sink: LogSink, name: str = SCALER) -> Any:
     )
 
 
-def stop_policies(models: Mapping[str, Any], workers_by_model: Mapping[str, Sequence[str]]) -> list[StopPolicy]:
-    """The stop policies of a models file's content (``models:`` entries with ``idle: {min_replicas: 0,
-    stop_after_s: S}``; docs/router.md), for the models that have workers here."""
+WorkerMap = Mapping[str, Mapping[str | None, Sequence[str]]]
+"""Model id -> version name -> the worker processes serving it here, in start order; the version None:
+workers of the model whose version the mesh does not tell apart."""
+
+
+def stop_policies(models: Mapping[str, Any], workers: WorkerMap) -> list[StopPolicy]:
+    """The stop policies of a models file's content (``idle: {min_replicas: 0, stop_after_s: S}``;
+    docs/router.md), for the models that have workers here: one per version that has its own workers
+    (its ``idle:``, else its model's: the routers' rule, ``RouterSettings.idle_for``), and one for the
+    model's other workers (the model's ``idle:``)."""
     policies = []
     for spec in models.get("models") or ():
-        idle = spec.get("idle") or {}
-        stop_after = idle.get("stop_after_s")
-        if idle.get("min_replicas", 1) == 0 and stop_after is not None and workers_by_model.get(spec.get("id")):
-            policies.append(StopPolicy(spec["id"], float(stop_after), tuple(workers_by_model[spec["id"]])))
+        model = spec.get("id")
+        by_version = workers.get(model) or {}
+        version_idle = {v.get("name"): v.get("idle") for v in spec.get("versions") or ()}
+        for version, names in by_version.items():
+            idle = (version_idle.get(version) if version is not None else None) or spec.get("idle") or {}
+            stop_after = idle.get("stop_after_s")
+            if idle.get("min_replicas", 1) == 0 and stop_after is not None and names:
+                policies.append(StopPolicy(model, float(stop_after), tuple(names), version))
     return policies
 
 

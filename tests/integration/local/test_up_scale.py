@@ -1,10 +1,11 @@
 """`meshserve up --min-replicas 0 --stop-after-s S` as a real subprocess: scale to zero and back.
 
-The real mesh (one edge worker, the router in the gateway): once the model has had no request for S
-seconds, the local scaler stops the edge worker's process (the supervisor does not restart it, the state
-file and `meshserve status --json` say it is stopped); then a request arrives, the router holds it, the
-scaler sees the held gauge and starts the worker, which registers by heartbeat, and the request is
-answered by it.
+The real mesh (edge workers, the router in the gateway): once the model has had no request for S
+seconds, the local scaler stops the edge workers' processes (the supervisor does not restart them, the
+state file and `meshserve status --json` say they are stopped); then a request arrives, the router holds
+it, the scaler sees the held gauge and starts a worker, which registers by heartbeat, and the request is
+answered by it. With a second version (`--edge-version`), each version is its own pool: a request held
+for that version starts that version's worker, and the other version's stays stopped.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import grpc
 import pytest
 
-from services.common.model_paths import DEFAULT_MODEL_ID
+from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.local.mesh import DEV_API_KEY
@@ -136,4 +137,58 @@ async def test_an_idle_model_is_stopped_and_a_request_starts_it_from_zero(tmp_pa
         events = [json.loads(line.split("|", 1)[1])["event"] for line in log if line.startswith("scaler ")]
         expected = ["scale_to_zero", "scale_from_zero", "scale_from_zero_done", "scale_up", "scale_up_done"]
         assert events[:5] == expected, events
+        assert _running(marker) == []
+
+
+async def test_each_version_is_its_own_pool_a_request_for_one_starts_only_its_worker(tmp_path: Path) -> None:
+    int8 = model_paths().root / "draft-int8"
+    argv = ["--edge-workers", "1", "--cloud-workers", "0", "--edge-version", f"int8={int8}"]
+    argv += ["--min-replicas", "0", "--stop-after-s", STOP_AFTER_S]
+    state_file = tmp_path / "mesh.json"
+    async with _up(tmp_path, *argv, MESHSERVE_ROUTER_WAKE_DEADLINE_S="240") as (proc, marker):
+        assert proc.stderr is not None and proc.stdout is not None
+        log: list[str] = []
+
+        async def drain(stream: asyncio.StreamReader) -> None:
+            while line := await stream.readline():
+                log.append(line.decode())
+
+        draining = asyncio.create_task(drain(proc.stdout))
+        banner = "".join(await asyncio.wait_for(_read_until(proc.stderr, lambda line: "Ctrl-C stops" in line), 240))
+        assert f"scale from zero: {DEFAULT_MODEL_ID}@prepared's workers (edge-0) stop after" in banner
+        assert f"scale from zero: {DEFAULT_MODEL_ID}@int8's workers (edge-version-int8) stop after" in banner
+        stderr = asyncio.create_task(drain(proc.stderr))
+        names = ("edge-0", "edge-version-int8")
+        first = await _until_state(
+            state_file, lambda s: all(_edge(s, n)["state"] == "stopped (idle)" for n in names), 120
+        )
+
+        rollout = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.cli",
+            *("models", "rollout", DEFAULT_MODEL_ID, "--weights", "prepared=0,int8=100"),
+            env={**os.environ, "MESHSERVE_STATE_FILE": str(state_file)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        out, _ = await asyncio.wait_for(rollout.communicate(), 60)
+        assert rollout.returncode == 0, out.decode()[-2000:]
+        async with grpc.aio.insecure_channel(str(first["gateway"])) as channel:
+            stub = inference_pb2_grpc.InferenceStub(channel)
+            request = pb.GenerateRequest(prompt="Hello", sampling=pb.SamplingParams(max_tokens=4, temperature=0.0))
+            meta = (("authorization", f"Bearer {DEV_API_KEY}"),)
+            frames = [f async for f in stub.Generate(request, metadata=meta, timeout=300)]
+        assert frames[-1].HasField("final") and frames[-1].final.route.worker_id == "edge-version-int8"
+        after = _read(state_file)
+        assert _edge(after, "edge-version-int8")["state"] == "running"
+        assert _edge(after, "edge-0")["state"] == "stopped (idle)"  # the prepared build had no request
+
+        proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 90) == 0
+        await asyncio.wait_for(asyncio.gather(draining, stderr), 30)
+        events = [json.loads(line.split("|", 1)[1]) for line in log if line.startswith("scaler ")]
+        starts = [(e["version"], e["worker"]) for e in events if e["event"] == "scale_from_zero"]
+        assert starts == [("int8", "edge-version-int8")], events
+        assert sorted(e["version"] for e in events if e["event"] == "scale_to_zero")[:2] == ["int8", "prepared"]
         assert _running(marker) == []

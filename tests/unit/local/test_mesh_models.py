@@ -10,7 +10,8 @@ import yaml
 
 from services.common.config import load_settings
 from services.common.model_paths import DEFAULT_MODEL_ID, ModelPaths
-from services.local.mesh import DEFAULT_MODELS_FILE, EXTRA_MODEL_BUILD, MeshConfig, models_file
+from services.local.mesh import DEFAULT_MODELS_FILE, EXTRA_MODEL_BUILD, PREPARED_VERSION, Mesh, MeshConfig, models_file
+from services.local.scaler import StopPolicy, stop_policies
 from services.router.config import RouterSettings
 
 
@@ -89,3 +90,23 @@ def test_stop_after_s_needs_min_replicas_zero() -> None:
     with pytest.raises(ValueError, match="above 0"):
         MeshConfig(min_replicas=0, idle_after_s=0.0)
     assert MeshConfig().idle_policy() == {}
+
+
+def test_the_scaler_pools_each_version_with_the_workers_that_serve_it(tmp_path: Path) -> None:
+    prepared = ModelPaths(tmp_path / DEFAULT_MODEL_ID)
+    names = ["edge-0", "edge-1", "cloud-0", "edge-version-int8", "edge-model-student", "router", "gateway"]
+    split = Mesh(MeshConfig(edge_versions={"int8": "/m/int8"}, edge_models={"student": "/m/student"}))
+    split.processes = dict.fromkeys(names)  # type: ignore[assignment]
+    assert split.workers_by_version() == {
+        DEFAULT_MODEL_ID: {PREPARED_VERSION: ["edge-0", "edge-1", "cloud-0"], "int8": ["edge-version-int8"]},
+        "student": {EXTRA_MODEL_BUILD: ["edge-model-student"]},
+    }
+    cfg = MeshConfig(edge_versions={"int8": "/m/int8"}, min_replicas=0, idle_after_s=2.0, stop_after_s=9.0)
+    models = yaml.safe_load(models_file(cfg, prepared))
+    assert stop_policies(models, split.workers_by_version()) == [
+        StopPolicy(DEFAULT_MODEL_ID, 9.0, ("edge-0", "edge-1", "cloud-0"), PREPARED_VERSION),
+        StopPolicy(DEFAULT_MODEL_ID, 9.0, ("edge-version-int8",), "int8"),
+    ]
+    whole = Mesh(MeshConfig())
+    whole.processes = dict.fromkeys(names[:3])  # type: ignore[assignment]
+    assert whole.workers_by_version() == {DEFAULT_MODEL_ID: {None: ["edge-0", "edge-1", "cloud-0"]}}

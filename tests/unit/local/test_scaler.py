@@ -16,6 +16,7 @@ from services.local.scaler import (
     ModelSignal,
     Scaler,
     StopPolicy,
+    WorkerMap,
     read_signals,
     sink_logger,
     stop_policies,
@@ -97,6 +98,10 @@ def test_signals_sum_held_and_take_the_least_idle_over_versions_and_routers() ->
     two = metrics({(MODEL, "prepared"): 1}, {(MODEL, "prepared"): 12.5, (MODEL, "int8"): 90, ("other", "1"): 7})
     signals = read_signals([one, two, "not { prometheus"])
     assert signals[MODEL] == ModelSignal(held=4, idle_s=12.5)
+    assert signals[MODEL].of("prepared") == ModelSignal(held=3, idle_s=12.5)
+    assert signals[MODEL].of("int8") == ModelSignal(held=1, idle_s=90)
+    assert signals[MODEL].of("unheard") == ModelSignal(held=0, idle_s=None)
+    assert signals[MODEL].of(None) is signals[MODEL]
     assert signals["other"] == ModelSignal(held=0, idle_s=7)
     assert read_signals(["# nothing here\n"]) == {}
 
@@ -112,11 +117,55 @@ def test_only_min_replicas_zero_with_stop_after_s_is_a_stop_policy() -> None:
             {"id": "no-idle"},
         ]
     }
-    workers = {m: ["w"] for m in (MODEL, "sleeps-only", "keeps-one", "default-min", "no-idle")}
-    assert stop_policies(models, {**workers, MODEL: ["edge-0", "cloud-0"]}) == [
-        StopPolicy(MODEL, 60.0, ("edge-0", "cloud-0"))
-    ]
+    workers: WorkerMap = {m: {None: ["w"]} for m in (MODEL, "sleeps-only", "keeps-one", "default-min", "no-idle")}
+    mine: WorkerMap = {**workers, MODEL: {None: ["edge-0", "cloud-0"]}}
+    assert stop_policies(models, mine) == [StopPolicy(MODEL, 60.0, ("edge-0", "cloud-0"))]
     assert stop_policies({}, workers) == []
+
+
+def test_a_version_with_its_own_workers_is_its_own_pool_under_its_own_idle_or_its_models() -> None:
+    models = {
+        "models": [
+            {
+                "id": MODEL,
+                "idle": {"min_replicas": 0, "stop_after_s": 60},
+                "versions": [
+                    {"name": "prepared", "idle": {"min_replicas": 1, "idle_after_s": 5}},  # never stopped
+                    {"name": "canary", "idle": {"min_replicas": 0, "stop_after_s": 10}},
+                    {"name": "int8"},  # the model's
+                ],
+            },
+            {"id": "always-on", "versions": [{"name": "1", "idle": {"min_replicas": 0, "stop_after_s": 5}}]},
+        ]
+    }
+    workers: WorkerMap = {
+        MODEL: {"prepared": ["edge-0", "cloud-0"], "canary": ["edge-version-canary"], "int8": ["edge-version-int8"]},
+        "always-on": {"1": ["edge-model-always-on"]},
+    }
+    assert stop_policies(models, workers) == [
+        StopPolicy(MODEL, 10.0, ("edge-version-canary",), "canary"),
+        StopPolicy(MODEL, 60.0, ("edge-version-int8",), "int8"),
+        StopPolicy("always-on", 5.0, ("edge-model-always-on",), "1"),
+    ]
+    assert StopPolicy(MODEL, 10.0, ("w",), "canary").pool == f"{MODEL}@canary"
+
+
+async def test_a_version_pool_stops_on_its_own_idleness_and_starts_on_its_own_held_requests() -> None:
+    workers, log = FakeWorkers("edge-0", "edge-version-canary"), Log()
+    policy = StopPolicy(MODEL, stop_after_s=30.0, workers=("edge-version-canary",), version="canary")
+    s = Scaler([policy], workers, log=sink_logger(log))  # type: ignore[arg-type]
+    s.tick(read_signals([metrics({}, {(MODEL, "prepared"): 0.5, (MODEL, "canary"): 31.0})]))
+    await settle()
+    assert workers.running == {"edge-0"} and workers.stopped == {"edge-version-canary"}  # the stable one serves on
+    assert log.lines[-1]["event"] == "scale_to_zero" and log.lines[-1]["version"] == "canary"
+    s.tick(read_signals([metrics({(MODEL, "prepared"): 3}, {(MODEL, "prepared"): 0.0, (MODEL, "canary"): 40.0})]))
+    await settle()
+    assert workers.stopped == {"edge-version-canary"}  # held for another version: not the canary's to serve
+    s.tick(read_signals([metrics({(MODEL, "canary"): 1}, {(MODEL, "canary"): 0.0})]))
+    await settle()
+    assert workers.running == {"edge-0", "edge-version-canary"}
+    assert [line["event"] for line in log.lines][-2:] == ["scale_from_zero", "scale_from_zero_done"]
+    assert s.busy(f"{MODEL}@canary") is False
 
 
 async def test_the_workers_stop_once_idle_reaches_stop_after_s() -> None:
