@@ -330,11 +330,13 @@ class Router:
         waker = self.waker
         if waker is not None:
             waker.touch()
-            if session.stream is None and waker.must_hold():  # a chat already on a replica goes on there
-                with tracing.span("router.hold"):
-                    await waker.hold(req.timeout)
         try:
             while True:
+                # No awake replica (but the ones that failed): held while one wakes, also for a retry or
+                # a resume. A chat already on a replica (session.stream) goes on there.
+                if session.stream is None and waker is not None and waker.must_hold(exclude):
+                    with tracing.span("router.hold"):
+                        await waker.hold(req.timeout, exclude)
                 if session.stream is None:
                     with tracing.span("router.route_decision") as decision:  # tier, router queue, replica
                         same = await self.resume_replica(req, broken, exclude) if broken is not None else None

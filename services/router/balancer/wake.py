@@ -3,11 +3,12 @@
 One :class:`Waker` per model version (per :class:`~services.router.balancer.core.Router`):
 
 - **Holding.** A request for a version with no awake replica (:meth:`Waker.hold`, before the replica
-  choice) waits, bounded in count (``max_held``: one more is refused with ResourceExhausted) and in
-  time (``deadline_s``, or the request's own deadline if sooner: then Unavailable with a retry-after,
-  naming the model). It is held only when waiting can help: a healthy replica of the version is asleep,
-  falling asleep or waking, or (``min_replicas`` 0) none runs at all and the local scaler or KEDA starts
-  one on ``meshserve_router_held_requests``. Otherwise the request path fails at once as before.
+  choice; again before a retry or a resume, without the replica that failed) waits, bounded in count
+  (``max_held``: one more is refused with ResourceExhausted) and in time (``deadline_s``, or the
+  request's own deadline if sooner: then Unavailable with a retry-after, naming the model). It is
+  held only when waiting can help: a healthy replica of the version is asleep, falling asleep or
+  waking, or (``min_replicas`` 0) none runs at all and the local scaler or KEDA starts one on
+  ``meshserve_router_held_requests``. Otherwise the request path fails at once as before.
 - **One wake per version.** The first held request starts the one wake task; every request held
   meanwhile waits on it. It wakes an asleep replica (healthy first, the most recently reported first);
   a failed wake tries the next, and when none is left every held request fails with Unavailable and a
@@ -36,7 +37,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 
 import structlog
 
@@ -132,21 +133,23 @@ class Waker:
         """A replica of the version is healthy and awake."""
         return any(r.routable for r in self._replicas())
 
-    def must_hold(self) -> bool:
-        """No replica is awake and waiting can help (see the module docstring)."""
-        replicas = self._replicas()
+    def must_hold(self, exclude: Collection[Replica] = ()) -> bool:
+        """No replica is awake (apart from ``exclude``: those a turn failed on) and waiting can help (see
+        the module docstring)."""
+        replicas = [r for r in self._replicas() if r not in exclude]
         if any(r.routable for r in replicas):
             return False
         if any(r.healthy and r.state is not ModelState.AWAKE for r in replicas):
             return True
         return self.idle.min_replicas == 0 and not any(r.healthy for r in replicas)
 
-    async def hold(self, timeout_s: float | None = None) -> None:
-        """Return once a replica of the version is awake, or at once when holding cannot help (the request
-        path then refuses as for any version without a healthy replica). ResourceExhausted: ``max_held``
-        requests are held already; Unavailable (with a retry-after): no replica woke within the wake
-        deadline (or ``timeout_s``, the request's own, if sooner), or the wake failed on every replica."""
-        if not self.must_hold():
+    async def hold(self, timeout_s: float | None = None, exclude: Collection[Replica] = ()) -> None:
+        """Return once a replica of the version (not in ``exclude``) is awake, or at once when holding
+        cannot help (the request path then refuses as for any version without a healthy replica).
+        ResourceExhausted: ``max_held`` requests are held already; Unavailable (with a retry-after): no
+        replica woke within the wake deadline (or ``timeout_s``, the request's own, if sooner), or the
+        wake failed on every replica."""
+        if not self.must_hold(exclude):
             return
         retry_ms = RETRY_AFTER_S * 1000
         if self.held >= self.max_held:
@@ -163,7 +166,7 @@ class Waker:
         if self.held == 1:
             log.info("requests_held", model=self.model, version=self.version)
         try:
-            while self.must_hold():
+            while self.must_hold(exclude):
                 if (failure := self._failure()) is not None:
                     raise failure
                 self._start_wake()

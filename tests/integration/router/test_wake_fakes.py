@@ -14,7 +14,7 @@ from services.common.pb.meshserve.internal.v1 import worker_pb2
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.tokenizer import Tokenizer
 from tests.integration.router.fake_worker import FakeWorker
-from tests.integration.router.harness import META, Mesh, open_mesh, request
+from tests.integration.router.harness import META, Mesh, final, generate, open_mesh, request, tokens
 
 pytestmark = pytest.mark.integration
 
@@ -132,3 +132,26 @@ async def test_the_idle_sweeper_puts_replicas_beyond_min_replicas_to_sleep(
             task.cancel()
         assert sorted(w.sleep_calls for w in mesh.all()) == [0, 1, 1]  # one stays awake
         assert await _models_state(mesh) == "awake"
+
+
+async def test_a_stream_whose_only_awake_worker_dies_is_resumed_on_one_woken_for_it(
+    tokenizer: Tokenizer, redis_url: str
+) -> None:
+    async with open_mesh(tokenizer, redis_url) as mesh:
+        bypass = pb.RoutingOptions(cache_policy=pb.CACHE_POLICY_BYPASS)
+        undisturbed = tokens(await generate(mesh, request("Resume me", 12, routing=bypass)))
+        serving, *others = mesh.all()
+        for worker in others:
+            worker.model_state = worker_pb2.MODEL_STATE_ASLEEP
+        await mesh.router.registry.probe_all()
+        assert [r.routable for r in mesh.router.registry.replicas].count(True) == 1
+        for worker in mesh.all():
+            worker.starts.clear()
+        serving.die_after_tokens = 5  # the only awake replica fails mid-stream
+        frames = await generate(mesh, request("Resume me", 12, routing=bypass))
+        fin = final(frames)
+        assert tokens(frames) == undisturbed  # held while another woke, then resumed there: no gap, no repeat
+        assert fin.route.reason.startswith("failover") and fin.usage.completion_tokens == 12
+        (woken,) = _woken(mesh)
+        assert woken is not serving and fin.route.worker_id == woken.worker_id
+        assert [list(s.resume_token_ids) for s in woken.starts] == [undisturbed[:5]]

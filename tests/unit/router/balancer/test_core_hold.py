@@ -13,7 +13,7 @@ from services.router.balancer.registry import ModelState, Replica
 from services.router.balancer.wake import Waker
 from services.router.config import IdleSpec
 from services.store.response_cache import ResponseCache
-from tests.unit.router.balancer.test_core_transport import FakeTransport, _request, _router
+from tests.unit.router.balancer.test_core_transport import FakeTransport, _request, _router, _run, _unavailable
 from tests.unit.router.balancer.test_wake import _until
 
 
@@ -76,3 +76,25 @@ async def test_a_chat_already_on_a_replica_is_not_held(tokenizer: Tokenizer, cac
     second = [e async for e in router.run_turn(replace(request, request_id="req-2"), session)]
     assert isinstance(second[-1], Done) and woken == []
     await session.close()
+
+
+async def test_a_stream_whose_only_awake_worker_dies_is_held_while_another_wakes_then_resumed_there(
+    tokenizer: Tokenizer, cache: ResponseCache
+) -> None:
+    transport = FakeTransport({"edge-a": [[[1], [2], _unavailable()]], "edge-b": [[[3], [4]]], "edge-c": [[[3], [4]]]})
+    router = _router(tokenizer, cache, transport)
+    for r in router.registry.replicas[1:]:  # edge-a serves; edge-b and edge-c sleep
+        r.report = replace(r.report, model_state=ModelState.ASLEEP)
+    woken: list[str] = []
+    gate = asyncio.Event()
+    waker = _with_waker(router, woken, gate)
+    turn = asyncio.create_task(_run(router))
+    await _until(lambda: waker.held == 1)  # edge-a failed after two tokens: held, not refused
+    assert len(transport.opened) == 1
+    gate.set()
+    events = await turn
+    assert [t for e in events if isinstance(e, Chunk) for t in e.token_ids] == [1, 2, 3, 4]
+    assert len(woken) == 1 and transport.opened[1].replica.address == woken[0]
+    assert transport.opened[1].starts[0].resume_ids == (1, 2)  # resumed, not started again
+    done = events[-1]
+    assert isinstance(done, Done) and done.route.reason == "failover" and done.route.worker_id == woken[0]
