@@ -27,6 +27,7 @@ padding rows' block, outside the block manager.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import threading
@@ -34,7 +35,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import torch
@@ -47,7 +48,7 @@ from services.gpu_worker import embed as embedding
 from services.gpu_worker import kv_transfer
 from services.gpu_worker.blocks import BlockManager
 from services.gpu_worker.graphs import StaticDecoder
-from services.gpu_worker.model import AllReduce, LlamaModel, Shard
+from services.gpu_worker.model import AllReduce, KVCache, LlamaModel, Shard
 from services.gpu_worker.prefix import RedisPrefixCache, chain_keys, key_digest
 from services.gpu_worker.sampler import Sampler
 from services.gpu_worker.scheduler import Forward, Scheduler, SeqState
@@ -114,6 +115,17 @@ def resolve_kv_dtype(kv_dtype: str, dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16
 
 
+class ShardGroup(Protocol):
+    """The other ranks of a tensor-parallel group, as rank 0's engine drives them (``tp.Leader``): they
+    allocate a cache like the engine's, and drop and load their shards when it sleeps and wakes."""
+
+    def share_cache(self, cache: KVCache) -> KVCache: ...
+
+    def release(self) -> None: ...
+
+    def restore(self) -> None: ...
+
+
 class CloudEngine(Engine):
     """A Llama-family model served with continuous batching and prefix KV reuse."""
 
@@ -140,7 +152,10 @@ class CloudEngine(Engine):
         decode_graphs: str = "auto",
         max_batch: int = 32,
         load_cache_dir: Path | None = None,
+        group: ShardGroup | None = None,
     ) -> None:
+        """``group``: the followers of a tensor-parallel rank 0 (they share each cache the engine builds,
+        and sleep and wake with it); with ``shard``, ``all_reduce``, ``wrap_forward`` and ``kv_io``."""
         if threads:
             torch.set_num_threads(threads)  # process-wide: one worker per process
         self.device = resolve_device(device)
@@ -175,6 +190,7 @@ class CloudEngine(Engine):
             )
 
         self._reload = load
+        self._group = group
         self._released = False
         self._draft: tuple[Any, int] | None = None
         load()
@@ -196,9 +212,8 @@ class CloudEngine(Engine):
             penalties=True,
             kv_transfer=True,  # refused with the reason when the prefix cache or Redis is off (kv_transfer.py)
             embeddings=shard.world == 1 and wrap_forward is None,
-            # the followers of a tensor-parallel group hold their own shards and mirror each step: a
-            # release and restore across the group is not built (the worker answers Sleep FAILED_PRECONDITION)
-            sleeps=not self.tensor_parallel,
+            # under tensor parallelism only with the group: the followers drop and load their shards too
+            sleeps=not self.tensor_parallel or group is not None,
         )
         self._states: dict[int, tuple[SeqState, KVContext | None]] = {}
         """Live sequences by id, with their KV key context (None: prefix caching off)."""
@@ -274,6 +289,8 @@ class CloudEngine(Engine):
         )
         if self._draft is not None:  # speculation runs over the new scheduler and blocks
             self.speculate(self._draft[0], k_max=self._draft[1])
+        if self._group is not None:
+            self._group.share_cache(self.cache)  # the followers allocate the same paged cache (call id 0)
 
     @property
     def released(self) -> bool:
@@ -296,6 +313,8 @@ class CloudEngine(Engine):
         self.speculation = None
         del self.scheduler, self.static, self.cache, self.model
         self._released = True
+        if self._group is not None:
+            self._group.release()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -307,8 +326,13 @@ class CloudEngine(Engine):
         if not self._released:
             return
         try:
+            if self._group is not None:
+                self._group.restore()  # the followers load their shards while this rank loads its own
             self._reload()
         except Exception as exc:
+            if self._group is not None:
+                with contextlib.suppress(Exception):  # a follower that loaded drops its shard again
+                    self._group.release()
             gc.collect()
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()

@@ -39,6 +39,7 @@ def build_engine(settings: GpuWorkerSettings) -> CloudEngine:
             "all_reduce": leader.all_reduce,
             "wrap_forward": leader.wrap_forward,
             "kv_io": leader,  # Redis prefix blocks: gathered / scattered over the group (tp_kv.py)
+            "group": leader,  # followers share each cache the engine builds, and sleep and wake with it
         }
     engine = CloudEngine(
         settings.check_model(),
@@ -59,8 +60,6 @@ def build_engine(settings: GpuWorkerSettings) -> CloudEngine:
         load_cache_dir=settings.resolved_load_cache_dir(),
         **tp_hooks,
     )
-    if leader is not None:
-        leader.share_cache(engine.cache)  # followers allocate the same paged cache (call id 0)
     if settings.speculative:
         draft_dir = Path(settings.resolved_draft_model())
         log.info("speculative_draft_loading", draft=str(draft_dir), default=not settings.draft_model)

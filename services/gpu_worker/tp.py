@@ -16,6 +16,12 @@ Prefix KV for Redis crosses the group the same way: ``gather_kv`` (export: the r
 of full blocks meet on rank 0) and ``scatter_kv`` (import: rank 0 hands each rank its slice); the
 blocks in Redis always hold every head, as a TP=1 worker writes them (``tp_kv.py``).
 
+Sleep (services/worker/sleep.py): rank 0's engine releases its shard and KV and sends ``release``:
+every follower drops its shard and caches and trims its heap. A wake sends ``restore`` first, so the
+followers load their shards while rank 0 loads its own; the engine's new cache is then shared again as
+call id 0 (:meth:`Leader.share_cache`). A follower that cannot load its shard exits 1 (torchrun then
+ends the group and the supervisor restarts it, as for any follower failure).
+
 Transport: the model's all-reduce runs on the default process group (NCCL with CUDA tensors on
 ``cuda:LOCAL_RANK``, gloo on CPU); call messages (token ids, starts, block tables: small Python
 objects) go through ``broadcast_object_list`` on a gloo group, so they never touch the GPU.
@@ -40,6 +46,7 @@ all-reduces per layer, the same as Megatron-style ``tp_plan``.
 from __future__ import annotations
 
 import atexit
+import gc
 import signal
 import threading
 import time
@@ -61,6 +68,7 @@ from services.gpu_worker.model import KVCache, LlamaModel, Shard
 from services.gpu_worker.plan import Segment
 from services.gpu_worker.tp_env import RankEnv, check_degree, device_for, model_config
 from services.gpu_worker.tp_kv import gather_blocks, head_slices, scatter_blocks
+from services.worker.sleep import HostMemory
 
 __all__ = [
     "Group",
@@ -181,6 +189,19 @@ class Leader:
             if not self._closed:
                 self._send("free_cache", cache.tp_id)  # type: ignore[attr-defined]
 
+    def release(self) -> None:
+        """The followers drop their shards and caches (rank 0's engine has dropped its own): a sleep.
+        The next shared cache is id 0 again (the engine's, after :meth:`restore`)."""
+        with self.lock:
+            self._send("release")
+            self._next_cache = 0
+
+    def restore(self) -> None:
+        """The followers load their shards again, while rank 0 loads its own; then the engine shares its
+        new cache (:meth:`share_cache`) before the first step."""
+        with self.lock:
+            self._send("restore")
+
     def forward(self, model: LlamaModel, segments: Sequence[Segment], cache: KVCache) -> list[Tensor]:
         """``model.forward(segments, cache)`` on every rank; the leader's logits."""
         with self.lock:
@@ -264,9 +285,15 @@ class LeaderModel:
         self.leader.close()
 
 
-def follow(model: LlamaModel, group: Group) -> None:
-    """A follower's loop: mirror the leader's calls on this rank's shard until ``stop``."""
+def follow(
+    model: LlamaModel | list[LlamaModel], group: Group, reload: Callable[[], LlamaModel] | None = None
+) -> None:
+    """A follower's loop: mirror the leader's calls on this rank's shard until ``stop``; ``release``
+    drops the shard, ``restore`` loads it again with ``reload`` (see the module docstring). A one-item
+    list hands the shard over (emptied here), so the caller keeps no reference that a sleep cannot free."""
     caches: dict[int, KVCache] = {}
+    shard: LlamaModel | None = model.pop() if isinstance(model, list) else model
+    del model
     while True:
         message = group.receive()
         kind = message[0]
@@ -274,16 +301,35 @@ def follow(model: LlamaModel, group: Group) -> None:
             continue
         if kind == "stop":
             return
+        if kind == "release":
+            if shard is not None:
+                shard.packer.wait()  # its thread holds the weights until it is done
+            shard = None
+            caches.clear()
+            gc.collect()
+            HostMemory().trim()
+            log.info("tp_follower_released", rank=group.env.rank)
+            continue
+        if kind == "restore":
+            if reload is None:
+                raise RuntimeError("this follower cannot load its shard again")
+            if shard is None:
+                started = time.perf_counter()
+                shard = reload()
+                log.info("tp_follower_restored", rank=group.env.rank, seconds=round(time.perf_counter() - started, 3))
+            continue
+        if shard is None:
+            raise RuntimeError(f"tensor-parallel call {kind!r} while this rank's shard is released")
         if kind == "new_cache":
             _, cid, num_blocks, block_tokens, dtype = message
-            caches[cid] = model.new_cache(num_blocks, block_tokens, _DTYPES[dtype])
+            caches[cid] = shard.new_cache(num_blocks, block_tokens, _DTYPES[dtype])
         elif kind == "free_cache":
             caches.pop(message[1], None)
         elif kind == "forward":
             _, cid, raw = message
             segments = [Segment(tokens, start, table, all_logits) for tokens, start, table, all_logits in raw]
             try:
-                model.forward(segments, caches[cid])
+                shard.forward(segments, caches[cid])
             except ValueError as exc:  # a bad plan fails before any collective, on the leader too
                 log.warning("tp_step_rejected", error=str(exc))
         elif kind == "gather_kv":
@@ -335,8 +381,16 @@ def run_follower(path: str, *, device: torch.device, dtype: torch.dtype, env: Ra
     model, group = load_model(path, device=device, dtype=dtype, env=env, timeout_s=timeout_s)
     assert group is not None and isinstance(model, LlamaModel)
     log.info("tp_follower_ready", rank=env.rank, world=env.world)
+
+    on, shard = model.device, model.shard  # not the model itself: a sleep must free it
+
+    def reload() -> LlamaModel:  # the same shard again, after a sleep
+        return LlamaModel.load(path, device=on, dtype=dtype, shard=shard, all_reduce=group.all_reduce)
+
+    handed = [model]
+    del model
     try:
-        follow(model, group)
+        follow(handed, group, reload)
     except Exception as exc:  # broken group or a failed step: end this rank so torchrun ends the group
         log.error("tp_follower_failed", rank=env.rank, error=str(exc))
         return 1

@@ -1,4 +1,5 @@
-"""Tensor parallelism with real processes: 3 gloo ranks on 127.0.0.1 give TP=1's greedy tokens.
+"""Tensor parallelism with real processes: 3 gloo ranks on 127.0.0.1 give TP=1's greedy tokens, also
+after the group has slept (every rank's shard released) and woken.
 
 Two levels: the model (``tp_rank.py`` ranks driving ``LeaderModel``/``follow`` directly) and the
 worker as deployed (``torchrun ... -m services.gpu_worker``: rank 0 serves gRPC, the others follow),
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -273,6 +275,41 @@ async def test_import_and_export_kv_rpcs_on_the_tp3_worker(
             assert all(torch.equal(x.to(y.dtype), y) for x, y in zip(local, stored, strict=True))
     finally:
         await asyncio.to_thread(engine.close)
+
+
+def _ranks_rss(proc: ServiceProcess) -> list[int]:
+    """Resident bytes of each rank process (torchrun's children), rank 0 first by pid order."""
+    assert proc.proc is not None
+    children = Path(f"/proc/{proc.proc.pid}/task/{proc.proc.pid}/children").read_text().split()
+    page = os.sysconf("SC_PAGE_SIZE")
+    return [int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page for pid in sorted(children, key=int)]
+
+
+async def test_tp3_worker_sleeps_with_its_followers_and_wakes_to_the_same_greedy_tokens(
+    single: list[list[int]], tp3: tuple[ServiceProcess, list[str]]
+) -> None:
+    """Sleep releases every rank's shard and KV (each rank's resident memory drops), Wake loads them
+    again: the group answers TP=1's greedy tokens, so the followers' caches were shared again."""
+    proc, lines = tp3
+    async with grpc.aio.insecure_channel(proc.address) as channel:
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        awake = _ranks_rss(proc)
+        assert len(awake) == 3
+        slept = await stub.Sleep(worker_pb2.SleepRequest(only_if_idle=True), metadata=META)
+        assert slept.model_state == worker_pb2.MODEL_STATE_ASLEEP, "\n".join(lines[-20:])
+        deadline = time.monotonic() + 60
+        while sum('"tp_follower_released"' in line for line in lines) < 2:  # each follower logs its release
+            assert time.monotonic() < deadline, "\n".join(lines[-20:])
+            await asyncio.sleep(0.05)
+        asleep = _ranks_rss(proc)
+        assert all(a < 0.5 * b for a, b in zip(asleep, awake, strict=True)), (asleep, awake)
+        woke = await stub.Wake(worker_pb2.WakeRequest(), metadata=META)
+        assert woke.model_state == worker_pb2.MODEL_STATE_AWAKE, "\n".join(lines[-20:])
+        assert sum('"tp_follower_restored"' in line for line in lines) == 2
+        for prompt, expected in zip(PROMPTS, single, strict=True):
+            result = await generate(stub, prompt, max_tokens=MAX_TOKENS)
+            expected = expected[: expected.index(EOS)] if EOS in expected else expected
+            assert result.token_ids == expected, "\n".join(lines[-20:])
 
 
 async def test_tp3_worker_stops_with_its_followers_on_sigterm(tp3: tuple[ServiceProcess, list[str]]) -> None:
