@@ -146,18 +146,36 @@ async def _by_model(mesh: Mesh) -> dict[str, tuple[str, worker_pb2_grpc.WorkerSt
     return found
 
 
-async def _wake_pairs(client: MeshClient, worker: worker_pb2_grpc.WorkerStub, tier: str, rounds: int) -> dict[str, Any]:
+def _anonymous_bytes(pid: int | None) -> int:
+    """The process's anonymous resident bytes (/proc/PID/smaps_rollup): RSS less its file-backed pages
+    (shared libraries' code and data, which the kernel may drop and read again); 0 when unknown."""
+    if pid is None:
+        return 0
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Anonymous:"))
+    except (OSError, StopIteration, ValueError):
+        return 0
+
+
+async def _wake_pairs(
+    client: MeshClient, worker: worker_pb2_grpc.WorkerStub, tier: str, rounds: int, pid: int | None = None
+) -> dict[str, Any]:
     awake: list[float] = []
     asleep: list[float] = []
     rss_awake: list[int] = []
     rss_asleep: list[int] = []
+    anon_awake: list[int] = []
+    anon_asleep: list[int] = []
     await _ttft(client, tier)  # warm-up
     for i in range(rounds):
         awake.append(statistics.median([await _ttft(client, tier) for _ in range(3)]))
         rss_awake.append((await _stats(worker)).resident_bytes)
+        anon_awake.append(_anonymous_bytes(pid))
         reply = await _sleep(worker, client)
         await asyncio.sleep(0.5)
         rss_asleep.append((await _stats(worker)).resident_bytes or reply.resident_bytes)
+        anon_asleep.append(_anonymous_bytes(pid))
         asleep.append(await _ttft(client, tier))
         _log(f"{tier} round {i + 1}/{rounds}: awake {awake[-1]:.3f} s, asleep {asleep[-1]:.3f} s")
     return {
@@ -169,6 +187,8 @@ async def _wake_pairs(client: MeshClient, worker: worker_pb2_grpc.WorkerStub, ti
         "extra_ttft_s": statistics.median(asleep) - statistics.median(awake),
         "resident_bytes_awake": int(statistics.median(rss_awake)),
         "resident_bytes_asleep": int(statistics.median(rss_asleep)),
+        "anonymous_bytes_awake": int(statistics.median(anon_awake)),
+        "anonymous_bytes_asleep": int(statistics.median(anon_asleep)),
     }
 
 
@@ -278,7 +298,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         try:
             default = next(v for k, v in workers.items() if k.startswith("edge:") and not k.endswith(OTHER_MODEL))
             other = workers[f"edge:{OTHER_MODEL}"]
-            results["edge"] = await _wake_pairs(client, default[1], "edge", args.rounds)
+            pid = next((p.proc.pid for p in mesh.workers("edge") if p.address == default[0] and p.proc), None)
+            results["edge"] = await _wake_pairs(client, default[1], "edge", args.rounds, pid)
             results["burst"] = await _burst(mesh, client, default[1], args.burst)
             results["neighbours"] = await _neighbours(client, other[1], args.neighbour_seconds)
         finally:
@@ -289,8 +310,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         Mesh(_config(edge_workers=0, cloud_workers=1), sink=lambda _n, _l: None) as mesh,
         MeshClient(mesh.gateway_address, DEV_API_KEY) as client,
     ):
-        async with grpc.aio.insecure_channel(mesh.workers("cloud")[0].address) as channel:
-            results["cloud"] = await _wake_pairs(client, worker_pb2_grpc.WorkerStub(channel), "cloud", args.rounds)
+        cloud = mesh.workers("cloud")[0]
+        async with grpc.aio.insecure_channel(cloud.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            pid = cloud.proc.pid if cloud.proc else None
+            results["cloud"] = await _wake_pairs(client, stub, "cloud", args.rounds, pid)
     _log("from zero: stop policy")
     results["from_zero"] = await _from_zero(args.zero_rounds, args.idle_after_s, args.stop_after_s)
     report: dict[str, Any] = {
@@ -355,8 +379,9 @@ def markdown(report: dict[str, Any]) -> str:
         *(target_line(t) for t in report["targets"]),
         "```",
         "",
-        "| tier | rounds | TTFT awake (median) | TTFT asleep (median) | extra | RSS awake | RSS asleep |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| tier | rounds | TTFT awake (median) | TTFT asleep (median) | extra | RSS awake | RSS asleep "
+        "| of which anonymous, awake | asleep |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for tier in ("edge", "cloud"):
         if tier in r:
@@ -364,13 +389,17 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(
                 f"| {tier} | {t['rounds']} | {t['awake_ttft_s_median'] * 1000:.0f} ms | "
                 f"{t['asleep_ttft_s_median'] * 1000:.0f} ms | {t['extra_ttft_s'] * 1000:.0f} ms | "
-                f"{t['resident_bytes_awake'] / 2**20:.0f} MiB | {t['resident_bytes_asleep'] / 2**20:.0f} MiB |"
+                f"{t['resident_bytes_awake'] / 2**20:.0f} MiB | {t['resident_bytes_asleep'] / 2**20:.0f} MiB | "
+                f"{t.get('anonymous_bytes_awake', 0) / 2**20:.0f} MiB | "
+                f"{t.get('anonymous_bytes_asleep', 0) / 2**20:.0f} MiB |"
             )
     lines += [
         "",
         "RSS asleep is what the issue asks the process to keep: the interpreter, its imports (onnxruntime or "
         "torch, numpy, grpc, tokenizers), the tokenizer and the servicer; the model's memory (graph session "
-        "or weights, KV) is what a sleep gives back.",
+        "or weights, KV) is what a sleep gives back. Anonymous is RSS less the file-backed pages (the "
+        "shared libraries' code and data: shared with the mesh's other processes that map them, and pages "
+        "the kernel may drop under pressure and read again); the target counts RSS.",
     ]
     if "burst" in r:
         b = r["burst"]
