@@ -214,6 +214,7 @@ class CloudEngine(Engine):
             embeddings=shard.world == 1 and wrap_forward is None,
             # under tensor parallelism only with the group: the followers drop and load their shards too
             sleeps=not self.tensor_parallel or group is not None,
+            load_processes=shard.world,  # torchrun --standalone: every rank on this host, each its own shard
         )
         self._states: dict[int, tuple[SeqState, KVContext | None]] = {}
         """Live sequences by id, with their KV key context (None: prefix caching off)."""

@@ -23,7 +23,8 @@ Contract (:class:`ModelSleep`, event loop only):
   to the system, so the resident size really drops. The resident size awake minus asleep is what a
   wake will need again.
 * **Wake.** One load for every concurrent caller (Wake RPCs and waiting turns alike). Before it,
-  MemAvailable (/proc/meminfo) must hold what the model took plus ``margin_bytes``; else
+  MemAvailable (/proc/meminfo) must hold what the model took (times the host's processes that load it
+  alike: a tensor-parallel group's ranks, ``EngineCapabilities.load_processes``) plus ``margin_bytes``; else
   ResourceExhausted, and the worker stays asleep (logged). A failed load is Unavailable, and the
   worker stays asleep. A caller that goes away (cancelled) stops counting; when the load completes
   with no caller, no user and no turn waiting, the model goes back to sleep (outcome ``abandoned``).
@@ -340,7 +341,7 @@ class ModelSleep:
 
     def _check_memory(self) -> None:
         available = self.memory.available_bytes()
-        need = self.needed_bytes + self.margin_bytes
+        need = self.needed_bytes * self.engine.capabilities.load_processes + self.margin_bytes
         if available is not None and available < need:
             WAKES.labels("no_memory").inc()
             log.warning("model_wake_refused_no_memory", available_bytes=available, needed_bytes=need)

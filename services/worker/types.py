@@ -78,6 +78,9 @@ class EngineCapabilities:
     sleeps: bool = False
     """Worker.Sleep / Wake: :meth:`Engine.release_model` gives the model's memory back (weights or graph
     session, KV) and :meth:`Engine.restore_model` loads it again (services/worker/sleep.py)."""
+    load_processes: int = 1
+    """Processes of this host that load the model alike on a wake (a tensor-parallel group's ranks,
+    all on one host): the wake's memory check asks for what this process gave back, that many times."""
     refusal_hint: str = ""
     """Appended to a refusal of what it cannot do: where to send such a request instead."""
 

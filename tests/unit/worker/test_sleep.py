@@ -9,6 +9,7 @@ import asyncio
 import threading
 from collections.abc import Callable
 from contextlib import aclosing
+from dataclasses import replace
 
 import pytest
 
@@ -303,5 +304,23 @@ async def test_state_changes_call_the_hooks_in_order() -> None:
         await runner.model.sleep()
         await runner.model.wake()
         assert seen == [ModelState.FALLING_ASLEEP, ModelState.ASLEEP, ModelState.WAKING, ModelState.AWAKE]
+    finally:
+        await runner.aclose()
+
+
+async def test_the_memory_check_counts_every_process_that_loads_the_model_alike() -> None:
+    engine = SleepyEngine()
+    engine._caps = replace(engine.capabilities, load_processes=3)  # a tensor-parallel group of 3 ranks
+    runner = _runner(engine)
+    memory = runner.model.memory
+    assert isinstance(memory, FakeMemory)
+    try:
+        await runner.model.sleep()
+        memory.available = 1000 * MiB  # enough for this rank's 400 MiB, not for the group's 1200
+        with pytest.raises(ResourceExhausted, match="needs about 1264 MiB"):
+            await runner.model.wake()
+        assert runner.model.state is ModelState.ASLEEP and engine.restored == 0
+        memory.available = 1300 * MiB
+        assert (await runner.model.wake()).state is ModelState.AWAKE
     finally:
         await runner.aclose()
