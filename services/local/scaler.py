@@ -68,6 +68,11 @@ class StopPolicy:
         """How logs and tasks name the pool: ``model`` or ``model@version``."""
         return self.model if self.version is None else f"{self.model}@{self.version}"
 
+    @property
+    def labels(self) -> dict[str, str]:
+        """The model (and version) a scale event is about."""
+        return {"model": self.model} if self.version is None else {"model": self.model, "version": self.version}
+
 
 @dataclass(frozen=True)
 class ModelSignal:
@@ -241,7 +246,7 @@ class Scaler:
             self._event(
                 "scale_to_zero",
                 "info",
-                **self._names(pool),
+                **pool.policy.labels,
                 workers=stopped,
                 idle_s=round(signal.idle_s or 0.0, 1),
                 stop_after_s=pool.policy.stop_after_s,
@@ -250,7 +255,7 @@ class Scaler:
     async def _start(self, pool: _Pool, name: str, signal: ModelSignal, event: str) -> None:
         """Start ``name``; ``event`` is ``scale_from_zero`` (none ran) or ``scale_up`` (the rest of the
         stopped workers); its ``_failed`` and ``_done`` events follow."""
-        self._event(event, "info", **self._names(pool), worker=name, held_requests=int(signal.held))
+        self._event(event, "info", **pool.policy.labels, worker=name, held_requests=int(signal.held))
         began = self.clock()
         try:
             await self.workers.start(name)
@@ -264,7 +269,7 @@ class Scaler:
             self._event(
                 f"{event}_failed",
                 "error",
-                **self._names(pool),
+                **pool.policy.labels,
                 worker=name,
                 error=error,
                 failures=pool.failures,
@@ -275,13 +280,7 @@ class Scaler:
         pool.retry_at = 0.0
         pool.started_at = self.clock()
         took = round(self.clock() - began, 2)
-        self._event(f"{event}_done", "info", **self._names(pool), worker=name, start_s=took)
-
-    @staticmethod
-    def _names(pool: _Pool) -> dict[str, str]:
-        """The model (and version) an event is about."""
-        policy = pool.policy
-        return {"model": policy.model} if policy.version is None else {"model": policy.model, "version": policy.version}
+        self._event(f"{event}_done", "info", **pool.policy.labels, worker=name, start_s=took)
 
 
 def sink_logger(sink: LogSink, name: str = SCALER) -> Any:

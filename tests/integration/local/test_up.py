@@ -63,6 +63,23 @@ async def _up(tmp_path: Path, *argv: str, **env: str) -> AsyncIterator[tuple[asy
             await proc.wait()
 
 
+async def _meshserve(state_file: Path, *argv: str, timeout_s: float = 60) -> str:
+    """``meshserve ARGV`` as a user runs it (the mesh found in ``state_file``); its output, after
+    asserting that it exited 0."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        *argv,
+        env={**os.environ, "MESHSERVE_STATE_FILE": str(state_file)},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
+    assert proc.returncode == 0, (out + err).decode()[-2000:]
+    return out.decode()
+
+
 async def _read_until(stream: asyncio.StreamReader, found: Callable[[str], bool]) -> list[str]:
     lines: list[str] = []
     while line := (await stream.readline()).decode():

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import sys
 from pathlib import Path
 
 import grpc
@@ -22,7 +20,7 @@ from services.common.pb.meshserve.internal.v1 import router_admin_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.local.mesh import DEV_API_KEY
-from tests.integration.local.test_up import _read_until, _running, _up
+from tests.integration.local.test_up import _meshserve, _read_until, _running, _up
 
 pytestmark = pytest.mark.integration
 PATHS = model_paths()
@@ -61,17 +59,7 @@ async def test_up_serves_a_second_version_and_a_second_model(tmp_path: Path) -> 
 
             assert await _served_by(stub) == "edge-0"  # all the weight on the prepared build
             assert await _served_by(stub, ALIAS) == f"edge-model-{ALIAS}"
-            rollout = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "services.cli",
-                *("models", "rollout", DEFAULT_MODEL_ID, "--weights", "prepared=0,int8=100"),
-                env={**os.environ, "MESHSERVE_STATE_FILE": str(state_file)},
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-            )
-            out, _ = await asyncio.wait_for(rollout.communicate(), 60)
-            assert rollout.returncode == 0, out.decode()[-2000:]
+            await _meshserve(state_file, "models", "rollout", DEFAULT_MODEL_ID, "--weights", "prepared=0,int8=100")
             assert {await _served_by(stub) for _ in range(3)} == {"edge-version-int8"}  # the second version
         proc.send_signal(signal.SIGINT)
         assert await asyncio.wait_for(proc.wait(), 60) == 0

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ from services.common.model_paths import DEFAULT_MODEL_ID, model_paths
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.common.pb.meshserve.v1 import inference_pb2_grpc
 from services.local.mesh import DEV_API_KEY
-from tests.integration.local.test_up import _read_until, _running, _up
+from tests.integration.local.test_up import _meshserve, _read_until, _running, _up
 
 pytestmark = pytest.mark.integration
 STOP_AFTER_S = "3"
@@ -64,18 +62,7 @@ async def _until_state(
 
 async def _status(state_file: Path) -> dict[str, dict[str, Any]]:
     """`meshserve status --json`'s replicas by name, as a user runs it (the mesh found in the state file)."""
-    status = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "services.cli",
-        "status",
-        "--json",
-        env={**os.environ, "MESHSERVE_STATE_FILE": str(state_file)},
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(status.communicate(), 120)
-    assert status.returncode == 0, err.decode()[-2000:]
+    out = await _meshserve(state_file, "status", "--json", timeout_s=120)
     return {str(r["name"]): r for r in json.loads(out)["replicas"]}
 
 
@@ -163,17 +150,7 @@ async def test_each_version_is_its_own_pool_a_request_for_one_starts_only_its_wo
             state_file, lambda s: all(_edge(s, n)["state"] == "stopped (idle)" for n in names), 120
         )
 
-        rollout = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "services.cli",
-            *("models", "rollout", DEFAULT_MODEL_ID, "--weights", "prepared=0,int8=100"),
-            env={**os.environ, "MESHSERVE_STATE_FILE": str(state_file)},
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-        )
-        out, _ = await asyncio.wait_for(rollout.communicate(), 60)
-        assert rollout.returncode == 0, out.decode()[-2000:]
+        await _meshserve(state_file, "models", "rollout", DEFAULT_MODEL_ID, "--weights", "prepared=0,int8=100")
         async with grpc.aio.insecure_channel(str(first["gateway"])) as channel:
             stub = inference_pb2_grpc.InferenceStub(channel)
             request = pb.GenerateRequest(prompt="Hello", sampling=pb.SamplingParams(max_tokens=4, temperature=0.0))
