@@ -27,7 +27,7 @@ import numpy as np
 import onnxruntime as ort
 import structlog
 
-from services.edge_worker.load_cache import GraphCache, graph_key
+from services.edge_worker.load_cache import DATA_ALIGN, INLINE_LIMIT, GraphCache, graph_key
 from services.edge_worker.native import kernel as native_kernel
 from services.models.biascorrect import CALIBRATION_TEXT
 
@@ -94,26 +94,64 @@ def load_sessions(
         raise ValueError(f"lm_head {lm_head!r} is not one of {LM_HEADS}")
     if int4_kernel not in INT4_KERNELS:
         raise ValueError(f"int4_kernel {int4_kernel!r} is not one of {INT4_KERNELS}")
-    for each in options:
-        each.add_session_config_entry("session.model_external_initializers_file_folder_path", str(model_path.parent))
     if int4_kernel == "native":
         library = native_library()
         for each in options:
             each.register_custom_ops_library(str(library))
     graph: bytes | None = None
+    folder = model_path.parent
+    """Where the graph's external data is: the model directory, or the cache entry's data file."""
     if cache_dir is not None and last_positions:
         cache, key = GraphCache(cache_dir), _cache_key(model_path, lm_head, options[0], int4_kernel)
         graph = cache.get(key)
         log.info("edge_graph_cache", hit=graph is not None, entry=str(cache_dir / f"{key}.onnx"))
+        stored = graph is not None
+        if graph is None:
+            graph, stored = _edit_and_store(cache, key, model_path, options[0], lm_head, int4_kernel)
+        if stored:
+            folder = cache_dir
     if graph is None:
         from services.edge_worker.graph_edit import edited_graph  # onnx: only on a cache miss (graph_edit.py)
 
         graph = edited_graph(
-            model_path, options[0], lm_head=lm_head, int4_kernel=int4_kernel, last_positions=last_positions
+            model_path,
+            _edit_options(options[0], folder),
+            lm_head=lm_head,
+            int4_kernel=int4_kernel,
+            last_positions=last_positions,
         )
-        if cache_dir is not None and last_positions:
-            cache.put(key, graph, model_path.parent)
+    for each in options:
+        each.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
     return [ort.InferenceSession(graph, each, providers=["CPUExecutionProvider"]) for each in options]
+
+
+def _edit_and_store(
+    cache: GraphCache, key: str, model_path: Path, options: ort.SessionOptions, lm_head: str, int4_kernel: str
+) -> tuple[bytes, bool]:
+    """Edit the graph and write it to the cache as an entry; the graph to load and whether it is the
+    entry's (its weights in the cache's data file) or, when the write failed, whole (weights inline and
+    in the model directory)."""
+    from services.edge_worker.graph_edit import edited_model, external_weights  # onnx: only on a miss
+
+    model = edited_model(
+        model_path, _edit_options(options, model_path.parent), lm_head=lm_head, int4_kernel=int4_kernel
+    )
+    entry, weights = external_weights(
+        model, model_path.parent, cache.data_name(key), align=DATA_ALIGN, inline_limit=INLINE_LIMIT
+    )
+    if cache.put(key, entry, weights, model_path.parent):
+        return entry, True
+    return model.SerializeToString(), False
+
+
+def _edit_options(options: ort.SessionOptions, folder: Path) -> ort.SessionOptions:
+    """The graph edit's own options (its calibration run): ``options``' threads, the model directory's
+    external data (the sessions' options name the folder of the graph they load, set once)."""
+    edit = ort.SessionOptions()
+    edit.intra_op_num_threads = options.intra_op_num_threads
+    edit.inter_op_num_threads = options.inter_op_num_threads
+    edit.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
+    return edit
 
 
 def _cache_key(model_path: Path, lm_head: str, options: ort.SessionOptions, int4_kernel: str = "mlas") -> str:
@@ -123,7 +161,8 @@ def _cache_key(model_path: Path, lm_head: str, options: ort.SessionOptions, int4
         "intra_op_threads": options.intra_op_num_threads,
     }
     versions = {"onnx": version("onnx"), "onnxruntime": ort.__version__, "numpy": np.__version__}
-    sources = [Path(__file__), *EDIT_SOURCES, CALIBRATION_TEXT]  # the edit's constants are in its sources
+    # the edit's constants are in its sources; load_cache.py holds the entry's format
+    sources = [Path(__file__), *EDIT_SOURCES, _HERE / "load_cache.py", CALIBRATION_TEXT]
     if int4_kernel != "mlas":  # only then: the default's key (and its cached entries) stay as they were
         settings["int4_kernel"] = int4_kernel
         settings["int4_kernel_threads"] = native_kernel.kernel_threads(options.intra_op_num_threads)

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import structlog
-from onnx import helper, numpy_helper
+from onnx import external_data_helper, helper, numpy_helper
 from tokenizers import Tokenizer
 
 from services.edge_worker.int8head import CALIBRATION_TOKENS, int8_lm_head, outlier_channels
@@ -56,8 +56,24 @@ def edited_graph(
     int4_kernel: str = "mlas",
     last_positions: bool = True,
 ) -> bytes:
-    """The serialized graph :func:`load_session` runs (``options`` must name the external data folder);
-    ``last_positions=False`` leaves out the slice to the last :data:`LAST_POSITIONS` positions."""
+    """The serialized graph :func:`load_session` runs, weights not inline still in the model directory's
+    external data (:func:`edited_model`)."""
+    return edited_model(
+        model_path, options, lm_head=lm_head, int4_kernel=int4_kernel, last_positions=last_positions
+    ).SerializeToString()
+
+
+def edited_model(
+    model_path: Path,
+    options: ort.SessionOptions,
+    *,
+    lm_head: str,
+    int4_kernel: str = "mlas",
+    last_positions: bool = True,
+) -> onnx.ModelProto:
+    """The graph :func:`load_session` runs (``options`` must name the external data folder: the
+    calibration run reads the weights); ``last_positions=False`` leaves out the slice to the last
+    :data:`LAST_POSITIONS` positions."""
     model = onnx.load(str(model_path), load_external_data=False)
     outliers = None
     if lm_head == "int8":
@@ -73,4 +89,35 @@ def edited_graph(
         replaced = native_graph.use_int4_op(model, model_path.parent, kernel_threads(options.intra_op_num_threads))
         log.info("edge_int4_native_op", replaced=replaced, swiglu_fused=swiglu_graph.use_swiglu_op(model))
         log.info("edge_native_attention_op", replaced=attention_graph.use_attention_op(model))
-    return model.SerializeToString()
+    return model
+
+
+def external_weights(
+    model: onnx.ModelProto, base: Path, location: str, *, align: int, inline_limit: int
+) -> tuple[bytes, list[tuple[int, bytes]]]:
+    """``model`` serialized with every raw initializer over ``inline_limit`` bytes stored as external data in
+    ``location`` (those still in ``base``'s external data files are read from there), each at a
+    multiple of ``align``; and the (offset, bytes) to write there (the load cache's entry format,
+    load_cache.py). ``model`` is left with every weight inline."""
+    moved: list[tuple[onnx.TensorProto, int, bytes]] = []
+    end = 0
+    for init in model.graph.initializer:
+        if external_data_helper.uses_external_data(init):
+            external_data_helper.load_external_data_for_tensor(init, str(base))
+        if not init.HasField("raw_data") or len(init.raw_data) <= inline_limit:
+            continue  # typed fields (float_data, ...) stay inline too, as onnx's own saver keeps them
+        data = init.raw_data
+        offset = -(-end // align) * align
+        moved.append((init, offset, data))
+        end = offset + len(data)
+        init.ClearField("raw_data")
+        init.data_location = onnx.TensorProto.EXTERNAL
+        for key, value in (("location", location), ("offset", str(offset)), ("length", str(len(data)))):
+            entry = init.external_data.add()
+            entry.key, entry.value = key, value
+    graph = model.SerializeToString()
+    for init, _offset, data in moved:  # back inline: a caller whose cache write fails loads it as it is
+        del init.external_data[:]
+        init.data_location = onnx.TensorProto.DEFAULT
+        init.raw_data = data
+    return graph, [(offset, data) for _init, offset, data in moved]
