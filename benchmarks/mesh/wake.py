@@ -223,33 +223,41 @@ async def _steady(client: MeshClient, seconds: float, concurrency: int = 2) -> l
     return out
 
 
-async def _neighbours(client: MeshClient, other: worker_pb2_grpc.WorkerStub, seconds: float) -> dict[str, Any]:
-    """The default model's TTFTs with no wake, then while the other model is put to sleep and woken
-    again and again; judged on the requests whose wait for a first token overlapped a wake (from
-    the waking request's start to its first token)."""
+async def _neighbours(
+    client: MeshClient, other: worker_pb2_grpc.WorkerStub, seconds: float, blocks: int = 4
+) -> dict[str, Any]:
+    """The default model's TTFTs with no wake, and while the other model is put to sleep and woken
+    again and again, in ``blocks`` alternating pairs of ``seconds / blocks`` each (so a drift of the
+    shared host's speed falls on both alike); judged on the requests whose wait for a first token
+    overlapped a wake (from the waking request's start to its first token)."""
     await _steady(client, 2.0)  # warm-up
-    quiet = [ttft for _start, ttft in await _steady(client, seconds)]
-    stop = asyncio.Event()
+    quiet: list[float] = []
+    busy: list[tuple[float, float]] = []
     windows: list[tuple[float, float]] = []
 
-    async def wake_again_and_again() -> None:
+    async def wake_again_and_again(stop: asyncio.Event) -> None:
         while not stop.is_set():
             await _sleep(other, client, OTHER_MODEL)
             await asyncio.sleep(0.2)  # the release's own CPU is not a wake's
             start = time.perf_counter()
             windows.append((start, start + await _ttft(client, "edge", OTHER_MODEL)))
 
-    waker = asyncio.create_task(wake_again_and_again())
-    try:
-        busy = await _steady(client, seconds)
-    finally:
-        stop.set()
-        await waker
+    for _ in range(blocks):
+        quiet += [ttft for _start, ttft in await _steady(client, seconds / blocks)]
+        stop = asyncio.Event()
+        waker = asyncio.create_task(wake_again_and_again(stop))
+        try:
+            busy += await _steady(client, seconds / blocks)
+        finally:
+            stop.set()
+            await waker
+        await asyncio.sleep(0.5)  # the last wake's first steps are not the next quiet block's
     during = [ttft for start, ttft in busy if any(a < start + ttft and start < b for a, b in windows)]
     if not during:
         raise RuntimeError("no request of the default model overlapped a wake of the other model")
     return {
         "seconds": seconds,
+        "blocks": blocks,
         "quiet_requests": len(quiet),
         "cycling_requests": len(busy),
         "during_wakes_requests": len(during),
@@ -414,7 +422,8 @@ def markdown(report: dict[str, Any]) -> str:
         n = r["neighbours"]
         lines += [
             "",
-            f"**Neighbours:** the default model's TTFT p50 (2 closed loops, {n['seconds']:g} s each run) "
+            f"**Neighbours:** the default model's TTFT p50 (2 closed loops, {n['seconds']:g} s each run, in "
+            f"{n.get('blocks', 1)} alternating blocks of each) "
             f"{n['quiet_ttft_s_p50'] * 1000:.1f} ms with no wake ({n['quiet_requests']} requests), "
             f"{n['during_wakes_ttft_s_p50'] * 1000:.1f} ms for the {n['during_wakes_requests']} requests that "
             f"waited for their first token while `{OTHER_MODEL}` woke ({n['wakes_of_the_other_model']} wakes, "
