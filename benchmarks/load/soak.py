@@ -2,7 +2,11 @@
 
 1. Starts the local mesh (launcher of ``meshserve up``; rate limits set out of the way).
    Redis is started with ``--redis-maxmemory`` (32 MB; ``meshserve up`` uses 512 MB) so that the
-   response and KV prefix caches reach their bound, and evict, during the warm-up.
+   response and KV prefix caches reach their bound, and evict, during the warm-up; for the same reason
+   the cloud workers' KV cache is ``--cloud-kv-budget-mib`` (128; the worker's default is 512). Its
+   pages are zeroed on first touch (services/gpu_worker/model.py), so a cloud worker's RSS grows
+   until the cached prefixes fill the budget: at 512 MiB that took longer than a 10-minute soak
+   (+9.1 % RSS, 2026-12-03), a bounded fill that the verdict cannot tell from a leak.
 2. **Capacity**: a short closed-loop ramp (``--ramp`` concurrencies, ``--ramp-seconds`` each) of the
    workload; capacity = the highest requests/s of a step without errors.
 3. **Fill**: up to ``--fill`` distinct one-token prompts, with ``--fill-chat`` chat turns (longer
@@ -156,6 +160,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         edge_workers=args.edge_workers, cloud_workers=args.cloud_workers, redis_maxmemory=args.redis_maxmemory
     )
     config.extra_env.update(UNLIMITED)
+    config.extra_env["MESHSERVE_GPU_WORKER_KV_BUDGET_BYTES"] = str(args.cloud_kv_budget_mib << 20)
     print("soak: starting the mesh...", file=sys.stderr, flush=True)
     logs = soak_probe.LogCounter()
     async with Mesh(config, sink=logs) as mesh, MeshClient(mesh.gateway_address, DEV_API_KEY) as client:
@@ -230,6 +235,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         "capacity": cap,
         "fill": filled,
         "redis_maxmemory": args.redis_maxmemory,
+        "cloud_kv_budget_bytes": args.cloud_kv_budget_mib << 20,
         "load_fraction": args.load,
         "rate_requests_per_s": round(rate, 3),
         "warmup_s": warmup_s,
@@ -297,6 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--window-minutes", type=float, default=None, help="baseline and final window (N/10)")
     parser.add_argument(
         "--redis-maxmemory", default="32mb", help="maxmemory of the Redis the soak starts (default 32mb)"
+    )
+    parser.add_argument(
+        "--cloud-kv-budget-mib", type=int, default=128, help="the cloud workers' KV cache in MiB (default 128)"
     )
     parser.add_argument(
         "--fill", type=int, default=FILL_PROMPTS, help=f"distinct prompts before the soak (default {FILL_PROMPTS})"

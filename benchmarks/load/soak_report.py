@@ -84,7 +84,14 @@ def redis_lines(report: dict[str, Any]) -> list[str]:
     fill_text = (
         f"Before the soak, {fill['requests'] - fill.get('chat', 0)} distinct one-token prompts and "
         f"{fill.get('chat', 0)} chat turns at concurrency {fill['concurrency']} ({fill['wall_s']:g} s, errors "
-        f"{fill['errors'] or 'none'}) filled the prompt-keyed caches and peaked the connection pools. "
+        f"{fill['errors'] or 'none'}) filled the prompt-keyed caches and peaked the connection pools"
+        + (
+            f" (the cloud workers' KV cache is {report['cloud_kv_budget_bytes'] >> 20} MiB, so that its prefixes "
+            "fill it before the baseline too)"
+            if report.get("cloud_kv_budget_bytes")
+            else ""
+        )
+        + ". "
         if fill.get("requests")
         else ""
     )
