@@ -285,9 +285,7 @@ class LeaderModel:
         self.leader.close()
 
 
-def follow(
-    model: LlamaModel | list[LlamaModel], group: Group, reload: Callable[[], LlamaModel] | None = None
-) -> None:
+def follow(model: LlamaModel | list[LlamaModel], group: Group, reload: Callable[[], LlamaModel] | None = None) -> None:
     """A follower's loop: mirror the leader's calls on this rank's shard until ``stop``; ``release``
     drops the shard, ``restore`` loads it again with ``reload`` (see the module docstring). A one-item
     list hands the shard over (emptied here), so the caller keeps no reference that a sleep cannot free."""
