@@ -111,15 +111,15 @@ def load_sessions(
         if stored:
             folder = cache_dir
     if graph is None:
-        from services.edge_worker.graph_edit import edited_graph  # onnx: only on a cache miss (graph_edit.py)
+        from services.edge_worker.graph_edit import edited_model  # onnx: only on a cache miss (graph_edit.py)
 
-        graph = edited_graph(
+        graph = edited_model(
             model_path,
             _edit_options(options[0], folder),
             lm_head=lm_head,
             int4_kernel=int4_kernel,
             last_positions=last_positions,
-        )
+        ).SerializeToString()
     for each in options:
         each.add_session_config_entry("session.model_external_initializers_file_folder_path", str(folder))
     return [ort.InferenceSession(graph, each, providers=["CPUExecutionProvider"]) for each in options]

@@ -48,21 +48,6 @@ def _last_positions(model: onnx.ModelProto) -> None:
             output.type.tensor_type.shape.dim[1].dim_param = "last_positions"
 
 
-def edited_graph(
-    model_path: Path,
-    options: ort.SessionOptions,
-    *,
-    lm_head: str,
-    int4_kernel: str = "mlas",
-    last_positions: bool = True,
-) -> bytes:
-    """The serialized graph :func:`load_session` runs, weights not inline still in the model directory's
-    external data (:func:`edited_model`)."""
-    return edited_model(
-        model_path, options, lm_head=lm_head, int4_kernel=int4_kernel, last_positions=last_positions
-    ).SerializeToString()
-
-
 def edited_model(
     model_path: Path,
     options: ort.SessionOptions,

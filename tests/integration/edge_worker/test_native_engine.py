@@ -19,7 +19,7 @@ import pytest
 
 from services.common.model_paths import model_paths
 from services.edge_worker.graph import load_session
-from services.edge_worker.graph_edit import edited_graph
+from services.edge_worker.graph_edit import edited_model
 from services.edge_worker.kvslots import KvSlots
 from services.edge_worker.native.attention_graph import OP as ATTENTION_OP
 from services.edge_worker.native.attention_graph import use_attention_op
@@ -121,7 +121,7 @@ def test_every_matmulnbits_but_the_head_runs_on_the_op() -> None:
     options = ort.SessionOptions()
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
     options.intra_op_num_threads = 1
-    graph = onnx.load_from_string(edited_graph(path, options, lm_head="int8", int4_kernel="native"))
+    graph = edited_model(path, options, lm_head="int8", int4_kernel="native")
     ours = [node for node in graph.graph.node if (node.domain, node.op_type) == (DOMAIN, OP)]
     kinds = [({a.name: a.i for a in node.attribute}["bits"], {a.name: a.i for a in node.attribute}.get("act", 0))
              for node in ours]  # fmt: skip
