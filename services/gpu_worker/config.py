@@ -39,6 +39,11 @@ class GpuWorkerSettings(WorkerSettings):
     """Sequences generating at once (one continuous batch); more wait in the queue."""
     kv_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     """KV cache dtype; auto is the model dtype when 16-bit, else float16 (half the memory, stored exactly in Redis)."""
+    cpu_primitive_cache: int = Field(default=128, ge=0)
+    """CPU: most oneDNN primitives (kernels built for one matmul shape) the process keeps, oneDNN's
+    ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``, which this sets for the process (oneDNN's own default is 1024).
+    Prefill steps of every new token count add entries, so at 1024 the cache grew the worker's heap
+    by ~220 MB over minutes (docs/cloud.md, *Memory*); a miss costs ~0.2 ms per kernel built."""
     kv_budget_bytes: int = Field(default=512 << 20, ge=1 << 20)
     """KV cache memory (live sequences + cached prefixes); a request that cannot fit waits for space.
     KV blocks hold ``prefix_block_tokens`` tokens (the block size of the Redis prefix cache and the router)."""

@@ -49,6 +49,7 @@ from services.gpu_worker import kv_transfer
 from services.gpu_worker.blocks import BlockManager
 from services.gpu_worker.graphs import StaticDecoder
 from services.gpu_worker.model import AllReduce, KVCache, LlamaModel, Shard
+from services.gpu_worker.packed import limit_primitive_cache
 from services.gpu_worker.prefix import RedisPrefixCache, chain_keys, key_digest
 from services.gpu_worker.sampler import Sampler
 from services.gpu_worker.scheduler import Forward, Scheduler, SeqState
@@ -139,6 +140,7 @@ class CloudEngine(Engine):
         dtype: str = "auto",
         kv_dtype: str = "auto",
         threads: int = 0,
+        cpu_primitive_cache: int = 128,
         kv_budget_bytes: int = 512 << 20,
         block_tokens: int = 16,
         max_step_tokens: int = 512,
@@ -158,6 +160,7 @@ class CloudEngine(Engine):
         and sleep and wake with it); with ``shard``, ``all_reduce``, ``wrap_forward`` and ``kv_io``."""
         if threads:
             torch.set_num_threads(threads)  # process-wide: one worker per process
+        limit_primitive_cache(cpu_primitive_cache)  # before the first matmul (process-wide, packed.py)
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(kv_dtype, self.dtype)

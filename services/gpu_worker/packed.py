@@ -16,6 +16,7 @@ Results match ``F.linear`` to float32 rounding (a different summation order).
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -26,6 +27,13 @@ from torch import Tensor
 def can_prepack(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether oneDNN prepacking is available and used for this device and dtype (CPU float32)."""
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def limit_primitive_cache(entries: int) -> None:
+    """Bound oneDNN's primitive cache to ``entries`` kernels (LRU) through its environment variable
+    ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``. oneDNN reads it once, when it builds its first primitive, so
+    this is process-wide and must run before the process's first oneDNN call (the engine's start)."""
+    os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = str(entries)
 
 
 def _pack(weight: Tensor, rows_hint: int) -> Tensor:

@@ -49,6 +49,7 @@ def build_engine(settings: GpuWorkerSettings) -> CloudEngine:
         dtype=settings.dtype,
         kv_dtype=settings.kv_dtype,
         threads=settings.threads,
+        cpu_primitive_cache=settings.cpu_primitive_cache,
         kv_budget_bytes=settings.kv_budget_bytes,
         block_tokens=settings.prefix_block_tokens,
         max_step_tokens=settings.max_step_tokens,

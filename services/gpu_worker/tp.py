@@ -65,6 +65,7 @@ from services.common.logging import configure_logging
 from services.gpu_worker.config import GpuWorkerSettings
 from services.gpu_worker.engine import resolve_device, resolve_dtype
 from services.gpu_worker.model import KVCache, LlamaModel, Shard
+from services.gpu_worker.packed import limit_primitive_cache
 from services.gpu_worker.plan import Segment
 from services.gpu_worker.tp_env import RankEnv, check_degree, device_for, model_config
 from services.gpu_worker.tp_kv import gather_blocks, head_slices, scatter_blocks
@@ -420,6 +421,7 @@ def follower_main(settings_cls: type[GpuWorkerSettings]) -> int:
     configure_logging(settings_cls.service, settings.log_level, settings.log_json)
     if settings.threads:
         torch.set_num_threads(settings.threads)
+    limit_primitive_cache(settings.cpu_primitive_cache)
     env = RankEnv.from_env()
     try:
         path = settings.check_model()

@@ -16,6 +16,15 @@ def test_env_vars(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (settings.device, settings.dtype, settings.check_model()) == ("cpu", "auto", "some/hub-id")
 
 
+def test_the_cpu_primitive_cache_is_bounded_by_default_and_set_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load_settings(GpuWorkerSettings).cpu_primitive_cache == 128
+    monkeypatch.setenv("MESHSERVE_GPU_WORKER_CPU_PRIMITIVE_CACHE", "0")
+    assert load_settings(GpuWorkerSettings).cpu_primitive_cache == 0
+    monkeypatch.setenv("MESHSERVE_GPU_WORKER_CPU_PRIMITIVE_CACHE", "-1")
+    with pytest.raises(ConfigError, match="MESHSERVE_GPU_WORKER_CPU_PRIMITIVE_CACHE"):
+        load_settings(GpuWorkerSettings)
+
+
 def test_bad_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MESHSERVE_GPU_WORKER_DEVICE", "tpu")
     with pytest.raises(ConfigError, match="MESHSERVE_GPU_WORKER_DEVICE"):

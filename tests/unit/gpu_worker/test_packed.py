@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from services.gpu_worker.packed import Linear, Packer, can_prepack
+
+_REUSE = textwrap.dedent(
+    """
+    import sys, torch
+    from services.gpu_worker.packed import Linear, limit_primitive_cache
+    limit_primitive_cache(int(sys.argv[1]))  # after torch's import, before its first oneDNN call
+    layer = Linear(torch.randn(64, 32), prepack=True)
+    for rows in (3, 4, 5, 3):
+        layer(torch.randn(rows, 32))
+    """
+)
 
 
 def test_prepacking_is_for_cpu_float32_only() -> None:
@@ -49,3 +65,16 @@ def test_a_background_packed_layer_waits_for_its_weight_and_equals_the_packed_on
     assert packer.done and all((layer.packed is not None) == pack for layer in deferred)
     with pytest.raises(RuntimeError):
         packer.add(Linear(weight, prepack=pack))
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="oneDNN is not in this torch build")
+@pytest.mark.parametrize(("entries", "reused"), [(2, False), (128, True)])
+def test_the_primitive_cache_limit_takes_effect_when_set_before_the_first_call(entries: int, reused: bool) -> None:
+    """Rows 3, 4, 5, then 3 again: with room for 2 kernels the last one is built again (LRU); with 128 it
+    is found. oneDNN's verbose mode names each creation a cache hit or miss."""
+    env = {**os.environ, "ONEDNN_VERBOSE": "profile_create"}
+    out = subprocess.run(
+        [sys.executable, "-c", _REUSE, str(entries)], env=env, capture_output=True, text=True, check=True, timeout=120
+    ).stdout
+    matmuls = [line for line in out.splitlines() if ",inner_product," in line and "create:" in line]
+    assert [",create:cache_hit," in line for line in matmuls] == [False, False, False, reused]
