@@ -6,12 +6,15 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from services.gpu_worker.packed import Linear, Packer, can_prepack
+
+_REPO = Path(__file__).resolve().parents[3]
 
 _REUSE = textwrap.dedent(
     """
@@ -74,7 +77,13 @@ def test_the_primitive_cache_limit_takes_effect_when_set_before_the_first_call(e
     is found. oneDNN's verbose mode names each creation a cache hit or miss."""
     env = {**os.environ, "ONEDNN_VERBOSE": "profile_create"}
     out = subprocess.run(
-        [sys.executable, "-c", _REUSE, str(entries)], env=env, capture_output=True, text=True, check=True, timeout=120
+        [sys.executable, "-c", _REUSE, str(entries)],
+        cwd=_REPO,  # `-c` imports services from the working directory
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     ).stdout
     matmuls = [line for line in out.splitlines() if ",inner_product," in line and "create:" in line]
     assert [",create:cache_hit," in line for line in matmuls] == [False, False, False, reused]
