@@ -44,53 +44,17 @@ from typing import Any
 
 import torch
 
+from benchmarks.checkpoints import SHAPES, build_checkpoint
 from benchmarks.engine_stepper import EngineStepper
 from services.common.sampling import SamplingParams
 from services.gpu_worker.engine import CloudEngine
 
-SHAPES: dict[str, dict[str, Any]] = {
-    "135m": dict(
-        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3
-    ),
-    "1b": dict(
-        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8
-    ),
-    "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-    ),
-}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 MARK_BEGIN = "<!-- cloud_gpu targets: begin (written by python -m benchmarks.cloud.gpu) -->"
 MARK_END = "<!-- cloud_gpu targets: end -->"
 
 
 # -- setup --------------------------------------------------------------------------------------
-
-
-def build_checkpoint(shape: str, tokenizer_dir: Path, out: Path, device: torch.device, dtype: torch.dtype) -> Path:
-    """A random-weight Llama of ``shape`` with the tokenizer of ``tokenizer_dir``, saved to ``out`` (seconds)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    vocab = len(AutoTokenizer.from_pretrained(tokenizer_dir))
-    config = LlamaConfig(
-        vocab_size=vocab,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=None,  # EOS ignored: every stream decodes exactly the tokens asked for
-        pad_token_id=None,
-        **SHAPES[shape],
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
-    model.to(dtype=dtype).save_pretrained(out)  # type: ignore[call-arg]  # transformers wraps to()
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copy(tokenizer_dir / name, out / name)
-    del model
-    return out
 
 
 def copy_bandwidth(device: torch.device) -> float:

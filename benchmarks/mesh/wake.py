@@ -13,6 +13,10 @@ awake in the same run:
   (a second edge model id) is put to sleep and woken again and again, against a run with no wake.
 - **from zero**: a mesh with ``min_replicas 0`` and a stop policy: once the scaler of ``meshserve up``
   has stopped the edge worker process, the time from a request's arrival to its first token.
+- **by model size** (``--sizes``, no target of its own): the edge wake pairs again for random-weight
+  models of larger shapes (benchmarks/checkpoints.py), each prepared once as the default model is
+  (the INT4 edge graph, under ~/.cache/meshserve/bench-models) and served by a mesh of its own: how
+  what a sleeping worker keeps compares with the same worker awake as the model grows.
 
 Writes docs/benchmarks/wake.json and wake.md with TARGET lines (and prints them).
 """
@@ -25,6 +29,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -37,14 +42,17 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import earlier_runs
+from benchmarks.checkpoints import SHAPES, parameters
 from benchmarks.report import target_line
 from benchmarks.stats import percentile
 from services.cli.client import MeshClient, routing_options, sampling_params
 from services.common.config import DEFAULT_INTERNAL_TOKEN
-from services.common.model_paths import model_paths
+from services.common.model_paths import DEFAULT_MODEL_ID, default_models_dir, model_paths
 from services.common.pb.meshserve.internal.v1 import worker_pb2, worker_pb2_grpc
 from services.common.pb.meshserve.v1 import inference_pb2 as pb
 from services.local.mesh import DEV_API_KEY, Mesh, MeshConfig
+from services.models.prepare import edge_complete, prepare, read_manifest
+from services.models.sources import Source
 
 INTERNAL = (("x-meshserve-internal-token", DEFAULT_INTERNAL_TOKEN),)
 PROMPT = "The capital of France is"
@@ -58,6 +66,8 @@ TARGETS = {
     "from_zero_ttft_s": 8.0,
     "neighbour_ttft_p50_ratio": 1.10,
 }
+SIZES = ("360m", "1b")
+"""The random-weight shapes of the report's by-size table (``--sizes``), beside the default model (135M)."""
 STATE = worker_pb2.ModelState
 
 
@@ -296,6 +306,42 @@ async def _from_zero(rounds: int, idle_after_s: float, stop_after_s: float) -> d
     return {"rounds": rounds, "ttft_s": ttfts, "ttft_s_median": statistics.median(ttfts), "ttft_s_max": max(ttfts)}
 
 
+def sized_models_dir(shape: str) -> Path:
+    """A models directory whose default model is a random-weight ``shape`` with SmolLM2's tokenizer,
+    prepared as the default model is (``meshserve models prepare``: cloud checkpoint, INT4 edge graph,
+    manifest); built on the first call (minutes), then reused."""
+    import torch
+
+    from benchmarks.checkpoints import build_checkpoint
+
+    models_dir = default_models_dir().parent / "bench-models" / f"random-{shape}"
+    paths = model_paths(DEFAULT_MODEL_ID, models_dir)
+    if read_manifest(paths) is not None and edge_complete(paths.edge_dir):
+        return models_dir
+    _log(f"preparing a random-weight {shape} model in {models_dir} (once: minutes)")
+    source = models_dir / "source"
+    shutil.rmtree(source, ignore_errors=True)
+    try:
+        build_checkpoint(shape, model_paths().hf_dir, source, torch.device("cpu"), torch.float32, stops=True)
+        prepare(DEFAULT_MODEL_ID, models_dir, Source("hf_dir", str(source), f"random:{shape}"), show_progress=False)
+    finally:
+        shutil.rmtree(source, ignore_errors=True)
+    return models_dir
+
+
+async def _by_size(shape: str, rounds: int) -> dict[str, Any]:
+    """The edge wake pairs of a mesh of one edge worker serving the random-weight ``shape``."""
+    models_dir = await asyncio.to_thread(sized_models_dir, shape)
+    config = _config(edge_workers=1, cloud_workers=0)
+    config.extra_env["MESHSERVE_MODELS_DIR"] = str(models_dir)
+    async with Mesh(config, sink=lambda _n, _l: None) as mesh, MeshClient(mesh.gateway_address, DEV_API_KEY) as client:
+        proc = mesh.workers("edge")[0]
+        async with grpc.aio.insecure_channel(proc.address) as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            pairs = await _wake_pairs(client, stub, "edge", rounds, proc.proc.pid if proc.proc else None)
+    return {"shape": shape, "parameters": parameters(shape), **pairs}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     edge_dir = str(model_paths().edge_dir)
@@ -325,6 +371,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             results["cloud"] = await _wake_pairs(client, stub, "cloud", args.rounds, pid)
     _log("from zero: stop policy")
     results["from_zero"] = await _from_zero(args.zero_rounds, args.idle_after_s, args.stop_after_s)
+    for shape in args.sizes:
+        _log(f"by size: a random-weight {shape} edge model")
+        results.setdefault("sizes", []).append(await _by_size(shape, args.size_rounds))
     report: dict[str, Any] = {
         "benchmark": "wake",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -409,6 +458,27 @@ def markdown(report: dict[str, Any]) -> str:
         "shared libraries' code and data: shared with the mesh's other processes that map them, and pages "
         "the kernel may drop under pressure and read again); the target counts RSS.",
     ]
+    if r.get("sizes"):
+        lines += [
+            "",
+            "**By model size** (no target of its own; the TARGET line is the default model's): the same edge "
+            "pairs for random-weight models of larger shapes with SmolLM2's tokenizer (benchmarks/checkpoints.py), "
+            "each prepared as the default model is (the INT4 edge graph) and served by a mesh of its own in this run.",
+            "",
+            "| edge model | parameters | rounds | RSS awake | RSS asleep | asleep / awake | anonymous, awake | asleep "
+            "| extra TTFT |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        sized = [("the default model (SmolLM2-135M)", parameters("135m"), r["edge"])] if "edge" in r else []
+        sized += [(f"random, {t['shape']} shape", t["parameters"], t) for t in r["sizes"]]
+        for name, count, t in sized:
+            awake, asleep = t["resident_bytes_awake"], t["resident_bytes_asleep"]
+            lines.append(
+                f"| {name} | {count / 1e6:,.0f} M | {t['rounds']} | {awake / 2**20:,.0f} MiB | "
+                f"{asleep / 2**20:,.0f} MiB | {asleep / awake if awake else 0:.3f}x | "
+                f"{t.get('anonymous_bytes_awake', 0) / 2**20:,.0f} MiB | "
+                f"{t.get('anonymous_bytes_asleep', 0) / 2**20:,.0f} MiB | {t['extra_ttft_s'] * 1000:.0f} ms |"
+            )
     if "burst" in r:
         b = r["burst"]
         lines += [
@@ -451,6 +521,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--zero-rounds", type=int, default=3, help="requests from zero processes (default 3)")
     parser.add_argument("--idle-after-s", type=float, default=1.0, help="from zero: idle_after_s (default 1)")
     parser.add_argument("--stop-after-s", type=float, default=3.0, help="from zero: stop_after_s (default 3)")
+    parser.add_argument(
+        "--sizes",
+        nargs="*",
+        default=list(SIZES),
+        choices=sorted(SHAPES),
+        help="random-weight shapes whose edge memory awake and asleep the report adds, each in a mesh of its own "
+        f"(default {' '.join(SIZES)}; none: --sizes with no shape)",
+    )
+    parser.add_argument("--size-rounds", type=int, default=3, help="awake/asleep pairs per size (default 3)")
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"), help="output directory")
     args = parser.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])

@@ -66,3 +66,26 @@ def test_the_report_prints_every_target_line() -> None:
     for row in report["targets"]:
         assert target_line(row) in text
     assert "TARGET cloud_wake_extra_ttft: 3.5 s (target <= 3 s): FAIL" in text
+
+
+def test_the_by_size_table_shows_each_models_share_beside_the_default_one() -> None:
+    sized = {
+        "shape": "1b",
+        "parameters": 1_073_809_408,
+        "rounds": 3,
+        "extra_ttft_s": 0.2,
+        "resident_bytes_awake": 1000 << 20,
+        "resident_bytes_asleep": 100 << 20,
+        "anonymous_bytes_awake": 300 << 20,
+        "anonymous_bytes_asleep": 80 << 20,
+    }
+    report = _report(sizes=[sized])
+    text = wake.markdown(report)
+    assert "| the default model (SmolLM2-135M) | 135 M | 2 | 500 MiB | 90 MiB | 0.180x |" in text
+    assert "| random, 1b shape | 1,074 M | 3 | 1,000 MiB | 100 MiB | 0.100x | 300 MiB | 80 MiB | 200 ms |" in text
+    # The by-size rows add no TARGET line: the target stays the default model's.
+    assert [t["name"] for t in report["targets"]] == [t["name"] for t in _report()["targets"]]
+
+
+def test_without_sizes_the_report_has_no_by_size_table() -> None:
+    assert "By model size" not in wake.markdown(_report())
