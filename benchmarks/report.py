@@ -392,7 +392,8 @@ REPORTS: list[Report] = [
     Report("structured_guarantees.md", "structured_guarantees.json", "structured output's guarantees on the real "
            "model, both tiers and front doors: invalid answers, answers at max_tokens (issue 41)", _GUARANTEES),
     Report("wake.md", "wake.json", "a sleeping or stopped model's first token vs the same model awake, resident "
-           "memory asleep, 64 requests at a sleeping model, neighbours' TTFT during wakes (issue 39)",
+           "memory asleep (also by model size), 64 requests at a sleeping model, neighbours' TTFT during wakes "
+           "(issue 39)",
            "meshserve bench wake"),
     Report("cancel.md", "cancel.json", "decode steps a worker runs after the client cancels (issue 7)",
            "meshserve bench cancel"),
