@@ -15,8 +15,9 @@ awake in the same run:
   has stopped the edge worker process, the time from a request's arrival to its first token.
 - **by model size** (``--sizes``, no target of its own): the edge wake pairs again for random-weight
   models of larger shapes (benchmarks/checkpoints.py), each prepared once as the default model is
-  (the INT4 edge graph, under ~/.cache/meshserve/bench-models) and served by a mesh of its own: how
-  what a sleeping worker keeps compares with the same worker awake as the model grows.
+  (the INT4 edge graph, under ~/.cache/meshserve/bench-models: ~7 GB for the default two, a few
+  minutes the first time) and served by a mesh of its own: how what a sleeping worker keeps compares
+  with the same worker awake as the model grows.
 
 Writes docs/benchmarks/wake.json and wake.md with TARGET lines (and prints them).
 """
