@@ -133,8 +133,10 @@ async def test_workers_register_get_traffic_and_their_hot_prefix_reaches_the_pol
         while not (await call.read()).HasField("final"):
             pass
         b = next(r for r in registry.replicas if r.name == "edge-b")
-        await _until(lambda: b.report.held_sequences == 1, registry)
-        assert b.report.kv_tokens >= len(prompt) and b.report.block_tokens == 16
+        # Wait for the report that holds this chat: an earlier one may still show edge-b holding one
+        # of the router's short turns above (held 1, 7 tokens) and not this chat yet.
+        await _until(lambda: b.report.held_sequences >= 1 and b.report.kv_tokens >= len(prompt), registry)
+        assert b.report.block_tokens == 16
 
         req = TurnRequest(
             prompt_ids=[*prompt, *prompt[:20]],
