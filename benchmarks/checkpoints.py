@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported by build_checkpoint only: the shapes and counts need none
+    import torch
 
 SHAPES: dict[str, dict[str, Any]] = {
     "135m": dict(
@@ -54,6 +55,7 @@ def build_checkpoint(
 
     ``stops``: the tokenizer's BOS/EOS/pad ids go into the config, as a prepared model has them;
     without, EOS is unset and every stream decodes exactly the tokens asked for."""
+    import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)

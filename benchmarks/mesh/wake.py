@@ -43,7 +43,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks import earlier_runs
-from benchmarks.checkpoints import SHAPES, parameters
+from benchmarks.checkpoints import SHAPES, build_checkpoint, parameters
 from benchmarks.report import target_line
 from benchmarks.stats import percentile
 from services.cli.client import MeshClient, routing_options, sampling_params
@@ -311,9 +311,7 @@ def sized_models_dir(shape: str) -> Path:
     """A models directory whose default model is a random-weight ``shape`` with SmolLM2's tokenizer,
     prepared as the default model is (``meshserve models prepare``: cloud checkpoint, INT4 edge graph,
     manifest); built on the first call (minutes), then reused."""
-    import torch
-
-    from benchmarks.checkpoints import build_checkpoint
+    import torch  # only here: the rest of the benchmark drives meshes and needs none
 
     models_dir = default_models_dir().parent / "bench-models" / f"random-{shape}"
     paths = model_paths(DEFAULT_MODEL_ID, models_dir)
